@@ -1,0 +1,65 @@
+"""What this installation is: ``build_info()`` and ``python -m asyncpp_ext.info``.
+
+Safe on machines without a GPU even when CUDA kernels were compiled: the CUDA runtime is linked
+statically and only asked how many devices it sees.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+
+def nccl_candidates() -> list[str]:
+    """Where the NCCL transport looks for libnccl, in order."""
+    found = []
+    if os.environ.get("NCCL_LIBRARY"):
+        found.append(os.environ["NCCL_LIBRARY"])
+    for entry in sys.path:  # the nvidia-nccl-cu12 / -cu13 wheels install nvidia/nccl/lib
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "nccl", "lib", "libnccl.so*")))
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "cu1*", "lib", "libnccl.so*")))
+    found.append("libnccl.so.2")  # the system loader path
+    return list(dict.fromkeys(found))
+
+
+def build_info() -> dict:
+    """Version, compiler, CUDA kernels and archs, NCCL loadability, GPU visibility, torch version."""
+    from ._ext import C
+
+    info = dict(C.build_config())
+    nccl = C.nccl_load(nccl_candidates())
+    info["nccl_loadable"] = bool(nccl["ok"])
+    info["nccl_library"] = nccl["path"] if nccl["ok"] else None
+    info["nccl_version"] = nccl["version"] if nccl["ok"] else None
+    if not nccl["ok"]:
+        info["nccl_error"] = nccl["error"]
+    info["cuda_devices"] = int(C.cuda_device_count())
+    info["gpu_visible"] = info["cuda_devices"] > 0
+    try:
+        import torch
+
+        info["torch_version"] = torch.__version__
+        info["torch_cuda_available"] = bool(torch.cuda.is_available())
+        info["gpu_visible"] = info["gpu_visible"] or info["torch_cuda_available"]
+    except ImportError:
+        info["torch_version"] = None
+        info["torch_cuda_available"] = False
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    info = build_info()
+    if "--json" in argv:
+        print(json.dumps(info, indent=2, sort_keys=True))
+        return 0
+    width = max(len(k) for k in info)
+    print("asyncpp_ext build info")
+    for key, value in info.items():
+        print(f"  {key:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+# The CUDA gate. Decides from ASYNCPP_CUDA (auto|on|off) whether CUDA sources are compiled:
+# "auto" compiles them whenever nvcc is found -- a visible GPU is NOT required, so CPU-only CI
+# machines with the toolkit still prove the kernels compile. Output: ASYNCPP_WITH_CUDA (ON/OFF),
+# ASYNCPP_CUDA_ARCHS_STR (for build_info) and the CUDA::cudart_static target when on.
+string(TOLOWER "${ASYNCPP_CUDA}" ASYNCPP_CUDA)
+if(NOT ASYNCPP_CUDA MATCHES "^(auto|on|off)$")
+  message(FATAL_ERROR "ASYNCPP_CUDA='${ASYNCPP_CUDA}' is not one of auto, on, off")
+endif()
+
+set(ASYNCPP_WITH_CUDA OFF)
+set(ASYNCPP_CUDA_ARCHS_STR "")
+set(ASYNCPP_CUDA_COMPILER_VERSION "")
+if(NOT ASYNCPP_CUDA STREQUAL "off")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "")
+      set(CMAKE_CUDA_ARCHITECTURES "80-real;90")
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    set(ASYNCPP_WITH_CUDA ON)
+    set(ASYNCPP_CUDA_ARCHS_STR "${CMAKE_CUDA_ARCHITECTURES}")
+    set(ASYNCPP_CUDA_COMPILER_VERSION "${CMAKE_CUDA_COMPILER_VERSION}")
+    message(STATUS "asyncpp: CUDA kernels ON (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, archs ${CMAKE_CUDA_ARCHITECTURES})")
+  elseif(ASYNCPP_CUDA STREQUAL "on")
+    message(FATAL_ERROR "ASYNCPP_CUDA=on but no CUDA compiler (nvcc) was found: install the CUDA "
+                        "toolkit, put nvcc on PATH or set CUDACXX, or build with ASYNCPP_CUDA=auto/off")
+  else()
+    message(STATUS "asyncpp: CUDA kernels OFF (no nvcc found)")
+  endif()
+else()
+  message(STATUS "asyncpp: CUDA kernels OFF (ASYNCPP_CUDA=off)")
+endif()
