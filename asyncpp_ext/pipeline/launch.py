@@ -83,10 +83,11 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
     deadline = None
     try:
         while any(p.is_alive() for p in procs):
-            for r, p in enumerate(procs):
-                if first_failure is None and p.exitcode not in (None, 0):
-                    first_failure = (r, p.exitcode)
-                    deadline = time.monotonic() + grace_s
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if first_failure is None and failed:
+                # A rank killed by a signal is the root cause; its peers fail only in reaction.
+                first_failure = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+                deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
                 break
             time.sleep(0.05)

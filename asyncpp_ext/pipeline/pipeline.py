@@ -22,7 +22,7 @@ import torch.nn as nn
 from .._ext import C
 from .partition import as_blocks, split
 from .stage import Signature, StageError, StageHost
-from .transport import GlooTransport
+from .transport import GlooTransport, TransportError, peer_failure_reason
 
 SCHEDULES = ("gpipe", "1f1b", "2bw")
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -114,7 +114,7 @@ class Pipeline:
             self.tokens_per_microbatch = first_input.numel()
         else:
             msg = torch.zeros(_HANDSHAKE_LEN, dtype=torch.int64)
-            dist.recv(msg, src=self.stage_ranks[self.stage - 1])
+            self._p2p(dist.recv, msg, self.stage - 1, "start-up handshake")
             got = msg[:3].tolist()
             if got != settings:
                 names = ("schedule", "microbatches", "stages")
@@ -139,7 +139,19 @@ class Pipeline:
         msg[4] = probe.dim()
         msg[5:5 + probe.dim()] = torch.tensor(probe.shape)
         msg[-1] = self.tokens_per_microbatch
-        dist.send(msg, dst=self.stage_ranks[self.stage + 1])
+        self._p2p(dist.send, msg, self.stage + 1, "start-up handshake")
+
+    def _p2p(self, op, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> None:
+        """A blocking send/recv outside the executor, failing with the peer named."""
+        try:
+            if op is dist.recv:
+                op(tensor, src=self.stage_ranks[peer], tag=tag)
+            else:
+                op(tensor, dst=self.stage_ranks[peer], tag=tag)
+        except RuntimeError as e:
+            raise TransportError(f"stage {self.stage}: {what} with stage {peer} (rank "
+                                 f"{self.stage_ranks[peer]}) failed -- the peer has probably exited: "
+                                 f"{peer_failure_reason(e)}") from None
 
     # ---- data --------------------------------------------------------------------------------
     def _next_batch(self, step: int) -> tuple:
@@ -213,13 +225,13 @@ class Pipeline:
                 a = x
             else:
                 a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
-                dist.recv(a, src=self.stage_ranks[self.stage - 1], tag=_EVAL_TAG)
+                self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
             out = model(a)
             if h.is_last:
                 losses.append(float(h.loss_fn(out, y)))
             else:
                 h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
-                dist.send(out.contiguous(), dst=self.stage_ranks[self.stage + 1], tag=_EVAL_TAG)
+                self._p2p(dist.send, out.contiguous(), self.stage + 1, "evaluation", _EVAL_TAG)
         return sum(losses) / len(losses) if h.is_last and losses else None
 
 

@@ -87,10 +87,10 @@ class StageHost:
             self.opt_params = list(handles_module.parameters())
             _point_at(self.opt_params, self.flat[1])
             _point_at(self.opt_params, self.grad_flat, attr="grad")
-            self.optimizer = optimizer_factory(handles_module)
+            self.optimizer = optimizer_factory(handles_module) if numel else None
         else:
             self.opt_params = params[0]
-            self.optimizer = optimizer_factory(module)
+            self.optimizer = optimizer_factory(module) if numel else None  # a parameter-free stage
 
         self.in_sig: Signature | None = None   # set by the start-up handshake
         self.out_sig: Signature | None = None
@@ -155,10 +155,12 @@ class StageHost:
             src, dst = step % 2, (step + 1) % 2
             self.flat[dst].copy_(self.flat[src])
             _point_at(self.opt_params, self.flat[dst])
-            self.optimizer.step()
+            if self.optimizer is not None:
+                self.optimizer.step()
             self.version_in[dst] = new_version
         else:
-            self.optimizer.step()
+            if self.optimizer is not None:
+                self.optimizer.step()
             self.version_in[0] = new_version
         self.grad_flat.zero_()
         loss = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import re
 
 import torch.distributed as dist
 
@@ -18,6 +19,14 @@ KIND_NAMES = {0: "activation", 1: "gradient"}
 
 class TransportError(RuntimeError):
     pass
+
+
+def peer_failure_reason(error: BaseException) -> str:
+    """The useful part of a gloo error, on one line (gloo prefixes a source location and appends
+    advice meant for gloo's own users)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". This is typically")[0]
 
 
 class GlooTransport:
@@ -67,7 +76,7 @@ class GlooTransport:
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = peer_failure_reason(e)
             if "imeout" in reason or "timed out" in reason:
                 raise TransportError(f"{desc}: no progress for {timeout_s:g} s (the peer is stalled "
                                      f"or has failed): {reason}") from None

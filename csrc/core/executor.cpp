@@ -80,7 +80,7 @@ void Executor::execute(size_t index) {
       ASYNCPP_CHECK(recv_request_[index] >= 0, "receive was not posted before use at ", where(index));
       try {
         transport_.wait(recv_request_[index], options_.timeout_s);
-      } catch (const std::exception& e) {
+      } catch (const Error& e) {  // C++ transports; Python errors pass through unchanged
         throw Error(detail::concat(e.what(), " -- while waiting at ", where(index), " to ",
                                    describe(key_of(ins), false)));
       }
@@ -94,7 +94,7 @@ void Executor::execute(size_t index) {
         auto [send_index, request] = inflight_sends_.front();
         try {
           transport_.wait(request, options_.timeout_s);
-        } catch (const std::exception& e) {
+        } catch (const Error& e) {  // C++ transports; Python errors pass through unchanged
           throw Error(detail::concat(e.what(), " -- while waiting at ", where(index), " for ",
                                      describe(key_of(program_[send_index]), true)));
         }
@@ -131,7 +131,7 @@ void Executor::run() {
   for (auto& [send_index, request] : inflight_sends_) {
     try {
       transport_.wait(request, options_.timeout_s);
-    } catch (const std::exception& e) {
+    } catch (const Error& e) {  // C++ transports; Python errors pass through unchanged
       throw Error(detail::concat(e.what(), " -- while draining sends at the end of stage ", stage_,
                                  "'s program: ", describe(key_of(program_[send_index]), true)));
     }
