@@ -70,3 +70,27 @@ def train_worker(schedule: str, m: int, steps: int, optimizer: str, out_dir: str
     if pipe.host.is_last:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump(losses, f)
+
+
+class FailAt(nn.Module):
+    """Identity that raises on its n-th call (an exception inside one stage mid-step)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.calls = n, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.n:
+            raise RuntimeError("injected failure in stage forward")
+        return x
+
+
+def failing_worker(fail_stage: int, m: int) -> None:
+    init_distributed(60)
+    blocks = make_blocks()
+    blocks[fail_stage] = nn.Sequential(blocks[fail_stage], FailAt(2 * m + 1))  # during step 2
+    pipe = Pipeline(blocks, loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory("sgd"),
+                    schedule="2bw", microbatches=m, timeout_s=60)
+    for _ in pipe.train(batches(50, m), 50):
+        pass

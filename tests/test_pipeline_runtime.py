@@ -47,3 +47,18 @@ def test_2bw_stream_does_not_drain_between_steps(tmp_path):
         next_first_forward = min(e[4] for e in trace if e[0] == "forward" and e[1] == t + 1)
         last_backward_end = max(e[5] for e in trace if e[0] == "backward" and e[1] == t)
         assert next_first_forward < last_backward_end, f"step {t + 1} waited for step {t} to drain"
+
+
+def test_a_stage_that_raises_ends_every_rank_with_a_message(capfd):
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 exited with code 1"):
+        spawn(w.failing_worker, 4, (1, 4), grace_s=25)
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("asyncpp: rank ")]
+    assert any(l.startswith("asyncpp: rank 1: injected failure") for l in lines), err
+    for rank in (0, 2, 3):  # each neighbour reports on its own, naming the stage it lost
+        mine = [l for l in lines if l.startswith(f"asyncpp: rank {rank}: ")]
+        assert len(mine) == 1 and "has probably exited" in mine[0], err
+    assert "Traceback" not in err
+    assert elapsed < 30, elapsed

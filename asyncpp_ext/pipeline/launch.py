@@ -19,7 +19,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from .transport import TransportError
+
 DEFAULT_TIMEOUT_S = 300.0
+EXIT_FAILED = 1        # the rank itself failed
+EXIT_PEER_LOST = 3     # the rank stopped because a peer failed or stalled (a consequence, not a cause)
 
 
 class LaunchError(RuntimeError):
@@ -65,7 +69,7 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple) -> None
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         sys.stderr.write(f"asyncpp: rank {rank}: {msg}\n")
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(EXIT_PEER_LOST if isinstance(e, TransportError) else EXIT_FAILED)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -79,19 +83,16 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
              for r in range(nprocs)]
     for p in procs:
         p.start()
-    first_failure = None
     deadline = None
     try:
         while any(p.is_alive() for p in procs):
-            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if first_failure is None and failed:
-                # A rank killed by a signal is the root cause; its peers fail only in reaction.
-                first_failure = min(failed, key=lambda f: (f[1] >= 0, f[0]))
+            if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
                 deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
                 break
             time.sleep(0.05)
     finally:
+        exit_codes = [p.exitcode for p in procs]  # before any rank is stopped by us
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -100,10 +101,11 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
             if p.is_alive():
                 p.kill()
                 p.join()
-    if first_failure is None:
-        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-        first_failure = failed[0] if failed else None
+    failed = [(r, c) for r, c in enumerate(exit_codes) if c not in (None, 0)]
+    # Root causes first: a rank killed by a signal, then one that failed by itself; ranks that
+    # lost a peer only react.
+    first_failure = min(failed, key=lambda f: (f[1] >= 0, f[1] == EXIT_PEER_LOST, f[0])) if failed else None
     if first_failure is not None:
         rank, code = first_failure
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        raise LaunchError(f"rank {rank} {how}; the other ranks were stopped")
+        raise LaunchError(f"rank {rank} {how}; all ranks have stopped")
