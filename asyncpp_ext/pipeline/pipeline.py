@@ -1,0 +1,242 @@
+"""`Pipeline`: one rank's view of a pipeline-parallel training run.
+
+Every rank builds the same model (same seed) and keeps its own stage's blocks. At the first
+``train`` call the stages agree, in a chain from stage 0 to S-1, on the run's settings and on the
+shape and dtype of every boundary tensor; later microbatches are checked against that agreement
+locally (no extra messages). Each ``train`` call is one continuous instruction stream (for 2bw:
+no drain between its steps) executed by the C++ executor in a worker thread, while the caller
+receives per-step statistics as steps complete.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._ext import C
+from .partition import as_blocks, split
+from .stage import Signature, StageError, StageHost
+from .transport import GlooTransport, TransportError, peer_failure_reason
+
+SCHEDULES = ("gpipe", "1f1b", "2bw")
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
+_SCHEDULE_CODES = {name: i for i, name in enumerate(SCHEDULES)}
+_HANDSHAKE_LEN = 16
+_EVAL_TAG = 2
+
+
+@dataclass
+class StepStats:
+    step: int                 # global step index (0-based)
+    loss: float | None        # mean microbatch loss; only the last stage knows it
+    tokens: int               # tokens consumed by this step
+    elapsed_s: float          # since the start of this train() call
+    stage: int
+
+
+def split_minibatch(batch, microbatches: int) -> tuple[list, list]:
+    """(inputs, targets) of leading size m*B -> m microbatches each; a list of m pairs is kept."""
+    if isinstance(batch, (list, tuple)) and len(batch) == microbatches and \
+            all(isinstance(b, (list, tuple)) and len(b) == 2 for b in batch):
+        return [b[0] for b in batch], [b[1] for b in batch]
+    x, y = batch
+    if x.shape[0] % microbatches:
+        raise ValueError(f"a minibatch of {x.shape[0]} sequences cannot be split into {microbatches} "
+                         "equal microbatches")
+    return list(x.chunk(microbatches)), list(y.chunk(microbatches))
+
+
+class Pipeline:
+    """Pipeline-parallel trainer for this rank's stage.
+
+    Args:
+        model: an nn.Sequential, a list of blocks, or a model with ``blocks()``; every rank passes
+            the same (identically initialised) model.
+        loss_fn: ``loss_fn(output, targets)`` on the last stage (mean over the microbatch).
+        optimizer: ``factory(module) -> torch.optim.Optimizer`` for the stage's blocks.
+        schedule: "gpipe", "1f1b" (synchronous) or "2bw" (PipeDream-2BW, one-step delay).
+        microbatches: microbatches per step (2bw needs >= stages).
+        stages: pipeline depth; defaults to the world size.
+        split_points: first block index of stages 1..S-1; default balances parameter counts.
+        timeout_s: a receive or send that makes no progress for this long fails the run.
+        recv_ahead: receives posted ahead of need per message kind (the receive-buffer budget).
+    """
+
+    def __init__(self, model, *, loss_fn: Callable, optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                 schedule: str = "2bw", microbatches: int = 4, stages: int | None = None,
+                 split_points: Sequence[int] | None = None, timeout_s: float = 300.0, recv_ahead: int = 2):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: launch with torchrun or "
+                               "asyncpp_ext.pipeline.spawn, or call init_distributed() first")
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.stages = world if stages is None else stages
+        if self.stages != world:
+            raise ValueError(f"{self.stages} stages need a world of {self.stages} ranks, got {world}")
+        if microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
+        if schedule == "2bw" and microbatches < self.stages:
+            raise ValueError(f"2bw needs microbatches >= stages (got {microbatches} < {self.stages}); "
+                             f"raise microbatches to at least {self.stages}")
+        self.schedule, self.m = schedule, microbatches
+        self.stage = self.rank
+        self.stage_ranks = list(range(self.stages))
+        blocks = as_blocks(model)
+        self.partition = split(blocks, self.stages, split_points)
+        self.block_indices = self.partition[self.stage]
+        module = nn.Sequential(*[blocks[i] for i in self.block_indices])
+        self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
+                              microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
+                              batch_source=self._next_batch)
+        self.transport = GlooTransport(self.host, self.stage_ranks)
+        self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
+        self.trace: list[tuple] = []
+        self.tokens_per_microbatch = 0
+        self.next_step = 0
+        self._batches: Iterator | None = None
+        self._pulled: dict[int, tuple] = {}
+        self._pull_step = 0
+
+    # ---- start-up agreement ----------------------------------------------------------------
+    def _handshake(self, first_input: torch.Tensor) -> None:
+        """Chain stage 0 -> S-1: settings and boundary signatures; any disagreement is an error."""
+        h = self.host
+        settings = [_SCHEDULE_CODES[self.schedule], self.m, self.stages]
+        if h.is_first:
+            h.in_sig = Signature(tuple(first_input.shape), first_input.dtype)
+            self.tokens_per_microbatch = first_input.numel()
+        else:
+            msg = torch.zeros(_HANDSHAKE_LEN, dtype=torch.int64)
+            self._p2p(dist.recv, msg, self.stage - 1, "start-up handshake")
+            got = msg[:3].tolist()
+            if got != settings:
+                names = ("schedule", "microbatches", "stages")
+                diffs = [f"{n} {a} vs {b}" for n, a, b in zip(names, got, settings) if a != b]
+                raise StageError(f"stage {self.stage} and stage {self.stage - 1} disagree on "
+                                 f"{', '.join(diffs)}: launch every rank with the same settings")
+            self.tokens_per_microbatch = int(msg[-1])
+            ndim = int(msg[4])
+            h.in_sig = Signature(tuple(msg[5:5 + ndim].tolist()), _DTYPES[int(msg[3])])
+        if h.is_last:
+            return
+        try:
+            with torch.no_grad():
+                probe = h.newest_replica()(torch.zeros(h.in_sig.shape, dtype=h.in_sig.dtype))
+        except Exception as e:  # the blocks cannot consume what the previous stage sends
+            raise StageError(f"stage {self.stage} cannot run its blocks on input {h.in_sig.describe()}: "
+                             f"{str(e).splitlines()[0]}; the stages disagree about the model") from None
+        h.out_sig = Signature(tuple(probe.shape), probe.dtype)
+        msg = torch.zeros(_HANDSHAKE_LEN, dtype=torch.int64)
+        msg[:3] = torch.tensor(settings)
+        msg[3] = _DTYPES.index(probe.dtype)
+        msg[4] = probe.dim()
+        msg[5:5 + probe.dim()] = torch.tensor(probe.shape)
+        msg[-1] = self.tokens_per_microbatch
+        self._p2p(dist.send, msg, self.stage + 1, "start-up handshake")
+
+    def _p2p(self, op, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> None:
+        """A blocking send/recv outside the executor, failing with the peer named."""
+        try:
+            if op is dist.recv:
+                op(tensor, src=self.stage_ranks[peer], tag=tag)
+            else:
+                op(tensor, dst=self.stage_ranks[peer], tag=tag)
+        except RuntimeError as e:
+            raise TransportError(f"stage {self.stage}: {what} with stage {peer} (rank "
+                                 f"{self.stage_ranks[peer]}) failed -- the peer has probably exited: "
+                                 f"{peer_failure_reason(e)}") from None
+
+    # ---- data --------------------------------------------------------------------------------
+    def _next_batch(self, step: int) -> tuple:
+        while self._pull_step <= step:
+            try:
+                batch = next(self._batches)
+            except StopIteration:
+                raise StageError(f"stage {self.stage}: the batch iterator ran out before step "
+                                 f"{self._pull_step}") from None
+            self._pulled[self._pull_step] = split_minibatch(batch, self.m)
+            self._pull_step += 1
+        return self._pulled.pop(step)
+
+    # ---- training ----------------------------------------------------------------------------
+    def train(self, batches: Iterable, steps: int) -> Iterator[StepStats]:
+        """Run ``steps`` steps as one continuous stream; yields each step's stats as it completes.
+
+        ``batches`` yields one minibatch per step: ``(inputs, targets)`` with leading size m*B, or a
+        list of m ``(inputs, targets)`` pairs. Stage 0 uses the inputs, the last stage the targets.
+        """
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1 (got {steps})")
+        self._batches = iter(batches)
+        self._pull_step = self.next_step
+        if self.host.in_sig is None:
+            first = self._next_batch(self.next_step) if self.host.is_first or self.host.is_last else None
+            if first is not None:
+                self._pulled[self.next_step] = first
+            self._handshake(first[0][0] if self.host.is_first else None)
+        first_step, events = self.next_step, queue.Queue()
+        start = time.monotonic()
+        tokens_per_step = self.m * self.tokens_per_microbatch
+
+        def on_step(step: int, loss: float | None) -> None:
+            events.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage))
+
+        self.host.on_step = on_step
+        done = object()
+
+        def worker() -> None:
+            try:
+                trace = C.run_stage(self.schedule, self.stages, self.m, steps, self.stage, first_step,
+                                    self.host, self.transport, self.recv_ahead, 8, self.timeout_s)
+                self.trace.extend(trace)
+                events.put(done)
+            except BaseException as e:  # handed to the caller's thread
+                events.put(e)
+
+        thread = threading.Thread(target=worker, name=f"asyncpp-stage{self.stage}", daemon=True)
+        thread.start()
+        while True:
+            item = events.get()
+            if item is done:
+                break
+            if isinstance(item, BaseException):
+                thread.join()
+                raise item
+            yield item
+        thread.join()
+        self.next_step = first_step + steps
+
+    # ---- evaluation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[tuple]) -> float | None:
+        """Mean loss of the newest weights over ``batches`` (microbatch-sized (x, y) pairs), run
+        forward-only through the pipeline. Returns the loss on the last stage, None elsewhere."""
+        h, model = self.host, self.host.newest_replica()
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            if h.is_first:
+                a = x
+            else:
+                a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
+                self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
+            out = model(a)
+            if h.is_last:
+                losses.append(float(h.loss_fn(out, y)))
+            else:
+                h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
+                self._p2p(dist.send, out.contiguous(), self.stage + 1, "evaluation", _EVAL_TAG)
+        return sum(losses) / len(losses) if h.is_last and losses else None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,189 @@
+"""One pipeline stage as the executor sees it: forward, backward and optimizer step on demand.
+
+Weight versions (2bw): the stage's parameters live in two flat buffers, one per version parity.
+Two module replicas view them, so running a microbatch on version v means running replica v % 2
+-- no copies and no pointer swaps under autograd. Both replicas' ``.grad`` view one flat gradient
+buffer. The optimizer owns a third set of parameter *handles* (stable identities for its state)
+that are pointed at the buffer being written just before each step. Sync schedules keep one
+version and step it in place.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+ACTIVATION, GRADIENT = 0, 1
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Shape and dtype of the tensor crossing a stage boundary, agreed once at start-up."""
+    shape: tuple
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        return f"{tuple(self.shape)} {str(self.dtype).replace('torch.', '')}"
+
+
+class StageError(RuntimeError):
+    """A stage cannot go on; the message names the stage, the step and the microbatch."""
+
+
+def _flatten_into(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy ``params`` into ``flat`` and make each parameter a view of its slice."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        flat[offset:offset + n].copy_(p.detach().reshape(-1))
+        p.data = flat[offset:offset + n].view_as(p)
+        offset += n
+
+
+def _point_at(params: Sequence[torch.Tensor], flat: torch.Tensor, attr: str = "data") -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        view = flat[offset:offset + n].view(p.shape)
+        if attr == "data":
+            p.data = view
+        else:
+            p.grad = view
+        offset += n
+
+
+class StageHost:
+    """The executor's callbacks for one stage (see csrc/core/executor.h)."""
+
+    def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: str, microbatches: int,
+                 optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
+                 loss_fn: Callable | None, batch_source: Callable[[int], tuple],
+                 on_step: Callable | None = None):
+        self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
+        self.two_versions = schedule == "2bw"
+
+        replicas = [module]
+        if self.two_versions:
+            replicas.append(copy.deepcopy(module))
+            handles_module = copy.deepcopy(module)
+        params = [list(r.parameters()) for r in replicas]
+        numel = sum(p.numel() for p in params[0])
+        ref = params[0][0] if params[0] else torch.empty(0)
+        self.flat = [torch.empty(numel, dtype=ref.dtype, device=ref.device) for _ in replicas]
+        for ps, flat in zip(params, self.flat):
+            _flatten_into(ps, flat)
+        self.grad_flat = torch.zeros_like(self.flat[0])
+        for ps in params:
+            _point_at(ps, self.grad_flat, attr="grad")
+        self.replicas = replicas
+        # version_in[k]: the weight version buffer k holds (2bw starts with W(0) in buffer 0 only).
+        self.version_in = [0] + ([-1] if self.two_versions else [])
+        if self.two_versions:
+            self.opt_params = list(handles_module.parameters())
+            _point_at(self.opt_params, self.flat[1])
+            _point_at(self.opt_params, self.grad_flat, attr="grad")
+            self.optimizer = optimizer_factory(handles_module) if numel else None
+        else:
+            self.opt_params = params[0]
+            self.optimizer = optimizer_factory(module) if numel else None  # a parameter-free stage
+
+        self.in_sig: Signature | None = None   # set by the start-up handshake
+        self.out_sig: Signature | None = None
+        self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
+        self._saved: dict[tuple, tuple] = {}    # (step, mb) -> (input, output or scaled loss)
+        self._recv: dict[tuple, torch.Tensor] = {}
+        self._send: dict[tuple, torch.Tensor] = {}
+        self._losses: dict[int, list] = {}
+
+    # ---- weights ---------------------------------------------------------------------------
+    def newest_version(self) -> int:
+        return max(self.version_in)
+
+    def replica_for(self, version: int) -> nn.Module:
+        k = version % len(self.replicas)
+        if self.version_in[k] != version:
+            raise StageError(f"stage {self.stage}: weight version {version} is not held (buffers hold "
+                             f"{self.version_in}); the schedule and the version rule disagree")
+        return self.replicas[k]
+
+    def newest_replica(self) -> nn.Module:
+        return self.replica_for(self.newest_version())
+
+    # ---- data ------------------------------------------------------------------------------
+    def _batch(self, step: int) -> tuple:
+        if step not in self._batches:
+            self._batches[step] = self.batch_source(step)
+        return self._batches[step]
+
+    # ---- executor callbacks ----------------------------------------------------------------
+    def forward(self, step: int, mb: int, version: int) -> None:
+        replica = self.replica_for(version)
+        if self.is_first:
+            x = self._batch(step)[0][mb]
+            self._check(x, self.in_sig, "input microbatch", step, mb)
+        else:
+            x = self._recv.pop((ACTIVATION, step, mb)).requires_grad_()
+        with torch.enable_grad():
+            out = replica(x)
+            if self.is_last:
+                loss = self.loss_fn(out, self._batch(step)[1][mb])
+                self._losses.setdefault(step, []).append(loss.detach())
+                out = loss / self.m
+        if not self.is_last:
+            self._check(out, self.out_sig, "output activation", step, mb)
+            self._send[(ACTIVATION, step, mb)] = out.detach()
+        self._saved[(step, mb)] = (x, out)
+
+    def backward(self, step: int, mb: int, version: int) -> None:
+        x, out = self._saved.pop((step, mb))
+        if self.is_last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, self._recv.pop((GRADIENT, step, mb)))
+        if not self.is_first:
+            self._send[(GRADIENT, step, mb)] = x.grad
+        if mb == self.m - 1:
+            self._batches.pop(step, None)
+
+    def optimizer_step(self, step: int, new_version: int) -> None:
+        if self.two_versions:
+            src, dst = step % 2, (step + 1) % 2
+            self.flat[dst].copy_(self.flat[src])
+            _point_at(self.opt_params, self.flat[dst])
+            if self.optimizer is not None:
+                self.optimizer.step()
+            self.version_in[dst] = new_version
+        else:
+            if self.optimizer is not None:
+                self.optimizer.step()
+            self.version_in[0] = new_version
+        self.grad_flat.zero_()
+        loss = None
+        if self.is_last:
+            losses = self._losses.pop(step)
+            loss = float(sum(l.item() for l in losses) / len(losses))
+        if self.on_step is not None:
+            self.on_step(step, loss)
+
+    # ---- transport buffers -----------------------------------------------------------------
+    def recv_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:
+        sig = self.in_sig if kind == ACTIVATION else self.out_sig
+        buf = torch.empty(sig.shape, dtype=sig.dtype, device=self.flat[0].device)
+        self._recv[(kind, step, mb)] = buf
+        return buf
+
+    def take_send_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:
+        return self._send.pop((kind, step, mb)).contiguous()
+
+    def _check(self, t: torch.Tensor, sig: Signature, what: str, step: int, mb: int) -> None:
+        if sig is not None and (tuple(t.shape) != tuple(sig.shape) or t.dtype != sig.dtype):
+            raise StageError(
+                f"stage {self.stage}: {what} of step {step}, microbatch {mb} is "
+                f"{Signature(tuple(t.shape), t.dtype).describe()} but the pipeline agreed on "
+                f"{sig.describe()} at start-up; every microbatch must keep the micro-batch size, "
+                "sequence length and dtype the run started with")

@@ -1,0 +1,168 @@
+"""Schedule efficiency with emulated compute: our gpipe/1f1b/2bw vs torch.distributed.pipelining.
+
+Each stage's compute is a fixed-time wait (forward f, backward 2f), as a GPU kernel would look
+to the host, so the table measures schedules and runtime overheads, not this CPU. All runs use
+gloo on 127.0.0.1 with the same stage costs, stages, microbatches and steps.
+
+    python bench/schedule_efficiency.py [--stages 4 --microbatches 8 --steps 20 --fwd-ms 20] [--json]
+
+Columns: steps/s; achieved / ideal, where ideal is a bubble-free pipeline (every stage busy all
+the time: one step = m*(f+2f)); achieved / own ideal, where a synchronous schedule's own ideal
+includes its unavoidable bubble ((m+S-1)*(f+2f) per step); ratio to torch's Schedule1F1B.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
+
+WIDTH, MICRO_BATCH = 16, 2
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fwd_s, bwd_s):
+        ctx.bwd_s = bwd_s
+        time.sleep(fwd_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+class EmulatedStage(nn.Module):
+    """A tiny linear layer plus a fixed wait: forward takes fwd_s, backward bwd_s."""
+
+    def __init__(self, fwd_s: float, bwd_s: float):
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.fwd_s, self.bwd_s = fwd_s, bwd_s
+
+    def forward(self, x):
+        return _Wait.apply(self.linear(x), self.fwd_s, self.bwd_s)
+
+
+def _batches(m: int):
+    g = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randn(m * MICRO_BATCH, WIDTH, generator=g), torch.randn(m * MICRO_BATCH, WIDTH, generator=g)
+
+
+def _sgd(module):
+    return torch.optim.SGD(module.parameters(), lr=1e-3)
+
+
+def ours(schedule, stages, m, steps, warmup, f, out):
+    init_distributed(120)
+    blocks = [EmulatedStage(f, 2 * f) for _ in range(stages)]
+    pipe = Pipeline(blocks, loss_fn=nn.functional.mse_loss, optimizer=_sgd, schedule=schedule,
+                    microbatches=m)
+    data = _batches(m)
+    for _ in pipe.train(data, warmup):
+        pass
+    dist.barrier()
+    start = time.monotonic()
+    for _ in pipe.train(data, steps):
+        pass
+    dist.barrier()
+    if pipe.stage == 0:
+        with open(out, "w") as fh:
+            json.dump({"seconds": time.monotonic() - start}, fh)
+
+
+def theirs(schedule, stages, m, steps, warmup, f, out):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, _ = init_distributed(120)
+    torch.manual_seed(0)
+    module = EmulatedStage(f, 2 * f)
+    stage = PipelineStage(module, rank, stages, torch.device("cpu"))  # shapes inferred at step 1
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = cls(stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+    opt = _sgd(module)
+    data = _batches(m)
+
+    def one_step():
+        x, y = next(data)
+        if rank == 0:
+            sched.step(x)
+        elif rank == stages - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(warmup):
+        one_step()
+    dist.barrier()
+    start = time.monotonic()
+    for _ in range(steps):
+        one_step()
+    dist.barrier()
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump({"seconds": time.monotonic() - start}, fh)
+
+
+RUNS = [("ours", "gpipe"), ("ours", "1f1b"), ("ours", "2bw"), ("torch", "gpipe"), ("torch", "1f1b")]
+
+
+def measure(stages: int, m: int, steps: int, warmup: int, f: float) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for impl, schedule in RUNS:
+            out = os.path.join(tmp, f"{impl}-{schedule}.json")
+            fn = ours if impl == "ours" else theirs
+            spawn(fn, stages, (schedule, stages, m, steps, warmup, f, out))
+            with open(out) as fh:
+                seconds = json.load(fh)["seconds"]
+            step_ideal = m * 3 * f
+            own_ideal = step_ideal if schedule == "2bw" else (m + stages - 1) * 3 * f
+            rows.append({"impl": impl, "schedule": schedule, "seconds": seconds,
+                         "steps_per_s": steps / seconds,
+                         "achieved_over_ideal": step_ideal * steps / seconds,
+                         "achieved_over_own_ideal": own_ideal * steps / seconds})
+    base = next(r for r in rows if r["impl"] == "torch" and r["schedule"] == "1f1b")["steps_per_s"]
+    for r in rows:
+        r["ratio_to_torch_1f1b"] = r["steps_per_s"] / base
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--fwd-ms", type=float, default=20.0, help="emulated forward time; backward is 2x")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    a = p.parse_args(argv)
+    rows = measure(a.stages, a.microbatches, a.steps, a.warmup, a.fwd_ms / 1000)
+    result = {"stages": a.stages, "microbatches": a.microbatches, "steps": a.steps,
+              "fwd_ms": a.fwd_ms, "bwd_ms": 2 * a.fwd_ms, "rows": rows}
+    if a.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"# S={a.stages} m={a.microbatches} steps={a.steps} fwd={a.fwd_ms:g} ms bwd={2 * a.fwd_ms:g} ms, gloo")
+    print(f"# {'runtime':<8}{'schedule':<10}{'steps/s':>9}{'ach/ideal':>11}{'ach/own':>9}{'x torch1F1B':>13}")
+    for r in rows:
+        print(f"  {r['impl']:<8}{r['schedule']:<10}{r['steps_per_s']:>9.3f}{r['achieved_over_ideal']:>11.3f}"
+              f"{r['achieved_over_own_ideal']:>9.3f}{r['ratio_to_torch_1f1b']:>13.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+// A run is executed as segments of consecutive steps (a segment ends where every stage must be
+// quiet: an evaluation, a checkpoint, the end of training). Inside a segment 2bw streams with no
+// drain; across segments the weight-version rule continues unchanged because versions are a
+// function of the global step.
+#pragma once
+#include <vector>
+
+#include "core/schedule.h"
+
+namespace asyncpp::core {
+
+// The weight version a step's forward/backward use under `kind` (2bw: max(t-1, 0); sync: t).
+int version_used(ScheduleKind kind, int global_step);
+
+// Stage `stage`'s program for global steps [first_step, first_step + steps).
+std::vector<Instruction> segment_program(ScheduleKind kind, int stages, int microbatches, int steps,
+                                         int stage, int first_step);
+
+}  // namespace asyncpp::core

@@ -1,0 +1,96 @@
+"""Worker functions for multi-process pipeline tests (importable by spawned ranks)."""
+import json
+import os
+
+import torch
+import torch.nn as nn
+
+from asyncpp_ext.pipeline import Pipeline, init_distributed
+
+
+def make_blocks(seed: int = 0) -> list:
+    torch.manual_seed(seed)
+    return [nn.Linear(8, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 16)),
+            nn.Sequential(nn.Tanh(), nn.Linear(16, 16)), nn.Sequential(nn.Tanh(), nn.Linear(16, 4))]
+
+
+def batches(steps: int, m: int, micro_batch: int = 2, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield torch.randn(m * micro_batch, 8, generator=g), torch.randn(m * micro_batch, 4, generator=g)
+
+
+def optimizer_factory(name: str):
+    if name == "sgd":
+        return lambda module: torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    if name == "adamw":
+        return lambda module: torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+    raise ValueError(name)
+
+
+def reference_losses(schedule: str, m: int, steps: int, optimizer: str) -> list:
+    """Single process, written independently of the runtime: the 2bw rule keeps W(t-1) and computes
+    the gradient there, then applies it to W(t)."""
+    model = nn.Sequential(*make_blocks())
+    opt = optimizer_factory(optimizer)(model)
+    params = list(model.parameters())
+    previous = [p.detach().clone() for p in params]
+    losses = []
+    for x, y in batches(steps, m):
+        current = [p.detach().clone() for p in params]
+        if schedule == "2bw":
+            with torch.no_grad():
+                for p, w in zip(params, previous):
+                    p.copy_(w)
+        step_losses = []
+        for xi, yi in zip(x.chunk(m), y.chunk(m)):
+            loss = nn.functional.mse_loss(model(xi), yi)
+            step_losses.append(loss.detach())
+            (loss / m).backward()
+        if schedule == "2bw":
+            with torch.no_grad():
+                for p, w in zip(params, current):
+                    p.copy_(w)
+        previous = current
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(sum(l.item() for l in step_losses) / m))
+    return losses, [p.detach().clone() for p in params]
+
+
+def train_worker(schedule: str, m: int, steps: int, optimizer: str, out_dir: str) -> None:
+    init_distributed(60)
+    pipe = Pipeline(make_blocks(), loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory(optimizer),
+                    schedule=schedule, microbatches=m)
+    losses = [s.loss for s in pipe.train(batches(steps, m), steps)]
+    weights = {f"{i}": t for i, t in zip(pipe.block_indices,
+                                         [list(pipe.host.newest_replica()[k].parameters())
+                                          for k in range(len(pipe.block_indices))])}
+    torch.save({"weights": weights, "trace": pipe.trace}, os.path.join(out_dir, f"stage{pipe.stage}.pt"))
+    if pipe.host.is_last:
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump(losses, f)
+
+
+class FailAt(nn.Module):
+    """Identity that raises on its n-th call (an exception inside one stage mid-step)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.calls = n, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.n:
+            raise RuntimeError("injected failure in stage forward")
+        return x
+
+
+def failing_worker(fail_stage: int, m: int) -> None:
+    init_distributed(60)
+    blocks = make_blocks()
+    blocks[fail_stage] = nn.Sequential(blocks[fail_stage], FailAt(2 * m + 1))  # during step 2
+    pipe = Pipeline(blocks, loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory("sgd"),
+                    schedule="2bw", microbatches=m, timeout_s=60)
+    for _ in pipe.train(batches(50, m), 50):
+        pass
