@@ -13,9 +13,12 @@
 namespace asyncpp::core {
 
 std::string describe_instruction(int stage, size_t index, const Instruction& ins) {
+  return "stage " + std::to_string(stage) + ", " + describe_instruction(index, ins);
+}
+
+std::string describe_instruction(size_t index, const Instruction& ins) {
   std::ostringstream os;
-  os << "stage " << stage << ", instruction #" << index << " " << op_name(ins.op) << " (step "
-     << ins.step;
+  os << "instruction #" << index << " " << op_name(ins.op) << " (step " << ins.step;
   if (ins.op != Op::optimizer_step) os << ", mb " << ins.microbatch;
   os << ")";
   return os.str();
@@ -376,8 +379,8 @@ class Validator {
         error(where(s, i), ": deadlock with blocking send/recv: stage ", p,
               " has already finished its program");
       else
-        error(where(s, i), ": deadlock with blocking send/recv: stage ", p, " waits at ",
-              where(p, static_cast<int>(pc[p])));
+        error(where(s, i), ": deadlock with blocking send/recv: stage ", p, " is blocked at ",
+              describe_instruction(pc[p], at(p, static_cast<int>(pc[p]))));
     }
   }
 };

@@ -21,6 +21,8 @@ ValidationReport validate(const Schedule& sched);
 
 // "stage 2, instruction #17 send_act (step 0, mb 3)" (no microbatch for optimizer_step).
 std::string describe_instruction(int stage, size_t index, const Instruction& ins);
+// "instruction #17 send_act (step 0, mb 3)".
+std::string describe_instruction(size_t index, const Instruction& ins);
 
 // Most microbatches whose forward ran but whose backward has not yet, over the program.
 int peak_inflight(const std::vector<Instruction>& program);
