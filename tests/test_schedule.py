@@ -343,3 +343,28 @@ def test_sim_result_json_round_trip():
     assert len(d["timeline"]) == len(res.timeline)
     assert d["timeline"][0] == res.timeline[0]._asdict()
     assert "timeline" not in json.loads(res.to_json(include_timeline=False))
+
+
+def test_dropping_any_single_instruction_is_always_caught():
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(kind=st.sampled_from(["gpipe", "1f1b", "2bw"]), S=st.integers(1, 5),
+           extra=st.integers(0, 4), K=st.integers(1, 3), pick=st.integers(0, 10**6))
+    def check(kind, S, extra, K, pick):
+        sched = sc.build(kind, S, S + extra, K)  # m >= S keeps 2bw buildable
+        progs = sched.programs
+        flat = [(s, k) for s, p in enumerate(progs) for k in range(len(p))]
+        s, k = flat[pick % len(flat)]
+        dropped = progs[s].pop(k)
+        problems = _problems(sched, progs)
+        if dropped.op == Op.optimizer_step:
+            assert any(f"stage {s}: no optimizer_step for step {dropped.step}" in p
+                       for p in problems), problems
+        else:  # the dropped instruction's microbatch is named, on its stage or its peer
+            mentioned = [p for p in problems
+                         if f"(step {dropped.step}, mb {dropped.microbatch})" in p]
+            assert mentioned, problems
+            assert all(p.startswith("stage ") for p in problems)
+
+    check()
