@@ -49,8 +49,7 @@ def test_2bw_has_no_flush_while_sync_schedules_flush_every_step():
 
 
 def test_optimizer_cost_and_latency_lengthen_the_run_as_modelled():
-    # 2bw: the last stage's optimizer steps lie on the critical path only at the very end, while
-    # every sync step pays the optimizer cost after its flush.
+    # Every sync step pays the optimizer cost after its flush, on the critical path.
     base = sc.simulate("1f1b", stages=3, microbatches=4, steps=2)
     with_opt = sc.simulate("1f1b", stages=3, microbatches=4, steps=2, opt=0.5)
     assert with_opt.makespan == pytest.approx(base.makespan + 2 * 0.5)
