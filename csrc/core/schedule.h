@@ -51,7 +51,14 @@ ScheduleKind parse_schedule_kind(const std::string& name);
 const char* schedule_kind_name(ScheduleKind kind);
 const char* op_name(Op op);
 
-// Throws ArgumentError for S < 1, m < 1, K < 1, or 2bw with m < S (message says why and the fix).
+// The weight version step `step` runs with: sync -> step, 2bw -> max(step - 1, 0).
+int version_for_step(ScheduleKind kind, int step);
+
+// Largest stages*microbatches*steps a schedule may have (bounds the memory of build and validate).
+constexpr long long kMaxScheduleWork = 2'000'000;
+
+// Throws ArgumentError for S < 1, m < 1, K < 1, 2bw with m < S, or more than kMaxScheduleWork
+// (stage, microbatch, step) triples (message says why and the fix).
 Schedule build_schedule(ScheduleKind kind, int stages, int microbatches, int steps);
 
 }  // namespace asyncpp::core
