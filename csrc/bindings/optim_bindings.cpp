@@ -112,7 +112,6 @@ void adamw_step(const py::sequence& params_c, const py::sequence& grads_c, const
     w.numel = p.numel();
     w.s = AdamWScalars{float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps),
                        float(-(lr / bc1)), float(std::sqrt(bc2))};
-    w.decay = float(1.0 - lr * weight_decay);
     w.neg_lr_wd = float(-(lr * weight_decay));
     w.ef_beta = float(ef_beta);
     w.ef_mode = modes[i];
@@ -197,8 +196,7 @@ void apply_update(const py::sequence& params_c, const py::sequence& updates_c, c
     }
     expect_finite_scalar(update_scales[i], "update_scales");
     work[i] = ApplyTensor{params[i].ptr<float>(), updates[i].data, ef.empty() ? nullptr : ef[i].ptr<float>(),
-                          params[i].numel(), float(update_scales[i]), float(1.0 - lr * weight_decay),
-                          float(-(lr * weight_decay)), float(ef_beta), modes[i]};
+                          params[i].numel(), float(update_scales[i]), float(-(lr * weight_decay)), float(ef_beta), modes[i]};
   }
   const bool cuda = params[0].device == DeviceKind::cuda;
   py::gil_scoped_release release;
@@ -247,7 +245,7 @@ void bind_optim(py::module_& m) {
   o.def("apply_update", &apply_update, py::arg("params"), py::arg("updates"), py::arg("ef_bufs"),
         py::arg("update_scales"), py::arg("ef_first"), py::arg("lr"), py::arg("weight_decay"),
         py::arg("ef_beta"), py::arg("stream") = 0,
-        "W <- W*(1 - lr*wd) + update_scales[i]*updates[i], with error feedback when ef_bufs is not empty.");
+        "W <- W + D, D = -lr*wd*W + update_scales[i]*updates[i], with error feedback when ef_bufs is not empty.");
   o.def("first_nonfinite", &first_nonfinite, py::arg("tensors"), py::arg("stream") = 0,
         "Index of the first float32 tensor holding a NaN or Inf, or -1.");
 }

@@ -37,16 +37,16 @@ void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end) {
   float* __restrict v = t.exp_avg_sq;
   float* __restrict e = t.ef;
   const AdamWScalars s = t.s;
-  const float decay = t.decay, neg_lr_wd = t.neg_lr_wd, beta = t.ef_beta;
+  const float neg_lr_wd = t.neg_lr_wd, beta = t.ef_beta;
   for (int64_t i = begin; i < end; ++i) {
     float mi = m[i], vi = v[i];
     const float upd = adamw_direction(g[i], mi, vi, s);
     m[i] = mi;
     v[i] = vi;
     if constexpr (kMode == EfMode::off) {
-      p[i] = apply_update<kMode>(p[i], upd, decay, neg_lr_wd, beta, nullptr);
+      p[i] = apply_update<kMode>(p[i], upd, neg_lr_wd, beta, nullptr);
     } else {
-      p[i] = apply_update<kMode>(p[i], upd, decay, neg_lr_wd, beta, e + i);
+      p[i] = apply_update<kMode>(p[i], upd, neg_lr_wd, beta, e + i);
     }
   }
 }
@@ -87,7 +87,7 @@ template <EfMode kMode, Storage kIn>
 void apply_range(const ApplyTensor& t, int64_t begin, int64_t end) {
   float* __restrict p = t.param;
   float* __restrict e = t.ef;
-  const float scale = t.update_scale, decay = t.decay, neg_lr_wd = t.neg_lr_wd, beta = t.ef_beta;
+  const float scale = t.update_scale, neg_lr_wd = t.neg_lr_wd, beta = t.ef_beta;
   for (int64_t i = begin; i < end; ++i) {
     float o;
     if constexpr (kIn == Storage::f32) {
@@ -97,9 +97,9 @@ void apply_range(const ApplyTensor& t, int64_t begin, int64_t end) {
     }
     const float upd = scale * o;
     if constexpr (kMode == EfMode::off) {
-      p[i] = apply_update<kMode>(p[i], upd, decay, neg_lr_wd, beta, nullptr);
+      p[i] = apply_update<kMode>(p[i], upd, neg_lr_wd, beta, nullptr);
     } else {
-      p[i] = apply_update<kMode>(p[i], upd, decay, neg_lr_wd, beta, e + i);
+      p[i] = apply_update<kMode>(p[i], upd, neg_lr_wd, beta, e + i);
     }
   }
 }

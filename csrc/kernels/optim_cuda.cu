@@ -80,13 +80,13 @@ __global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, in
       const float w = t.param[i];
       switch (t.ef_mode) {
         case EfMode::off:
-          t.param[i] = apply_update<EfMode::off>(w, upd, t.decay, t.neg_lr_wd, t.ef_beta, nullptr);
+          t.param[i] = apply_update<EfMode::off>(w, upd, t.neg_lr_wd, t.ef_beta, nullptr);
           break;
         case EfMode::first:
-          t.param[i] = apply_update<EfMode::first>(w, upd, t.decay, t.neg_lr_wd, t.ef_beta, t.ef + i);
+          t.param[i] = apply_update<EfMode::first>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
           break;
         case EfMode::corrected:
-          t.param[i] = apply_update<EfMode::corrected>(w, upd, t.decay, t.neg_lr_wd, t.ef_beta, t.ef + i);
+          t.param[i] = apply_update<EfMode::corrected>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
           break;
       }
     }
@@ -153,13 +153,13 @@ __global__ void apply_kernel(const ApplyTensor* tensors, const Chunk* chunks, in
       const float w = t.param[i];
       switch (t.ef_mode) {
         case EfMode::off:
-          t.param[i] = apply_update<EfMode::off>(w, upd, t.decay, t.neg_lr_wd, t.ef_beta, nullptr);
+          t.param[i] = apply_update<EfMode::off>(w, upd, t.neg_lr_wd, t.ef_beta, nullptr);
           break;
         case EfMode::first:
-          t.param[i] = apply_update<EfMode::first>(w, upd, t.decay, t.neg_lr_wd, t.ef_beta, t.ef + i);
+          t.param[i] = apply_update<EfMode::first>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
           break;
         case EfMode::corrected:
-          t.param[i] = apply_update<EfMode::corrected>(w, upd, t.decay, t.neg_lr_wd, t.ef_beta, t.ef + i);
+          t.param[i] = apply_update<EfMode::corrected>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
           break;
       }
     }

@@ -22,7 +22,6 @@ struct AdamWTensor {
   float* ef;          // error-feedback buffer, nullptr when ef_mode == off
   int64_t numel;
   AdamWScalars s;     // per tensor: the bias corrections depend on its own step count
-  float decay;        // 1 - lr*wd
   float neg_lr_wd;    // -lr*wd
   float ef_beta;
   EfMode ef_mode;
@@ -43,7 +42,6 @@ struct ApplyTensor {
   float* ef;
   int64_t numel;
   float update_scale;  // -adjusted_lr
-  float decay;
   float neg_lr_wd;
   float ef_beta;
   EfMode ef_mode;
