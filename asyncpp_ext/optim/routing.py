@@ -6,6 +6,13 @@ from torch import nn
 # Last name component of common output heads; a stage holding only the last blocks still has its
 # head recognised by name even though the embedding it may be tied to lives on another stage.
 HEAD_NAMES = ("lm_head", "head", "output", "output_head", "classifier", "unembed")
+# Name components that mark an embedding table held as a bare nn.Parameter (e.g. learned positions).
+EMBEDDING_NAMES = ("pos", "wpe", "wte")
+
+
+def _looks_like_embedding(name: str) -> bool:
+    parts = name.lower().split(".")
+    return any("emb" in part or part in EMBEDDING_NAMES for part in parts)
 
 
 def _module_facts(model: nn.Module):
@@ -29,21 +36,23 @@ def split_named_parameters(model_or_named_params, is_muon=None, adamw_names=(), 
 
     Default rule: a parameter goes to Muon iff it is 2-D, is not an nn.Embedding weight and is not
     the output head (a Linear named like `HEAD_NAMES`, or tied to / as wide as an embedding's vocab).
-    Given only (name, param) pairs, embeddings and heads are recognised by name ("embed" in the
-    name, or a last-but-one component in `HEAD_NAMES`). Overrides, strongest first: exact names in
+    Embeddings held as bare parameters are recognised by name (a component containing "emb" or
+    equal to one of `EMBEDDING_NAMES`); given only (name, param) pairs, heads are too (a last-but-one
+    component in `HEAD_NAMES`). Overrides, strongest first: exact names in
     `muon_names` / `adamw_names`, then `is_muon(name, param)` if given (replaces the default rule).
     Tied weights appear once.
     """
     if isinstance(model_or_named_params, nn.Module):
         named = list(model_or_named_params.named_parameters())
         embedding_ids, head_ids = _module_facts(model_or_named_params)
+        embedding_ids |= {id(p) for n, p in named if _looks_like_embedding(n)}
     else:
         named = list(model_or_named_params)
         for item in named:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise ValueError("MuonHybrid needs an nn.Module or (name, parameter) pairs, "
                                  f"e.g. model.named_parameters(); got an element {type(item).__name__}")
-        embedding_ids = {id(p) for n, p in named if "embed" in n.lower()}
+        embedding_ids = {id(p) for n, p in named if _looks_like_embedding(n)}
         head_ids = {id(p) for n, p in named if len(n.split(".")) >= 2 and n.split(".")[-2] in HEAD_NAMES}
     overlap = set(muon_names) & set(adamw_names)
     if overlap:

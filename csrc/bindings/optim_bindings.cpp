@@ -44,7 +44,7 @@ std::vector<EfMode> ef_modes(const std::vector<TensorView>& efs, const std::vect
   expect_finite_scalar(ef_beta, "ef_beta");
   ASYNCPP_ARG_CHECK(ef_beta >= 0.0, "ef_beta must be >= 0 (0 turns error feedback off), got ", ef_beta);
   if (efs.empty()) {
-    ASYNCPP_ARG_CHECK(ef_beta == 0.0, "ef_beta=", ef_beta, " needs one ef_buf per parameter; got none");
+    ASYNCPP_ARG_CHECK(ef_beta == 0.0, "ef_beta=", ef_beta, " needs one buffer in ef_bufs per parameter; got none (pass ef_beta=0 to turn EF off)");
     return std::vector<EfMode>(n, EfMode::off);
   }
   ASYNCPP_ARG_CHECK(ef_beta > 0.0, "ef_bufs were given but ef_beta is 0; pass ef_bufs=[] to turn EF off");
