@@ -12,6 +12,9 @@ namespace {
 
 // Large enough to amortise scheduling, small enough to balance ~1M-element tensors on a few cores.
 constexpr int64_t kChunk = 1 << 15;
+// Below this many chunks one thread finishes in well under a millisecond; waking the OpenMP team
+// would cost more (and competes with torch's own OpenMP runtime for the same cores).
+constexpr int64_t kMinParallelChunks = 8;
 
 struct WorkItem {
   int64_t tensor;
@@ -125,7 +128,7 @@ bool range_is_finite(const float* x, int64_t begin, int64_t end) {
 void adamw_step_cpu(const std::vector<AdamWTensor>& tensors) {
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_items >= kMinParallelChunks)
   for (int64_t k = 0; k < n_items; ++k) {
     const WorkItem& w = items[k];
     const AdamWTensor& t = tensors[w.tensor];
@@ -141,7 +144,7 @@ void muon_momentum_cpu(const std::vector<MomentumTensor>& tensors, Storage out_s
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
   std::vector<double> partial(items.size(), 0.0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_items >= kMinParallelChunks)
   for (int64_t k = 0; k < n_items; ++k) {
     const WorkItem& w = items[k];
     partial[k] = out_storage == Storage::f32
@@ -158,7 +161,7 @@ void muon_momentum_cpu(const std::vector<MomentumTensor>& tensors, Storage out_s
 void apply_update_cpu(const std::vector<ApplyTensor>& tensors, Storage update_storage) {
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_items >= kMinParallelChunks)
   for (int64_t k = 0; k < n_items; ++k) {
     const WorkItem& w = items[k];
     if (update_storage == Storage::f32) {
@@ -173,7 +176,7 @@ int64_t first_nonfinite_cpu(const std::vector<ConstTensor>& tensors) {
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
   std::vector<unsigned char> bad(items.size(), 0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_items >= kMinParallelChunks)
   for (int64_t k = 0; k < n_items; ++k) {
     const WorkItem& w = items[k];
     bad[k] = range_is_finite(tensors[w.tensor].data, w.begin, w.end) ? 0 : 1;
