@@ -1,5 +1,253 @@
+// Python entry points of the fused optimizer kernels. This file is the ONE place that checks the
+// arguments (device, dtype, shapes, contiguity, list lengths, hyperparameters); the kernels trust
+// what they get. Every call releases the GIL while the kernel runs.
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
 #include "bindings/bindings.h"
+#include "bindings/tensor_args.h"
+#include "core/error.h"
+#include "kernels/optim_kernels.h"
+
+namespace py = pybind11;
 
 namespace asyncpp::bindings {
-void bind_optim(pybind11::module_& /*m*/) {}
+namespace {
+using namespace asyncpp::kernels::optim;
+
+std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
+
+// All tensors of one call live on one device; `first` decides which.
+void expect_like(const TensorView& t, const TensorView& first, DType dtype, const std::string& name) {
+  expect_device(t, first.device, name);
+  ASYNCPP_ARG_CHECK(t.device_index == first.device_index, name, ": on CUDA device ", t.device_index,
+                    " but the first parameter is on device ", first.device_index,
+                    "; keep all tensors of one optimizer call on one device");
+  expect_dtype(t, dtype, name);
+  expect_contiguous(t, name);
+}
+
+void expect_len(size_t got, size_t want, const char* name, const char* ref) {
+  ASYNCPP_ARG_CHECK(got == want, name, ": expected ", want, " tensors (one per entry of ", ref, "), got ", got);
+}
+
+void expect_finite_scalar(double x, const char* name) {
+  ASYNCPP_ARG_CHECK(std::isfinite(x), name, " must be a finite number, got ", x);
+}
+
+// EF buffers: an empty list turns EF off (ef_beta must then be 0); otherwise one per parameter.
+std::vector<EfMode> ef_modes(const std::vector<TensorView>& efs, const std::vector<bool>& ef_first,
+                             size_t n, double ef_beta) {
+  expect_finite_scalar(ef_beta, "ef_beta");
+  ASYNCPP_ARG_CHECK(ef_beta >= 0.0, "ef_beta must be >= 0 (0 turns error feedback off), got ", ef_beta);
+  if (efs.empty()) {
+    ASYNCPP_ARG_CHECK(ef_beta == 0.0, "ef_beta=", ef_beta, " needs one buffer in ef_bufs per parameter; got none (pass ef_beta=0 to turn EF off)");
+    return std::vector<EfMode>(n, EfMode::off);
+  }
+  ASYNCPP_ARG_CHECK(ef_beta > 0.0, "ef_bufs were given but ef_beta is 0; pass ef_bufs=[] to turn EF off");
+  expect_len(efs.size(), n, "ef_bufs", "params");
+  expect_len(ef_first.size(), n, "ef_first", "params");
+  std::vector<EfMode> modes(n);
+  for (size_t i = 0; i < n; ++i) modes[i] = ef_first[i] ? EfMode::first : EfMode::corrected;
+  return modes;
+}
+
+Storage storage_of(const TensorView& t, const std::string& name) {
+  if (t.dtype == DType::f32) return Storage::f32;
+  if (t.dtype == DType::bf16) return Storage::bf16;
+  ASYNCPP_ARG_CHECK(false, name, ": expected float32 or bfloat16, got ", dtype_name(t.dtype));
+}
+
+void adamw_step(const py::sequence& params_c, const py::sequence& grads_c, const py::sequence& exp_avgs_c,
+                const py::sequence& exp_avg_sqs_c, const py::sequence& ef_c, const std::vector<int64_t>& steps,
+                const std::vector<bool>& ef_first, double lr, double beta1, double beta2, double eps,
+                double weight_decay, double ef_beta, intptr_t stream) {
+  const auto params = borrow_tensors(params_c, "params");
+  const auto grads = borrow_tensors(grads_c, "grads");
+  const auto m = borrow_tensors(exp_avgs_c, "exp_avgs");
+  const auto v = borrow_tensors(exp_avg_sqs_c, "exp_avg_sqs");
+  const auto ef = borrow_tensors(ef_c, "ef_bufs");
+  const size_t n = params.size();
+  expect_len(grads.size(), n, "grads", "params");
+  expect_len(m.size(), n, "exp_avgs", "params");
+  expect_len(v.size(), n, "exp_avg_sqs", "params");
+  expect_len(steps.size(), n, "steps", "params");
+  for (double x : {lr, beta1, beta2, eps, weight_decay}) expect_finite_scalar(x, "AdamW hyperparameters");
+  ASYNCPP_ARG_CHECK(lr >= 0.0, "lr must be >= 0, got ", lr);
+  ASYNCPP_ARG_CHECK(beta1 >= 0.0 && beta1 < 1.0, "beta1 must be in [0, 1), got ", beta1);
+  ASYNCPP_ARG_CHECK(beta2 >= 0.0 && beta2 < 1.0, "beta2 must be in [0, 1), got ", beta2);
+  ASYNCPP_ARG_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
+  ASYNCPP_ARG_CHECK(weight_decay >= 0.0, "weight_decay must be >= 0, got ", weight_decay);
+  const auto modes = ef_modes(ef, ef_first, n, ef_beta);
+  if (n == 0) return;
+
+  std::vector<AdamWTensor> work(n);
+  for (size_t i = 0; i < n; ++i) {
+    const TensorView& p = params[i];
+    expect_like(p, params[0], DType::f32, item("params", i));
+    const std::pair<const TensorView*, const char*> others[] = {
+        {&grads[i], "grads"}, {&m[i], "exp_avgs"}, {&v[i], "exp_avg_sqs"}};
+    for (const auto& [t, name] : others) {
+      expect_like(*t, params[0], DType::f32, item(name, i));
+      expect_same_shape(p, *t, item("params", i), item(name, i));
+    }
+    if (!ef.empty()) {
+      expect_like(ef[i], params[0], DType::f32, item("ef_bufs", i));
+      expect_same_shape(p, ef[i], item("params", i), item("ef_bufs", i));
+    }
+    ASYNCPP_ARG_CHECK(steps[i] >= 1, item("steps", i), " must be >= 1 (the step count after this update), got ",
+                      steps[i]);
+    // Scalars in double, rounded once to float, as torch does with Python-float scalars.
+    const double bc1 = 1.0 - std::pow(beta1, double(steps[i]));
+    const double bc2 = 1.0 - std::pow(beta2, double(steps[i]));
+    AdamWTensor& w = work[i];
+    w.param = p.ptr<float>();
+    w.grad = grads[i].ptr<float>();
+    w.exp_avg = m[i].ptr<float>();
+    w.exp_avg_sq = v[i].ptr<float>();
+    w.ef = ef.empty() ? nullptr : ef[i].ptr<float>();
+    w.numel = p.numel();
+    w.s = AdamWScalars{float(1.0 - beta1), float(beta2), float(1.0 - beta2), float(eps),
+                       float(-(lr / bc1)), float(std::sqrt(bc2))};
+    w.neg_lr_wd = float(-(lr * weight_decay));
+    w.ef_beta = float(ef_beta);
+    w.ef_mode = modes[i];
+  }
+  const bool cuda = params[0].device == DeviceKind::cuda;
+  py::gil_scoped_release release;
+  if (!cuda) return adamw_step_cpu(work);
+#ifdef ASYNCPP_WITH_CUDA
+  adamw_step_cuda(work, stream);
+#else
+  (void)stream;
+  ASYNCPP_ARG_CHECK(false, "params are CUDA tensors but asyncpp_ext was built without CUDA kernels; "
+                           "rebuild with nvcc available (ASYNCPP_CUDA=on) or use CPU tensors");
+#endif
+}
+
+void muon_momentum(const py::sequence& grads_c, const py::sequence& bufs_c, const py::sequence& outs_c,
+                   double momentum, bool nesterov, const py::object& sumsq_c, intptr_t stream) {
+  const auto grads = borrow_tensors(grads_c, "grads");
+  const auto bufs = borrow_tensors(bufs_c, "momentum_bufs");
+  const auto outs = borrow_tensors(outs_c, "outs");
+  const size_t n = grads.size();
+  expect_len(bufs.size(), n, "momentum_bufs", "grads");
+  expect_len(outs.size(), n, "outs", "grads");
+  expect_finite_scalar(momentum, "momentum");
+  ASYNCPP_ARG_CHECK(momentum >= 0.0 && momentum < 1.0, "momentum must be in [0, 1), got ", momentum);
+  if (n == 0) return;
+  const Storage storage = storage_of(outs[0], "outs[0]");
+  float* sumsq = nullptr;
+  if (!sumsq_c.is_none()) {
+    const TensorView s = borrow_tensor(sumsq_c, "sumsq");
+    expect_like(s, grads[0], DType::f32, "sumsq");
+    ASYNCPP_ARG_CHECK(s.numel() == int64_t(n), "sumsq: expected ", n, " elements (one per tensor), got ",
+                      s.numel());
+    sumsq = s.ptr<float>();
+  }
+  std::vector<MomentumTensor> work(n);
+  for (size_t i = 0; i < n; ++i) {
+    expect_like(grads[i], grads[0], DType::f32, item("grads", i));
+    expect_like(bufs[i], grads[0], DType::f32, item("momentum_bufs", i));
+    expect_like(outs[i], grads[0], outs[0].dtype, item("outs", i));
+    expect_same_shape(grads[i], bufs[i], item("grads", i), item("momentum_bufs", i));
+    expect_same_shape(grads[i], outs[i], item("grads", i), item("outs", i));
+    work[i] = MomentumTensor{grads[i].ptr<float>(), bufs[i].ptr<float>(), outs[i].data, grads[i].numel(),
+                             float(momentum), nesterov};
+  }
+  const bool cuda = grads[0].device == DeviceKind::cuda;
+  py::gil_scoped_release release;
+  if (!cuda) return muon_momentum_cpu(work, storage, sumsq);
+#ifdef ASYNCPP_WITH_CUDA
+  muon_momentum_cuda(work, storage, sumsq, stream);
+#else
+  (void)stream;
+  ASYNCPP_ARG_CHECK(false, "grads are CUDA tensors but asyncpp_ext was built without CUDA kernels");
+#endif
+}
+
+void apply_update(const py::sequence& params_c, const py::sequence& updates_c, const py::sequence& ef_c,
+                  const std::vector<double>& update_scales, const std::vector<bool>& ef_first, double lr,
+                  double weight_decay, double ef_beta, intptr_t stream) {
+  const auto params = borrow_tensors(params_c, "params");
+  const auto updates = borrow_tensors(updates_c, "updates");
+  const auto ef = borrow_tensors(ef_c, "ef_bufs");
+  const size_t n = params.size();
+  expect_len(updates.size(), n, "updates", "params");
+  expect_len(update_scales.size(), n, "update_scales", "params");
+  expect_finite_scalar(lr, "lr");
+  expect_finite_scalar(weight_decay, "weight_decay");
+  ASYNCPP_ARG_CHECK(lr >= 0.0, "lr must be >= 0, got ", lr);
+  ASYNCPP_ARG_CHECK(weight_decay >= 0.0, "weight_decay must be >= 0, got ", weight_decay);
+  const auto modes = ef_modes(ef, ef_first, n, ef_beta);
+  if (n == 0) return;
+  const Storage storage = storage_of(updates[0], "updates[0]");
+  std::vector<ApplyTensor> work(n);
+  for (size_t i = 0; i < n; ++i) {
+    expect_like(params[i], params[0], DType::f32, item("params", i));
+    expect_like(updates[i], params[0], updates[0].dtype, item("updates", i));
+    expect_same_shape(params[i], updates[i], item("params", i), item("updates", i));
+    if (!ef.empty()) {
+      expect_like(ef[i], params[0], DType::f32, item("ef_bufs", i));
+      expect_same_shape(params[i], ef[i], item("params", i), item("ef_bufs", i));
+    }
+    expect_finite_scalar(update_scales[i], "update_scales");
+    work[i] = ApplyTensor{params[i].ptr<float>(), updates[i].data, ef.empty() ? nullptr : ef[i].ptr<float>(),
+                          params[i].numel(), float(update_scales[i]), float(-(lr * weight_decay)), float(ef_beta), modes[i]};
+  }
+  const bool cuda = params[0].device == DeviceKind::cuda;
+  py::gil_scoped_release release;
+  if (!cuda) return apply_update_cpu(work, storage);
+#ifdef ASYNCPP_WITH_CUDA
+  apply_update_cuda(work, storage, stream);
+#else
+  (void)stream;
+  ASYNCPP_ARG_CHECK(false, "params are CUDA tensors but asyncpp_ext was built without CUDA kernels");
+#endif
+}
+
+int64_t first_nonfinite(const py::sequence& tensors_c, intptr_t stream) {
+  const auto tensors = borrow_tensors(tensors_c, "tensors");
+  if (tensors.empty()) return -1;
+  std::vector<ConstTensor> work(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    expect_like(tensors[i], tensors[0], DType::f32, item("tensors", i));
+    work[i] = ConstTensor{tensors[i].ptr<float>(), tensors[i].numel()};
+  }
+  const bool cuda = tensors[0].device == DeviceKind::cuda;
+  py::gil_scoped_release release;
+  if (!cuda) return first_nonfinite_cpu(work);
+#ifdef ASYNCPP_WITH_CUDA
+  return first_nonfinite_cuda(work, stream);
+#else
+  (void)stream;
+  ASYNCPP_ARG_CHECK(false, "tensors are on CUDA but asyncpp_ext was built without CUDA kernels");
+#endif
+}
+
+}  // namespace
+
+void bind_optim(py::module_& m) {
+  auto o = m.def_submodule("optim", "Fused multi-tensor optimizer kernels (float32 state; DLPack capsules in).");
+  o.def("adamw_step", &adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
+        py::arg("exp_avg_sqs"), py::arg("ef_bufs"), py::arg("steps"), py::arg("ef_first"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("ef_beta"),
+        py::arg("stream") = 0,
+        "One AdamW step (torch.optim.AdamW arithmetic) over all tensors; steps[i] is tensor i's step count "
+        "after this update. ef_bufs=[] turns error feedback off.");
+  o.def("muon_momentum", &muon_momentum, py::arg("grads"), py::arg("momentum_bufs"), py::arg("outs"),
+        py::arg("momentum"), py::arg("nesterov"), py::arg("sumsq") = py::none(), py::arg("stream") = 0,
+        "B <- mu*B + (1-mu)*G; outs <- nesterov ? (1-mu)*G + mu*B : B (float32 or bfloat16); "
+        "sumsq[i] <- sum(outs[i]^2) when given.");
+  o.def("apply_update", &apply_update, py::arg("params"), py::arg("updates"), py::arg("ef_bufs"),
+        py::arg("update_scales"), py::arg("ef_first"), py::arg("lr"), py::arg("weight_decay"),
+        py::arg("ef_beta"), py::arg("stream") = 0,
+        "W <- W + D, D = -lr*wd*W + update_scales[i]*updates[i], with error feedback when ef_bufs is not empty.");
+  o.def("first_nonfinite", &first_nonfinite, py::arg("tensors"), py::arg("stream") = 0,
+        "Index of the first float32 tensor holding a NaN or Inf, or -1.");
+}
+
 }  // namespace asyncpp::bindings

@@ -1,0 +1,234 @@
+"""The shared engine of the fused optimizers: one `step()` over param groups that are either Muon
+groups (2-D matrices) or AdamW groups, all updated by the multi-tensor kernels of asyncpp_ext._C.
+
+Order inside `step()`: (1) collect and validate every parameter with a gradient, (2) scan all
+gradients for NaN/Inf and raise `NonFiniteGradientError` naming the parameter -- nothing has been
+modified yet, (3) update the AdamW groups, (4) update the Muon groups (momentum kernel -> batched
+Newton-Schulz -> apply kernel). Error feedback (ef_beta > 0) is fused into the final kernel and uses
+the explicitly computed update D (see DESIGN: W <- W + D + beta*(D - E), E <- D).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from . import _kernels as K
+from .errors import NonFiniteGradientError
+from .newton_schulz import orthogonalize
+
+MUON = "muon"
+ADAMW = "adamw"
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def muon_lr_scale(shape, adjust_lr_fn) -> float:
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def check_common(lr, weight_decay, ef_beta):
+    if isinstance(lr, torch.Tensor) or not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a finite float > 0, got {lr!r}")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if not (math.isfinite(ef_beta) and ef_beta >= 0):
+        raise ValueError(f"ef_beta must be >= 0 (0 turns error feedback off), got {ef_beta!r}")
+
+
+def check_muon_args(momentum, ns_steps, adjust_lr_fn, ns_dtype, eps, ns_coefficients):
+    if not (0.0 <= momentum < 1.0):
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    if not (isinstance(ns_steps, int) and 0 <= ns_steps < 100):
+        raise ValueError(f"ns_steps must be an int in [0, 100), got {ns_steps!r}")
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    if ns_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"ns_dtype must be torch.float32, torch.bfloat16 or None (auto), got {ns_dtype!r}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if len(tuple(ns_coefficients)) != 3:
+        raise ValueError(f"ns_coefficients must be three floats (a, b, c), got {ns_coefficients!r}")
+
+
+def check_adamw_args(betas, eps):
+    if len(tuple(betas)) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base of Muon, AdamW and MuonHybrid. Each param group carries "algorithm" ("muon"/"adamw")."""
+
+    def __init__(self, params, defaults):
+        super().__init__(params, defaults)
+        for gi, group in enumerate(self.param_groups):
+            self._validate_group(gi, group)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if hasattr(self, "_validated"):
+            self._validate_group(len(self.param_groups) - 1, self.param_groups[-1])
+
+    def _validate_group(self, gi, group):
+        self._validated = True
+        algo = group.get("algorithm")
+        if algo not in (MUON, ADAMW):
+            raise ValueError(f"param group {gi}: 'algorithm' must be 'muon' or 'adamw', got {algo!r}")
+        check_common(group["lr"], group["weight_decay"], group["ef_beta"])
+        if algo == MUON:
+            check_muon_args(group["momentum"], group["ns_steps"], group["adjust_lr_fn"],
+                            group["ns_dtype"], group["eps"], group["ns_coefficients"])
+        else:
+            check_adamw_args(group["betas"], group["eps"])
+        for pi, p in enumerate(group["params"]):
+            name = self._param_name(group, gi, pi)
+            if p.dtype != torch.float32:
+                raise ValueError(f"{name}: the fused optimizers keep float32 weights, got {p.dtype}; "
+                                 "convert the model with .float()")
+            if algo == MUON and p.ndim != 2:
+                raise ValueError(
+                    f"{name}: Muon only updates 2-D matrices, got shape {tuple(p.shape)}; put this "
+                    "tensor in an AdamW group (use MuonHybrid / build_optimizer(name='muon'))")
+            if not p.is_contiguous():
+                raise ValueError(f"{name}: the fused kernels need contiguous parameters; "
+                                 "call .data = p.data.contiguous() on it first")
+
+    @staticmethod
+    def _param_name(group, gi, pi) -> str:
+        names = group.get("param_names")
+        if names is not None and pi < len(names):
+            return f"parameter '{names[pi]}'"
+        return f"parameter {pi} of param group {gi}"
+
+    # ---- step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []  # (group, [(param, grad)])
+        for gi, group in enumerate(self.param_groups):
+            items = []
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if g.is_sparse:
+                    raise ValueError(f"{self._param_name(group, gi, pi)}: sparse gradients are not supported")
+                if g.dtype != torch.float32:
+                    raise ValueError(f"{self._param_name(group, gi, pi)}: gradient dtype {g.dtype}, "
+                                     "expected float32 like the parameter")
+                items.append((p, g if g.is_contiguous() else g.contiguous(), gi, pi))
+            work.append((group, items))
+        self._check_finite(work)
+        for group, items in work:
+            if items and group["algorithm"] == ADAMW:
+                self._adamw_group(group, items)
+        for group, items in work:
+            if items and group["algorithm"] == MUON:
+                self._muon_group(group, items)
+        return loss
+
+    def _check_finite(self, work):
+        by_device = defaultdict(list)
+        for group, items in work:
+            for p, g, gi, pi in items:
+                by_device[g.device].append((g, group, gi, pi))
+        for entries in by_device.values():
+            bad = K.first_nonfinite([e[0] for e in entries])
+            if bad >= 0:
+                _, group, gi, pi = entries[bad]
+                raise NonFiniteGradientError(
+                    f"{self._param_name(group, gi, pi)} has a NaN/Inf gradient; no weight or optimizer "
+                    "state was changed. Skip this step (zero_grad) or lower the learning rate / clip gradients")
+
+    def _ef(self, group, params):
+        """EF buffers and first-step flags for `params` ([] and [] when EF is off)."""
+        if group["ef_beta"] == 0:
+            return [], []
+        bufs, first = [], []
+        for p in params:
+            st = self.state[p]
+            if "ef_buffer" not in st:
+                st["ef_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                st["ef_initialized"] = False
+            bufs.append(st["ef_buffer"])
+            first.append(not st["ef_initialized"])
+        return bufs, first
+
+    @staticmethod
+    def _ef_mark(state, params, ef_bufs):
+        for p in params if ef_bufs else ():
+            state[p]["ef_initialized"] = True
+
+    def _adamw_group(self, group, items):
+        params = [it[0] for it in items]
+        grads = [it[1] for it in items]
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            st = self.state[p]
+            if "exp_avg" not in st:
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            steps.append(int(st["step"]) + 1)
+        ef_bufs, ef_first = self._ef(group, params)
+        beta1, beta2 = group["betas"]
+        K.adamw_step(params, grads, exp_avgs, exp_avg_sqs, ef_bufs, steps, ef_first, lr=group["lr"],
+                     beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                     ef_beta=group["ef_beta"])
+        for p, s in zip(params, steps):
+            self.state[p]["step"] = s
+        self._ef_mark(self.state, params, ef_bufs)
+
+    def _muon_group(self, group, items):
+        params = [it[0] for it in items]
+        grads = [it[1] for it in items]
+        device = params[0].device
+        ns_dtype = group["ns_dtype"] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        storage = torch.bfloat16 if ns_dtype == torch.bfloat16 else torch.float32
+        bufs = []
+        for p in params:
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                st["step"] = 0
+            bufs.append(st["momentum_buffer"])
+        # Same-shape matrices share one (B, rows, cols) buffer so Newton-Schulz runs as one bmm chain.
+        batches = defaultdict(list)
+        for i, p in enumerate(params):
+            batches[tuple(p.shape)].append(i)
+        outs = [None] * len(params)
+        batch_tensors = {}
+        for shape, idx in batches.items():
+            v = torch.empty((len(idx),) + shape, dtype=storage, device=device)
+            batch_tensors[shape] = v
+            for k, i in enumerate(idx):
+                outs[i] = v[k]
+        sumsq = torch.empty(len(params), dtype=torch.float32, device=device)
+        K.muon_momentum(grads, bufs, outs, momentum=group["momentum"], nesterov=group["nesterov"],
+                        sumsq=sumsq)
+        updates = [None] * len(params)
+        for shape, idx in batches.items():
+            norms = sumsq[torch.tensor(idx, device=device)].sqrt()
+            o = orthogonalize(batch_tensors[shape], norms, steps=group["ns_steps"],
+                              coefficients=tuple(group["ns_coefficients"]), eps=group["eps"],
+                              ns_dtype=ns_dtype)
+            for k, i in enumerate(idx):
+                updates[i] = o[k]
+        lr = group["lr"]
+        scales = [-(lr * muon_lr_scale(p.shape, group["adjust_lr_fn"])) for p in params]
+        ef_bufs, ef_first = self._ef(group, params)
+        K.apply_update(params, updates, ef_bufs, scales, ef_first, lr=lr,
+                       weight_decay=group["weight_decay"], ef_beta=group["ef_beta"])
+        for p in params:
+            self.state[p]["step"] = int(self.state[p]["step"]) + 1
+        self._ef_mark(self.state, params, ef_bufs)

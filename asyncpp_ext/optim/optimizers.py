@@ -1,0 +1,86 @@
+"""Public fused optimizers: Muon (2-D matrices), AdamW, and MuonHybrid (Muon + auxiliary AdamW)."""
+from __future__ import annotations
+
+import torch
+
+from .fused import ADAMW, MUON, FusedOptimizer
+from .newton_schulz import NS_COEFFICIENTS
+from .routing import split_named_parameters
+
+
+def _named(params):
+    """Keep (name, tensor) pairs as given; plain tensors stay plain (torch names nothing then)."""
+    return list(params) if not isinstance(params, torch.Tensor) else [params]
+
+
+class Muon(FusedOptimizer):
+    """Muon for 2-D hidden weight matrices, with fused float32 kernels.
+
+    Per matrix: B <- mu*B + (1-mu)*G; V = (1-mu)*G + mu*B (nesterov) or B; O = NS5(V / (||V||_F + eps))
+    on the wide side; W <- W*(1 - lr*wd) - lr*s*O with s from `adjust_lr_fn` ("original":
+    max(1, rows/cols)^0.5, "match_rms_adamw": 0.2*sqrt(max(rows, cols))). Arguments mirror
+    torch.optim.Muon; note torch divides by max(||V||, eps) where this divides by ||V|| + eps, which
+    differs only for near-zero V.
+
+    Extra arguments: `ns_dtype` (torch.float32 | torch.bfloat16 | None = float32 on CPU, bfloat16 on
+    CUDA) and `ef_beta` (error-feedback strength; 0 = off and no buffer).
+    Parameters must be float32 and 2-D (other tensors belong to AdamW: use MuonHybrid).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
+                 ns_steps: int = 5, adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None,
+                 ef_beta: float = 0.0):
+        defaults = dict(algorithm=MUON, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                        nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), eps=eps,
+                        ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, ef_beta=ef_beta)
+        super().__init__(_named(params), defaults)
+
+
+class AdamW(FusedOptimizer):
+    """AdamW with one fused multi-tensor kernel per param group (torch.optim.AdamW arithmetic,
+    float32), plus `ef_beta` error feedback (0 = off). amsgrad/maximize are not supported."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, ef_beta: float = 0.0):
+        defaults = dict(algorithm=ADAMW, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        ef_beta=ef_beta)
+        super().__init__(_named(params), defaults)
+
+
+class MuonHybrid(FusedOptimizer):
+    """One optimizer object: Muon for hidden 2-D matrices, AdamW for everything else.
+
+    `model_or_named_params` is an nn.Module (or a part of one, e.g. a pipeline stage) or an iterable
+    of (name, parameter). Routing (see `split_named_parameters`): ndim != 2, nn.Embedding weights and
+    the output head go to AdamW; `is_muon(name, param) -> bool`, `adamw_names` and `muon_names` override.
+    Param group 0 is Muon (lr, weight_decay, ...), group 1 AdamW (adamw_lr, adamw_betas, adamw_eps,
+    adamw_weight_decay which defaults to weight_decay). Groups without parameters are omitted; each
+    group's "algorithm" says which it is. Defaults: lr=0.02, adamw_lr=3e-4.
+    """
+
+    def __init__(self, model_or_named_params, lr: float = 0.02, adamw_lr: float = 3e-4,
+                 weight_decay: float = 0.0, momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7, ns_steps: int = 5,
+                 adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None,
+                 adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
+                 ef_beta: float = 0.0, is_muon=None, adamw_names=(), muon_names=()):
+        muon_params, adamw_params = split_named_parameters(
+            model_or_named_params, is_muon=is_muon, adamw_names=adamw_names, muon_names=muon_names)
+        groups = []
+        if muon_params:
+            groups.append(dict(params=muon_params, algorithm=MUON, lr=lr, weight_decay=weight_decay,
+                               momentum=momentum, nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
+                               eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
+                               ef_beta=ef_beta))
+        if adamw_params:
+            groups.append(dict(params=adamw_params, algorithm=ADAMW, lr=adamw_lr, betas=tuple(adamw_betas),
+                               eps=adamw_eps,
+                               weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+                               ef_beta=ef_beta))
+        if not groups:
+            raise ValueError("MuonHybrid got no trainable parameters (all have requires_grad=False?)")
+        super().__init__(groups, dict(ef_beta=ef_beta))
+
+
+__all__ = ["Muon", "AdamW", "MuonHybrid"]

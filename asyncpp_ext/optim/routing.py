@@ -1,0 +1,85 @@
+"""Which parameters Muon updates and which go to AdamW."""
+from __future__ import annotations
+
+from torch import nn
+
+# Last name component of common output heads; a stage holding only the last blocks still has its
+# head recognised by name even though the embedding it may be tied to lives on another stage.
+HEAD_NAMES = ("lm_head", "head", "output", "output_head", "classifier", "unembed")
+# Name components that mark an embedding table held as a bare nn.Parameter (e.g. learned positions).
+EMBEDDING_NAMES = ("pos", "wpe", "wte")
+
+
+def _looks_like_embedding(name: str) -> bool:
+    parts = name.lower().split(".")
+    return any("emb" in part or part in EMBEDDING_NAMES for part in parts)
+
+
+def _module_facts(model: nn.Module):
+    """ids of embedding weights and of head weights (Linear whose out_features is a vocab size)."""
+    embedding_ids, vocab_sizes = set(), set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            embedding_ids.add(id(module.weight))
+            vocab_sizes.add(module.num_embeddings)
+    head_ids = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            last = name.rsplit(".", 1)[-1]
+            if last in HEAD_NAMES or module.out_features in vocab_sizes or id(module.weight) in embedding_ids:
+                head_ids.add(id(module.weight))
+    return embedding_ids, head_ids
+
+
+def split_named_parameters(model_or_named_params, is_muon=None, adamw_names=(), muon_names=()):
+    """Split trainable parameters into (muon, adamw) lists of (name, parameter).
+
+    Default rule: a parameter goes to Muon iff it is 2-D, is not an nn.Embedding weight and is not
+    the output head (a Linear named like `HEAD_NAMES`, or tied to / as wide as an embedding's vocab).
+    Embeddings held as bare parameters are recognised by name (a component containing "emb" or
+    equal to one of `EMBEDDING_NAMES`); given only (name, param) pairs, heads are too (a last-but-one
+    component in `HEAD_NAMES`). Overrides, strongest first: exact names in
+    `muon_names` / `adamw_names`, then `is_muon(name, param)` if given (replaces the default rule).
+    Tied weights appear once.
+    """
+    if isinstance(model_or_named_params, nn.Module):
+        named = list(model_or_named_params.named_parameters())
+        embedding_ids, head_ids = _module_facts(model_or_named_params)
+        embedding_ids |= {id(p) for n, p in named if _looks_like_embedding(n)}
+    else:
+        named = list(model_or_named_params)
+        for item in named:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError("MuonHybrid needs an nn.Module or (name, parameter) pairs, "
+                                 f"e.g. model.named_parameters(); got an element {type(item).__name__}")
+        embedding_ids = {id(p) for n, p in named if _looks_like_embedding(n)}
+        head_ids = {id(p) for n, p in named if len(n.split(".")) >= 2 and n.split(".")[-2] in HEAD_NAMES}
+    overlap = set(muon_names) & set(adamw_names)
+    if overlap:
+        raise ValueError(f"parameters named in both muon_names and adamw_names: {sorted(overlap)}")
+    known = {n for n, _ in named}
+    unknown = (set(muon_names) | set(adamw_names)) - known
+    if unknown:
+        raise ValueError(f"muon_names/adamw_names mention unknown parameters {sorted(unknown)}; "
+                         f"known names: {sorted(known)}")
+    muon, adamw, seen = [], [], set()
+    for name, p in named:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name in muon_names:
+            use_muon = True
+            if p.ndim != 2:
+                raise ValueError(f"muon_names lists '{name}' of shape {tuple(p.shape)}, but Muon only "
+                                 "updates 2-D matrices; leave it to AdamW")
+        elif name in adamw_names:
+            use_muon = False
+        elif is_muon is not None:
+            use_muon = bool(is_muon(name, p))
+            if use_muon and p.ndim != 2:
+                raise ValueError(f"is_muon chose '{name}' of shape {tuple(p.shape)}, but Muon only "
+                                 "updates 2-D matrices")
+        else:
+            use_muon = p.ndim == 2 and id(p) not in embedding_ids and id(p) not in head_ids
+        (muon if use_muon else adamw).append((name, p))
+    return muon, adamw

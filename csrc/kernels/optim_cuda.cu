@@ -1,0 +1,241 @@
+// Multi-tensor CUDA optimizer kernels. One launch updates every tensor of the list: the host cuts
+// the list into chunks of (tensor, begin, end), uploads the tensor descriptions and the chunk table
+// to device memory on the caller's stream, and each block walks chunks in a grid-stride loop. The
+// arithmetic is optim_math.h, the same functions the CPU kernels call.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/optim_kernels.h"
+
+namespace asyncpp::kernels::optim {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 4096;
+
+#define ASYNCPP_CUDA_OK(expr)                                                                   \
+  do {                                                                                          \
+    cudaError_t err_ = (expr);                                                                  \
+    ASYNCPP_CHECK(err_ == cudaSuccess, "CUDA call ", #expr, " failed: ", cudaGetErrorString(err_)); \
+  } while (0)
+
+struct Chunk {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+// Tensor descriptions followed by the chunk table, in one device allocation.
+template <typename Entry>
+struct DeviceTable {
+  Entry* entries = nullptr;
+  Chunk* chunks = nullptr;
+  int64_t n_chunks = 0;
+  void* base = nullptr;
+  cudaStream_t stream = nullptr;
+
+  DeviceTable(const std::vector<Entry>& host_entries, cudaStream_t s) : stream(s) {
+    std::vector<Chunk> host_chunks;
+    for (size_t t = 0; t < host_entries.size(); ++t) {
+      const int64_t n = host_entries[t].numel;
+      for (int64_t b = 0; b < n; b += kChunk) host_chunks.push_back({int64_t(t), b, std::min(n, b + kChunk)});
+    }
+    n_chunks = int64_t(host_chunks.size());
+    if (n_chunks == 0) return;
+    const size_t entry_bytes = host_entries.size() * sizeof(Entry);
+    const size_t chunk_offset = (entry_bytes + alignof(Chunk) - 1) / alignof(Chunk) * alignof(Chunk);
+    const size_t total = chunk_offset + host_chunks.size() * sizeof(Chunk);
+    std::vector<unsigned char> staging(total);
+    std::memcpy(staging.data(), host_entries.data(), entry_bytes);
+    std::memcpy(staging.data() + chunk_offset, host_chunks.data(), host_chunks.size() * sizeof(Chunk));
+    ASYNCPP_CUDA_OK(cudaMallocAsync(&base, total, stream));
+    // From pageable memory the copy has left `staging` when this returns, so `staging` may die.
+    ASYNCPP_CUDA_OK(cudaMemcpyAsync(base, staging.data(), total, cudaMemcpyHostToDevice, stream));
+    entries = static_cast<Entry*>(base);
+    chunks = reinterpret_cast<Chunk*>(static_cast<unsigned char*>(base) + chunk_offset);
+  }
+  ~DeviceTable() {
+    if (base != nullptr) cudaFreeAsync(base, stream);  // stream-ordered: freed after the kernel
+  }
+  DeviceTable(const DeviceTable&) = delete;
+  DeviceTable& operator=(const DeviceTable&) = delete;
+
+  int blocks() const { return int(std::min<int64_t>(n_chunks, kMaxBlocks)); }
+};
+
+__global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, int64_t n_chunks) {
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    const Chunk ch = chunks[c];
+    const AdamWTensor t = tensors[ch.tensor];
+    for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += blockDim.x) {
+      float m = t.exp_avg[i], v = t.exp_avg_sq[i];
+      const float upd = adamw_direction(t.grad[i], m, v, t.s);
+      t.exp_avg[i] = m;
+      t.exp_avg_sq[i] = v;
+      const float w = t.param[i];
+      switch (t.ef_mode) {
+        case EfMode::off:
+          t.param[i] = apply_update<EfMode::off>(w, upd, t.neg_lr_wd, t.ef_beta, nullptr);
+          break;
+        case EfMode::first:
+          t.param[i] = apply_update<EfMode::first>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
+          break;
+        case EfMode::corrected:
+          t.param[i] = apply_update<EfMode::corrected>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
+          break;
+      }
+    }
+  }
+}
+
+__device__ float block_sum(float x) {
+  __shared__ float warp_sums[kThreads / 32];
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_down_sync(0xffffffffu, x, off);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = x;
+  __syncthreads();
+  float total = 0.0f;
+  if (warp == 0) {
+    total = lane < int(blockDim.x >> 5) ? warp_sums[lane] : 0.0f;
+    for (int off = 16; off > 0; off >>= 1) total += __shfl_down_sync(0xffffffffu, total, off);
+  }
+  __syncthreads();  // warp_sums is reused by the next chunk
+  return total;     // valid in thread 0
+}
+
+template <Storage kOut>
+__global__ void momentum_kernel(const MomentumTensor* tensors, const Chunk* chunks, int64_t n_chunks,
+                                float* sumsq) {
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    const Chunk ch = chunks[c];
+    const MomentumTensor t = tensors[ch.tensor];
+    float local = 0.0f;
+    for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += blockDim.x) {
+      float b = t.buf[i];
+      const float v = muon_momentum(t.grad[i], b, t.mu, t.nesterov);
+      t.buf[i] = b;
+      float stored;
+      if constexpr (kOut == Storage::f32) {
+        static_cast<float*>(t.out)[i] = v;
+        stored = v;
+      } else {
+        const uint16_t bits = float_to_bf16(v);
+        static_cast<uint16_t*>(t.out)[i] = bits;
+        stored = bf16_to_float(bits);
+      }
+      local += stored * stored;
+    }
+    if (sumsq != nullptr) {
+      const float total = block_sum(local);
+      if (threadIdx.x == 0) atomicAdd(sumsq + ch.tensor, total);
+    }
+  }
+}
+
+template <Storage kIn>
+__global__ void apply_kernel(const ApplyTensor* tensors, const Chunk* chunks, int64_t n_chunks) {
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    const Chunk ch = chunks[c];
+    const ApplyTensor t = tensors[ch.tensor];
+    for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += blockDim.x) {
+      float o;
+      if constexpr (kIn == Storage::f32) {
+        o = static_cast<const float*>(t.update)[i];
+      } else {
+        o = bf16_to_float(static_cast<const uint16_t*>(t.update)[i]);
+      }
+      const float upd = t.update_scale * o;
+      const float w = t.param[i];
+      switch (t.ef_mode) {
+        case EfMode::off:
+          t.param[i] = apply_update<EfMode::off>(w, upd, t.neg_lr_wd, t.ef_beta, nullptr);
+          break;
+        case EfMode::first:
+          t.param[i] = apply_update<EfMode::first>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
+          break;
+        case EfMode::corrected:
+          t.param[i] = apply_update<EfMode::corrected>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
+          break;
+      }
+    }
+  }
+}
+
+__global__ void nonfinite_kernel(const ConstTensor* tensors, const Chunk* chunks, int64_t n_chunks,
+                                 int* flags) {
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    const Chunk ch = chunks[c];
+    const float* x = tensors[ch.tensor].data;
+    bool bad = false;
+    for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += blockDim.x) bad |= !is_finite(x[i]);
+    if (__syncthreads_or(bad) && threadIdx.x == 0) flags[ch.tensor] = 1;
+  }
+}
+
+cudaStream_t as_stream(intptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+void adamw_step_cuda(const std::vector<AdamWTensor>& tensors, intptr_t stream) {
+  DeviceTable<AdamWTensor> table(tensors, as_stream(stream));
+  if (table.n_chunks == 0) return;
+  adamw_kernel<<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks, table.n_chunks);
+  ASYNCPP_CUDA_OK(cudaGetLastError());
+}
+
+void muon_momentum_cuda(const std::vector<MomentumTensor>& tensors, Storage out_storage, float* sumsq,
+                        intptr_t stream) {
+  DeviceTable<MomentumTensor> table(tensors, as_stream(stream));
+  if (sumsq != nullptr && !tensors.empty())
+    ASYNCPP_CUDA_OK(cudaMemsetAsync(sumsq, 0, tensors.size() * sizeof(float), table.stream));
+  if (table.n_chunks == 0) return;
+  if (out_storage == Storage::f32) {
+    momentum_kernel<Storage::f32><<<table.blocks(), kThreads, 0, table.stream>>>(
+        table.entries, table.chunks, table.n_chunks, sumsq);
+  } else {
+    momentum_kernel<Storage::bf16><<<table.blocks(), kThreads, 0, table.stream>>>(
+        table.entries, table.chunks, table.n_chunks, sumsq);
+  }
+  ASYNCPP_CUDA_OK(cudaGetLastError());
+}
+
+void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_storage, intptr_t stream) {
+  DeviceTable<ApplyTensor> table(tensors, as_stream(stream));
+  if (table.n_chunks == 0) return;
+  if (update_storage == Storage::f32) {
+    apply_kernel<Storage::f32><<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
+                                                                            table.n_chunks);
+  } else {
+    apply_kernel<Storage::bf16><<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
+                                                                             table.n_chunks);
+  }
+  ASYNCPP_CUDA_OK(cudaGetLastError());
+}
+
+int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t stream) {
+  if (tensors.empty()) return -1;
+  DeviceTable<ConstTensor> table(tensors, as_stream(stream));
+  int* flags = nullptr;
+  ASYNCPP_CUDA_OK(cudaMallocAsync(reinterpret_cast<void**>(&flags), tensors.size() * sizeof(int), table.stream));
+  ASYNCPP_CUDA_OK(cudaMemsetAsync(flags, 0, tensors.size() * sizeof(int), table.stream));
+  if (table.n_chunks > 0) {
+    nonfinite_kernel<<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
+                                                                     table.n_chunks, flags);
+    ASYNCPP_CUDA_OK(cudaGetLastError());
+  }
+  std::vector<int> host(tensors.size(), 0);
+  ASYNCPP_CUDA_OK(cudaMemcpyAsync(host.data(), flags, host.size() * sizeof(int), cudaMemcpyDeviceToHost,
+                                  table.stream));
+  ASYNCPP_CUDA_OK(cudaFreeAsync(flags, table.stream));
+  ASYNCPP_CUDA_OK(cudaStreamSynchronize(table.stream));
+  for (size_t t = 0; t < host.size(); ++t)
+    if (host[t]) return int64_t(t);
+  return -1;
+}
+
+}  // namespace asyncpp::kernels::optim

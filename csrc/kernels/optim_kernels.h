@@ -1,0 +1,75 @@
+// Multi-tensor optimizer kernels: one call updates a whole list of tensors. The bindings
+// (optim_bindings.cpp) have already checked every pointer, dtype, device and size; these functions
+// trust their input. CPU versions run OpenMP over fixed-size chunks of the flattened tensor list;
+// CUDA versions take the same descriptions plus the stream to launch on.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "kernels/optim_math.h"
+
+namespace asyncpp::kernels::optim {
+
+// Storage type of a Muon orthogonalisation buffer (V written by the momentum kernel, O read by the
+// apply kernel). Parameters, gradients and state are always float32.
+enum class Storage : int { f32 = 0, bf16 = 1 };
+
+struct AdamWTensor {
+  float* param;
+  const float* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* ef;          // error-feedback buffer, nullptr when ef_mode == off
+  int64_t numel;
+  AdamWScalars s;     // per tensor: the bias corrections depend on its own step count
+  float neg_lr_wd;    // -lr*wd
+  float ef_beta;
+  EfMode ef_mode;
+};
+
+struct MomentumTensor {
+  const float* grad;
+  float* buf;
+  void* out;          // V, in `Storage`
+  int64_t numel;
+  float mu;
+  bool nesterov;
+};
+
+struct ApplyTensor {
+  float* param;
+  const void* update;  // O, in `Storage`
+  float* ef;
+  int64_t numel;
+  float update_scale;  // -adjusted_lr
+  float neg_lr_wd;
+  float ef_beta;
+  EfMode ef_mode;
+};
+
+struct ConstTensor {
+  const float* data;
+  int64_t numel;
+};
+
+// ---- CPU --------------------------------------------------------------------------------------
+void adamw_step_cpu(const std::vector<AdamWTensor>& tensors);
+// Writes V for every tensor and, when sumsq != nullptr, sumsq[i] = sum of V_i^2 as stored
+// (after rounding to `out_storage`), which is what the orthogonalisation normalises by.
+void muon_momentum_cpu(const std::vector<MomentumTensor>& tensors, Storage out_storage, float* sumsq);
+void apply_update_cpu(const std::vector<ApplyTensor>& tensors, Storage update_storage);
+// Index of the first tensor holding a NaN or Inf, or -1.
+int64_t first_nonfinite_cpu(const std::vector<ConstTensor>& tensors);
+
+#ifdef ASYNCPP_WITH_CUDA
+// ---- CUDA (stream = cudaStream_t as an integer, 0 = legacy default stream) ---------------------
+// `sumsq` is a device pointer to float[tensors.size()]; it is zeroed and accumulated on `stream`.
+void adamw_step_cuda(const std::vector<AdamWTensor>& tensors, intptr_t stream);
+void muon_momentum_cuda(const std::vector<MomentumTensor>& tensors, Storage out_storage, float* sumsq,
+                        intptr_t stream);
+void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_storage, intptr_t stream);
+// Synchronises `stream` to read the answer back.
+int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t stream);
+#endif
+
+}  // namespace asyncpp::kernels::optim

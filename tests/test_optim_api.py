@@ -1,0 +1,190 @@
+"""Routing, the factory, state dicts, bad inputs and NaN/Inf handling of asyncpp_ext.optim."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.dlpack import to_dlpack
+
+from asyncpp_ext._ext import C
+from asyncpp_ext.optim import (AdamW, ErrorFeedback, Muon, MuonHybrid, NonFiniteGradientError,
+                               build_optimizer)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.ln(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        x = x + self.proj(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+        return x + self.out(torch.relu(self.fc(x)))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=32, d=16, layers=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(8, d))
+        self.blocks = nn.Sequential(*[Block(d) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        return self.lm_head(self.ln_f(self.blocks(self.tok(idx) + self.pos[: idx.shape[1]])))
+
+
+def loss_of(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 32, (2, 8), generator=gen)
+    return nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.roll(-1, 1).flatten())
+
+
+def hidden_matrix_names(layers=2):
+    return {f"blocks.{i}.{m}.weight" for i in range(layers) for m in ("qkv", "proj", "fc", "out")}
+
+
+def test_hybrid_routing_on_gpt():
+    model = TinyGPT()
+    opt = build_optimizer(model, "muon", lr=0.02, weight_decay=0.01)
+    groups = {g["algorithm"]: set(g["param_names"]) for g in opt.param_groups}
+    assert groups["muon"] == hidden_matrix_names()
+    assert groups["adamw"] == {n for n, _ in model.named_parameters()} - hidden_matrix_names()
+    assert opt.param_groups[1]["lr"] == 3e-4
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model).backward()
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_routing_on_a_pipeline_stage_and_overrides():
+    model = TinyGPT()
+    last_stage = nn.ModuleDict(dict(blocks=model.blocks[1:], ln_f=model.ln_f, lm_head=model.lm_head))
+    opt = build_optimizer(last_stage, "muon", lr=0.02)
+    groups = {g["algorithm"]: set(g["param_names"]) for g in opt.param_groups}
+    assert groups["muon"] == {f"blocks.1.{m}.weight" for m in ("qkv", "proj", "fc", "out")}
+    assert "lm_head.weight" in groups["adamw"]
+    middle = build_optimizer(model.blocks[0], "muon", lr=0.02)  # no embedding, no head
+    assert len(middle.param_groups) == 2
+    forced = MuonHybrid(model, adamw_names=["blocks.0.qkv.weight"], muon_names=["lm_head.weight"])
+    groups = {g["algorithm"]: set(g["param_names"]) for g in forced.param_groups}
+    assert "blocks.0.qkv.weight" in groups["adamw"] and "lm_head.weight" in groups["muon"]
+    with pytest.raises(ValueError, match="2-D"):
+        MuonHybrid(model, muon_names=["ln_f.weight"])
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw", "sgd"])
+def test_state_dict_round_trip_is_bitwise(name):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = build_optimizer(model, name, lr=0.01, weight_decay=0.01, ef_beta=0.5)
+    for s in range(3):
+        opt.zero_grad()
+        loss_of(model, s).backward()
+        opt.step()
+    twin = copy.deepcopy(model)
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = build_optimizer(twin, name, lr=0.01, weight_decay=0.01, ef_beta=0.5)
+    fresh.load_state_dict(saved)
+    keys = {k for st in opt.state.values() for k in st}
+    assert "ef_buffer" in keys and ("step" in keys or name == "sgd")
+    for s in range(3, 6):
+        for m, o in ((model, opt), (twin, fresh)):
+            o.zero_grad()
+            loss_of(m, s).backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw", "sgd"])
+def test_nonfinite_gradient_raises_and_changes_nothing(name):
+    model = TinyGPT()
+    opt = build_optimizer(model, name, lr=0.01, ef_beta=0.5)
+    loss_of(model).backward()
+    opt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    loss_of(model, 1).backward()
+    model.blocks[1].fc.weight.grad[3, 2] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"blocks\.1\.fc\.weight"):
+        opt.step()
+    model.blocks[1].fc.weight.grad.zero_()
+    model.ln_f.bias.grad[0] = float("-inf")
+    with pytest.raises(FloatingPointError, match=r"ln_f\.bias"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    after = opt.state_dict()
+    for pid, st in state["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, after["state"][pid][k]) if torch.is_tensor(v) else v == after["state"][pid][k]
+
+
+def test_bad_arguments_are_named():
+    model = TinyGPT()
+    with pytest.raises(ValueError, match=r"shape \(16,\).*AdamW"):
+        Muon([model.ln_f.weight])
+    for kwargs, word in ((dict(name="lion", lr=0.1), "name"), (dict(name="adamw", lr=-1.0), "lr"),
+                         (dict(name="muon", lr=0.0), "lr"), (dict(name="sgd", lr=0.1, momentum=1.0), "momentum"),
+                         (dict(name="muon", lr=0.1, momentum=-0.1), "momentum"),
+                         (dict(name="adamw", lr=0.1, weight_decay=-0.1), "weight_decay"),
+                         (dict(name="muon", lr=0.1, ef_beta=-0.5), "ef_beta"),
+                         (dict(name="muon", lr=0.1, adamw_lr=-3e-4), "adamw_lr")):
+        with pytest.raises(ValueError, match=word):
+            build_optimizer(model, **kwargs)
+    with pytest.raises(ValueError, match="beta"):
+        ErrorFeedback(torch.optim.SGD(model.parameters(), lr=0.1), -1.0)
+    with pytest.raises(ValueError, match="float32"):
+        AdamW([nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+
+
+def test_kernel_bindings_name_the_bad_argument():
+    p, g, m, v = (torch.zeros(4, 4) for _ in range(4))
+    k = C.optim
+    with pytest.raises(ValueError, match=r"grads\[0\]"):
+        k.adamw_step([to_dlpack(p)], [to_dlpack(torch.zeros(5))], [to_dlpack(m)], [to_dlpack(v)], [], [1], [],
+                     0.1, 0.9, 0.999, 1e-8, 0.0, 0.0)
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\].*contiguous"):
+        k.adamw_step([to_dlpack(p)], [to_dlpack(g)], [to_dlpack(torch.zeros(4, 4).T)], [to_dlpack(v)], [], [1],
+                     [], 0.1, 0.9, 0.999, 1e-8, 0.0, 0.0)
+    with pytest.raises(ValueError, match=r"momentum_bufs\[0\].*float32"):
+        k.muon_momentum([to_dlpack(g)], [to_dlpack(torch.zeros(4, 4, dtype=torch.float64))], [to_dlpack(m)],
+                        0.9, True)
+    with pytest.raises(ValueError, match="ef_bufs"):
+        k.apply_update([to_dlpack(p)], [to_dlpack(g)], [], [-0.1], [], 0.1, 0.0, 0.5)
+    with pytest.raises(ValueError, match="steps"):
+        k.adamw_step([to_dlpack(p)], [to_dlpack(g)], [to_dlpack(m)], [to_dlpack(v)], [], [0], [],
+                     0.1, 0.9, 0.999, 1e-8, 0.0, 0.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+def test_cuda_kernels_match_cpu(name):
+    torch.manual_seed(0)
+    cpu_model = TinyGPT()
+    gpu_model = copy.deepcopy(cpu_model).cuda()
+    kw = dict(lr=0.01, weight_decay=0.01, ef_beta=0.5)
+    if name == "muon":
+        kw["ns_dtype"] = torch.float32
+    opts = [build_optimizer(m, name, **kw) for m in (cpu_model, gpu_model)]
+    for s in range(4):
+        for m, o in zip((cpu_model, gpu_model), opts):
+            o.zero_grad()
+            loss_of(m, s).backward() if m is cpu_model else loss_of_cuda(m, s).backward()
+            o.step()
+    for a, b in zip(cpu_model.parameters(), gpu_model.parameters()):
+        assert ((a - b.cpu()).abs().max() / a.abs().max().clamp_min(1e-6)).item() < 1e-4
+    gpu_model.lm_head.weight.grad.fill_(float("nan"))
+    with pytest.raises(NonFiniteGradientError):
+        opts[1].step()
+
+
+def loss_of_cuda(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 32, (2, 8), generator=gen).cuda()
+    return nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.roll(-1, 1).flatten())
