@@ -4,11 +4,6 @@
 
 namespace asyncpp::core {
 
-int version_used(ScheduleKind kind, int global_step) {
-  if (kind == ScheduleKind::two_bw) return global_step > 0 ? global_step - 1 : 0;
-  return global_step;
-}
-
 std::vector<Instruction> segment_program(ScheduleKind kind, int stages, int microbatches, int steps,
                                          int stage, int first_step) {
   ASYNCPP_ARG_CHECK(stage >= 0 && stage < stages, "stage ", stage, " is out of range for ", stages,
@@ -18,7 +13,7 @@ std::vector<Instruction> segment_program(ScheduleKind kind, int stages, int micr
   std::vector<Instruction> program = std::move(schedule.programs[stage]);
   for (Instruction& ins : program) {
     ins.step += first_step;
-    ins.version = ins.op == Op::optimizer_step ? ins.step + 1 : version_used(kind, ins.step);
+    ins.version = ins.op == Op::optimizer_step ? ins.step + 1 : version_for_step(kind, ins.step);
   }
   return program;
 }

@@ -9,9 +9,6 @@
 
 namespace asyncpp::core {
 
-// The weight version a step's forward/backward use under `kind` (2bw: max(t-1, 0); sync: t).
-int version_used(ScheduleKind kind, int global_step);
-
 // Stage `stage`'s program for global steps [first_step, first_step + steps).
 std::vector<Instruction> segment_program(ScheduleKind kind, int stages, int microbatches, int steps,
                                          int stage, int first_step);
