@@ -66,11 +66,13 @@ class Pipeline:
         split_points: first block index of stages 1..S-1; default balances parameter counts.
         timeout_s: a receive or send that makes no progress for this long fails the run.
         recv_ahead: receives posted ahead of need per message kind (the receive-buffer budget).
+        track_memory: measure the peak bytes of in-flight activations (``host.memory_report()``).
     """
 
     def __init__(self, model, *, loss_fn: Callable, optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  schedule: str = "2bw", microbatches: int = 4, stages: int | None = None,
-                 split_points: Sequence[int] | None = None, timeout_s: float = 300.0, recv_ahead: int = 2):
+                 split_points: Sequence[int] | None = None, timeout_s: float = 300.0, recv_ahead: int = 2,
+                 track_memory: bool = False):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not dist.is_initialized():
@@ -94,7 +96,7 @@ class Pipeline:
         module = nn.Sequential(*[blocks[i] for i in self.block_indices])
         self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
                               microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
-                              batch_source=self._next_batch)
+                              batch_source=self._next_batch, track_memory=track_memory)
         self.transport = GlooTransport(self.host, self.stage_ranks)
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
         self.trace: list[tuple] = []

@@ -9,12 +9,15 @@ version and step it in place.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
+
+from .memory import ActivationMeter
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -61,7 +64,7 @@ class StageHost:
     def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: str, microbatches: int,
                  optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
                  loss_fn: Callable | None, batch_source: Callable[[int], tuple],
-                 on_step: Callable | None = None):
+                 on_step: Callable | None = None, track_memory: bool = False):
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
@@ -92,6 +95,8 @@ class StageHost:
             self.opt_params = params[0]
             self.optimizer = optimizer_factory(module) if numel else None  # a parameter-free stage
 
+        # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
+        self.activation_meter = ActivationMeter(exclude=self.flat) if track_memory else None
         self.in_sig: Signature | None = None   # set by the start-up handshake
         self.out_sig: Signature | None = None
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
@@ -114,6 +119,17 @@ class StageHost:
     def newest_replica(self) -> nn.Module:
         return self.replica_for(self.newest_version())
 
+    def memory_report(self) -> dict:
+        """Bytes held by this stage: weight versions, gradient buffer, optimizer state (incl. EF
+        buffers) and, when tracked, the peak of in-flight activations."""
+        from .memory import optimizer_state_bytes
+
+        return {"weights": sum(f.numel() * f.element_size() for f in self.flat),
+                "weight_versions": len(self.flat),
+                "grads": self.grad_flat.numel() * self.grad_flat.element_size(),
+                "optimizer_state": optimizer_state_bytes(self.optimizer),
+                "peak_activations": self.activation_meter.peak if self.activation_meter else None}
+
     # ---- data ------------------------------------------------------------------------------
     def _batch(self, step: int) -> tuple:
         if step not in self._batches:
@@ -128,7 +144,8 @@ class StageHost:
             self._check(x, self.in_sig, "input microbatch", step, mb)
         else:
             x = self._recv.pop((ACTIVATION, step, mb)).requires_grad_()
-        with torch.enable_grad():
+        tracking = self.activation_meter.track() if self.activation_meter else contextlib.nullcontext()
+        with torch.enable_grad(), tracking:
             out = replica(x)
             if self.is_last:
                 loss = self.loss_fn(out, self._batch(step)[1][mb])
