@@ -162,9 +162,12 @@ class GPT(nn.Module):
         super().__init__()
         cfg.validate()
         self.config = cfg
-        self.embed = Embedding(cfg)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.head = Head(cfg)
+        # torch's default module init draws from the global RNG; fork it so building a model
+        # never shifts the caller's random stream (reset_parameters overwrites those values).
+        with torch.random.fork_rng(devices=[]):
+            self.embed = Embedding(cfg)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.head = Head(cfg)
         self.reset_parameters(seed)
 
     @torch.no_grad()
