@@ -233,6 +233,26 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
     return cfg, resume_dir
 
 
+# Config fields and the flag that sets each, so a config complaint can name what to type.
+FIELD_FLAGS = {
+    "pipeline.schedule": "--schedule", "pipeline.stages": "--stages",
+    "pipeline.microbatches": "--microbatches", "pipeline.micro_batch_size": "--micro-batch-size",
+    "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
+    "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta",
+    "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
+    "train.ckpt_every": "--ckpt-every", "train.device": "--device", "model.n_layer": "--n-layer",
+    "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
+}
+
+
+def _name_flag(message: str) -> str:
+    """Prefix a config complaint with the flag that sets the field it starts with."""
+    for name, flag in FIELD_FLAGS.items():
+        if message.startswith(name):
+            return f"{flag}: {message}"
+    return message
+
+
 def main(argv=None) -> int:
     try:
         cfg, resume_dir = _resolve(argv)
@@ -242,6 +262,8 @@ def main(argv=None) -> int:
         return run_single_process(cfg, resume_dir)
     except (UsageError, ConfigError, DataError, CheckpointError) as exc:
         message = " ".join(str(exc).split())  # exactly one line
+        if isinstance(exc, ConfigError):
+            message = _name_flag(message)
         sys.stderr.write(f"{PROG}: error: {message}\n")
         return 2
     except NotImplementedError as exc:
