@@ -160,8 +160,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
     return found[-1][1]
 
 
-def load_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
-    """(meta, shards) of a checkpoint, after checking every shard's size and SHA-256."""
+def read_meta(ckpt_dir: str | os.PathLike) -> dict:
+    """The checkpoint's ``meta.json`` (step, config, data position, shard list), format-checked."""
     ckpt_dir = Path(ckpt_dir)
     meta_path = ckpt_dir / META_NAME
     try:
@@ -175,6 +175,16 @@ def load_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "shards" not in meta:
         raise CheckpointError(f"checkpoint {meta_path} is not format {FORMAT_VERSION}; it was "
                               "written by another version, resume it with that version")
+    missing = [k for k in ("step", "config", "data") if k not in meta]
+    if missing:
+        raise CheckpointError(f"checkpoint {meta_path} lacks {missing}; the checkpoint is damaged")
+    return meta
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
+    """(meta, shards) of a checkpoint, after checking every shard's size and SHA-256."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_meta(ckpt_dir)
     shards = []
     for stage, name in enumerate(sorted(meta["shards"])):
         info, path = meta["shards"][name], ckpt_dir / name
@@ -216,4 +226,4 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
 __all__ = ["FORMAT_VERSION", "CheckpointError", "checkpoint_path", "shard_name",
            "capture_rng_state", "restore_rng_state", "begin_checkpoint", "write_shard",
            "finalize_checkpoint", "save_checkpoint", "list_checkpoints", "latest_checkpoint",
-           "load_checkpoint", "check_resume_config"]
+           "read_meta", "load_checkpoint", "check_resume_config"]

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from .checkpoint import (CheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
-                         restore_rng_state)
+                         read_meta, restore_rng_state)
 from .config import OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from .models import GPT, PRESETS, preset_config
@@ -215,7 +215,7 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
             raise UsageError(f"--out {args.out} differs from --resume {args.resume}; a resumed "
                              "run continues in its own directory, drop --out")
         resume_dir = latest_checkpoint(run_dir)
-        meta, _ = load_checkpoint(resume_dir)
+        meta = read_meta(resume_dir)  # shards are verified when they are loaded
         try:
             saved = RunConfig.from_dict(meta["config"])
         except (ConfigError, TypeError, KeyError) as exc:
@@ -223,6 +223,9 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
         cfg = config_from_args(args, base=saved)
         cfg.train.out = str(run_dir)
         check_resume_config(resume_dir, meta["config"], cfg)
+        if cfg.train.steps < meta["step"]:
+            raise UsageError(f"--steps {cfg.train.steps} is before the checkpoint's step "
+                             f"{meta['step']} in {resume_dir}; pass --steps >= {meta['step']}")
     else:
         cfg = config_from_args(args)
         if args.out is None:

@@ -86,7 +86,7 @@ def finished_run(tmp_path_factory):
 def _setup(tmp_path, finished_run, kind):
     """Returns (argv, run_dir_that_must_stay_unchanged_or_None)."""
     out = str(tmp_path / "out")
-    if kind in ("corrupt", "truncate", "mismatch", "nockpt"):
+    if kind in ("corrupt", "truncate", "mismatch", "nockpt", "backwards"):
         run = tmp_path / "resumed"
         shutil.copytree(finished_run, run)
         shard = run / "ckpt-000003" / "stage-00.pt"
@@ -99,7 +99,8 @@ def _setup(tmp_path, finished_run, kind):
         elif kind == "nockpt":
             shutil.rmtree(run / "ckpt-000003")
         extra = ["--n-layer", "2"] if kind == "mismatch" else []
-        return ["--resume", str(run), "--steps", "6"] + extra, run
+        steps = "2" if kind == "backwards" else "6"
+        return ["--resume", str(run), "--steps", steps] + extra, run
     files = {"missing": None, "empty": b"", "short": b"hello world\n" * 10, "latin1": b"caf\xe9\n" * 500,
              "oddbin": b"\x01\x02\x03"}
     if kind in files:
@@ -124,6 +125,7 @@ BAD_INPUTS = [
     ("truncate", "stage-00.pt is truncated"),
     ("mismatch", "model.n_layer=1 but this run has 2"),
     ("nockpt", "no checkpoint"),
+    ("backwards", "--steps 2 is before the checkpoint's step 3"),
     ("--stages 4", "pipeline.stages=4 exceeds the model's 3 blocks"),
     ("--schedule 2bw --stages 3 --n-layer 2 --microbatches 2", "2bw needs microbatches >= stages"),
     ("--steps 0", "train.steps must be a positive integer"),
