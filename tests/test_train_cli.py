@@ -12,6 +12,16 @@ import torch
 
 from asyncpp_ext.train import main
 
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's
+    spinning threads made these runs 20-70x slower; the numbers do not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 FAST = ["--simulate", "--no-progress", "--n-layer", "1", "--micro-batch-size", "4",
         "--microbatches", "2"]
 
@@ -63,7 +73,7 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, sche
 
 
 def test_module_entry_point_and_help(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     ok = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--help"], capture_output=True,
                         text=True, env=env)
     assert ok.returncode == 0 and "--micro-batch-size" in ok.stdout and "default 2bw" in ok.stdout
@@ -79,7 +89,12 @@ def test_module_entry_point_and_help(tmp_path):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("base") / "run"
-    assert main(FAST + ["--steps", "3", "--out", str(run)]) == 0
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see _one_intra_op_thread (module fixtures set up before it)
+    try:
+        assert main(FAST + ["--steps", "3", "--out", str(run)]) == 0
+    finally:
+        torch.set_num_threads(before)
     return run
 
 
