@@ -257,12 +257,17 @@ def _name_flag(message: str) -> str:
 
 
 def main(argv=None) -> int:
+    cfg = None
     try:
         cfg, resume_dir = _resolve(argv)
         if cfg.pipeline.stages > 1 and not cfg.train.simulate:
             make_optimizer_factory(cfg)  # fail on a missing optimizer before anything starts
             return run_pipeline(cfg, resume_dir)
         return run_single_process(cfg, resume_dir)
+    except KeyboardInterrupt:
+        where = f"; continue with --resume {cfg.train.out}" if cfg is not None else ""
+        sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
+        return 130
     except (UsageError, ConfigError, DataError, CheckpointError) as exc:
         message = " ".join(str(exc).split())  # exactly one line
         if isinstance(exc, ConfigError):
