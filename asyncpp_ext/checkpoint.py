@@ -1,0 +1,229 @@
+"""Checkpoints of the whole asynchronous training state, written atomically.
+
+Layout inside a run directory::
+
+    ckpt-000100/            one directory per checkpoint (step = optimizer steps completed)
+        stage-00.pt         one shard per pipeline stage: torch.save of tensors and plain containers
+        stage-01.pt         ...
+        meta.json           written LAST: step, config, data position, shard sizes + SHA-256
+
+A shard holds ``{"format", "stage", "engine", "rng"}`` where ``engine`` is the step engine's state
+keyed by GLOBAL parameter names (``params``, ``stash`` = W(t-1) for 2bw, ``optimizer`` with its
+per-parameter state by name), so a checkpoint can be re-split at another pipeline depth.
+
+Atomicity: everything is written into a hidden temporary directory in the run directory (files
+fsync'ed, ``meta.json`` last), which is then renamed to ``ckpt-NNNNNN``. A crash before the rename
+leaves only the temporary directory, which readers ignore, so the previous checkpoint stays the
+latest loadable one. Shards are loaded with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from .config import RESUME_MUST_MATCH, ConfigError, RunConfig, get_field
+
+FORMAT_VERSION = 1
+META_NAME = "meta.json"
+_CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed; the message names the file or field and the fix."""
+
+
+def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / f"ckpt-{step:06d}"
+
+
+def shard_name(stage: int) -> str:
+    return f"stage-{stage:02d}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def capture_rng_state() -> dict:
+    """Global RNG states (torch CPU, CUDA when present, Python ``random``) as loadable tensors/lists."""
+    version, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- writing ------------------------------------------------------------------------------------
+def begin_checkpoint(run_dir: str | os.PathLike, step: int) -> Path:
+    """A fresh hidden temporary directory in ``run_dir`` into which every stage writes its shard."""
+    tmp = Path(run_dir) / f".tmp-ckpt-{step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left over from an interrupted write
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict | None = None) -> None:
+    """Write stage ``stage``'s shard into the temporary directory and fsync it."""
+    path = Path(tmp_dir) / shard_name(stage)
+    payload = {"format": FORMAT_VERSION, "stage": stage, "engine": engine_state,
+               "rng": capture_rng_state() if rng_state is None else rng_state}
+    with open(path, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def finalize_checkpoint(run_dir: str | os.PathLike, tmp_dir: Path, step: int, meta: dict) -> Path:
+    """Write ``meta.json`` (with the shards' sizes and hashes) last, then rename into place."""
+    tmp_dir = Path(tmp_dir)
+    shards = sorted(p.name for p in tmp_dir.glob("stage-*.pt"))
+    if not shards:
+        raise CheckpointError(f"{tmp_dir} holds no stage shard; write_shard must run first")
+    record = {**meta, "format": FORMAT_VERSION, "step": step,
+              "shards": {n: {"bytes": (tmp_dir / n).stat().st_size, "sha256": _sha256(tmp_dir / n)}
+                         for n in shards}}
+    with open(tmp_dir / META_NAME, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp_dir)
+    final = checkpoint_path(run_dir, step)
+    if final.exists():  # re-writing the same step (e.g. a resumed run's final checkpoint)
+        old = final.with_name(f".old-{final.name}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp_dir, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp_dir, final)
+    _fsync_dir(Path(run_dir))
+    return final
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, engine_states: list[dict],
+                    meta: dict) -> Path:
+    """Single-process convenience: all shards (one per stage, in order), then the metadata."""
+    tmp = begin_checkpoint(run_dir, step)
+    for stage, state in enumerate(engine_states):
+        write_shard(tmp, stage, state)
+    return finalize_checkpoint(run_dir, tmp, step, meta)
+
+
+# -- reading ------------------------------------------------------------------------------------
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Completed checkpoint directories of ``run_dir`` as (step, path), oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for entry in run_dir.iterdir():
+        match = _CKPT_RE.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"no checkpoint (ckpt-NNNNNN/) in {run_dir}; pass the --out "
+                              "directory of a run that saved one, or start a fresh run")
+    return found[-1][1]
+
+
+def read_meta(ckpt_dir: str | os.PathLike) -> dict:
+    """The checkpoint's ``meta.json`` (step, config, data position, shard list), format-checked."""
+    ckpt_dir = Path(ckpt_dir)
+    meta_path = ckpt_dir / META_NAME
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {ckpt_dir} has no {META_NAME} (incomplete write); "
+                              "delete that directory to resume from the previous one") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {meta_path} is unreadable or corrupted ({exc}); delete "
+                              f"{ckpt_dir} to resume from the previous checkpoint") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "shards" not in meta:
+        raise CheckpointError(f"checkpoint {meta_path} is not format {FORMAT_VERSION}; it was "
+                              "written by another version, resume it with that version")
+    missing = [k for k in ("step", "config", "data") if k not in meta]
+    if missing:
+        raise CheckpointError(f"checkpoint {meta_path} lacks {missing}; the checkpoint is damaged")
+    return meta
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
+    """(meta, shards) of a checkpoint, after checking every shard's size and SHA-256."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    shards = []
+    for stage, name in enumerate(sorted(meta["shards"])):
+        info, path = meta["shards"][name], ckpt_dir / name
+        if name != shard_name(stage):
+            raise CheckpointError(f"checkpoint {ckpt_dir} lists shard {name}, expected "
+                                  f"{shard_name(stage)}; the checkpoint is damaged")
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint shard {path} is missing; delete {ckpt_dir} to "
+                                  "resume from the previous checkpoint")
+        size = path.stat().st_size
+        if size != info["bytes"] or _sha256(path) != info["sha256"]:
+            what = "truncated" if size < info["bytes"] else "corrupted"
+            raise CheckpointError(f"checkpoint shard {path} is {what} ({size} bytes, "
+                                  f"{info['bytes']} expected or checksum differs); delete "
+                                  f"{ckpt_dir} to resume from the previous checkpoint")
+        try:
+            shards.append(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as exc:  # any unpickling failure means the same thing to the user
+            raise CheckpointError(f"checkpoint shard {path} cannot be loaded ({type(exc).__name__}:"
+                                  f" {str(exc).splitlines()[0] if str(exc) else ''}); delete "
+                                  f"{ckpt_dir} to resume from the previous checkpoint") from None
+    return meta, shards
+
+
+def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig) -> None:
+    """Raise CheckpointError naming the first field that would change the resumed run's numbers."""
+    try:
+        saved_cfg = RunConfig.from_dict(saved)
+    except (ConfigError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt_dir} holds an unusable config ({exc})") from None
+    for name in RESUME_MUST_MATCH:
+        before, now = get_field(saved_cfg, name), get_field(run, name)
+        if before != now:
+            raise CheckpointError(f"checkpoint {ckpt_dir} was written with {name}={before!r} but "
+                                  f"this run has {now!r}; resume with the same value (or leave "
+                                  "that flag out)")
+
+
+__all__ = ["FORMAT_VERSION", "CheckpointError", "checkpoint_path", "shard_name",
+           "capture_rng_state", "restore_rng_state", "begin_checkpoint", "write_shard",
+           "finalize_checkpoint", "save_checkpoint", "list_checkpoints", "latest_checkpoint",
+           "read_meta", "load_checkpoint", "check_resume_config"]

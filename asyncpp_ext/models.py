@@ -1,0 +1,212 @@
+"""A small GPT expressed as a list of blocks, so a pipeline partitioner can split it between stages.
+
+Layout (pre-norm, nanoGPT-like, no dropout, no weight tying)::
+
+    blocks[0]      Embedding     int64 (B, T)   -> float (B, T, C)   token + learned position
+    blocks[1..L]   Block         (B, T, C)      -> (B, T, C)         x + attn(ln(x)); x + mlp(ln(x))
+    blocks[L+1]    Head          (B, T, C)      -> (B, T, V)         final LayerNorm + linear head
+
+The embedding and the head are separate matrices because they live on different pipeline stages.
+``GPT.forward`` runs exactly these blocks in order, so a single process and a pipeline split
+execute the very same operations. Parameter names (``embed.tok.weight``, ``layers.3.attn.qkv.bias``,
+``head.proj.weight``...) are global: they do not depend on how the model is split.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the GPT. Every field is part of a checkpoint's identity."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 = raw bytes (the built-in corpus and text files)."""
+    seq_len: int = 32
+    """Context length T: the longest sequence the position embedding covers."""
+    n_layer: int = 2
+    """Number of transformer blocks (the model has n_layer + 2 pipeline blocks)."""
+    n_embd: int = 32
+    """Residual stream width C."""
+    n_head: int = 2
+    """Attention heads; must divide n_embd."""
+    mlp_ratio: int = 4
+    """Hidden width of the MLP as a multiple of n_embd."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init of embeddings and linear weights."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that cannot build a model."""
+        for name in ("vocab_size", "seq_len", "n_layer", "n_embd", "n_head", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}; "
+                             "pick a width that is a multiple of the head count")
+        if not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
+            raise ValueError(f"model.init_std must be a positive number, got {self.init_std!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        """How many pipeline blocks ``GPT.blocks()`` returns (embedding + layers + head)."""
+        return self.n_layer + 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS = {
+    # Tests: seconds on a laptop CPU.
+    "tiny": GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=32),
+    # Studies: the reference scale of the design notes (4 layers, width 128, context 64).
+    "small": GPTConfig(n_layer=4, n_embd=128, n_head=4, seq_len=64),
+}
+
+
+def preset_config(name: str, **overrides) -> GPTConfig:
+    """The preset ``name`` with any non-None ``overrides`` (n_layer, n_embd, n_head, seq_len...)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    known = {f.name for f in fields(GPTConfig)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(known)}")
+    cfg = replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+    cfg.validate()
+    return cfg
+
+
+class Embedding(nn.Module):
+    """Token ids (B, T) -> token embedding + learned position embedding (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.seq_len = cfg.seq_len
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() != 2:
+            raise ValueError(f"token ids must have shape (batch, time), got {tuple(idx.shape)}")
+        t = idx.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.seq_len}; "
+                             "shorten the input or build the model with a larger seq_len")
+        positions = torch.arange(t, device=idx.device)
+        return self.tok(idx) + self.pos(positions)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        # (B, T, C) -> (B, heads, T, C/heads)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm + linear projection to vocabulary logits: (B, T, C) -> (B, T, V)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.ln(x))
+
+
+class GPT(nn.Module):
+    """The GPT as ``blocks()``: embedding, ``n_layer`` transformer blocks, head."""
+
+    def __init__(self, cfg: GPTConfig, seed: int = 0):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        # torch's default module init draws from the global RNG; fork it so building a model
+        # never shifts the caller's random stream (reset_parameters overwrites those values).
+        with torch.random.fork_rng(devices=[]):
+            self.embed = Embedding(cfg)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+            self.head = Head(cfg)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init from ``seed`` with a private generator (the global RNG is untouched).
+
+        Normal(0, init_std) for embeddings and linear weights, with the residual output
+        projections scaled by 1/sqrt(2 * n_layer) (GPT-2) so the residual stream does not grow
+        with depth; zero biases; LayerNorm at identity.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():  # fixed order -> same values for the same seed
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln" in name or name.startswith("head.ln"):
+                p.fill_(1.0)
+            else:
+                is_residual_out = name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight")
+                values = torch.empty(p.shape, dtype=torch.float32)
+                values.normal_(0.0, residual_std if is_residual_out else std, generator=gen)
+                p.copy_(values)
+
+    def blocks(self) -> list[nn.Module]:
+        """The pipeline blocks in order: [Embedding, Block * n_layer, Head]."""
+        return [self.embed, *self.layers, self.head]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Run the blocks in order. Returns ``(logits, loss)``; ``loss`` is None without targets."""
+        x = idx
+        for block in self.blocks():
+            x = block(x)
+        return x, (None if targets is None else self.loss(x, targets))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over all (batch, time) positions."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+__all__ = ["GPTConfig", "PRESETS", "preset_config", "Embedding", "Block", "Head", "GPT"]

@@ -1,0 +1,175 @@
+"""Single-process reference of the update semantics (DESIGN.md section 1).
+
+* sync (also "gpipe", "1f1b"):  W(t+1) = W(t) - lr * U(grad f_t(W(t)))
+* 2bw:                          W(t+1) = W(t) - lr * U(grad f_t(W(t-1))),   W(-1) := W(0)
+
+One step consumes a minibatch of m microbatches. For each microbatch i = 0..m-1, in that order,
+forward on the version the schedule prescribes, then backward of ``loss_i / m`` accumulating into
+``.grad``; the step's loss is ``(loss_0 + ... + loss_{m-1}) / m``. The optimizer then steps the
+newest weights W(t) with those gradients. A multi-process pipeline run with the same data and the
+same accumulation order must reproduce these numbers to floating-point tolerance.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .config import SCHEDULES
+
+DELAYED_SCHEDULES = ("2bw",)
+
+
+def default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``model.loss(logits, targets)`` of a model whose forward returns logits (or (logits, _))."""
+    out = model(inputs)
+    logits = out[0] if isinstance(out, tuple) else out
+    return model.loss(logits, targets)
+
+
+class DelaySimulator:
+    """Step engine running the sync or 2bw update rule in one process.
+
+    For 2bw it keeps ``stash`` = W(t-1). During a step the stashed tensors are swapped into the
+    parameters (``p.data``) for the forward/backward passes and swapped back before the optimizer
+    step, so parameter identity (and the optimizer's per-parameter state) never changes.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: str,
+                 loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_loss):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        self.model = model
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.delayed = schedule in DELAYED_SCHEDULES
+        self.names = [n for n, _ in model.named_parameters()]
+        self.params = [p for _, p in model.named_parameters()]
+        self._check_optimizer_covers_model()
+        # W(-1) := W(0): the first delayed step computes its gradient on the initial weights.
+        self.stash = [p.detach().clone() for p in self.params] if self.delayed else []
+        self.steps_done = 0
+
+    def _check_optimizer_covers_model(self) -> None:
+        in_optimizer = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        missing = [n for n, p in zip(self.names, self.params) if id(p) not in in_optimizer]
+        if missing:
+            raise ValueError(f"the optimizer does not hold parameter(s) {missing[:3]}...; build it "
+                             "from this model's parameters")
+
+    def _swap_stash(self) -> None:
+        for p, other in zip(self.params, self.stash):
+            p.data, other.data = other.data, p.data
+
+    def step(self, minibatch: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step on ``minibatch`` (a list of (inputs, targets)); returns its loss."""
+        m = len(minibatch)
+        if m == 0:
+            raise ValueError("a minibatch needs at least one microbatch")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.delayed:
+            self._swap_stash()  # params <- W(t-1), stash <- W(t)
+        total = 0.0
+        try:
+            for inputs, targets in minibatch:
+                loss = self.loss_fn(self.model, inputs, targets)
+                (loss / m).backward()
+                total += loss.item()
+        finally:
+            if self.delayed:
+                self._swap_stash()  # params <- W(t), stash <- W(t-1)
+        if self.delayed:
+            with torch.no_grad():  # W(t) becomes the version the next step computes on
+                for p, old in zip(self.params, self.stash):
+                    old.copy_(p)
+        self.optimizer.step()
+        self.steps_done += 1
+        return total / m
+
+    @torch.no_grad()
+    def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss of the newest weights over ``batches`` (in eval mode, no gradients)."""
+        if not batches:
+            raise ValueError("eval_loss needs at least one batch")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            total = sum(self.loss_fn(self.model, x, y).item() for x, y in batches)
+        finally:
+            self.model.train(was_training)
+        return total / len(batches)
+
+    # -- state: keyed by global parameter names so a checkpoint can be re-split later ------------
+    def state_dict(self) -> dict:
+        """Weights (newest, and W(t-1) for 2bw), optimizer state by parameter name, step count."""
+        return {
+            "schedule": self.schedule,
+            "steps_done": self.steps_done,
+            "params": {n: p.detach().clone() for n, p in zip(self.names, self.params)},
+            "stash": {n: s.clone() for n, s in zip(self.names, self.stash)},
+            "optimizer": optimizer_state_by_name(self.optimizer, self.model),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("schedule") != self.schedule:
+            raise ValueError(f"state was saved with schedule {state.get('schedule')!r}, this "
+                             f"simulator runs {self.schedule!r}; use the same schedule")
+        _check_names("params", state["params"], self.names)
+        if self.delayed:
+            _check_names("stash", state["stash"], self.names)
+        with torch.no_grad():
+            for n, p in zip(self.names, self.params):
+                p.copy_(state["params"][n])
+            for n, s in zip(self.names, self.stash):
+                s.copy_(state["stash"][n])
+        load_optimizer_state_by_name(self.optimizer, self.model, state["optimizer"])
+        self.steps_done = int(state["steps_done"])
+
+
+def _check_names(what: str, saved: dict, expected: list[str]) -> None:
+    if set(saved) != set(expected):
+        missing = sorted(set(expected) - set(saved))[:3]
+        extra = sorted(set(saved) - set(expected))[:3]
+        raise ValueError(f"saved {what} do not match the model (missing {missing}, unexpected "
+                         f"{extra}); load a state saved from the same model shape")
+
+
+def _param_order(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
+    """Global names of the optimizer's parameters in its state_dict index order."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """``optimizer.state_dict()`` with parameter indices replaced by global parameter names."""
+    order = _param_order(optimizer, model)
+    raw = optimizer.state_dict()
+    return {
+        "state": {order[i]: dict(s) for i, s in raw["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
+                         for g in raw["param_groups"]],
+    }
+
+
+def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: nn.Module,
+                                 state: dict) -> None:
+    """Inverse of ``optimizer_state_by_name`` for an optimizer built the same way."""
+    order = _param_order(optimizer, model)
+    index = {n: i for i, n in enumerate(order)}
+    named = set(state["state"]) | {n for g in state["param_groups"] for n in g["params"]}
+    unknown = sorted(named - set(index))
+    if unknown:
+        raise ValueError(f"optimizer state names parameter(s) {unknown[:3]} this optimizer does "
+                         "not hold; build the optimizer the same way as the saved run")
+    optimizer.load_state_dict({
+        "state": {index[n]: s for n, s in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                         for g in state["param_groups"]],
+    })
+
+
+__all__ = ["DelaySimulator", "default_loss", "optimizer_state_by_name",
+           "load_optimizer_state_by_name", "DELAYED_SCHEDULES"]

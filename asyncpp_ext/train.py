@@ -1,0 +1,283 @@
+"""``asyncpp-train``: train the GPT with a pipeline schedule, or simulate that schedule in one process.
+
+With no arguments it trains the tiny GPT on the built-in corpus for a few seconds. Outputs in the
+run directory (--out): metrics.jsonl (one JSON row per step), config.json, loss.png and checkpoints
+ckpt-NNNNNN/ (every --ckpt-every steps and at the end). ``--resume DIR`` continues DIR's run from its
+latest checkpoint exactly as if it had never stopped.
+
+Every bad input ends with one line ``asyncpp-train: error: ...`` on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .checkpoint import (CheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
+                         read_meta, restore_rng_state)
+from .config import OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
+from .models import GPT, PRESETS, preset_config
+from .simulate import DelaySimulator
+from .trainer import CONFIG_NAME, METRICS_NAME, Trainer, truncate_metrics, write_text_atomic
+
+PROG = "asyncpp-train"
+OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
+_D = RunConfig()  # the documented defaults
+
+
+class UsageError(ValueError):
+    """Bad command line (argparse's complaints, conflicting flags, unusable --out)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump: the caller prints it
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Defaults are None so that the flags a user typed can be told apart (needed by --resume,
+    # which takes every unset value from the checkpoint); the real defaults are shown in help.
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    pipe, opt, run = (p.add_argument_group(t) for t in ("pipeline", "optimizer", "run"))
+    pipe.add_argument("--schedule", choices=SCHEDULES,
+                      help=f"sync|gpipe|1f1b: no delay; 2bw: one-step weight delay, no flush "
+                           f"(default {_D.pipeline.schedule})")
+    pipe.add_argument("--stages", type=int, help=f"pipeline stages (default {_D.pipeline.stages})")
+    pipe.add_argument("--microbatches", type=int,
+                      help=f"microbatches per step; 2bw needs >= stages (default {_D.pipeline.microbatches})")
+    pipe.add_argument("--micro-batch-size", type=int,
+                      help=f"sequences per microbatch (default {_D.pipeline.micro_batch_size})")
+    opt.add_argument("--optimizer", choices=OPTIMIZERS, help=f"default {_D.optim.name}")
+    opt.add_argument("--lr", type=float, help=f"learning rate (default {_D.optim.lr})")
+    opt.add_argument("--adamw-lr", type=float,
+                     help="lr of muon's AdamW part (embeddings, head, norms, biases); default = --lr")
+    opt.add_argument("--weight-decay", type=float, help=f"default {_D.optim.weight_decay}")
+    opt.add_argument("--ef-beta", type=float,
+                     help=f"error-feedback delay correction strength, 0 = off (default {_D.optim.ef_beta})")
+    run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
+    run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
+    run.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
+                                    "file, or a uint16 .bin token file (default builtin)")
+    run.add_argument("--model", choices=sorted(PRESETS),
+                     help="preset: tiny (2 layers, width 32, 2 heads, seq 32) or small (4, 128, 4, "
+                          "64) (default tiny)")
+    for flag in ("n-layer", "n-embd", "n-head", "seq-len"):
+        run.add_argument(f"--{flag}", type=int, help="override the preset's value")
+    run.add_argument("--eval-every", type=int,
+                     help=f"eval every K steps and at the end, 0 = end only (default {_D.train.eval_every})")
+    run.add_argument("--ckpt-every", type=int,
+                     help=f"checkpoint every K steps and at the end, 0 = end only (default {_D.train.ckpt_every})")
+    run.add_argument("--out", help="run directory (default runs/YYYYmmdd-HHMMSS; with --resume, "
+                                   "the resumed directory)")
+    run.add_argument("--resume", metavar="DIR",
+                     help="continue DIR's run from its latest checkpoint up to --steps; flags "
+                          "left out are taken from the checkpoint")
+    run.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
+    run.add_argument("--simulate", action="store_true", default=None,
+                     help="run the schedule's update rule in one process (delay simulator)")
+    run.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None) -> RunConfig:
+    """``base`` (defaults, or a resumed run's config) with every flag the user gave applied."""
+    cfg = RunConfig.from_dict((base or RunConfig()).to_dict())  # a private copy
+    model = PRESETS[args.model] if args.model is not None else cfg.model
+    cfg.model = replace(model, **{k: v for k, v in (("n_layer", args.n_layer),
+                                                    ("n_embd", args.n_embd),
+                                                    ("n_head", args.n_head),
+                                                    ("seq_len", args.seq_len)) if v is not None})
+    sets = {
+        ("pipeline", "schedule"): args.schedule, ("pipeline", "stages"): args.stages,
+        ("pipeline", "microbatches"): args.microbatches,
+        ("pipeline", "micro_batch_size"): args.micro_batch_size,
+        ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
+        ("optim", "adamw_lr"): args.adamw_lr, ("optim", "weight_decay"): args.weight_decay,
+        ("optim", "ef_beta"): args.ef_beta, ("train", "steps"): args.steps,
+        ("train", "seed"): args.seed, ("data", "source"): args.data,
+        ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
+        ("train", "out"): args.out, ("train", "device"): args.device,
+        ("train", "simulate"): args.simulate,
+        ("train", "progress"): None if args.no_progress is None else not args.no_progress,
+    }
+    for (section, name), value in sets.items():
+        if value is not None:
+            setattr(getattr(cfg, section), name, value)
+    cfg.train.resume = args.resume
+    return cfg
+
+
+def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
+    """``(module) -> optimizer`` for cfg.optim: the project's optimizers when installed, otherwise
+    torch.optim.AdamW / SGD(momentum); muon and error feedback need the project's optimizers."""
+    o = cfg.optim
+    try:
+        from asyncpp_ext.optim import build_optimizer
+    except ImportError:
+        build_optimizer = None
+    if build_optimizer is not None:
+        return lambda module: build_optimizer(module, o.name, o.lr, weight_decay=o.weight_decay,
+                                              ef_beta=o.ef_beta, adamw_lr=o.adamw_lr)
+    if o.name == "muon" or o.ef_beta != 0:
+        what = "--optimizer muon" if o.name == "muon" else "--ef-beta > 0"
+        raise ConfigError(f"{what} needs the asyncpp_ext.optim module, which is missing from this "
+                          "installation; use --optimizer adamw|sgd with --ef-beta 0")
+    if o.name == "adamw":
+        return lambda module: torch.optim.AdamW(module.parameters(), lr=o.lr,
+                                                weight_decay=o.weight_decay)
+    return lambda module: torch.optim.SGD(module.parameters(), lr=o.lr, momentum=o.momentum,
+                                          weight_decay=o.weight_decay)
+
+
+def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
+    """Multi-process pipeline training (one process per stage)."""
+    raise NotImplementedError("multi-process runtime not merged yet")
+
+
+def _prepare_run_dir(cfg: RunConfig, resuming: bool) -> Path:
+    """Create (or check) the run directory only after every other check passed."""
+    out = Path(cfg.train.out)
+    if not resuming and out.exists() and ((out / METRICS_NAME).exists() or any(out.glob("ckpt-*"))):
+        raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or "
+                         "choose another --out")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        if created and out.is_dir():
+            out.rmdir()
+        raise UsageError(f"cannot write to --out {out} ({exc.strerror or exc}); choose a "
+                         "writable directory") from None
+    return out
+
+
+def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
+    """Simulated (or single-stage) training: the DelaySimulator under the shared Trainer."""
+    factory = make_optimizer_factory(cfg)
+    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
+    p = cfg.pipeline
+    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, p.micro_batch_size,
+                                             cfg.model.seq_len, source=cfg.data.source)
+    stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
+                         seed=cfg.train.seed)
+    eval_set = eval_batches(eval_tokens, p.micro_batch_size, cfg.model.seq_len,
+                            cfg.data.eval_batches)
+    model = GPT(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
+    engine = DelaySimulator(model, factory(model), p.schedule)
+    start_step, elapsed = 0, 0.0
+    if resume_dir is not None:
+        meta, shards = load_checkpoint(resume_dir)
+        try:
+            engine.load_state_dict(shards[0]["engine"])
+            stream.load_state_dict(meta["data"])
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {resume_dir} does not fit this run "
+                                  f"({str(exc).splitlines()[0]})") from None
+        start_step, elapsed = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
+    out = _prepare_run_dir(cfg, resuming=resume_dir is not None)
+    if resume_dir is not None:
+        truncate_metrics(out, start_step)
+        restore_rng_state(shards[0]["rng"])
+    write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
+    trainer = Trainer(cfg, engine, stream, eval_set, out, start_step=start_step,
+                      elapsed_s=elapsed, device=cfg.train.device)
+    rows = trainer.run()
+    last = rows[-1] if rows else None
+    if last is None:
+        print(f"{out}: already at step {start_step} of {cfg.train.steps}; nothing to do")
+    else:
+        shown = f" eval_loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
+        print(f"{out}: step {last['step']} loss {last['loss']:.4f}{shown} "
+              f"({last['elapsed_s']:.1f} s, {cfg.pipeline.schedule}, {cfg.optim.name})")
+    return 0
+
+
+def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
+    args = build_parser().parse_args(argv)
+    resume_dir = None
+    if args.resume is not None:
+        run_dir = Path(args.resume)
+        if not run_dir.is_dir():
+            raise UsageError(f"--resume {run_dir} is not a directory; pass the --out directory "
+                             "of an earlier run")
+        if args.out is not None and Path(args.out).resolve() != run_dir.resolve():
+            raise UsageError(f"--out {args.out} differs from --resume {args.resume}; a resumed "
+                             "run continues in its own directory, drop --out")
+        resume_dir = latest_checkpoint(run_dir)
+        meta = read_meta(resume_dir)  # shards are verified when they are loaded
+        try:
+            saved = RunConfig.from_dict(meta["config"])
+        except (ConfigError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {resume_dir} holds an unusable config ({exc})") from None
+        cfg = config_from_args(args, base=saved)
+        cfg.train.out = str(run_dir)
+        check_resume_config(resume_dir, meta["config"], cfg)
+        if cfg.train.steps < meta["step"]:
+            raise UsageError(f"--steps {cfg.train.steps} is before the checkpoint's step "
+                             f"{meta['step']} in {resume_dir}; pass --steps >= {meta['step']}")
+    else:
+        cfg = config_from_args(args)
+        if args.out is None:
+            cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    cfg.validate()
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA GPU is visible; use --device cpu")
+    return cfg, resume_dir
+
+
+# Config fields and the flag that sets each, so a config complaint can name what to type.
+FIELD_FLAGS = {
+    "pipeline.schedule": "--schedule", "pipeline.stages": "--stages",
+    "pipeline.microbatches": "--microbatches", "pipeline.micro_batch_size": "--micro-batch-size",
+    "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
+    "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta",
+    "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
+    "train.ckpt_every": "--ckpt-every", "train.device": "--device", "model.n_layer": "--n-layer",
+    "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
+}
+
+
+def _name_flag(message: str) -> str:
+    """Prefix a config complaint with the flag that sets the field it starts with."""
+    for name, flag in FIELD_FLAGS.items():
+        if message.startswith(name):
+            return f"{flag}: {message}"
+    return message
+
+
+def main(argv=None) -> int:
+    cfg = None
+    try:
+        cfg, resume_dir = _resolve(argv)
+        if cfg.pipeline.stages > 1 and not cfg.train.simulate:
+            make_optimizer_factory(cfg)  # fail on a missing optimizer before anything starts
+            return run_pipeline(cfg, resume_dir)
+        return run_single_process(cfg, resume_dir)
+    except KeyboardInterrupt:
+        where = f"; continue with --resume {cfg.train.out}" if cfg is not None else ""
+        sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
+        return 130
+    except (UsageError, ConfigError, DataError, CheckpointError) as exc:
+        message = " ".join(str(exc).split())  # exactly one line
+        if isinstance(exc, ConfigError):
+            message = _name_flag(message)
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        return 2
+    except NotImplementedError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}; run with --simulate (one process) or --stages 1\n")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

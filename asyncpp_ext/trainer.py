@@ -1,0 +1,160 @@
+"""The per-step bookkeeping shared by every way of running steps: metrics, evaluation, checkpoints,
+progress. What actually computes a step is a *step engine* (the single-process ``DelaySimulator``
+today, a pipeline stage driver later) with the ``StepEngine`` interface below.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+
+from .checkpoint import save_checkpoint
+from .config import RunConfig
+from .data import BatchStream
+
+METRICS_NAME = "metrics.jsonl"
+CONFIG_NAME = "config.json"
+PLOT_NAME = "loss.png"
+
+
+class StepEngine(Protocol):
+    def step(self, minibatch: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float: ...
+
+    def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file + rename, so readers never see a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / METRICS_NAME
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
+    """Drop metrics rows after ``last_step`` (steps a resumed run will compute again)."""
+    path = Path(run_dir) / METRICS_NAME
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def plot_losses(run_dir: str | os.PathLike) -> Path:
+    """loss.png: training loss per step and eval loss at eval steps, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", linewidth=1)
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(run_dir) / PLOT_NAME
+    tmp = path.with_name(".loss.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+class Trainer:
+    """Runs ``engine`` from ``start_step`` to ``cfg.train.steps``, writing into ``run_dir``.
+
+    Step numbers count completed optimizer steps: the row ``step = k`` reports the loss of the
+    k-th minibatch, and checkpoint ``ckpt-k`` holds the state after k steps.
+    """
+
+    def __init__(self, cfg: RunConfig, engine: StepEngine, stream: BatchStream,
+                 eval_set: Sequence[tuple[torch.Tensor, torch.Tensor]], run_dir: str | os.PathLike,
+                 start_step: int = 0, elapsed_s: float = 0.0, device: str = "cpu",
+                 checkpoint_fn: Optional[Callable[[int, dict], Path]] = None):
+        self.cfg = cfg
+        self.engine = engine
+        self.stream = stream
+        self.device = torch.device(device)
+        self.eval_set = [(x.to(self.device), y.to(self.device)) for x, y in eval_set]
+        self.run_dir = Path(run_dir)
+        self.step = start_step
+        self.elapsed_before = elapsed_s
+        # How a checkpoint gets written; a pipeline run replaces this with per-stage shards.
+        self.checkpoint_fn = checkpoint_fn or self._save_single_process
+        p = cfg.pipeline
+        self.tokens_per_step = p.microbatches * p.micro_batch_size * cfg.model.seq_len
+
+    def _save_single_process(self, step: int, meta: dict) -> Path:
+        return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta)
+
+    def _is_due(self, every: int) -> bool:
+        return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
+
+    def save(self, elapsed_s: float) -> Path:
+        meta = {"config": self.cfg.to_dict(), "data": self.stream.state_dict(),
+                "elapsed_s": elapsed_s, "num_stages": 1}
+        return self.checkpoint_fn(self.step, meta)
+
+    def run(self) -> list[dict]:
+        """Train to ``cfg.train.steps``; returns the metrics rows written by this call."""
+        total = self.cfg.train.steps
+        rows = []
+        show = self.cfg.train.progress and sys.stderr.isatty()
+        bar = None
+        if show and total > self.step:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, initial=self.step, desc="train", unit="step", file=sys.stderr)
+        start = time.perf_counter()
+        with open(self.run_dir / METRICS_NAME, "a") as metrics:
+            while self.step < total:
+                minibatch = [(x.to(self.device), y.to(self.device)) for x, y in self.stream.next()]
+                loss = self.engine.step(minibatch)
+                self.step += 1
+                elapsed = self.elapsed_before + time.perf_counter() - start
+                row = {"step": self.step, "loss": loss, "lr": self.cfg.optim.lr,
+                       "tokens": self.step * self.tokens_per_step, "elapsed_s": round(elapsed, 4)}
+                if self.eval_set and self._is_due(self.cfg.train.eval_every):
+                    row["eval_loss"] = self.engine.eval_loss(self.eval_set)
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                rows.append(row)
+                if self._is_due(self.cfg.train.ckpt_every):
+                    os.fsync(metrics.fileno())  # metrics up to a checkpoint survive with it
+                    self.save(elapsed)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}")
+        if bar is not None:
+            bar.close()
+        plot_losses(self.run_dir)
+        return rows
+
+
+__all__ = ["StepEngine", "Trainer", "METRICS_NAME", "CONFIG_NAME", "PLOT_NAME",
+           "read_metrics", "truncate_metrics", "plot_losses", "write_text_atomic"]

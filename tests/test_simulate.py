@@ -1,0 +1,171 @@
+"""The single-process reference of the update rules: sync and 2bw (one-step weight delay)."""
+import copy
+
+import pytest
+import torch
+
+from asyncpp_ext.models import GPT, preset_config
+from asyncpp_ext.simulate import DelaySimulator
+
+CFG = preset_config("tiny", n_layer=1, n_embd=16, seq_len=8)
+M = 3
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's
+    spinning threads made these runs 20-70x slower; the numbers do not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _minibatches(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        mb = []
+        for _ in range(M):
+            block = torch.randint(0, 256, (2, CFG.seq_len + 1), generator=gen)
+            mb.append((block[:, :-1], block[:, 1:]))
+        out.append(mb)
+    return out
+
+
+def _sim(schedule, opt="adamw"):
+    model = GPT(CFG, seed=0)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if opt == "adamw"
+                 else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    return DelaySimulator(model, optimizer, schedule)
+
+
+def _hand_written_delayed_run(batches, opt_name):
+    """W(t+1) = W(t) - lr U(grad f_t(W(t-1))): gradients on a separate copy holding W(t-1)."""
+    model = GPT(CFG, seed=0)
+    old = copy.deepcopy(model)  # W(-1) = W(0)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if opt_name == "adamw"
+                 else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    losses = []
+    for mb in batches:
+        old.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in mb:
+            logits, loss = old(x, y)
+            (loss / len(mb)).backward()
+            total += loss.item()
+        losses.append(total / len(mb))
+        for p, q in zip(model.parameters(), old.parameters()):
+            p.grad = q.grad.clone()
+        old.load_state_dict(model.state_dict())  # W(t) is what the next step differentiates
+        optimizer.step()
+    return losses, model
+
+
+def _hand_written_sync_run(batches):
+    model = GPT(CFG, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for mb in batches:
+        optimizer.zero_grad()
+        total = 0.0
+        for x, y in mb:
+            _, loss = model(x, y)
+            (loss / len(mb)).backward()
+            total += loss.item()
+        losses.append(total / len(mb))
+        optimizer.step()
+    return losses, model
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_2bw_equals_an_independent_delayed_update_loop(opt):
+    batches = _minibatches(5)
+    sim = _sim("2bw", opt)
+    losses = [sim.step(mb) for mb in batches]
+    ref_losses, ref_model = _hand_written_delayed_run(batches, opt)
+    assert losses == ref_losses
+    for (name, p), q in zip(sim.model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("schedule", ["sync", "gpipe", "1f1b"])
+def test_synchronous_schedules_equal_plain_training(schedule):
+    batches = _minibatches(4)
+    sim = _sim(schedule)
+    losses = [sim.step(mb) for mb in batches]
+    ref_losses, ref_model = _hand_written_sync_run(batches)
+    assert losses == ref_losses
+    for p, q in zip(sim.model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_2bw_matches_sync_for_one_step_then_diverges():
+    batches = _minibatches(3)
+    sync, delayed = _sim("sync"), _sim("2bw")
+    assert sync.step(batches[0]) == delayed.step(batches[0])  # W(-1) = W(0)
+    for p, q in zip(sync.model.parameters(), delayed.model.parameters()):
+        assert torch.equal(p, q)  # W(1) = W(0) - lr U(g(W(0))) in both
+    assert sync.step(batches[1]) != delayed.step(batches[1])  # f_1(W(1)) vs f_1(W(0))
+    assert any(not torch.equal(p, q) for p, q in zip(sync.model.parameters(), delayed.model.parameters()))
+
+
+@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+def test_state_dict_round_trip_continues_bitwise(schedule):
+    batches = _minibatches(6)
+    sim = _sim(schedule)
+    for mb in batches[:3]:
+        sim.step(mb)
+    state = copy.deepcopy(sim.state_dict())
+    expected = [sim.step(mb) for mb in batches[3:]]
+    resumed = _sim(schedule)
+    resumed.load_state_dict(state)
+    assert resumed.steps_done == 3
+    assert [resumed.step(mb) for mb in batches[3:]] == expected
+    names = {n for n, _ in sim.model.named_parameters()}
+    assert set(state["params"]) == names and set(state["optimizer"]["state"]) == names
+    if schedule == "2bw":
+        assert set(state["stash"]) == names  # W(t-1) is part of the asynchronous state
+        assert any(not torch.equal(state["stash"][n], state["params"][n]) for n in names)
+
+
+def test_stash_is_required_to_resume_2bw_exactly():
+    batches = _minibatches(5)
+    sim = _sim("2bw")
+    for mb in batches[:3]:
+        sim.step(mb)
+    state = copy.deepcopy(sim.state_dict())
+    expected = sim.step(batches[3])
+    state["stash"] = {n: t.clone() for n, t in state["params"].items()}  # forget W(t-1)
+    wrong = _sim("2bw")
+    wrong.load_state_dict(state)
+    assert wrong.step(batches[3]) != expected
+
+
+def test_eval_loss_uses_newest_weights_without_touching_gradients_or_state():
+    batches = _minibatches(2)
+    sim = _sim("2bw")
+    sim.step(batches[0])
+    before = [p.clone() for p in sim.model.parameters()]
+    value = sim.eval_loss(batches[1])
+    with torch.no_grad():
+        direct = sum(sim.model(x, y)[1].item() for x, y in batches[1]) / M
+    assert value == direct
+    assert all(torch.equal(a, b) for a, b in zip(before, sim.model.parameters()))
+
+
+def test_bad_arguments():
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match="schedule"):
+        DelaySimulator(model, torch.optim.SGD(model.parameters(), lr=0.1), "async")
+    with pytest.raises(ValueError, match="does not hold parameter"):
+        DelaySimulator(model, torch.optim.SGD(list(model.parameters())[:2], lr=0.1), "sync")
+    sim = DelaySimulator(model, torch.optim.SGD(model.parameters(), lr=0.1), "sync")
+    with pytest.raises(ValueError, match="schedule '2bw'"):
+        sim.load_state_dict({**sim.state_dict(), "schedule": "2bw"})
+    other = GPT(preset_config("tiny", n_layer=2, n_embd=16, seq_len=8))
+    other_sim = DelaySimulator(other, torch.optim.SGD(other.parameters(), lr=0.1), "sync")
+    with pytest.raises(ValueError, match="same model shape"):
+        sim.load_state_dict(other_sim.state_dict())
+    with pytest.raises(ValueError, match="at least one microbatch"):
+        sim.step([])

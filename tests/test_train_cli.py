@@ -1,0 +1,200 @@
+"""asyncpp-train end to end on the tiny model: learning, outputs, exact resume, bad inputs."""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncpp_ext.train import main
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's
+    spinning threads made these runs 20-70x slower; the numbers do not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+FAST = ["--simulate", "--no-progress", "--n-layer", "1", "--micro-batch-size", "4",
+        "--microbatches", "2"]
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_adamw_run_lowers_loss_and_writes_its_outputs(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["--simulate", "--no-progress", "--optimizer", "adamw", "--lr", "3e-3", "--steps", "60",
+               "--eval-every", "20", "--ckpt-every", "25", "--out", str(out)])
+    assert rc == 0
+    assert capsys.readouterr().err == ""  # stderr is not a TTY: no progress bar
+    rows = _metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    assert [r["step"] for r in rows if "eval_loss" in r] == [20, 40, 60]
+    assert rows[-1]["tokens"] == 60 * 4 * 8 * 32
+    assert all(set(r) >= {"step", "loss", "lr", "tokens", "elapsed_s"} for r in rows)
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert first > math.log(256) - 0.2  # starts near uniform over bytes
+    assert last < first - 1.5, (first, last)
+    assert rows[-1]["eval_loss"] < rows[0]["loss"] - 1.5
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ckpt-000025", "ckpt-000050", "ckpt-000060", "config.json", "loss.png", "metrics.jsonl"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["pipeline"]["schedule"] == "2bw" and cfg["train"]["steps"] == 60
+
+
+@pytest.mark.parametrize("schedule, optimizer", [("2bw", "adamw"), ("sync", "sgd")])
+def test_stop_and_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, schedule, optimizer):
+    args = FAST + ["--schedule", schedule, "--optimizer", optimizer, "--lr", "1e-2",
+                   "--eval-every", "4", "--ckpt-every", "6"]
+    assert main(args + ["--steps", "20", "--out", str(tmp_path / "full")]) == 0
+    # A run killed after step 15: checkpoint 12 is the latest, metrics rows 13..15 are stale.
+    part = tmp_path / "part"
+    assert main(args + ["--steps", "15", "--out", str(part)]) == 0
+    shutil.rmtree(part / "ckpt-000015")
+    assert main(["--resume", str(part), "--steps", "20", "--no-progress"]) == 0
+    full, resumed = _metrics(tmp_path / "full"), _metrics(part)
+    assert [r["step"] for r in resumed] == list(range(1, 21))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    assert [(r["step"], r["eval_loss"]) for r in resumed if "eval_loss" in r] == \
+           [(r["step"], r["eval_loss"]) for r in full if "eval_loss" in r]
+    a = torch.load(tmp_path / "full/ckpt-000020/stage-00.pt", weights_only=True)
+    b = torch.load(part / "ckpt-000020/stage-00.pt", weights_only=True)
+    for name, t in a["engine"]["params"].items():
+        assert torch.equal(t, b["engine"]["params"][name]), name
+
+
+def test_module_entry_point_and_help(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--help"], capture_output=True,
+                        text=True, env=env)
+    assert ok.returncode == 0 and "--micro-batch-size" in ok.stdout and "default 2bw" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--steps", "0", "--out",
+                          str(tmp_path / "o")], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines() == [
+        "asyncpp-train: error: --steps: train.steps must be a positive integer, got 0"]
+    assert not (tmp_path / "o").exists()
+
+
+# -- bad inputs: exit 2, one line, no traceback, nothing left behind ---------------------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("base") / "run"
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see _one_intra_op_thread (module fixtures set up before it)
+    try:
+        assert main(FAST + ["--steps", "3", "--out", str(run)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    return run
+
+
+def _setup(tmp_path, finished_run, kind):
+    """Returns (argv, run_dir_that_must_stay_unchanged_or_None)."""
+    out = str(tmp_path / "out")
+    if kind in ("corrupt", "truncate", "mismatch", "nockpt", "backwards"):
+        run = tmp_path / "resumed"
+        shutil.copytree(finished_run, run)
+        shard = run / "ckpt-000003" / "stage-00.pt"
+        if kind == "corrupt":
+            data = bytearray(shard.read_bytes())
+            data[100] ^= 0x55
+            shard.write_bytes(bytes(data))
+        elif kind == "truncate":
+            shard.write_bytes(shard.read_bytes()[:50])
+        elif kind == "nockpt":
+            shutil.rmtree(run / "ckpt-000003")
+        extra = ["--n-layer", "2"] if kind == "mismatch" else []
+        steps = "2" if kind == "backwards" else "6"
+        return ["--resume", str(run), "--steps", steps] + extra, run
+    files = {"missing": None, "empty": b"", "short": b"hello world\n" * 10, "latin1": b"caf\xe9\n" * 500,
+             "oddbin": b"\x01\x02\x03"}
+    if kind in files:
+        path = tmp_path / ("data.bin" if kind == "oddbin" else "data.txt")
+        if files[kind] is not None:
+            path.write_bytes(files[kind])
+        return FAST + ["--data", str(path), "--out", out], None
+    if kind == "unwritable":
+        (tmp_path / "afile").write_text("x")
+        return FAST + ["--out", str(tmp_path / "afile" / "run")], None
+    return FAST + kind.split() + ["--out", out], None
+
+
+BAD_INPUTS = [
+    ("missing", "does not exist"),
+    ("empty", "is empty"),
+    ("short", "has 120 tokens but one batch needs at least"),
+    ("latin1", "is not UTF-8"),
+    ("oddbin", "odd byte length"),
+    ("unwritable", "cannot write to --out"),
+    ("corrupt", "stage-00.pt is corrupted"),
+    ("truncate", "stage-00.pt is truncated"),
+    ("mismatch", "model.n_layer=1 but this run has 2"),
+    ("nockpt", "no checkpoint"),
+    ("backwards", "--steps 2 is before the checkpoint's step 3"),
+    ("--stages 4", "pipeline.stages=4 exceeds the model's 3 blocks"),
+    ("--schedule 2bw --stages 3 --n-layer 2 --microbatches 2", "2bw needs microbatches >= stages"),
+    ("--steps 0", "train.steps must be a positive integer"),
+    ("--steps -5", "train.steps must be a positive integer"),
+    ("--lr 0", "optim.lr must be a positive number"),
+    ("--lr=-1e-3", "--lr: optim.lr must be a positive number"),
+    ("--microbatches 0", "pipeline.microbatches must be a positive integer"),
+    ("--weight-decay -1", "optim.weight_decay must be a non-negative number"),
+    ("--n-head 3", "model.n_head=3 must divide model.n_embd=32"),
+    ("--steps ten", "invalid int value: 'ten'"),
+    ("--schedule async", "invalid choice: 'async'"),
+    ("--bogus-flag", "unrecognized arguments: --bogus-flag"),
+]
+
+
+def _snapshot(run):
+    return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind, message", BAD_INPUTS, ids=[k for k, _ in BAD_INPUTS])
+def test_bad_input_is_one_clean_error_line(tmp_path, finished_run, capsys, kind, message):
+    argv, kept_run = _setup(tmp_path, finished_run, kind)
+    before = _snapshot(kept_run) if kept_run else None
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("asyncpp-train: error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert not (tmp_path / "out").exists()
+    if kept_run:
+        assert _snapshot(kept_run) == before  # a refused resume changes nothing
+
+
+def test_missing_optimizer_module_or_gpu_is_reported(tmp_path, capsys):
+    try:
+        import asyncpp_ext.optim  # noqa: F401
+        have_optim = True
+    except ImportError:
+        have_optim = False
+    cases = []
+    if not have_optim:
+        cases.append((["--optimizer", "muon"], "needs the asyncpp_ext.optim module"))
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "no CUDA GPU is visible"))
+    for extra, message in cases:
+        assert main(FAST + extra + ["--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("asyncpp-train: error: ") and message in err and err.count("\n") == 1
+        assert not (tmp_path / "o").exists()
+
+
+def test_existing_run_is_not_overwritten(tmp_path, finished_run, capsys):
+    run = tmp_path / "r"
+    shutil.copytree(finished_run, run)
+    assert main(FAST + ["--out", str(run)]) == 2
+    assert "already holds a run; continue it with --resume" in capsys.readouterr().err
