@@ -89,6 +89,12 @@ class DelaySimulator:
         self.steps_done += 1
         return total / m
 
+    def train_steps(self, stream, steps: int):
+        """``steps`` steps on the stream's next minibatches, yielding each loss (StepEngine)."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        for _ in range(steps):
+            yield self.step([(x.to(device), y.to(device)) for x, y in stream.next()])
+
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss of the newest weights over ``batches`` (in eval mode, no gradients)."""

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -23,9 +23,13 @@ PLOT_NAME = "loss.png"
 
 
 class StepEngine(Protocol):
-    def step(self, minibatch: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float: ...
+    def train_steps(self, stream: BatchStream, steps: int) -> Iterator[Optional[float]]:
+        """Run ``steps`` steps on the stream's next minibatches as one unit (a pipeline runs them
+        as one continuous stream); yield each step's loss as it completes (None where this
+        process does not see the loss, e.g. a pipeline stage other than the last)."""
+        ...
 
-    def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float: ...
+    def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]: ...
 
     def state_dict(self) -> dict: ...
 
@@ -89,13 +93,18 @@ class Trainer:
     """Runs ``engine`` from ``start_step`` to ``cfg.train.steps``, writing into ``run_dir``.
 
     Step numbers count completed optimizer steps: the row ``step = k`` reports the loss of the
-    k-th minibatch, and checkpoint ``ckpt-k`` holds the state after k steps.
+    k-th minibatch, and checkpoint ``ckpt-k`` holds the state after k steps. Steps run in
+    segments that end at evaluation and checkpoint steps (and at the end), so a pipeline never
+    has to stop mid-stream. In a multi-process run every rank runs a Trainer; only the one that
+    sees the losses (``writes_metrics``) writes metrics.jsonl and loss.png, and checkpointing is
+    the collective ``checkpoint_fn``.
     """
 
     def __init__(self, cfg: RunConfig, engine: StepEngine, stream: BatchStream,
                  eval_set: Sequence[tuple[torch.Tensor, torch.Tensor]], run_dir: str | os.PathLike,
                  start_step: int = 0, elapsed_s: float = 0.0, device: str = "cpu",
-                 checkpoint_fn: Optional[Callable[[int, dict], Path]] = None):
+                 checkpoint_fn: Optional[Callable[[int, dict], Path]] = None,
+                 writes_metrics: bool = True, num_stages: int = 1):
         self.cfg = cfg
         self.engine = engine
         self.stream = stream
@@ -106,53 +115,75 @@ class Trainer:
         self.elapsed_before = elapsed_s
         # How a checkpoint gets written; a pipeline run replaces this with per-stage shards.
         self.checkpoint_fn = checkpoint_fn or self._save_single_process
+        self.writes_metrics = writes_metrics
+        self.num_stages = num_stages
         p = cfg.pipeline
         self.tokens_per_step = p.microbatches * p.micro_batch_size * cfg.model.seq_len
 
     def _save_single_process(self, step: int, meta: dict) -> Path:
         return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta)
 
-    def _is_due(self, every: int) -> bool:
-        return self.step == self.cfg.train.steps or (every > 0 and self.step % every == 0)
+    def _is_due(self, step: int, every: int) -> bool:
+        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
+
+    def _segment_end(self) -> int:
+        """The next step at which every stage must be quiet: an eval, a checkpoint, or the end."""
+        t = self.cfg.train
+        ends = [t.steps]
+        for every in (t.eval_every if self.eval_set else 0, t.ckpt_every):
+            if every > 0:
+                ends.append((self.step // every + 1) * every)
+        return min(ends)
 
     def save(self, elapsed_s: float) -> Path:
         meta = {"config": self.cfg.to_dict(), "data": self.stream.state_dict(),
-                "elapsed_s": elapsed_s, "num_stages": 1}
+                "elapsed_s": elapsed_s, "num_stages": self.num_stages}
         return self.checkpoint_fn(self.step, meta)
 
     def run(self) -> list[dict]:
         """Train to ``cfg.train.steps``; returns the metrics rows written by this call."""
         total = self.cfg.train.steps
         rows = []
-        show = self.cfg.train.progress and sys.stderr.isatty()
         bar = None
-        if show and total > self.step:
+        if self.writes_metrics and self.cfg.train.progress and sys.stderr.isatty() and total > self.step:
             from tqdm import tqdm
 
             bar = tqdm(total=total, initial=self.step, desc="train", unit="step", file=sys.stderr)
         start = time.perf_counter()
-        with open(self.run_dir / METRICS_NAME, "a") as metrics:
+        metrics = open(self.run_dir / METRICS_NAME, "a") if self.writes_metrics else None
+        try:
             while self.step < total:
-                minibatch = [(x.to(self.device), y.to(self.device)) for x, y in self.stream.next()]
-                loss = self.engine.step(minibatch)
-                self.step += 1
-                elapsed = self.elapsed_before + time.perf_counter() - start
-                row = {"step": self.step, "loss": loss, "lr": self.cfg.optim.lr,
-                       "tokens": self.step * self.tokens_per_step, "elapsed_s": round(elapsed, 4)}
-                if self.eval_set and self._is_due(self.cfg.train.eval_every):
-                    row["eval_loss"] = self.engine.eval_loss(self.eval_set)
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                rows.append(row)
-                if self._is_due(self.cfg.train.ckpt_every):
+                end = self._segment_end()
+                pending = []
+                for loss in self.engine.train_steps(self.stream, end - self.step):
+                    self.step += 1
+                    elapsed = self.elapsed_before + time.perf_counter() - start
+                    pending.append({"step": self.step, "loss": loss, "lr": self.cfg.optim.lr,
+                                    "tokens": self.step * self.tokens_per_step,
+                                    "elapsed_s": round(elapsed, 4)})
+                    if bar is not None:
+                        bar.update(1)
+                        if loss is not None:
+                            bar.set_postfix(loss=f"{loss:.4f}")
+                if self.eval_set and self._is_due(end, self.cfg.train.eval_every):
+                    eval_loss = self.engine.eval_loss(self.eval_set)
+                    if eval_loss is not None:
+                        pending[-1]["eval_loss"] = eval_loss
+                if metrics is not None:
+                    for row in pending:
+                        metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
                     os.fsync(metrics.fileno())  # metrics up to a checkpoint survive with it
-                    self.save(elapsed)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}")
-        if bar is not None:
-            bar.close()
-        plot_losses(self.run_dir)
+                rows += pending
+                if self._is_due(end, self.cfg.train.ckpt_every):
+                    self.save(self.elapsed_before + time.perf_counter() - start)
+        finally:
+            if metrics is not None:
+                metrics.close()
+            if bar is not None:
+                bar.close()
+        if self.writes_metrics:
+            plot_losses(self.run_dir)
         return rows
 
 
