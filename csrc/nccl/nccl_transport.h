@@ -46,6 +46,7 @@ struct ChannelSpec {
 
 // Checks a channel list for `stage` of a pipeline: activations go to stage+1 and come from
 // stage-1, gradients go to stage-1 and come from stage+1, each (kind, direction) at most once.
+// An empty list is valid (a single-stage pipeline moves no messages).
 // Throws asyncpp::ArgumentError naming the bad entry. Usable without CUDA.
 void validate_channels(int stage, const std::vector<ChannelSpec>& channels);
 
