@@ -58,7 +58,7 @@ def test_exchange_pairs_every_receiver_with_its_senders_id():
     def stage_main(s):
         try:
             results[s] = exchange_unique_ids(store, "t", s, stages, ranks, make_id=lambda: os.urandom(128),
-                                             timeout_s=20)
+                                             timeout_s=5)
         except Exception as e:  # surfaced below
             errors.append(e)
 
