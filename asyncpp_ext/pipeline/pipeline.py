@@ -25,6 +25,7 @@ from .stage import Signature, StageError, StageHost
 from .transport import GlooTransport, TransportError, peer_failure_reason
 
 SCHEDULES = ("gpipe", "1f1b", "2bw")
+TRANSPORTS = ("auto", "gloo", "nccl")
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 _SCHEDULE_CODES = {name: i for i, name in enumerate(SCHEDULES)}
 _HANDSHAKE_LEN = 16
@@ -67,11 +68,17 @@ class Pipeline:
         timeout_s: a receive or send that makes no progress for this long fails the run.
         recv_ahead: receives posted ahead of need per message kind (the receive-buffer budget).
         track_memory: measure the peak bytes of in-flight activations (``host.memory_report()``).
+        device: where this stage's blocks run, e.g. "cuda:0" (default CPU). Batches are moved there.
+        transport: "gloo" (CPU tensors over torch.distributed), "nccl" (the C++ NCCL transport,
+            CUDA only; the default process group must still carry CPU tensors, i.e. be "gloo" or
+            "cpu:gloo,cuda:nccl", for the start-up handshake), or "auto": nccl on CUDA, else gloo.
+        run_id: names this pipeline's NCCL rendezvous keys; equal on every rank (see nccl.py).
     """
 
     def __init__(self, model, *, loss_fn: Callable, optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  schedule: str = "2bw", microbatches: int = 4, stages: int | None = None,
                  split_points: Sequence[int] | None = None, timeout_s: float = 300.0, recv_ahead: int = 2,
+                 device: str | torch.device | None = None, transport: str = "auto", run_id: str | None = None,
                  track_memory: bool = False):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -88,16 +95,26 @@ class Pipeline:
             raise ValueError(f"2bw needs microbatches >= stages (got {microbatches} < {self.stages}); "
                              f"raise microbatches to at least {self.stages}")
         self.schedule, self.m = schedule, microbatches
+        self.device = torch.device("cpu" if device is None else device)
+        transport = _choose_transport(transport, self.device)
+        if transport == "nccl":  # before touching the device: say what to install or rebuild
+            from .nccl import require_nccl
+            require_nccl(need_gpu=True)
         self.stage = self.rank
         self.stage_ranks = list(range(self.stages))
         blocks = as_blocks(model)
         self.partition = split(blocks, self.stages, split_points)
         self.block_indices = self.partition[self.stage]
-        module = nn.Sequential(*[blocks[i] for i in self.block_indices])
+        module = nn.Sequential(*[blocks[i] for i in self.block_indices]).to(self.device)
         self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
                               microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
                               batch_source=self._next_batch, track_memory=track_memory)
-        self.transport = GlooTransport(self.host, self.stage_ranks)
+        if transport == "gloo":
+            self.transport = GlooTransport(self.host, self.stage_ranks)
+        else:
+            from .nccl import create_nccl_transport
+            self.transport = create_nccl_transport(self.host, self.stage, self.stages, self.stage_ranks,
+                                                   self.device, run_id=run_id, timeout_s=timeout_s)
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
         self.trace: list[tuple] = []
         self.tokens_per_microbatch = 0
@@ -130,7 +147,7 @@ class Pipeline:
             return
         try:
             with torch.no_grad():
-                probe = h.newest_replica()(torch.zeros(h.in_sig.shape, dtype=h.in_sig.dtype))
+                probe = h.newest_replica()(torch.zeros(h.in_sig.shape, dtype=h.in_sig.dtype, device=self.device))
         except Exception as e:  # the blocks cannot consume what the previous stage sends
             raise StageError(f"stage {self.stage} cannot run its blocks on input {h.in_sig.describe()}: "
                              f"{str(e).splitlines()[0]}; the stages disagree about the model") from None
@@ -163,7 +180,10 @@ class Pipeline:
             except StopIteration:
                 raise StageError(f"stage {self.stage}: the batch iterator ran out before step "
                                  f"{self._pull_step}") from None
-            self._pulled[self._pull_step] = split_minibatch(batch, self.m)
+            inputs, targets = split_minibatch(batch, self.m)
+            if self.device.type != "cpu":
+                inputs, targets = [x.to(self.device) for x in inputs], [y.to(self.device) for y in targets]
+            self._pulled[self._pull_step] = inputs, targets
             self._pull_step += 1
         return self._pulled.pop(step)
 
@@ -195,8 +215,13 @@ class Pipeline:
 
         def worker() -> None:
             try:
-                trace = C.run_stage(self.schedule, self.stages, self.m, steps, self.stage, first_step,
-                                    self.host, self.transport, self.recv_ahead, 8, self.timeout_s)
+                if isinstance(self.transport, GlooTransport):
+                    trace = C.run_stage(self.schedule, self.stages, self.m, steps, self.stage, first_step,
+                                        self.host, self.transport, self.recv_ahead, 8, self.timeout_s)
+                else:
+                    trace = self.transport.run_stage(self.schedule, self.stages, self.m, steps, self.stage,
+                                                     first_step, self.host, recv_ahead=self.recv_ahead,
+                                                     max_inflight_sends=8, timeout_s=self.timeout_s)
                 self.trace.extend(trace)
                 events.put(done)
             except BaseException as e:  # handed to the caller's thread
@@ -224,17 +249,35 @@ class Pipeline:
         losses = []
         for i, (x, y) in enumerate(batches):
             if h.is_first:
-                a = x
-            else:
+                a = x.to(self.device)
+            else:  # evaluation messages travel over the (CPU) default process group
                 a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
                 self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
+                a = a.to(self.device)
             out = model(a)
             if h.is_last:
-                losses.append(float(h.loss_fn(out, y)))
+                losses.append(float(h.loss_fn(out, y.to(self.device))))
             else:
                 h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
-                self._p2p(dist.send, out.contiguous(), self.stage + 1, "evaluation", _EVAL_TAG)
+                self._p2p(dist.send, out.contiguous().cpu(), self.stage + 1, "evaluation", _EVAL_TAG)
         return sum(losses) / len(losses) if h.is_last and losses else None
+
+
+def _choose_transport(transport: str, device: torch.device) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    if transport == "auto":
+        transport = "nccl" if device.type == "cuda" else "gloo"
+    if transport == "nccl" and device.type != "cuda":
+        raise ValueError(f"transport 'nccl' moves CUDA tensors but device is {str(device)!r}; pass "
+                         "device='cuda:<index>' or use transport='gloo' on CPU")
+    if transport == "gloo" and device.type != "cpu":
+        raise ValueError(f"transport 'gloo' moves CPU tensors but device is {str(device)!r}; use "
+                         "transport='nccl' (or 'auto') on CUDA")
+    if transport == "nccl" and "gloo" not in str(dist.get_backend()):
+        raise ValueError(f"the default process group uses backend {dist.get_backend()!r}, but the start-up "
+                         "handshake sends CPU tensors: initialise it with 'gloo' or 'cpu:gloo,cuda:nccl'")
+    return transport
 
 
 def _numel(shape) -> int:

@@ -19,4 +19,5 @@ PYBIND11_MODULE(_C, m) {
   bind_schedule(m);
   bind_optim(m);
   bind_runtime(m);
+  bind_nccl(m);
 }

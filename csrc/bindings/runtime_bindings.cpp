@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
+#include "bindings/stage_runner.h"
 #include "core/executor.h"
 #include "core/segment.h"
 
@@ -56,6 +57,23 @@ class PyTransport final : public Transport {
 
 }  // namespace
 
+py::list run_stage_program(const std::string& schedule, int stages, int microbatches, int steps, int stage,
+                           int first_step, py::object host, Transport& transport,
+                           const core::ExecutorOptions& options) {
+  auto program = core::segment_program(core::parse_schedule_kind(schedule), stages, microbatches, steps, stage,
+                                       first_step);
+  PyStageHost py_host(std::move(host));
+  core::Executor executor(stage, std::move(program), py_host, transport, options);
+  {
+    py::gil_scoped_release release;
+    executor.run();
+  }
+  py::list trace;
+  for (const auto& ev : executor.trace())
+    trace.append(py::make_tuple(core::op_name(ev.op), ev.step, ev.microbatch, ev.version, ev.start_ns, ev.end_ns));
+  return trace;
+}
+
 void bind_runtime(py::module_& m) {
   m.def(
       "segment_program",
@@ -75,21 +93,9 @@ void bind_runtime(py::module_& m) {
       "run_stage",
       [](const std::string& schedule, int stages, int microbatches, int steps, int stage, int first_step,
          py::object host, py::object transport, int recv_ahead, int max_inflight_sends, double timeout_s) {
-        core::ExecutorOptions options{recv_ahead, max_inflight_sends, timeout_s};
-        auto program = core::segment_program(core::parse_schedule_kind(schedule), stages, microbatches,
-                                             steps, stage, first_step);
-        PyStageHost py_host(host);
         PyTransport py_transport(transport);
-        core::Executor executor(stage, std::move(program), py_host, py_transport, options);
-        {
-          py::gil_scoped_release release;
-          executor.run();
-        }
-        py::list trace;
-        for (const auto& ev : executor.trace())
-          trace.append(py::make_tuple(core::op_name(ev.op), ev.step, ev.microbatch, ev.version, ev.start_ns,
-                                      ev.end_ns));
-        return trace;
+        return run_stage_program(schedule, stages, microbatches, steps, stage, first_step, std::move(host),
+                                 py_transport, core::ExecutorOptions{recv_ahead, max_inflight_sends, timeout_s});
       },
       py::arg("schedule"), py::arg("stages"), py::arg("microbatches"), py::arg("steps"), py::arg("stage"),
       py::arg("first_step"), py::arg("host"), py::arg("transport"), py::arg("recv_ahead") = 2,

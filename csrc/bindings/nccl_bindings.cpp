@@ -1,0 +1,196 @@
+// The NCCL transport's Python face: unique ids for the rendezvous, the transport object (buffers
+// come from a Python stage host as torch tensors, converted through DLPack), and run_stage_nccl,
+// which drives the executor with it. Blocking calls release the GIL.
+//
+// The class is bound in every build so that its argument checks behave the same everywhere; in a
+// build without CUDA, creating one fails with a message saying to rebuild with nvcc available.
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+
+#include "bindings/bindings.h"
+#include "bindings/stage_runner.h"
+#include "bindings/tensor_args.h"
+#include "core/error.h"
+#include "nccl/nccl_transport.h"
+
+namespace py = pybind11;
+
+namespace asyncpp::bindings {
+namespace {
+
+using core::MessageKey;
+using core::MessageKind;
+
+// Asks the stage host for its tensors: take_send_buffer/recv_buffer(kind, step, microbatch).
+// The DLPack capsule holds a reference to the tensor's storage, so keeping the capsule keeps the
+// memory alive until the transport drops it (after the transfer completed on the device).
+class PyBufferProvider final : public nccl::BufferProvider {
+ public:
+  explicit PyBufferProvider(py::object host)
+      : host_(std::move(host)), to_dlpack_(py::module_::import("torch.utils.dlpack").attr("to_dlpack")) {}
+  ~PyBufferProvider() override {
+    py::gil_scoped_acquire gil;
+    host_ = py::object();
+    to_dlpack_ = py::object();
+  }
+  nccl::Buffer send_buffer(const MessageKey& key) override { return fetch("take_send_buffer", key, true); }
+  nccl::Buffer recv_buffer(const MessageKey& key) override { return fetch("recv_buffer", key, false); }
+
+ private:
+  nccl::Buffer fetch(const char* method, const MessageKey& key, bool is_send) {
+    py::gil_scoped_acquire gil;
+    py::object tensor = host_.attr(method)(static_cast<int>(key.kind), key.step, key.microbatch);
+    auto* capsule = new py::object(to_dlpack_(tensor));
+    std::shared_ptr<void> keep_alive(capsule, [](void* p) {
+      if (!Py_IsInitialized()) return;  // interpreter gone: nothing left to release
+      py::gil_scoped_acquire gil;
+      delete static_cast<py::object*>(p);
+    });
+    const std::string what = "the buffer to " + core::describe(key, is_send);
+    return nccl::Buffer{borrow_tensor(*capsule, what.c_str()), std::move(keep_alive)};
+  }
+
+  py::object host_;
+  py::object to_dlpack_;
+};
+
+std::vector<nccl::ChannelSpec> parse_channels(const std::vector<py::tuple>& channels) {
+  std::vector<nccl::ChannelSpec> out;
+  for (size_t i = 0; i < channels.size(); ++i) {
+    const py::tuple& t = channels[i];
+    ASYNCPP_ARG_CHECK(t.size() == 5, "channels[", i, "] must be (kind, is_send, peer_stage, peer_rank, "
+                      "unique_id), got ", t.size(), " items");
+    nccl::ChannelSpec c{};
+    const int kind = t[0].cast<int>();
+    ASYNCPP_ARG_CHECK(kind == 0 || kind == 1, "channels[", i, "]: kind must be 0 (activation) or 1 (gradient), "
+                      "got ", kind);
+    c.kind = static_cast<MessageKind>(kind);
+    c.is_send = t[1].cast<bool>();
+    c.peer = t[2].cast<int>();
+    c.peer_rank = t[3].cast<int>();
+    ASYNCPP_ARG_CHECK(py::isinstance<py::bytes>(t[4]), "channels[", i, "]: unique_id must be bytes (from "
+                      "nccl_unique_id()), got ", std::string(py::str(py::type::of(t[4]))));
+    const std::string id = t[4].cast<std::string>();
+    ASYNCPP_ARG_CHECK(id.size() == sizeof(c.id.internal), "channels[", i, "]: unique_id must be ",
+                      sizeof(c.id.internal), " bytes (an NCCL unique id), got ", id.size());
+    std::memcpy(c.id.internal, id.data(), id.size());
+    out.push_back(c);
+  }
+  return out;
+}
+
+// The Python-visible transport: owns the buffer provider and (with CUDA) the C++ transport.
+class PyNcclTransport {
+ public:
+  PyNcclTransport(int stage, int device, std::uintptr_t compute_stream, const std::vector<py::tuple>& channels,
+                  py::object buffers)
+      : stage_(stage), device_(device) {
+    auto specs = parse_channels(channels);
+    nccl::validate_channels(stage, specs);
+#ifdef ASYNCPP_WITH_CUDA
+    provider_ = std::make_unique<PyBufferProvider>(std::move(buffers));
+    py::gil_scoped_release release;  // communicator creation blocks until every peer has joined
+    transport_ = std::make_unique<nccl::NcclTransport>(stage, device, compute_stream, std::move(specs), *provider_);
+#else
+    (void)compute_stream;
+    (void)buffers;
+    ASYNCPP_CHECK(false, "asyncpp_ext was built without CUDA, so the NCCL transport is not available: "
+                  "rebuild with nvcc on PATH (pip install . with ASYNCPP_CUDA=auto or on), or use the gloo "
+                  "transport on CPU");
+#endif
+  }
+#ifdef ASYNCPP_WITH_CUDA
+  ~PyNcclTransport() {
+    py::gil_scoped_release release;  // close() may wait for transfers; buffer release takes the GIL
+    transport_.reset();
+  }
+  nccl::NcclTransport& get() { return *transport_; }
+#endif
+  int stage() const { return stage_; }
+  int device() const { return device_; }
+
+ private:
+  int stage_;
+  int device_;
+#ifdef ASYNCPP_WITH_CUDA
+  std::unique_ptr<PyBufferProvider> provider_;  // declared first: destroyed after the transport
+  std::unique_ptr<nccl::NcclTransport> transport_;
+#endif
+};
+
+#ifdef ASYNCPP_WITH_CUDA
+MessageKey make_key(int kind, int step, int microbatch, int peer) {
+  ASYNCPP_ARG_CHECK(kind == 0 || kind == 1, "kind must be 0 (activation) or 1 (gradient), got ", kind);
+  return MessageKey{static_cast<MessageKind>(kind), step, microbatch, peer};
+}
+#endif
+
+}  // namespace
+
+void bind_nccl(py::module_& m) {
+  m.def(
+      "nccl_unique_id",
+      [] {
+        nccl::UniqueId id = nccl::new_unique_id();
+        return py::bytes(id.internal, sizeof(id.internal));
+      },
+      "A new NCCL unique id (128 bytes) for one communicator; NCCL must be loaded (nccl_load).");
+
+  auto cls = py::class_<PyNcclTransport>(m, "NcclTransport",
+                              "Boundary messages over NCCL: one 2-rank communicator per neighbour and "
+                              "direction, each on its own CUDA stream.")
+      .def(py::init<int, int, std::uintptr_t, const std::vector<py::tuple>&, py::object>(), py::arg("stage"),
+           py::arg("device"), py::arg("compute_stream"), py::arg("channels"), py::arg("buffers"),
+           "channels: list of (kind 0=activation/1=gradient, is_send, peer_stage, peer_rank, unique_id "
+           "bytes); buffers: object with take_send_buffer/recv_buffer(kind, step, microbatch) returning "
+           "contiguous CUDA tensors on `device`; compute_stream: torch.cuda.Stream.cuda_stream. Blocks "
+           "until every peer has created its side.")
+      .def_property_readonly("stage", &PyNcclTransport::stage)
+      .def_property_readonly("device", &PyNcclTransport::device);
+#ifdef ASYNCPP_WITH_CUDA
+  // Without CUDA no instance can exist (the constructor fails), so only CUDA builds need these.
+  cls.def("post_send", [](PyNcclTransport& t, int kind, int step, int mb, int peer) {
+             return t.get().post_send(make_key(kind, step, mb, peer));
+           }, py::arg("kind"), py::arg("step"), py::arg("microbatch"), py::arg("peer"))
+      .def("post_recv", [](PyNcclTransport& t, int kind, int step, int mb, int peer) {
+             return t.get().post_recv(make_key(kind, step, mb, peer));
+           }, py::arg("kind"), py::arg("step"), py::arg("microbatch"), py::arg("peer"))
+      .def("test", [](PyNcclTransport& t, int64_t request) {
+             nccl::NcclTransport& impl = t.get();
+             py::gil_scoped_release release;
+             return impl.test(request);
+           }, py::arg("request"))
+      .def("wait", [](PyNcclTransport& t, int64_t request, double timeout_s) {
+             nccl::NcclTransport& impl = t.get();
+             py::gil_scoped_release release;
+             impl.wait(request, timeout_s);
+           }, py::arg("request"), py::arg("timeout_s"))
+      .def("pending", [](PyNcclTransport& t) { return t.get().pending(); })
+      .def("close", [](PyNcclTransport& t, double timeout_s) {
+             nccl::NcclTransport& impl = t.get();
+             py::gil_scoped_release release;
+             impl.close(timeout_s);
+           }, py::arg("timeout_s") = 30.0,
+           "Wait for in-flight transfers (up to timeout_s) and destroy the communicators; aborts them "
+           "instead if a transfer is still incomplete.");
+
+  m.def(
+      "run_stage_nccl",
+      [](const std::string& schedule, int stages, int microbatches, int steps, int stage, int first_step,
+         py::object host, PyNcclTransport& transport, int recv_ahead, int max_inflight_sends, double timeout_s) {
+        ASYNCPP_ARG_CHECK(transport.stage() == stage, "the NCCL transport was created for stage ",
+                          transport.stage(), " but run_stage_nccl was asked to run stage ", stage);
+        return run_stage_program(schedule, stages, microbatches, steps, stage, first_step, std::move(host),
+                                 transport.get(), core::ExecutorOptions{recv_ahead, max_inflight_sends, timeout_s});
+      },
+      py::arg("schedule"), py::arg("stages"), py::arg("microbatches"), py::arg("steps"), py::arg("stage"),
+      py::arg("first_step"), py::arg("host"), py::arg("transport"), py::arg("recv_ahead") = 2,
+      py::arg("max_inflight_sends") = 8, py::arg("timeout_s") = 300.0,
+      "run_stage with the C++ NCCL transport: same arguments and trace; `transport` is an NcclTransport "
+      "whose buffers come from `host`.");
+#endif
+}
+
+}  // namespace asyncpp::bindings
