@@ -81,9 +81,14 @@ def restore_rng_state(state: dict) -> None:
 
 
 # -- writing ------------------------------------------------------------------------------------
+def temp_checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where a checkpoint is assembled before it is renamed into place."""
+    return Path(run_dir) / f".tmp-ckpt-{step:06d}"
+
+
 def begin_checkpoint(run_dir: str | os.PathLike, step: int) -> Path:
     """A fresh hidden temporary directory in ``run_dir`` into which every stage writes its shard."""
-    tmp = Path(run_dir) / f".tmp-ckpt-{step:06d}"
+    tmp = temp_checkpoint_path(run_dir, step)
     if tmp.exists():
         shutil.rmtree(tmp)  # left over from an interrupted write
     tmp.mkdir(parents=True)
@@ -223,7 +228,7 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
                                   "that flag out)")
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "checkpoint_path", "shard_name",
+__all__ = ["FORMAT_VERSION", "CheckpointError", "checkpoint_path", "temp_checkpoint_path", "shard_name",
            "capture_rng_state", "restore_rng_state", "begin_checkpoint", "write_shard",
            "finalize_checkpoint", "save_checkpoint", "list_checkpoints", "latest_checkpoint",
            "read_meta", "load_checkpoint", "check_resume_config"]

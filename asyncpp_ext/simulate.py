@@ -177,5 +177,48 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: nn.Mod
     })
 
 
+
+
+
+def merge_engine_states(states: Sequence[dict]) -> dict:
+    """One engine state from per-stage shards (any pipeline depth): weights and optimizer state are
+    keyed by global parameter names, so the union is the whole model's state."""
+    if len(states) == 1:
+        return states[0]
+    merged = {"schedule": states[0]["schedule"], "steps_done": states[0]["steps_done"],
+              "params": {}, "stash": {}, "optimizer": {"state": {}, "param_groups": []}}
+    for s in states:
+        if s["steps_done"] != merged["steps_done"]:
+            raise ValueError(f"shards disagree on the step ({s['steps_done']} vs {merged['steps_done']})")
+        merged["params"].update(s["params"])
+        merged["stash"].update(s["stash"])
+        merged["optimizer"]["state"].update(s["optimizer"]["state"])
+        merged["optimizer"]["param_groups"] += s["optimizer"]["param_groups"]
+    return merged
+
+
+def regroup_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, named) -> dict:
+    """Rebuild a by-name optimizer state in ``optimizer``'s own group layout.
+
+    ``saved`` may come from another pipeline depth (its groups split or merged differently);
+    each current group takes its hyperparameters from the saved group that held its first
+    parameter. ``named`` is a model or anything with ``named_parameters()``.
+    """
+    order = _param_order(optimizer, named)
+    group_of = {n: g for g in saved["param_groups"] for n in g["params"]}
+    groups, start = [], 0
+    for g in optimizer.param_groups:
+        names = order[start:start + len(g["params"])]
+        start += len(g["params"])
+        missing = [n for n in names if n not in group_of]
+        if missing:
+            raise ValueError(f"the saved optimizer state has no parameter {missing[0]!r}; resume "
+                             "with the model and optimizer the checkpoint was written with")
+        groups.append({**group_of[names[0]], "params": names})
+    return {"state": {n: saved["state"][n] for n in order if n in saved["state"]},
+            "param_groups": groups}
+
+
 __all__ = ["DelaySimulator", "default_loss", "optimizer_state_by_name",
-           "load_optimizer_state_by_name", "DELAYED_SCHEDULES"]
+           "load_optimizer_state_by_name", "merge_engine_states", "regroup_optimizer_state",
+           "DELAYED_SCHEDULES"]

@@ -25,7 +25,9 @@ from .config import OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from .models import GPT, PRESETS, preset_config
 from .simulate import DelaySimulator
-from .trainer import CONFIG_NAME, METRICS_NAME, Trainer, truncate_metrics, write_text_atomic
+from .optim import build_optimizer
+from .pipeline import LaunchError
+from .trainer import CONFIG_NAME, METRICS_NAME, Trainer, read_metrics, truncate_metrics, write_text_atomic
 
 PROG = "asyncpp-train"
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -116,30 +118,46 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
 
 
 def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
-    """``(module) -> optimizer`` for cfg.optim: the project's optimizers when installed, otherwise
-    torch.optim.AdamW / SGD(momentum); muon and error feedback need the project's optimizers."""
+    """``(module) -> optimizer`` for cfg.optim (a whole model or one pipeline stage's blocks)."""
     o = cfg.optim
-    try:
-        from asyncpp_ext.optim import build_optimizer
-    except ImportError:
-        build_optimizer = None
-    if build_optimizer is not None:
-        return lambda module: build_optimizer(module, o.name, o.lr, weight_decay=o.weight_decay,
-                                              ef_beta=o.ef_beta, adamw_lr=o.adamw_lr)
-    if o.name == "muon" or o.ef_beta != 0:
-        what = "--optimizer muon" if o.name == "muon" else "--ef-beta > 0"
-        raise ConfigError(f"{what} needs the asyncpp_ext.optim module, which is missing from this "
-                          "installation; use --optimizer adamw|sgd with --ef-beta 0")
-    if o.name == "adamw":
-        return lambda module: torch.optim.AdamW(module.parameters(), lr=o.lr,
-                                                weight_decay=o.weight_decay)
-    return lambda module: torch.optim.SGD(module.parameters(), lr=o.lr, momentum=o.momentum,
-                                          weight_decay=o.weight_decay)
+    return lambda module: build_optimizer(module, o.name, o.lr, weight_decay=o.weight_decay,
+                                          ef_beta=o.ef_beta, adamw_lr=o.adamw_lr)
 
 
 def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
-    """Multi-process pipeline training (one process per stage)."""
-    raise NotImplementedError("multi-process runtime not merged yet")
+    """Multi-process pipeline training: one process per stage (spawned here, or torchrun's)."""
+    from .pipeline_run import launch
+
+    # Every check that can fail on bad input happens before any process starts.
+    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
+    split_tokens(tokens, cfg.data.eval_fraction, cfg.pipeline.micro_batch_size, cfg.model.seq_len,
+                 source=cfg.data.source)
+    start_step = 0
+    if resume_dir is not None:
+        meta, _ = load_checkpoint(resume_dir)  # verifies every shard
+        start_step = int(meta["step"])
+
+    def prepare() -> None:
+        out = _prepare_run_dir(cfg, resuming=resume_dir is not None)
+        if resume_dir is not None:
+            truncate_metrics(out, start_step)
+        write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
+
+    launch(cfg, resume_dir, make_optimizer_factory, prepare)
+    _print_summary(Path(cfg.train.out), cfg, start_step)
+    return 0
+
+
+def _print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
+    rows = [r for r in read_metrics(out) if r["step"] > start_step]
+    if not rows:
+        print(f"{out}: already at step {start_step} of {cfg.train.steps}; nothing to do")
+        return
+    last = rows[-1]
+    shown = f" eval_loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
+    print(f"{out}: step {last['step']} loss {last['loss']:.4f}{shown} "
+          f"({last['elapsed_s']:.1f} s, {cfg.pipeline.schedule}, {cfg.optim.name}, "
+          f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''})")
 
 
 def _prepare_run_dir(cfg: RunConfig, resuming: bool) -> Path:
@@ -192,14 +210,8 @@ def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int
     write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
     trainer = Trainer(cfg, engine, stream, eval_set, out, start_step=start_step,
                       elapsed_s=elapsed, device=cfg.train.device)
-    rows = trainer.run()
-    last = rows[-1] if rows else None
-    if last is None:
-        print(f"{out}: already at step {start_step} of {cfg.train.steps}; nothing to do")
-    else:
-        shown = f" eval_loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
-        print(f"{out}: step {last['step']} loss {last['loss']:.4f}{shown} "
-              f"({last['elapsed_s']:.1f} s, {cfg.pipeline.schedule}, {cfg.optim.name})")
+    trainer.run()
+    _print_summary(out, cfg, start_step)
     return 0
 
 
@@ -261,7 +273,6 @@ def main(argv=None) -> int:
     try:
         cfg, resume_dir = _resolve(argv)
         if cfg.pipeline.stages > 1 and not cfg.train.simulate:
-            make_optimizer_factory(cfg)  # fail on a missing optimizer before anything starts
             return run_pipeline(cfg, resume_dir)
         return run_single_process(cfg, resume_dir)
     except KeyboardInterrupt:
@@ -274,9 +285,9 @@ def main(argv=None) -> int:
             message = _name_flag(message)
         sys.stderr.write(f"{PROG}: error: {message}\n")
         return 2
-    except NotImplementedError as exc:
-        sys.stderr.write(f"{PROG}: error: {exc}; run with --simulate (one process) or --stages 1\n")
-        return 2
+    except LaunchError as exc:  # each rank has already printed its own line
+        sys.stderr.write(f"{PROG}: error: the pipeline run failed: {exc}\n")
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,17 +16,20 @@ def _looks_like_embedding(name: str) -> bool:
 
 
 def _module_facts(model: nn.Module):
-    """ids of embedding weights and of head weights (Linear whose out_features is a vocab size)."""
-    embedding_ids, vocab_sizes = set(), set()
+    """ids of embedding weights and of head weights (a Linear named like a head, or tied to an
+    embedding)."""
+    embedding_ids = set()
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             embedding_ids.add(id(module.weight))
-            vocab_sizes.add(module.num_embeddings)
     head_ids = set()
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            last = name.rsplit(".", 1)[-1]
-            if last in HEAD_NAMES or module.out_features in vocab_sizes or id(module.weight) in embedding_ids:
+            parts = name.split(".")
+            # "lm_head", or a head module at the top of the model ("head.proj"). Matching widths
+            # against embedding sizes is not used: a positional table as long as the model is
+            # wide would make every hidden projection look like a head.
+            if parts[-1] in HEAD_NAMES or parts[0] in HEAD_NAMES or id(module.weight) in embedding_ids:
                 head_ids.add(id(module.weight))
     return embedding_ids, head_ids
 
@@ -35,7 +38,8 @@ def split_named_parameters(model_or_named_params, is_muon=None, adamw_names=(), 
     """Split trainable parameters into (muon, adamw) lists of (name, parameter).
 
     Default rule: a parameter goes to Muon iff it is 2-D, is not an nn.Embedding weight and is not
-    the output head (a Linear named like `HEAD_NAMES`, or tied to / as wide as an embedding's vocab).
+    the output head (a Linear whose own name, or the top-level module holding it, is one of
+    `HEAD_NAMES`, or one tied to an embedding).
     Embeddings held as bare parameters are recognised by name (a component containing "emb" or
     equal to one of `EMBEDDING_NAMES`); given only (name, param) pairs, heads are too (a last-but-one
     component in `HEAD_NAMES`). Overrides, strongest first: exact names in

@@ -106,6 +106,10 @@ class Pipeline:
         self.partition = split(blocks, self.stages, split_points)
         self.block_indices = self.partition[self.stage]
         module = nn.Sequential(*[blocks[i] for i in self.block_indices]).to(self.device)
+        prefixes = _block_prefixes(model, blocks, self.block_indices)
+        self.param_names = [n for n, _ in GlobalView(module, prefixes).named_parameters()]
+        user_factory = optimizer
+        optimizer = lambda stage_module: user_factory(GlobalView(stage_module, prefixes))  # noqa: E731
         self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
                               microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
                               batch_source=self._next_batch, track_memory=track_memory)
@@ -122,6 +126,16 @@ class Pipeline:
         self._batches: Iterator | None = None
         self._pulled: dict[int, tuple] = {}
         self._pull_step = 0
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This stage's share of the run state, keyed by global parameter names (see simulate.py)."""
+        return self.host.state_dict(self.param_names)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a state written at any pipeline depth (or by the single-process simulator)."""
+        self.host.load_state_dict(state, self.param_names)
+        self.next_step = int(state["steps_done"])
 
     # ---- start-up agreement ----------------------------------------------------------------
     def _handshake(self, first_input: torch.Tensor) -> None:
@@ -280,8 +294,29 @@ def _choose_transport(transport: str, device: torch.device) -> str:
     return transport
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
+def _block_prefixes(model, blocks: list, indices: list) -> list[str]:
+    """Each block's name inside ``model`` (e.g. ``layers.3``) when the model is an nn.Module holding
+    the blocks, else the block's index."""
+    prefix = {}
+    if isinstance(model, nn.Module):
+        prefix = {id(m): n for n, m in model.named_modules() if n}
+    return [prefix.get(id(blocks[i]), str(i)) for i in indices]
+
+
+class GlobalView(nn.Module):
+    """A stage's blocks registered under their names in the whole model, sharing parameters.
+
+    Optimizers that route parameters by name or by module (the Muon hybrid sends embeddings and
+    the output head to AdamW) see a stage exactly as they would see the whole model, and
+    checkpoints name parameters the same way at every pipeline depth."""
+
+    def __init__(self, stage_module: nn.Module, prefixes: Sequence[str]):
+        super().__init__()
+        for block, prefix in zip(stage_module, prefixes):
+            parent = self
+            *path, leaf = prefix.split(".")
+            for part in path:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]
+            parent.add_module(leaf, block)

@@ -130,6 +130,75 @@ class StageHost:
                 "optimizer_state": optimizer_state_bytes(self.optimizer),
                 "peak_activations": self.activation_meter.peak if self.activation_meter else None}
 
+    # ---- state (keyed by global parameter names, the same layout as DelaySimulator) ---------
+    def _named_opt_params(self, names: Sequence[str]):
+        pairs = list(zip(names, self.opt_params))
+
+        class _Named:
+            @staticmethod
+            def named_parameters():
+                return iter(pairs)
+        return _Named()
+
+    def _unflatten(self, flat: torch.Tensor, names: Sequence[str]) -> dict:
+        out, offset = {}, 0
+        for name, p in zip(names, self.opt_params):
+            out[name] = flat[offset:offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+        return out
+
+    def state_dict(self, names: Sequence[str]) -> dict:
+        """Newest weights W(k), the older version W(k-1) for 2bw, optimizer state, step count."""
+        from ..simulate import optimizer_state_by_name
+
+        k = self.newest_version()
+        params = self._unflatten(self.flat[k % len(self.flat)], names)
+        stash = {}
+        if self.two_versions:
+            older = (k - 1) % 2
+            stash = self._unflatten(self.flat[older], names) if self.version_in[older] == k - 1 \
+                else {n: t.clone() for n, t in params.items()}  # before step 1: W(-1) = W(0)
+        optimizer = (optimizer_state_by_name(self.optimizer, self._named_opt_params(names))
+                     if self.optimizer is not None else {"state": {}, "param_groups": []})
+        return {"schedule": self.schedule,
+                "steps_done": k, "params": params, "stash": stash, "optimizer": optimizer}
+
+    def load_state_dict(self, state: dict, names: Sequence[str]) -> None:
+        """Load a state written at any pipeline depth (only this stage's names are taken)."""
+        from ..simulate import load_optimizer_state_by_name, regroup_optimizer_state
+
+        missing = [n for n in names if n not in state["params"]]
+        if missing:
+            raise ValueError(f"the checkpoint has no weights for {missing[0]!r}; it was written for "
+                             "another model")
+        k = int(state["steps_done"])
+        newest = k % len(self.flat)
+
+        def fill(flat: torch.Tensor, tensors: dict) -> None:
+            offset = 0
+            for name, p in zip(names, self.opt_params):
+                flat[offset:offset + p.numel()].copy_(tensors[name].reshape(-1))
+                offset += p.numel()
+
+        fill(self.flat[newest], state["params"])
+        self.version_in[newest] = k
+        if self.two_versions:
+            older = (k - 1) % 2
+            if k == 0:
+                self.version_in[older] = -1
+            else:
+                if any(n not in state["stash"] for n in names):
+                    raise ValueError("the checkpoint holds no older weight version W(k-1); it was "
+                                     "not written by a 2bw run")
+                fill(self.flat[older], state["stash"])
+                self.version_in[older] = k - 1
+        if self.optimizer is not None:
+            named = self._named_opt_params(names)
+            if self.two_versions:
+                _point_at(self.opt_params, self.flat[newest])
+            load_optimizer_state_by_name(self.optimizer, named,
+                                         regroup_optimizer_state(state["optimizer"], self.optimizer, named))
+
     # ---- data ------------------------------------------------------------------------------
     def _batch(self, step: int) -> tuple:
         if step not in self._batches:

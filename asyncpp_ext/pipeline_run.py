@@ -1,0 +1,112 @@
+"""``asyncpp-train`` over real processes: one rank per pipeline stage, the shared Trainer on each.
+
+The parent (the CLI) has already validated the configuration, the data and the run directory;
+each rank builds the same GPT from the seed, keeps its stage, and runs the Trainer with a
+``PipelineEngine``. The last stage sees the losses, so it writes metrics.jsonl and loss.png;
+checkpoints are collective: every rank writes its own shard, the last stage seals the checkpoint
+(meta.json) once all shards are on disk.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
+                         load_checkpoint, restore_rng_state, temp_checkpoint_path, write_shard)
+from .config import RunConfig
+from .data import BatchStream, eval_batches, load_tokens, split_tokens
+from .models import GPT
+from .pipeline import Pipeline, init_distributed, spawn, under_launcher
+from .simulate import merge_engine_states
+from .trainer import Trainer
+
+
+class PipelineEngine:
+    """StepEngine over a Pipeline: each ``train_steps`` call is one continuous stream."""
+
+    def __init__(self, pipe: Pipeline):
+        self.pipe = pipe
+
+    def train_steps(self, stream: BatchStream, steps: int):
+        minibatches = (stream.next() for _ in range(steps))
+        for stats in self.pipe.train(minibatches, steps):
+            yield stats.loss
+
+    def eval_loss(self, batches):
+        return self.pipe.evaluate(batches)
+
+    def state_dict(self) -> dict:
+        return self.pipe.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pipe.load_state_dict(state)
+
+
+def _collective_checkpoint(pipe: Pipeline, run_dir: Path):
+    def save(step: int, meta: dict) -> Path:
+        writer = pipe.host.is_last
+        tmp = begin_checkpoint(run_dir, step) if writer else None
+        dist.barrier()  # the temporary directory exists
+        tmp = tmp or temp_checkpoint_path(run_dir, step)
+        write_shard(tmp, pipe.stage, pipe.state_dict(), capture_rng_state())
+        dist.barrier()  # every shard is on disk
+        final = finalize_checkpoint(run_dir, tmp, step, meta) if writer else checkpoint_path(run_dir, step)
+        dist.barrier()  # sealed before anyone goes on
+        return final
+    return save
+
+
+def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> None:
+    """One rank of a pipeline run (under torchrun or spawned by ``run_pipeline``)."""
+    cfg = RunConfig.from_dict(cfg_dict)
+    init_distributed()
+    threads = max(1, (os.cpu_count() or 1) // cfg.pipeline.stages)
+    torch.set_num_threads(threads)  # stages share the machine's cores
+    p = cfg.pipeline
+    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
+    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, p.micro_batch_size,
+                                             cfg.model.seq_len, source=cfg.data.source)
+    stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
+                         seed=cfg.train.seed)
+    eval_set = eval_batches(eval_tokens, p.micro_batch_size, cfg.model.seq_len, cfg.data.eval_batches)
+    model = GPT(cfg.model, seed=cfg.train.seed)
+    pipe = Pipeline(model, loss_fn=GPT.loss, optimizer=factory_builder(cfg), schedule=p.schedule,
+                    microbatches=p.microbatches, stages=p.stages)
+    engine = PipelineEngine(pipe)
+    start_step, elapsed = 0, 0.0
+    if resume_dir is not None:
+        meta, shards = load_checkpoint(resume_dir)
+        engine.load_state_dict(merge_engine_states([s["engine"] for s in shards]))
+        stream.load_state_dict(meta["data"])
+        start_step, elapsed = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
+        same_depth = len(shards) == p.stages
+        restore_rng_state(shards[pipe.stage if same_depth else 0]["rng"])
+    run_dir = Path(cfg.train.out)
+    trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=start_step, elapsed_s=elapsed,
+                      device="cpu", checkpoint_fn=_collective_checkpoint(pipe, run_dir),
+                      writes_metrics=pipe.host.is_last, num_stages=p.stages)
+    trainer.run()
+
+
+def launch(cfg: RunConfig, resume_dir: Optional[Path], factory_builder, prepare) -> None:
+    """Run the pipeline under torchrun's world, or spawn ``stages`` local ranks on 127.0.0.1.
+
+    ``prepare()`` creates the run directory and config.json: here in the parent for a local
+    launch, on rank 0 (the others wait) under torchrun."""
+    args = (cfg.to_dict(), str(resume_dir) if resume_dir is not None else None, factory_builder)
+    if not under_launcher():
+        prepare()
+        spawn(rank_main, cfg.pipeline.stages, args)
+        return
+    rank, world = init_distributed()
+    if world != cfg.pipeline.stages:
+        raise ValueError(f"torchrun started {world} processes but --stages is {cfg.pipeline.stages}; "
+                         f"use --nproc-per-node {cfg.pipeline.stages} (times --nnodes) or --stages {world}")
+    if rank == 0:
+        prepare()
+    dist.barrier()
+    rank_main(*args)
