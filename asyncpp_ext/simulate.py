@@ -131,7 +131,8 @@ class DelaySimulator:
                 p.copy_(state["params"][n])
             for n, s in zip(self.names, self.stash):
                 s.copy_(state["stash"][n])
-        load_optimizer_state_by_name(self.optimizer, self.model, state["optimizer"])
+        load_optimizer_state_by_name(self.optimizer, self.model,
+                                     regroup_optimizer_state(state["optimizer"], self.optimizer, self.model))
         self.steps_done = int(state["steps_done"])
 
 

@@ -24,7 +24,7 @@ from .checkpoint import (CheckpointError, check_resume_config, latest_checkpoint
 from .config import OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from .models import GPT, PRESETS, preset_config
-from .simulate import DelaySimulator
+from .simulate import DelaySimulator, merge_engine_states
 from .optim import build_optimizer
 from .pipeline import LaunchError
 from .trainer import CONFIG_NAME, METRICS_NAME, Trainer, read_metrics, truncate_metrics, write_text_atomic
@@ -197,7 +197,7 @@ def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int
     if resume_dir is not None:
         meta, shards = load_checkpoint(resume_dir)
         try:
-            engine.load_state_dict(shards[0]["engine"])
+            engine.load_state_dict(merge_engine_states([s["engine"] for s in shards]))
             stream.load_state_dict(meta["data"])
         except (KeyError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"checkpoint {resume_dir} does not fit this run "
