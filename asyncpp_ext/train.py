@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -26,7 +27,7 @@ from .data import BatchStream, DataError, eval_batches, load_tokens, split_token
 from .models import GPT, PRESETS, preset_config
 from .simulate import DelaySimulator, merge_engine_states
 from .optim import build_optimizer
-from .pipeline import LaunchError
+from .pipeline import LaunchError, under_launcher
 from .trainer import CONFIG_NAME, METRICS_NAME, Trainer, read_metrics, truncate_metrics, write_text_atomic
 
 PROG = "asyncpp-train"
@@ -144,7 +145,8 @@ def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
         write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
 
     launch(cfg, resume_dir, make_optimizer_factory, prepare)
-    _print_summary(Path(cfg.train.out), cfg, start_step)
+    if not under_launcher() or os.environ.get("RANK") == "0":
+        _print_summary(Path(cfg.train.out), cfg, start_step)
     return 0
 
 
@@ -240,6 +242,9 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
                              f"{meta['step']} in {resume_dir}; pass --steps >= {meta['step']}")
     else:
         cfg = config_from_args(args)
+        if args.out is None and under_launcher():
+            raise UsageError("under torchrun pass --out DIR: every rank must write to the same run "
+                             "directory")
         if args.out is None:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg.validate()
