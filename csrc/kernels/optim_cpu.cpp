@@ -1,10 +1,11 @@
 // Multi-tensor CPU optimizer kernels. The tensor list is cut into fixed-size chunks of
-// (tensor, begin, end); OpenMP spreads the chunks over threads, so many small tensors and a few
-// large ones balance equally. The inner loops are straight-line calls into optim_math.h with the
+// (tensor, begin, end); the worker pool (cpu_pool.h, not an OpenMP region: see there why) spreads
+// the chunks over threads, so many small tensors and a few large ones balance equally. The inner loops are straight-line calls into optim_math.h with the
 // error-feedback mode hoisted into a template parameter, which lets the compiler vectorize them.
 #include <algorithm>
 #include <vector>
 
+#include "kernels/cpu_pool.h"
 #include "kernels/optim_kernels.h"
 
 namespace asyncpp::kernels::optim {
@@ -12,8 +13,8 @@ namespace {
 
 // Large enough to amortise scheduling, small enough to balance ~1M-element tensors on a few cores.
 constexpr int64_t kChunk = 1 << 15;
-// Below this many chunks one thread finishes in well under a millisecond; waking the OpenMP team
-// would cost more (and competes with torch's own OpenMP runtime for the same cores).
+// Below this many chunks one thread finishes in well under a millisecond; waking a helper costs
+// more than it saves.
 constexpr int64_t kMinParallelChunks = 8;
 
 struct WorkItem {
@@ -128,8 +129,7 @@ bool range_is_finite(const float* x, int64_t begin, int64_t end) {
 void adamw_step_cpu(const std::vector<AdamWTensor>& tensors) {
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
-#pragma omp parallel for schedule(static) if (n_items >= kMinParallelChunks)
-  for (int64_t k = 0; k < n_items; ++k) {
+  parallel_items(n_items, kMinParallelChunks, [&](int64_t k) {
     const WorkItem& w = items[k];
     const AdamWTensor& t = tensors[w.tensor];
     switch (t.ef_mode) {
@@ -137,20 +137,19 @@ void adamw_step_cpu(const std::vector<AdamWTensor>& tensors) {
       case EfMode::first: adamw_range<EfMode::first>(t, w.begin, w.end); break;
       case EfMode::corrected: adamw_range<EfMode::corrected>(t, w.begin, w.end); break;
     }
-  }
+  });
 }
 
 void muon_momentum_cpu(const std::vector<MomentumTensor>& tensors, Storage out_storage, float* sumsq) {
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
   std::vector<double> partial(items.size(), 0.0);
-#pragma omp parallel for schedule(static) if (n_items >= kMinParallelChunks)
-  for (int64_t k = 0; k < n_items; ++k) {
+  parallel_items(n_items, kMinParallelChunks, [&](int64_t k) {
     const WorkItem& w = items[k];
     partial[k] = out_storage == Storage::f32
                      ? momentum_range<Storage::f32>(tensors[w.tensor], w.begin, w.end)
                      : momentum_range<Storage::bf16>(tensors[w.tensor], w.begin, w.end);
-  }
+  });
   if (sumsq == nullptr) return;
   // Reduce the chunk partials in a fixed order: the norm is deterministic for any thread count.
   std::vector<double> total(tensors.size(), 0.0);
@@ -161,26 +160,24 @@ void muon_momentum_cpu(const std::vector<MomentumTensor>& tensors, Storage out_s
 void apply_update_cpu(const std::vector<ApplyTensor>& tensors, Storage update_storage) {
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
-#pragma omp parallel for schedule(static) if (n_items >= kMinParallelChunks)
-  for (int64_t k = 0; k < n_items; ++k) {
+  parallel_items(n_items, kMinParallelChunks, [&](int64_t k) {
     const WorkItem& w = items[k];
     if (update_storage == Storage::f32) {
       apply_dispatch<Storage::f32>(tensors[w.tensor], w.begin, w.end);
     } else {
       apply_dispatch<Storage::bf16>(tensors[w.tensor], w.begin, w.end);
     }
-  }
+  });
 }
 
 int64_t first_nonfinite_cpu(const std::vector<ConstTensor>& tensors) {
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
   std::vector<unsigned char> bad(items.size(), 0);
-#pragma omp parallel for schedule(static) if (n_items >= kMinParallelChunks)
-  for (int64_t k = 0; k < n_items; ++k) {
+  parallel_items(n_items, kMinParallelChunks, [&](int64_t k) {
     const WorkItem& w = items[k];
     bad[k] = range_is_finite(tensors[w.tensor].data, w.begin, w.end) ? 0 : 1;
-  }
+  });
   for (size_t k = 0; k < items.size(); ++k)
     if (bad[k]) return items[k].tensor;
   return -1;

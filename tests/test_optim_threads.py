@@ -1,0 +1,157 @@
+"""The CPU kernels' worker pool (every chunk runs exactly once, on any thread count, from concurrent
+callers and after fork) and the two bf16 Newton-Schulz paths (native and emulated)."""
+import multiprocessing as mp
+import threading
+
+import pytest
+import torch
+
+from asyncpp_ext.optim import Muon, MuonHybrid, orthogonalize
+from asyncpp_ext.optim import _kernels as K
+from asyncpp_ext.optim import newton_schulz
+
+# 20 chunks of 2^15 elements: above the kernels' parallel threshold (8 chunks).
+BIG = [(640, 512), (512, 640)]
+LR, WD = 0.02, 0.1
+
+
+def apply_once(params, updates, scale):
+    K.apply_update(params, updates, [], [scale] * len(params), [], lr=LR, weight_decay=WD, ef_beta=0.0)
+
+
+def expected_apply(w, u, scale):
+    # The kernel's arithmetic, op for op in float32: D = W*(-lr*wd) + scale*U; W + D.
+    neg_lr_wd = torch.tensor(-LR * WD, dtype=torch.float32)
+    return w + (w * neg_lr_wd + torch.tensor(scale, dtype=torch.float32) * u)
+
+
+def run_apply_rounds(rounds, seed, kernel_threads=None):
+    """`rounds` apply_update calls on BIG, and what they must produce; kernel_threads: thread count
+    for the kernel calls only (torch's own ops then run single-threaded)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) for s in BIG]
+    updates = [torch.randn(s, generator=gen) for s in BIG]
+    want = [p.clone() for p in params]
+    for r in range(rounds):
+        scale = -0.01 * (r + 1)
+        if kernel_threads is not None:
+            torch.set_num_threads(kernel_threads)
+        apply_once(params, updates, scale)
+        if kernel_threads is not None:
+            torch.set_num_threads(1)
+        want = [expected_apply(w, u, scale) for w, u in zip(want, updates)]
+    return params, want
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 4])
+def test_every_chunk_runs_exactly_once(threads, n_threads):
+    threads(n_threads)
+    params, want = run_apply_rounds(30, seed=0)  # a chunk run twice or skipped shifts W by a whole step
+    for p, w in zip(params, want):
+        assert torch.equal(p, w)
+
+
+def test_results_do_not_depend_on_thread_count(threads):
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(s, generator=gen) for s in BIG + [(300,)]]
+    grads = [torch.randn_like(w) for w in weights]
+    out = {}
+    for n in (1, 2):
+        threads(n)
+        ps = [w.clone().requires_grad_() for w in weights]
+        opt = MuonHybrid([(f"w{i}", p) for i, p in enumerate(ps)], ns_dtype=torch.float32)
+        for _ in range(2):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+            opt.step()
+        out[n] = [p.detach() for p in ps]
+    assert all(torch.equal(a, b) for a, b in zip(out[1], out[2]))
+
+
+def test_concurrent_callers_each_get_their_own_result(threads):
+    threads(2)
+    results = [None] * 4
+
+    def worker(i):
+        results[i] = run_apply_rounds(20, seed=10 + i)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    for params, want in results:
+        assert all(torch.equal(p, w) for p, w in zip(params, want))
+
+
+def _child_after_fork(queue):
+    # torch's own parallel ops can hang in a forked child of a process that ran OpenMP teams (GNU
+    # libgomp is not fork-safe), so the child runs torch single-threaded and only our pool with 2.
+    torch.set_num_threads(1)
+    params, want = run_apply_rounds(3, seed=3, kernel_threads=2)
+    queue.put(all(torch.equal(p, w) for p, w in zip(params, want)))
+
+
+def test_pool_works_in_a_forked_child(threads):
+    threads(2)
+    run_apply_rounds(2, seed=2)  # the parent's pool has helper threads now; the child has none
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_child_after_fork, args=(q,))
+    proc.start()
+    proc.join(timeout=60)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive, "the forked child hung in the kernels' worker pool"
+    assert q.get(timeout=5) is True
+
+
+SHAPES = [(24, 8), (8, 24), (16, 16), (64, 256), (256, 64)]
+
+
+def test_bf16_native_and_emulated_agree():
+    gen = torch.Generator().manual_seed(4)
+    for s in SHAPES:
+        v = torch.randn((2,) + s, generator=gen).bfloat16()
+        norms = v.float().flatten(1).norm(dim=1)
+        native = orthogonalize(v, norms, ns_dtype=torch.bfloat16, bf16_matmul="native").float()
+        emulated = orthogonalize(v, norms, ns_dtype=torch.bfloat16, bf16_matmul="emulated").float()
+        assert native.dtype == emulated.dtype
+        # Same roundings, different float32 summation order: a few bf16 ulps (2^-8 relative) at most.
+        assert ((native - emulated).abs().max() / emulated.abs().max()).item() < 2 ** -5
+
+
+@pytest.mark.parametrize("has_bf16_dot", [True, False])
+def test_muon_bf16_both_paths_match_torch_muon(monkeypatch, has_bf16_dot):
+    monkeypatch.setattr(newton_schulz, "_cpu_has_bf16_dot", has_bf16_dot)
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(24, 8), (8, 24), (16, 16), (24, 8)]
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(5)]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    finals = []
+    for make in (lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw), lambda ps: torch.optim.Muon(ps, **kw)):
+        ps = [w.clone().requires_grad_() for w in weights]
+        opt = make(ps)
+        for gs in grads:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+        finals.append([p.detach() for p in ps])
+    ours, ref = finals
+    err = max(((o - r).abs().max() / (r - w).abs().max()).item() for o, r, w in zip(ours, ref, weights))
+    assert err < 3e-2  # the same bound as test_optim_parity's bf16 test
+
+
+def test_bf16_matmul_mode_is_checked():
+    v = torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="bf16_matmul must be one of"):
+        orthogonalize(v, v.flatten(1).norm(dim=1), bf16_matmul="fast")
