@@ -9,6 +9,7 @@ receives per-step statistics as steps complete.
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -120,7 +121,9 @@ class Pipeline:
             self.transport = create_nccl_transport(self.host, self.stage, self.stages, self.stage_ranks,
                                                    self.device, run_id=run_id, timeout_s=timeout_s)
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
-        self.trace: list[tuple] = []
+        # (op, step, microbatch, version, start_ns, end_ns) per executed instruction, newest last;
+        # bounded so that long runs do not grow without limit.
+        self.trace: collections.deque = collections.deque(maxlen=200_000)
         self.tokens_per_microbatch = 0
         self.next_step = 0
         self._batches: Iterator | None = None
@@ -227,16 +230,22 @@ class Pipeline:
         self.host.on_step = on_step
         done = object()
 
+        # Programs are materialised per call; a very long call runs as a few long streams (one
+        # drain per MAX_SCHEDULE_WORK / (S*m) steps) to bound the program's memory.
+        chunk = max(1, C.MAX_SCHEDULE_WORK // (self.stages * self.m))
+
         def worker() -> None:
             try:
-                if isinstance(self.transport, GlooTransport):
-                    trace = C.run_stage(self.schedule, self.stages, self.m, steps, self.stage, first_step,
-                                        self.host, self.transport, self.recv_ahead, 8, self.timeout_s)
-                else:
-                    trace = self.transport.run_stage(self.schedule, self.stages, self.m, steps, self.stage,
-                                                     first_step, self.host, recv_ahead=self.recv_ahead,
-                                                     max_inflight_sends=8, timeout_s=self.timeout_s)
-                self.trace.extend(trace)
+                for start in range(first_step, first_step + steps, chunk):
+                    n = min(chunk, first_step + steps - start)
+                    if isinstance(self.transport, GlooTransport):
+                        trace = C.run_stage(self.schedule, self.stages, self.m, n, self.stage, start,
+                                            self.host, self.transport, self.recv_ahead, 8, self.timeout_s)
+                    else:
+                        trace = self.transport.run_stage(self.schedule, self.stages, self.m, n, self.stage,
+                                                         start, self.host, recv_ahead=self.recv_ahead,
+                                                         max_inflight_sends=8, timeout_s=self.timeout_s)
+                    self.trace.extend(trace)
                 events.put(done)
             except BaseException as e:  # handed to the caller's thread
                 events.put(e)

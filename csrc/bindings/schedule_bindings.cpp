@@ -43,6 +43,7 @@ py::dict sim_result_to_dict(const core::SimResult& r) {
 }  // namespace
 
 void bind_schedule(py::module_& m) {
+  m.attr("MAX_SCHEDULE_WORK") = core::kMaxScheduleWork;
   using core::Instruction;
   using core::Op;
   using core::Schedule;
