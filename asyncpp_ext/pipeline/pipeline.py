@@ -65,7 +65,7 @@ class Pipeline:
         optimizer: ``factory(module) -> torch.optim.Optimizer`` for the stage's blocks.
         schedule: "gpipe", "1f1b" (synchronous) or "2bw" (PipeDream-2BW, one-step delay).
         microbatches: microbatches per step (2bw needs >= stages).
-        stages: pipeline depth; defaults to the world size.
+        stages: pipeline depth; defaults to the world size divided by dp.
         split_points: first block index of stages 1..S-1; default balances parameter counts.
         timeout_s: a receive or send that makes no progress for this long fails the run.
         recv_ahead: receives posted ahead of need per message kind (the receive-buffer budget).
