@@ -13,6 +13,7 @@ from .models import GPTConfig
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw")
 OPTIMIZERS = ("adamw", "muon", "sgd")
 DEVICES = ("cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16")
 
 ModelConfig = GPTConfig
 """The model section is the GPT's own shape config."""
@@ -58,7 +59,20 @@ class PipelineConfig:
     microbatches: int = 4
     """Microbatches m per step (minibatch); 2bw needs m >= stages."""
     micro_batch_size: int = 8
-    """Sequences per microbatch B."""
+    """Sequences per microbatch B, per data-parallel replica (a step consumes m * dp * B)."""
+    dp: int = 1
+    """Data-parallel replicas R of the pipeline (world = stages * dp processes). Each global
+    microbatch of dp * B sequences is split in rows among the replicas, so a run equals the dp=1 run
+    with micro_batch_size dp * B."""
+    shard_muon: bool = True
+    """With dp > 1: each replica orthogonalises a share of the stage's Muon matrices (same result)."""
+    recompute: bool = False
+    """Recompute each stage's forward right before its backward instead of keeping activations."""
+
+    @property
+    def global_micro_batch_size(self) -> int:
+        """Sequences per microbatch over all replicas: what the data stream draws."""
+        return self.dp * self.micro_batch_size
 
 
 @dataclass
@@ -77,6 +91,9 @@ class TrainConfig:
     """Run directory to continue from its latest checkpoint (None = fresh run)."""
     device: str = "cpu"
     """cpu | cuda."""
+    dtype: str = "auto"
+    """auto (bf16 autocast on cuda, fp32 on cpu) | fp32 | bf16 (autocast; weights, gradients and
+    optimizer state stay fp32; allowed on cpu when asked for, but slow there)."""
     simulate: bool = False
     """Run the single-process delay simulator instead of the multi-process pipeline."""
     progress: bool = True
@@ -127,6 +144,7 @@ class RunConfig:
         _positive_int("pipeline.stages", self.pipeline.stages)
         _positive_int("pipeline.microbatches", self.pipeline.microbatches)
         _positive_int("pipeline.micro_batch_size", self.pipeline.micro_batch_size)
+        _positive_int("pipeline.dp", self.pipeline.dp)
         _positive_int("train.steps", self.train.steps)
         _non_negative_int("train.eval_every", self.train.eval_every)
         _non_negative_int("train.ckpt_every", self.train.ckpt_every)
@@ -136,6 +154,7 @@ class RunConfig:
         _choice("pipeline.schedule", self.pipeline.schedule, SCHEDULES)
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("train.device", self.train.device, DEVICES)
+        _choice("train.dtype", self.train.dtype, DTYPES)
         _positive_number("optim.lr", self.optim.lr)
         if self.optim.adamw_lr is not None:
             _positive_number("optim.adamw_lr", self.optim.adamw_lr)
@@ -187,7 +206,8 @@ RESUME_MUST_MATCH = (
     [f"model.{f.name}" for f in fields(GPTConfig)]
     + [f"data.{f.name}" for f in fields(DataConfig)]
     + [f"optim.{f.name}" for f in fields(OptimConfig)]
-    + ["pipeline.schedule", "pipeline.microbatches", "pipeline.micro_batch_size", "train.seed"]
+    + ["pipeline.schedule", "pipeline.microbatches", "pipeline.micro_batch_size", "pipeline.dp",
+       "train.seed", "train.dtype"]
 )
 
 
@@ -196,6 +216,6 @@ def get_field(cfg: RunConfig, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["SCHEDULES", "OPTIMIZERS", "DEVICES", "ConfigError", "ModelConfig", "DataConfig",
+__all__ = ["SCHEDULES", "OPTIMIZERS", "DEVICES", "DTYPES", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
            "get_field"]

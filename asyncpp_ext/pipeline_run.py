@@ -1,10 +1,12 @@
-"""``asyncpp-train`` over real processes: one rank per pipeline stage, the shared Trainer on each.
+"""``asyncpp-train`` over real processes: stages x dp ranks, the shared Trainer on each.
 
 The parent (the CLI) has already validated the configuration, the data and the run directory;
 each rank builds the same GPT from the seed, keeps its stage, and runs the Trainer with a
-``PipelineEngine``. The last stage sees the losses, so it writes metrics.jsonl and loss.png;
-checkpoints are collective: every rank writes its own shard, the last stage seals the checkpoint
-(meta.json) once all shards are on disk.
+``PipelineEngine``. Rank = replica * stages + stage (see pipeline/data_parallel.py). Every rank
+draws the same global minibatches (microbatches of dp * B sequences) and its replica takes its
+rows. Replica 0's last stage writes metrics.jsonl and loss.png (its losses are the global means);
+checkpoints are collective: replica 0's ranks write one shard per stage (the replicas hold
+identical state), its last stage seals the checkpoint (meta.json) once all shards are on disk.
 """
 from __future__ import annotations
 
@@ -48,11 +50,12 @@ class PipelineEngine:
 
 def _collective_checkpoint(pipe: Pipeline, run_dir: Path):
     def save(step: int, meta: dict) -> Path:
-        writer = pipe.host.is_last
+        writer = pipe.host.is_last and pipe.replica == 0
         tmp = begin_checkpoint(run_dir, step) if writer else None
         dist.barrier()  # the temporary directory exists
         tmp = tmp or temp_checkpoint_path(run_dir, step)
-        write_shard(tmp, pipe.stage, pipe.state_dict(), capture_rng_state())
+        if pipe.replica == 0:  # every replica holds the same state
+            write_shard(tmp, pipe.stage, pipe.state_dict(), capture_rng_state())
         dist.barrier()  # every shard is on disk
         final = finalize_checkpoint(run_dir, tmp, step, meta) if writer else checkpoint_path(run_dir, step)
         dist.barrier()  # sealed before anyone goes on
@@ -64,18 +67,20 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     """One rank of a pipeline run (under torchrun or spawned by ``run_pipeline``)."""
     cfg = RunConfig.from_dict(cfg_dict)
     init_distributed()
-    threads = max(1, (os.cpu_count() or 1) // cfg.pipeline.stages)
+    threads = max(1, (os.cpu_count() or 1) // (cfg.pipeline.stages * cfg.pipeline.dp))
     torch.set_num_threads(threads)  # stages share the machine's cores
     p = cfg.pipeline
     tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
-    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, p.micro_batch_size,
+    batch = p.global_micro_batch_size  # every replica draws the same stream and takes its rows
+    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch,
                                              cfg.model.seq_len, source=cfg.data.source)
-    stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
-                         seed=cfg.train.seed)
-    eval_set = eval_batches(eval_tokens, p.micro_batch_size, cfg.model.seq_len, cfg.data.eval_batches)
+    stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed)
+    # Every replica evaluates the whole set (same weights, same numbers) so none waits for another.
+    eval_set = eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
     model = GPT(cfg.model, seed=cfg.train.seed)
     pipe = Pipeline(model, loss_fn=GPT.loss, optimizer=factory_builder(cfg), schedule=p.schedule,
-                    microbatches=p.microbatches, stages=p.stages)
+                    microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
+                    recompute=p.recompute, dtype=cfg.train.dtype)
     engine = PipelineEngine(pipe)
     start_step, elapsed = 0, 0.0
     if resume_dir is not None:
@@ -88,24 +93,27 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     run_dir = Path(cfg.train.out)
     trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=start_step, elapsed_s=elapsed,
                       device="cpu", checkpoint_fn=_collective_checkpoint(pipe, run_dir),
-                      writes_metrics=pipe.host.is_last, num_stages=p.stages)
+                      writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages)
+    trainer.tokens_per_step = p.microbatches * batch * cfg.model.seq_len  # all replicas' tokens
     trainer.run()
 
 
 def launch(cfg: RunConfig, resume_dir: Optional[Path], factory_builder, prepare) -> None:
-    """Run the pipeline under torchrun's world, or spawn ``stages`` local ranks on 127.0.0.1.
+    """Run the pipeline under torchrun's world, or spawn ``stages * dp`` local ranks on 127.0.0.1.
 
     ``prepare()`` creates the run directory and config.json: here in the parent for a local
     launch, on rank 0 (the others wait) under torchrun."""
     args = (cfg.to_dict(), str(resume_dir) if resume_dir is not None else None, factory_builder)
     if not under_launcher():
         prepare()
-        spawn(rank_main, cfg.pipeline.stages, args)
+        spawn(rank_main, cfg.pipeline.stages * cfg.pipeline.dp, args)
         return
     rank, world = init_distributed()
-    if world != cfg.pipeline.stages:
-        raise ValueError(f"torchrun started {world} processes but --stages is {cfg.pipeline.stages}; "
-                         f"use --nproc-per-node {cfg.pipeline.stages} (times --nnodes) or --stages {world}")
+    need = cfg.pipeline.stages * cfg.pipeline.dp
+    if world != need:
+        raise ValueError(f"torchrun started {world} processes but --stages {cfg.pipeline.stages} x --dp "
+                         f"{cfg.pipeline.dp} needs {need}; start {need} processes in all (--nproc-per-node "
+                         f"times --nnodes) or change --stages / --dp")
     if rank == 0:
         prepare()
     dist.barrier()

@@ -22,7 +22,7 @@ import torch
 
 from .checkpoint import (CheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
-from .config import OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from .config import DTYPES, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from .models import GPT, PRESETS, preset_config
 from .simulate import DelaySimulator, merge_engine_states
@@ -57,7 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--microbatches", type=int,
                       help=f"microbatches per step; 2bw needs >= stages (default {_D.pipeline.microbatches})")
     pipe.add_argument("--micro-batch-size", type=int,
-                      help=f"sequences per microbatch (default {_D.pipeline.micro_batch_size})")
+                      help=f"sequences per microbatch per replica (default {_D.pipeline.micro_batch_size})")
+    pipe.add_argument("--dp", type=int,
+                      help="data-parallel replicas of the pipeline; stages x dp processes, each step "
+                           "takes microbatches x dp x micro-batch-size sequences (default 1)")
+    pipe.add_argument("--no-shard-muon", action="store_true", default=None,
+                      help="with --dp > 1, every replica runs all Muon orthogonalisations itself "
+                           "(default: each runs a share and they are gathered)")
+    pipe.add_argument("--recompute", action="store_true", default=None,
+                      help="recompute each stage's forward before its backward: same losses, less "
+                           "activation memory")
     opt.add_argument("--optimizer", choices=OPTIMIZERS, help=f"default {_D.optim.name}")
     opt.add_argument("--lr", type=float, help=f"learning rate (default {_D.optim.lr})")
     opt.add_argument("--adamw-lr", type=float,
@@ -84,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue DIR's run from its latest checkpoint up to --steps; flags "
                           "left out are taken from the checkpoint")
     run.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
+    run.add_argument("--dtype", choices=DTYPES,
+                     help="auto: bf16 autocast on cuda, fp32 on cpu; bf16: autocast with fp32 "
+                          "weights and optimizer state (slow on cpu) (default auto)")
     run.add_argument("--simulate", action="store_true", default=None,
                      help="run the schedule's update rule in one process (delay simulator)")
     run.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
@@ -101,7 +113,9 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
     sets = {
         ("pipeline", "schedule"): args.schedule, ("pipeline", "stages"): args.stages,
         ("pipeline", "microbatches"): args.microbatches,
-        ("pipeline", "micro_batch_size"): args.micro_batch_size,
+        ("pipeline", "micro_batch_size"): args.micro_batch_size, ("pipeline", "dp"): args.dp,
+        ("pipeline", "shard_muon"): None if args.no_shard_muon is None else not args.no_shard_muon,
+        ("pipeline", "recompute"): args.recompute, ("train", "dtype"): args.dtype,
         ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
         ("optim", "adamw_lr"): args.adamw_lr, ("optim", "weight_decay"): args.weight_decay,
         ("optim", "ef_beta"): args.ef_beta, ("train", "steps"): args.steps,
@@ -131,7 +145,7 @@ def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
 
     # Every check that can fail on bad input happens before any process starts.
     tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
-    split_tokens(tokens, cfg.data.eval_fraction, cfg.pipeline.micro_batch_size, cfg.model.seq_len,
+    split_tokens(tokens, cfg.data.eval_fraction, cfg.pipeline.global_micro_batch_size, cfg.model.seq_len,
                  source=cfg.data.source)
     start_step = 0
     if resume_dir is not None:
@@ -159,7 +173,8 @@ def _print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
     shown = f" eval_loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
     print(f"{out}: step {last['step']} loss {last['loss']:.4f}{shown} "
           f"({last['elapsed_s']:.1f} s, {cfg.pipeline.schedule}, {cfg.optim.name}, "
-          f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''})")
+          f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''}"
+          f"{f' x {cfg.pipeline.dp} replicas' if cfg.pipeline.dp > 1 else ''})")
 
 
 def _prepare_run_dir(cfg: RunConfig, resuming: bool) -> Path:
@@ -187,14 +202,15 @@ def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int
     factory = make_optimizer_factory(cfg)
     tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
     p = cfg.pipeline
-    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, p.micro_batch_size,
+    # --dp R simulates as one replica on the whole global microbatches (what R replicas compute).
+    batch = p.global_micro_batch_size
+    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch,
                                              cfg.model.seq_len, source=cfg.data.source)
-    stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
-                         seed=cfg.train.seed)
-    eval_set = eval_batches(eval_tokens, p.micro_batch_size, cfg.model.seq_len,
-                            cfg.data.eval_batches)
+    stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed)
+    eval_set = eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
     model = GPT(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
-    engine = DelaySimulator(model, factory(model), p.schedule)
+    engine = DelaySimulator(model, factory(model), p.schedule,
+                            loss_fn=autocast_loss(cfg.train.dtype, torch.device(cfg.train.device)))
     start_step, elapsed = 0, 0.0
     if resume_dir is not None:
         meta, shards = load_checkpoint(resume_dir)
@@ -212,9 +228,23 @@ def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int
     write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
     trainer = Trainer(cfg, engine, stream, eval_set, out, start_step=start_step,
                       elapsed_s=elapsed, device=cfg.train.device)
+    trainer.tokens_per_step = p.microbatches * batch * cfg.model.seq_len  # all replicas' tokens
     trainer.run()
     _print_summary(out, cfg, start_step)
     return 0
+
+
+def autocast_loss(dtype: str, device: torch.device):
+    """The simulator's loss function under the run's --dtype (bf16 autocast or plain fp32)."""
+    from .pipeline.recompute import autocast_context, resolve_autocast
+    from .simulate import default_loss
+
+    autocast_dtype = resolve_autocast(dtype, device)
+
+    def loss(model, inputs, targets):
+        with autocast_context(device, autocast_dtype):
+            return default_loss(model, inputs, targets)
+    return loss
 
 
 def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
@@ -257,6 +287,7 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
 FIELD_FLAGS = {
     "pipeline.schedule": "--schedule", "pipeline.stages": "--stages",
     "pipeline.microbatches": "--microbatches", "pipeline.micro_batch_size": "--micro-batch-size",
+    "pipeline.dp": "--dp", "train.dtype": "--dtype",
     "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
     "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
@@ -277,7 +308,7 @@ def main(argv=None) -> int:
     cfg = None
     try:
         cfg, resume_dir = _resolve(argv)
-        if cfg.pipeline.stages > 1 and not cfg.train.simulate:
+        if (cfg.pipeline.stages > 1 or cfg.pipeline.dp > 1) and not cfg.train.simulate:
             return run_pipeline(cfg, resume_dir)
         return run_single_process(cfg, resume_dir)
     except KeyboardInterrupt:

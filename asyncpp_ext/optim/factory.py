@@ -13,7 +13,8 @@ DEFAULT_ADAMW_LR_FOR_MUON = 3e-4
 
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.0,
-                    ef_beta: float = 0.0, adamw_lr: float | None = None, **kwargs) -> torch.optim.Optimizer:
+                    ef_beta: float = 0.0, adamw_lr: float | None = None, shard_group=None,
+                    **kwargs) -> torch.optim.Optimizer:
     """An optimizer for `model` (a whole model or one pipeline stage's part of it).
 
     name:
@@ -25,7 +26,9 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
       "sgd"   -> torch.optim.SGD(momentum=0.9 unless given in kwargs), wrapped in ErrorFeedback
                  when ef_beta > 0.
     weight_decay is decoupled (AdamW/Muon) or L2 (SGD). ef_beta > 0 turns on error feedback
-    (fused into the kernels for "muon" and "adamw").
+    (fused into the kernels for "muon" and "adamw"). shard_group (a data-parallel process group)
+    splits Muon's orthogonalisations among its ranks; the other optimizers are elementwise and
+    ignore it.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -47,7 +50,7 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
 
     if name == "muon":
         return MuonHybrid(model, lr=lr, adamw_lr=DEFAULT_ADAMW_LR_FOR_MUON if adamw_lr is None else adamw_lr,
-                          weight_decay=weight_decay, ef_beta=ef_beta, **kwargs)
+                          weight_decay=weight_decay, ef_beta=ef_beta, shard_group=shard_group, **kwargs)
     if adamw_lr is not None:
         raise ValueError(f"adamw_lr is only used with name='muon'; for {name!r} pass lr")
     if name == "adamw":

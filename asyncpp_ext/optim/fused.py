@@ -13,10 +13,12 @@ import math
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 from . import _kernels as K
 from .errors import NonFiniteGradientError
 from .newton_schulz import orthogonalize
+from .sharding import assign_owners, gather_updates
 
 MUON = "muon"
 ADAMW = "adamw"
@@ -64,10 +66,24 @@ def check_adamw_args(betas, eps):
 class FusedOptimizer(torch.optim.Optimizer):
     """Base of Muon, AdamW and MuonHybrid. Each param group carries "algorithm" ("muon"/"adamw")."""
 
-    def __init__(self, params, defaults):
+    def __init__(self, params, defaults, shard_group=None):
         super().__init__(params, defaults)
         for gi, group in enumerate(self.param_groups):
             self._validate_group(gi, group)
+        self.shard_group = None
+        self.orthogonalized_last_step = 0  # matrices this rank ran Newton-Schulz on in the last step
+        if shard_group is not None:
+            self.shard_across(shard_group)
+
+    def shard_across(self, group) -> None:
+        """Split the Muon orthogonalisations among the ranks of ``group`` (a torch.distributed
+        process group of data-parallel replicas holding identical gradients; None = unsharded).
+        Every rank of the group must call ``step()`` together; the updates equal the unsharded
+        ones (see sharding.py). Process groups are not saved in ``state_dict``."""
+        if group is not None and not dist.is_initialized():
+            raise ValueError("shard_group needs torch.distributed to be initialised (init_process_group) "
+                             "before the optimizer is built")
+        self.shard_group = group
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -216,14 +232,27 @@ class FusedOptimizer(torch.optim.Optimizer):
         sumsq = torch.empty(len(params), dtype=torch.float32, device=device)
         K.muon_momentum(grads, bufs, outs, momentum=group["momentum"], nesterov=group["nesterov"],
                         sumsq=sumsq)
+        owners, me = None, 0
+        if self.shard_group is not None and dist.get_world_size(self.shard_group) > 1:
+            owners = assign_owners([p.shape for p in params], dist.get_world_size(self.shard_group))
+            me = dist.get_rank(self.shard_group)
         updates = [None] * len(params)
         for shape, idx in batches.items():
-            norms = sumsq[torch.tensor(idx, device=device)].sqrt()
-            o = orthogonalize(batch_tensors[shape], norms, steps=group["ns_steps"],
+            chosen = [k for k, i in enumerate(idx) if owners is None or owners[i] == me]
+            if not chosen:
+                continue
+            v = batch_tensors[shape] if len(chosen) == len(idx) else batch_tensors[shape][chosen]
+            norms = sumsq[torch.tensor([idx[k] for k in chosen], device=device)].sqrt()
+            o = orthogonalize(v, norms, steps=group["ns_steps"],
                               coefficients=tuple(group["ns_coefficients"]), eps=group["eps"],
                               ns_dtype=ns_dtype)
-            for k, i in enumerate(idx):
-                updates[i] = o[k]
+            for j, k in enumerate(chosen):
+                updates[idx[k]] = o[j]
+        self.orthogonalized_last_step = sum(u is not None for u in updates)
+        if owners is not None:
+            mine = {i: u for i, u in enumerate(updates) if u is not None}
+            updates = gather_updates(mine, [p.shape for p in params], owners, self.shard_group,
+                                     storage, device)
         lr = group["lr"]
         scales = [-(lr * muon_lr_scale(p.shape, group["adjust_lr_fn"])) for p in params]
         ef_bufs, ef_first = self._ef(group, params)

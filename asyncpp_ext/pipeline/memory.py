@@ -49,6 +49,11 @@ class ActivationMeter:
         self._refs[key] += 1
         return _Saved(t, self, key)
 
+    def hold(self, t: torch.Tensor):
+        """Count ``t`` as in-flight until the returned token is dropped (a tensor a stage keeps
+        for later outside autograd, e.g. the input kept for recomputation)."""
+        return self._pack(t)
+
     @staticmethod
     def _unpack(saved: _Saved) -> torch.Tensor:
         return saved.tensor

@@ -21,7 +21,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._ext import C
+from .data_parallel import GradientAverager, Layout, create_dp_group, replica_share
 from .partition import as_blocks, split
+from .recompute import resolve_autocast
 from .stage import Signature, StageError, StageHost
 from .transport import GlooTransport, TransportError, peer_failure_reason
 
@@ -36,8 +38,8 @@ _EVAL_TAG = 2
 @dataclass
 class StepStats:
     step: int                 # global step index (0-based)
-    loss: float | None        # mean microbatch loss; only the last stage knows it
-    tokens: int               # tokens consumed by this step
+    loss: float | None        # mean microbatch loss over all replicas; only last stages know it
+    tokens: int               # tokens consumed by this step (all replicas)
     elapsed_s: float          # since the start of this train() call
     stage: int
 
@@ -64,7 +66,7 @@ class Pipeline:
         optimizer: ``factory(module) -> torch.optim.Optimizer`` for the stage's blocks.
         schedule: "gpipe", "1f1b" (synchronous) or "2bw" (PipeDream-2BW, one-step delay).
         microbatches: microbatches per step (2bw needs >= stages).
-        stages: pipeline depth; defaults to the world size.
+        stages: pipeline depth; defaults to the world size divided by dp.
         split_points: first block index of stages 1..S-1; default balances parameter counts.
         timeout_s: a receive or send that makes no progress for this long fails the run.
         recv_ahead: receives posted ahead of need per message kind (the receive-buffer budget).
@@ -74,22 +76,37 @@ class Pipeline:
             CUDA only; the default process group must still carry CPU tensors, i.e. be "gloo" or
             "cpu:gloo,cuda:nccl", for the start-up handshake), or "auto": nccl on CUDA, else gloo.
         run_id: names this pipeline's NCCL rendezvous keys; equal on every rank (see nccl.py).
+        dp: data-parallel replicas R of the S-stage pipeline (world = S * R, rank = replica * S +
+            stage; see data_parallel.py). Every rank is fed the same global minibatches; replica r
+            takes rows r*B..(r+1)*B-1 of each microbatch of R*B sequences, so the losses equal one
+            pipeline's on the whole global microbatches. Gradients are averaged over each stage's
+            replicas before every optimizer step.
+        shard_optimizer: with dp > 1, split the stage's Muon orthogonalisations among its replicas
+            (asyncpp Muon / MuonHybrid only; the result equals the unsharded step).
+        recompute: keep only each microbatch's stage input and re-run the forward right before its
+            backward (same numbers, less in-flight activation memory).
+        dtype: "auto" (bf16 autocast on CUDA, float32 on CPU), "fp32", or "bf16" (autocast; weights,
+            gradients and optimizer state stay float32).
     """
 
     def __init__(self, model, *, loss_fn: Callable, optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  schedule: str = "2bw", microbatches: int = 4, stages: int | None = None,
                  split_points: Sequence[int] | None = None, timeout_s: float = 300.0, recv_ahead: int = 2,
                  device: str | torch.device | None = None, transport: str = "auto", run_id: str | None = None,
-                 track_memory: bool = False):
+                 track_memory: bool = False, dp: int = 1, shard_optimizer: bool = True,
+                 recompute: bool = False, dtype: str = "auto"):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: launch with torchrun or "
                                "asyncpp_ext.pipeline.spawn, or call init_distributed() first")
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.stages = world if stages is None else stages
-        if self.stages != world:
-            raise ValueError(f"{self.stages} stages need a world of {self.stages} ranks, got {world}")
+        if not isinstance(dp, int) or dp < 1 or world % dp:
+            raise ValueError(f"dp must be a positive integer dividing the world size {world}, got {dp!r}")
+        self.stages = world // dp if stages is None else stages
+        if self.stages * dp != world:
+            raise ValueError(f"{self.stages} stages x {dp} replicas need a world of {self.stages * dp} "
+                             f"ranks, got {world}")
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
         if schedule == "2bw" and microbatches < self.stages:
@@ -97,12 +114,15 @@ class Pipeline:
                              f"raise microbatches to at least {self.stages}")
         self.schedule, self.m = schedule, microbatches
         self.device = torch.device("cpu" if device is None else device)
+        self.autocast_dtype = resolve_autocast(dtype, self.device)
         transport = _choose_transport(transport, self.device)
         if transport == "nccl":  # before touching the device: say what to install or rebuild
             from .nccl import require_nccl
             require_nccl(need_gpu=True)
-        self.stage = self.rank
-        self.stage_ranks = list(range(self.stages))
+        self.dp, self.layout = dp, Layout(self.stages, dp)
+        self.replica, self.stage = self.layout.coords(self.rank)
+        self.stage_ranks = self.layout.pipeline_ranks(self.replica)
+        self.dp_group = create_dp_group(self.layout, self.rank)
         blocks = as_blocks(model)
         self.partition = split(blocks, self.stages, split_points)
         self.block_indices = self.partition[self.stage]
@@ -113,11 +133,20 @@ class Pipeline:
         optimizer = lambda stage_module: user_factory(GlobalView(stage_module, prefixes))  # noqa: E731
         self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
                               microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
-                              batch_source=self._next_batch, track_memory=track_memory)
+                              batch_source=self._next_batch, track_memory=track_memory,
+                              recompute=recompute, autocast_dtype=self.autocast_dtype)
+        if dp > 1:
+            self.host.grad_sync = GradientAverager(self.host.grad_flat,
+                                                   [list(r.parameters()) for r in self.host.replicas],
+                                                   self.dp_group, dp)
+            if shard_optimizer and hasattr(self.host.optimizer, "shard_across"):
+                self.host.optimizer.shard_across(self.dp_group)
         if transport == "gloo":
             self.transport = GlooTransport(self.host, self.stage_ranks)
         else:
-            from .nccl import create_nccl_transport
+            from .nccl import _default_run_ids, create_nccl_transport
+            if dp > 1:  # each replica's pipeline rendezvouses under its own keys
+                run_id = f"{run_id or f'run{next(_default_run_ids)}'}-replica{self.replica}"
             self.transport = create_nccl_transport(self.host, self.stage, self.stages, self.stage_ranks,
                                                    self.device, run_id=run_id, timeout_s=timeout_s)
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
@@ -163,7 +192,7 @@ class Pipeline:
         if h.is_last:
             return
         try:
-            with torch.no_grad():
+            with torch.no_grad(), h.autocast():
                 probe = h.newest_replica()(torch.zeros(h.in_sig.shape, dtype=h.in_sig.dtype, device=self.device))
         except Exception as e:  # the blocks cannot consume what the previous stage sends
             raise StageError(f"stage {self.stage} cannot run its blocks on input {h.in_sig.describe()}: "
@@ -198,6 +227,9 @@ class Pipeline:
                 raise StageError(f"stage {self.stage}: the batch iterator ran out before step "
                                  f"{self._pull_step}") from None
             inputs, targets = split_minibatch(batch, self.m)
+            if self.dp > 1:
+                inputs = [replica_share(x, self.replica, self.dp) for x in inputs]
+                targets = [replica_share(y, self.replica, self.dp) for y in targets]
             if self.device.type != "cpu":
                 inputs, targets = [x.to(self.device) for x in inputs], [y.to(self.device) for y in targets]
             self._pulled[self._pull_step] = inputs, targets
@@ -222,7 +254,7 @@ class Pipeline:
             self._handshake(first[0][0] if self.host.is_first else None)
         first_step, events = self.next_step, queue.Queue()
         start = time.monotonic()
-        tokens_per_step = self.m * self.tokens_per_microbatch
+        tokens_per_step = self.m * self.tokens_per_microbatch * self.dp
 
         def on_step(step: int, loss: float | None) -> None:
             events.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage))
@@ -266,24 +298,35 @@ class Pipeline:
     # ---- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, batches: Sequence[tuple]) -> float | None:
-        """Mean loss of the newest weights over ``batches`` (microbatch-sized (x, y) pairs), run
-        forward-only through the pipeline. Returns the loss on the last stage, None elsewhere."""
+        """Mean loss of the newest weights over ``batches`` (microbatch-sized (x, y) pairs, of R*B
+        sequences with dp = R: each replica evaluates its rows), run forward-only through the
+        pipeline. Returns the loss on the last stages, None elsewhere."""
         h, model = self.host, self.host.newest_replica()
         losses = []
         for i, (x, y) in enumerate(batches):
+            if self.dp > 1:
+                x, y = replica_share(x, self.replica, self.dp), replica_share(y, self.replica, self.dp)
             if h.is_first:
                 a = x.to(self.device)
             else:  # evaluation messages travel over the (CPU) default process group
                 a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
                 self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
                 a = a.to(self.device)
-            out = model(a)
+            with h.autocast():
+                out = model(a)
+                loss = h.loss_fn(out, y.to(self.device)) if h.is_last else None
             if h.is_last:
-                losses.append(float(h.loss_fn(out, y.to(self.device))))
+                losses.append(float(loss))
             else:
                 h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
                 self._p2p(dist.send, out.contiguous().cpu(), self.stage + 1, "evaluation", _EVAL_TAG)
-        return sum(losses) / len(losses) if h.is_last and losses else None
+        if not (h.is_last and losses):
+            return None
+        mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+        if self.dp > 1:  # equal shares: the global mean is the mean of the replicas' means
+            dist.all_reduce(mean, group=self.dp_group)
+            mean /= self.dp
+        return float(mean.item())
 
 
 def _choose_transport(transport: str, device: torch.device) -> str:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from .memory import ActivationMeter
+from .recompute import RngState, autocast_context
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -64,8 +65,12 @@ class StageHost:
     def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: str, microbatches: int,
                  optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
                  loss_fn: Callable | None, batch_source: Callable[[int], tuple],
-                 on_step: Callable | None = None, track_memory: bool = False):
+                 on_step: Callable | None = None, track_memory: bool = False, recompute: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
+        self.recompute, self.autocast_dtype = recompute, autocast_dtype
+        # Set by the Pipeline under data parallelism: averages grad_flat over the stage's replicas.
+        self.grad_sync = None
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
         self.two_versions = schedule == "2bw"
@@ -206,6 +211,18 @@ class StageHost:
         return self._batches[step]
 
     # ---- executor callbacks ----------------------------------------------------------------
+    def autocast(self):
+        return autocast_context(self.flat[0].device, self.autocast_dtype)
+
+    def _run_blocks(self, replica: nn.Module, x: torch.Tensor, step: int, mb: int):
+        """(loss or None, what backward starts from: the output, or loss / m on the last stage)."""
+        with self.autocast():
+            out = replica(x)
+            if self.is_last:
+                loss = self.loss_fn(out, self._batch(step)[1][mb])
+                return loss, loss / self.m
+        return None, out
+
     def forward(self, step: int, mb: int, version: int) -> None:
         replica = self.replica_for(version)
         if self.is_first:
@@ -213,30 +230,48 @@ class StageHost:
             self._check(x, self.in_sig, "input microbatch", step, mb)
         else:
             x = self._recv.pop((ACTIVATION, step, mb)).requires_grad_()
-        tracking = self.activation_meter.track() if self.activation_meter else contextlib.nullcontext()
-        with torch.enable_grad(), tracking:
-            out = replica(x)
-            if self.is_last:
-                loss = self.loss_fn(out, self._batch(step)[1][mb])
-                self._losses.setdefault(step, []).append(loss.detach())
-                out = loss / self.m
-        if not self.is_last:
+        if self.recompute:  # no graph now; keep the input (counted as in-flight) and the RNG state
+            rng = RngState(x.device)
+            with torch.no_grad():
+                loss, out = self._run_blocks(replica, x, step, mb)
+            held = self.activation_meter.hold(x) if self.activation_meter else None
+            self._saved[(step, mb)] = (x, (rng, held))
+        else:
+            tracking = self.activation_meter.track() if self.activation_meter else contextlib.nullcontext()
+            with torch.enable_grad(), tracking:
+                loss, out = self._run_blocks(replica, x, step, mb)
+            self._saved[(step, mb)] = (x, out)
+        if self.is_last:
+            self._losses.setdefault(step, []).append(loss.detach())
+        else:
             self._check(out, self.out_sig, "output activation", step, mb)
             self._send[(ACTIVATION, step, mb)] = out.detach()
-        self._saved[(step, mb)] = (x, out)
 
     def backward(self, step: int, mb: int, version: int) -> None:
         x, out = self._saved.pop((step, mb))
+        if self.recompute:
+            rng, held = out
+            tracking = self.activation_meter.track() if self.activation_meter else contextlib.nullcontext()
+            with rng.replay(), torch.enable_grad(), tracking:
+                _, out = self._run_blocks(self.replica_for(version), x, step, mb)
+            del held  # the graph now holds what the input kept alive
+        last = mb == self.m - 1
+        if last and self.grad_sync is not None:  # gradient all-reduce overlaps this backward
+            losses = self._losses.get(step)
+            self.grad_sync.arm(float(sum(l.item() for l in losses) / len(losses)) if self.is_last else None)
         if self.is_last:
             out.backward()
         else:
             torch.autograd.backward(out, self._recv.pop((GRADIENT, step, mb)))
+        if last and self.grad_sync is not None:
+            self.grad_sync.launch_rest()
         if not self.is_first:
             self._send[(GRADIENT, step, mb)] = x.grad
-        if mb == self.m - 1:
+        if last:
             self._batches.pop(step, None)
 
     def optimizer_step(self, step: int, new_version: int) -> None:
+        global_loss = self.grad_sync.finish() if self.grad_sync is not None else None
         if self.two_versions:
             src, dst = step % 2, (step + 1) % 2
             self.flat[dst].copy_(self.flat[src])
@@ -252,7 +287,7 @@ class StageHost:
         loss = None
         if self.is_last:
             losses = self._losses.pop(step)
-            loss = float(sum(l.item() for l in losses) / len(losses))
+            loss = float(sum(l.item() for l in losses) / len(losses)) if global_loss is None else global_loss
         if self.on_step is not None:
             self.on_step(step, loss)
 

@@ -1,0 +1,50 @@
+"""Worker functions for the PP x DP tests (importable by spawned ranks).
+
+One spawn runs several pipeline configurations in turn inside the same world, so the slow part
+(starting processes and importing torch) is paid once per world size.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from asyncpp_ext.models import GPT, GPTConfig
+from asyncpp_ext.optim import build_optimizer
+from asyncpp_ext.pipeline import Pipeline, init_distributed
+
+CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16)
+GLOBAL_MICRO_BATCH = 4   # sequences per microbatch over all replicas
+MICROBATCHES = 4
+
+
+def global_batches(steps: int, seed: int = 3):
+    """The same global minibatches on every rank: m microbatches of GLOBAL_MICRO_BATCH sequences."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        shape = (MICROBATCHES * GLOBAL_MICRO_BATCH, CONFIG.seq_len)
+        yield (torch.randint(0, CONFIG.vocab_size, shape, generator=g),
+               torch.randint(0, CONFIG.vocab_size, shape, generator=g))
+
+
+def muon_factory(module):
+    return build_optimizer(module, "muon", 0.02, ef_beta=0.5, weight_decay=0.01, adamw_lr=3e-3)
+
+
+def run_configs(configs: list, steps: int, out_dir: str) -> None:
+    """Every rank runs each (name, Pipeline kwargs) in order; each rank saves what it saw."""
+    init_distributed(120)
+    torch.set_num_threads(1)
+    results = {}
+    for name, kwargs in configs:
+        pipe = Pipeline(GPT(CONFIG, seed=0), loss_fn=GPT.loss, optimizer=muon_factory,
+                        microbatches=MICROBATCHES, track_memory=True, **kwargs)
+        losses = [s.loss for s in pipe.train(global_batches(steps), steps)]
+        x, y = next(global_batches(1, seed=9))
+        eval_loss = pipe.evaluate(list(zip(x.split(GLOBAL_MICRO_BATCH), y.split(GLOBAL_MICRO_BATCH)))[:2])
+        state = pipe.state_dict()
+        results[name] = {"replica": pipe.replica, "stage": pipe.stage, "losses": losses, "eval": eval_loss,
+                         "params": state["params"], "memory": pipe.host.memory_report(),
+                         "orthogonalized": getattr(pipe.host.optimizer, "orthogonalized_last_step", None),
+                         "hook_launches": getattr(pipe.host.grad_sync, "hook_launches", None)}
+        dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
