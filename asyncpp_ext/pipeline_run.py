@@ -94,7 +94,6 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=start_step, elapsed_s=elapsed,
                       device="cpu", checkpoint_fn=_collective_checkpoint(pipe, run_dir),
                       writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages)
-    trainer.tokens_per_step = p.microbatches * batch * cfg.model.seq_len  # all replicas' tokens
     trainer.run()
 
 

@@ -24,7 +24,7 @@ from .checkpoint import (CheckpointError, check_resume_config, latest_checkpoint
                          read_meta, restore_rng_state)
 from .config import DTYPES, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
-from .models import GPT, PRESETS, preset_config
+from .models import GPT, PRESETS
 from .simulate import DelaySimulator, merge_engine_states
 from .optim import build_optimizer
 from .pipeline import LaunchError, under_launcher
@@ -228,7 +228,6 @@ def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int
     write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
     trainer = Trainer(cfg, engine, stream, eval_set, out, start_step=start_step,
                       elapsed_s=elapsed, device=cfg.train.device)
-    trainer.tokens_per_step = p.microbatches * batch * cfg.model.seq_len  # all replicas' tokens
     trainer.run()
     _print_summary(out, cfg, start_step)
     return 0

@@ -118,7 +118,7 @@ class Trainer:
         self.writes_metrics = writes_metrics
         self.num_stages = num_stages
         p = cfg.pipeline
-        self.tokens_per_step = p.microbatches * p.micro_batch_size * cfg.model.seq_len
+        self.tokens_per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
 
     def _save_single_process(self, step: int, meta: dict) -> Path:
         return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta)
