@@ -49,7 +49,7 @@ $(VENV)/.torch: | $(PY)
 # Build requirements, the same list as pyproject.toml [build-system].requires: installed once so
 # that re-builds can skip build isolation and stay incremental.
 $(VENV)/.build-deps: pyproject.toml | $(PY)
-	$(PIP) install -q "setuptools>=64" wheel "pybind11>=2.12" "cmake>=3.26" ninja
+	$(PIP) install -q "setuptools>=77" wheel "pybind11>=2.12" "cmake>=3.26" ninja
 	@touch $@
 
 $(BUILT): $(SOURCES) $(VENV)/.torch $(VENV)/.build-deps

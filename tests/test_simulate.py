@@ -11,14 +11,7 @@ CFG = preset_config("tiny", n_layer=1, n_embd=16, seq_len=8)
 M = 3
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's
-    spinning threads made these runs 20-70x slower; the numbers do not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _minibatches(n, seed=0):

@@ -13,14 +13,7 @@ import torch
 from asyncpp_ext.train import main
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's
-    spinning threads made these runs 20-70x slower; the numbers do not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 FAST = ["--simulate", "--no-progress", "--n-layer", "1", "--micro-batch-size", "4",
         "--microbatches", "2"]

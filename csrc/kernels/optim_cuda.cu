@@ -78,17 +78,7 @@ __global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, in
       t.exp_avg[i] = m;
       t.exp_avg_sq[i] = v;
       const float w = t.param[i];
-      switch (t.ef_mode) {
-        case EfMode::off:
-          t.param[i] = apply_update<EfMode::off>(w, upd, t.neg_lr_wd, t.ef_beta, nullptr);
-          break;
-        case EfMode::first:
-          t.param[i] = apply_update<EfMode::first>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
-          break;
-        case EfMode::corrected:
-          t.param[i] = apply_update<EfMode::corrected>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
-          break;
-      }
+      t.param[i] = apply_update_at(t.ef_mode, w, upd, t.neg_lr_wd, t.ef_beta, t.ef, i);
     }
   }
 }
@@ -151,17 +141,7 @@ __global__ void apply_kernel(const ApplyTensor* tensors, const Chunk* chunks, in
       }
       const float upd = t.update_scale * o;
       const float w = t.param[i];
-      switch (t.ef_mode) {
-        case EfMode::off:
-          t.param[i] = apply_update<EfMode::off>(w, upd, t.neg_lr_wd, t.ef_beta, nullptr);
-          break;
-        case EfMode::first:
-          t.param[i] = apply_update<EfMode::first>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
-          break;
-        case EfMode::corrected:
-          t.param[i] = apply_update<EfMode::corrected>(w, upd, t.neg_lr_wd, t.ef_beta, t.ef + i);
-          break;
-      }
+      t.param[i] = apply_update_at(t.ef_mode, w, upd, t.neg_lr_wd, t.ef_beta, t.ef, i);
     }
   }
 }

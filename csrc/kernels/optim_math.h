@@ -106,4 +106,15 @@ ASYNCPP_HD float apply_update(float w, float upd, float neg_lr_wd, float beta, f
   }
 }
 
+// The same with the mode chosen at run time (per tensor, as the CUDA kernels read it from their
+// tensor table). `e` is the EF buffer's base; it is not touched when mode == off.
+ASYNCPP_HD float apply_update_at(EfMode mode, float w, float upd, float neg_lr_wd, float beta,
+                                        float* e, int64_t i) {
+  switch (mode) {
+    case EfMode::first: return apply_update<EfMode::first>(w, upd, neg_lr_wd, beta, e + i);
+    case EfMode::corrected: return apply_update<EfMode::corrected>(w, upd, neg_lr_wd, beta, e + i);
+    default: return apply_update<EfMode::off>(w, upd, neg_lr_wd, beta, nullptr);
+  }
+}
+
 }  // namespace asyncpp::kernels::optim
