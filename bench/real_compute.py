@@ -4,10 +4,11 @@ Two processes (one per stage, one torch thread each, so the two stages get one c
 the preset GPT split in two, with the same microbatch size, microbatch count and optimizer (the
 project's fused AdamW) in every run. Each run does ``--warmup`` steps, then ``--steps`` timed
 steps between two barriers; our timed steps are ONE ``Pipeline.train`` call, i.e. one continuous
-instruction stream with a single fill and drain.
+instruction stream with a single fill and drain. All runs share one pair of processes and run
+round-robin ``--repeats`` times; each run's figure is its fastest repeat.
 
     python bench/real_compute.py [--model small|tiny] [--microbatches 4] [--micro-batch-size 16]
-                                 [--steps 20] [--warmup 3] [--repeats 2] [--json]
+                                 [--steps 20] [--warmup 3] [--repeats 3] [--json]
 
 Theory: a synchronous schedule (GPipe, 1F1B) of S stages idles (S-1)/(m+S-1) of each step (1/5 for
 m=4, S=2); 2BW does not, so 2bw/1f1b -> (m+S-1)/m = 1.25 when compute dominates and the stages are
@@ -60,30 +61,35 @@ def summarize_trace(trace: list, wall_ns: int, steps: int, microbatches: int) ->
             "untraced_frac": 1 - (compute + wait) / wall_ns}
 
 
-def ours(schedule, model, m, micro_batch, steps, warmup, out_prefix):
-    torch.set_num_threads(1)
-    init_distributed(300)
+def _timed(body) -> int:
+    """Wall ns of ``body()`` between two barriers (every rank starts and ends together)."""
+    dist.barrier()
+    start_ns = time.monotonic_ns()
+    body()
+    dist.barrier()
+    return time.monotonic_ns() - start_ns
+
+
+def run_ours(schedule, model, m, micro_batch, steps, warmup) -> dict:
     pipe = Pipeline(build_gpt(model), loss_fn=GPT.loss, optimizer=adamw_factory(), schedule=schedule,
                     microbatches=m)
     data = minibatches(model, m, micro_batch)
     for _ in pipe.train(data, warmup):
         pass
     timed_from = len(pipe.trace)
-    dist.barrier()
-    start_ns = time.monotonic_ns()
-    for _ in pipe.train(data, steps):
-        pass
-    dist.barrier()
-    wall_ns = time.monotonic_ns() - start_ns
-    summary = summarize_trace(pipe.trace[timed_from:], wall_ns, steps, m)
-    _write(f"{out_prefix}-stage{pipe.stage}.json", {"seconds": wall_ns / 1e9, "stage": summary})
+
+    def body():
+        for _ in pipe.train(data, steps):
+            pass
+
+    wall_ns = _timed(body)
+    return {"seconds": wall_ns / 1e9, "stage": summarize_trace(pipe.trace[timed_from:], wall_ns, steps, m)}
 
 
-def theirs(schedule, model, m, micro_batch, steps, warmup, out_prefix):
+def run_torch(schedule, model, m, micro_batch, steps, warmup) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    torch.set_num_threads(1)
-    rank, _ = init_distributed(300)
+    rank = dist.get_rank()
     module = stage_module(build_gpt(model), STAGES, rank)
     stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))  # shapes inferred at step 1
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -102,12 +108,27 @@ def theirs(schedule, model, m, micro_batch, steps, warmup, out_prefix):
 
     for _ in range(warmup):
         one_step()
-    dist.barrier()
-    start_ns = time.monotonic_ns()
-    for _ in range(steps):
-        one_step()
-    dist.barrier()
-    _write(f"{out_prefix}-stage{rank}.json", {"seconds": (time.monotonic_ns() - start_ns) / 1e9})
+
+    def body():
+        for _ in range(steps):
+            one_step()
+
+    return {"seconds": _timed(body) / 1e9, "stage": None}
+
+
+def worker(runs, repeats, model, m, micro_batch, steps, warmup, out_prefix):
+    """Every run in this one process group, ``repeats`` times round-robin, so a burst of outside
+    load hits all runs alike. Each run builds its own model, pipeline and optimizer; the barriers
+    around every timed section mean no message of one run is in flight when the next starts."""
+    torch.set_num_threads(1)
+    rank, _ = init_distributed(300)
+    results = []
+    for repeat in range(repeats):
+        for impl, schedule in runs:
+            fn = run_ours if impl == "ours" else run_torch
+            results.append({"impl": impl, "schedule": schedule, "repeat": repeat,
+                             **fn(schedule, model, m, micro_batch, steps, warmup)})
+    _write(f"{out_prefix}-stage{rank}.json", {"results": results})
 
 
 def predicted_ratio_from_trace(stage_summaries: list[dict], m: int) -> float:
@@ -119,34 +140,30 @@ def predicted_ratio_from_trace(stage_summaries: list[dict], m: int) -> float:
     return (sum(t) + (m - 1) * max(t) + opt) / (m * max(t) + opt)
 
 
-def _run_once(impl: str, schedule: str, model: str, m: int, micro_batch: int, steps: int, warmup: int,
-              tmp: str) -> dict:
-    prefix = os.path.join(tmp, f"{impl}-{schedule}")
-    spawn(ours if impl == "ours" else theirs, STAGES, (schedule, model, m, micro_batch, steps, warmup, prefix))
-    per_stage = []
-    for s in range(STAGES):
-        with open(f"{prefix}-stage{s}.json") as fh:
-            per_stage.append(json.load(fh))
-    return {"seconds": max(r["seconds"] for r in per_stage),
-            "stages": [r["stage"] for r in per_stage] if impl == "ours" else None}
-
-
 def measure(model: str, m: int, micro_batch: int, steps: int, warmup: int, repeats: int) -> dict:
-    """Every run ``repeats`` times, round-robin so a burst of outside load hits all runs alike; the
-    figure kept is each run's fastest repeat (outside load can only add time)."""
+    """Each run's figure is its fastest repeat (outside load can only add time)."""
     tokens = tokens_per_step(model, m, micro_batch)
     load_before = os.getloadavg()
-    samples = {run: [] for run in RUNS}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(repeats):
-            for impl, schedule in RUNS:
-                samples[(impl, schedule)].append(_run_once(impl, schedule, model, m, micro_batch, steps, warmup, tmp))
+        prefix = os.path.join(tmp, "run")
+        spawn(worker, STAGES, (RUNS, repeats, model, m, micro_batch, steps, warmup, prefix))
+        per_rank = []
+        for s in range(STAGES):
+            with open(f"{prefix}-stage{s}.json") as fh:
+                per_rank.append(json.load(fh)["results"])
     rows = []
-    for (impl, schedule), runs in samples.items():
-        best = min(runs, key=lambda r: r["seconds"])
+    for impl, schedule in RUNS:
+        # One repeat = the same run seen by every rank: slowest rank's wall time, each rank's trace.
+        repeats_seen = []
+        for i, first in enumerate(per_rank[0]):
+            if (first["impl"], first["schedule"]) == (impl, schedule):
+                views = [ranks[i] for ranks in per_rank]
+                repeats_seen.append({"seconds": max(v["seconds"] for v in views),
+                                     "stages": [v["stage"] for v in views]})
+        best = min(repeats_seen, key=lambda r: r["seconds"])
         row = {"impl": impl, "schedule": schedule, "seconds": best["seconds"],
                "tokens_per_s": steps * tokens / best["seconds"],
-               "tokens_per_s_all": [steps * tokens / r["seconds"] for r in runs]}
+               "tokens_per_s_all": [steps * tokens / r["seconds"] for r in repeats_seen]}
         if impl == "ours":
             row["stages"] = best["stages"]
         rows.append(row)
@@ -195,7 +212,7 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=20, help="timed steps (>= 10 for a stable figure)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=2, help="round-robin repeats; the fastest is kept")
+    p.add_argument("--repeats", type=int, default=3, help="round-robin repeats; the fastest is kept")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)
     for name in ("microbatches", "micro_batch_size", "steps", "warmup", "repeats"):
