@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -83,7 +84,10 @@ def run_ours(schedule, model, m, micro_batch, steps, warmup) -> dict:
             pass
 
     wall_ns = _timed(body)
-    return {"seconds": wall_ns / 1e9, "stage": summarize_trace(pipe.trace[timed_from:], wall_ns, steps, m)}
+    timed = pipe.trace[timed_from:]
+    step_ends = sorted(e[5] for e in timed if e[0] == "optimizer_step")
+    return {"seconds": wall_ns / 1e9, "step_ends_ns": step_ends,
+            "stage": summarize_trace(timed, wall_ns, steps, m)}
 
 
 def run_torch(schedule, model, m, micro_batch, steps, warmup) -> dict:
@@ -108,12 +112,14 @@ def run_torch(schedule, model, m, micro_batch, steps, warmup) -> dict:
 
     for _ in range(warmup):
         one_step()
+    step_ends = []
 
     def body():
         for _ in range(steps):
             one_step()
+            step_ends.append(time.monotonic_ns())
 
-    return {"seconds": _timed(body) / 1e9, "stage": None}
+    return {"seconds": _timed(body) / 1e9, "step_ends_ns": step_ends, "stage": None}
 
 
 def worker(runs, repeats, model, m, micro_batch, steps, warmup, out_prefix):
@@ -140,6 +146,17 @@ def predicted_ratio_from_trace(stage_summaries: list[dict], m: int) -> float:
     return (sum(t) + (m - 1) * max(t) + opt) / (m * max(t) + opt)
 
 
+def _intervals(ends_ns: list) -> list:
+    return [(b - a) / 1e6 for a, b in zip(ends_ns, ends_ns[1:])]
+
+
+def _median_step_ms(repeats_seen: list) -> float:
+    """Steady-state step time: per rank, the median interval between consecutive step ends over all
+    repeats (robust to a burst of outside load); the slower rank sets the pace."""
+    per_rank = zip(*(r["intervals"] for r in repeats_seen))
+    return max(statistics.median([x for rep in rank_runs for x in rep]) for rank_runs in per_rank)
+
+
 def measure(model: str, m: int, micro_batch: int, steps: int, warmup: int, repeats: int) -> dict:
     """Each run's figure is its fastest repeat (outside load can only add time)."""
     tokens = tokens_per_step(model, m, micro_batch)
@@ -159,23 +176,28 @@ def measure(model: str, m: int, micro_batch: int, steps: int, warmup: int, repea
             if (first["impl"], first["schedule"]) == (impl, schedule):
                 views = [ranks[i] for ranks in per_rank]
                 repeats_seen.append({"seconds": max(v["seconds"] for v in views),
-                                     "stages": [v["stage"] for v in views]})
+                                     "stages": [v["stage"] for v in views],
+                                     "intervals": [_intervals(v["step_ends_ns"]) for v in views]})
         best = min(repeats_seen, key=lambda r: r["seconds"])
         row = {"impl": impl, "schedule": schedule, "seconds": best["seconds"],
                "tokens_per_s": steps * tokens / best["seconds"],
-               "tokens_per_s_all": [steps * tokens / r["seconds"] for r in repeats_seen]}
+               "tokens_per_s_all": [steps * tokens / r["seconds"] for r in repeats_seen],
+               "median_step_ms": _median_step_ms(repeats_seen)}
+        row["steady_tokens_per_s"] = tokens / (row["median_step_ms"] / 1e3)
         if impl == "ours":
             row["stages"] = best["stages"]
         rows.append(row)
     by = {(r["impl"], r["schedule"]): r for r in rows}
-    base = by[("torch", "1f1b")]["tokens_per_s"]
+    base, steady_base = by[("torch", "1f1b")]["tokens_per_s"], by[("torch", "1f1b")]["steady_tokens_per_s"]
     for r in rows:
         r["ratio_to_torch_1f1b"] = r["tokens_per_s"] / base
+        r["steady_ratio_to_torch_1f1b"] = r["steady_tokens_per_s"] / steady_base
     ratio = by[("ours", "2bw")]["tokens_per_s"] / by[("ours", "1f1b")]["tokens_per_s"]
+    steady_ratio = by[("ours", "2bw")]["steady_tokens_per_s"] / by[("ours", "1f1b")]["steady_tokens_per_s"]
     return {"model": model, "stages": STAGES, "microbatches": m, "micro_batch_size": micro_batch,
             "tokens_per_step": tokens, "steps": steps, "warmup": warmup, "repeats": repeats,
             "machine": machine_description(), "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]],
-            "rows": rows, "ratio_2bw_over_1f1b": ratio,
+            "rows": rows, "ratio_2bw_over_1f1b": ratio, "steady_ratio_2bw_over_1f1b": steady_ratio,
             "theory_ratio": (m + STAGES - 1) / m,
             "theory_ratio_k_steps": steps * (m + STAGES - 1) / (steps * m + STAGES - 1),
             "trace_predicted_ratio": predicted_ratio_from_trace(by[("ours", "1f1b")]["stages"], m)}
@@ -187,13 +209,18 @@ def format_report(r: dict) -> str:
              f"AdamW, gloo, 1 torch thread per stage; {r['machine']}",
              f"# best of {r['repeats']} round-robin repeats; 1-min load average before/after: "
              f"{r['loadavg_1min_before_after'][0]:.2f}/{r['loadavg_1min_before_after'][1]:.2f}",
-             f"  {'runtime':<8}{'schedule':<10}{'tokens/s':>10}{'x torch1F1B':>13}   all repeats (tokens/s)"]
+             "# tokens/s: timed steps / wall time (one fill+drain included); steady: tokens per median "
+             "step interval",
+             f"  {'runtime':<8}{'schedule':<10}{'tokens/s':>10}{'x torch1F1B':>13}{'steady tok/s':>14}"
+             f"{'x torch1F1B':>13}   all repeats (tokens/s)"]
     for row in r["rows"]:
         lines.append(f"  {row['impl']:<8}{row['schedule']:<10}{row['tokens_per_s']:>10.0f}"
-                     f"{row['ratio_to_torch_1f1b']:>13.3f}   " + " ".join(f"{v:.0f}" for v in row["tokens_per_s_all"]))
-    lines.append(f"  ours 2bw / ours 1f1b = {r['ratio_2bw_over_1f1b']:.3f}   theory (m+S-1)/m = "
-                 f"{r['theory_ratio']:.3f}; for one {r['steps']}-step stream {r['theory_ratio_k_steps']:.3f}; "
-                 f"from the traced stage compute times {r['trace_predicted_ratio']:.3f}")
+                     f"{row['ratio_to_torch_1f1b']:>13.3f}{row['steady_tokens_per_s']:>14.0f}"
+                     f"{row['steady_ratio_to_torch_1f1b']:>13.3f}   "
+                     + " ".join(f"{v:.0f}" for v in row["tokens_per_s_all"]))
+    lines.append(f"  ours 2bw / ours 1f1b = {r['ratio_2bw_over_1f1b']:.3f} (steady {r['steady_ratio_2bw_over_1f1b']:.3f})"
+                 f"   theory (m+S-1)/m = {r['theory_ratio']:.3f}; for one {r['steps']}-step stream "
+                 f"{r['theory_ratio_k_steps']:.3f}; from the traced stage compute times {r['trace_predicted_ratio']:.3f}")
     lines.append("  where our stages' time goes (timed steps, per stage):")
     lines.append(f"    {'schedule':<9}{'stage':>5}{'fwd ms/mb':>11}{'bwd ms/mb':>11}{'opt ms/step':>13}"
                  f"{'compute':>9}{'waiting':>9}{'untraced':>10}")

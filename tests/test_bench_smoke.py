@@ -20,7 +20,7 @@ def test_real_compute_runs_every_schedule_and_explains_its_time(capsys):
     assert [(r["impl"], r["schedule"]) for r in result["rows"]] == real_compute.RUNS
     assert result["tokens_per_step"] == 4 * 4 * 32
     for row in result["rows"]:
-        assert row["tokens_per_s"] > 0
+        assert row["tokens_per_s"] > 0 and row["steady_tokens_per_s"] > 0
     torch_1f1b = next(r for r in result["rows"] if (r["impl"], r["schedule"]) == ("torch", "1f1b"))
     assert torch_1f1b["ratio_to_torch_1f1b"] == 1.0
     assert result["theory_ratio"] == pytest.approx(1.25)
@@ -37,9 +37,10 @@ def test_real_compute_runs_every_schedule_and_explains_its_time(capsys):
 def test_real_compute_table_names_the_theory(capsys):
     report = {"model": "tiny", "stages": 2, "microbatches": 4, "micro_batch_size": 2, "tokens_per_step": 256,
               "steps": 10, "warmup": 1, "repeats": 1, "machine": "m", "loadavg_1min_before_after": [0.0, 0.0],
-              "ratio_2bw_over_1f1b": 1.2, "theory_ratio": 1.25, "theory_ratio_k_steps": 1.22,
+              "ratio_2bw_over_1f1b": 1.2, "steady_ratio_2bw_over_1f1b": 1.22, "theory_ratio": 1.25, "theory_ratio_k_steps": 1.22,
               "trace_predicted_ratio": 1.21,
               "rows": [{"impl": "torch", "schedule": "1f1b", "tokens_per_s": 100.0, "ratio_to_torch_1f1b": 1.0,
+                        "steady_tokens_per_s": 110.0, "steady_ratio_to_torch_1f1b": 1.0,
                         "tokens_per_s_all": [100.0]}]}
     text = real_compute.format_report(report)
     assert "theory (m+S-1)/m = 1.250" in text and "torch   1f1b" in text
