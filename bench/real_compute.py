@@ -15,6 +15,9 @@ m=4, S=2); 2BW does not, so 2bw/1f1b -> (m+S-1)/m = 1.25 when compute dominates 
 balanced. A K-step stream still fills and drains once: K(m+S-1)/(Km+S-1). The per-stage breakdown
 comes from our runtime's trace (one (op, step, microbatch, version, start_ns, end_ns) per
 instruction) and says where the time goes: compute, waiting for a peer, or neither (host overhead).
+The cpu/wall column is the CPU each stage process actually got: a bubble only costs wall time when
+the idle core would otherwise be ours; on a machine shared with other jobs the bubble is filled by
+them, every schedule becomes CPU-bound and the ratio tends to 1 (check the load average line).
 """
 from __future__ import annotations
 
@@ -62,13 +65,14 @@ def summarize_trace(trace: list, wall_ns: int, steps: int, microbatches: int) ->
             "untraced_frac": 1 - (compute + wait) / wall_ns}
 
 
-def _timed(body) -> int:
-    """Wall ns of ``body()`` between two barriers (every rank starts and ends together)."""
+def _timed(body) -> tuple[int, float]:
+    """Wall ns of ``body()`` between two barriers (every rank starts and ends together), and the
+    CPU seconds this process (all its threads) used meanwhile."""
     dist.barrier()
-    start_ns = time.monotonic_ns()
+    start_ns, start_cpu = time.monotonic_ns(), time.process_time()
     body()
     dist.barrier()
-    return time.monotonic_ns() - start_ns
+    return time.monotonic_ns() - start_ns, time.process_time() - start_cpu
 
 
 def run_ours(schedule, model, m, micro_batch, steps, warmup) -> dict:
@@ -83,10 +87,10 @@ def run_ours(schedule, model, m, micro_batch, steps, warmup) -> dict:
         for _ in pipe.train(data, steps):
             pass
 
-    wall_ns = _timed(body)
+    wall_ns, cpu_s = _timed(body)
     timed = pipe.trace[timed_from:]
     step_ends = sorted(e[5] for e in timed if e[0] == "optimizer_step")
-    return {"seconds": wall_ns / 1e9, "step_ends_ns": step_ends,
+    return {"seconds": wall_ns / 1e9, "cpu_share": cpu_s / (wall_ns / 1e9), "step_ends_ns": step_ends,
             "stage": summarize_trace(timed, wall_ns, steps, m)}
 
 
@@ -119,7 +123,9 @@ def run_torch(schedule, model, m, micro_batch, steps, warmup) -> dict:
             one_step()
             step_ends.append(time.monotonic_ns())
 
-    return {"seconds": _timed(body) / 1e9, "step_ends_ns": step_ends, "stage": None}
+    wall_ns, cpu_s = _timed(body)
+    return {"seconds": wall_ns / 1e9, "cpu_share": cpu_s / (wall_ns / 1e9), "step_ends_ns": step_ends,
+            "stage": None}
 
 
 def worker(runs, repeats, model, m, micro_batch, steps, warmup, out_prefix):
@@ -177,12 +183,13 @@ def measure(model: str, m: int, micro_batch: int, steps: int, warmup: int, repea
                 views = [ranks[i] for ranks in per_rank]
                 repeats_seen.append({"seconds": max(v["seconds"] for v in views),
                                      "stages": [v["stage"] for v in views],
+                                     "cpu_share": [v["cpu_share"] for v in views],
                                      "intervals": [_intervals(v["step_ends_ns"]) for v in views]})
         best = min(repeats_seen, key=lambda r: r["seconds"])
         row = {"impl": impl, "schedule": schedule, "seconds": best["seconds"],
                "tokens_per_s": steps * tokens / best["seconds"],
                "tokens_per_s_all": [steps * tokens / r["seconds"] for r in repeats_seen],
-               "median_step_ms": _median_step_ms(repeats_seen)}
+               "median_step_ms": _median_step_ms(repeats_seen), "cpu_share": best["cpu_share"]}
         row["steady_tokens_per_s"] = tokens / (row["median_step_ms"] / 1e3)
         if impl == "ours":
             row["stages"] = best["stages"]
@@ -210,13 +217,15 @@ def format_report(r: dict) -> str:
              f"# best of {r['repeats']} round-robin repeats; 1-min load average before/after: "
              f"{r['loadavg_1min_before_after'][0]:.2f}/{r['loadavg_1min_before_after'][1]:.2f}",
              "# tokens/s: timed steps / wall time (one fill+drain included); steady: tokens per median "
-             "step interval",
+             "step interval; cpu/wall: CPU seconds each stage's process got per wall second (1.0 = a "
+             "whole core)",
              f"  {'runtime':<8}{'schedule':<10}{'tokens/s':>10}{'x torch1F1B':>13}{'steady tok/s':>14}"
-             f"{'x torch1F1B':>13}   all repeats (tokens/s)"]
+             f"{'x torch1F1B':>13}{'cpu/wall':>11}   all repeats (tokens/s)"]
     for row in r["rows"]:
         lines.append(f"  {row['impl']:<8}{row['schedule']:<10}{row['tokens_per_s']:>10.0f}"
                      f"{row['ratio_to_torch_1f1b']:>13.3f}{row['steady_tokens_per_s']:>14.0f}"
-                     f"{row['steady_ratio_to_torch_1f1b']:>13.3f}   "
+                     f"{row['steady_ratio_to_torch_1f1b']:>13.3f}"
+                     f"{'/'.join(f'{c:.2f}' for c in row['cpu_share']):>11}   "
                      + " ".join(f"{v:.0f}" for v in row["tokens_per_s_all"]))
     lines.append(f"  ours 2bw / ours 1f1b = {r['ratio_2bw_over_1f1b']:.3f} (steady {r['steady_ratio_2bw_over_1f1b']:.3f})"
                  f"   theory (m+S-1)/m = {r['theory_ratio']:.3f}; for one {r['steps']}-step stream "

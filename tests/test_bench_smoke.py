@@ -21,6 +21,7 @@ def test_real_compute_runs_every_schedule_and_explains_its_time(capsys):
     assert result["tokens_per_step"] == 4 * 4 * 32
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["steady_tokens_per_s"] > 0
+        assert len(row["cpu_share"]) == 2 and all(c > 0 for c in row["cpu_share"])
     torch_1f1b = next(r for r in result["rows"] if (r["impl"], r["schedule"]) == ("torch", "1f1b"))
     assert torch_1f1b["ratio_to_torch_1f1b"] == 1.0
     assert result["theory_ratio"] == pytest.approx(1.25)
@@ -40,7 +41,7 @@ def test_real_compute_table_names_the_theory(capsys):
               "ratio_2bw_over_1f1b": 1.2, "steady_ratio_2bw_over_1f1b": 1.22, "theory_ratio": 1.25, "theory_ratio_k_steps": 1.22,
               "trace_predicted_ratio": 1.21,
               "rows": [{"impl": "torch", "schedule": "1f1b", "tokens_per_s": 100.0, "ratio_to_torch_1f1b": 1.0,
-                        "steady_tokens_per_s": 110.0, "steady_ratio_to_torch_1f1b": 1.0,
+                        "steady_tokens_per_s": 110.0, "steady_ratio_to_torch_1f1b": 1.0, "cpu_share": [0.9, 0.8],
                         "tokens_per_s_all": [100.0]}]}
     text = real_compute.format_report(report)
     assert "theory (m+S-1)/m = 1.250" in text and "torch   1f1b" in text
