@@ -191,6 +191,8 @@ def measure(model: str, m: int, micro_batch: int, steps: int, warmup: int, repea
                "tokens_per_s_all": [steps * tokens / r["seconds"] for r in repeats_seen],
                "median_step_ms": _median_step_ms(repeats_seen), "cpu_share": best["cpu_share"]}
         row["steady_tokens_per_s"] = tokens / (row["median_step_ms"] / 1e3)
+        # Work per CPU second: equal across schedules unless one does extra work (or spins).
+        row["tokens_per_cpu_s"] = row["tokens_per_s"] / sum(row["cpu_share"])
         if impl == "ours":
             row["stages"] = best["stages"]
         rows.append(row)
@@ -218,14 +220,14 @@ def format_report(r: dict) -> str:
              f"{r['loadavg_1min_before_after'][0]:.2f}/{r['loadavg_1min_before_after'][1]:.2f}",
              "# tokens/s: timed steps / wall time (one fill+drain included); steady: tokens per median "
              "step interval; cpu/wall: CPU seconds each stage's process got per wall second (1.0 = a "
-             "whole core)",
+             "whole core); tok/cpu-s: tokens/s over the two stages' summed cpu/wall",
              f"  {'runtime':<8}{'schedule':<10}{'tokens/s':>10}{'x torch1F1B':>13}{'steady tok/s':>14}"
-             f"{'x torch1F1B':>13}{'cpu/wall':>11}   all repeats (tokens/s)"]
+             f"{'x torch1F1B':>13}{'cpu/wall':>11}{'tok/cpu-s':>11}   all repeats (tokens/s)"]
     for row in r["rows"]:
         lines.append(f"  {row['impl']:<8}{row['schedule']:<10}{row['tokens_per_s']:>10.0f}"
                      f"{row['ratio_to_torch_1f1b']:>13.3f}{row['steady_tokens_per_s']:>14.0f}"
                      f"{row['steady_ratio_to_torch_1f1b']:>13.3f}"
-                     f"{'/'.join(f'{c:.2f}' for c in row['cpu_share']):>11}   "
+                     f"{'/'.join(f'{c:.2f}' for c in row['cpu_share']):>11}{row['tokens_per_cpu_s']:>11.0f}   "
                      + " ".join(f"{v:.0f}" for v in row["tokens_per_s_all"]))
     lines.append(f"  ours 2bw / ours 1f1b = {r['ratio_2bw_over_1f1b']:.3f} (steady {r['steady_ratio_2bw_over_1f1b']:.3f})"
                  f"   theory (m+S-1)/m = {r['theory_ratio']:.3f}; for one {r['steps']}-step stream "

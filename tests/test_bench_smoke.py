@@ -22,6 +22,7 @@ def test_real_compute_runs_every_schedule_and_explains_its_time(capsys):
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["steady_tokens_per_s"] > 0
         assert len(row["cpu_share"]) == 2 and all(c > 0 for c in row["cpu_share"])
+        assert row["tokens_per_cpu_s"] == pytest.approx(row["tokens_per_s"] / sum(row["cpu_share"]))
     torch_1f1b = next(r for r in result["rows"] if (r["impl"], r["schedule"]) == ("torch", "1f1b"))
     assert torch_1f1b["ratio_to_torch_1f1b"] == 1.0
     assert result["theory_ratio"] == pytest.approx(1.25)
@@ -42,6 +43,7 @@ def test_real_compute_table_names_the_theory(capsys):
               "trace_predicted_ratio": 1.21,
               "rows": [{"impl": "torch", "schedule": "1f1b", "tokens_per_s": 100.0, "ratio_to_torch_1f1b": 1.0,
                         "steady_tokens_per_s": 110.0, "steady_ratio_to_torch_1f1b": 1.0, "cpu_share": [0.9, 0.8],
+                        "tokens_per_cpu_s": 60.0,
                         "tokens_per_s_all": [100.0]}]}
     text = real_compute.format_report(report)
     assert "theory (m+S-1)/m = 1.250" in text and "torch   1f1b" in text
