@@ -1,0 +1,165 @@
+"""Per-stage memory of gpipe / 1f1b / 2bw, EF off and on: measured against the design formula.
+
+Each run trains the preset GPT over S processes with ``track_memory=True`` and reads every stage's
+``host.memory_report()``: bytes of weight versions, gradient buffer, optimizer state (AdamW moments
+plus the EF buffer when ef_beta > 0) and the measured peak of in-flight activations (autograd's
+saved tensors, see asyncpp_ext/pipeline/memory.py), plus the process's max RSS as a sanity column
+(it also holds torch itself, the data and the allocator's slack, so it is not expected to match).
+
+    python bench/memory.py [--model small|tiny] [--stages 4] [--microbatches 8]
+                           [--micro-batch-size 4] [--steps 3] [--schedules gpipe 1f1b 2bw]
+                           [--ef off|on|both] [--json]
+
+Predicted (DESIGN, memory per stage s of S):
+  weights      2 versions for 2bw, 1 for gpipe/1f1b (x the stage's parameter bytes P)
+  optimizer    AdamW: 2 P, +1 P with EF
+  activations  A_s x in-flight count, where A_s is the measured activation bytes of ONE microbatch
+               on stage s (the stage's blocks run once in this process under the same meter) and
+               the count is min(S - s, m) for 1f1b/2bw and m for gpipe.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_workload import (GPT, adamw_factory, build_gpt, machine_description, minibatches,  # noqa: E402
+                          stage_module)
+from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
+from asyncpp_ext.pipeline.memory import ActivationMeter  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "2bw")
+EF_BETA_ON = 0.5
+MIB = 1024 * 1024
+
+
+def worker(schedule, ef_beta, model, m, micro_batch, steps, out_prefix):
+    torch.set_num_threads(1)
+    init_distributed(300)
+    pipe = Pipeline(build_gpt(model), loss_fn=GPT.loss, optimizer=adamw_factory(ef_beta), schedule=schedule,
+                    microbatches=m, track_memory=True)
+    for _ in pipe.train(minibatches(model, m, micro_batch), steps):
+        pass
+    report = pipe.host.memory_report()
+    flat = pipe.host.flat[0]
+    report["param_bytes"] = flat.numel() * flat.element_size()
+    report["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    with open(f"{out_prefix}-stage{pipe.stage}.json", "w") as fh:
+        json.dump(report, fh)
+
+
+def one_microbatch_activation_bytes(model: str, stages: int, m: int, micro_batch: int) -> list[int]:
+    """Bytes autograd saves for one microbatch on each stage, measured by running that stage's blocks
+    once under the runtime's ActivationMeter, exactly as a stage's forward runs them (a received
+    input that requires grad, and on the last stage the loss divided by m)."""
+    gpt = build_gpt(model)
+    x, y = next(minibatches(model, m, micro_batch))[0]
+    per_stage = []
+    for s in range(stages):
+        module = stage_module(gpt, stages, s)
+        inp = x if s == 0 else x.detach().requires_grad_()
+        meter = ActivationMeter(exclude=list(module.parameters()))
+        with torch.enable_grad(), meter.track():
+            out = module(inp)
+            if s == stages - 1:
+                out = GPT.loss(out, y) / m
+        per_stage.append(meter.current)
+        x = out.detach()
+        del out, inp
+    return per_stage
+
+
+def in_flight(schedule: str, stages: int, stage: int, m: int) -> int:
+    return m if schedule == "gpipe" else min(stages - stage, m)
+
+
+def predict(schedule: str, ef: bool, stages: int, stage: int, m: int, param_bytes: int, act_one: int) -> dict:
+    return {"weights": (2 if schedule == "2bw" else 1) * param_bytes,
+            "grads": param_bytes,
+            "optimizer_state": (3 if ef else 2) * param_bytes,
+            "peak_activations": act_one * in_flight(schedule, stages, stage, m)}
+
+
+def measure(model: str, stages: int, m: int, micro_batch: int, steps: int,
+            schedules=SCHEDULES, ef_settings=(False, True)) -> dict:
+    act_one = one_microbatch_activation_bytes(model, stages, m, micro_batch)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for schedule in schedules:
+            for ef in ef_settings:
+                prefix = os.path.join(tmp, f"{schedule}-{int(ef)}")
+                spawn(worker, stages, (schedule, EF_BETA_ON if ef else 0.0, model, m, micro_batch, steps, prefix))
+                for s in range(stages):
+                    with open(f"{prefix}-stage{s}.json") as fh:
+                        got = json.load(fh)
+                    want = predict(schedule, ef, stages, s, m, got["param_bytes"], act_one[s])
+                    measured = {k: got[k] for k in want}
+                    rows.append({"schedule": schedule, "ef": ef, "stage": s, "param_bytes": got["param_bytes"],
+                                 "weight_versions": got["weight_versions"],
+                                 "activation_bytes_one_microbatch": act_one[s],
+                                 "in_flight": in_flight(schedule, stages, s, m),
+                                 "measured": measured, "predicted": want,
+                                 "measured_total": sum(measured.values()), "predicted_total": sum(want.values()),
+                                 "max_rss": got["max_rss"]})
+    return {"model": model, "stages": stages, "microbatches": m, "micro_batch_size": micro_batch,
+            "steps": steps, "ef_beta_on": EF_BETA_ON, "optimizer": "adamw", "machine": machine_description(),
+            "rows": rows}
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f}"
+
+
+def format_report(r: dict) -> str:
+    lines = [f"# {r['model']} GPT, S={r['stages']} m={r['microbatches']} micro-batch {r['micro_batch_size']}, "
+             f"{r['steps']} steps, AdamW (EF beta {r['ef_beta_on']} when on); MiB, measured/predicted; "
+             f"{r['machine']}",
+             f"  {'schedule':<9}{'EF':<4}{'stage':>5}{'weights':>15}{'grads':>8}{'opt state':>15}"
+             f"{'act 1 mb':>10}{'in-flight':>10}{'peak activations':>19}{'total':>17}{'max RSS':>9}"]
+    for row in r["rows"]:
+        me, pr = row["measured"], row["predicted"]
+        lines.append(
+            f"  {row['schedule']:<9}{'on' if row['ef'] else 'off':<4}{row['stage']:>5}"
+            f"{_mib(me['weights']) + '/' + _mib(pr['weights']):>15}{_mib(me['grads']):>8}"
+            f"{_mib(me['optimizer_state']) + '/' + _mib(pr['optimizer_state']):>15}"
+            f"{_mib(row['activation_bytes_one_microbatch']):>10}{row['in_flight']:>10}"
+            f"{_mib(me['peak_activations']) + '/' + _mib(pr['peak_activations']):>19}"
+            f"{_mib(row['measured_total']) + '/' + _mib(row['predicted_total']):>17}{row['max_rss'] / MIB:>9.0f}")
+    mismatches = [row for row in r["rows"] if row["measured"] != row["predicted"]]
+    lines.append(f"  {len(r['rows']) - len(mismatches)} of {len(r['rows'])} stage rows match the formula "
+                 "byte for byte" + ("" if not mismatches else "; differing: " + ", ".join(
+                     f"{x['schedule']}/EF {'on' if x['ef'] else 'off'}/stage {x['stage']}" for x in mismatches)))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small", choices=("tiny", "small"))
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3, help="steps per run (>= 2: 2bw holds two versions "
+                                                        "and EF its buffer from the first step on)")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    p.add_argument("--ef", choices=("off", "on", "both"), default="both", help="error feedback setting(s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    a = p.parse_args(argv)
+    for name in ("stages", "microbatches", "micro_batch_size", "steps"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    if a.microbatches < a.stages:
+        p.error(f"--microbatches must be >= --stages ({a.stages}): 2bw needs one microbatch per stage")
+    ef_settings = {"off": (False,), "on": (True,), "both": (False, True)}[a.ef]
+    result = measure(a.model, a.stages, a.microbatches, a.micro_batch_size, a.steps, a.schedules, ef_settings)
+    print(json.dumps(result, indent=2) if a.json else format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""Smoke tests of the real-compute benchmarks (tiny model, 2 steps) so they keep running."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+import memory as memory_bench  # noqa: E402
+import real_compute  # noqa: E402
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_real_compute_runs_every_schedule_and_explains_its_time(capsys):
+    assert real_compute.main(["--model", "tiny", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                              "--micro-batch-size", "4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [(r["impl"], r["schedule"]) for r in result["rows"]] == real_compute.RUNS
+    assert result["tokens_per_step"] == 4 * 4 * 32
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and row["steady_tokens_per_s"] > 0
+        assert len(row["cpu_share"]) == 2 and all(c > 0 for c in row["cpu_share"])
+        assert row["tokens_per_cpu_s"] == pytest.approx(row["tokens_per_s"] / sum(row["cpu_share"]))
+    torch_1f1b = next(r for r in result["rows"] if (r["impl"], r["schedule"]) == ("torch", "1f1b"))
+    assert torch_1f1b["ratio_to_torch_1f1b"] == 1.0
+    assert result["theory_ratio"] == pytest.approx(1.25)
+    for row in result["rows"]:
+        if row["impl"] != "ours":
+            continue
+        assert len(row["stages"]) == 2
+        for st in row["stages"]:
+            # Traced time cannot exceed the wall time it was measured in.
+            assert st["forward_ms_per_mb"] > 0 and st["backward_ms_per_mb"] > 0
+            assert 0 < st["compute_frac"] + st["wait_frac"] <= 1
+
+
+def test_real_compute_table_names_the_theory(capsys):
+    report = {"model": "tiny", "stages": 2, "microbatches": 4, "micro_batch_size": 2, "tokens_per_step": 256,
+              "steps": 10, "warmup": 1, "repeats": 1, "machine": "m", "loadavg_1min_before_after": [0.0, 0.0],
+              "ratio_2bw_over_1f1b": 1.2, "steady_ratio_2bw_over_1f1b": 1.22, "theory_ratio": 1.25, "theory_ratio_k_steps": 1.22,
+              "trace_predicted_ratio": 1.21,
+              "rows": [{"impl": "torch", "schedule": "1f1b", "tokens_per_s": 100.0, "ratio_to_torch_1f1b": 1.0,
+                        "steady_tokens_per_s": 110.0, "steady_ratio_to_torch_1f1b": 1.0, "cpu_share": [0.9, 0.8],
+                        "tokens_per_cpu_s": 60.0,
+                        "tokens_per_s_all": [100.0]}]}
+    text = real_compute.format_report(report)
+    assert "theory (m+S-1)/m = 1.250" in text and "torch   1f1b" in text
+
+
+def test_memory_bench_matches_the_design_formula_on_2bw_with_ef(capsys):
+    assert memory_bench.main(["--model", "tiny", "--stages", "2", "--microbatches", "4", "--steps", "2",
+                              "--schedules", "2bw", "--ef", "on",
+                              "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    assert [r["stage"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["weight_versions"] == 2
+        # 2 weight versions, AdamW moments + the EF buffer, and S - s microbatches in flight.
+        assert r["measured"]["weights"] == 2 * r["param_bytes"]
+        assert r["measured"]["optimizer_state"] == 3 * r["param_bytes"]
+        assert r["in_flight"] == 2 - r["stage"]
+        assert r["measured"]["peak_activations"] == r["predicted"]["peak_activations"] > 0
+        assert r["max_rss"] > r["measured_total"]
+
+
+def test_memory_bench_rejects_fewer_microbatches_than_stages(capsys):
+    with pytest.raises(SystemExit):
+        memory_bench.main(["--stages", "4", "--microbatches", "2"])
+    assert "--microbatches must be >= --stages" in capsys.readouterr().err
