@@ -9,7 +9,6 @@ receives per-step statistics as steps complete.
 """
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 import time
@@ -152,7 +151,8 @@ class Pipeline:
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
         # (op, step, microbatch, version, start_ns, end_ns) per executed instruction, newest last;
         # bounded so that long runs do not grow without limit.
-        self.trace: collections.deque = collections.deque(maxlen=200_000)
+        self.trace: list[tuple] = []
+        self.trace_limit = 200_000
         self.tokens_per_microbatch = 0
         self.next_step = 0
         self._batches: Iterator | None = None
@@ -278,6 +278,8 @@ class Pipeline:
                                                          start, self.host, recv_ahead=self.recv_ahead,
                                                          max_inflight_sends=8, timeout_s=self.timeout_s)
                     self.trace.extend(trace)
+                    if len(self.trace) > self.trace_limit:
+                        del self.trace[:len(self.trace) - self.trace_limit]
                 events.put(done)
             except BaseException as e:  # handed to the caller's thread
                 events.put(e)
