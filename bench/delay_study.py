@@ -20,12 +20,12 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -41,7 +41,7 @@ DEFAULT_MUON_ADAMW_LR = 2e-3
 
 TUNE_ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
 TUNE_MUON_LRS = (0.01, 0.02, 0.04, 0.08)
-TUNE_MUON_ADAMW_LRS = (1e-3, 3e-3)
+TUNE_MUON_ADAMW_LRS = (1e-3, 2e-3)
 
 
 @dataclass(frozen=True)
@@ -132,23 +132,34 @@ def run_all(specs: list[RunSpec], args: dict, workers: int, threads: int) -> lis
     """Every spec, ``workers`` at a time; results in spec order. Prints progress to stderr."""
     results = [None] * len(specs)
     start = time.perf_counter()
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
-                             initializer=_init_worker, initargs=(threads,)) as pool:
-        futures = {pool.submit(run_one, s, args): i for i, s in enumerate(specs)}
-        for done, fut in enumerate(_as_completed(futures), 1):
-            i = futures[fut]
-            results[i] = fut.result()
-            r = results[i]
-            print(f"[{done}/{len(specs)} {time.perf_counter() - start:6.0f} s] {r['label']:<14} "
-                  f"{r['schedule']:<4} seed {r['seed']}: eval {r['final_eval_loss']:.4f} "
-                  f"({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
+
+    def report(done: int, r: dict) -> None:
+        print(f"[{done}/{len(specs)} {time.perf_counter() - start:6.0f} s] {r['label']:<14} "
+              f"{r['schedule']:<4} seed {r['seed']}: eval {r['final_eval_loss']:.4f} "
+              f"({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
+
+    if workers == 1:  # in this process: no start-up cost of a worker importing torch
+        _init_worker(threads)
+        for i, spec in enumerate(specs):
+            results[i] = run_one(spec, args)
+            report(i + 1, results[i])
+        return results
+    pool = get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(threads,))
+    try:
+        jobs = [(i, spec, args) for i, spec in enumerate(specs)]
+        for done, (i, result) in enumerate(pool.imap_unordered(_run_indexed, jobs), 1):
+            results[i] = result
+            report(done, result)
+        pool.close()
+    finally:
+        pool.terminate()  # an interrupted study must not leave workers training on
+        pool.join()
     return results
 
 
-def _as_completed(futures):
-    from concurrent.futures import as_completed
-
-    return as_completed(futures)
+def _run_indexed(job: tuple) -> tuple:
+    i, spec, args = job
+    return i, run_one(spec, args)
 
 
 # -- the study's variants and summaries --------------------------------------------------------
@@ -295,11 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=str(DEFAULT_DATA),
                    help="UTF-8 text file (default <repo>/../shared/data/tinyshakespeare.txt)")
     p.add_argument("--model", default="small", choices=("tiny", "small"))
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--adamw-lr", type=float, default=DEFAULT_ADAMW_LR)
     p.add_argument("--muon-lr", type=float, default=DEFAULT_MUON_LR)
@@ -335,6 +346,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.microbatches < 2 and a.spot_check_steps > 0:
         parser.error("the 2-stage spot check needs --microbatches >= 2 (or --spot-check-steps 0)")
     return a
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run_all, which stops its workers
 
 
 def main(argv=None) -> int:
@@ -394,4 +409,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     raise SystemExit(main())
