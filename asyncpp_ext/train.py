@@ -21,7 +21,7 @@ import torch
 
 from .checkpoint import (CheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
-from .config import OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from .config import EF_BETA_AUTO, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from .models import GPT, PRESETS, preset_config
 from .simulate import DelaySimulator
@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="lr of muon's AdamW part (embeddings, head, norms, biases); default = --lr")
     opt.add_argument("--weight-decay", type=float, help=f"default {_D.optim.weight_decay}")
     opt.add_argument("--ef-beta", type=float,
-                     help=f"error-feedback delay correction strength, 0 = off (default {_D.optim.ef_beta})")
+                     help="error-feedback delay correction strength, 0 = off (default auto: "
+                          + ", ".join(f"{k} {v:g}" for k, v in EF_BETA_AUTO.items()) + ")")
     run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
     run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
     run.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
@@ -119,14 +120,15 @@ def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
     """``(module) -> optimizer`` for cfg.optim: the project's optimizers when installed, otherwise
     torch.optim.AdamW / SGD(momentum); muon and error feedback need the project's optimizers."""
     o = cfg.optim
+    ef_beta = o.effective_ef_beta()
     try:
         from asyncpp_ext.optim import build_optimizer
     except ImportError:
         build_optimizer = None
     if build_optimizer is not None:
         return lambda module: build_optimizer(module, o.name, o.lr, weight_decay=o.weight_decay,
-                                              ef_beta=o.ef_beta, adamw_lr=o.adamw_lr)
-    if o.name == "muon" or o.ef_beta != 0:
+                                              ef_beta=ef_beta, adamw_lr=o.adamw_lr)
+    if o.name == "muon" or ef_beta != 0:
         what = "--optimizer muon" if o.name == "muon" else "--ef-beta > 0"
         raise ConfigError(f"{what} needs the asyncpp_ext.optim module, which is missing from this "
                           "installation; use --optimizer adamw|sgd with --ef-beta 0")

@@ -35,9 +35,9 @@ DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 # Learning rates chosen by `--tune` (sync runs only, see docs/results.md "Delay study"); the 2bw
 # runs reuse them unchanged, as the DESIGN's "same hyperparameters" comparison requires.
-DEFAULT_ADAMW_LR = 2e-3
-DEFAULT_MUON_LR = 0.02
-DEFAULT_MUON_ADAMW_LR = 2e-3
+DEFAULT_ADAMW_LR = 1e-3
+DEFAULT_MUON_LR = 0.04
+DEFAULT_MUON_ADAMW_LR = 1e-3
 
 TUNE_ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
 TUNE_MUON_LRS = (0.01, 0.02, 0.04, 0.08)
