@@ -286,6 +286,9 @@ def spot_check(args: dict, variant: Variant, steps: int) -> dict:
                 return {"status": "failed", "mode": mode, "message": message}
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             losses[mode] = [r["loss"] for r in rows]
+    if len(losses["pipeline"]) != len(losses["simulate"]):
+        return {"status": "failed", "mode": "pipeline", "message": (
+            f"{len(losses['pipeline'])} step losses vs {len(losses['simulate'])} simulated")}
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses["pipeline"], losses["simulate"]))
     return {"status": "ok" if rel <= 1e-5 else "mismatch", "config": variant.label,
             "steps": steps, "max_rel_diff": rel, "losses": losses}
