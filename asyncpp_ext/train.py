@@ -22,7 +22,7 @@ import torch
 
 from .checkpoint import (CheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
-from .config import DTYPES, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from .config import DTYPES, EF_BETA_AUTO, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from .models import GPT, PRESETS
 from .simulate import DelaySimulator, merge_engine_states
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="lr of muon's AdamW part (embeddings, head, norms, biases); default = --lr")
     opt.add_argument("--weight-decay", type=float, help=f"default {_D.optim.weight_decay}")
     opt.add_argument("--ef-beta", type=float,
-                     help=f"error-feedback delay correction strength, 0 = off (default {_D.optim.ef_beta})")
+                     help="error-feedback delay correction strength, 0 = off (default auto: "
+                          + ", ".join(f"{k} {v:g}" for k, v in EF_BETA_AUTO.items()) + ")")
     run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
     run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
     run.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
@@ -136,7 +137,7 @@ def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
     """``(module) -> optimizer`` for cfg.optim (a whole model or one pipeline stage's blocks)."""
     o = cfg.optim
     return lambda module: build_optimizer(module, o.name, o.lr, weight_decay=o.weight_decay,
-                                          ef_beta=o.ef_beta, adamw_lr=o.adamw_lr)
+                                          ef_beta=o.effective_ef_beta(), adamw_lr=o.adamw_lr)
 
 
 def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:

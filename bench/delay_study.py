@@ -1,0 +1,416 @@
+"""Delay study: how much a one-step weight delay (PipeDream-2BW) costs each optimizer, and how much
+error feedback (EF) wins back, measured with the project's own delay simulator.
+
+Every run is built exactly like ``asyncpp-train --simulate`` builds it (RunConfig, load_tokens,
+BatchStream, GPT, the CLI's optimizer factory, DelaySimulator); sync and 2bw runs of one optimizer
+share every hyperparameter and, per seed, the initial weights and the batch order, so a gap is a
+paired difference. Runs execute in ``--workers`` processes with ``--threads`` intra-op threads each.
+
+    python bench/delay_study.py                      # the study: table on stdout
+    python bench/delay_study.py --json               # one JSON object instead
+    python bench/delay_study.py --plot docs/delay_study.png
+    python bench/delay_study.py --tune               # sync-only learning-rate sweep
+
+A spot check runs one configuration through ``asyncpp-train`` twice, with real processes
+(``--stages 2``) and with ``--simulate``, and compares the per-step losses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+# Learning rates chosen by `--tune` (sync runs only, see docs/results.md "Delay study"); the 2bw
+# runs reuse them unchanged, as the DESIGN's "same hyperparameters" comparison requires.
+DEFAULT_ADAMW_LR = 1e-3
+DEFAULT_MUON_LR = 0.04
+DEFAULT_MUON_ADAMW_LR = 1e-3
+
+TUNE_ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
+TUNE_MUON_LRS = (0.01, 0.02, 0.04, 0.08)
+TUNE_MUON_ADAMW_LRS = (1e-3, 2e-3)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One optimizer setting of the study (the same for its sync and 2bw runs)."""
+
+    label: str
+    optimizer: str
+    lr: float
+    ef_beta: float = 0.0
+    adamw_lr: float | None = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    variant: Variant
+    schedule: str
+    seed: int
+
+
+# -- one run (executes in a worker process) ----------------------------------------------------
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def run_config(spec: RunSpec, args: dict):
+    """The RunConfig ``asyncpp-train`` would build for this run (also used for the spot check)."""
+    from asyncpp_ext.config import RunConfig
+    from asyncpp_ext.models import preset_config
+
+    cfg = RunConfig()
+    cfg.model = preset_config(args["model"])
+    cfg.data.source = args["data"]
+    cfg.data.eval_batches = args["eval_batches"]
+    v = spec.variant
+    cfg.optim.name, cfg.optim.lr, cfg.optim.ef_beta, cfg.optim.adamw_lr = (
+        v.optimizer, v.lr, v.ef_beta, v.adamw_lr)
+    cfg.pipeline.schedule = spec.schedule
+    cfg.pipeline.microbatches = args["microbatches"]
+    cfg.pipeline.micro_batch_size = args["micro_batch_size"]
+    cfg.train.steps = args["steps"]
+    cfg.train.seed = spec.seed
+    cfg.train.eval_every = args["eval_every"]
+    cfg.train.simulate = True
+    cfg.validate()
+    return cfg
+
+
+def run_one(spec: RunSpec, args: dict) -> dict:
+    """Train one configuration in this process; returns its losses and eval curve."""
+    from asyncpp_ext.data import BatchStream, eval_batches, load_tokens, split_tokens
+    from asyncpp_ext.models import GPT
+    from asyncpp_ext.simulate import DelaySimulator
+    from asyncpp_ext.train import make_optimizer_factory
+
+    cfg = run_config(spec, args)
+    p = cfg.pipeline
+    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
+    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, p.micro_batch_size,
+                                             cfg.model.seq_len, source=cfg.data.source)
+    stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
+                         seed=cfg.train.seed)
+    eval_set = eval_batches(eval_tokens, p.micro_batch_size, cfg.model.seq_len,
+                            cfg.data.eval_batches)
+    model = GPT(cfg.model, seed=cfg.train.seed)
+    engine = DelaySimulator(model, make_optimizer_factory(cfg)(model), p.schedule)
+    start = time.perf_counter()
+    losses, curve = [], [(0, engine.eval_loss(eval_set))]
+    every = cfg.train.eval_every or cfg.train.steps
+    for loss in engine.train_steps(stream, cfg.train.steps):
+        losses.append(loss)
+        step = len(losses)
+        if not math.isfinite(loss):
+            break  # diverged: report it rather than train on NaNs
+        if step % every == 0 or step == cfg.train.steps:
+            curve.append((step, engine.eval_loss(eval_set)))
+    final = curve[-1][1] if len(losses) == cfg.train.steps else float("nan")
+    return {"label": spec.variant.label, "optimizer": spec.variant.optimizer,
+            "lr": spec.variant.lr, "adamw_lr": spec.variant.adamw_lr,
+            "ef_beta": spec.variant.ef_beta, "schedule": spec.schedule, "seed": spec.seed,
+            "final_eval_loss": final, "eval_curve": curve, "train_losses": losses,
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def run_all(specs: list[RunSpec], args: dict, workers: int, threads: int) -> list[dict]:
+    """Every spec, ``workers`` at a time; results in spec order. Prints progress to stderr."""
+    results = [None] * len(specs)
+    start = time.perf_counter()
+
+    def report(done: int, r: dict) -> None:
+        print(f"[{done}/{len(specs)} {time.perf_counter() - start:6.0f} s] {r['label']:<14} "
+              f"{r['schedule']:<4} seed {r['seed']}: eval {r['final_eval_loss']:.4f} "
+              f"({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
+
+    if workers == 1:  # in this process: no start-up cost of a worker importing torch
+        _init_worker(threads)
+        for i, spec in enumerate(specs):
+            results[i] = run_one(spec, args)
+            report(i + 1, results[i])
+        return results
+    pool = get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(threads,))
+    try:
+        jobs = [(i, spec, args) for i, spec in enumerate(specs)]
+        for done, (i, result) in enumerate(pool.imap_unordered(_run_indexed, jobs), 1):
+            results[i] = result
+            report(done, result)
+        pool.close()
+    finally:
+        pool.terminate()  # an interrupted study must not leave workers training on
+        pool.join()
+    return results
+
+
+def _run_indexed(job: tuple) -> tuple:
+    i, spec, args = job
+    return i, run_one(spec, args)
+
+
+# -- the study's variants and summaries --------------------------------------------------------
+def study_variants(a) -> list[Variant]:
+    muon = dict(optimizer="muon", lr=a.muon_lr, adamw_lr=a.muon_adamw_lr)
+    variants = [Variant("adamw", "adamw", a.adamw_lr)]
+    if a.adamw_ef_beta > 0:
+        variants.append(Variant(f"adamw+ef{a.adamw_ef_beta:g}", "adamw", a.adamw_lr,
+                                ef_beta=a.adamw_ef_beta))
+    variants.append(Variant("muon", **muon))
+    variants += [Variant(f"muon+ef{b:g}", ef_beta=b, **muon) for b in a.betas]
+    return variants
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(results: list[dict], variants: list[Variant]) -> dict:
+    """Per variant: final eval loss per schedule, the paired async gap, EF's recovered fraction."""
+    final = {(r["label"], r["schedule"], r["seed"]): r["final_eval_loss"] for r in results}
+    seeds = sorted({r["seed"] for r in results})
+    rows = {}
+    for v in variants:
+        row = {}
+        for sched in ("sync", "2bw"):
+            row[sched] = _mean_std([final[(v.label, sched, s)] for s in seeds])
+        row["gap"] = _mean_std([final[(v.label, "2bw", s)] - final[(v.label, "sync", s)]
+                                for s in seeds])
+        rows[v.label] = row
+    if "muon" in rows:
+        gap_muon = rows["muon"]["gap"][0]
+        muon_sync, muon_2bw = rows["muon"]["sync"][0], rows["muon"]["2bw"][0]
+        for label, row in rows.items():
+            if label.startswith("muon+ef"):
+                # As defined by the study: each optimizer's own gap (2bw - its own sync run).
+                row["recovered_own_gap"] = (gap_muon - row["gap"][0]) / gap_muon
+                # What a user sees: how far 2bw+EF closes the distance to plain sync Muon.
+                row["recovered_vs_sync_muon"] = (muon_2bw - row["2bw"][0]) / (muon_2bw - muon_sync)
+    if "adamw" in rows:
+        gap_adamw = rows["adamw"]["gap"][0]
+        for label, row in rows.items():
+            if label.startswith("adamw+ef"):
+                row["recovered_own_gap"] = (gap_adamw - row["gap"][0]) / gap_adamw
+    return rows
+
+
+def format_table(summary: dict, seeds: int) -> str:
+    head = (f"{'optimizer':<14} {'sync eval':>17} {'2bw eval':>17} {'gap (2bw-sync)':>17} "
+            f"{'EF recovers':>12} {'vs sync muon':>13}")
+    lines = [f"final eval loss (nats/byte), mean ± std over {seeds} seed(s)", head, "-" * len(head)]
+    for label, row in summary.items():
+        cells = [f"{m:.4f} ± {s:.4f}" for m, s in (row["sync"], row["2bw"], row["gap"])]
+        own = row.get("recovered_own_gap")
+        vs = row.get("recovered_vs_sync_muon")
+        lines.append(f"{label:<14} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} "
+                     f"{'' if own is None else f'{own:.0%}':>12} "
+                     f"{'' if vs is None else f'{vs:.0%}':>13}")
+    return "\n".join(lines)
+
+
+def plot_curves(results: list[dict], variants: list[Variant], path: Path, title: str) -> None:
+    """One panel per optimizer: mean eval loss vs step, sync and 2bw, shaded ± std over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(variants))
+    rows = math.ceil(len(variants) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), sharey=True,
+                             squeeze=False)
+    for ax, v in zip(axes.flat, variants):
+        for sched, color in (("sync", "tab:blue"), ("2bw", "tab:red")):
+            curves = [r["eval_curve"] for r in results
+                      if r["label"] == v.label and r["schedule"] == sched]
+            steps = [s for s, _ in curves[0]]
+            per_step = [[c[i][1] for c in curves if i < len(c)] for i in range(len(steps))]
+            mean = [statistics.fmean(x) for x in per_step]
+            std = [statistics.stdev(x) if len(x) > 1 else 0.0 for x in per_step]
+            ax.plot(steps, mean, color=color, label=sched)
+            ax.fill_between(steps, [m - s for m, s in zip(mean, std)],
+                            [m + s for m, s in zip(mean, std)], color=color, alpha=0.2)
+        ax.set_title(v.label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    for ax in axes[:, 0]:
+        ax.set_ylabel("eval loss")
+    for ax in list(axes.flat)[len(variants):]:
+        ax.axis("off")
+    finals = [r["final_eval_loss"] for r in results if math.isfinite(r["final_eval_loss"])]
+    if finals:  # zoom on the part of the curves where the gaps are visible
+        axes[0, 0].set_ylim(min(finals) - 0.1, max(finals) + 0.6)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# -- spot check: real processes vs the simulator, through the CLI --------------------------------
+def spot_check(args: dict, variant: Variant, steps: int) -> dict:
+    """``asyncpp-train --stages 2`` vs ``--simulate`` on one 2bw config; compares step losses."""
+    common = ["--schedule", "2bw", "--optimizer", variant.optimizer, "--lr", str(variant.lr),
+              "--ef-beta", str(variant.ef_beta), "--model", args["model"], "--data", args["data"],
+              "--steps", str(steps), "--seed", "0", "--microbatches", str(args["microbatches"]),
+              "--micro-batch-size", str(args["micro_batch_size"]), "--eval-every", "0",
+              "--ckpt-every", "0", "--no-progress", "--stages", "2"]
+    if variant.adamw_lr is not None:
+        common += ["--adamw-lr", str(variant.adamw_lr)]
+    losses = {}
+    with tempfile.TemporaryDirectory(prefix="delay-study-spot-") as tmp:
+        for mode, extra in (("pipeline", []), ("simulate", ["--simulate"])):
+            out = Path(tmp) / mode
+            proc = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", *common, *extra,
+                                   "--out", str(out)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                message = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+                if mode == "pipeline" and ("not merged" in message or "not wired" in message):
+                    return {"status": "skipped", "message": message}
+                return {"status": "failed", "mode": mode, "message": message}
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            losses[mode] = [r["loss"] for r in rows]
+    if len(losses["pipeline"]) != len(losses["simulate"]):
+        return {"status": "failed", "mode": "pipeline", "message": (
+            f"{len(losses['pipeline'])} step losses vs {len(losses['simulate'])} simulated")}
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses["pipeline"], losses["simulate"]))
+    return {"status": "ok" if rel <= 1e-5 else "mismatch", "config": variant.label,
+            "steps": steps, "max_rel_diff": rel, "losses": losses}
+
+
+def describe_spot_check(sc: dict) -> str:
+    if sc["status"] == "skipped":
+        return f"spot check skipped: {sc['message']}"
+    if sc["status"] == "failed":
+        return f"spot check FAILED ({sc['mode']} run): {sc['message']}"
+    return (f"spot check {sc['status']}: {sc['config']} 2bw, 2 stages vs --simulate, "
+            f"{sc['steps']} steps: max relative loss difference {sc['max_rel_diff']:.2e}")
+
+
+# -- command line --------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(DEFAULT_DATA),
+                   help="UTF-8 text file (default <repo>/../shared/data/tinyshakespeare.txt)")
+    p.add_argument("--model", default="small", choices=("tiny", "small"))
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--adamw-lr", type=float, default=DEFAULT_ADAMW_LR)
+    p.add_argument("--muon-lr", type=float, default=DEFAULT_MUON_LR)
+    p.add_argument("--muon-adamw-lr", type=float, default=DEFAULT_MUON_ADAMW_LR,
+                   help="lr of Muon's AdamW part (embeddings, head, norms, biases)")
+    p.add_argument("--betas", default="0.25,0.5,1.0", help="EF strengths swept for Muon")
+    p.add_argument("--adamw-ef-beta", type=float, default=0.5, help="EF strength for AdamW (0 = skip)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--tune", action="store_true", help="sync-only lr sweep instead of the study")
+    p.add_argument("--spot-check-steps", type=int, default=20, help="0 = no spot check")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="PNG", help="write eval-loss curves (sync vs 2bw) here")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if not Path(a.data).is_file():
+        parser.error(f"--data {a.data} does not exist; download tinyshakespeare.txt there or pass "
+                     "--data PATH to a UTF-8 text file")
+    try:
+        a.betas = [float(b) for b in a.betas.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--betas {a.betas!r} must be comma-separated numbers, e.g. 0.25,0.5,1.0")
+    if any(not b > 0 for b in a.betas):
+        parser.error(f"--betas {a.betas} must all be > 0 (beta 0 is the plain 'muon' row)")
+    for name in ("steps", "seeds", "workers", "threads", "microbatches", "micro_batch_size",
+                 "eval_batches"):
+        if getattr(a, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.microbatches < 2 and a.spot_check_steps > 0:
+        parser.error("the 2-stage spot check needs --microbatches >= 2 (or --spot-check-steps 0)")
+    return a
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run_all, which stops its workers
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    run_args = {k: getattr(a, k) for k in ("model", "data", "steps", "microbatches",
+                                           "micro_batch_size", "eval_every", "eval_batches")}
+    setup = {**run_args, "seeds": a.seeds, "workers": a.workers, "threads": a.threads,
+             "batch": a.microbatches * a.micro_batch_size}
+    import torch
+
+    setup["torch"] = torch.__version__
+    setup["cpus"] = os.cpu_count()
+    start = time.perf_counter()
+    if a.tune:
+        variants = [Variant(f"adamw lr{lr:g}", "adamw", lr) for lr in TUNE_ADAMW_LRS]
+        variants += [Variant(f"muon lr{lr:g} a{alr:g}", "muon", lr, adamw_lr=alr)
+                     for lr in TUNE_MUON_LRS for alr in TUNE_MUON_ADAMW_LRS]
+        specs = [RunSpec(v, "sync", s) for v in variants for s in range(a.seeds)]
+        results = run_all(specs, run_args, a.workers, a.threads)
+        tuned = {}
+        for v in variants:
+            tuned[v.label] = _mean_std([r["final_eval_loss"] for r in results
+                                        if r["label"] == v.label])
+        out = {"setup": setup, "tune": tuned, "seconds": round(time.perf_counter() - start, 1)}
+        if a.json:
+            print(json.dumps(out))
+        else:
+            print(f"sync-only lr sweep, final eval loss over {a.seeds} seed(s)")
+            for label, (m, s) in tuned.items():
+                print(f"{label:<24} {m:.4f} ± {s:.4f}")
+            print(f"({out['seconds']:.0f} s)")
+        return 0
+
+    variants = study_variants(a)
+    specs = [RunSpec(v, sched, s) for s in range(a.seeds) for v in variants
+             for sched in ("sync", "2bw")]
+    results = run_all(specs, run_args, a.workers, a.threads)
+    summary = summarize(results, variants)
+    study_seconds = round(time.perf_counter() - start, 1)
+    sc = None
+    if a.spot_check_steps > 0:
+        spot_variant = next((v for v in variants if v.label.startswith("muon+ef")), variants[0])
+        sc = spot_check(run_args, spot_variant, a.spot_check_steps)
+    if a.plot:
+        plot_curves(results, variants, Path(a.plot),
+                    f"{a.model} GPT, batch {setup['batch']}, {a.steps} steps, {a.seeds} seeds")
+    if a.json:
+        print(json.dumps({"setup": setup, "summary": summary, "runs": results,
+                          "spot_check": sc, "study_seconds": study_seconds}))
+    else:
+        print(format_table(summary, a.seeds))
+        print(f"study: {len(specs)} runs in {study_seconds:.0f} s ({a.workers} workers x "
+              f"{a.threads} thread(s), torch {setup['torch']})")
+        if sc is not None:
+            print(describe_spot_check(sc))
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    raise SystemExit(main())

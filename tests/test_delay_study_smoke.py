@@ -1,0 +1,78 @@
+"""Smoke test of bench/delay_study.py: a few steps of the tiny model, one seed."""
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncpp_ext.train import main as train_main
+from asyncpp_ext.trainer import read_metrics
+
+STUDY_PATH = Path(__file__).resolve().parent.parent / "bench" / "delay_study.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("delay_study", STUDY_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["delay_study"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    # Enough varied text for the tiny model's windows; the study must not need the shared corpus.
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    words = [f"word{i % 97} line{i % 13}" for i in range(4000)]
+    path.write_text("\n".join(words))
+    return str(path)
+
+
+def test_study_runs_and_reports(study, text_file, tmp_path, capsys):
+    plot = tmp_path / "curves.png"
+    code = study.main(["--data", text_file, "--model", "tiny", "--steps", "4", "--seeds", "1",
+                       "--eval-every", "2", "--eval-batches", "1", "--betas", "0.5",
+                       "--workers", "1", "--spot-check-steps", "2", "--json", "--plot", str(plot)])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    labels = ["adamw", "adamw+ef0.5", "muon", "muon+ef0.5"]
+    assert list(out["summary"]) == labels
+    assert len(out["runs"]) == 2 * len(labels)
+    for run in out["runs"]:
+        assert len(run["train_losses"]) == 4 and math.isfinite(run["final_eval_loss"])
+        assert [s for s, _ in run["eval_curve"]] == [0, 2, 4]
+    by = {(r["label"], r["schedule"]): r for r in out["runs"]}
+    # Same init and data: step 0 runs on W(0) in both (W(-1) = W(0)); step 1 on W(1) vs W(0).
+    sync, delayed = by["muon", "sync"]["train_losses"], by["muon", "2bw"]["train_losses"]
+    assert sync[0] == delayed[0] and sync[1] != delayed[1]
+    row = out["summary"]["muon+ef0.5"]
+    gap_muon = out["summary"]["muon"]["gap"][0]
+    assert row["recovered_own_gap"] == pytest.approx((gap_muon - row["gap"][0]) / gap_muon)
+    assert out["spot_check"]["status"] in ("ok", "skipped")
+    assert plot.stat().st_size > 0
+
+
+def test_study_run_matches_the_cli_simulator(study, text_file, tmp_path):
+    """The study measures the product: its run equals `asyncpp-train --simulate` step for step."""
+    variant = study.Variant("muon+ef0.5", "muon", 0.02, ef_beta=0.5, adamw_lr=2e-3)
+    args = {"model": "tiny", "data": text_file, "steps": 3, "microbatches": 2,
+            "micro_batch_size": 4, "eval_every": 0, "eval_batches": 4}
+    ours = study.run_one(study.RunSpec(variant, "2bw", 1), args)
+    out = tmp_path / "cli"
+    assert train_main(["--simulate", "--schedule", "2bw", "--optimizer", "muon", "--lr", "0.02",
+                       "--adamw-lr", "0.002", "--ef-beta", "0.5", "--model", "tiny", "--data",
+                       text_file, "--steps", "3", "--seed", "1", "--microbatches", "2",
+                       "--micro-batch-size", "4", "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--out", str(out)]) == 0
+    rows = read_metrics(out)
+    assert ours["train_losses"] == [r["loss"] for r in rows]
+    assert ours["final_eval_loss"] == rows[-1]["eval_loss"]
+
+
+def test_missing_data_file_is_a_clear_error(study, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        study.main(["--data", str(tmp_path / "nope.txt")])
+    assert exc.value.code == 2
+    assert "does not exist" in capsys.readouterr().err

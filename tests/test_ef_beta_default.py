@@ -1,0 +1,50 @@
+"""The default --ef-beta ("auto"): per-optimizer strength from the delay study; 0 still means off."""
+import pytest
+import torch
+
+from asyncpp_ext.config import EF_BETA_AUTO, ConfigError, RunConfig
+from asyncpp_ext.models import GPT, PRESETS
+from asyncpp_ext.train import make_optimizer_factory
+
+
+def _ef_betas(optimizer):
+    """The EF strength of every param group of a fused optimizer."""
+    return {g["ef_beta"] for g in optimizer.param_groups}
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+def test_auto_default_turns_on_the_studied_strength(name):
+    cfg = RunConfig()
+    cfg.optim.name = name
+    assert cfg.optim.ef_beta is None
+    assert cfg.optim.effective_ef_beta() == EF_BETA_AUTO[name] == 0.5
+    cfg.validate()
+    opt = make_optimizer_factory(cfg)(GPT(PRESETS["tiny"]))
+    assert _ef_betas(opt) == {0.5}
+
+
+def test_auto_keeps_sgd_plain():
+    cfg = RunConfig()
+    cfg.optim.name = "sgd"
+    assert cfg.optim.effective_ef_beta() == 0.0
+    assert type(make_optimizer_factory(cfg)(GPT(PRESETS["tiny"]))) is torch.optim.SGD
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw"])
+def test_explicit_zero_means_off(name):
+    cfg = RunConfig()
+    cfg.optim.name, cfg.optim.ef_beta = name, 0.0
+    assert cfg.optim.effective_ef_beta() == 0.0
+    assert _ef_betas(make_optimizer_factory(cfg)(GPT(PRESETS["tiny"]))) == {0.0}
+
+
+def test_negative_ef_beta_is_still_rejected():
+    cfg = RunConfig()
+    cfg.optim.ef_beta = -0.5
+    with pytest.raises(ConfigError, match="optim.ef_beta"):
+        cfg.validate()
+
+
+def test_auto_survives_a_config_round_trip():
+    cfg = RunConfig()
+    assert RunConfig.from_dict(cfg.to_dict()).optim.ef_beta is None
