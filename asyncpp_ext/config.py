@@ -33,6 +33,15 @@ class DataConfig:
     """Number of evaluation batches (each of micro_batch_size windows) per evaluation."""
 
 
+LR_AUTO = {"adamw": 1e-3, "muon": 0.02, "sgd": 0.02}
+"""Learning rate per optimizer when ``OptimConfig.lr`` is None. On the tiny preset, 2bw, 2 stages,
+200 steps of tinyshakespeare: muon 0.02 (with its AdamW part at 3e-3) reached eval loss 2.48 where
+the former one-size default 1e-3 reached 3.46; the delay study (docs/results.md) tuned adamw 1e-3
+and muon 0.02-0.04 on the small preset. sgd (momentum 0.9): 0.02 reached 2.97 where 0.05 reached
+3.18 and 0.2 diverged (tiny preset, 2bw simulated, 200 steps)."""
+MUON_ADAMW_LR_AUTO = 3e-3
+"""The AdamW part of muon (embeddings, head, norms, biases) when ``adamw_lr`` is None."""
+
 EF_BETA_AUTO = {"muon": 0.5, "adamw": 0.5, "sgd": 0.0}
 """Error-feedback strength per optimizer when ``OptimConfig.ef_beta`` is None ("auto").
 
@@ -48,11 +57,12 @@ the snapshot wrapper) was not studied, so it stays off unless asked for."""
 class OptimConfig:
     name: str = "adamw"
     """Optimizer: adamw | muon | sgd."""
-    lr: float = 1e-3
-    """Learning rate (of the Muon matrices for muon). AdamW without warmup stalls on a plateau
-    near the byte-unigram loss at 3e-3 on the small preset; 1e-3 trains both presets well."""
+    lr: Optional[float] = None
+    """Learning rate (of the Muon matrices for muon). None = ``LR_AUTO[name]``: adamw 1e-3 (AdamW
+    without warmup stalls near the byte-unigram loss at 3e-3 on the small preset), muon 0.02, sgd
+    0.02 (see ``LR_AUTO``)."""
     adamw_lr: Optional[float] = None
-    """Learning rate of the AdamW part of muon (embeddings, head, norms, biases); None = lr."""
+    """Learning rate of the AdamW part of muon (embeddings, head, norms, biases); None = 3e-3."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     ef_beta: Optional[float] = None
@@ -61,6 +71,14 @@ class OptimConfig:
     in docs/results.md ("Delay study"; the evidence is summarized at ``EF_BETA_AUTO``)."""
     momentum: float = 0.9
     """Momentum of sgd."""
+
+    def effective_lr(self) -> float:
+        """The learning rate a run uses: ``lr``, or for None the optimizer's auto value."""
+        return LR_AUTO[self.name] if self.lr is None else self.lr
+
+    def effective_adamw_lr(self) -> float:
+        """The AdamW part's learning rate for muon: ``adamw_lr``, or MUON_ADAMW_LR_AUTO."""
+        return MUON_ADAMW_LR_AUTO if self.adamw_lr is None else self.adamw_lr
 
     def effective_ef_beta(self) -> float:
         """The EF strength a run uses: ``ef_beta``, or for None the optimizer's auto value."""
@@ -172,9 +190,13 @@ class RunConfig:
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("train.device", self.train.device, DEVICES)
         _choice("train.dtype", self.train.dtype, DTYPES)
-        _positive_number("optim.lr", self.optim.lr)
+        if self.optim.lr is not None:
+            _positive_number("optim.lr", self.optim.lr)
         if self.optim.adamw_lr is not None:
             _positive_number("optim.adamw_lr", self.optim.adamw_lr)
+            if self.optim.name != "muon":
+                raise ConfigError(f"optim.adamw_lr is the learning rate of muon's AdamW part; it "
+                                  f"does not apply to optim.name={self.optim.name!r} (use --lr)")
         _non_negative_number("optim.weight_decay", self.optim.weight_decay)
         if self.optim.ef_beta is not None:
             _non_negative_number("optim.ef_beta", self.optim.ef_beta)
@@ -234,6 +256,6 @@ def get_field(cfg: RunConfig, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["SCHEDULES", "OPTIMIZERS", "DEVICES", "DTYPES", "EF_BETA_AUTO", "ConfigError", "ModelConfig", "DataConfig",
+__all__ = ["SCHEDULES", "OPTIMIZERS", "DEVICES", "DTYPES", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
            "get_field"]

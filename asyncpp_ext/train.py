@@ -22,7 +22,7 @@ import torch
 
 from .checkpoint import (CheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
-from .config import DTYPES, EF_BETA_AUTO, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from .config import DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from .models import GPT, PRESETS
 from .simulate import DelaySimulator, merge_engine_states
@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="recompute each stage's forward before its backward: same losses, less "
                            "activation memory")
     opt.add_argument("--optimizer", choices=OPTIMIZERS, help=f"default {_D.optim.name}")
-    opt.add_argument("--lr", type=float, help=f"learning rate (default {_D.optim.lr})")
+    opt.add_argument("--lr", type=float, help="learning rate (default per optimizer: " + ", ".join(
+        f"{k} {v:g}" for k, v in LR_AUTO.items()) + ")")
     opt.add_argument("--adamw-lr", type=float,
-                     help="lr of muon's AdamW part (embeddings, head, norms, biases); default = --lr")
+                     help="lr of muon's AdamW part (embeddings, head, norms, biases); default 3e-3")
     opt.add_argument("--weight-decay", type=float, help=f"default {_D.optim.weight_decay}")
     opt.add_argument("--ef-beta", type=float,
                      help="error-feedback delay correction strength, 0 = off (default auto: "
@@ -136,8 +137,9 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
 def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
     """``(module) -> optimizer`` for cfg.optim (a whole model or one pipeline stage's blocks)."""
     o = cfg.optim
-    return lambda module: build_optimizer(module, o.name, o.lr, weight_decay=o.weight_decay,
-                                          ef_beta=o.effective_ef_beta(), adamw_lr=o.adamw_lr)
+    return lambda module: build_optimizer(module, o.name, o.effective_lr(), weight_decay=o.weight_decay,
+                                          ef_beta=o.effective_ef_beta(),
+                                          adamw_lr=o.effective_adamw_lr() if o.name == "muon" else None)
 
 
 def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:

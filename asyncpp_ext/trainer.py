@@ -158,7 +158,7 @@ class Trainer:
                 for loss in self.engine.train_steps(self.stream, end - self.step):
                     self.step += 1
                     elapsed = self.elapsed_before + time.perf_counter() - start
-                    pending.append({"step": self.step, "loss": loss, "lr": self.cfg.optim.lr,
+                    pending.append({"step": self.step, "loss": loss, "lr": self.cfg.optim.effective_lr(),
                                     "tokens": self.step * self.tokens_per_step,
                                     "elapsed_s": round(elapsed, 4)})
                     if bar is not None:
