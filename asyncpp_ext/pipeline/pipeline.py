@@ -23,6 +23,7 @@ from .._ext import C
 from .partition import as_blocks, split
 from .stage import Signature, StageError, StageHost
 from .transport import GlooTransport, TransportError, peer_failure_reason
+from .watchdog import Watchdog, WatchedHost, WatchedTransport, check_timeout, default_timeout_s
 
 SCHEDULES = ("gpipe", "1f1b", "2bw")
 TRANSPORTS = ("auto", "gloo", "nccl")
@@ -65,7 +66,9 @@ class Pipeline:
         microbatches: microbatches per step (2bw needs >= stages).
         stages: pipeline depth; defaults to the world size.
         split_points: first block index of stages 1..S-1; default balances parameter counts.
-        timeout_s: a receive or send that makes no progress for this long fails the run.
+        timeout_s: the rank aborts with a stall report (see watchdog.py) when no instruction
+            completes for this long; default ``ASYNCPP_TIMEOUT`` or 300 s. Transport waits fail
+            after twice as long, as a backstop.
         recv_ahead: receives posted ahead of need per message kind (the receive-buffer budget).
         track_memory: measure the peak bytes of in-flight activations (``host.memory_report()``).
         device: where this stage's blocks run, e.g. "cuda:0" (default CPU). Batches are moved there.
@@ -77,7 +80,7 @@ class Pipeline:
 
     def __init__(self, model, *, loss_fn: Callable, optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  schedule: str = "2bw", microbatches: int = 4, stages: int | None = None,
-                 split_points: Sequence[int] | None = None, timeout_s: float = 300.0, recv_ahead: int = 2,
+                 split_points: Sequence[int] | None = None, timeout_s: float | None = None, recv_ahead: int = 2,
                  device: str | torch.device | None = None, transport: str = "auto", run_id: str | None = None,
                  track_memory: bool = False):
         if schedule not in SCHEDULES:
@@ -95,6 +98,7 @@ class Pipeline:
             raise ValueError(f"2bw needs microbatches >= stages (got {microbatches} < {self.stages}); "
                              f"raise microbatches to at least {self.stages}")
         self.schedule, self.m = schedule, microbatches
+        timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, f"timeout_s={timeout_s!r}")
         self.device = torch.device("cpu" if device is None else device)
         transport = _choose_transport(transport, self.device)
         if transport == "nccl":  # before touching the device: say what to install or rebuild
@@ -120,6 +124,10 @@ class Pipeline:
             self.transport = create_nccl_transport(self.host, self.stage, self.stages, self.stage_ranks,
                                                    self.device, run_id=run_id, timeout_s=timeout_s)
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
+        self.watchdog = Watchdog(timeout_s, f"rank {self.rank} (stage {self.stage})",
+                                 pending=lambda: getattr(self.transport, "pending", list)())
+        from .launch import tell_launcher
+        self.watchdog.on_report = tell_launcher
         self.trace: list[tuple] = []
         self.tokens_per_microbatch = 0
         self.next_step = 0
@@ -210,6 +218,10 @@ class Pipeline:
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1 (got {steps})")
+        with self.watchdog.armed(f"training steps {self.next_step}..{self.next_step + steps - 1}"):
+            yield from self._train(batches, steps)
+
+    def _train(self, batches: Iterable, steps: int) -> Iterator[StepStats]:
         self._batches = iter(batches)
         self._pull_step = self.next_step
         if self.host.in_sig is None:
@@ -227,15 +239,19 @@ class Pipeline:
         self.host.on_step = on_step
         done = object()
 
+        host = WatchedHost(self.host, self.watchdog)
+        wait_timeout_s = 2 * self.timeout_s  # the watchdog reports a stall first
+
         def worker() -> None:
             try:
                 if isinstance(self.transport, GlooTransport):
                     trace = C.run_stage(self.schedule, self.stages, self.m, steps, self.stage, first_step,
-                                        self.host, self.transport, self.recv_ahead, 8, self.timeout_s)
+                                        host, WatchedTransport(self.transport, self.watchdog),
+                                        self.recv_ahead, 8, wait_timeout_s)
                 else:
                     trace = self.transport.run_stage(self.schedule, self.stages, self.m, steps, self.stage,
-                                                     first_step, self.host, recv_ahead=self.recv_ahead,
-                                                     max_inflight_sends=8, timeout_s=self.timeout_s)
+                                                     first_step, host, recv_ahead=self.recv_ahead,
+                                                     max_inflight_sends=8, timeout_s=wait_timeout_s)
                 self.trace.extend(trace)
                 events.put(done)
             except BaseException as e:  # handed to the caller's thread
@@ -261,19 +277,21 @@ class Pipeline:
         forward-only through the pipeline. Returns the loss on the last stage, None elsewhere."""
         h, model = self.host, self.host.newest_replica()
         losses = []
-        for i, (x, y) in enumerate(batches):
-            if h.is_first:
-                a = x.to(self.device)
-            else:  # evaluation messages travel over the (CPU) default process group
-                a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
-                self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
-                a = a.to(self.device)
-            out = model(a)
-            if h.is_last:
-                losses.append(float(h.loss_fn(out, y.to(self.device))))
-            else:
-                h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
-                self._p2p(dist.send, out.contiguous().cpu(), self.stage + 1, "evaluation", _EVAL_TAG)
+        with self.watchdog.armed("evaluation"):
+            for i, (x, y) in enumerate(batches):
+                if h.is_first:
+                    a = x.to(self.device)
+                else:  # evaluation messages travel over the (CPU) default process group
+                    a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
+                    self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
+                    a = a.to(self.device)
+                out = model(a)
+                if h.is_last:
+                    losses.append(float(h.loss_fn(out, y.to(self.device))))
+                else:
+                    h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
+                    self._p2p(dist.send, out.contiguous().cpu(), self.stage + 1, "evaluation", _EVAL_TAG)
+                self.watchdog.beat(f"evaluation batch {i}")
         return sum(losses) / len(losses) if h.is_last and losses else None
 
 

@@ -38,7 +38,7 @@ class GlooTransport:
     def _describe(self, is_send: bool, kind: int, step: int, mb: int, peer: int, tensor) -> str:
         direction = "send to" if is_send else "recv from"
         return (f"stage {self.host.stage}: {KIND_NAMES[kind]} {direction} stage {peer} "
-                f"(rank {self.stage_ranks[peer]}), step {step}, microbatch {mb}, "
+                f"(rank {self.stage_ranks[peer]}, tag {kind}), step {step}, microbatch {mb}, "
                 f"shape {tuple(tensor.shape)}")
 
     def post_send(self, kind: int, step: int, mb: int, peer: int) -> int:
@@ -84,7 +84,11 @@ class GlooTransport:
         del self._pending[request]
 
     def pending(self) -> list:
+        """Descriptions of the sends/receives posted and not yet completed (for stall reports)."""
         return [desc for _, _, desc in self._pending.values()]
+
+    def describe_request(self, request: int) -> str:
+        return self._pending[request][2]
 
 
 __all__ = ["GlooTransport", "TransportError", "ACTIVATION"]
