@@ -125,7 +125,7 @@ class Pipeline:
                                                    self.device, run_id=run_id, timeout_s=timeout_s)
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
         self.watchdog = Watchdog(timeout_s, f"rank {self.rank} (stage {self.stage})",
-                                 pending=lambda: getattr(self.transport, "pending", list)())
+                                 pending=self._pending_transfers)
         from .launch import tell_launcher
         self.watchdog.on_report = tell_launcher
         self.trace: list[tuple] = []
@@ -134,6 +134,11 @@ class Pipeline:
         self._batches: Iterator | None = None
         self._pulled: dict[int, tuple] = {}
         self._pull_step = 0
+
+    def _pending_transfers(self) -> list:
+        if isinstance(self.transport, GlooTransport):
+            return self.transport.pending(confirm_sends=True)
+        return list(getattr(self.transport, "pending", list)())
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:

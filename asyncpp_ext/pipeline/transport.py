@@ -83,9 +83,24 @@ class GlooTransport:
             raise TransportError(f"{desc} failed -- the peer has probably exited: {reason}") from None
         del self._pending[request]
 
-    def pending(self) -> list:
-        """Descriptions of the sends/receives posted and not yet completed (for stall reports)."""
-        return [desc for _, _, desc in self._pending.values()]
+    def pending(self, confirm_sends: bool = False) -> list:
+        """Descriptions of the sends/receives posted and not known to be complete.
+
+        gloo marks a send complete only once it is waited on, so with ``confirm_sends`` each send
+        is waited on for 1 ms and left out if that succeeds. That may consume the completion the
+        executor's own wait expects, so only the stall report (just before the rank exits) uses it."""
+        out = []
+        for work, _, desc in list(self._pending.values()):
+            if work.is_completed():
+                continue
+            if confirm_sends and " send to " in desc:
+                try:
+                    work.wait(timeout=datetime.timedelta(milliseconds=1))
+                    continue
+                except RuntimeError:
+                    pass
+            out.append(desc)
+        return out
 
     def describe_request(self, request: int) -> str:
         return self._pending[request][2]

@@ -80,19 +80,23 @@ class Watchdog:
         self.on_report: Optional[Callable[[str], None]] = None  # e.g. tell the launcher
 
     # ---- progress ------------------------------------------------------------------------
-    def beat(self, what: str) -> None:
-        """An instruction (or a unit of a long phase) completed."""
+    def beat(self, what: str, instruction: bool = True) -> None:
+        """Progress: an instruction (or a unit of a long phase) completed. Non-instruction
+        progress (a send confirmed late) resets the deadline but is not reported as the last
+        completed instruction."""
         with self._lock:
-            self._last_done, self._last_time = what, time.monotonic()
+            if instruction:
+                self._last_done = what
+            self._last_time = time.monotonic()
             self._allowance, self._current = self.timeout_s, None
 
     @contextlib.contextmanager
-    def doing(self, what: str, waits_on_peer: bool):
+    def doing(self, what: str, waits_on_peer: bool, instruction: bool = True):
         """Marks what this rank is doing now; completing it is a beat."""
         with self._lock:
             self._current = (what, waits_on_peer, time.monotonic())
         yield
-        self.beat(what)
+        self.beat(what, instruction)
 
     @contextlib.contextmanager
     def armed(self, phase: str):
@@ -123,16 +127,17 @@ class Watchdog:
                 idle = time.monotonic() - self._last_time
                 if not self._armed or idle < self._allowance:
                     continue
-                report, code = self._report(idle)
+                report, summary, code = self._report(idle)
             self.fired.set()
             if self.on_report is not None:
-                self.on_report(report.splitlines()[0])
+                self.on_report(summary)
             sys.stderr.write(report)
             sys.stderr.flush()
             self.exit_fn(code)
             return
 
-    def _report(self, idle: float) -> tuple[str, int]:
+    def _report(self, idle: float) -> tuple[str, str, int]:
+        """(the report block, a one-line summary for the launcher, the exit code)"""
         now = time.monotonic()
         if self._current is not None:
             what, waits_on_peer, since = self._current
@@ -148,7 +153,9 @@ class Watchdog:
         lines += [f"  pending:        {p}" for p in pending] or ["  pending:        no send or receive"]
         cause = "waiting on a peer" if code == EXIT_PEER_LOST else "this rank stalled"
         lines.append(f"  aborting this rank (exit code {code}: {cause})")
-        return "\n".join(lines) + "\n", code
+        summary = (f"watchdog: no instruction completed for {idle:.1f} s; in progress: {doing}; "
+                   f"last completed: {self._last_done or 'none yet'}")
+        return "\n".join(lines) + "\n", summary, code
 
 
 class WatchedHost:
@@ -187,7 +194,7 @@ class WatchedTransport:
 
     def wait(self, request: int, timeout_s: float) -> None:
         desc = self.transport.describe_request(request)
-        with self.watchdog.doing(f"waiting for {desc}", True):
+        with self.watchdog.doing(f"waiting for {desc}", True, instruction=" recv from " in desc):
             self.transport.wait(request, timeout_s)
 
     def pending(self) -> list:
