@@ -11,6 +11,7 @@ from typing import Optional
 from .models import GPTConfig
 
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw")
+NONFINITE_POLICIES = ("stop", "skip")
 OPTIMIZERS = ("adamw", "muon", "sgd")
 DEVICES = ("cpu", "cuda")
 
@@ -81,6 +82,13 @@ class TrainConfig:
     """Run the single-process delay simulator instead of the multi-process pipeline."""
     progress: bool = True
     """Show a progress bar (only when stderr is a terminal)."""
+    timeout_s: float = 300.0
+    """Seconds without any completed pipeline instruction after which every rank reports what it
+    was doing and aborts (the watchdog); also the collectives' timeout. 300 s covers a slow CPU
+    step and still ends a hung GPU run within minutes. ``ASYNCPP_TIMEOUT`` overrides the default."""
+    on_nonfinite: str = "stop"
+    """NaN/Inf loss or gradient: "stop" the run naming stage and step, or "skip" that step's update
+    on every stage (recorded as ``"skipped": true`` in its metrics row)."""
 
 
 @dataclass
@@ -136,6 +144,10 @@ class RunConfig:
         _choice("pipeline.schedule", self.pipeline.schedule, SCHEDULES)
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("train.device", self.train.device, DEVICES)
+        _choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
+        _positive_number("train.timeout_s", self.train.timeout_s)
+        if self.train.timeout_s == float("inf"):
+            raise ConfigError("train.timeout_s must be a finite number of seconds, got inf")
         _positive_number("optim.lr", self.optim.lr)
         if self.optim.adamw_lr is not None:
             _positive_number("optim.adamw_lr", self.optim.adamw_lr)
@@ -196,6 +208,6 @@ def get_field(cfg: RunConfig, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["SCHEDULES", "OPTIMIZERS", "DEVICES", "ConfigError", "ModelConfig", "DataConfig",
+__all__ = ["SCHEDULES", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
            "get_field"]

@@ -23,6 +23,7 @@ from .._ext import C
 from .partition import as_blocks, split
 from .stage import Signature, StageError, StageHost
 from .transport import GlooTransport, TransportError, peer_failure_reason
+from .nonfinite import NonFiniteGuard
 from .watchdog import Watchdog, WatchedHost, WatchedTransport, check_timeout, default_timeout_s
 
 SCHEDULES = ("gpipe", "1f1b", "2bw")
@@ -40,6 +41,7 @@ class StepStats:
     tokens: int               # tokens consumed by this step
     elapsed_s: float          # since the start of this train() call
     stage: int
+    skipped: bool = False     # the update was skipped (non-finite values, --on-nonfinite skip)
 
 
 def split_minibatch(batch, microbatches: int) -> tuple[list, list]:
@@ -76,13 +78,15 @@ class Pipeline:
             CUDA only; the default process group must still carry CPU tensors, i.e. be "gloo" or
             "cpu:gloo,cuda:nccl", for the start-up handshake), or "auto": nccl on CUDA, else gloo.
         run_id: names this pipeline's NCCL rendezvous keys; equal on every rank (see nccl.py).
+        on_nonfinite: "stop" (a NaN/Inf loss or gradient ends the run, naming stage and step) or
+            "skip" (that step's update is skipped on every stage); see nonfinite.py.
     """
 
     def __init__(self, model, *, loss_fn: Callable, optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  schedule: str = "2bw", microbatches: int = 4, stages: int | None = None,
                  split_points: Sequence[int] | None = None, timeout_s: float | None = None, recv_ahead: int = 2,
                  device: str | torch.device | None = None, transport: str = "auto", run_id: str | None = None,
-                 track_memory: bool = False):
+                 track_memory: bool = False, on_nonfinite: str = "stop"):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not dist.is_initialized():
@@ -117,6 +121,9 @@ class Pipeline:
         self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
                               microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
                               batch_source=self._next_batch, track_memory=track_memory)
+        self.host.nonfinite = NonFiniteGuard(self.stage, self.stages, microbatches, on_nonfinite)
+        self.host.nonfinite.names = self.param_names
+        self.host.nonfinite.sizes = [p.numel() for p in self.host.opt_params]
         if transport == "gloo":
             self.transport = GlooTransport(self.host, self.stage_ranks)
         else:
@@ -238,8 +245,8 @@ class Pipeline:
         start = time.monotonic()
         tokens_per_step = self.m * self.tokens_per_microbatch
 
-        def on_step(step: int, loss: float | None) -> None:
-            events.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage))
+        def on_step(step: int, loss: float | None, skipped: bool = False) -> None:
+            events.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage, skipped))
 
         self.host.on_step = on_step
         done = object()

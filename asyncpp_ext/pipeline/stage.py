@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from .memory import ActivationMeter
+from .nonfinite import NonFiniteGuard
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -97,6 +98,9 @@ class StageHost:
 
         # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
         self.activation_meter = ActivationMeter(exclude=self.flat) if track_memory else None
+        # NaN/Inf checks (policy "stop" unless the Pipeline sets another; see nonfinite.py).
+        self.nonfinite = NonFiniteGuard(stage, stages, microbatches)
+        self.nonfinite.sizes = [p.numel() for p in self.opt_params]
         self.in_sig: Signature | None = None   # set by the start-up handshake
         self.out_sig: Signature | None = None
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
@@ -219,6 +223,7 @@ class StageHost:
             if self.is_last:
                 loss = self.loss_fn(out, self._batch(step)[1][mb])
                 self._losses.setdefault(step, []).append(loss.detach())
+                self.nonfinite.check_loss(step, mb, loss.detach())
                 out = loss / self.m
         if not self.is_last:
             self._check(out, self.out_sig, "output activation", step, mb)
@@ -230,22 +235,26 @@ class StageHost:
         if self.is_last:
             out.backward()
         else:
-            torch.autograd.backward(out, self._recv.pop((GRADIENT, step, mb)))
+            grad = self._recv.pop((GRADIENT, step, mb))
+            self.nonfinite.check_received_gradient(step, mb, grad)
+            torch.autograd.backward(out, grad)
+        self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)
         if not self.is_first:
             self._send[(GRADIENT, step, mb)] = x.grad
         if mb == self.m - 1:
             self._batches.pop(step, None)
 
     def optimizer_step(self, step: int, new_version: int) -> None:
+        skip = self.nonfinite.skip_step(step)  # then W(t+1) = W(t): no update on any stage
         if self.two_versions:
             src, dst = step % 2, (step + 1) % 2
             self.flat[dst].copy_(self.flat[src])
             _point_at(self.opt_params, self.flat[dst])
-            if self.optimizer is not None:
+            if self.optimizer is not None and not skip:
                 self.optimizer.step()
             self.version_in[dst] = new_version
         else:
-            if self.optimizer is not None:
+            if self.optimizer is not None and not skip:
                 self.optimizer.step()
             self.version_in[0] = new_version
         self.grad_flat.zero_()
@@ -254,7 +263,7 @@ class StageHost:
             losses = self._losses.pop(step)
             loss = float(sum(l.item() for l in losses) / len(losses))
         if self.on_step is not None:
-            self.on_step(step, loss)
+            self.on_step(step, loss, skip)
 
     # ---- transport buffers -----------------------------------------------------------------
     def recv_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:
