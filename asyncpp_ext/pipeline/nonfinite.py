@@ -90,10 +90,12 @@ class NonFiniteGuard:
                 if self.policy == "stop":
                     self._stop(what, step)
                 if not self.is_last:  # the later stages already applied this step
+                    later = (f"stage {self.stage + 1}" if self.stage + 2 == self.stages
+                             else f"stages {self.stage + 1}..{self.stages - 1}")
                     raise NonFiniteError(
                         f"stage {self.stage}: {what} at step {step + 1} arose on this stage while "
-                        f"stages {self.stage + 1}..{self.stages - 1} saw finite values and have "
-                        "already applied that step, so it cannot be skipped on every stage; stopping")
+                        f"{later} saw finite values and already applied that step, so it cannot be "
+                        "skipped on every stage; stopping")
                 self._bad[step] = what
         if step in self._bad and input_grad is not None:
             input_grad.fill_(float("nan"))  # every earlier stage sees the step is bad

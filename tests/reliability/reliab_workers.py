@@ -29,7 +29,8 @@ class SleepAt(nn.Module):
 
 
 def stalling_worker(stall_stage: int, m: int, timeout_s: float, marker: str) -> None:
-    init_distributed(60)
+    rank, _ = init_distributed(60)
+    write_rendezvous(os.path.dirname(marker), rank)
     blocks = make_blocks()
     blocks[stall_stage] = nn.Sequential(blocks[stall_stage], SleepAt(2 * m + 1, marker))  # in step 2
     pipe = Pipeline(blocks, loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory("sgd"),
@@ -67,12 +68,75 @@ def _decode(hex_addr: str) -> str:
     return str(ipaddress.IPv6Address(b"".join(words)))
 
 
-def rendezvous_worker(out_dir: str) -> None:
+def write_rendezvous(out_dir: str, rank: int) -> None:
     import json
-    import torch.distributed as dist
-
-    rank, _ = init_distributed(30)
-    dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"MASTER_ADDR": os.environ.get("MASTER_ADDR"), "listening": listening_addresses()}, f)
-    dist.barrier()
+
+
+# ---- non-finite values ---------------------------------------------------------------------------
+class _ScaleWithPoisonedGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, poison):
+        ctx.save_for_backward(x, w)
+        ctx.poison = poison
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad_w = (grad * x).sum().reshape(1)
+        if ctx.poison:
+            grad_w = torch.full_like(grad_w, float("nan"))
+        return grad * w, grad_w, None  # the input gradient stays finite
+
+
+class PoisonGradAt(nn.Module):
+    """y = x * w, whose weight gradient is NaN for the microbatches of step ``step`` (counted by
+    forward calls, m per step) while the gradient it passes on stays finite."""
+
+    _calls: dict = {}  # shared by the 2bw weight replicas (deep copies keep the same key)
+
+    def __init__(self, step: int, m: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.step, self.m, self.key = step, m, object().__repr__()
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():  # the start-up shape probe is not a microbatch
+            return x * self.w
+        calls = self._calls[self.key] = self._calls.get(self.key, 0) + 1
+        poison = self.step * self.m < calls <= (self.step + 1) * self.m
+        return _ScaleWithPoisonedGrad.apply(x, self.w, poison)
+
+
+def nan_blocks(m: int, nan_grad_block: int | None, nan_grad_step: int) -> list:
+    blocks = make_blocks()
+    if nan_grad_block is not None:
+        blocks[nan_grad_block] = nn.Sequential(blocks[nan_grad_block], PoisonGradAt(nan_grad_step, m))
+    return blocks
+
+
+def nan_batches(steps: int, m: int, nan_input_step: int | None):
+    """pipeline_workers.batches with one NaN input microbatch in step ``nan_input_step``."""
+    for t, (x, y) in enumerate(batches(steps, m)):
+        if t == nan_input_step:
+            x = x.clone()
+            x[2:4] = float("nan")  # microbatch 1 (micro-batch size 2)
+        yield x, y
+
+
+def nonfinite_worker(policy: str, m: int, steps: int, nan_input_step, nan_grad_block, nan_grad_step,
+                     out_dir: str) -> None:
+    import json
+    init_distributed(60)
+    pipe = Pipeline(nan_blocks(m, nan_grad_block, nan_grad_step), loss_fn=nn.functional.mse_loss,
+                    optimizer=optimizer_factory("adamw"), schedule="2bw", microbatches=m,
+                    on_nonfinite=policy, timeout_s=60)
+    stats = list(pipe.train(nan_batches(steps, m, nan_input_step), steps))
+    params = {n: t for n, t in pipe.state_dict()["params"].items()}
+    torch.save({"params": params, "skipped": pipe.host.nonfinite.skipped},
+               os.path.join(out_dir, f"stage{pipe.stage}.pt"))
+    if pipe.host.is_last:
+        with open(os.path.join(out_dir, "stats.json"), "w") as f:
+            json.dump([[s.loss, s.skipped] for s in stats], f)
