@@ -128,12 +128,12 @@ class Watchdog:
                 if not self._armed or idle < self._allowance:
                     continue
                 report, summary, code = self._report(idle)
-            self.fired.set()
             if self.on_report is not None:
                 self.on_report(summary)
             sys.stderr.write(report)
             sys.stderr.flush()
-            self.exit_fn(code)
+            self.exit_fn(code)  # does not return unless a test replaced it
+            self.fired.set()
             return
 
     def _report(self, idle: float) -> tuple[str, str, int]:
