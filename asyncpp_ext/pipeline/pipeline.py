@@ -267,6 +267,8 @@ class Pipeline:
                 self.trace.extend(trace)
                 events.put(done)
             except BaseException as e:  # handed to the caller's thread
+                if isinstance(e, TransportError):  # on record like a stalled rank's state
+                    self.watchdog.dump_state(f"lost a peer: {e}")
                 events.put(e)
 
         thread = threading.Thread(target=worker, name=f"asyncpp-stage{self.stage}", daemon=True)

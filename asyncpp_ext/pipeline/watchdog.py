@@ -76,6 +76,7 @@ class Watchdog:
         self._allowance = self.timeout_s
         self._current: Optional[tuple[str, bool, float]] = None  # (what, waits_on_peer, since)
         self._thread: Optional[threading.Thread] = None
+        self._reported = False  # one report block per rank
         self.fired = threading.Event()
         self.on_report: Optional[Callable[[str], None]] = None  # e.g. tell the launcher
 
@@ -125,8 +126,9 @@ class Watchdog:
             time.sleep(poll)
             with self._lock:
                 idle = time.monotonic() - self._last_time
-                if not self._armed or idle < self._allowance:
+                if not self._armed or idle < self._allowance or self._reported:
                     continue
+                self._reported = True
                 report, summary, code = self._report(idle)
             if self.on_report is not None:
                 self.on_report(summary)
@@ -135,6 +137,31 @@ class Watchdog:
             self.exit_fn(code)  # does not return unless a test replaced it
             self.fired.set()
             return
+
+    def dump_state(self, reason: str) -> None:
+        """Write this rank's state block when it lost a peer (a transport failure), so that
+        every rank's last instruction and pending transfers are on record whichever rank
+        noticed first. The caller then fails as usual."""
+        with self._lock:
+            if self._reported:
+                return
+            self._reported = True
+            block = self._state_lines(reason.splitlines()[0] if reason else "lost a peer")
+        sys.stderr.write("\n".join(block) + "\n")
+        sys.stderr.flush()
+
+    def _state_lines(self, headline: str) -> list:
+        now = time.monotonic()
+        if self._current is not None:
+            what, _, since = self._current
+            doing = f"{what} (for {now - since:.1f} s)"
+        else:
+            doing = "between instructions"
+        lines = [f"asyncpp: {self.label}: {headline}",
+                 f"  last completed: {self._last_done or 'none yet'}",
+                 f"  in progress:    {doing}"]
+        return lines + ([f"  pending:        {p}" for p in self.pending()]
+                        or ["  pending:        no send or receive"])
 
     def _report(self, idle: float) -> tuple[str, str, int]:
         """(the report block, a one-line summary for the launcher, the exit code)"""

@@ -28,23 +28,26 @@ def test_a_stage_stuck_in_forward_makes_every_rank_report_and_exit(tmp_path, cap
                                           r"microbatch 2"):
         spawn(rw.stalling_worker, 3, (1, 3, timeout_s, str(marker)), grace_s=20)
     time_to_exit = time.time() - float(marker.read_text())
-    print(f"stalled receive: every rank exited {time_to_exit:.2f} s after the stall began")
     err = capfd.readouterr().err
+    with capfd.disabled():
+        print(f"stalled receive: every rank exited {time_to_exit:.2f} s after the stall began")
     assert time_to_exit < timeout_s + 4, time_to_exit
-    blocks = err.split("asyncpp: rank ")[1:]
-    assert sorted(b[0] for b in blocks) == ["0", "1", "2"], err  # one report block per rank
+    # One state block per rank: from its own watchdog, or -- when a neighbour's watchdog ended that
+    # neighbour a moment earlier -- written as the rank notices the lost peer.
+    chunks = err.split("asyncpp: rank ")[1:]
+    blocks = [c for c in chunks if "\n  last completed: " in c]
+    assert sorted(b[0] for b in blocks) == ["0", "1", "2"], err
     for block in blocks:
         lines = block.splitlines()
-        assert "watchdog: no instruction completed for" in lines[0]
+        assert ("watchdog: no instruction completed for" in lines[0]) or ("lost a peer: " in lines[0])
         assert lines[1].startswith("  last completed: ") and lines[2].startswith("  in progress: ")
-        assert lines[-1].startswith("  aborting this rank (exit code ")
     stuck = next(b for b in blocks if b.startswith("1 (stage 1)"))
+    assert "watchdog: no instruction completed for" in stuck
     assert "in progress:    forward (step 1, microbatch 2, version 0)" in stuck
     assert "exit code 4: this rank stalled" in stuck
     for rank, peer in ((0, 1), (2, 1)):  # the neighbours wait on stage 1 and name what they wait for
         block = next(b for b in blocks if b.startswith(f"{rank} (stage {rank})"))
         assert f"recv from stage {peer} (rank {peer}, tag " in block and ", shape (2, 16)" in block
-        assert "exit code 3: waiting on a peer" in block
     assert "Traceback" not in err
     # the same run's rendezvous: spawned ranks use 127.0.0.1 and listen nowhere else
     for rank in range(3):
@@ -101,6 +104,11 @@ def test_sigkill_of_one_rank_ends_the_cli_run_naming_it(tmp_path):
         mine = [l for l in lines if l.startswith(f"asyncpp: rank {rank}: ")]
         assert len(mine) == 1 and "has probably exited" in mine[0], err
     assert "Traceback" not in err
-    assert not [p for p in everything if _alive(p)]  # no rank (nor helper) outlived the run
+    assert not [p for p in ranks if _alive(p)]  # the launcher reaped every rank before exiting
+    # multiprocessing's resource tracker (not a rank) ends on its own once the CLI has gone
+    deadline = time.monotonic() + 10
+    while [p for p in everything if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in everything if _alive(p)], everything  # no orphan of the run
     meta, shards = load_checkpoint(latest_checkpoint(run))  # the previous checkpoint still loads
     assert meta["step"] >= 2 and len(shards) == 3
