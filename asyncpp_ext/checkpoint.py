@@ -33,10 +33,26 @@ from .config import RESUME_MUST_MATCH, ConfigError, RunConfig, get_field
 FORMAT_VERSION = 1
 META_NAME = "meta.json"
 _CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
+_OLD_RE = re.compile(r"^\.old-ckpt-(\d{6,})$")  # a checkpoint being replaced (finalize_checkpoint)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed; the message names the file or field and the fix."""
+
+
+class NonFiniteCheckpointError(RuntimeError):
+    """A checkpoint write refused because a weight holds NaN/Inf (nothing was written)."""
+
+
+def _check_finite_weights(stage: int, engine_state: dict) -> None:
+    for section in ("params", "stash"):
+        for name, t in engine_state.get(section, {}).items():
+            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                which = "weight" if section == "params" else "older weight version (stash) of"
+                raise NonFiniteCheckpointError(
+                    f"refusing to write a checkpoint: the {which} {name!r} of stage {stage} holds "
+                    "NaN/Inf; the previous checkpoint is kept (the run diverged: lower --lr, or use "
+                    "--on-nonfinite)")
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
@@ -96,7 +112,9 @@ def begin_checkpoint(run_dir: str | os.PathLike, step: int) -> Path:
 
 
 def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict | None = None) -> None:
-    """Write stage ``stage``'s shard into the temporary directory and fsync it."""
+    """Write stage ``stage``'s shard into the temporary directory and fsync it. Refuses
+    (NonFiniteCheckpointError) when a weight holds NaN/Inf: a checkpoint never stores NaN."""
+    _check_finite_weights(stage, engine_state)
     path = Path(tmp_dir) / shard_name(stage)
     payload = {"format": FORMAT_VERSION, "stage": stage, "engine": engine_state,
                "rng": capture_rng_state() if rng_state is None else rng_state}
@@ -130,6 +148,9 @@ def finalize_checkpoint(run_dir: str | os.PathLike, tmp_dir: Path, step: int, me
         shutil.rmtree(old)
     else:
         os.replace(tmp_dir, final)
+        stale = final.with_name(f".old-{final.name}")  # from a write interrupted between renames
+        if stale.exists():
+            shutil.rmtree(stale)
     _fsync_dir(Path(run_dir))
     return final
 
@@ -137,6 +158,8 @@ def finalize_checkpoint(run_dir: str | os.PathLike, tmp_dir: Path, step: int, me
 def save_checkpoint(run_dir: str | os.PathLike, step: int, engine_states: list[dict],
                     meta: dict) -> Path:
     """Single-process convenience: all shards (one per stage, in order), then the metadata."""
+    for stage, state in enumerate(engine_states):
+        _check_finite_weights(stage, state)  # before anything is created
     tmp = begin_checkpoint(run_dir, step)
     for stage, state in enumerate(engine_states):
         write_shard(tmp, stage, state)
@@ -149,12 +172,18 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = []
+    found, replaced = {}, {}
     for entry in run_dir.iterdir():
         match = _CKPT_RE.match(entry.name)
         if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
+            found[int(match.group(1))] = entry
+        match = _OLD_RE.match(entry.name)
+        if match and entry.is_dir():
+            replaced[int(match.group(1))] = entry
+    # A crash between the two renames of a re-written checkpoint leaves only the old copy.
+    for step, entry in replaced.items():
+        found.setdefault(step, entry)
+    return sorted(found.items())
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
@@ -228,7 +257,7 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
                                   "that flag out)")
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "checkpoint_path", "temp_checkpoint_path", "shard_name",
+__all__ = ["FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "checkpoint_path", "temp_checkpoint_path", "shard_name",
            "capture_rng_state", "restore_rng_state", "begin_checkpoint", "write_shard",
            "finalize_checkpoint", "save_checkpoint", "list_checkpoints", "latest_checkpoint",
            "read_meta", "load_checkpoint", "check_resume_config"]

@@ -11,6 +11,7 @@ from typing import Optional
 from .models import GPTConfig
 
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw")
+NONFINITE_POLICIES = ("stop", "skip")
 OPTIMIZERS = ("adamw", "muon", "sgd")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
@@ -133,6 +134,13 @@ class TrainConfig:
     """Run the single-process delay simulator instead of the multi-process pipeline."""
     progress: bool = True
     """Show a progress bar (only when stderr is a terminal)."""
+    timeout_s: float = 300.0
+    """Seconds without any completed pipeline instruction after which every rank reports what it
+    was doing and aborts (the watchdog); also the collectives' timeout. 300 s covers a slow CPU
+    step and still ends a hung GPU run within minutes. ``ASYNCPP_TIMEOUT`` overrides the default."""
+    on_nonfinite: str = "stop"
+    """NaN/Inf loss or gradient: "stop" the run naming stage and step, or "skip" that step's update
+    on every stage (recorded as ``"skipped": true`` in its metrics row)."""
 
 
 @dataclass
@@ -190,6 +198,10 @@ class RunConfig:
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("train.device", self.train.device, DEVICES)
         _choice("train.dtype", self.train.dtype, DTYPES)
+        _choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
+        _positive_number("train.timeout_s", self.train.timeout_s)
+        if self.train.timeout_s == float("inf"):
+            raise ConfigError("train.timeout_s must be a finite number of seconds, got inf")
         if self.optim.lr is not None:
             _positive_number("optim.lr", self.optim.lr)
         if self.optim.adamw_lr is not None:
@@ -256,6 +268,6 @@ def get_field(cfg: RunConfig, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["SCHEDULES", "OPTIMIZERS", "DEVICES", "DTYPES", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "ConfigError", "ModelConfig", "DataConfig",
+__all__ = ["SCHEDULES", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "DTYPES", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
            "get_field"]

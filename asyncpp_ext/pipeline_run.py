@@ -23,8 +23,9 @@ from .config import RunConfig
 from .data import BatchStream, eval_batches, load_tokens, split_tokens
 from .models import GPT
 from .pipeline import Pipeline, init_distributed, spawn, under_launcher
+from .pipeline.transport import TransportError, peer_failure_reason
 from .simulate import merge_engine_states
-from .trainer import Trainer
+from .trainer import StepOutcome, Trainer
 
 
 class PipelineEngine:
@@ -36,7 +37,7 @@ class PipelineEngine:
     def train_steps(self, stream: BatchStream, steps: int):
         minibatches = (stream.next() for _ in range(steps))
         for stats in self.pipe.train(minibatches, steps):
-            yield stats.loss
+            yield StepOutcome(stats.loss, True) if stats.skipped else stats.loss
 
     def eval_loss(self, batches):
         return self.pipe.evaluate(batches)
@@ -49,16 +50,26 @@ class PipelineEngine:
 
 
 def _collective_checkpoint(pipe: Pipeline, run_dir: Path):
+    def barrier(what: str) -> None:
+        try:
+            dist.barrier()
+        except RuntimeError as e:  # a peer died or stalled: this rank only reacts (launch.py)
+            raise TransportError(f"stage {pipe.stage}: checkpoint of step {step_now[0]}: {what} "
+                                 f"failed -- a peer has probably exited: {peer_failure_reason(e)}") from None
+
+    step_now = [0]
+
     def save(step: int, meta: dict) -> Path:
+        step_now[0] = step
         writer = pipe.host.is_last and pipe.replica == 0
         tmp = begin_checkpoint(run_dir, step) if writer else None
-        dist.barrier()  # the temporary directory exists
+        barrier("waiting for the temporary directory")
         tmp = tmp or temp_checkpoint_path(run_dir, step)
         if pipe.replica == 0:  # every replica holds the same state
             write_shard(tmp, pipe.stage, pipe.state_dict(), capture_rng_state())
-        dist.barrier()  # every shard is on disk
+        barrier("waiting for every shard")
         final = finalize_checkpoint(run_dir, tmp, step, meta) if writer else checkpoint_path(run_dir, step)
-        dist.barrier()  # sealed before anyone goes on
+        barrier("waiting for the checkpoint to be sealed")
         return final
     return save
 
@@ -66,7 +77,7 @@ def _collective_checkpoint(pipe: Pipeline, run_dir: Path):
 def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> None:
     """One rank of a pipeline run (under torchrun or spawned by ``run_pipeline``)."""
     cfg = RunConfig.from_dict(cfg_dict)
-    init_distributed()
+    init_distributed(cfg.train.timeout_s)
     threads = max(1, (os.cpu_count() or 1) // (cfg.pipeline.stages * cfg.pipeline.dp))
     torch.set_num_threads(threads)  # stages share the machine's cores
     p = cfg.pipeline
@@ -80,7 +91,8 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     model = GPT(cfg.model, seed=cfg.train.seed)
     pipe = Pipeline(model, loss_fn=GPT.loss, optimizer=factory_builder(cfg), schedule=p.schedule,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
-                    recompute=p.recompute, dtype=cfg.train.dtype)
+                    recompute=p.recompute, dtype=cfg.train.dtype,
+                    timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite)
     engine = PipelineEngine(pipe)
     start_step, elapsed = 0, 0.0
     if resume_dir is not None:

@@ -8,6 +8,12 @@ forward on the version the schedule prescribes, then backward of ``loss_i / m`` 
 ``.grad``; the step's loss is ``(loss_0 + ... + loss_{m-1}) / m``. The optimizer then steps the
 newest weights W(t) with those gradients. A multi-process pipeline run with the same data and the
 same accumulation order must reproduce these numbers to floating-point tolerance.
+
+Non-finite values (``on_nonfinite``): "stop" raises NonFiniteError when a microbatch loss or a
+gradient holds NaN/Inf, before the optimizer runs; "skip" skips that step's update (for 2bw the
+next version is a copy of W(t)) -- the rule a pipeline applies on every stage (see
+pipeline/nonfinite.py; the one difference: a pipeline stops where a gradient turns non-finite on
+an early stage only, as its later stages have applied the step by then).
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ import torch
 from torch import nn
 
 from .config import SCHEDULES
+from .pipeline.nonfinite import POLICIES, NonFiniteError
+from .trainer import StepOutcome
 
 DELAYED_SCHEDULES = ("2bw",)
 
@@ -37,9 +45,14 @@ class DelaySimulator:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: str,
-                 loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_loss):
+                 loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_loss,
+                 on_nonfinite: str = "stop"):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if on_nonfinite not in POLICIES:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(POLICIES)}")
+        self.on_nonfinite = on_nonfinite
+        self.last_skipped = False
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
@@ -72,20 +85,32 @@ class DelaySimulator:
         self.optimizer.zero_grad(set_to_none=True)
         if self.delayed:
             self._swap_stash()  # params <- W(t-1), stash <- W(t)
-        total = 0.0
+        total, bad = 0.0, None
         try:
-            for inputs, targets in minibatch:
+            for i, (inputs, targets) in enumerate(minibatch):
                 loss = self.loss_fn(self.model, inputs, targets)
+                if bad is None and not torch.isfinite(loss).all():
+                    bad = f"non-finite loss ({loss.item():g}) in microbatch {i}"
+                    if self.on_nonfinite == "stop":
+                        break
                 (loss / m).backward()
                 total += loss.item()
         finally:
             if self.delayed:
                 self._swap_stash()  # params <- W(t), stash <- W(t-1)
+        if bad is None:
+            bad = next((f"non-finite gradient in {n}" for n, p in zip(self.names, self.params)
+                        if p.grad is not None and not torch.isfinite(p.grad).all()), None)
+        if bad is not None and self.on_nonfinite == "stop":
+            raise NonFiniteError(f"{bad} at step {self.steps_done + 1}; stopping (use --on-nonfinite "
+                                 "skip to skip such steps)")
         if self.delayed:
             with torch.no_grad():  # W(t) becomes the version the next step computes on
                 for p, old in zip(self.params, self.stash):
                     old.copy_(p)
-        self.optimizer.step()
+        self.last_skipped = bad is not None
+        if not self.last_skipped:  # a skipped step leaves weights and optimizer state as they are
+            self.optimizer.step()
         self.steps_done += 1
         return total / m
 
@@ -93,7 +118,8 @@ class DelaySimulator:
         """``steps`` steps on the stream's next minibatches, yielding each loss (StepEngine)."""
         device = self.params[0].device if self.params else torch.device("cpu")
         for _ in range(steps):
-            yield self.step([(x.to(device), y.to(device)) for x, y in stream.next()])
+            loss = self.step([(x.to(device), y.to(device)) for x, y in stream.next()])
+            yield StepOutcome(loss, True) if self.last_skipped else loss
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:

@@ -20,14 +20,15 @@ from typing import Callable, Optional
 
 import torch
 
-from .checkpoint import (CheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
+from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
-from .config import DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from .config import DTYPES, NONFINITE_POLICIES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
 from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from .models import GPT, PRESETS
 from .simulate import DelaySimulator, merge_engine_states
 from .optim import build_optimizer
 from .pipeline import LaunchError, under_launcher
+from .pipeline.nonfinite import NonFiniteError
 from .trainer import CONFIG_NAME, METRICS_NAME, Trainer, read_metrics, truncate_metrics, write_text_atomic
 
 PROG = "asyncpp-train"
@@ -101,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--simulate", action="store_true", default=None,
                      help="run the schedule's update rule in one process (delay simulator)")
     run.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
+    run.add_argument("--timeout", type=float, metavar="SECONDS",
+                     help=f"abort every rank with a report when no pipeline instruction completes "
+                          f"for this long (default {_D.train.timeout_s:g}, or $ASYNCPP_TIMEOUT)")
+    run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES,
+                     help="NaN/Inf loss or gradient: stop the run, or skip that step's update on "
+                          f"every stage (default {_D.train.on_nonfinite})")
     return p
 
 
@@ -126,12 +133,26 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "out"): args.out, ("train", "device"): args.device,
         ("train", "simulate"): args.simulate,
         ("train", "progress"): None if args.no_progress is None else not args.no_progress,
+        ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
+        ("train", "on_nonfinite"): args.on_nonfinite,
     }
     for (section, name), value in sets.items():
         if value is not None:
             setattr(getattr(cfg, section), name, value)
     cfg.train.resume = args.resume
     return cfg
+
+
+def _env_timeout() -> Optional[float]:
+    """ASYNCPP_TIMEOUT when set (it overrides the default and a resumed run's saved value)."""
+    from .pipeline.watchdog import TIMEOUT_ENV, default_timeout_s
+
+    if not os.environ.get(TIMEOUT_ENV, "").strip():
+        return None
+    try:
+        return default_timeout_s()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
@@ -174,7 +195,10 @@ def _print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
         return
     last = rows[-1]
     shown = f" eval_loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
-    print(f"{out}: step {last['step']} loss {last['loss']:.4f}{shown} "
+    skipped = sum(1 for r in rows if r.get("skipped"))
+    shown += f" ({skipped} step{'s' if skipped != 1 else ''} skipped: non-finite values)" if skipped else ""
+    loss = "skipped" if last["loss"] is None else f"{last['loss']:.4f}"
+    print(f"{out}: step {last['step']} loss {loss}{shown} "
           f"({last['elapsed_s']:.1f} s, {cfg.pipeline.schedule}, {cfg.optim.name}, "
           f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''}"
           f"{f' x {cfg.pipeline.dp} replicas' if cfg.pipeline.dp > 1 else ''})")
@@ -212,7 +236,7 @@ def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int
     stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed)
     eval_set = eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
     model = GPT(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
-    engine = DelaySimulator(model, factory(model), p.schedule,
+    engine = DelaySimulator(model, factory(model), p.schedule, on_nonfinite=cfg.train.on_nonfinite,
                             loss_fn=autocast_loss(cfg.train.dtype, torch.device(cfg.train.device)))
     start_step, elapsed = 0, 0.0
     if resume_dir is not None:
@@ -293,7 +317,8 @@ FIELD_FLAGS = {
     "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
     "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
-    "train.ckpt_every": "--ckpt-every", "train.device": "--device", "model.n_layer": "--n-layer",
+    "train.ckpt_every": "--ckpt-every", "train.device": "--device", "train.timeout_s": "--timeout",
+    "train.on_nonfinite": "--on-nonfinite", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
 }
 
@@ -313,6 +338,9 @@ def main(argv=None) -> int:
         if (cfg.pipeline.stages > 1 or cfg.pipeline.dp > 1) and not cfg.train.simulate:
             return run_pipeline(cfg, resume_dir)
         return run_single_process(cfg, resume_dir)
+    except (NonFiniteError, NonFiniteCheckpointError) as exc:  # a run failure, not a bad input
+        sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
+        return 1
     except KeyboardInterrupt:
         where = f"; continue with --resume {cfg.train.out}" if cfg is not None else ""
         sys.stderr.write(f"\n{PROG}: interrupted{where}\n")

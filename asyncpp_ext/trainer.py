@@ -5,11 +5,12 @@ today, a pipeline stage driver later) with the ``StepEngine`` interface below.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
@@ -20,6 +21,13 @@ from .data import BatchStream
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
 PLOT_NAME = "loss.png"
+
+
+class StepOutcome(NamedTuple):
+    """What an engine yields for a step whose update was skipped (non-finite values); plain
+    steps yield just the loss."""
+    loss: Optional[float]
+    skipped: bool
 
 
 class StepEngine(Protocol):
@@ -72,7 +80,8 @@ def plot_losses(run_dir: str | os.PathLike) -> Path:
 
     rows = read_metrics(run_dir)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", linewidth=1)
+    trained = [r for r in rows if r["loss"] is not None]
+    ax.plot([r["step"] for r in trained], [r["loss"] for r in trained], label="train", linewidth=1)
     evals = [r for r in rows if "eval_loss" in r]
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
@@ -156,14 +165,20 @@ class Trainer:
                 end = self._segment_end()
                 pending = []
                 for loss in self.engine.train_steps(self.stream, end - self.step):
+                    skipped = isinstance(loss, StepOutcome) and loss.skipped
+                    loss = loss.loss if isinstance(loss, StepOutcome) else loss
+                    if loss is not None and not math.isfinite(loss):
+                        loss = None  # JSON has no NaN; the row says why
                     self.step += 1
                     elapsed = self.elapsed_before + time.perf_counter() - start
                     pending.append({"step": self.step, "loss": loss, "lr": self.cfg.optim.effective_lr(),
                                     "tokens": self.step * self.tokens_per_step,
                                     "elapsed_s": round(elapsed, 4)})
+                    if skipped:
+                        pending[-1]["skipped"] = True
                     if bar is not None:
                         bar.update(1)
-                        if loss is not None:
+                        if loss is not None and not skipped:
                             bar.set_postfix(loss=f"{loss:.4f}")
                 if self.eval_set and self._is_due(end, self.cfg.train.eval_every):
                     eval_loss = self.engine.eval_loss(self.eval_set)
@@ -187,5 +202,5 @@ class Trainer:
         return rows
 
 
-__all__ = ["StepEngine", "Trainer", "METRICS_NAME", "CONFIG_NAME", "PLOT_NAME",
+__all__ = ["StepEngine", "StepOutcome", "Trainer", "METRICS_NAME", "CONFIG_NAME", "PLOT_NAME",
            "read_metrics", "truncate_metrics", "plot_losses", "write_text_atomic"]

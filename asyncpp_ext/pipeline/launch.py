@@ -1,8 +1,11 @@
 """Process start-up: join a torch.distributed world (torchrun's, or one this module spawns).
 
-`spawn(fn, nprocs)` starts local ranks rendezvousing on 127.0.0.1. When one rank fails, the
-others get a grace period to report their own view (e.g. "peer exited") and are then killed, so
-no orphan is ever left behind; children also die with the launcher (PR_SET_PDEATHSIG).
+`spawn(fn, nprocs)` starts local ranks rendezvousing on 127.0.0.1 (or the user's MASTER_ADDR):
+the rendezvous store and gloo's sockets listen on that address only, never on every interface.
+When one rank fails, the others get a grace period to report their own view (e.g. "peer exited")
+and are then killed, so no orphan is ever left behind; children also die with the launcher
+(PR_SET_PDEATHSIG). Each failing rank prints one line (a stalled one its watchdog report) and
+tells the launcher why it failed, so the launcher's error names the root cause.
 """
 from __future__ import annotations
 
@@ -20,19 +23,24 @@ from typing import Callable
 import torch.distributed as dist
 
 from .transport import TransportError
+from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, default_timeout_s
 
-DEFAULT_TIMEOUT_S = 300.0
+
 EXIT_FAILED = 1        # the rank itself failed
-EXIT_PEER_LOST = 3     # the rank stopped because a peer failed or stalled (a consequence, not a cause)
+# EXIT_PEER_LOST (3): the rank stopped because a peer failed or stalled (a consequence, not a cause)
+# EXIT_STALLED (4): the rank's own instruction never completed (its watchdog fired)
+_SPAWNED_ENV = "ASYNCPP_LOCAL_SPAWN"
+_failure_channel = None  # a spawned rank's line back to the launcher
 
 
 class LaunchError(RuntimeError):
     """A rank failed; the message names the first one."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(addr: str = "127.0.0.1") -> int:
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.bind(sockaddr)
         return s.getsockname()[1]
 
 
@@ -41,12 +49,51 @@ def under_launcher() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
 
 
-def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
-    """Join the world described by the environment (gloo); returns (rank, world_size)."""
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """Join the world described by the environment (gloo); returns (rank, world_size).
+
+    ``timeout_s`` bounds every collective (barriers, the start-up handshake); default
+    ``ASYNCPP_TIMEOUT`` or 300 s. Ranks started by ``spawn`` rendezvous through a store that
+    listens on MASTER_ADDR only (127.0.0.1 unless the user set it)."""
+    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if os.environ.get(_SPAWNED_ENV) == "1":
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group("gloo", store=_local_store(rank, world, timeout), rank=rank,
+                                    world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _local_store(rank: int, world: int, timeout: datetime.timedelta):
+    """The rendezvous store of a local run. torch's TCPStore server listens on every interface;
+    handing it a socket bound to MASTER_ADDR keeps a local run unreachable from the network."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(addr, port, world, False, timeout=timeout)
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(sockaddr)
+    listener.listen(max(64, world))
+    return dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=listener.detach())
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((n for n in names if n.startswith("lo")), None)
+
+
+def tell_launcher(message: str) -> None:
+    """Hand this rank's one-line failure reason to ``spawn`` (no-op outside spawned ranks)."""
+    if _failure_channel is not None:
+        try:
+            _failure_channel.put((int(os.environ.get("RANK", -1)), message))
+        except (OSError, ValueError):
+            pass  # the launcher is gone; stderr still has the line
 
 
 def _die_with_parent() -> None:
@@ -57,10 +104,16 @@ def _die_with_parent() -> None:
             pass
 
 
-def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple) -> None:
+def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel=None) -> None:
+    global _failure_channel
     _die_with_parent()
+    _failure_channel = channel
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), **{_SPAWNED_ENV: "1"})
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    loopback = _loopback_interface()
+    if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost") and loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # gloo's sockets on loopback too
     try:
         fn(*args)
     except BaseException as e:  # report one line per rank; tracebacks only when debugging
@@ -69,6 +122,7 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple) -> None
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         sys.stderr.write(f"asyncpp: rank {rank}: {msg}\n")
         sys.stderr.flush()
+        tell_launcher(msg)
         os._exit(EXIT_PEER_LOST if isinstance(e, TransportError) else EXIT_FAILED)
     finally:
         if dist.is_initialized():
@@ -78,14 +132,19 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple) -> None
 def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0) -> None:
     """Run ``fn(*args)`` in ``nprocs`` local ranks; raise LaunchError if any rank fails."""
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args), daemon=False)
+    port = free_port(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    channel = ctx.SimpleQueue()
+    reasons: dict[int, str] = {}
+    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, channel), daemon=False)
              for r in range(nprocs)]
     for p in procs:
         p.start()
     deadline = None
     try:
         while any(p.is_alive() for p in procs):
+            while not channel.empty():
+                r, message = channel.get()
+                reasons.setdefault(r, message)
             if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
                 deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
@@ -101,11 +160,17 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
             if p.is_alive():
                 p.kill()
                 p.join()
+    while not channel.empty():
+        r, message = channel.get()
+        reasons.setdefault(r, message)
+    channel.close()
     failed = [(r, c) for r, c in enumerate(exit_codes) if c not in (None, 0)]
     # Root causes first: a rank killed by a signal, then one that failed by itself; ranks that
     # lost a peer only react.
     first_failure = min(failed, key=lambda f: (f[1] >= 0, f[1] == EXIT_PEER_LOST, f[0])) if failed else None
     if first_failure is not None:
         rank, code = first_failure
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        raise LaunchError(f"rank {rank} {how}; all ranks have stopped")
+        how = (f"was killed by signal {-code}" if code < 0 else
+               f"stalled (exit code {code})" if code == EXIT_STALLED else f"exited with code {code}")
+        why = f" ({reasons[rank]})" if rank in reasons else ""
+        raise LaunchError(f"rank {rank} {how}{why}; all ranks have stopped")

@@ -21,10 +21,12 @@ import torch.nn as nn
 
 from .._ext import C
 from .data_parallel import GradientAverager, Layout, create_dp_group, replica_share
+from .nonfinite import NonFiniteGuard
 from .partition import as_blocks, split
 from .recompute import resolve_autocast
 from .stage import Signature, StageError, StageHost
 from .transport import GlooTransport, TransportError, peer_failure_reason
+from .watchdog import Watchdog, WatchedHost, WatchedTransport, check_timeout, default_timeout_s
 
 SCHEDULES = ("gpipe", "1f1b", "2bw")
 TRANSPORTS = ("auto", "gloo", "nccl")
@@ -41,6 +43,7 @@ class StepStats:
     tokens: int               # tokens consumed by this step (all replicas)
     elapsed_s: float          # since the start of this train() call
     stage: int
+    skipped: bool = False     # the update was skipped (non-finite values, --on-nonfinite skip)
 
 
 def split_minibatch(batch, microbatches: int) -> tuple[list, list]:
@@ -67,7 +70,9 @@ class Pipeline:
         microbatches: microbatches per step (2bw needs >= stages).
         stages: pipeline depth; defaults to the world size divided by dp.
         split_points: first block index of stages 1..S-1; default balances parameter counts.
-        timeout_s: a receive or send that makes no progress for this long fails the run.
+        timeout_s: the rank aborts with a stall report (see watchdog.py) when no instruction
+            completes for this long; default ``ASYNCPP_TIMEOUT`` or 300 s. Transport waits fail
+            after twice as long, as a backstop.
         recv_ahead: receives posted ahead of need per message kind (the receive-buffer budget).
         track_memory: measure the peak bytes of in-flight activations (``host.memory_report()``).
         device: where this stage's blocks run, e.g. "cuda:0" (default CPU). Batches are moved there.
@@ -86,14 +91,16 @@ class Pipeline:
             backward (same numbers, less in-flight activation memory).
         dtype: "auto" (bf16 autocast on CUDA, float32 on CPU), "fp32", or "bf16" (autocast; weights,
             gradients and optimizer state stay float32).
+        on_nonfinite: "stop" (a NaN/Inf loss or gradient ends the run, naming stage and step) or
+            "skip" (that step's update is skipped on every stage); see nonfinite.py.
     """
 
     def __init__(self, model, *, loss_fn: Callable, optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  schedule: str = "2bw", microbatches: int = 4, stages: int | None = None,
-                 split_points: Sequence[int] | None = None, timeout_s: float = 300.0, recv_ahead: int = 2,
+                 split_points: Sequence[int] | None = None, timeout_s: float | None = None, recv_ahead: int = 2,
                  device: str | torch.device | None = None, transport: str = "auto", run_id: str | None = None,
                  track_memory: bool = False, dp: int = 1, shard_optimizer: bool = True,
-                 recompute: bool = False, dtype: str = "auto"):
+                 recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop"):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not dist.is_initialized():
@@ -112,6 +119,7 @@ class Pipeline:
             raise ValueError(f"2bw needs microbatches >= stages (got {microbatches} < {self.stages}); "
                              f"raise microbatches to at least {self.stages}")
         self.schedule, self.m = schedule, microbatches
+        timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, f"timeout_s={timeout_s!r}")
         self.device = torch.device("cpu" if device is None else device)
         self.autocast_dtype = resolve_autocast(dtype, self.device)
         transport = _choose_transport(transport, self.device)
@@ -134,6 +142,9 @@ class Pipeline:
                               microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
                               batch_source=self._next_batch, track_memory=track_memory,
                               recompute=recompute, autocast_dtype=self.autocast_dtype)
+        self.host.nonfinite = NonFiniteGuard(self.stage, self.stages, microbatches, on_nonfinite)
+        self.host.nonfinite.names = self.param_names
+        self.host.nonfinite.sizes = [p.numel() for p in self.host.opt_params]
         if dp > 1:
             self.host.grad_sync = GradientAverager(self.host.grad_flat,
                                                    [list(r.parameters()) for r in self.host.replicas],
@@ -149,6 +160,10 @@ class Pipeline:
             self.transport = create_nccl_transport(self.host, self.stage, self.stages, self.stage_ranks,
                                                    self.device, run_id=run_id, timeout_s=timeout_s)
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
+        self.watchdog = Watchdog(timeout_s, f"rank {self.rank} (stage {self.stage})",
+                                 pending=self._pending_transfers)
+        from .launch import tell_launcher
+        self.watchdog.on_report = tell_launcher
         # (op, step, microbatch, version, start_ns, end_ns) per executed instruction, newest last;
         # bounded so that long runs do not grow without limit.
         self.trace: list[tuple] = []
@@ -158,6 +173,11 @@ class Pipeline:
         self._batches: Iterator | None = None
         self._pulled: dict[int, tuple] = {}
         self._pull_step = 0
+
+    def _pending_transfers(self) -> list:
+        if isinstance(self.transport, GlooTransport):
+            return self.transport.pending(confirm_sends=True)
+        return list(getattr(self.transport, "pending", list)())
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -245,6 +265,10 @@ class Pipeline:
         """
         if steps < 1:
             raise ValueError(f"steps must be >= 1 (got {steps})")
+        with self.watchdog.armed(f"training steps {self.next_step}..{self.next_step + steps - 1}"):
+            yield from self._train(batches, steps)
+
+    def _train(self, batches: Iterable, steps: int) -> Iterator[StepStats]:
         self._batches = iter(batches)
         self._pull_step = self.next_step
         if self.host.in_sig is None:
@@ -256,12 +280,16 @@ class Pipeline:
         start = time.monotonic()
         tokens_per_step = self.m * self.tokens_per_microbatch * self.dp
 
-        def on_step(step: int, loss: float | None) -> None:
-            events.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage))
+        def on_step(step: int, loss: float | None, skipped: bool = False) -> None:
+            events.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage, skipped))
 
         self.host.on_step = on_step
         done = object()
 
+        host = WatchedHost(self.host, self.watchdog)
+        transport = WatchedTransport(self.transport, self.watchdog) if isinstance(
+            self.transport, GlooTransport) else self.transport
+        wait_timeout_s = 2 * self.timeout_s  # the watchdog reports a stall first
         # Programs are materialised per call; a very long call runs as a few long streams (one
         # drain per MAX_SCHEDULE_WORK / (S*m) steps) to bound the program's memory.
         chunk = max(1, C.MAX_SCHEDULE_WORK // (self.stages * self.m))
@@ -272,16 +300,18 @@ class Pipeline:
                     n = min(chunk, first_step + steps - start)
                     if isinstance(self.transport, GlooTransport):
                         trace = C.run_stage(self.schedule, self.stages, self.m, n, self.stage, start,
-                                            self.host, self.transport, self.recv_ahead, 8, self.timeout_s)
+                                            host, transport, self.recv_ahead, 8, wait_timeout_s)
                     else:
                         trace = self.transport.run_stage(self.schedule, self.stages, self.m, n, self.stage,
-                                                         start, self.host, recv_ahead=self.recv_ahead,
-                                                         max_inflight_sends=8, timeout_s=self.timeout_s)
+                                                         start, host, recv_ahead=self.recv_ahead,
+                                                         max_inflight_sends=8, timeout_s=wait_timeout_s)
                     self.trace.extend(trace)
                     if len(self.trace) > self.trace_limit:
                         del self.trace[:len(self.trace) - self.trace_limit]
                 events.put(done)
             except BaseException as e:  # handed to the caller's thread
+                if isinstance(e, TransportError):  # on record like a stalled rank's state
+                    self.watchdog.dump_state(f"lost a peer: {e}")
                 events.put(e)
 
         thread = threading.Thread(target=worker, name=f"asyncpp-stage{self.stage}", daemon=True)
@@ -305,23 +335,25 @@ class Pipeline:
         pipeline. Returns the loss on the last stages, None elsewhere."""
         h, model = self.host, self.host.newest_replica()
         losses = []
-        for i, (x, y) in enumerate(batches):
-            if self.dp > 1:
-                x, y = replica_share(x, self.replica, self.dp), replica_share(y, self.replica, self.dp)
-            if h.is_first:
-                a = x.to(self.device)
-            else:  # evaluation messages travel over the (CPU) default process group
-                a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
-                self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
-                a = a.to(self.device)
-            with h.autocast():
-                out = model(a)
-                loss = h.loss_fn(out, y.to(self.device)) if h.is_last else None
-            if h.is_last:
-                losses.append(float(loss))
-            else:
-                h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
-                self._p2p(dist.send, out.contiguous().cpu(), self.stage + 1, "evaluation", _EVAL_TAG)
+        with self.watchdog.armed("evaluation"):
+            for i, (x, y) in enumerate(batches):
+                if self.dp > 1:
+                    x, y = replica_share(x, self.replica, self.dp), replica_share(y, self.replica, self.dp)
+                if h.is_first:
+                    a = x.to(self.device)
+                else:  # evaluation messages travel over the (CPU) default process group
+                    a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
+                    self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
+                    a = a.to(self.device)
+                with h.autocast():
+                    out = model(a)
+                    loss = h.loss_fn(out, y.to(self.device)) if h.is_last else None
+                if h.is_last:
+                    losses.append(float(loss))
+                else:
+                    h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
+                    self._p2p(dist.send, out.contiguous().cpu(), self.stage + 1, "evaluation", _EVAL_TAG)
+                self.watchdog.beat(f"evaluation batch {i}")
         if not (h.is_last and losses):
             return None
         mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)

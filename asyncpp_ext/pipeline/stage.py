@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
+from .nonfinite import NonFiniteGuard
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -102,6 +103,9 @@ class StageHost:
 
         # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
         self.activation_meter = ActivationMeter(exclude=self.flat) if track_memory else None
+        # NaN/Inf checks (policy "stop" unless the Pipeline sets another; see nonfinite.py).
+        self.nonfinite = NonFiniteGuard(stage, stages, microbatches)
+        self.nonfinite.sizes = [p.numel() for p in self.opt_params]
         self.in_sig: Signature | None = None   # set by the start-up handshake
         self.out_sig: Signature | None = None
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
@@ -243,6 +247,7 @@ class StageHost:
             self._saved[(step, mb)] = (x, out)
         if self.is_last:
             self._losses.setdefault(step, []).append(loss.detach())
+            self.nonfinite.check_loss(step, mb, loss.detach())
         else:
             self._check(out, self.out_sig, "output activation", step, mb)
             self._send[(ACTIVATION, step, mb)] = out.detach()
@@ -262,7 +267,10 @@ class StageHost:
         if self.is_last:
             out.backward()
         else:
-            torch.autograd.backward(out, self._recv.pop((GRADIENT, step, mb)))
+            grad = self._recv.pop((GRADIENT, step, mb))
+            self.nonfinite.check_received_gradient(step, mb, grad)
+            torch.autograd.backward(out, grad)
+        self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)
         if last and self.grad_sync is not None:
             self.grad_sync.launch_rest()
         if not self.is_first:
@@ -272,15 +280,18 @@ class StageHost:
 
     def optimizer_step(self, step: int, new_version: int) -> None:
         global_loss = self.grad_sync.finish() if self.grad_sync is not None else None
+        if self.grad_sync is not None:  # a replica's bad step reaches every replica through the average
+            self.nonfinite.after_average(step, self.grad_flat)
+        skip = self.nonfinite.skip_step(step)  # then W(t+1) = W(t): no update on any stage
         if self.two_versions:
             src, dst = step % 2, (step + 1) % 2
             self.flat[dst].copy_(self.flat[src])
             _point_at(self.opt_params, self.flat[dst])
-            if self.optimizer is not None:
+            if self.optimizer is not None and not skip:
                 self.optimizer.step()
             self.version_in[dst] = new_version
         else:
-            if self.optimizer is not None:
+            if self.optimizer is not None and not skip:
                 self.optimizer.step()
             self.version_in[0] = new_version
         self.grad_flat.zero_()
@@ -289,7 +300,7 @@ class StageHost:
             losses = self._losses.pop(step)
             loss = float(sum(l.item() for l in losses) / len(losses)) if global_loss is None else global_loss
         if self.on_step is not None:
-            self.on_step(step, loss)
+            self.on_step(step, loss, skip)
 
     # ---- transport buffers -----------------------------------------------------------------
     def recv_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:

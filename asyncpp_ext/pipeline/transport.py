@@ -38,7 +38,7 @@ class GlooTransport:
     def _describe(self, is_send: bool, kind: int, step: int, mb: int, peer: int, tensor) -> str:
         direction = "send to" if is_send else "recv from"
         return (f"stage {self.host.stage}: {KIND_NAMES[kind]} {direction} stage {peer} "
-                f"(rank {self.stage_ranks[peer]}), step {step}, microbatch {mb}, "
+                f"(rank {self.stage_ranks[peer]}, tag {kind}), step {step}, microbatch {mb}, "
                 f"shape {tuple(tensor.shape)}")
 
     def post_send(self, kind: int, step: int, mb: int, peer: int) -> int:
@@ -83,8 +83,27 @@ class GlooTransport:
             raise TransportError(f"{desc} failed -- the peer has probably exited: {reason}") from None
         del self._pending[request]
 
-    def pending(self) -> list:
-        return [desc for _, _, desc in self._pending.values()]
+    def pending(self, confirm_sends: bool = False) -> list:
+        """Descriptions of the sends/receives posted and not known to be complete.
+
+        gloo marks a send complete only once it is waited on, so with ``confirm_sends`` each send
+        is waited on for 1 ms and left out if that succeeds. That may consume the completion the
+        executor's own wait expects, so only the stall report (just before the rank exits) uses it."""
+        out = []
+        for work, _, desc in list(self._pending.values()):
+            if work.is_completed():
+                continue
+            if confirm_sends and " send to " in desc:
+                try:
+                    work.wait(timeout=datetime.timedelta(milliseconds=1))
+                    continue
+                except RuntimeError:
+                    pass
+            out.append(desc)
+        return out
+
+    def describe_request(self, request: int) -> str:
+        return self._pending[request][2]
 
 
 __all__ = ["GlooTransport", "TransportError", "ACTIVATION"]

@@ -1,0 +1,119 @@
+"""NaN/Inf handling of one pipeline stage: stop the run, or skip the step on every stage alike.
+
+Policy "stop": the first non-finite loss (last stage) or parameter gradient (any stage) ends the
+run with a message naming the stage and the step; no weight or optimizer state is touched.
+
+Policy "skip": the step's update is skipped on EVERY stage, with no message beyond the pipeline's
+own stream. How the stages agree: non-finite values reach every earlier stage through the
+gradients it receives, and a stage that marks a step bad makes sure of that by *poisoning* (filling
+with NaN) the input gradient it sends for the step's last microbatch. A stage marks step t bad when
+its loss (last stage), a gradient it received, or its own accumulated parameter gradient (checked
+after the step's last backward, on the last stage) is non-finite. Every stage then skips t at its
+optimizer step: the optimizer does not run, and for 2bw the new version W(t+1) is a copy of W(t).
+
+The one case that cannot be skipped consistently: a non-finite parameter gradient that *arises* on
+stage s < S-1 while every gradient it received was finite. The later stages finished step t (and
+applied it) before stage s could know, and telling them in time would need a synchronisation per
+step that the 2bw stream is built to avoid. The run then stops with a message saying so, in both
+policies. (The single-process simulator, which has no stages, skips such a step.)
+
+Step numbers in messages count minibatches from 1, like the metrics rows (``step`` = t + 1).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+POLICIES = ("stop", "skip")
+_ADVICE = "use --on-nonfinite skip to skip such steps"
+
+
+class NonFiniteError(RuntimeError):
+    """The run must stop: a NaN/Inf loss or gradient (the message names stage, step and tensor)."""
+
+
+def first_nonfinite_name(flat: torch.Tensor, names: Sequence[str], sizes: Sequence[int]) -> str | None:
+    """Name of the first parameter whose slice of the flat gradient holds NaN/Inf, else None."""
+    bad = ~torch.isfinite(flat)
+    if not bool(bad.any()):
+        return None
+    index, offset = int(bad.nonzero()[0]), 0
+    for name, n in zip(names, sizes):
+        if index < offset + n:
+            return name
+        offset += n
+    return names[-1] if names else "?"
+
+
+class NonFiniteGuard:
+    """One stage's checks; the stage host calls it at the points marked in stage.py."""
+
+    def __init__(self, stage: int, stages: int, microbatches: int, policy: str = "stop"):
+        if policy not in POLICIES:
+            raise ValueError(f"on_nonfinite={policy!r} is not one of {', '.join(POLICIES)}")
+        self.stage, self.stages, self.m, self.policy = stage, stages, microbatches, policy
+        self.is_last = stage == stages - 1
+        self.names: list[str] = []   # parameter names in flat-buffer order (set by the Pipeline)
+        self.sizes: list[int] = []
+        self._bad: dict[int, str] = {}  # step -> why it is skipped
+        self.skipped: list[int] = []    # steps this stage skipped (0-based)
+
+    def _stop(self, what: str, step: int) -> None:
+        raise NonFiniteError(f"stage {self.stage}: {what} at step {step + 1}; stopping ({_ADVICE})")
+
+    def check_loss(self, step: int, mb: int, loss: torch.Tensor) -> None:
+        if bool(torch.isfinite(loss).all()):
+            return
+        what = f"non-finite loss ({float(loss):g}) in microbatch {mb}"
+        if self.policy == "stop":
+            self._stop(what, step)
+        self._bad.setdefault(step, what)
+
+    def check_received_gradient(self, step: int, mb: int, grad: torch.Tensor) -> None:
+        if step in self._bad or bool(torch.isfinite(grad).all()):
+            return
+        what = f"non-finite gradient received from stage {self.stage + 1} in microbatch {mb}"
+        if self.policy == "stop":
+            self._stop(what, step)
+        self._bad[step] = what
+
+    def after_backward(self, step: int, mb: int, grad_flat: torch.Tensor, input_grad) -> None:
+        """After microbatch ``mb``'s backward: at the step's last microbatch, find a gradient that
+        arose here, and poison the gradient sent upstream when the step is bad."""
+        if mb != self.m - 1:
+            return
+        if step not in self._bad:
+            name = first_nonfinite_name(grad_flat, self.names, self.sizes)
+            if name is not None:
+                what = f"non-finite gradient in {name}"
+                if self.policy == "stop":
+                    self._stop(what, step)
+                if not self.is_last:  # the later stages already applied this step
+                    later = (f"stage {self.stage + 1}" if self.stage + 2 == self.stages
+                             else f"stages {self.stage + 1}..{self.stages - 1}")
+                    raise NonFiniteError(
+                        f"stage {self.stage}: {what} at step {step + 1} arose on this stage while "
+                        f"{later} saw finite values and already applied that step, so it cannot be "
+                        "skipped on every stage; stopping")
+                self._bad[step] = what
+        if step in self._bad and input_grad is not None:
+            input_grad.fill_(float("nan"))  # every earlier stage sees the step is bad
+
+    def after_average(self, step: int, grad_flat: torch.Tensor) -> None:
+        """With data parallelism: a bad step on any replica makes the averaged gradient
+        non-finite on every replica's same stage, so all of them stop or skip together."""
+        if step in self._bad or bool(torch.isfinite(grad_flat).all()):
+            return
+        what = "non-finite gradient averaged over the data-parallel replicas"
+        if self.policy == "stop":
+            self._stop(what, step)
+        self._bad[step] = what
+
+    def skip_step(self, step: int) -> bool:
+        """At the optimizer step: True when the update must be skipped."""
+        if step in self._bad:
+            del self._bad[step]
+            self.skipped.append(step)
+            return True
+        return False

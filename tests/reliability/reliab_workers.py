@@ -1,0 +1,142 @@
+"""Rank functions for the reliability tests (importable by spawned ranks)."""
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+from asyncpp_ext.pipeline import Pipeline, init_distributed
+
+from pipeline_workers import batches, make_blocks, optimizer_factory
+
+
+class SleepAt(nn.Module):
+    """Identity that sleeps forever on its n-th call (a stage stuck inside forward), first
+    writing the wall-clock time the stall began to ``marker``."""
+
+    def __init__(self, n: int, marker: str):
+        super().__init__()
+        self.n, self.calls, self.marker = n, 0, marker
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.n:
+            with open(self.marker, "w") as f:
+                f.write(repr(time.time()))
+            while True:
+                time.sleep(3600)
+        return x
+
+
+def stalling_worker(stall_stage: int, m: int, timeout_s: float, marker: str) -> None:
+    rank, _ = init_distributed(60)
+    write_rendezvous(os.path.dirname(marker), rank)
+    blocks = make_blocks()
+    blocks[stall_stage] = nn.Sequential(blocks[stall_stage], SleepAt(2 * m + 1, marker))  # in step 2
+    pipe = Pipeline(blocks, loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory("sgd"),
+                    schedule="2bw", microbatches=m, timeout_s=timeout_s)
+    for _ in pipe.train(batches(50, m), 50):
+        pass
+
+
+def listening_addresses() -> list:
+    """(address, port) of every TCP socket this process listens on, from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/self/net/{table}").read().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes and fields[3] == "0A":  # 0A = LISTEN
+                hex_addr, hex_port = fields[1].split(":")
+                found.append((_decode(hex_addr), int(hex_port, 16)))
+    return found
+
+
+def _decode(hex_addr: str) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return ".".join(str(b) for b in reversed(raw))
+    words = [raw[i:i + 4][::-1] for i in range(0, 16, 4)]  # /proc prints each 32-bit word little-endian
+    import ipaddress
+    return str(ipaddress.IPv6Address(b"".join(words)))
+
+
+def write_rendezvous(out_dir: str, rank: int) -> None:
+    import json
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"MASTER_ADDR": os.environ.get("MASTER_ADDR"), "listening": listening_addresses()}, f)
+
+
+# ---- non-finite values ---------------------------------------------------------------------------
+class _ScaleWithPoisonedGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, poison):
+        ctx.save_for_backward(x, w)
+        ctx.poison = poison
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad_w = (grad * x).sum().reshape(1)
+        if ctx.poison:
+            grad_w = torch.full_like(grad_w, float("nan"))
+        return grad * w, grad_w, None  # the input gradient stays finite
+
+
+class PoisonGradAt(nn.Module):
+    """y = x * w, whose weight gradient is NaN for the microbatches of step ``step`` (counted by
+    forward calls, m per step) while the gradient it passes on stays finite."""
+
+    _calls: dict = {}  # shared by the 2bw weight replicas (deep copies keep the same key)
+
+    def __init__(self, step: int, m: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.step, self.m, self.key = step, m, object().__repr__()
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():  # the start-up shape probe is not a microbatch
+            return x * self.w
+        calls = self._calls[self.key] = self._calls.get(self.key, 0) + 1
+        poison = self.step * self.m < calls <= (self.step + 1) * self.m
+        return _ScaleWithPoisonedGrad.apply(x, self.w, poison)
+
+
+def nan_blocks(m: int, nan_grad_block: int | None, nan_grad_step: int) -> list:
+    blocks = make_blocks()
+    if nan_grad_block is not None:
+        blocks[nan_grad_block] = nn.Sequential(blocks[nan_grad_block], PoisonGradAt(nan_grad_step, m))
+    return blocks
+
+
+def nan_batches(steps: int, m: int, nan_input_step: int | None):
+    """pipeline_workers.batches with one NaN input microbatch in step ``nan_input_step``."""
+    for t, (x, y) in enumerate(batches(steps, m)):
+        if t == nan_input_step:
+            x = x.clone()
+            x[2:4] = float("nan")  # microbatch 1 (micro-batch size 2)
+        yield x, y
+
+
+def nonfinite_worker(policy: str, m: int, steps: int, nan_input_step, nan_grad_block, nan_grad_step,
+                     out_dir: str) -> None:
+    import json
+    init_distributed(60)
+    pipe = Pipeline(nan_blocks(m, nan_grad_block, nan_grad_step), loss_fn=nn.functional.mse_loss,
+                    optimizer=optimizer_factory("adamw"), schedule="2bw", microbatches=m,
+                    on_nonfinite=policy, timeout_s=60)
+    stats = list(pipe.train(nan_batches(steps, m, nan_input_step), steps))
+    params = {n: t for n, t in pipe.state_dict()["params"].items()}
+    torch.save({"params": params, "skipped": pipe.host.nonfinite.skipped},
+               os.path.join(out_dir, f"stage{pipe.stage}.pt"))
+    if pipe.host.is_last:
+        with open(os.path.join(out_dir, "stats.json"), "w") as f:
+            json.dump([[s.loss, s.skipped] for s in stats], f)

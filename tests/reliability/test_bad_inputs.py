@@ -1,0 +1,168 @@
+"""One table of bad inputs across CLI, config, environment, data, model partitioning and (single-
+and multi-stage) checkpoints: each ends with exit code 2, exactly one line
+``asyncpp-train: error: ...``, no traceback, and nothing half-written (no new run directory, no
+temporary files, a refused resume leaves its run untouched)."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from asyncpp_ext.train import main
+
+FAST = ["--simulate", "--no-progress", "--n-layer", "1", "--micro-batch-size", "4", "--microbatches", "2"]
+PIPE = ["--no-progress", "--n-layer", "2", "--micro-batch-size", "2", "--seq-len", "16", "--stages", "2",
+        "--microbatches", "2", "--eval-every", "0"]
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: OpenMP spinning only slows a loaded 2-core machine
+    yield
+    torch.set_num_threads(before)
+
+
+def _finish(run, argv):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures set up before the autouse fixture
+    try:
+        assert main(argv + ["--steps", "3", "--out", str(run)]) == 0
+    finally:
+        torch.set_num_threads(before)
+    return run
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory):
+    """A finished single-process run and a finished 2-stage pipeline run (checkpoint at step 3)."""
+    base = tmp_path_factory.mktemp("base")
+    return {"single": _finish(base / "single", FAST), "pipeline": _finish(base / "pipeline", PIPE)}
+
+
+def _damage(run, kind):
+    ckpt = run / "ckpt-000003"
+    shard = ckpt / ("stage-01.pt" if "pipe" in kind else "stage-00.pt")
+    if kind.startswith("corrupt"):
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 0x55
+        shard.write_bytes(bytes(data))
+    elif kind.startswith("truncate"):
+        shard.write_bytes(shard.read_bytes()[:50])
+    elif kind == "nockpt":
+        shutil.rmtree(ckpt)
+    elif kind == "meta-garbage":
+        (ckpt / "meta.json").write_text("{not json")
+    elif kind == "meta-config":
+        meta = json.loads((ckpt / "meta.json").read_text())
+        meta["config"]["train"]["bogus"] = 1
+        (ckpt / "meta.json").write_text(json.dumps(meta))
+    elif kind == "pipe-missing-shard":
+        shard.unlink()
+
+
+RESUME_KINDS = {  # kind -> (which finished run, extra argv)
+    "corrupt": ("single", []), "truncate": ("single", []), "nockpt": ("single", []),
+    "mismatch": ("single", ["--n-layer", "2"]), "backwards": ("single", ["--steps", "2"]),
+    "meta-garbage": ("single", []), "meta-config": ("single", []),
+    "corrupt-pipe": ("pipeline", []), "truncate-pipe": ("pipeline", []),
+    "pipe-missing-shard": ("pipeline", []), "mismatch-pipe": ("pipeline", ["--n-embd", "64"]),
+    "timeout-resume": ("pipeline", ["--timeout", "-1"]),
+}
+
+
+def _setup(tmp_path, finished_runs, kind, monkeypatch):
+    """Returns (argv, run directory that must stay unchanged or None)."""
+    out = str(tmp_path / "out")
+    if kind in RESUME_KINDS:
+        which, extra = RESUME_KINDS[kind]
+        run = tmp_path / "resumed"
+        shutil.copytree(finished_runs[which], run)
+        _damage(run, kind)
+        steps = [] if "--steps" in extra else ["--steps", "6"]
+        return ["--resume", str(run)] + steps + extra, run
+    files = {"missing": None, "empty": b"", "short": b"hello world\n" * 10, "latin1": b"caf\xe9\n" * 500,
+             "oddbin": b"\x01\x02\x03"}
+    if kind in files:
+        path = tmp_path / ("data.bin" if kind == "oddbin" else "data.txt")
+        if files[kind] is not None:
+            path.write_bytes(files[kind])
+        return FAST + ["--data", str(path), "--out", out], None
+    if kind == "unwritable":
+        (tmp_path / "afile").write_text("x")
+        return FAST + ["--out", str(tmp_path / "afile" / "run")], None
+    if kind.startswith("env "):
+        monkeypatch.setenv("ASYNCPP_TIMEOUT", kind[4:])
+        return FAST + ["--out", out], None
+    if kind.startswith("pipe "):  # a real (multi-process) run's flags
+        return PIPE + kind[5:].split() + ["--out", out], None
+    return FAST + kind.split() + ["--out", out], None
+
+
+BAD_INPUTS = [
+    # data
+    ("missing", "does not exist"),
+    ("empty", "is empty"),
+    ("short", "has 120 tokens but one batch needs at least"),
+    ("latin1", "is not UTF-8"),
+    ("oddbin", "odd byte length"),
+    # run directory
+    ("unwritable", "cannot write to --out"),
+    # single-process checkpoints
+    ("corrupt", "stage-00.pt is corrupted"),
+    ("truncate", "stage-00.pt is truncated"),
+    ("mismatch", "model.n_layer=1 but this run has 2"),
+    ("nockpt", "no checkpoint"),
+    ("backwards", "--steps 2 is before the checkpoint's step 3"),
+    ("meta-garbage", "meta.json is unreadable or corrupted"),
+    ("meta-config", "holds an unusable config (unknown field(s) train.bogus"),
+    # 2-stage pipeline checkpoints (resumed as a multi-process run)
+    ("corrupt-pipe", "stage-01.pt is corrupted"),
+    ("truncate-pipe", "stage-01.pt is truncated"),
+    ("pipe-missing-shard", "stage-01.pt is missing"),
+    ("mismatch-pipe", "model.n_embd=32 but this run has 64"),
+    ("timeout-resume", "--timeout: train.timeout_s must be a positive number, got -1.0"),
+    # model partitioning and schedule (multi-process runs)
+    ("--stages 4", "pipeline.stages=4 exceeds the model's 3 blocks"),
+    ("pipe --stages 5", "pipeline.stages=5 exceeds the model's 4 blocks"),
+    ("pipe --stages 3 --schedule 2bw", "2bw needs microbatches >= stages"),
+    ("--n-head 3", "model.n_head=3 must divide model.n_embd=32"),
+    # config values
+    ("--steps 0", "train.steps must be a positive integer"),
+    ("--steps -5", "train.steps must be a positive integer"),
+    ("--lr 0", "optim.lr must be a positive number"),
+    ("--lr=-1e-3", "--lr: optim.lr must be a positive number"),
+    ("--microbatches 0", "pipeline.microbatches must be a positive integer"),
+    ("--weight-decay -1", "optim.weight_decay must be a non-negative number"),
+    ("--timeout 0", "--timeout: train.timeout_s must be a positive number, got 0.0"),
+    ("--timeout inf", "--timeout: train.timeout_s must be a finite number of seconds"),
+    ("env abc", "ASYNCPP_TIMEOUT='abc' is not a positive number of seconds"),
+    ("env -3", "ASYNCPP_TIMEOUT='-3' is not a positive number of seconds"),
+    # command line
+    ("--steps ten", "invalid int value: 'ten'"),
+    ("--schedule async", "invalid choice: 'async'"),
+    ("--on-nonfinite ignore", "invalid choice: 'ignore'"),
+    ("--timeout soon", "invalid float value: 'soon'"),
+    ("--bogus-flag", "unrecognized arguments: --bogus-flag"),
+]
+
+
+def _snapshot(run):
+    return {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kind, message", BAD_INPUTS, ids=[k for k, _ in BAD_INPUTS])
+def test_bad_input_is_one_clean_error_line(tmp_path, finished_runs, capsys, monkeypatch, kind, message):
+    argv, kept_run = _setup(tmp_path, finished_runs, kind, monkeypatch)
+    before = _snapshot(kept_run) if kept_run else None
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("asyncpp-train: error: ") and message in lines[0], lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert not (tmp_path / "out").exists()
+    if kept_run:
+        assert _snapshot(kept_run) == before  # a refused resume changes nothing
+    leftovers = [p for p in tmp_path.rglob("*") if ".tmp" in p.name or p.name.startswith(".old-")]
+    assert not leftovers, leftovers  # nothing half-written anywhere

@@ -1,0 +1,119 @@
+"""NaN/Inf: stop naming stage and step, or skip the step on every stage exactly like the simulator;
+never write NaN into weights or checkpoints."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from asyncpp_ext.checkpoint import NonFiniteCheckpointError, list_checkpoints, save_checkpoint
+from asyncpp_ext.pipeline import LaunchError, spawn
+from asyncpp_ext.pipeline.nonfinite import NonFiniteError
+from asyncpp_ext.simulate import DelaySimulator
+
+import pipeline_workers as pw
+from . import reliab_workers as rw
+
+M, STEPS = 3, 6
+
+
+def _simulate(policy, nan_input_step, nan_grad_block, nan_grad_step):
+    model = nn.Sequential(*rw.nan_blocks(M, nan_grad_block, nan_grad_step))
+    sim = DelaySimulator(model, pw.optimizer_factory("adamw")(model), "2bw", on_nonfinite=policy,
+                         loss_fn=lambda mod, x, y: nn.functional.mse_loss(mod(x), y))
+    losses, skipped = [], []
+    for x, y in rw.nan_batches(STEPS, M, nan_input_step):
+        losses.append(sim.step(list(zip(x.chunk(M), y.chunk(M)))))
+        skipped.append(sim.last_skipped)
+    return losses, skipped, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.multiproc
+def test_skip_is_applied_on_every_stage_and_matches_the_simulator(tmp_path):
+    # step 1: a NaN input microbatch (NaN loss); step 3: a NaN weight gradient on the last stage only
+    args = ("skip", M, STEPS, 1, 3, 3)
+    spawn(rw.nonfinite_worker, 3, args + (str(tmp_path),))
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    shards = [torch.load(tmp_path / f"stage{s}.pt") for s in range(3)]
+    assert [s["skipped"] for s in shards] == [[1, 3]] * 3  # every stage skipped the same steps
+    assert [sk for _, sk in stats] == [False, True, False, True, False, False]
+    ref_losses, ref_skipped, ref_params = _simulate(*args[:1], *args[3:])
+    assert ref_skipped == [sk for _, sk in stats]
+    for (loss, _), ref in zip(stats, ref_losses):
+        assert (math.isnan(loss) and math.isnan(ref)) or loss == pytest.approx(ref, rel=1e-6)
+    got = [t for s in shards for t in s["params"].values()]
+    assert len(got) == len(ref_params)
+    for g, r in zip(got, ref_params):
+        assert torch.isfinite(g).all() and torch.allclose(g, r, rtol=1e-6, atol=1e-7)
+    # the skips are real: without them the weights would be NaN, and with a finite run they differ
+    _, _, clean = _simulate("skip", None, None, 0)
+    assert any(not torch.allclose(g, c) for g, c in zip(got, clean))
+
+
+@pytest.mark.multiproc
+def test_stop_names_the_stage_and_step_and_every_rank_exits(tmp_path, capfd):
+    with pytest.raises(LaunchError, match=r"rank 1 exited with code 1 \(stage 1: non-finite loss "
+                                          r"\(nan\) in microbatch 1 at step 3; stopping \(use "
+                                          r"--on-nonfinite skip"):
+        spawn(rw.nonfinite_worker, 2, ("stop", M, STEPS, 2, None, 0, str(tmp_path)), grace_s=20)
+    err = capfd.readouterr().err
+    for rank in range(2):
+        assert sum(l.startswith(f"asyncpp: rank {rank}: ") for l in err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("stage*.pt"))
+
+
+@pytest.mark.multiproc
+def test_a_gradient_that_turns_nan_on_an_early_stage_only_stops_even_when_skipping(tmp_path, capfd):
+    with pytest.raises(LaunchError, match=r"rank 0 exited with code 1 \(stage 0: non-finite gradient "
+                                          r"in 0\.1\.w at step 2 arose on this stage while stage 1 .* cannot be "
+                                          r"skipped on every stage; stopping\)"):
+        spawn(rw.nonfinite_worker, 2, ("skip", M, STEPS, None, 0, 1, str(tmp_path)), grace_s=20)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_simulator_stop_and_skip_rules():
+    with pytest.raises(NonFiniteError, match=r"non-finite loss \(nan\) in microbatch 1 at step 2; "
+                                             r"stopping \(use --on-nonfinite skip"):
+        _simulate("stop", 1, None, 0)
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient in 3\.1\.w at step 3; stopping"):
+        _simulate("stop", None, 3, 2)
+    losses, skipped, params = _simulate("skip", 1, None, 0)
+    assert skipped == [False, True, False, False, False, False] and math.isnan(losses[1])
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+class _ListStream:
+    def __init__(self, minibatches):
+        self.minibatches, self.i = minibatches, 0
+
+    def next(self):
+        self.i += 1
+        return self.minibatches[self.i - 1]
+
+    def state_dict(self):
+        return {"i": self.i}
+
+
+def test_trainer_records_the_skip_and_checkpoints_refuse_nan_weights(tmp_path):
+    from asyncpp_ext.config import RunConfig
+    from asyncpp_ext.trainer import Trainer, read_metrics
+
+    model = nn.Sequential(*pw.make_blocks())
+    sim = DelaySimulator(model, pw.optimizer_factory("sgd")(model), "2bw", on_nonfinite="skip",
+                         loss_fn=lambda mod, x, y: nn.functional.mse_loss(mod(x), y))
+    minibatches = [list(zip(x.chunk(2), y.chunk(2))) for x, y in rw.nan_batches(3, 2, 1)]
+    cfg = RunConfig()
+    cfg.train.steps, cfg.train.eval_every, cfg.train.ckpt_every = 3, 0, 0
+    Trainer(cfg, sim, _ListStream(minibatches), [], tmp_path).run()
+    rows = read_metrics(tmp_path)
+    assert [r.get("skipped", False) for r in rows] == [False, True, False]
+    assert rows[1]["loss"] is None and all(r["loss"] is not None for r in (rows[0], rows[2]))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [3]
+    state = sim.state_dict()
+    state["stash"]["0.weight"][0, 0] = float("inf")
+    with pytest.raises(NonFiniteCheckpointError, match=r"older weight version \(stash\) of '0.weight' "
+                                                        r"of stage 0 holds NaN/Inf"):
+        save_checkpoint(tmp_path, 4, [state], {"config": {}, "data": {}})
+    assert sorted(p.name for p in tmp_path.iterdir() if "ckpt" in p.name) == ["ckpt-000003"]

@@ -1,0 +1,114 @@
+"""No hangs: a stalled stage makes every rank report and exit; a killed rank ends the whole run
+fast, naming it, with no process left and the previous checkpoint loadable; local rendezvous
+listens on 127.0.0.1 only."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncpp_ext.checkpoint import latest_checkpoint, load_checkpoint
+from asyncpp_ext.pipeline import LaunchError, spawn
+
+from . import reliab_workers as rw
+
+pytestmark = pytest.mark.multiproc
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_stage_stuck_in_forward_makes_every_rank_report_and_exit(tmp_path, capfd):
+    timeout_s = 3.0
+    marker = tmp_path / "stalled_at"
+    with pytest.raises(LaunchError, match=r"^rank 1 stalled \(exit code 4\) \(watchdog: no instruction "
+                                          r"completed for 3\.\d s; in progress: forward \(step 1, "
+                                          r"microbatch 2"):
+        spawn(rw.stalling_worker, 3, (1, 3, timeout_s, str(marker)), grace_s=20)
+    time_to_exit = time.time() - float(marker.read_text())
+    err = capfd.readouterr().err
+    with capfd.disabled():
+        print(f"stalled receive: every rank exited {time_to_exit:.2f} s after the stall began")
+    assert time_to_exit < timeout_s + 4, time_to_exit
+    # One state block per rank: from its own watchdog, or -- when a neighbour's watchdog ended that
+    # neighbour a moment earlier -- written as the rank notices the lost peer.
+    chunks = err.split("asyncpp: rank ")[1:]
+    blocks = [c for c in chunks if "\n  last completed: " in c]
+    assert sorted(b[0] for b in blocks) == ["0", "1", "2"], err
+    for block in blocks:
+        lines = block.splitlines()
+        assert ("watchdog: no instruction completed for" in lines[0]) or ("lost a peer: " in lines[0])
+        assert lines[1].startswith("  last completed: ") and lines[2].startswith("  in progress: ")
+    stuck = next(b for b in blocks if b.startswith("1 (stage 1)"))
+    assert "watchdog: no instruction completed for" in stuck
+    assert "in progress:    forward (step 1, microbatch 2, version 0)" in stuck
+    assert "exit code 4: this rank stalled" in stuck
+    for rank, peer in ((0, 1), (2, 1)):  # the neighbours wait on stage 1 and name what they wait for
+        block = next(b for b in blocks if b.startswith(f"{rank} (stage {rank})"))
+        assert f"recv from stage {peer} (rank {peer}, tag " in block and ", shape (2, 16)" in block
+    assert "Traceback" not in err
+    # the same run's rendezvous: spawned ranks use 127.0.0.1 and listen nowhere else
+    for rank in range(3):
+        info = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert info["MASTER_ADDR"] == "127.0.0.1"
+        assert info["listening"] and all(a == "127.0.0.1" for a, _ in info["listening"]), info
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigkill_of_one_rank_ends_the_cli_run_naming_it(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncpp_ext.train", "--stages", "3", "--n-layer", "2", "--microbatches", "3",
+           "--micro-batch-size", "2", "--seq-len", "16", "--steps", "100000", "--ckpt-every", "2",
+           "--eval-every", "0", "--no-progress", "--timeout", "20", "--out", str(run)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cli = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "ckpt-000002").exists():
+            assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
+            time.sleep(0.1)
+        ranks = sorted(p for p in _children(cli.pid)
+                       if "spawn_main" in open(f"/proc/{p}/cmdline").read().replace("\0", " "))
+        everything = _children(cli.pid)
+        assert len(ranks) == 3, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, err = cli.communicate(timeout=60)
+        time_to_exit = time.monotonic() - killed_at
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    print(f"peer death: the CLI exited {time_to_exit:.2f} s after SIGKILL of rank 1")
+    assert cli.returncode == 1 and time_to_exit < 30, (cli.returncode, time_to_exit, err)
+    lines = err.splitlines()
+    assert lines[-1] == ("asyncpp-train: error: the pipeline run failed: rank 1 was killed by signal 9; "
+                         "all ranks have stopped"), err
+    for rank in (0, 2):  # each survivor exited by itself, with a message that it lost a peer
+        mine = [l for l in lines if l.startswith(f"asyncpp: rank {rank}: ")]
+        assert len(mine) == 1 and "has probably exited" in mine[0], err
+    assert "Traceback" not in err
+    assert not [p for p in ranks if _alive(p)]  # the launcher reaped every rank before exiting
+    # multiprocessing's resource tracker (not a rank) ends on its own once the CLI has gone
+    deadline = time.monotonic() + 10
+    while [p for p in everything if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in everything if _alive(p)], everything  # no orphan of the run
+    meta, shards = load_checkpoint(latest_checkpoint(run))  # the previous checkpoint still loads
+    assert meta["step"] >= 2 and len(shards) == 3
