@@ -42,19 +42,21 @@ class GlooTransport:
                 f"shape {tuple(tensor.shape)}")
 
     def post_send(self, kind: int, step: int, mb: int, peer: int) -> int:
-        tensor = self.host.take_send_buffer(kind, step, mb)
-        desc = self._describe(True, kind, step, mb, peer, tensor)
-        try:
-            work = dist.isend(tensor, dst=self.stage_ranks[peer], group=self.group, tag=kind)
-        except RuntimeError as e:
-            raise TransportError(f"{desc}: {e}") from None
-        return self._add(work, tensor, desc)
+        return self._post(True, kind, step, mb, peer)
 
     def post_recv(self, kind: int, step: int, mb: int, peer: int) -> int:
-        tensor = self.host.recv_buffer(kind, step, mb)
-        desc = self._describe(False, kind, step, mb, peer, tensor)
+        return self._post(False, kind, step, mb, peer)
+
+    def _post(self, is_send: bool, kind: int, step: int, mb: int, peer: int) -> int:
+        if is_send:
+            tensor = self.host.take_send_buffer(kind, step, mb)
+            op, where = dist.isend, {"dst": self.stage_ranks[peer]}
+        else:
+            tensor = self.host.recv_buffer(kind, step, mb)
+            op, where = dist.irecv, {"src": self.stage_ranks[peer]}
+        desc = self._describe(is_send, kind, step, mb, peer, tensor)
         try:
-            work = dist.irecv(tensor, src=self.stage_ranks[peer], group=self.group, tag=kind)
+            work = op(tensor, group=self.group, tag=kind, **where)
         except RuntimeError as e:
             raise TransportError(f"{desc}: {e}") from None
         return self._add(work, tensor, desc)
