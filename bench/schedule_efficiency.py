@@ -4,12 +4,12 @@ Each stage's compute is a fixed-time wait (forward f, backward 2f), as a GPU ker
 to the host, so the table measures schedules and runtime overheads, not this CPU. All runs use
 gloo on 127.0.0.1 with the same stage costs, stages, microbatches and steps.
 
-    python bench/schedule_efficiency.py [--stages 4 --microbatches 8 --steps 20 --fwd-ms 20] [--json]
+    python bench/schedule_efficiency.py [--stages 4 --microbatches 8 --steps 50 --fwd-ms 20] [--json]
 
 Columns: steps/s; achieved / ideal, where ideal is a bubble-free pipeline (every stage busy all
 the time: one step = m*(f+2f)) with the nominal f; achieved / calibrated ideal, the same with the
-forward and backward times one emulated stage really takes in one process (its wait overshoots and
-its tiny layer and autograd cost ~0.6 ms each, which is the emulation's cost, not the runtime's);
+forward and backward times one emulated stage really takes in one process (the waits end at a
+deadline, so this stays within ~0.1 ms of f and 2f: the calibration shows what remains);
 achieved / own ideal, where a synchronous schedule's own ideal
 includes its unavoidable bubble ((m+S-1)*(f+2f) per step); ratio to torch's Schedule1F1B.
 """
@@ -32,21 +32,51 @@ from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
 WIDTH, MICRO_BATCH = 16, 2
 
 
-class _Wait(torch.autograd.Function):
+def wait_until(deadline: float) -> None:
+    """Sleep to just before ``deadline`` (perf_counter seconds), then spin the last stretch: a
+    plain sleep overshoots by ~0.1 ms and would make every emulated kernel longer than asked."""
+    remaining = deadline - time.perf_counter()
+    if remaining > 5e-4:
+        time.sleep(remaining - 5e-4)
+    while time.perf_counter() < deadline:
+        pass
+
+
+class _KernelEnd(torch.autograd.Function):
+    """At the stage output: the forward waits until its deadline; the backward (the first node of
+    the stage's backward) notes when the backward began."""
+
     @staticmethod
-    def forward(ctx, x, fwd_s, bwd_s):
-        ctx.bwd_s = bwd_s
-        time.sleep(fwd_s)
-        return x.clone()
+    def forward(ctx, y, deadline, clock):
+        ctx.clock = clock
+        out = y.clone()
+        wait_until(deadline)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.bwd_s)
+        ctx.clock["backward_start"] = time.perf_counter()
+        return grad, None, None
+
+
+class _KernelTail(torch.autograd.Function):
+    """On the weight path (always part of the backward, even when the stage input needs no
+    gradient), run last: waits until the backward has lasted bwd_s."""
+
+    @staticmethod
+    def forward(ctx, w, clock, bwd_s):
+        ctx.clock, ctx.bwd_s = clock, bwd_s
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        wait_until(ctx.clock["backward_start"] + ctx.bwd_s)
         return grad, None, None
 
 
 class EmulatedStage(nn.Module):
-    """A tiny linear layer plus a fixed wait: forward takes fwd_s, backward bwd_s."""
+    """A tiny linear layer inside a fixed-time "kernel": the stage forward takes fwd_s in total
+    (the layer's own time included) and its backward bwd_s, as a GPU kernel looks to the host."""
 
     def __init__(self, fwd_s: float, bwd_s: float):
         super().__init__()
@@ -54,7 +84,10 @@ class EmulatedStage(nn.Module):
         self.fwd_s, self.bwd_s = fwd_s, bwd_s
 
     def forward(self, x):
-        return _Wait.apply(self.linear(x), self.fwd_s, self.bwd_s)
+        deadline, clock = time.perf_counter() + self.fwd_s, {}
+        weight = _KernelTail.apply(self.linear.weight, clock, self.bwd_s)
+        y = nn.functional.linear(x, weight, self.linear.bias)
+        return _KernelEnd.apply(y, deadline, clock)
 
 
 def _batches(m: int):
@@ -170,7 +203,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=50,
+                   help="steps in the timed stream (its one fill+drain costs (S-1)/(steps*m+S-1))")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--fwd-ms", type=float, default=20.0, help="emulated forward time; backward is 2x")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
