@@ -1,4 +1,4 @@
-"""Smoke tests of the real-compute benchmarks (tiny model, 2 steps) so they keep running."""
+"""Smoke tests of the pipeline benchmarks (tiny settings) so they keep running."""
 import json
 import os
 import sys
@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import memory as memory_bench  # noqa: E402
 import real_compute  # noqa: E402
+import schedule_efficiency  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
@@ -70,3 +71,14 @@ def test_memory_bench_rejects_fewer_microbatches_than_stages(capsys):
     with pytest.raises(SystemExit):
         memory_bench.main(["--stages", "4", "--microbatches", "2"])
     assert "--microbatches must be >= --stages" in capsys.readouterr().err
+
+
+def test_schedule_efficiency_runs_ours_and_torchs_schedules(capsys):
+    """2 stages, 2 microbatches, 2 steps of 5 ms "kernels": every run completes and the 2bw stream
+    beats the flushed 1f1b one (its bubble is (S-1)/(m+S-1) = 1/3 of a step here)."""
+    assert schedule_efficiency.main(["--stages", "2", "--microbatches", "2", "--steps", "4",
+                                     "--warmup", "1", "--fwd-ms", "5", "--json"]) == 0
+    rows = {(r["impl"], r["schedule"]): r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert set(rows) == set(schedule_efficiency.RUNS)
+    assert rows["torch", "1f1b"]["ratio_to_torch_1f1b"] == 1.0
+    assert rows["ours", "2bw"]["steps_per_s"] > rows["ours", "1f1b"]["steps_per_s"]
