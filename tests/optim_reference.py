@@ -6,6 +6,18 @@ import torch
 A, B, C = 3.4445, -4.7750, 2.0315
 
 
+def run(opt_factory, weights, grads):
+    """Step ``opt_factory(params)`` over ``grads`` (one list per step) from copies of ``weights``;
+    returns the final weights and the optimizer."""
+    params = [w.clone().requires_grad_() for w in weights]
+    opt = opt_factory(params)
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params], opt
+
+
 def ns5_f64(v, eps=1e-7, steps=5):
     x = v.double()
     tall = x.shape[0] > x.shape[1]

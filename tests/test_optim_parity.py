@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from asyncpp_ext.optim import AdamW, ErrorFeedback, Muon
-from optim_reference import AdamWRef, MuonRef
+from optim_reference import AdamWRef, MuonRef, run
 
 SHAPES = [(24, 8), (8, 24), (16, 16), (24, 8)]  # tall, wide, square, and a repeat to exercise batching
 
@@ -16,16 +16,6 @@ def make_weights(seed, shapes=SHAPES):
 def grad_stream(seed, shapes, steps):
     gen = torch.Generator().manual_seed(seed + 1000)
     return [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
-
-
-def run(opt_factory, weights, grads):
-    params = [w.clone().requires_grad_() for w in weights]
-    opt = opt_factory(params)
-    for gs in grads:
-        for p, g in zip(params, gs):
-            p.grad = g.clone()
-        opt.step()
-    return [p.detach() for p in params], opt
 
 
 def rel_err(got, want, start):

@@ -9,6 +9,7 @@ import torch
 from asyncpp_ext.optim import Muon, MuonHybrid, orthogonalize
 from asyncpp_ext.optim import _kernels as K
 from asyncpp_ext.optim import newton_schulz
+from optim_reference import run
 
 # 20 chunks of 2^15 elements: above the kernels' parallel threshold (8 chunks).
 BIG = [(640, 512), (512, 640)]
@@ -137,16 +138,8 @@ def test_muon_bf16_both_paths_match_torch_muon(monkeypatch, has_bf16_dot):
     weights = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(5)]
     kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
-    finals = []
-    for make in (lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw), lambda ps: torch.optim.Muon(ps, **kw)):
-        ps = [w.clone().requires_grad_() for w in weights]
-        opt = make(ps)
-        for gs in grads:
-            for p, g in zip(ps, gs):
-                p.grad = g.clone()
-            opt.step()
-        finals.append([p.detach() for p in ps])
-    ours, ref = finals
+    ours, _ = run(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw), weights, grads)
+    ref, _ = run(lambda ps: torch.optim.Muon(ps, **kw), weights, grads)
     err = max(((o - r).abs().max() / (r - w).abs().max()).item() for o, r, w in zip(ours, ref, weights))
     assert err < 3e-2  # the same bound as test_optim_parity's bf16 test
 
