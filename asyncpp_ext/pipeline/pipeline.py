@@ -296,14 +296,14 @@ class Pipeline:
 
         def worker() -> None:
             try:
-                for start in range(first_step, first_step + steps, chunk):
-                    n = min(chunk, first_step + steps - start)
+                for stream_start in range(first_step, first_step + steps, chunk):
+                    n = min(chunk, first_step + steps - stream_start)
                     if isinstance(self.transport, GlooTransport):
-                        trace = C.run_stage(self.schedule, self.stages, self.m, n, self.stage, start,
+                        trace = C.run_stage(self.schedule, self.stages, self.m, n, self.stage, stream_start,
                                             host, transport, self.recv_ahead, 8, wait_timeout_s)
                     else:
                         trace = self.transport.run_stage(self.schedule, self.stages, self.m, n, self.stage,
-                                                         start, host, recv_ahead=self.recv_ahead,
+                                                         stream_start, host, recv_ahead=self.recv_ahead,
                                                          max_inflight_sends=8, timeout_s=wait_timeout_s)
                     self.trace.extend(trace)
                     if len(self.trace) > self.trace_limit:
