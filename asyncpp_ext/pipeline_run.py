@@ -20,12 +20,12 @@ import torch.distributed as dist
 from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
                          load_checkpoint, restore_rng_state, temp_checkpoint_path, write_shard)
 from .config import RunConfig
-from .data import BatchStream, eval_batches, load_tokens, split_tokens
+from .data import BatchStream
 from .models import GPT
 from .pipeline import Pipeline, init_distributed, spawn, under_launcher
 from .pipeline.transport import TransportError, peer_failure_reason
 from .simulate import merge_engine_states
-from .trainer import StepOutcome, Trainer
+from .trainer import StepOutcome, Trainer, run_data
 
 
 class PipelineEngine:
@@ -81,13 +81,9 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     threads = max(1, (os.cpu_count() or 1) // (cfg.pipeline.stages * cfg.pipeline.dp))
     torch.set_num_threads(threads)  # stages share the machine's cores
     p = cfg.pipeline
-    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
-    batch = p.global_micro_batch_size  # every replica draws the same stream and takes its rows
-    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch,
-                                             cfg.model.seq_len, source=cfg.data.source)
-    stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed)
-    # Every replica evaluates the whole set (same weights, same numbers) so none waits for another.
-    eval_set = eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
+    # Every replica draws the same stream and takes its rows; every replica evaluates the whole
+    # set (same weights, same numbers) so none waits for another.
+    stream, eval_set = run_data(cfg)
     model = GPT(cfg.model, seed=cfg.train.seed)
     pipe = Pipeline(model, loss_fn=GPT.loss, optimizer=factory_builder(cfg), schedule=p.schedule,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,

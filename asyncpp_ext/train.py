@@ -23,13 +23,14 @@ import torch
 from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
 from .config import DTYPES, NONFINITE_POLICIES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
-from .data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
+from .data import DataError
 from .models import GPT, PRESETS
 from .simulate import DelaySimulator, merge_engine_states
 from .optim import build_optimizer
 from .pipeline import LaunchError, under_launcher
 from .pipeline.nonfinite import NonFiniteError
-from .trainer import CONFIG_NAME, METRICS_NAME, Trainer, read_metrics, truncate_metrics, write_text_atomic
+from .trainer import (CONFIG_NAME, METRICS_NAME, Trainer, read_metrics, run_data, truncate_metrics,
+                      write_text_atomic)
 
 PROG = "asyncpp-train"
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -168,9 +169,7 @@ def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
     from .pipeline_run import launch
 
     # Every check that can fail on bad input happens before any process starts.
-    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
-    split_tokens(tokens, cfg.data.eval_fraction, cfg.pipeline.global_micro_batch_size, cfg.model.seq_len,
-                 source=cfg.data.source)
+    run_data(cfg)
     start_step = 0
     if resume_dir is not None:
         meta, _ = load_checkpoint(resume_dir)  # verifies every shard
@@ -227,14 +226,8 @@ def _prepare_run_dir(cfg: RunConfig, resuming: bool) -> Path:
 def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
     """Simulated (or single-stage) training: the DelaySimulator under the shared Trainer."""
     factory = make_optimizer_factory(cfg)
-    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
     p = cfg.pipeline
-    # --dp R simulates as one replica on the whole global microbatches (what R replicas compute).
-    batch = p.global_micro_batch_size
-    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch,
-                                             cfg.model.seq_len, source=cfg.data.source)
-    stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed)
-    eval_set = eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
+    stream, eval_set = run_data(cfg)  # --dp R simulates one replica on the global microbatches
     model = GPT(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     engine = DelaySimulator(model, factory(model), p.schedule, on_nonfinite=cfg.train.on_nonfinite,
                             loss_fn=autocast_loss(cfg.train.dtype, torch.device(cfg.train.device)))

@@ -16,7 +16,7 @@ import torch
 
 from .checkpoint import save_checkpoint
 from .config import RunConfig
-from .data import BatchStream
+from .data import BatchStream, eval_batches, load_tokens, split_tokens
 
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
@@ -42,6 +42,19 @@ class StepEngine(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+def run_data(cfg: RunConfig) -> tuple[BatchStream, list]:
+    """The run's training stream and evaluation set. Every process of a run builds the same ones:
+    with --dp R each microbatch holds the global R*B sequences (a replica takes its rows), and a
+    simulation trains on exactly those."""
+    p = cfg.pipeline
+    batch = p.global_micro_batch_size
+    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
+    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch, cfg.model.seq_len,
+                                             source=cfg.data.source)
+    stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed)
+    return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
