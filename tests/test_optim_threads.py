@@ -148,3 +148,40 @@ def test_bf16_matmul_mode_is_checked():
     v = torch.randn(1, 4, 8)
     with pytest.raises(ValueError, match="bf16_matmul must be one of"):
         orthogonalize(v, v.flatten(1).norm(dim=1), bf16_matmul="fast")
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_newton_schulz_workspace_reuse_is_bitwise(ns_dtype):
+    """Buffers reused across calls (and the input reused as a buffer) change no bit of the result,
+    and the input is left alone unless overwrite_input says otherwise."""
+    workspace = newton_schulz.Workspace()
+    gen = torch.Generator().manual_seed(7)
+    for s in SHAPES:
+        for _ in range(2):  # the second call runs in the first call's buffers
+            v = torch.randn((3,) + s, generator=gen).to(ns_dtype)
+            before = v.clone()
+            norms = v.float().flatten(1).norm(dim=1)
+            want = orthogonalize(v, norms, ns_dtype=ns_dtype)
+            got = orthogonalize(v, norms, ns_dtype=ns_dtype, workspace=workspace)
+            assert torch.equal(v, before)
+            assert torch.equal(got, want)
+            reused = orthogonalize(v.clone(), norms, ns_dtype=ns_dtype, workspace=workspace,
+                                   overwrite_input=True)
+            assert torch.equal(reused, want)
+
+
+def test_muon_groups_sharing_shapes_match_separate_optimizers():
+    """Two Muon param groups with the same shapes share the workspace buffers within one step."""
+    gen = torch.Generator().manual_seed(8)
+    shapes = [(24, 8), (8, 24), (16, 16)]
+    weights = [torch.randn(s, generator=gen) for s in shapes * 2]
+    grads = [[torch.randn(w.shape, generator=gen) for w in weights] for _ in range(4)]
+
+    def two_groups(ps):
+        return Muon([dict(params=ps[:3]), dict(params=ps[3:], lr=0.05)], lr=0.02, weight_decay=WD)
+
+    together, _ = run(two_groups, weights, grads)
+    first, _ = run(lambda ps: Muon(ps, lr=0.02, weight_decay=WD), weights[:3], [g[:3] for g in grads])
+    second, _ = run(lambda ps: Muon(ps, lr=0.05, weight_decay=WD), weights[3:], [g[3:] for g in grads])
+    for got, want in zip(together, first + second):
+        assert torch.equal(got, want)

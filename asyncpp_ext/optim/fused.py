@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import _kernels as K
 from .errors import NonFiniteGradientError
-from .newton_schulz import orthogonalize
+from .newton_schulz import Workspace, orthogonalize
 from .sharding import assign_owners, gather_updates
 
 MUON = "muon"
@@ -72,6 +72,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._validate_group(gi, group)
         self.shard_group = None
         self.orthogonalized_last_step = 0  # matrices this rank ran Newton-Schulz on in the last step
+        self.workspace = Workspace()  # Newton-Schulz buffers reused across steps (not saved)
         if shard_group is not None:
             self.shard_across(shard_group)
 
@@ -225,7 +226,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         outs = [None] * len(params)
         batch_tensors = {}
         for shape, idx in batches.items():
-            v = torch.empty((len(idx),) + shape, dtype=storage, device=device)
+            v = self.workspace.get("momentum", (len(idx),) + shape, storage, device)
             batch_tensors[shape] = v
             for k, i in enumerate(idx):
                 outs[i] = v[k]
@@ -245,7 +246,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             norms = sumsq[torch.tensor([idx[k] for k in chosen], device=device)].sqrt()
             o = orthogonalize(v, norms, steps=group["ns_steps"],
                               coefficients=tuple(group["ns_coefficients"]), eps=group["eps"],
-                              ns_dtype=ns_dtype)
+                              ns_dtype=ns_dtype, workspace=self.workspace, overwrite_input=True)
             for j, k in enumerate(chosen):
                 updates[idx[k]] = o[j]
         self.orthogonalized_last_step = sum(u is not None for u in updates)

@@ -2,6 +2,7 @@
 
 #include "bindings/bindings.h"
 #include "build_config.h"
+#include "kernels/cpu_isa.h"
 #include "kernels/device.h"
 #include "nccl/nccl_loader.h"
 
@@ -25,6 +26,7 @@ void bind_build_info(py::module_& m) {
     d["nvcc_version"] = ASYNCPP_CUDA_COMPILER_VERSION_STR;
     d["openmp"] = std::string(ASYNCPP_OPENMP_FOUND_STR) == "TRUE";
     d["cpu_threads"] = kernels::cpu_threads();
+    d["cpu_kernel_isa"] = kernels::cpu_kernel_isa();
     return d;
   }, "Facts fixed at build time: compiler, CUDA archs, OpenMP.");
   m.def("cuda_device_count", &kernels::cuda_device_count,

@@ -1,10 +1,13 @@
 // Multi-tensor CPU optimizer kernels. The tensor list is cut into fixed-size chunks of
 // (tensor, begin, end); the worker pool (cpu_pool.h, not an OpenMP region: see there why) spreads
-// the chunks over threads, so many small tensors and a few large ones balance equally. The inner loops are straight-line calls into optim_math.h with the
-// error-feedback mode hoisted into a template parameter, which lets the compiler vectorize them.
+// the chunks over threads, so many small tensors and a few large ones balance equally. The inner
+// loops are straight-line calls into optim_math.h with the error-feedback mode hoisted into a
+// template parameter, which lets the compiler vectorize them; each is built for several ISAs
+// (cpu_isa.h).
 #include <algorithm>
 #include <vector>
 
+#include "kernels/cpu_isa.h"
 #include "kernels/cpu_pool.h"
 #include "kernels/optim_kernels.h"
 
@@ -34,7 +37,7 @@ std::vector<WorkItem> split_work(size_t n_tensors, Numel numel_of) {
 }
 
 template <EfMode kMode>
-void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end) {
+ASYNCPP_ISA_CLONES void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end) {
   float* __restrict p = t.param;
   const float* __restrict g = t.grad;
   float* __restrict m = t.exp_avg;
@@ -56,7 +59,7 @@ void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end) {
 }
 
 template <Storage kOut>
-double momentum_range(const MomentumTensor& t, int64_t begin, int64_t end) {
+ASYNCPP_ISA_CLONES double momentum_range(const MomentumTensor& t, int64_t begin, int64_t end) {
   const float* __restrict g = t.grad;
   float* __restrict b = t.buf;
   const float mu = t.mu;
@@ -88,7 +91,7 @@ double momentum_range(const MomentumTensor& t, int64_t begin, int64_t end) {
 }
 
 template <EfMode kMode, Storage kIn>
-void apply_range(const ApplyTensor& t, int64_t begin, int64_t end) {
+ASYNCPP_ISA_CLONES void apply_range(const ApplyTensor& t, int64_t begin, int64_t end) {
   float* __restrict p = t.param;
   float* __restrict e = t.ef;
   const float scale = t.update_scale, neg_lr_wd = t.neg_lr_wd, beta = t.ef_beta;
@@ -117,7 +120,7 @@ void apply_dispatch(const ApplyTensor& t, int64_t begin, int64_t end) {
   }
 }
 
-bool range_is_finite(const float* x, int64_t begin, int64_t end) {
+ASYNCPP_ISA_CLONES bool range_is_finite(const float* x, int64_t begin, int64_t end) {
   uint32_t bad = 0;
 #pragma omp simd reduction(| : bad)
   for (int64_t i = begin; i < end; ++i) bad |= is_finite(x[i]) ? 0u : 1u;

@@ -44,11 +44,12 @@ ASYNCPP_HD float bits_float(uint32_t u) {
 }
 
 // float32 -> bfloat16 bits, round to nearest even (torch's rounding); NaN stays a quiet NaN.
+// Written as a select, not an early return, so the CPU loops that call it vectorize.
 ASYNCPP_HD uint16_t float_to_bf16(float x) {
-  uint32_t u = float_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t u = float_bits(x);
+  const uint32_t nan = (u >> 16) | 0x0040u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 ASYNCPP_HD float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
