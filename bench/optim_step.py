@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from asyncpp_ext import build_info
 from asyncpp_ext.optim import AdamW, Muon
 from asyncpp_ext.optim import _kernels as K
 from asyncpp_ext.optim.newton_schulz import NS_COEFFICIENTS, cpu_has_bf16_dot
@@ -143,6 +144,73 @@ def ef_kernel_rows(rows, shapes, repeats):
                      err_bound=None, check="-"))
 
 
+def ns_flops(shapes, steps=5):
+    """Multiply-add FLOPs of NS5 on the wide side (r <= c): per step X X^T (2r^2c), G G (2r^3), P X (2r^2c)."""
+    total = 0
+    for rows, cols in shapes:
+        r, c = min(rows, cols), max(rows, cols)
+        total += steps * (4 * r * r * c + 2 * r ** 3)
+    return total
+
+
+def phase_breakdown(shapes, device, repeats):
+    """Where one Muon bf16 step of ours spends its time: the step is run as is, with its four phases
+    (NaN scan, momentum kernel, Newton-Schulz, apply kernel) timed from the outside (on CUDA with a
+    synchronize around each, which adds a little)."""
+    import asyncpp_ext.optim.fused as fused_mod
+
+    spent = {}
+
+    def timed(module, name, label):
+        inner = getattr(module, name)
+
+        def call(*args, **kw):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = inner(*args, **kw)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+            return out
+        setattr(module, name, call)
+        return inner
+
+    params = make_params(shapes)
+    if device == "cuda":
+        params = [p.detach().cuda().requires_grad_() for p in params]
+        for p, q in zip(params, make_params(shapes)):
+            p.grad = q.grad.cuda()
+    opt = Muon(params, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16)
+    patched = [(K, "first_nonfinite", "NaN/Inf scan"), (K, "muon_momentum", "momentum kernel"),
+               (fused_mod, "orthogonalize", "Newton-Schulz"), (K, "apply_update", "apply kernel")]
+    originals = [(m, n, timed(m, n, label)) for m, n, label in patched]
+    try:
+        opt.step()
+        spent.clear()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) / repeats
+    finally:
+        for module, name, inner in originals:
+            setattr(module, name, inner)
+    phases = {label: spent.get(label, 0.0) / repeats for _, _, label in patched}
+    phases["other (Python, lists)"] = max(0.0, total - sum(phases.values()))
+    return dict(device=device, step_ms=total * 1e3, phases_ms={k: v * 1e3 for k, v in phases.items()},
+                ns_tflops=ns_flops(shapes) / phases["Newton-Schulz"] / 1e12)
+
+
+def print_breakdown(b):
+    print(f"# where ours spends a Muon bf16 step on {b['device']}: {b['step_ms']:.2f} ms")
+    print(f"# {'phase':<24}{'ms':>8}{'share':>8}")
+    for label, ms in b["phases_ms"].items():
+        print(f"  {label:<24}{ms:>8.2f}{ms / b['step_ms']:>8.0%}")
+    print(f"# Newton-Schulz: {b['ns_tflops']:.2f} TFLOP/s (bf16 matmuls, 5 steps, wide side)")
+
+
 def omp_runtimes():
     with open("/proc/self/maps") as f:
         return sorted({line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line})
@@ -151,7 +219,7 @@ def omp_runtimes():
 def print_table(rows, info):
     print(f"# torch {info['torch']}, {info['threads']} threads, load average {info['load_start']} -> "
           f"{info['load_end']} (other processes share these cores; spreads show their effect)")
-    print(f"# OpenMP runtimes loaded: {', '.join(info['omp_runtimes'])}")
+    print(f"# OpenMP runtimes loaded: {', '.join(info['omp_runtimes'])}; our CPU kernels: {info['cpu_kernel_isa']} clone")
     print(f"# GPT-like set: {info['layers']} layers x width {info['width']}; bf16 Newton-Schulz: {info['bf16_ns']}")
     print("# speedup = reference median / ours median (>1: ours faster); times are median [p10-p90] ms")
     print(f"# {'case':<30}{'reference':<24}{'tensors':>7}{'params':>10}{'reference ms':>26}{'ours ms':>26}"
@@ -193,16 +261,18 @@ def main():
     compare(rows, "adamw EF on (beta 0.5)", all_shapes, lambda ps: AdamW(ps, lr=1e-3, weight_decay=WD, ef_beta=0.5),
             lambda ps: AdamW(ps, lr=1e-3, weight_decay=WD), "asyncpp EF off", reps, None)
     ef_kernel_rows(rows, mats, reps)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    breakdowns = [phase_breakdown(bf16_mats if d == "cpu" else mats, d, reps) for d in devices]
     grads = [p.grad for p in make_params(all_shapes)]
     (t_scan,) = interleaved_times([lambda: K.first_nonfinite(grads)], reps * 4)
     scan = summary(t_scan)
     info = dict(torch=torch.__version__, threads=torch.get_num_threads(), layers=args.layers, width=args.width,
                 bf16_ns=("native bf16 matmuls (CPU has bf16 dot products)" if native_bf16 else
                          "emulated: bf16-rounded intermediates, float32 products; reduced set 1 x 128"),
-                omp_runtimes=omp_runtimes(), load_start=load_start, load_end="%.1f" % os.getloadavg()[0],
+                cpu_kernel_isa=build_info()["cpu_kernel_isa"], omp_runtimes=omp_runtimes(), load_start=load_start, load_end="%.1f" % os.getloadavg()[0],
                 nan_scan_ms=scan["median_ms"], nan_scan_params=sum(g.numel() for g in grads))
     if args.json:
-        print(json.dumps(dict(info=info, rows=rows), indent=1))
+        print(json.dumps(dict(info=info, rows=rows, breakdowns=breakdowns), indent=1))
         return
     print_table(rows, info)
     print(f"# NaN/Inf gradient scan (part of every step): {scan['median_ms']:.2f} ms "
@@ -210,6 +280,8 @@ def main():
     ef = {r["case"]: r["ours"]["median_ms"] / r["ref"]["median_ms"] - 1 for r in rows if r["reference"].endswith("EF off")
           or r["reference"] == "EF off"}
     print("# EF overhead (ours EF on / EF off - 1): " + ", ".join(f"{k}: {v:+.1%}" for k, v in ef.items()))
+    for b in breakdowns:
+        print_breakdown(b)
 
 
 if __name__ == "__main__":
