@@ -249,6 +249,9 @@ def main():
     # bf16: bf16 rounding (2^-9) through NS5; measured ~2-3e-2 vs torch. fp32: float32 rounding.
     compare(rows, "muon bf16-NS", bf16_mats, lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16),
             lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=WD), "torch.optim.Muon", reps, 5e-2)
+    compare(rows, "muon bf16 EF on (beta 0.5)", bf16_mats,
+            lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16, ef_beta=0.5),
+            lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16), "asyncpp EF off", reps, None)
     compare(rows, "muon fp32-NS", mats, lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.float32),
             lambda ps: PlainMuon(ps, LR, WD), "plain PyTorch fp32", reps, 1e-4)
     compare(rows, "muon fp32 EF on (beta 0.5)", mats,
