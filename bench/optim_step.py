@@ -231,13 +231,13 @@ def print_table(rows, info):
               f"{fmt(r['ours']):>26}{r['speedup']:>8.2f}{r['max_rel_err']:>12.2e}{bound:>9}  {r['check']}")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds per case")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     load_start = "%.1f" % os.getloadavg()[0]
     mats = gpt_matrices(args.layers, args.width)
     all_shapes = mats + gpt_vectors(args.layers, args.width)

@@ -82,3 +82,27 @@ def test_schedule_efficiency_runs_ours_and_torchs_schedules(capsys):
     assert set(rows) == set(schedule_efficiency.RUNS)
     assert rows["torch", "1f1b"]["ratio_to_torch_1f1b"] == 1.0
     assert rows["ours", "2bw"]["steps_per_s"] > rows["ours", "1f1b"]["steps_per_s"]
+
+
+def test_optim_step_bench_checks_every_case_and_splits_the_step(capsys):
+    import optim_step
+
+    optim_step.main(["--layers", "1", "--width", "64", "--repeats", "2", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    assert {r["case"] for r in rows} >= {"muon bf16-NS", "muon fp32-NS", "adamw", "muon bf16 EF on (beta 0.5)"}
+    for r in rows:
+        assert r["ours"]["median_ms"] > 0 and r["ref"]["median_ms"] > 0
+        if r["err_bound"] is not None:
+            assert r["check"] == "ok", r
+    assert result["info"]["cpu_kernel_isa"] in ("avx512f", "avx2", "baseline")
+    (cpu,) = [b for b in result["breakdowns"] if b["device"] == "cpu"]
+    phases = cpu["phases_ms"]
+    assert set(phases) == {"NaN/Inf scan", "momentum kernel", "Newton-Schulz", "apply kernel",
+                           "other (Python, lists)"}
+    assert all(ms > 0 for label, ms in phases.items() if label != "other (Python, lists)")
+    # "other" is the rest of the wall time, so the sum is the step unless the timed phases overran it.
+    assert sum(phases.values()) == pytest.approx(cpu["step_ms"], rel=1e-6)
+    # 1 layer x width 64: shapes (192,64), (64,64), (256,64), (64,256); NS5 on the wide side.
+    assert optim_step.ns_flops([(192, 64), (64, 64), (256, 64), (64, 256)]) == 5 * sum(
+        4 * 64 * 64 * c + 2 * 64 ** 3 for c in (192, 64, 256, 256))
