@@ -251,6 +251,14 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
         raise CheckpointError(f"checkpoint {ckpt_dir} holds an unusable config ({exc})") from None
     for name in RESUME_MUST_MATCH:
         before, now = get_field(saved_cfg, name), get_field(run, name)
+        if before != now and name == "pipeline.global_micro_batch_size":
+            was, new = saved_cfg.pipeline, run.pipeline
+            fit = (f"; with --dp {new.dp} pass --micro-batch-size {before // new.dp}"
+                   if before % new.dp == 0 else "")
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir} was written with --dp {was.dp} x --micro-batch-size "
+                f"{was.micro_batch_size} = {before} sequences per microbatch but this run has --dp "
+                f"{new.dp} x --micro-batch-size {new.micro_batch_size} = {now}; keep the product{fit}")
         if before != now:
             raise CheckpointError(f"checkpoint {ckpt_dir} was written with {name}={before!r} but "
                                   f"this run has {now!r}; resume with the same value (or leave "

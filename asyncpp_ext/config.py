@@ -252,13 +252,16 @@ def _choice(name, value, options):
 
 
 # Fields that change the numbers a run produces: a checkpoint resumed under a different value of
-# any of them would not continue the same run. (stages may differ: checkpoints are keyed by global
-# parameter names, and the update semantics do not depend on the split.)
+# any of them would not continue the same run. stages may differ (checkpoints are keyed by global
+# parameter names, and the update semantics do not depend on the split), and so may dp and
+# micro_batch_size as long as their product, the sequences the stream draws per microbatch, stays:
+# every replica holds the same state, and R replicas of B sequences average the gradient of the
+# same R*B sequences (equal up to float summation order).
 RESUME_MUST_MATCH = (
     [f"model.{f.name}" for f in fields(GPTConfig)]
     + [f"data.{f.name}" for f in fields(DataConfig)]
     + [f"optim.{f.name}" for f in fields(OptimConfig)]
-    + ["pipeline.schedule", "pipeline.microbatches", "pipeline.micro_batch_size", "pipeline.dp",
+    + ["pipeline.schedule", "pipeline.microbatches", "pipeline.global_micro_batch_size",
        "train.seed", "train.dtype"]
 )
 

@@ -74,3 +74,30 @@ def test_a_pipeline_checkpoint_resumes_at_another_depth(tmp_path):
     full, _, _ = _losses(tmp_path / "full")
     resumed, _, _ = _losses(tmp_path / "part")
     assert _rel(resumed, full) <= 1e-5
+
+
+def test_a_checkpoint_resumes_at_another_dp_width(tmp_path):
+    """1 replica x 2 sequences continues as 2 replicas x 1 sequence (and 2 stages as 1): the same
+    global microbatches, the same state on every replica."""
+    flags = ["--model", "tiny", "--seq-len", "16", "--no-progress", "--schedule", "2bw", "--microbatches", "2",
+             "--optimizer", "muon", "--ef-beta", "0.5", "--lr", "0.01", "--eval-every", "0", "--ckpt-every", "3"]
+    one = ["--stages", "2", "--micro-batch-size", "2"]
+    assert main(flags + one + ["--steps", "6", "--out", str(tmp_path / "full")]) == 0
+    assert main(flags + one + ["--steps", "3", "--out", str(tmp_path / "part")]) == 0
+    assert main(["--resume", str(tmp_path / "part"), "--steps", "6", "--stages", "1", "--dp", "2",
+                 "--micro-batch-size", "1", "--no-progress"]) == 0
+    full, _, _ = _losses(tmp_path / "full")
+    resumed, _, steps = _losses(tmp_path / "part")
+    assert steps == list(range(1, 7))
+    assert _rel(resumed, full) <= 1e-5
+
+
+def test_resume_that_changes_the_sequences_per_microbatch_names_the_fix(tmp_path, capsys):
+    flags = TINY + ["--stages", "2", "--microbatches", "2", "--steps", "2", "--ckpt-every", "2"]
+    assert main(flags + ["--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert main(["--resume", str(tmp_path / "run"), "--steps", "4", "--dp", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"asyncpp-train: error: checkpoint {tmp_path / 'run' / 'ckpt-000002'} was written with "
+                   "--dp 1 x --micro-batch-size 2 = 2 sequences per microbatch but this run has --dp 2 x "
+                   "--micro-batch-size 2 = 4; keep the product; with --dp 2 pass --micro-batch-size 1"]
