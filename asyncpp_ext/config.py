@@ -85,6 +85,15 @@ class OptimConfig:
         """The EF strength a run uses: ``ef_beta``, or for None the optimizer's auto value."""
         return EF_BETA_AUTO.get(self.name, 0.0) if self.ef_beta is None else self.ef_beta
 
+    def pin_auto_values(self) -> None:
+        """Replace each None ("auto") by the number it stands for today, so the run's config.json
+        and checkpoints record it and a resumed run keeps it even if a later version changes a
+        default. (adamw_lr only exists for muon.)"""
+        self.lr = self.effective_lr()
+        self.ef_beta = self.effective_ef_beta()
+        if self.name == "muon":
+            self.adamw_lr = self.effective_adamw_lr()
+
 
 @dataclass
 class PipelineConfig:

@@ -297,6 +297,7 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
         if args.out is None:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg.validate()
+    cfg.optim.pin_auto_values()  # a resumed run reads the numbers back (older checkpoints: None)
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA GPU is visible; use --device cpu")
     return cfg, resume_dir

@@ -48,3 +48,27 @@ def test_negative_ef_beta_is_still_rejected():
 def test_auto_survives_a_config_round_trip():
     cfg = RunConfig()
     assert RunConfig.from_dict(cfg.to_dict()).optim.ef_beta is None
+
+
+def test_a_run_records_its_auto_values_and_resumes_with_them(tmp_path, monkeypatch):
+    """config.json holds the numbers "auto" stood for; a resumed run keeps them even when the
+    defaults have changed since (here: EF_BETA_AUTO and LR_AUTO patched before the resume)."""
+    import json
+
+    from asyncpp_ext import config
+    from asyncpp_ext.train import main
+
+    flags = ["--model", "tiny", "--micro-batch-size", "2", "--seq-len", "16", "--no-progress",
+             "--optimizer", "muon", "--eval-every", "0", "--ckpt-every", "2"]
+    assert main(flags + ["--steps", "4", "--out", str(tmp_path / "full")]) == 0
+    assert main(flags + ["--steps", "2", "--out", str(tmp_path / "part")]) == 0
+    saved = json.loads((tmp_path / "part" / "config.json").read_text())["optim"]
+    assert (saved["lr"], saved["adamw_lr"], saved["ef_beta"]) == (
+        config.LR_AUTO["muon"], config.MUON_ADAMW_LR_AUTO, config.EF_BETA_AUTO["muon"])
+    monkeypatch.setitem(config.EF_BETA_AUTO, "muon", 0.9)
+    monkeypatch.setitem(config.LR_AUTO, "muon", 0.05)
+    assert main(["--resume", str(tmp_path / "part"), "--steps", "4", "--no-progress"]) == 0
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert losses("part") == losses("full")  # bitwise: the same numbers drove both
