@@ -185,3 +185,21 @@ def test_muon_groups_sharing_shapes_match_separate_optimizers():
     second, _ = run(lambda ps: Muon(ps, lr=0.05, weight_decay=WD), weights[3:], [g[3:] for g in grads])
     for got, want in zip(together, first + second):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_workspace_holds_two_copies_of_the_matrices_plus_the_gram_buffers(ns_dtype):
+    """What Muon keeps between steps (reported by the pipeline's memory_report): per same-shape
+    batch of B (rows x cols) matrices, the momentum output and one ping-pong buffer (B*rows*cols
+    each) and the Gram and polynomial matrices (B*r*r each, r = min(rows, cols)), in ns_dtype."""
+    shapes = [(24, 8), (8, 24), (16, 16), (24, 8)]
+    params = [torch.randn(s, requires_grad=True) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt = Muon(params, lr=0.02, ns_dtype=ns_dtype)
+    opt.step()
+    batches = {s: shapes.count(s) for s in shapes}
+    elements = sum(2 * b * r * c + 2 * b * min(r, c) ** 2 for (r, c), b in batches.items())
+    assert opt.workspace.nbytes() == elements * torch.empty(0, dtype=ns_dtype).element_size()
+    opt.step()  # a second step reuses them
+    assert opt.workspace.nbytes() == elements * torch.empty(0, dtype=ns_dtype).element_size()

@@ -56,6 +56,9 @@ class Workspace:
             buf = self._buffers[key] = torch.empty(tuple(shape), dtype=dtype, device=device)
         return buf
 
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
     def clear(self) -> None:
         self._buffers.clear()
 

@@ -130,13 +130,16 @@ class StageHost:
 
     def memory_report(self) -> dict:
         """Bytes held by this stage: weight versions, gradient buffer, optimizer state (incl. EF
-        buffers) and, when tracked, the peak of in-flight activations."""
+        buffers), the fused optimizers' Newton-Schulz workspace (Muon: about two ns_dtype copies
+        of the matrices, kept between steps) and, when tracked, the peak of in-flight activations."""
         from .memory import optimizer_state_bytes
 
+        workspace = getattr(self.optimizer, "workspace", None)
         return {"weights": sum(f.numel() * f.element_size() for f in self.flat),
                 "weight_versions": len(self.flat),
                 "grads": self.grad_flat.numel() * self.grad_flat.element_size(),
                 "optimizer_state": optimizer_state_bytes(self.optimizer),
+                "optimizer_workspace": workspace.nbytes() if workspace is not None else 0,
                 "peak_activations": self.activation_meter.peak if self.activation_meter else None}
 
     # ---- state (keyed by global parameter names, the same layout as DelaySimulator) ---------
