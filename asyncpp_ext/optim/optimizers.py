@@ -27,6 +27,9 @@ class Muon(FusedOptimizer):
     Parameters must be float32 and 2-D (other tensors belong to AdamW: use MuonHybrid).
     `shard_group`: a data-parallel process group whose ranks hold identical gradients; each rank
     then orthogonalises a share of the matrices and gathers the rest (same result as unsharded).
+    Between steps it keeps its Newton-Schulz buffers (`self.workspace`: about two ns_dtype copies
+    of the matrices, reused to save the cost of fresh memory every step; `workspace.clear()` frees
+    them, the next step allocates them again).
     """
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,

@@ -31,17 +31,20 @@ EXIT_FAILED = 1        # the rank itself failed
 # EXIT_STALLED (4): the rank's own instruction never completed (its watchdog fired)
 _SPAWNED_ENV = "ASYNCPP_LOCAL_SPAWN"
 _failure_channel = None  # a spawned rank's line back to the launcher
+_store_listener = None  # rank 0 of a spawned run: the store's socket, bound by the launcher
 
 
 class LaunchError(RuntimeError):
     """A rank failed; the message names the first one."""
 
 
-def free_port(addr: str = "127.0.0.1") -> int:
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as s:
-        s.bind(sockaddr)
-        return s.getsockname()[1]
+def _listening_socket(addr: str, port: int, backlog: int) -> socket.socket:
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(sockaddr)
+    listener.listen(backlog)
+    return listener
 
 
 def under_launcher() -> bool:
@@ -74,11 +77,9 @@ def _local_store(rank: int, world: int, timeout: datetime.timedelta):
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if rank != 0:
         return dist.TCPStore(addr, port, world, False, timeout=timeout)
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(sockaddr)
-    listener.listen(max(64, world))
+    # The launcher bound and listens on the port already and handed the socket over, so no other
+    # process can take the port between choosing it and serving on it.
+    listener = _store_listener or _listening_socket(addr, port, max(64, world))
     return dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=listener.detach())
 
 
@@ -104,10 +105,11 @@ def _die_with_parent() -> None:
             pass
 
 
-def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel=None) -> None:
-    global _failure_channel
+def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel=None,
+           listener: socket.socket | None = None) -> None:
+    global _failure_channel, _store_listener
     _die_with_parent()
-    _failure_channel = channel
+    _failure_channel, _store_listener = channel, listener
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                       MASTER_PORT=str(port), **{_SPAWNED_ENV: "1"})
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -132,13 +134,17 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
 def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0) -> None:
     """Run ``fn(*args)`` in ``nprocs`` local ranks; raise LaunchError if any rank fails."""
     ctx = mp.get_context("spawn")
-    port = free_port(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    listener = _listening_socket(os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, max(64, nprocs))
+    port = listener.getsockname()[1]
     channel = ctx.SimpleQueue()
     reasons: dict[int, str] = {}
-    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, channel), daemon=False)
-             for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, channel, listener if r == 0 else None),
+                         daemon=False) for r in range(nprocs)]
+    try:
+        for p in procs:
+            p.start()  # rank 0 gets its own duplicate of the listening socket
+    finally:
+        listener.close()
     deadline = None
     try:
         while any(p.is_alive() for p in procs):
