@@ -188,3 +188,25 @@ def loss_of_cuda(model, seed=0):
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, 32, (2, 8), generator=gen).cuda()
     return nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.roll(-1, 1).flatten())
+
+
+
+def asyncpp_ext_cuda_devices() -> int:
+    from asyncpp_ext._ext import C
+
+    return C.cuda_device_count()
+
+@pytest.mark.skipif(torch.cuda.is_available() and asyncpp_ext_cuda_devices() > 0,
+                    reason="the CUDA kernels can run here")
+def test_cuda_kernels_that_cannot_run_say_why_and_how_to_fix(monkeypatch):
+    """torch sees a GPU but our kernels do not (e.g. built with a CUDA newer than the driver):
+    the first CUDA call names the cause and the fix instead of failing inside a launch."""
+    from asyncpp_ext.optim import _kernels
+
+    monkeypatch.setattr(_kernels, "_cuda_usable", None)
+    with pytest.raises(RuntimeError) as info:
+        _kernels._check_cuda_kernels()
+    message = str(info.value)
+    assert message.startswith("asyncpp_ext's CUDA kernels cannot run here: ")
+    assert "rebuild asyncpp_ext with a CUDA toolkit the installed driver supports" in message
+    assert f"while torch uses CUDA {torch.version.cuda}" in message

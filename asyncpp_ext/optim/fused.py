@@ -207,6 +207,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._ef_mark(self.state, params, ef_bufs)
 
     def _muon_group(self, group, items):
+        # Same-shape matrices side by side: each shape's batch is one contiguous run of the lists
+        # (and of sumsq, read below as a slice: no index tensor, no host round trip on CUDA).
+        first_seen = {}
+        for it in items:
+            first_seen.setdefault(tuple(it[0].shape), len(first_seen))
+        items = sorted(items, key=lambda it: first_seen[tuple(it[0].shape)])  # stable
         params = [it[0] for it in items]
         grads = [it[1] for it in items]
         device = params[0].device
@@ -242,8 +248,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             chosen = [k for k, i in enumerate(idx) if owners is None or owners[i] == me]
             if not chosen:
                 continue
-            v = batch_tensors[shape] if len(chosen) == len(idx) else batch_tensors[shape][chosen]
-            norms = sumsq[torch.tensor([idx[k] for k in chosen], device=device)].sqrt()
+            norms = sumsq[idx[0]:idx[-1] + 1].sqrt()
+            if len(chosen) == len(idx):
+                v = batch_tensors[shape]
+            else:  # sharded: this rank's share of the batch
+                pick = torch.tensor(chosen, device=device)
+                v, norms = batch_tensors[shape][pick], norms[pick]
             o = orthogonalize(v, norms, steps=group["ns_steps"],
                               coefficients=tuple(group["ns_coefficients"]), eps=group["eps"],
                               ns_dtype=ns_dtype, workspace=self.workspace, overwrite_input=True)

@@ -151,19 +151,23 @@ class Pipeline:
                                                    self.dp_group, dp)
             if shard_optimizer and hasattr(self.host.optimizer, "shard_across"):
                 self.host.optimizer.shard_across(self.dp_group)
+        self.transport = None
+        self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
+        self.watchdog = Watchdog(timeout_s, f"rank {self.rank} (stage {self.stage})",
+                                 pending=self._pending_transfers)
+        from .launch import tell_launcher
+        self.watchdog.on_report = tell_launcher
         if transport == "gloo":
             self.transport = GlooTransport(self.host, self.stage_ranks)
         else:
             from .nccl import _default_run_ids, create_nccl_transport
             if dp > 1:  # each replica's pipeline rendezvouses under its own keys
                 run_id = f"{run_id or f'run{next(_default_run_ids)}'}-replica{self.replica}"
-            self.transport = create_nccl_transport(self.host, self.stage, self.stages, self.stage_ranks,
-                                                   self.device, run_id=run_id, timeout_s=timeout_s)
-        self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
-        self.watchdog = Watchdog(timeout_s, f"rank {self.rank} (stage {self.stage})",
-                                 pending=self._pending_transfers)
-        from .launch import tell_launcher
-        self.watchdog.on_report = tell_launcher
+            # Communicator setup blocks in NCCL until every peer has joined: a peer that died
+            # before joining must end this rank too, with a report, not leave it waiting.
+            with self.watchdog.armed("NCCL communicator setup"):
+                self.transport = create_nccl_transport(self.host, self.stage, self.stages, self.stage_ranks,
+                                                       self.device, run_id=run_id, timeout_s=timeout_s)
         # (op, step, microbatch, version, start_ns, end_ns) per executed instruction, newest last;
         # bounded so that long runs do not grow without limit.
         self.trace: list[tuple] = []
@@ -177,7 +181,8 @@ class Pipeline:
     def _pending_transfers(self) -> list:
         if isinstance(self.transport, GlooTransport):
             return self.transport.pending(confirm_sends=True)
-        return list(getattr(self.transport, "pending", list)())
+        pending = getattr(self.transport, "pending", None)  # None while the transport is being set up
+        return list(pending()) if callable(pending) else []
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,7 +1,9 @@
 // Multi-tensor CUDA optimizer kernels. One launch updates every tensor of the list: the host cuts
 // the list into chunks of (tensor, begin, end), uploads the tensor descriptions and the chunk table
 // to device memory on the caller's stream, and each block walks chunks in a grid-stride loop. The
-// arithmetic is optim_math.h, the same functions the CPU kernels call.
+// arithmetic is optim_math.h, the same functions the CPU kernels call, compiled without FMA
+// contraction (--fmad=false, see CMakeLists.txt) so it rounds like the CPU build. The caller (the
+// bindings' Python side) makes the tensors' device current.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,9 +20,12 @@ constexpr int64_t kChunk = 1 << 16;
 constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 4096;
 
+// On failure the error is also cleared from the runtime's last-error slot, so a later, unrelated
+// cudaGetLastError() (ours after a launch) is not blamed for it.
 #define ASYNCPP_CUDA_OK(expr)                                                                   \
   do {                                                                                          \
     cudaError_t err_ = (expr);                                                                  \
+    if (err_ != cudaSuccess) (void)cudaGetLastError();                                          \
     ASYNCPP_CHECK(err_ == cudaSuccess, "CUDA call ", #expr, " failed: ", cudaGetErrorString(err_)); \
   } while (0)
 
@@ -30,34 +35,56 @@ struct Chunk {
   int64_t end;
 };
 
-// Tensor descriptions followed by the chunk table, in one device allocation.
+size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Tensor descriptions, the chunk table and the index of each tensor's first chunk (chunks of one
+// tensor are contiguous), in one device allocation, plus `scratch_per_chunk` bytes of device
+// scratch per chunk (the momentum kernel's per-chunk partial sums).
 template <typename Entry>
 struct DeviceTable {
   Entry* entries = nullptr;
   Chunk* chunks = nullptr;
+  int64_t* first_chunk = nullptr;  // [n_tensors + 1]
+  void* scratch = nullptr;
   int64_t n_chunks = 0;
   void* base = nullptr;
   cudaStream_t stream = nullptr;
 
-  DeviceTable(const std::vector<Entry>& host_entries, cudaStream_t s) : stream(s) {
+  DeviceTable(const std::vector<Entry>& host_entries, cudaStream_t s, size_t scratch_per_chunk = 0)
+      : stream(s) {
     std::vector<Chunk> host_chunks;
+    std::vector<int64_t> host_first(host_entries.size() + 1, 0);
     for (size_t t = 0; t < host_entries.size(); ++t) {
+      host_first[t] = int64_t(host_chunks.size());
       const int64_t n = host_entries[t].numel;
       for (int64_t b = 0; b < n; b += kChunk) host_chunks.push_back({int64_t(t), b, std::min(n, b + kChunk)});
     }
+    host_first.back() = int64_t(host_chunks.size());
     n_chunks = int64_t(host_chunks.size());
     if (n_chunks == 0) return;
     const size_t entry_bytes = host_entries.size() * sizeof(Entry);
-    const size_t chunk_offset = (entry_bytes + alignof(Chunk) - 1) / alignof(Chunk) * alignof(Chunk);
-    const size_t total = chunk_offset + host_chunks.size() * sizeof(Chunk);
-    std::vector<unsigned char> staging(total);
+    const size_t chunk_offset = align_up(entry_bytes, alignof(Chunk));
+    const size_t first_offset = align_up(chunk_offset + host_chunks.size() * sizeof(Chunk), alignof(int64_t));
+    const size_t upload = first_offset + host_first.size() * sizeof(int64_t);
+    const size_t scratch_offset = align_up(upload, 16);
+    const size_t total = scratch_offset + size_t(n_chunks) * scratch_per_chunk;
+    std::vector<unsigned char> staging(upload);
     std::memcpy(staging.data(), host_entries.data(), entry_bytes);
     std::memcpy(staging.data() + chunk_offset, host_chunks.data(), host_chunks.size() * sizeof(Chunk));
+    std::memcpy(staging.data() + first_offset, host_first.data(), host_first.size() * sizeof(int64_t));
     ASYNCPP_CUDA_OK(cudaMallocAsync(&base, total, stream));
-    // From pageable memory the copy has left `staging` when this returns, so `staging` may die.
-    ASYNCPP_CUDA_OK(cudaMemcpyAsync(base, staging.data(), total, cudaMemcpyHostToDevice, stream));
-    entries = static_cast<Entry*>(base);
-    chunks = reinterpret_cast<Chunk*>(static_cast<unsigned char*>(base) + chunk_offset);
+    try {
+      // From pageable memory the copy has left `staging` when this returns, so `staging` may die.
+      ASYNCPP_CUDA_OK(cudaMemcpyAsync(base, staging.data(), upload, cudaMemcpyHostToDevice, stream));
+    } catch (...) {
+      cudaFreeAsync(base, stream);
+      throw;
+    }
+    auto* bytes = static_cast<unsigned char*>(base);
+    entries = reinterpret_cast<Entry*>(bytes);
+    chunks = reinterpret_cast<Chunk*>(bytes + chunk_offset);
+    first_chunk = reinterpret_cast<int64_t*>(bytes + first_offset);
+    scratch = scratch_per_chunk ? bytes + scratch_offset : nullptr;
   }
   ~DeviceTable() {
     if (base != nullptr) cudaFreeAsync(base, stream);  // stream-ordered: freed after the kernel
@@ -98,9 +125,13 @@ __device__ float block_sum(float x) {
   return total;     // valid in thread 0
 }
 
+// Each chunk's sum of squares goes to partial[chunk] (fixed order inside the block); the totals
+// are then summed per tensor in chunk order (sum_partials), so the norm -- and everything Newton-
+// Schulz computes from it -- is the same on every run and every data-parallel replica. Float
+// atomics would add in arbitrary order.
 template <Storage kOut>
 __global__ void momentum_kernel(const MomentumTensor* tensors, const Chunk* chunks, int64_t n_chunks,
-                                float* sumsq) {
+                                double* partial) {
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
     const Chunk ch = chunks[c];
     const MomentumTensor t = tensors[ch.tensor];
@@ -120,10 +151,20 @@ __global__ void momentum_kernel(const MomentumTensor* tensors, const Chunk* chun
       }
       local += stored * stored;
     }
-    if (sumsq != nullptr) {
+    if (partial != nullptr) {
       const float total = block_sum(local);
-      if (threadIdx.x == 0) atomicAdd(sumsq + ch.tensor, total);
+      if (threadIdx.x == 0) partial[c] = double(total);
     }
+  }
+}
+
+__global__ void sum_partials(const double* partial, const int64_t* first_chunk, int64_t n_tensors,
+                             float* sumsq) {
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < n_tensors;
+       t += int64_t(gridDim.x) * blockDim.x) {
+    double s = 0.0;
+    for (int64_t c = first_chunk[t]; c < first_chunk[t + 1]; ++c) s += partial[c];
+    sumsq[t] = float(s);
   }
 }
 
@@ -170,17 +211,23 @@ void adamw_step_cuda(const std::vector<AdamWTensor>& tensors, intptr_t stream) {
 
 void muon_momentum_cuda(const std::vector<MomentumTensor>& tensors, Storage out_storage, float* sumsq,
                         intptr_t stream) {
-  DeviceTable<MomentumTensor> table(tensors, as_stream(stream));
-  if (sumsq != nullptr && !tensors.empty())
+  DeviceTable<MomentumTensor> table(tensors, as_stream(stream), sumsq != nullptr ? sizeof(double) : 0);
+  if (sumsq != nullptr && !tensors.empty())  // tensors without elements keep 0
     ASYNCPP_CUDA_OK(cudaMemsetAsync(sumsq, 0, tensors.size() * sizeof(float), table.stream));
   if (table.n_chunks == 0) return;
+  auto* partial = static_cast<double*>(table.scratch);
   if (out_storage == Storage::f32) {
     momentum_kernel<Storage::f32><<<table.blocks(), kThreads, 0, table.stream>>>(
-        table.entries, table.chunks, table.n_chunks, sumsq);
+        table.entries, table.chunks, table.n_chunks, partial);
   } else {
     momentum_kernel<Storage::bf16><<<table.blocks(), kThreads, 0, table.stream>>>(
-        table.entries, table.chunks, table.n_chunks, sumsq);
+        table.entries, table.chunks, table.n_chunks, partial);
   }
+  ASYNCPP_CUDA_OK(cudaGetLastError());
+  if (sumsq == nullptr) return;
+  const int64_t n = int64_t(tensors.size());
+  const int blocks = int(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
+  sum_partials<<<blocks, kThreads, 0, table.stream>>>(partial, table.first_chunk, n, sumsq);
   ASYNCPP_CUDA_OK(cudaGetLastError());
 }
 
@@ -199,19 +246,25 @@ void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_s
 
 int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t stream) {
   if (tensors.empty()) return -1;
+  // One int flag per tensor, freed stream-ordered (also when a call below throws).
   DeviceTable<ConstTensor> table(tensors, as_stream(stream));
-  int* flags = nullptr;
-  ASYNCPP_CUDA_OK(cudaMallocAsync(reinterpret_cast<void**>(&flags), tensors.size() * sizeof(int), table.stream));
-  ASYNCPP_CUDA_OK(cudaMemsetAsync(flags, 0, tensors.size() * sizeof(int), table.stream));
+  struct Flags {
+    int* ptr = nullptr;
+    cudaStream_t stream;
+    ~Flags() {
+      if (ptr != nullptr) cudaFreeAsync(ptr, stream);
+    }
+  } flags{nullptr, table.stream};
+  ASYNCPP_CUDA_OK(cudaMallocAsync(reinterpret_cast<void**>(&flags.ptr), tensors.size() * sizeof(int), table.stream));
+  ASYNCPP_CUDA_OK(cudaMemsetAsync(flags.ptr, 0, tensors.size() * sizeof(int), table.stream));
   if (table.n_chunks > 0) {
     nonfinite_kernel<<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
-                                                                     table.n_chunks, flags);
+                                                                     table.n_chunks, flags.ptr);
     ASYNCPP_CUDA_OK(cudaGetLastError());
   }
   std::vector<int> host(tensors.size(), 0);
-  ASYNCPP_CUDA_OK(cudaMemcpyAsync(host.data(), flags, host.size() * sizeof(int), cudaMemcpyDeviceToHost,
+  ASYNCPP_CUDA_OK(cudaMemcpyAsync(host.data(), flags.ptr, host.size() * sizeof(int), cudaMemcpyDeviceToHost,
                                   table.stream));
-  ASYNCPP_CUDA_OK(cudaFreeAsync(flags, table.stream));
   ASYNCPP_CUDA_OK(cudaStreamSynchronize(table.stream));
   for (size_t t = 0; t < host.size(); ++t)
     if (host[t]) return int64_t(t);

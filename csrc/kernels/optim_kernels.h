@@ -63,7 +63,8 @@ int64_t first_nonfinite_cpu(const std::vector<ConstTensor>& tensors);
 
 #ifdef ASYNCPP_WITH_CUDA
 // ---- CUDA (stream = cudaStream_t as an integer, 0 = legacy default stream) ---------------------
-// `sumsq` is a device pointer to float[tensors.size()]; it is zeroed and accumulated on `stream`.
+// `sumsq` is a device pointer to float[tensors.size()], written on `stream` in a fixed summation
+// order (per-chunk partials, then summed per tensor in chunk order): the same on every run.
 void adamw_step_cuda(const std::vector<AdamWTensor>& tensors, intptr_t stream);
 void muon_momentum_cuda(const std::vector<MomentumTensor>& tensors, Storage out_storage, float* sumsq,
                         intptr_t stream);

@@ -173,9 +173,11 @@ core::Transport::Request NcclTransport::post(const core::MessageKey& key, bool i
 bool NcclTransport::poll(const Pending& p) {
   const cudaError_t q = cudaEventQuery(as_event(p.done));
   if (q == cudaSuccess) return true;
+  // NotReady also lands in the runtime's last-error slot; clear it, or the next launch's
+  // cudaGetLastError() check (e.g. an optimizer kernel on this thread) would report it.
+  (void)cudaGetLastError();
   const Channel& ch = channels_[p.channel];
   if (q != cudaErrorNotReady) {
-    cudaGetLastError();
     fail(detail::concat("stage ", stage_, ": ", core::describe(p.key, p.is_send), " (rank ", ch.spec.peer_rank,
                         ") failed with CUDA error ", cudaGetErrorName(q), ": ", cudaGetErrorString(q)));
   }
@@ -255,8 +257,10 @@ void NcclTransport::close(double timeout_s) {
   const auto start = Clock::now();
   for (auto& [id, p] : pending_) {
     while (failure_.empty() && cudaEventQuery(as_event(p.done)) == cudaErrorNotReady &&
-           seconds_since(start) < timeout_s)
+           seconds_since(start) < timeout_s) {
+      (void)cudaGetLastError();  // NotReady is not an error (see poll)
       std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
     if (cudaEventQuery(as_event(p.done)) != cudaSuccess && unfinished.empty())
       unfinished = core::describe(p.key, p.is_send);
   }
