@@ -102,7 +102,8 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=start_step, elapsed_s=elapsed,
                       device="cpu", checkpoint_fn=_collective_checkpoint(pipe, run_dir),
                       writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages)
-    trainer.run()
+    with pipe:
+        trainer.run()
 
 
 def launch(cfg: RunConfig, resume_dir: Optional[Path], factory_builder, prepare) -> None:

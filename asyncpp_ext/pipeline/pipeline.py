@@ -184,6 +184,21 @@ class Pipeline:
         pending = getattr(self.transport, "pending", None)  # None while the transport is being set up
         return list(pending()) if callable(pending) else []
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Release the transport: with NCCL, wait up to ``timeout_s`` for transfers in flight, then
+        destroy the communicators (or abort them if transfers never finished), so that no rank
+        is left waiting in a communicator teardown at exit. Call it (or use the pipeline as a
+        context manager) once training on it is over; later calls do nothing."""
+        close = getattr(self.transport, "close", None)
+        if callable(close):
+            close(timeout_s)
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This stage's share of the run state, keyed by global parameter names (see simulate.py)."""
