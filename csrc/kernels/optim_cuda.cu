@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "core/error.h"
@@ -37,9 +40,35 @@ struct Chunk {
 
 size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// One device buffer per GPU for the kernels' tables, kept for the life of the process and grown
+// when a call needs more. Allocating per call would take memory from the CUDA runtime while
+// torch's caching allocator may hold nearly all of it (and torch only frees its cache for its own
+// allocations). Reuse is ordered: a call's upload waits for the previous call's kernels (event
+// `done`, recorded on the previous call's stream) before overwriting the table, and `mu` keeps
+// host threads from interleaving their uploads.
+struct Arena {
+  std::mutex mu;
+  void* ptr = nullptr;
+  size_t capacity = 0;
+  cudaEvent_t done = nullptr;
+};
+
+Arena& arena_of_current_device() {
+  static std::mutex registry_mu;
+  static std::map<int, std::unique_ptr<Arena>> arenas;  // device memory never freed: at exit the runtime may be gone
+  int device = 0;
+  ASYNCPP_CUDA_OK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto& slot = arenas[device];
+  if (!slot) slot = std::make_unique<Arena>();
+  return *slot;
+}
+
 // Tensor descriptions, the chunk table and the index of each tensor's first chunk (chunks of one
-// tensor are contiguous), in one device allocation, plus `scratch_per_chunk` bytes of device
-// scratch per chunk (the momentum kernel's per-chunk partial sums).
+// tensor are contiguous), uploaded to the current device's arena on the caller's stream, plus
+// device scratch of `scratch_per_chunk` bytes per chunk and `scratch_per_tensor` per tensor (the
+// momentum kernel's per-chunk partial sums; first_nonfinite's flags). Holds the arena from
+// construction until destruction, which marks the arena free once this call's kernels are done.
 template <typename Entry>
 struct DeviceTable {
   Entry* entries = nullptr;
@@ -47,11 +76,11 @@ struct DeviceTable {
   int64_t* first_chunk = nullptr;  // [n_tensors + 1]
   void* scratch = nullptr;
   int64_t n_chunks = 0;
-  void* base = nullptr;
   cudaStream_t stream = nullptr;
 
-  DeviceTable(const std::vector<Entry>& host_entries, cudaStream_t s, size_t scratch_per_chunk = 0)
-      : stream(s) {
+  DeviceTable(const std::vector<Entry>& host_entries, cudaStream_t s, size_t scratch_per_chunk = 0,
+              size_t scratch_per_tensor = 0)
+      : stream(s), arena_(arena_of_current_device()), lock_(arena_.mu) {
     std::vector<Chunk> host_chunks;
     std::vector<int64_t> host_first(host_entries.size() + 1, 0);
     for (size_t t = 0; t < host_entries.size(); ++t) {
@@ -61,38 +90,51 @@ struct DeviceTable {
     }
     host_first.back() = int64_t(host_chunks.size());
     n_chunks = int64_t(host_chunks.size());
-    if (n_chunks == 0) return;
+    if (host_entries.empty()) return;
     const size_t entry_bytes = host_entries.size() * sizeof(Entry);
     const size_t chunk_offset = align_up(entry_bytes, alignof(Chunk));
     const size_t first_offset = align_up(chunk_offset + host_chunks.size() * sizeof(Chunk), alignof(int64_t));
     const size_t upload = first_offset + host_first.size() * sizeof(int64_t);
     const size_t scratch_offset = align_up(upload, 16);
-    const size_t total = scratch_offset + size_t(n_chunks) * scratch_per_chunk;
+    const size_t total = scratch_offset + size_t(n_chunks) * scratch_per_chunk +
+                         host_entries.size() * scratch_per_tensor;
     std::vector<unsigned char> staging(upload);
     std::memcpy(staging.data(), host_entries.data(), entry_bytes);
     std::memcpy(staging.data() + chunk_offset, host_chunks.data(), host_chunks.size() * sizeof(Chunk));
     std::memcpy(staging.data() + first_offset, host_first.data(), host_first.size() * sizeof(int64_t));
-    ASYNCPP_CUDA_OK(cudaMallocAsync(&base, total, stream));
-    try {
-      // From pageable memory the copy has left `staging` when this returns, so `staging` may die.
-      ASYNCPP_CUDA_OK(cudaMemcpyAsync(base, staging.data(), upload, cudaMemcpyHostToDevice, stream));
-    } catch (...) {
-      cudaFreeAsync(base, stream);
-      throw;
+    if (arena_.done == nullptr) ASYNCPP_CUDA_OK(cudaEventCreateWithFlags(&arena_.done, cudaEventDisableTiming));
+    if (arena_.capacity < total) {
+      ASYNCPP_CUDA_OK(cudaEventSynchronize(arena_.done));  // the old buffer's last readers are done
+      if (arena_.ptr != nullptr) ASYNCPP_CUDA_OK(cudaFree(arena_.ptr));
+      arena_.ptr = nullptr;
+      arena_.capacity = 0;
+      const size_t grown = std::max(total, size_t(64) << 10);
+      ASYNCPP_CUDA_OK(cudaMalloc(&arena_.ptr, grown));
+      arena_.capacity = grown;
     }
-    auto* bytes = static_cast<unsigned char*>(base);
+    ASYNCPP_CUDA_OK(cudaStreamWaitEvent(stream, arena_.done, 0));
+    // From pageable memory the copy has left `staging` when this returns, so `staging` may die.
+    ASYNCPP_CUDA_OK(cudaMemcpyAsync(arena_.ptr, staging.data(), upload, cudaMemcpyHostToDevice, stream));
+    auto* bytes = static_cast<unsigned char*>(arena_.ptr);
     entries = reinterpret_cast<Entry*>(bytes);
     chunks = reinterpret_cast<Chunk*>(bytes + chunk_offset);
     first_chunk = reinterpret_cast<int64_t*>(bytes + first_offset);
-    scratch = scratch_per_chunk ? bytes + scratch_offset : nullptr;
+    scratch = (scratch_per_chunk || scratch_per_tensor) ? bytes + scratch_offset : nullptr;
+    used_ = true;
   }
   ~DeviceTable() {
-    if (base != nullptr) cudaFreeAsync(base, stream);  // stream-ordered: freed after the kernel
+    // Everything this call queued on `stream` reads the arena; the next user waits for this.
+    if (used_) (void)cudaEventRecord(arena_.done, stream);
   }
   DeviceTable(const DeviceTable&) = delete;
   DeviceTable& operator=(const DeviceTable&) = delete;
 
   int blocks() const { return int(std::min<int64_t>(n_chunks, kMaxBlocks)); }
+
+ private:
+  Arena& arena_;
+  std::unique_lock<std::mutex> lock_;
+  bool used_ = false;
 };
 
 __global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, int64_t n_chunks) {
@@ -246,24 +288,16 @@ void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_s
 
 int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t stream) {
   if (tensors.empty()) return -1;
-  // One int flag per tensor, freed stream-ordered (also when a call below throws).
-  DeviceTable<ConstTensor> table(tensors, as_stream(stream));
-  struct Flags {
-    int* ptr = nullptr;
-    cudaStream_t stream;
-    ~Flags() {
-      if (ptr != nullptr) cudaFreeAsync(ptr, stream);
-    }
-  } flags{nullptr, table.stream};
-  ASYNCPP_CUDA_OK(cudaMallocAsync(reinterpret_cast<void**>(&flags.ptr), tensors.size() * sizeof(int), table.stream));
-  ASYNCPP_CUDA_OK(cudaMemsetAsync(flags.ptr, 0, tensors.size() * sizeof(int), table.stream));
+  DeviceTable<ConstTensor> table(tensors, as_stream(stream), 0, sizeof(int));
+  int* flags = static_cast<int*>(table.scratch);  // one per tensor
+  ASYNCPP_CUDA_OK(cudaMemsetAsync(flags, 0, tensors.size() * sizeof(int), table.stream));
   if (table.n_chunks > 0) {
     nonfinite_kernel<<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
-                                                                     table.n_chunks, flags.ptr);
+                                                                     table.n_chunks, flags);
     ASYNCPP_CUDA_OK(cudaGetLastError());
   }
   std::vector<int> host(tensors.size(), 0);
-  ASYNCPP_CUDA_OK(cudaMemcpyAsync(host.data(), flags.ptr, host.size() * sizeof(int), cudaMemcpyDeviceToHost,
+  ASYNCPP_CUDA_OK(cudaMemcpyAsync(host.data(), flags, host.size() * sizeof(int), cudaMemcpyDeviceToHost,
                                   table.stream));
   ASYNCPP_CUDA_OK(cudaStreamSynchronize(table.stream));
   for (size_t t = 0; t < host.size(); ++t)
