@@ -143,15 +143,17 @@ core::Transport::Request NcclTransport::post(const core::MessageKey& key, bool i
   const Api& nccl = api();
   DeviceGuard guard(device_);
   Pending p{key, is_send, ci, nullptr, std::move(buffer.keep_alive)};
+  cudaEvent_t ready = nullptr, done = nullptr;
   try {
     // The transfer waits for the compute stream's work so far: a send's payload is produced there,
     // and a receive buffer's memory may have been used there last (the caching allocator reuses
     // blocks per stream).
-    cudaEvent_t ready = nullptr, done = nullptr;
     ASYNCPP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     ASYNCPP_CUDA_CHECK(cudaEventRecord(ready, as_stream(compute_stream_)));
     ASYNCPP_CUDA_CHECK(cudaStreamWaitEvent(as_stream(ch.stream), ready, 0));
-    ASYNCPP_CUDA_CHECK(cudaEventDestroy(ready));  // released by CUDA once the wait is satisfied
+    cudaEvent_t waited = ready;
+    ready = nullptr;
+    ASYNCPP_CUDA_CHECK(cudaEventDestroy(waited));  // released by CUDA once the wait is satisfied
     const size_t bytes = static_cast<size_t>(v.nbytes());
     if (is_send)
       ASYNCPP_NCCL_CHECK(nccl.ncclSend(v.data, bytes, kUint8, 1, ch.comm, ch.stream));
@@ -161,6 +163,7 @@ core::Transport::Request NcclTransport::post(const core::MessageKey& key, bool i
     p.done = done;
     ASYNCPP_CUDA_CHECK(cudaEventRecord(done, as_stream(ch.stream)));
   } catch (const Error& e) {
+    if (ready) cudaEventDestroy(ready);
     if (p.done) cudaEventDestroy(as_event(p.done));
     fail(detail::concat("stage ", stage_, ": could not post ", core::describe(key, is_send), " (rank ",
                         ch.spec.peer_rank, "): ", e.what()));
