@@ -298,6 +298,12 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg.validate()
     cfg.optim.pin_auto_values()  # a resumed run reads the numbers back (older checkpoints: None)
+    multi_process = (cfg.pipeline.stages > 1 or cfg.pipeline.dp > 1) and not cfg.train.simulate
+    if multi_process and cfg.train.device == "cuda":
+        raise UsageError("--device cuda: a multi-process run's ranks train on CPU (gloo) today; run one "
+                         "process on the GPU (--stages 1 --dp 1, or --simulate), or build a CUDA pipeline "
+                         "with the Python API: Pipeline(..., device='cuda:N', transport='nccl'), see "
+                         "docs/scale_out.md")
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA GPU is visible; use --device cpu")
     return cfg, resume_dir

@@ -126,6 +126,7 @@ BAD_INPUTS = [
     ("--stages 4", "pipeline.stages=4 exceeds the model's 3 blocks"),
     ("pipe --stages 5", "pipeline.stages=5 exceeds the model's 4 blocks"),
     ("pipe --stages 3 --schedule 2bw", "2bw needs microbatches >= stages"),
+    ("pipe --device cuda", "--device cuda: a multi-process run's ranks train on CPU (gloo) today"),
     ("--n-head 3", "model.n_head=3 must divide model.n_embd=32"),
     # config values
     ("--steps 0", "train.steps must be a positive integer"),
