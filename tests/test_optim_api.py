@@ -190,11 +190,50 @@ def loss_of_cuda(model, seed=0):
     return nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.roll(-1, 1).flatten())
 
 
+@pytest.mark.cuda
+def test_cuda_momentum_norms_are_deterministic_and_match_cpu():
+    """Per-chunk partials summed in chunk order: the same bits on every call (replicas that
+    orthogonalise their own copies stay identical), and the CPU's value to float rounding."""
+    from asyncpp_ext.optim import _kernels as K
+
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(s, generator=gen) for s in [(1024, 1024), (4096, 300), (7,)]]
+
+    def norms(device):
+        g = [t.to(device) for t in grads]
+        bufs = [torch.zeros_like(t) for t in g]
+        outs = [torch.empty(t.shape, dtype=torch.bfloat16, device=device) for t in g]
+        sumsq = torch.empty(len(g), device=device)
+        K.muon_momentum(g, bufs, outs, momentum=0.9, nesterov=True, sumsq=sumsq)
+        return sumsq.cpu()
+
+    first, second, cpu = norms("cuda"), norms("cuda"), norms("cpu")
+    assert torch.equal(first, second)
+    assert torch.allclose(first, cpu, rtol=1e-5, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_kernels_run_on_the_tensors_device_not_the_current_one():
+    from asyncpp_ext.optim import AdamW
+
+    torch.cuda.set_device(0)
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(300, 200, generator=gen)
+    results = []
+    for device in ("cpu", "cuda:1"):
+        p = w.clone().to(device).requires_grad_()
+        p.grad = torch.ones_like(p)
+        AdamW([p], lr=0.1).step()
+        results.append(p.detach().cpu())
+    assert torch.allclose(results[0], results[1], rtol=1e-6, atol=1e-7)
+
 
 def asyncpp_ext_cuda_devices() -> int:
     from asyncpp_ext._ext import C
 
     return C.cuda_device_count()
+
 
 @pytest.mark.skipif(torch.cuda.is_available() and asyncpp_ext_cuda_devices() > 0,
                     reason="the CUDA kernels can run here")
