@@ -1,7 +1,7 @@
 // Multi-tensor optimizer kernels: one call updates a whole list of tensors. The bindings
 // (optim_bindings.cpp) have already checked every pointer, dtype, device and size; these functions
-// trust their input. CPU versions run OpenMP over fixed-size chunks of the flattened tensor list;
-// CUDA versions take the same descriptions plus the stream to launch on.
+// trust their input. CPU versions spread fixed-size chunks of the flattened tensor list over a
+// worker pool (cpu_pool.h); CUDA versions take the same descriptions plus the stream to launch on.
 #pragma once
 #include <cstdint>
 #include <vector>
