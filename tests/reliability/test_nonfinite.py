@@ -117,3 +117,18 @@ def test_trainer_records_the_skip_and_checkpoints_refuse_nan_weights(tmp_path):
                                                         r"of stage 0 holds NaN/Inf"):
         save_checkpoint(tmp_path, 4, [state], {"config": {}, "data": {}})
     assert sorted(p.name for p in tmp_path.iterdir() if "ckpt" in p.name) == ["ckpt-000003"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stage_gradient_scan_names_the_first_bad_parameter(dtype):
+    from asyncpp_ext.pipeline.nonfinite import all_finite, first_nonfinite_name
+
+    names, sizes = ["a.weight", "b.weight", "c.bias"], [40_000, 70_000, 3]
+    flat = torch.randn(sum(sizes)).to(dtype)
+    assert all_finite(flat) and first_nonfinite_name(flat, names, sizes) is None
+    for index, name in ((0, "a.weight"), (39_999, "a.weight"), (40_000, "b.weight"), (110_002, "c.bias")):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            poisoned = flat.clone()
+            poisoned[index] = bad
+            assert not all_finite(poisoned)
+            assert first_nonfinite_name(poisoned, names, sizes) == name
