@@ -45,6 +45,7 @@ def run_configs(configs: list, steps: int, out_dir: str) -> None:
         results[name] = {"replica": pipe.replica, "stage": pipe.stage, "losses": losses, "eval": eval_loss,
                          "params": state["params"], "memory": pipe.host.memory_report(),
                          "orthogonalized": getattr(pipe.host.optimizer, "orthogonalized_last_step", None),
+                         "optimizer_scans_grads": pipe.host.optimizer.check_finite,
                          "hook_launches": getattr(pipe.host.grad_sync, "hook_launches", None)}
         dist.barrier()
     torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))

@@ -249,3 +249,15 @@ def test_cuda_kernels_that_cannot_run_say_why_and_how_to_fix(monkeypatch):
     assert message.startswith("asyncpp_ext's CUDA kernels cannot run here: ")
     assert "rebuild asyncpp_ext with a CUDA toolkit the installed driver supports" in message
     assert f"while torch uses CUDA {torch.version.cuda}" in message
+
+
+def test_check_finite_off_leaves_the_scan_to_the_caller():
+    p = torch.zeros(4, 4, requires_grad=True)
+    p.grad = torch.full((4, 4), float("nan"))
+    opt = Muon([p], lr=0.02)
+    with pytest.raises(NonFiniteGradientError):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(4, 4))
+    opt.check_finite = False  # e.g. the pipeline's guard already verified these gradients
+    opt.step()
+    assert torch.isnan(p.detach()).all()

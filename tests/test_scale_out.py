@@ -127,3 +127,12 @@ def test_cli_dp_run_equals_its_simulation(tmp_path):
     assert rows["real"][-1]["tokens"] == rows["sim"][-1]["tokens"] == 4 * 2 * 2 * 2 * 16
     shards = sorted(p.name for p in (tmp_path / "real" / "ckpt-000004").glob("stage-*.pt"))
     assert len(shards) == 2  # one shard per stage, not per rank
+
+
+def test_the_stage_guard_replaces_the_optimizers_own_gradient_scan(runs):
+    """The pipeline's NaN/Inf guard checks the gradient buffer before every step, so the fused
+    optimizer's identical scan is switched off on every rank (tests/reliability/test_nonfinite.py
+    shows bad steps are still stopped or skipped)."""
+    for results in runs:
+        for per_config in results:
+            assert all(r["optimizer_scans_grads"] is False for r in per_config.values())

@@ -73,6 +73,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.shard_group = None
         self.orthogonalized_last_step = 0  # matrices this rank ran Newton-Schulz on in the last step
         self.workspace = Workspace()  # Newton-Schulz buffers reused across steps (not saved)
+        # Scan every gradient for NaN/Inf before writing anything. A caller that has just verified
+        # the same gradients and keeps a bad step from reaching step() (the pipeline's NaN/Inf
+        # guard) turns it off to save a read of all gradients (and a host sync on CUDA).
+        self.check_finite = True
         if shard_group is not None:
             self.shard_across(shard_group)
 
@@ -143,7 +147,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                                      "expected float32 like the parameter")
                 items.append((p, g if g.is_contiguous() else g.contiguous(), gi, pi))
             work.append((group, items))
-        self._check_finite(work)
+        if self.check_finite:
+            self._check_finite(work)
         for group, items in work:
             if items and group["algorithm"] == ADAMW:
                 self._adamw_group(group, items)

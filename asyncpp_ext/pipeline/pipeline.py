@@ -145,6 +145,10 @@ class Pipeline:
         self.host.nonfinite = NonFiniteGuard(self.stage, self.stages, microbatches, on_nonfinite)
         self.host.nonfinite.names = self.param_names
         self.host.nonfinite.sizes = [p.numel() for p in self.host.opt_params]
+        if hasattr(self.host.optimizer, "check_finite"):
+            # The guard scans grad_flat -- every optimizer parameter's gradient -- right before each
+            # step and never lets a bad step reach the optimizer: its own scan would repeat it.
+            self.host.optimizer.check_finite = False
         if dp > 1:
             self.host.grad_sync = GradientAverager(self.host.grad_flat,
                                                    [list(r.parameters()) for r in self.host.replicas],
