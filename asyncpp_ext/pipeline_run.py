@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
                          load_checkpoint, restore_rng_state, temp_checkpoint_path, write_shard)
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .data import BatchStream
 from .models import GPT
 from .pipeline import Pipeline, init_distributed, spawn, under_launcher
@@ -119,7 +119,7 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], factory_builder, prepare)
     rank, world = init_distributed()
     need = cfg.pipeline.stages * cfg.pipeline.dp
     if world != need:
-        raise ValueError(f"torchrun started {world} processes but --stages {cfg.pipeline.stages} x --dp "
+        raise ConfigError(f"torchrun started {world} processes but --stages {cfg.pipeline.stages} x --dp "
                          f"{cfg.pipeline.dp} needs {need}; start {need} processes in all (--nproc-per-node "
                          f"times --nnodes) or change --stages / --dp")
     if rank == 0:

@@ -1,0 +1,54 @@
+"""asyncpp-train under torchrun (the multi-machine launcher): the same losses as the local launcher,
+and a wrong process count or a missing --out ends every rank with one message."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from asyncpp_ext.train import main
+
+pytestmark = pytest.mark.multiproc
+
+FLAGS = ["--model", "tiny", "--stages", "2", "--microbatches", "2", "--micro-batch-size", "2", "--seq-len", "16",
+         "--steps", "4", "--eval-every", "2", "--ckpt-every", "4", "--optimizer", "muon", "--no-progress"]
+
+
+def _torchrun(nproc, port, argv, timeout=120):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "asyncpp_ext.train", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_torchrun_gives_the_local_launchers_losses(tmp_path, free_port):
+    r = _torchrun(2, free_port, FLAGS + ["--out", str(tmp_path / "torchrun")])
+    assert r.returncode == 0, r.stderr
+    assert main(FLAGS + ["--out", str(tmp_path / "local")]) == 0
+    got, want = _metrics(tmp_path / "torchrun"), _metrics(tmp_path / "local")
+    assert [row["step"] for row in got] == [1, 2, 3, 4]
+    for key in ("loss", "eval_loss"):
+        assert [row.get(key) for row in got] == [row.get(key) for row in want]  # bitwise
+    assert (tmp_path / "torchrun" / "ckpt-000004" / "meta.json").exists()
+
+
+def test_torchrun_with_the_wrong_process_count_stops_every_rank(tmp_path, free_port):
+    r = _torchrun(3, free_port, FLAGS + ["--out", str(tmp_path / "run")])
+    assert r.returncode != 0
+    ours = [line for line in r.stderr.splitlines() if line.startswith("asyncpp-train: error: ")]
+    assert len(ours) == 3  # one line from each rank ...
+    assert all("torchrun started 3 processes but --stages 2 x --dp 1 needs 2; start 2 processes" in line
+               for line in ours)
+    assert "[rank" not in r.stderr  # ... and no rank traceback (torchrun's own summary follows)
+    assert not (tmp_path / "run").exists()
+
+
+def test_torchrun_without_out_is_refused(tmp_path, free_port):
+    r = _torchrun(2, free_port, FLAGS)
+    assert r.returncode != 0
+    ours = [line for line in r.stderr.splitlines() if line.startswith("asyncpp-train: error: ")]
+    assert len(ours) == 2 and all("under torchrun pass --out DIR" in line for line in ours)
+    assert "[rank" not in r.stderr
