@@ -200,8 +200,9 @@ class Pipeline:
     def __enter__(self) -> "Pipeline":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # Leaving on an error: transfers still in flight will not finish; abort at once.
+        self.close(timeout_s=0.0 if exc_type is not None else 30.0)
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
