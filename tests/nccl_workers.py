@@ -59,7 +59,7 @@ def transfer_worker(out_dir: str) -> None:
     sends = [t.impl.post_send(out_kind, step, 0, peer) for step in range(len(dtypes))]
     for r in recvs + sends:
         t.impl.wait(r, 60.0)
-    assert t.impl.pending() == 0
+    assert t.impl.pending() == 0 and t.pending() == []
     ok = [bool(torch.equal(buffers.received[(in_kind, s, 0)].cpu(),
                            buffers.payload(in_kind, s, 0, dtypes[s]).cpu())) for s in range(len(dtypes))]
     t.close()
@@ -76,6 +76,8 @@ def timeout_worker(out_dir: str) -> None:
     t = create_nccl_transport(buffers, rank, 2, [0, 1], device, run_id="timeout", timeout_s=60)
     if rank == 0:
         request = t.impl.post_recv(1, 0, 0, 1)
+        described = t.pending()  # what the watchdog's stall report would list
+        assert len(described) == 1 and "rank 1" in described[0] and "16 bytes" in described[0], described
         messages = []
         for action in (lambda: t.impl.wait(request, 2.0), lambda: t.impl.post_recv(1, 1, 0, 1)):
             try:

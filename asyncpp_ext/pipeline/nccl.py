@@ -146,6 +146,10 @@ class NcclTransport:
             return C.run_stage_nccl(schedule, stages, microbatches, steps, stage, first_step, host, self.impl,
                                     recv_ahead, max_inflight_sends, timeout_s)
 
+    def pending(self) -> list:
+        """Descriptions of the posted, unfinished transfers (for the watchdog's stall report)."""
+        return list(self.impl.pending_descriptions())
+
     def close(self, timeout_s: float = 30.0) -> None:
         self.impl.close(timeout_s)
 

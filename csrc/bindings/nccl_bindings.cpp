@@ -168,6 +168,8 @@ void bind_nccl(py::module_& m) {
              impl.wait(request, timeout_s);
            }, py::arg("request"), py::arg("timeout_s"))
       .def("pending", [](PyNcclTransport& t) { return t.get().pending(); })
+      .def("pending_descriptions", [](PyNcclTransport& t) { return t.get().pending_descriptions(); },
+           "What each posted, unfinished transfer is; safe from another thread (the watchdog).")
       .def("close", [](PyNcclTransport& t, double timeout_s) {
              nccl::NcclTransport& impl = t.get();
              py::gil_scoped_release release;

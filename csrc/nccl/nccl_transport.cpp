@@ -169,6 +169,11 @@ core::Transport::Request NcclTransport::post(const core::MessageKey& key, bool i
                         ch.spec.peer_rank, "): ", e.what()));
   }
   const Request id = next_request_++;
+  {
+    std::lock_guard<std::mutex> lock(described_mu_);
+    described_.emplace(id, detail::concat(core::describe(key, is_send), " (rank ", ch.spec.peer_rank, ", ",
+                                          v.nbytes(), " bytes)"));
+  }
   pending_.emplace(id, std::move(p));
   return id;
 }
@@ -200,6 +205,16 @@ void NcclTransport::retire(Request request) {
   if (!p.is_send) ASYNCPP_CUDA_CHECK(cudaStreamWaitEvent(as_stream(compute_stream_), as_event(p.done), 0));
   cudaEventDestroy(as_event(p.done));
   pending_.erase(it);  // drops keep_alive: the buffer may now be freed or reused
+  std::lock_guard<std::mutex> lock(described_mu_);
+  described_.erase(request);
+}
+
+std::vector<std::string> NcclTransport::pending_descriptions() const {
+  std::lock_guard<std::mutex> lock(described_mu_);
+  std::vector<std::string> out;
+  out.reserve(described_.size());
+  for (const auto& [id, what] : described_) out.push_back(what);
+  return out;
 }
 
 bool NcclTransport::test(Request request) {
@@ -250,6 +265,8 @@ void NcclTransport::abort_all() {
   for (auto& [id, p] : pending_)
     if (p.done) cudaEventDestroy(as_event(p.done));
   pending_.clear();
+  std::lock_guard<std::mutex> lock(described_mu_);
+  described_.clear();
 }
 
 void NcclTransport::close(double timeout_s) {
@@ -273,6 +290,8 @@ void NcclTransport::close(double timeout_s) {
   } else {
     for (auto& [id, p] : pending_) cudaEventDestroy(as_event(p.done));
     pending_.clear();
+    std::lock_guard<std::mutex> lock(described_mu_);
+    described_.clear();
     for (Channel& ch : channels_) {
       if (ch.comm) api().ncclCommDestroy(ch.comm);  // all transfers are done: a clean shutdown
       ch.comm = nullptr;

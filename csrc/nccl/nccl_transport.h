@@ -8,7 +8,9 @@
 // implementation exists only when CUDA is compiled in (ASYNCPP_WITH_CUDA).
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -71,6 +73,9 @@ class NcclTransport final : public core::Transport {
 
   // Requests posted and not yet retired by test()/wait().
   size_t pending() const { return pending_.size(); }
+  // What each of them is ("send of activation step 3 microbatch 1 (rank 2, 65536 bytes)"). Safe to
+  // call from another thread while the executor runs: the watchdog's stall report reads it.
+  std::vector<std::string> pending_descriptions() const;
   // Tears the communicators down: waits for in-flight transfers (up to `timeout_s`), then destroys
   // them; aborts instead if any transfer is still incomplete. Idempotent.
   void close(double timeout_s = 30.0);
@@ -104,6 +109,8 @@ class NcclTransport final : public core::Transport {
   BufferProvider& buffers_;
   std::vector<Channel> channels_;
   std::unordered_map<Request, Pending> pending_;
+  mutable std::mutex described_mu_;        // guards described_ (read by the watchdog thread)
+  std::map<Request, std::string> described_;  // mirrors pending_'s keys
   Request next_request_ = 0;
   std::string failure_;  // set once aborted: every later call reports it
   bool closed_ = false;
