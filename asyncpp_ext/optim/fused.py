@@ -3,7 +3,7 @@ groups (2-D matrices) or AdamW groups, all updated by the multi-tensor kernels o
 
 Order inside `step()`: (1) collect and validate every parameter with a gradient, (2) scan all
 gradients for NaN/Inf and raise `NonFiniteGradientError` naming the parameter -- nothing has been
-modified yet, (3) update the AdamW groups, (4) update the Muon groups (momentum kernel -> batched
+modified yet (skipped when `check_finite` is False: the caller has checked), (3) update the AdamW groups, (4) update the Muon groups (momentum kernel -> batched
 Newton-Schulz -> apply kernel). Error feedback (ef_beta > 0) is fused into the final kernel and uses
 the explicitly computed update D (see DESIGN: W <- W + D + beta*(D - E), E <- D).
 """
