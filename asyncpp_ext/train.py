@@ -266,6 +266,11 @@ def autocast_loss(dtype: str, device: torch.device):
     return loss
 
 
+def runs_multi_process(cfg: RunConfig) -> bool:
+    """A pipeline or data-parallel run that is not simulated: one process per stage and replica."""
+    return (cfg.pipeline.stages > 1 or cfg.pipeline.dp > 1) and not cfg.train.simulate
+
+
 def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
     args = build_parser().parse_args(argv)
     resume_dir = None
@@ -298,8 +303,7 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg.validate()
     cfg.optim.pin_auto_values()  # a resumed run reads the numbers back (older checkpoints: None)
-    multi_process = (cfg.pipeline.stages > 1 or cfg.pipeline.dp > 1) and not cfg.train.simulate
-    if multi_process and cfg.train.device == "cuda":
+    if runs_multi_process(cfg) and cfg.train.device == "cuda":
         raise UsageError("--device cuda: a multi-process run's ranks train on CPU (gloo) today; run one "
                          "process on the GPU (--stages 1 --dp 1, or --simulate), or build a CUDA pipeline "
                          "with the Python API: Pipeline(..., device='cuda:N', transport='nccl'), see "
@@ -335,7 +339,7 @@ def main(argv=None) -> int:
     cfg = None
     try:
         cfg, resume_dir = _resolve(argv)
-        if (cfg.pipeline.stages > 1 or cfg.pipeline.dp > 1) and not cfg.train.simulate:
+        if runs_multi_process(cfg):
             return run_pipeline(cfg, resume_dir)
         return run_single_process(cfg, resume_dir)
     except (NonFiniteError, NonFiniteCheckpointError) as exc:  # a run failure, not a bad input
