@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,15 @@ namespace {
 using namespace asyncpp::kernels::optim;
 
 std::string item(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
+
+#ifndef ASYNCPP_WITH_CUDA
+// CUDA tensors reached a build without CUDA kernels: one message for every entry point.
+[[noreturn]] void no_cuda_kernels(const char* what) {
+  ASYNCPP_ARG_CHECK(false, what, " are CUDA tensors but asyncpp_ext was built without CUDA kernels; "
+                    "rebuild with nvcc available (ASYNCPP_CUDA=on) or use CPU tensors");
+  std::abort();  // not reached: the check throws
+}
+#endif
 
 // All tensors of one call live on one device; `first` decides which.
 void expect_like(const TensorView& t, const TensorView& first, DType dtype, const std::string& name) {
@@ -123,8 +133,7 @@ void adamw_step(const py::sequence& params_c, const py::sequence& grads_c, const
   adamw_step_cuda(work, stream);
 #else
   (void)stream;
-  ASYNCPP_ARG_CHECK(false, "params are CUDA tensors but asyncpp_ext was built without CUDA kernels; "
-                           "rebuild with nvcc available (ASYNCPP_CUDA=on) or use CPU tensors");
+  no_cuda_kernels("params");
 #endif
 }
 
@@ -165,7 +174,7 @@ void muon_momentum(const py::sequence& grads_c, const py::sequence& bufs_c, cons
   muon_momentum_cuda(work, storage, sumsq, stream);
 #else
   (void)stream;
-  ASYNCPP_ARG_CHECK(false, "grads are CUDA tensors but asyncpp_ext was built without CUDA kernels");
+  no_cuda_kernels("grads");
 #endif
 }
 
@@ -205,7 +214,7 @@ void apply_update(const py::sequence& params_c, const py::sequence& updates_c, c
   apply_update_cuda(work, storage, stream);
 #else
   (void)stream;
-  ASYNCPP_ARG_CHECK(false, "params are CUDA tensors but asyncpp_ext was built without CUDA kernels");
+  no_cuda_kernels("params");
 #endif
 }
 
@@ -224,7 +233,7 @@ int64_t first_nonfinite(const py::sequence& tensors_c, intptr_t stream) {
   return first_nonfinite_cuda(work, stream);
 #else
   (void)stream;
-  ASYNCPP_ARG_CHECK(false, "tensors are on CUDA but asyncpp_ext was built without CUDA kernels");
+  no_cuda_kernels("tensors");
 #endif
 }
 
