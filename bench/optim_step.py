@@ -88,14 +88,19 @@ def clone_params(params):
     return out
 
 
+def motion_error(got, want, start):
+    """max |got - want| relative to how far `want` moved from `start` (compared in float64)."""
+    num = max((g.double() - w.double()).abs().max().item() for g, w in zip(got, want))
+    den = max((w.double() - s.double()).abs().max().item() for w, s in zip(want, start))
+    return num / den
+
+
 def one_step_error(make_ours, make_ref, shapes):
     start = make_params(shapes, seed=1)
     ours, ref = clone_params(start), clone_params(start)
     make_ours(ours).step()
     make_ref(ref).step()
-    num = max((o - r).abs().max().item() for o, r in zip(ours, ref))
-    den = max((r - s).abs().max().item() for r, s in zip(ref, start))
-    return num / den
+    return motion_error(ours, ref, start)
 
 
 def error_vs_float64(make_opt, shapes):
@@ -107,9 +112,7 @@ def error_vs_float64(make_opt, shapes):
     for e, p in zip(exact, start):
         e.grad = p.grad.double()
     PlainMuon(exact, LR, WD).step()
-    num = max((g.double() - e).abs().max().item() for g, e in zip(got, exact))
-    den = max((e - s.double()).abs().max().item() for e, s in zip(exact, start))
-    return num / den
+    return motion_error(got, exact, start)
 
 
 def interleaved_times(steppers, repeats):
@@ -301,7 +304,8 @@ def main(argv=None):
     info = dict(torch=torch.__version__, threads=torch.get_num_threads(), layers=args.layers, width=args.width,
                 bf16_ns=("native bf16 matmuls (CPU has bf16 dot products)" if native_bf16 else
                          "emulated: bf16-rounded intermediates, float32 products; reduced set 1 x 128"),
-                cpu_kernel_isa=build_info()["cpu_kernel_isa"], omp_runtimes=omp_runtimes(), load_start=load_start, load_end="%.1f" % os.getloadavg()[0],
+                cpu_kernel_isa=build_info()["cpu_kernel_isa"], omp_runtimes=omp_runtimes(),
+                load_start=load_start, load_end="%.1f" % os.getloadavg()[0],
                 nan_scan_ms=scan["median_ms"], nan_scan_params=sum(g.numel() for g in grads))
     if args.json:
         print(json.dumps(dict(info=info, rows=rows, breakdowns=breakdowns), indent=1))
