@@ -21,7 +21,7 @@ SOURCES := $(shell find csrc cmake -type f 2>/dev/null) CMakeLists.txt setup.py 
 .DELETE_ON_ERROR:
 
 demo: $(BUILT)
-	$(PY) -m asyncpp_ext.demo
+	$(PY) -m asyncpp_ext.training.demo
 
 test: $(BUILT)
 	$(PY) -m pytest

@@ -71,7 +71,7 @@ def _init_worker(threads: int) -> None:
 
 def run_config(spec: RunSpec, args: dict):
     """The RunConfig ``asyncpp-train`` would build for this run (also used for the spot check)."""
-    from asyncpp_ext.config import RunConfig
+    from asyncpp_ext.training.config import RunConfig
     from asyncpp_ext.models import preset_config
 
     cfg = RunConfig()
@@ -96,8 +96,8 @@ def run_one(spec: RunSpec, args: dict) -> dict:
     """Train one configuration in this process; returns its losses and eval curve."""
     from asyncpp_ext.data import BatchStream, eval_batches, load_tokens, split_tokens
     from asyncpp_ext.models import GPT
-    from asyncpp_ext.simulate import DelaySimulator
-    from asyncpp_ext.train import make_optimizer_factory
+    from asyncpp_ext.training.simulate import DelaySimulator
+    from asyncpp_ext.training.cli import make_optimizer_factory
 
     cfg = run_config(spec, args)
     p = cfg.pipeline

@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
-from asyncpp_ext import checkpoint as ckpt
-from asyncpp_ext.checkpoint import (CheckpointError, check_resume_config, latest_checkpoint,
+from asyncpp_ext.training import checkpoint as ckpt
+from asyncpp_ext.training.checkpoint import (CheckpointError, check_resume_config, latest_checkpoint,
                                     list_checkpoints, load_checkpoint, save_checkpoint)
-from asyncpp_ext.config import RunConfig
+from asyncpp_ext.training.config import RunConfig
 
 
 def _state(value):

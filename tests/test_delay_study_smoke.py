@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncpp_ext.train import main as train_main
-from asyncpp_ext.trainer import read_metrics
+from asyncpp_ext.training.cli import main as train_main
+from asyncpp_ext.training.trainer import read_metrics
 
 STUDY_PATH = Path(__file__).resolve().parent.parent / "bench" / "delay_study.py"
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from asyncpp_ext.config import EF_BETA_AUTO, ConfigError, RunConfig
+from asyncpp_ext.training.config import EF_BETA_AUTO, ConfigError, RunConfig
 from asyncpp_ext.models import GPT, PRESETS
-from asyncpp_ext.train import make_optimizer_factory
+from asyncpp_ext.training.cli import make_optimizer_factory
 
 
 def _ef_betas(optimizer):
@@ -55,8 +55,8 @@ def test_a_run_records_its_auto_values_and_resumes_with_them(tmp_path, monkeypat
     defaults have changed since (here: EF_BETA_AUTO and LR_AUTO patched before the resume)."""
     import json
 
-    from asyncpp_ext import config
-    from asyncpp_ext.train import main
+    from asyncpp_ext.training import config
+    from asyncpp_ext.training.cli import main
 
     flags = ["--model", "tiny", "--micro-batch-size", "2", "--seq-len", "16", "--no-progress",
              "--optimizer", "muon", "--eval-every", "0", "--ckpt-every", "2"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncpp_ext.pipeline import spawn
-from asyncpp_ext.train import main
+from asyncpp_ext.training.cli import main
 
 import scale_workers as w
 

@@ -8,7 +8,7 @@ import torch
 from asyncpp_ext.optim.sharding import assign_owners, newton_schulz_cost
 from asyncpp_ext.pipeline.data_parallel import Layout, _bucket_ranges, replica_share
 from asyncpp_ext.pipeline.recompute import resolve_autocast
-from asyncpp_ext.train import main
+from asyncpp_ext.training.cli import main
 
 TINY = ["--model", "tiny", "--seq-len", "16", "--n-layer", "1", "--micro-batch-size", "2",
         "--microbatches", "2", "--steps", "3", "--eval-every", "0", "--ckpt-every", "0", "--no-progress",

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from asyncpp_ext import schedule as sc
+from asyncpp_ext.schedule import engine as sc
 
 Op = sc.Op
 SIZES = [(S, m, K) for S in range(1, 7) for m in range(1, 11) for K in (1, 2, 3)]

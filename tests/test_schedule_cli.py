@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from asyncpp_ext import schedule as sc
-from asyncpp_ext.schedule_cli import main
+from asyncpp_ext.schedule.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -91,7 +91,7 @@ def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
 
 
 def test_module_and_console_script_run_as_processes(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "asyncpp_ext.schedule_cli", "--schedule", "2bw",
+    proc = subprocess.run([sys.executable, "-m", "asyncpp_ext.schedule", "--schedule", "2bw",
                            "--stages", "2", "--microbatches", "1"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from asyncpp_ext.models import GPT, preset_config
-from asyncpp_ext.simulate import DelaySimulator
+from asyncpp_ext.training.simulate import DelaySimulator
 
 CFG = preset_config("tiny", n_layer=1, n_embd=16, seq_len=8)
 M = 3

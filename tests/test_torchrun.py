@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from asyncpp_ext.train import main
+from asyncpp_ext.training.cli import main
 
 pytestmark = pytest.mark.multiproc
 

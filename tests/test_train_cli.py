@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncpp_ext.train import main
+from asyncpp_ext.training.cli import main
 
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")

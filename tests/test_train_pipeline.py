@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from asyncpp_ext.checkpoint import load_checkpoint
-from asyncpp_ext.simulate import merge_engine_states
-from asyncpp_ext.train import main
+from asyncpp_ext.training.checkpoint import load_checkpoint
+from asyncpp_ext.training.simulate import merge_engine_states
+from asyncpp_ext.training.cli import main
 
 pytestmark = pytest.mark.multiproc
 

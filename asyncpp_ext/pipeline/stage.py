@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
 from .nonfinite import NonFiniteGuard
@@ -161,8 +162,6 @@ class StageHost:
 
     def state_dict(self, names: Sequence[str]) -> dict:
         """Newest weights W(k), the older version W(k-1) for 2bw, optimizer state, step count."""
-        from ..simulate import optimizer_state_by_name
-
         k = self.newest_version()
         params = self._unflatten(self.flat[k % len(self.flat)], names)
         stash = {}
@@ -177,8 +176,6 @@ class StageHost:
 
     def load_state_dict(self, state: dict, names: Sequence[str]) -> None:
         """Load a state written at any pipeline depth (only this stage's names are taken)."""
-        from ..simulate import load_optimizer_state_by_name, regroup_optimizer_state
-
         missing = [n for n in names if n not in state["params"]]
         if missing:
             raise ValueError(f"the checkpoint has no weights for {missing[0]!r}; it was written for "

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from asyncpp_ext import checkpoint as ckpt
+from asyncpp_ext.training import checkpoint as ckpt
 
 
 def _state(seed):

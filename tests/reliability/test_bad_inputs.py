@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from asyncpp_ext.train import main
+from asyncpp_ext.training.cli import main
 
 FAST = ["--simulate", "--no-progress", "--n-layer", "1", "--micro-batch-size", "4", "--microbatches", "2"]
 PIPE = ["--no-progress", "--n-layer", "2", "--micro-batch-size", "2", "--seq-len", "16", "--stages", "2",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncpp_ext.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from asyncpp_ext.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 from .ckpt_crash_worker import _state
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from asyncpp_ext.checkpoint import NonFiniteCheckpointError, list_checkpoints, save_checkpoint
+from asyncpp_ext.training.checkpoint import NonFiniteCheckpointError, list_checkpoints, save_checkpoint
 from asyncpp_ext.pipeline import LaunchError, spawn
 from asyncpp_ext.pipeline.nonfinite import NonFiniteError
-from asyncpp_ext.simulate import DelaySimulator
+from asyncpp_ext.training.simulate import DelaySimulator
 
 import pipeline_workers as pw
 from . import reliab_workers as rw
@@ -97,8 +97,8 @@ class _ListStream:
 
 
 def test_trainer_records_the_skip_and_checkpoints_refuse_nan_weights(tmp_path):
-    from asyncpp_ext.config import RunConfig
-    from asyncpp_ext.trainer import Trainer, read_metrics
+    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.trainer import Trainer, read_metrics
 
     model = nn.Sequential(*pw.make_blocks())
     sim = DelaySimulator(model, pw.optimizer_factory("sgd")(model), "2bw", on_nonfinite="skip",

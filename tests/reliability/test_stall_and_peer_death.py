@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncpp_ext.checkpoint import latest_checkpoint, load_checkpoint
+from asyncpp_ext.training.checkpoint import latest_checkpoint, load_checkpoint
 from asyncpp_ext.pipeline import LaunchError, spawn
 
 from . import reliab_workers as rw

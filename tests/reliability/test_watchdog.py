@@ -7,7 +7,7 @@ import time
 import pytest
 
 from asyncpp_ext.pipeline.watchdog import (EXIT_PEER_LOST, EXIT_STALLED, Watchdog, default_timeout_s)
-from asyncpp_ext.train import main
+from asyncpp_ext.training.cli import main
 
 
 def _watchdog(timeout_s=0.4, warmup_factor=1.0):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
-from .models import GPTConfig
+from ..models import GPTConfig
 
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw")
 NONFINITE_POLICIES = ("stop", "skip")

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .config import SCHEDULES
-from .pipeline.nonfinite import POLICIES, NonFiniteError
+from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
+from ..pipeline.nonfinite import POLICIES, NonFiniteError
 from .trainer import StepOutcome
 
 DELAYED_SCHEDULES = ("2bw",)
@@ -170,43 +171,6 @@ def _check_names(what: str, saved: dict, expected: list[str]) -> None:
                          f"{extra}); load a state saved from the same model shape")
 
 
-def _param_order(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[str]:
-    """Global names of the optimizer's parameters in its state_dict index order."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    return [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
-def optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
-    """``optimizer.state_dict()`` with parameter indices replaced by global parameter names."""
-    order = _param_order(optimizer, model)
-    raw = optimizer.state_dict()
-    return {
-        "state": {order[i]: dict(s) for i, s in raw["state"].items()},
-        "param_groups": [{**g, "params": [order[i] for i in g["params"]]}
-                         for g in raw["param_groups"]],
-    }
-
-
-def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, model: nn.Module,
-                                 state: dict) -> None:
-    """Inverse of ``optimizer_state_by_name`` for an optimizer built the same way."""
-    order = _param_order(optimizer, model)
-    index = {n: i for i, n in enumerate(order)}
-    named = set(state["state"]) | {n for g in state["param_groups"] for n in g["params"]}
-    unknown = sorted(named - set(index))
-    if unknown:
-        raise ValueError(f"optimizer state names parameter(s) {unknown[:3]} this optimizer does "
-                         "not hold; build the optimizer the same way as the saved run")
-    optimizer.load_state_dict({
-        "state": {index[n]: s for n, s in state["state"].items()},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                         for g in state["param_groups"]],
-    })
-
-
-
-
-
 def merge_engine_states(states: Sequence[dict]) -> dict:
     """One engine state from per-stage shards (any pipeline depth): weights and optimizer state are
     keyed by global parameter names, so the union is the whole model's state."""
@@ -224,28 +188,4 @@ def merge_engine_states(states: Sequence[dict]) -> dict:
     return merged
 
 
-def regroup_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, named) -> dict:
-    """Rebuild a by-name optimizer state in ``optimizer``'s own group layout.
-
-    ``saved`` may come from another pipeline depth (its groups split or merged differently);
-    each current group takes its hyperparameters from the saved group that held its first
-    parameter. ``named`` is a model or anything with ``named_parameters()``.
-    """
-    order = _param_order(optimizer, named)
-    group_of = {n: g for g in saved["param_groups"] for n in g["params"]}
-    groups, start = [], 0
-    for g in optimizer.param_groups:
-        names = order[start:start + len(g["params"])]
-        start += len(g["params"])
-        missing = [n for n in names if n not in group_of]
-        if missing:
-            raise ValueError(f"the saved optimizer state has no parameter {missing[0]!r}; resume "
-                             "with the model and optimizer the checkpoint was written with")
-        groups.append({**group_of[names[0]], "params": names})
-    return {"state": {n: saved["state"][n] for n in order if n in saved["state"]},
-            "param_groups": groups}
-
-
-__all__ = ["DelaySimulator", "default_loss", "optimizer_state_by_name",
-           "load_optimizer_state_by_name", "merge_engine_states", "regroup_optimizer_state",
-           "DELAYED_SCHEDULES"]
+__all__ = ["DelaySimulator", "default_loss", "merge_engine_states", "DELAYED_SCHEDULES"]

@@ -16,7 +16,7 @@ import torch
 
 from .checkpoint import save_checkpoint
 from .config import RunConfig
-from .data import BatchStream, eval_batches, load_tokens, split_tokens
+from ..data import BatchStream, eval_batches, load_tokens, split_tokens
 
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"

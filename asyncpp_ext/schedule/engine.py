@@ -24,7 +24,7 @@ import json
 import numbers
 from typing import List, NamedTuple, Optional, Sequence, Union
 
-from ._ext import C
+from .._ext import C
 
 Schedule = C.Schedule
 Instruction = C.Instruction
@@ -193,7 +193,7 @@ def plot_timeline(result: SimResult, path, *, title: Optional[str] = None) -> st
     hatched so step boundaries show, and each optimizer step is a black bar labelled with the
     version it creates.
     """
-    from .schedule_plot import draw_timeline
+    from .plot import draw_timeline
 
     return draw_timeline(result, path, title=title)
 

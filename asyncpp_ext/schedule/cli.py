@@ -3,7 +3,7 @@
     asyncpp-schedule --schedule 2bw --stages 4 --microbatches 8 --steps 10 [--fwd 1 --bwd 2]
                      [--p2p 0] [--opt 0] [--json] [--plot timeline.png]
 
-Also runs as ``python -m asyncpp_ext.schedule_cli``. Bad input prints one line starting with
+Also runs as ``python -m asyncpp_ext.schedule``. Bad input prints one line starting with
 ``asyncpp-schedule: error:`` on stderr and exits with status 2.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _table(res) -> str:
 
 
 def _run(args) -> str:
-    from . import schedule as sc
+    from . import engine as sc
 
     for name in ("fwd", "bwd", "p2p", "opt"):
         value = getattr(args, name)

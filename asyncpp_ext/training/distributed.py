@@ -20,10 +20,10 @@ import torch.distributed as dist
 from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
                          load_checkpoint, restore_rng_state, temp_checkpoint_path, write_shard)
 from .config import ConfigError, RunConfig
-from .data import BatchStream
-from .models import GPT
-from .pipeline import Pipeline, init_distributed, spawn, under_launcher
-from .pipeline.transport import TransportError, peer_failure_reason
+from ..data import BatchStream
+from ..models import GPT
+from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
+from ..pipeline.transport import TransportError, peer_failure_reason
 from .simulate import merge_engine_states
 from .trainer import StepOutcome, Trainer, run_data
 

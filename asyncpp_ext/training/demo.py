@@ -7,8 +7,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from .info import build_info
-from .train import main as train_main
+from ..info import build_info
+from .cli import main as train_main
 
 OUT = Path("runs/demo")
 FLAGS = ["--schedule", "2bw", "--stages", "2", "--microbatches", "4", "--micro-batch-size", "8",

@@ -1,0 +1,364 @@
+"""``asyncpp-train``: train the GPT with a pipeline schedule, or simulate that schedule in one process.
+
+With no arguments it trains the tiny GPT on the built-in corpus for a few seconds. Outputs in the
+run directory (--out): metrics.jsonl (one JSON row per step), config.json, loss.png and checkpoints
+ckpt-NNNNNN/ (every --ckpt-every steps and at the end). ``--resume DIR`` continues DIR's run from its
+latest checkpoint exactly as if it had never stopped.
+
+Every bad input ends with one line ``asyncpp-train: error: ...`` on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
+                         read_meta, restore_rng_state)
+from .config import DTYPES, NONFINITE_POLICIES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from ..data import DataError
+from ..models import GPT, PRESETS
+from .simulate import DelaySimulator, merge_engine_states
+from ..optim import build_optimizer
+from ..pipeline import LaunchError, under_launcher
+from ..pipeline.nonfinite import NonFiniteError
+from .trainer import (CONFIG_NAME, METRICS_NAME, Trainer, read_metrics, run_data, truncate_metrics,
+                      write_text_atomic)
+
+PROG = "asyncpp-train"
+OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
+_D = RunConfig()  # the documented defaults
+
+
+class UsageError(ValueError):
+    """Bad command line (argparse's complaints, conflicting flags, unusable --out)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump: the caller prints it
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Defaults are None so that the flags a user typed can be told apart (needed by --resume,
+    # which takes every unset value from the checkpoint); the real defaults are shown in help.
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    pipe, opt, run = (p.add_argument_group(t) for t in ("pipeline", "optimizer", "run"))
+    pipe.add_argument("--schedule", choices=SCHEDULES,
+                      help=f"sync|gpipe|1f1b: no delay; 2bw: one-step weight delay, no flush "
+                           f"(default {_D.pipeline.schedule})")
+    pipe.add_argument("--stages", type=int, help=f"pipeline stages (default {_D.pipeline.stages})")
+    pipe.add_argument("--microbatches", type=int,
+                      help=f"microbatches per step; 2bw needs >= stages (default {_D.pipeline.microbatches})")
+    pipe.add_argument("--micro-batch-size", type=int,
+                      help=f"sequences per microbatch per replica (default {_D.pipeline.micro_batch_size})")
+    pipe.add_argument("--dp", type=int,
+                      help="data-parallel replicas of the pipeline; stages x dp processes, each step "
+                           "takes microbatches x dp x micro-batch-size sequences (default 1)")
+    pipe.add_argument("--no-shard-muon", action="store_true", default=None,
+                      help="with --dp > 1, every replica runs all Muon orthogonalisations itself "
+                           "(default: each runs a share and they are gathered)")
+    pipe.add_argument("--recompute", action="store_true", default=None,
+                      help="recompute each stage's forward before its backward: same losses, less "
+                           "activation memory")
+    opt.add_argument("--optimizer", choices=OPTIMIZERS, help=f"default {_D.optim.name}")
+    opt.add_argument("--lr", type=float, help="learning rate (default per optimizer: " + ", ".join(
+        f"{k} {v:g}" for k, v in LR_AUTO.items()) + ")")
+    opt.add_argument("--adamw-lr", type=float,
+                     help="lr of muon's AdamW part (embeddings, head, norms, biases); default 3e-3")
+    opt.add_argument("--weight-decay", type=float, help=f"default {_D.optim.weight_decay}")
+    opt.add_argument("--ef-beta", type=float,
+                     help="error-feedback delay correction strength, 0 = off (default auto: "
+                          + ", ".join(f"{k} {v:g}" for k, v in EF_BETA_AUTO.items()) + ")")
+    run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
+    run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
+    run.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
+                                    "file, or a uint16 .bin token file (default builtin)")
+    run.add_argument("--model", choices=sorted(PRESETS),
+                     help="preset: tiny (2 layers, width 32, 2 heads, seq 32) or small (4, 128, 4, "
+                          "64) (default tiny)")
+    for flag in ("n-layer", "n-embd", "n-head", "seq-len"):
+        run.add_argument(f"--{flag}", type=int, help="override the preset's value")
+    run.add_argument("--eval-every", type=int,
+                     help=f"eval every K steps and at the end, 0 = end only (default {_D.train.eval_every})")
+    run.add_argument("--ckpt-every", type=int,
+                     help=f"checkpoint every K steps and at the end, 0 = end only (default {_D.train.ckpt_every})")
+    run.add_argument("--out", help="run directory (default runs/YYYYmmdd-HHMMSS; with --resume, "
+                                   "the resumed directory)")
+    run.add_argument("--resume", metavar="DIR",
+                     help="continue DIR's run from its latest checkpoint up to --steps; flags "
+                          "left out are taken from the checkpoint")
+    run.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
+    run.add_argument("--dtype", choices=DTYPES,
+                     help="auto: bf16 autocast on cuda, fp32 on cpu; bf16: autocast with fp32 "
+                          "weights and optimizer state (slow on cpu) (default auto)")
+    run.add_argument("--simulate", action="store_true", default=None,
+                     help="run the schedule's update rule in one process (delay simulator)")
+    run.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
+    run.add_argument("--timeout", type=float, metavar="SECONDS",
+                     help=f"abort every rank with a report when no pipeline instruction completes "
+                          f"for this long (default {_D.train.timeout_s:g}, or $ASYNCPP_TIMEOUT)")
+    run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES,
+                     help="NaN/Inf loss or gradient: stop the run, or skip that step's update on "
+                          f"every stage (default {_D.train.on_nonfinite})")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None) -> RunConfig:
+    """``base`` (defaults, or a resumed run's config) with every flag the user gave applied."""
+    cfg = RunConfig.from_dict((base or RunConfig()).to_dict())  # a private copy
+    model = PRESETS[args.model] if args.model is not None else cfg.model
+    cfg.model = replace(model, **{k: v for k, v in (("n_layer", args.n_layer),
+                                                    ("n_embd", args.n_embd),
+                                                    ("n_head", args.n_head),
+                                                    ("seq_len", args.seq_len)) if v is not None})
+    sets = {
+        ("pipeline", "schedule"): args.schedule, ("pipeline", "stages"): args.stages,
+        ("pipeline", "microbatches"): args.microbatches,
+        ("pipeline", "micro_batch_size"): args.micro_batch_size, ("pipeline", "dp"): args.dp,
+        ("pipeline", "shard_muon"): None if args.no_shard_muon is None else not args.no_shard_muon,
+        ("pipeline", "recompute"): args.recompute, ("train", "dtype"): args.dtype,
+        ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
+        ("optim", "adamw_lr"): args.adamw_lr, ("optim", "weight_decay"): args.weight_decay,
+        ("optim", "ef_beta"): args.ef_beta, ("train", "steps"): args.steps,
+        ("train", "seed"): args.seed, ("data", "source"): args.data,
+        ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
+        ("train", "out"): args.out, ("train", "device"): args.device,
+        ("train", "simulate"): args.simulate,
+        ("train", "progress"): None if args.no_progress is None else not args.no_progress,
+        ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
+        ("train", "on_nonfinite"): args.on_nonfinite,
+    }
+    for (section, name), value in sets.items():
+        if value is not None:
+            setattr(getattr(cfg, section), name, value)
+    cfg.train.resume = args.resume
+    return cfg
+
+
+def _env_timeout() -> Optional[float]:
+    """ASYNCPP_TIMEOUT when set (it overrides the default and a resumed run's saved value)."""
+    from ..pipeline.watchdog import TIMEOUT_ENV, default_timeout_s
+
+    if not os.environ.get(TIMEOUT_ENV, "").strip():
+        return None
+    try:
+        return default_timeout_s()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
+    """``(module) -> optimizer`` for cfg.optim (a whole model or one pipeline stage's blocks)."""
+    o = cfg.optim
+    return lambda module: build_optimizer(module, o.name, o.effective_lr(), weight_decay=o.weight_decay,
+                                          ef_beta=o.effective_ef_beta(),
+                                          adamw_lr=o.effective_adamw_lr() if o.name == "muon" else None)
+
+
+def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
+    """Multi-process pipeline training: one process per stage (spawned here, or torchrun's)."""
+    from .distributed import launch
+
+    # Every check that can fail on bad input happens before any process starts.
+    run_data(cfg)
+    start_step = 0
+    if resume_dir is not None:
+        meta, _ = load_checkpoint(resume_dir)  # verifies every shard
+        start_step = int(meta["step"])
+
+    def prepare() -> None:
+        out = _prepare_run_dir(cfg, resuming=resume_dir is not None)
+        if resume_dir is not None:
+            truncate_metrics(out, start_step)
+        write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
+
+    launch(cfg, resume_dir, make_optimizer_factory, prepare)
+    if not under_launcher() or os.environ.get("RANK") == "0":
+        _print_summary(Path(cfg.train.out), cfg, start_step)
+    return 0
+
+
+def _print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
+    rows = [r for r in read_metrics(out) if r["step"] > start_step]
+    if not rows:
+        print(f"{out}: already at step {start_step} of {cfg.train.steps}; nothing to do")
+        return
+    last = rows[-1]
+    shown = f" eval_loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
+    skipped = sum(1 for r in rows if r.get("skipped"))
+    shown += f" ({skipped} step{'s' if skipped != 1 else ''} skipped: non-finite values)" if skipped else ""
+    loss = "skipped" if last["loss"] is None else f"{last['loss']:.4f}"
+    print(f"{out}: step {last['step']} loss {loss}{shown} "
+          f"({last['elapsed_s']:.1f} s, {cfg.pipeline.schedule}, {cfg.optim.name}, "
+          f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''}"
+          f"{f' x {cfg.pipeline.dp} replicas' if cfg.pipeline.dp > 1 else ''})")
+
+
+def _prepare_run_dir(cfg: RunConfig, resuming: bool) -> Path:
+    """Create (or check) the run directory only after every other check passed."""
+    out = Path(cfg.train.out)
+    if not resuming and out.exists() and ((out / METRICS_NAME).exists() or any(out.glob("ckpt-*"))):
+        raise UsageError(f"--out {out} already holds a run; continue it with --resume {out} or "
+                         "choose another --out")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        if created and out.is_dir():
+            out.rmdir()
+        raise UsageError(f"cannot write to --out {out} ({exc.strerror or exc}); choose a "
+                         "writable directory") from None
+    return out
+
+
+def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
+    """Simulated (or single-stage) training: the DelaySimulator under the shared Trainer."""
+    factory = make_optimizer_factory(cfg)
+    p = cfg.pipeline
+    stream, eval_set = run_data(cfg)  # --dp R simulates one replica on the global microbatches
+    model = GPT(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
+    engine = DelaySimulator(model, factory(model), p.schedule, on_nonfinite=cfg.train.on_nonfinite,
+                            loss_fn=autocast_loss(cfg.train.dtype, torch.device(cfg.train.device)))
+    start_step, elapsed = 0, 0.0
+    if resume_dir is not None:
+        meta, shards = load_checkpoint(resume_dir)
+        try:
+            engine.load_state_dict(merge_engine_states([s["engine"] for s in shards]))
+            stream.load_state_dict(meta["data"])
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {resume_dir} does not fit this run "
+                                  f"({str(exc).splitlines()[0]})") from None
+        start_step, elapsed = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
+    out = _prepare_run_dir(cfg, resuming=resume_dir is not None)
+    if resume_dir is not None:
+        truncate_metrics(out, start_step)
+        restore_rng_state(shards[0]["rng"])
+    write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
+    trainer = Trainer(cfg, engine, stream, eval_set, out, start_step=start_step,
+                      elapsed_s=elapsed, device=cfg.train.device)
+    trainer.run()
+    _print_summary(out, cfg, start_step)
+    return 0
+
+
+def autocast_loss(dtype: str, device: torch.device):
+    """The simulator's loss function under the run's --dtype (bf16 autocast or plain fp32)."""
+    from ..pipeline.recompute import autocast_context, resolve_autocast
+    from .simulate import default_loss
+
+    autocast_dtype = resolve_autocast(dtype, device)
+
+    def loss(model, inputs, targets):
+        with autocast_context(device, autocast_dtype):
+            return default_loss(model, inputs, targets)
+    return loss
+
+
+def runs_multi_process(cfg: RunConfig) -> bool:
+    """A pipeline or data-parallel run that is not simulated: one process per stage and replica."""
+    return (cfg.pipeline.stages > 1 or cfg.pipeline.dp > 1) and not cfg.train.simulate
+
+
+def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
+    args = build_parser().parse_args(argv)
+    resume_dir = None
+    if args.resume is not None:
+        run_dir = Path(args.resume)
+        if not run_dir.is_dir():
+            raise UsageError(f"--resume {run_dir} is not a directory; pass the --out directory "
+                             "of an earlier run")
+        if args.out is not None and Path(args.out).resolve() != run_dir.resolve():
+            raise UsageError(f"--out {args.out} differs from --resume {args.resume}; a resumed "
+                             "run continues in its own directory, drop --out")
+        resume_dir = latest_checkpoint(run_dir)
+        meta = read_meta(resume_dir)  # shards are verified when they are loaded
+        try:
+            saved = RunConfig.from_dict(meta["config"])
+        except (ConfigError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {resume_dir} holds an unusable config ({exc})") from None
+        cfg = config_from_args(args, base=saved)
+        cfg.train.out = str(run_dir)
+        check_resume_config(resume_dir, meta["config"], cfg)
+        if cfg.train.steps < meta["step"]:
+            raise UsageError(f"--steps {cfg.train.steps} is before the checkpoint's step "
+                             f"{meta['step']} in {resume_dir}; pass --steps >= {meta['step']}")
+    else:
+        cfg = config_from_args(args)
+        if args.out is None and under_launcher():
+            raise UsageError("under torchrun pass --out DIR: every rank must write to the same run "
+                             "directory")
+        if args.out is None:
+            cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    cfg.validate()
+    cfg.optim.pin_auto_values()  # a resumed run reads the numbers back (older checkpoints: None)
+    if runs_multi_process(cfg) and cfg.train.device == "cuda":
+        raise UsageError("--device cuda: a multi-process run's ranks train on CPU (gloo) today; run one "
+                         "process on the GPU (--stages 1 --dp 1, or --simulate), or build a CUDA pipeline "
+                         "with the Python API: Pipeline(..., device='cuda:N', transport='nccl'), see "
+                         "docs/scale_out.md")
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA GPU is visible; use --device cpu")
+    return cfg, resume_dir
+
+
+# Config fields and the flag that sets each, so a config complaint can name what to type.
+FIELD_FLAGS = {
+    "pipeline.schedule": "--schedule", "pipeline.stages": "--stages",
+    "pipeline.microbatches": "--microbatches", "pipeline.micro_batch_size": "--micro-batch-size",
+    "pipeline.dp": "--dp", "train.dtype": "--dtype",
+    "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
+    "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta",
+    "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
+    "train.ckpt_every": "--ckpt-every", "train.device": "--device", "train.timeout_s": "--timeout",
+    "train.on_nonfinite": "--on-nonfinite", "model.n_layer": "--n-layer",
+    "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
+}
+
+
+def _name_flag(message: str) -> str:
+    """Prefix a config complaint with the flag that sets the field it starts with."""
+    for name, flag in FIELD_FLAGS.items():
+        if message.startswith(name):
+            return f"{flag}: {message}"
+    return message
+
+
+def main(argv=None) -> int:
+    cfg = None
+    try:
+        cfg, resume_dir = _resolve(argv)
+        if runs_multi_process(cfg):
+            return run_pipeline(cfg, resume_dir)
+        return run_single_process(cfg, resume_dir)
+    except (NonFiniteError, NonFiniteCheckpointError) as exc:  # a run failure, not a bad input
+        sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
+        return 1
+    except KeyboardInterrupt:
+        where = f"; continue with --resume {cfg.train.out}" if cfg is not None else ""
+        sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
+        return 130
+    except (UsageError, ConfigError, DataError, CheckpointError) as exc:
+        message = " ".join(str(exc).split())  # exactly one line
+        if isinstance(exc, ConfigError):
+            message = _name_flag(message)
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        return 2
+    except LaunchError as exc:  # each rank has already printed its own line
+        sys.stderr.write(f"{PROG}: error: the pipeline run failed: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
