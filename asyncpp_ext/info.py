@@ -45,7 +45,20 @@ def build_info() -> dict:
     except ImportError:
         info["torch_version"] = None
         info["torch_cuda_available"] = False
+    info.update(_bf16_matmul_info())
     return info
+
+
+def _bf16_matmul_info() -> dict:
+    """The CPU bf16 Newton-Schulz path ($ASYNCPP_BF16_MATMUL or the CPU); an invalid setting is
+    reported here, not raised: the optimizer raises it when it runs."""
+    from .optim.newton_schulz import bf16_matmul_choice
+
+    try:
+        mode, reason = bf16_matmul_choice()
+    except ValueError as e:
+        return {"bf16_matmul": None, "bf16_matmul_reason": None, "bf16_matmul_error": str(e)}
+    return {"bf16_matmul": mode, "bf16_matmul_reason": reason}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import torch
 from asyncpp_ext import build_info
 from asyncpp_ext.optim import AdamW, Muon
 from asyncpp_ext.optim import _kernels as K
-from asyncpp_ext.optim.newton_schulz import NS_COEFFICIENTS, cpu_has_bf16_dot
+from asyncpp_ext.optim.newton_schulz import NS_COEFFICIENTS, bf16_matmul_choice, cpu_has_bf16_dot
 
 A, B, C = NS_COEFFICIENTS
 LR, WD = 0.02, 0.01
@@ -274,9 +274,10 @@ def main(argv=None):
     load_start = "%.1f" % os.getloadavg()[0]
     mats = gpt_matrices(args.layers, args.width)
     all_shapes = mats + gpt_vectors(args.layers, args.width)
-    native_bf16 = cpu_has_bf16_dot()
-    # Without bf16 dot products torch's bf16 matmul is very slow; use a reduced set there.
-    bf16_mats = mats if native_bf16 else gpt_matrices(1, 128)
+    bf16_path, bf16_reason = bf16_matmul_choice()  # $ASYNCPP_BF16_MATMUL or the CPU
+    # Without bf16 dot products a bf16 step is slow on either path (torch.optim.Muon's native bf16
+    # matmuls most of all); use a reduced set there.
+    bf16_mats = mats if cpu_has_bf16_dot() else gpt_matrices(1, 128)
     rows = []
     reps = args.repeats
     compare(rows, "muon bf16-NS", bf16_mats, lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16),
@@ -302,8 +303,8 @@ def main(argv=None):
     (t_scan,) = interleaved_times([lambda: K.first_nonfinite(grads)], reps * 4)
     scan = summary(t_scan)
     info = dict(torch=torch.__version__, threads=torch.get_num_threads(), layers=args.layers, width=args.width,
-                bf16_ns=("native bf16 matmuls (CPU has bf16 dot products)" if native_bf16 else
-                         "emulated: bf16-rounded intermediates, float32 products; reduced set 1 x 128"),
+                bf16_ns=(f"{bf16_path} ({bf16_reason})"
+                         + ("" if bf16_mats is mats else "; reduced set 1 x 128: no bf16 dot products")),
                 cpu_kernel_isa=build_info()["cpu_kernel_isa"], omp_runtimes=omp_runtimes(),
                 load_start=load_start, load_end="%.1f" % os.getloadavg()[0],
                 nan_scan_ms=scan["median_ms"], nan_scan_params=sum(g.numel() for g in grads))

@@ -130,9 +130,11 @@ def test_bf16_native_and_emulated_agree():
         assert ((native - emulated).abs().max() / emulated.abs().max()).item() < 2 ** -5
 
 
-@pytest.mark.parametrize("has_bf16_dot", [True, False])
-def test_muon_bf16_both_paths_match_torch_muon(monkeypatch, has_bf16_dot):
-    monkeypatch.setattr(newton_schulz, "_cpu_has_bf16_dot", has_bf16_dot)
+@pytest.mark.parametrize("mode", ["native", "emulated"])
+def test_muon_bf16_both_paths_match_torch_muon(monkeypatch, mode):
+    """Each CPU bf16 path, forced by the environment variable as a user on any CPU can, agrees
+    with torch.optim.Muon (which runs bf16 Newton-Schulz)."""
+    monkeypatch.setenv(newton_schulz.BF16_MATMUL_ENV, mode)
     gen = torch.Generator().manual_seed(5)
     shapes = [(24, 8), (8, 24), (16, 16), (24, 8)]
     weights = [torch.randn(s, generator=gen) for s in shapes]
@@ -144,16 +146,50 @@ def test_muon_bf16_both_paths_match_torch_muon(monkeypatch, has_bf16_dot):
     assert err < 3e-2  # the same bound as test_optim_parity's bf16 test
 
 
+@pytest.mark.parametrize("has_bf16_dot", [True, False])
+def test_auto_follows_the_cpu_unless_the_environment_forces_a_path(monkeypatch, has_bf16_dot):
+    monkeypatch.setattr(newton_schulz, "_cpu_has_bf16_dot", has_bf16_dot)
+    monkeypatch.delenv(newton_schulz.BF16_MATMUL_ENV, raising=False)
+    mode, reason = newton_schulz.bf16_matmul_choice()
+    assert mode == ("native" if has_bf16_dot else "emulated") and reason.startswith("auto:")
+    for forced in ("native", "emulated"):
+        monkeypatch.setenv(newton_schulz.BF16_MATMUL_ENV, forced.upper())
+        assert newton_schulz.bf16_matmul_choice() == (forced, f"forced by ASYNCPP_BF16_MATMUL={forced}")
+        assert newton_schulz.bf16_matmul_choice("native")[0] == "native"  # an explicit argument wins
+
+
+def test_a_bad_bf16_matmul_environment_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv(newton_schulz.BF16_MATMUL_ENV, "fast")
+    v = torch.randn(1, 4, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"ASYNCPP_BF16_MATMUL='fast' is not one of auto, native, emulated"):
+        orthogonalize(v, v.float().flatten(1).norm(dim=1), ns_dtype=torch.bfloat16)
+
+
+def test_build_info_reports_the_bf16_path_and_an_invalid_setting_without_raising(monkeypatch):
+    import asyncpp_ext
+
+    monkeypatch.setenv(newton_schulz.BF16_MATMUL_ENV, "emulated")
+    info = asyncpp_ext.build_info()
+    assert (info["bf16_matmul"], info["bf16_matmul_reason"]) == ("emulated", "forced by ASYNCPP_BF16_MATMUL=emulated")
+    monkeypatch.setenv(newton_schulz.BF16_MATMUL_ENV, "fast")
+    info = asyncpp_ext.build_info()
+    assert info["bf16_matmul"] is None and "ASYNCPP_BF16_MATMUL='fast'" in info["bf16_matmul_error"]
+
+
 def test_bf16_matmul_mode_is_checked():
     v = torch.randn(1, 4, 8)
     with pytest.raises(ValueError, match="bf16_matmul must be one of"):
         orthogonalize(v, v.flatten(1).norm(dim=1), bf16_matmul="fast")
 
 
-@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
-def test_newton_schulz_workspace_reuse_is_bitwise(ns_dtype):
+NS_PATHS = [(torch.float32, "auto"), (torch.bfloat16, "native"), (torch.bfloat16, "emulated")]
+
+
+@pytest.mark.parametrize("ns_dtype,bf16_matmul", NS_PATHS)
+def test_newton_schulz_workspace_reuse_is_bitwise(monkeypatch, ns_dtype, bf16_matmul):
     """Buffers reused across calls (and the input reused as a buffer) change no bit of the result,
     and the input is left alone unless overwrite_input says otherwise."""
+    monkeypatch.setenv(newton_schulz.BF16_MATMUL_ENV, bf16_matmul)
     workspace = newton_schulz.Workspace()
     gen = torch.Generator().manual_seed(7)
     for s in SHAPES:
@@ -187,11 +223,15 @@ def test_muon_groups_sharing_shapes_match_separate_optimizers():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
-def test_workspace_holds_two_copies_of_the_matrices_plus_the_gram_buffers(ns_dtype):
-    """What Muon keeps between steps (reported by the pipeline's memory_report): per same-shape
-    batch of B (rows x cols) matrices, the momentum output and one ping-pong buffer (B*rows*cols
-    each) and the Gram and polynomial matrices (B*r*r each, r = min(rows, cols)), in ns_dtype."""
+@pytest.mark.parametrize("ns_dtype,bf16_matmul", NS_PATHS)
+def test_workspace_holds_two_copies_of_the_matrices_plus_the_gram_buffers(monkeypatch, ns_dtype, bf16_matmul):
+    """What Muon keeps between steps (reported by the pipeline's memory_report), per same-shape
+    batch of B (rows x cols) matrices, r = min(rows, cols): the momentum output in the storage
+    dtype (bf16 for bf16 NS, else float32) and one ping-pong buffer (B*rows*cols each), and the
+    Gram and polynomial matrices (B*r*r each). Native bf16 and float32 NS keep all four in
+    ns_dtype; emulated bf16 keeps the last three in float32 plus one more float32 B*rows*cols
+    (the scaled input; the bf16 momentum output serves as its rounding scratch)."""
+    monkeypatch.setenv(newton_schulz.BF16_MATMUL_ENV, bf16_matmul)
     shapes = [(24, 8), (8, 24), (16, 16), (24, 8)]
     params = [torch.randn(s, requires_grad=True) for s in shapes]
     for p in params:
@@ -199,7 +239,12 @@ def test_workspace_holds_two_copies_of_the_matrices_plus_the_gram_buffers(ns_dty
     opt = Muon(params, lr=0.02, ns_dtype=ns_dtype)
     opt.step()
     batches = {s: shapes.count(s) for s in shapes}
-    elements = sum(2 * b * r * c + 2 * b * min(r, c) ** 2 for (r, c), b in batches.items())
-    assert opt.workspace.nbytes() == elements * torch.empty(0, dtype=ns_dtype).element_size()
+    size = torch.empty(0, dtype=ns_dtype).element_size()
+    if bf16_matmul == "emulated":
+        expected = sum(2 * b * r * c + 4 * (2 * b * r * c + 2 * b * min(r, c) ** 2)
+                       for (r, c), b in batches.items())
+    else:
+        expected = sum(size * (2 * b * r * c + 2 * b * min(r, c) ** 2) for (r, c), b in batches.items())
+    assert opt.workspace.nbytes() == expected
     opt.step()  # a second step reuses them
-    assert opt.workspace.nbytes() == elements * torch.empty(0, dtype=ns_dtype).element_size()
+    assert opt.workspace.nbytes() == expected

@@ -15,12 +15,17 @@ copies), float32 0.94-1.13x. It does not pay, so it is not used.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 BF16_MATMUL_MODES = ("auto", "native", "emulated")
+BF16_MATMUL_ENV = "ASYNCPP_BF16_MATMUL"
+"""Forces the CPU bf16 Newton-Schulz path for every call that passes bf16_matmul="auto":
+"native" or "emulated" ("auto" or unset: native exactly when the CPU has bf16 dot products)."""
 _cpu_has_bf16_dot = None
 
 
@@ -32,6 +37,27 @@ def cpu_has_bf16_dot() -> bool:
         probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
         _cpu_has_bf16_dot = any(getattr(torch.cpu, name, lambda: False)() for name in probes)
     return _cpu_has_bf16_dot
+
+
+def bf16_matmul_choice(requested: str = "auto") -> tuple[str, str]:
+    """(mode, reason): which CPU bf16 path a call with ``bf16_matmul=requested`` takes, and why.
+
+    An explicit "native"/"emulated" argument wins; "auto" takes $ASYNCPP_BF16_MATMUL if set, else
+    the CPU's capability. Both paths run on every CPU (native is only slow without bf16 dot
+    products), so either can be forced anywhere."""
+    if requested not in BF16_MATMUL_MODES:
+        raise ValueError(f"bf16_matmul must be one of {BF16_MATMUL_MODES}, got {requested!r}")
+    if requested != "auto":
+        return requested, f"bf16_matmul={requested!r} passed by the caller"
+    forced = os.environ.get(BF16_MATMUL_ENV, "").strip().lower()
+    if forced not in ("",) + BF16_MATMUL_MODES:
+        raise ValueError(f"{BF16_MATMUL_ENV}={os.environ[BF16_MATMUL_ENV]!r} is not one of "
+                         f"{', '.join(BF16_MATMUL_MODES)}; set one of those or unset it")
+    if forced in ("native", "emulated"):
+        return forced, f"forced by {BF16_MATMUL_ENV}={forced}"
+    if cpu_has_bf16_dot():
+        return "native", "auto: this CPU has bf16 dot products (AVX512-BF16 or AMX)"
+    return "emulated", "auto: this CPU has no bf16 dot products (AVX512-BF16 or AMX)"
 
 
 def _round_bf16(t: torch.Tensor) -> torch.Tensor:
@@ -74,42 +100,52 @@ def orthogonalize(v: torch.Tensor, norms: torch.Tensor, *, steps: int = 5,
     the wide side, X = v for wide and square matrices and X = v^T for tall ones; a tall matrix is
     kept in its own layout throughout (with Y = X^T: Y <- a Y + Y P^T, the same products as
     a X + P X), so no transpose is ever copied. `bf16_matmul` (only for ns_dtype=bfloat16 on CPU):
-    "native" bf16 matmuls, "emulated" (float32 products of bf16-rounded values), or "auto" =
-    native when `cpu_has_bf16_dot()`, else emulated.
+    "native" bf16 matmuls, "emulated" (float32 products of bf16-rounded values), or "auto" (see
+    `bf16_matmul_choice`: $ASYNCPP_BF16_MATMUL, else native when `cpu_has_bf16_dot()`).
 
     `workspace`: reuse its buffers (the result then lives in one of them, valid until the next
-    call with the same shapes). `overwrite_input`: v may be scaled in place and reused as a buffer.
+    call with the same shapes). What it keeps per shape, r = min(rows, cols): native bf16 and
+    float32 NS two ns_dtype buffers of v's shape and two (B, r, r); emulated bf16 the same four in
+    float32, plus a bfloat16 buffer of v's shape to round through unless v may be overwritten.
+    `overwrite_input`: v may be scaled in place and reused as a buffer.
     """
-    if bf16_matmul not in BF16_MATMUL_MODES:
-        raise ValueError(f"bf16_matmul must be one of {BF16_MATMUL_MODES}, got {bf16_matmul!r}")
+    mode, _ = bf16_matmul_choice(bf16_matmul)
     batch, rows, cols = v.shape
-    native = bf16_matmul == "native" or (bf16_matmul == "auto" and cpu_has_bf16_dot())
-    emulate = ns_dtype == torch.bfloat16 and v.device.type == "cpu" and not native
+    emulate = ns_dtype == torch.bfloat16 and v.device.type == "cpu" and mode == "emulated"
+    workspace = workspace or Workspace()
     # The scale is rounded to ns_dtype in both bf16 modes, so they divide by the same number.
     scale = (norms.to(torch.float32) + eps).view(batch, 1, 1).to(ns_dtype)
     if emulate:
-        x = _round_bf16(v.to(torch.float32) / scale.to(torch.float32))
-        return _iterate(x, steps, coefficients, rows > cols, _round_bf16, None).to(v.dtype)
+        # Products run in float32 buffers; every stored value is rounded to bf16 in place by a
+        # copy through a bfloat16 buffer of v's shape (v itself when it may be overwritten). The
+        # last rounding leaves the result there, in bfloat16.
+        reuse_v = overwrite_input and v.dtype == torch.bfloat16 and v.is_contiguous()
+        rounding = v if reuse_v else workspace.get("bf16_round", v.shape, torch.bfloat16, v.device)
+
+        def rnd(t: torch.Tensor) -> torch.Tensor:
+            r = rounding.view(-1)[:t.numel()].view(t.shape)
+            return t.copy_(r.copy_(t))
+
+        x = workspace.get("x_in", v.shape, torch.float32, v.device)
+        torch.div(v, scale.to(torch.float32), out=x)  # before v is overwritten as the scratch
+        out = _iterate(rnd(x), steps, coefficients, rows > cols, rnd, workspace)
+        return rounding if v.dtype == torch.bfloat16 else out.to(v.dtype)
     if overwrite_input and v.dtype == ns_dtype and v.is_contiguous():
         x = v.div_(scale)
     else:
         x = v.to(ns_dtype) / scale
-    out = _iterate(x, steps, coefficients, rows > cols, None, workspace or Workspace())
-    return out.to(v.dtype)
+    return _iterate(x, steps, coefficients, rows > cols, None, workspace).to(v.dtype)
 
 
 def _iterate(x, steps, coefficients, tall, rnd, workspace):
-    """The NS steps on x (B, rows, cols), kept in x's own layout. rnd: rounding after every
-    product (emulated bf16) or None; workspace: buffers for the products (None: allocate)."""
+    """The NS steps on x (B, rows, cols), kept in x's own layout, in the workspace's buffers.
+    rnd: in-place rounding after every product (emulated bf16) or None."""
     a, b, c = coefficients
     batch, rows, cols = x.shape
     r = min(rows, cols)
-    if workspace is None:
-        gram = poly = other = None
-    else:
-        gram = workspace.get("gram", (batch, r, r), x.dtype, x.device)
-        poly = workspace.get("poly", (batch, r, r), x.dtype, x.device)
-        other = workspace.get("x", x.shape, x.dtype, x.device)
+    gram = workspace.get("gram", (batch, r, r), x.dtype, x.device)
+    poly = workspace.get("poly", (batch, r, r), x.dtype, x.device)
+    other = workspace.get("x", x.shape, x.dtype, x.device)
     rnd = rnd or (lambda t: t)
     for _ in range(steps):
         if tall:  # Y = X^T: G = Y^T Y, Y' = a Y + Y P^T
@@ -120,7 +156,6 @@ def _iterate(x, steps, coefficients, tall, rnd, workspace):
             g = rnd(torch.bmm(x, x.mT, out=gram))
             p = rnd(torch.baddbmm(g, g, g, beta=b, alpha=c, out=poly))
             nxt = rnd(torch.baddbmm(x, p, x, beta=a, out=other))
-        if workspace is not None:
-            other = x  # ping-pong: the old X is the next step's output buffer
+        other = x  # ping-pong: the old X is the next step's output buffer
         x = nxt
     return x.contiguous()

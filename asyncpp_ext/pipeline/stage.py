@@ -132,7 +132,7 @@ class StageHost:
     def memory_report(self) -> dict:
         """Bytes held by this stage: weight versions, gradient buffer, optimizer state (incl. EF
         buffers), the fused optimizers' Newton-Schulz workspace (Muon: about two ns_dtype copies
-        of the matrices, kept between steps) and, when tracked, the peak of in-flight activations."""
+        of the matrices, kept between steps; emulated bf16 on CPU keeps them in float32) and, when tracked, the peak of in-flight activations."""
         from .memory import optimizer_state_bytes
 
         workspace = getattr(self.optimizer, "workspace", None)
