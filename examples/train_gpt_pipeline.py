@@ -3,7 +3,7 @@ with 2BW (no flush, one-step weight delay) and Muon with error feedback.
 
     python examples/train_gpt_pipeline.py                       # spawns 2 local ranks on 127.0.0.1
     torchrun --nproc-per-node 2 examples/train_gpt_pipeline.py  # the same under torchrun
-    python examples/train_gpt_pipeline.py --text ../shared/data/tinyshakespeare.txt --steps 300
+    python examples/train_gpt_pipeline.py --text input.txt --steps 300  # any UTF-8 text file
 
 Every rank runs ``train(args)`` with the same arguments: it builds the whole model (same seed), and
 the Pipeline keeps the blocks of its own stage. Stage 0 reads the inputs, the last stage the targets
