@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = "builtin"  # the package's built-in corpus: runs on any machine, no download
 
 # Learning rates chosen by `--tune` (sync runs only, see docs/results.md "Delay study"); the 2bw
-# runs reuse them unchanged, as the DESIGN's "same hyperparameters" comparison requires.
+# runs reuse them unchanged, as the "same hyperparameters" comparison of docs/design.md §1.12 requires.
 DEFAULT_ADAMW_LR = 1e-3
 DEFAULT_MUON_LR = 0.04
 DEFAULT_MUON_ADAMW_LR = 1e-3

@@ -1,4 +1,4 @@
-"""Per-stage memory of gpipe / 1f1b / 2bw, EF off and on: measured against the design formula.
+"""Per-stage memory of gpipe / 1f1b / 2bw, EF off and on: measured against docs/design.md §3.
 
 Each run trains the preset GPT over S processes with ``track_memory=True`` and reads every stage's
 ``host.memory_report()``: bytes of weight versions, gradient buffer, optimizer state (AdamW moments
@@ -10,7 +10,7 @@ saved tensors, see asyncpp_ext/pipeline/memory.py), plus the process's max RSS a
                            [--micro-batch-size 4] [--steps 3] [--schedules gpipe 1f1b 2bw]
                            [--ef off|on|both] [--json]
 
-Predicted (DESIGN, memory per stage s of S):
+Predicted (docs/design.md §3, memory per stage s of S):
   weights      2 versions for 2bw, 1 for gpipe/1f1b (x the stage's parameter bytes P)
   optimizer    AdamW: 2 P, +1 P with EF
   activations  A_s x in-flight count, where A_s is the measured activation bytes of ONE microbatch

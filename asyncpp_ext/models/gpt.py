@@ -64,7 +64,7 @@ class GPTConfig:
 PRESETS = {
     # Tests: seconds on a laptop CPU.
     "tiny": GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=32),
-    # Studies: the reference scale of the design notes (4 layers, width 128, context 64).
+    # Studies: the reference scale of docs/design.md §1.12 (4 layers, width 128, context 64).
     "small": GPTConfig(n_layer=4, n_embd=128, n_head=4, seq_len=64),
 }
 

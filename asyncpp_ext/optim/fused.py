@@ -5,7 +5,7 @@ Order inside `step()`: (1) collect and validate every parameter with a gradient,
 gradients for NaN/Inf and raise `NonFiniteGradientError` naming the parameter -- nothing has been
 modified yet (skipped when `check_finite` is False: the caller has checked), (3) update the AdamW groups, (4) update the Muon groups (momentum kernel -> batched
 Newton-Schulz -> apply kernel). Error feedback (ef_beta > 0) is fused into the final kernel and uses
-the explicitly computed update D (see DESIGN: W <- W + D + beta*(D - E), E <- D).
+the explicitly computed update D (docs/design.md §1.5: W <- W + D + beta*(D - E), E <- D).
 """
 from __future__ import annotations
 

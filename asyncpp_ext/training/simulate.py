@@ -1,4 +1,4 @@
-"""Single-process reference of the update semantics (DESIGN.md section 1).
+"""Single-process reference of the update semantics (docs/design.md §1, §1.10).
 
 * sync (also "gpipe", "1f1b"):  W(t+1) = W(t) - lr * U(grad f_t(W(t)))
 * 2bw:                          W(t+1) = W(t) - lr * U(grad f_t(W(t-1))),   W(-1) := W(0)
