@@ -1,6 +1,7 @@
 """The per-step bookkeeping shared by every way of running steps: metrics, evaluation, checkpoints,
-progress. What actually computes a step is a *step engine* (the single-process ``DelaySimulator``
-today, a pipeline stage driver later) with the ``StepEngine`` interface below.
+progress. What actually computes a step is a *step engine* with the ``StepEngine`` interface below:
+the single-process ``DelaySimulator`` (simulate.py) or a pipeline rank's ``PipelineEngine``
+(distributed.py).
 """
 from __future__ import annotations
 
