@@ -5,6 +5,7 @@ import os
 import torch
 import torch.nn as nn
 
+from asyncpp_ext.models import GPT, GPTConfig
 from asyncpp_ext.pipeline import Pipeline, init_distributed
 
 
@@ -60,6 +61,7 @@ def reference_losses(schedule: str, m: int, steps: int, optimizer: str) -> list:
 
 def train_worker(schedule: str, m: int, steps: int, optimizer: str, out_dir: str) -> None:
     init_distributed(60)
+    torch.set_num_threads(1)  # like the reference in the test process
     pipe = Pipeline(make_blocks(), loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory(optimizer),
                     schedule=schedule, microbatches=m)
     losses = [s.loss for s in pipe.train(batches(steps, m), steps)]
@@ -94,3 +96,45 @@ def failing_worker(fail_stage: int, m: int) -> None:
                     schedule="2bw", microbatches=m, timeout_s=60)
     for _ in pipe.train(batches(50, m), 50):
         pass
+
+
+# ---- the product's default path: the GPT under MuonHybrid + EF, as asyncpp-train builds it -----
+GPT_CONFIG = GPTConfig(n_layer=2, n_embd=16, n_head=2, seq_len=8)
+
+
+def gpt_model() -> GPT:
+    return GPT(GPT_CONFIG, seed=0)
+
+
+def gpt_minibatches(steps: int, m: int, micro_batch: int = 2, seed: int = 5) -> list:
+    """``steps`` minibatches, each a list of m (tokens, next tokens) microbatches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        blocks = [torch.randint(0, GPT_CONFIG.vocab_size, (micro_batch, GPT_CONFIG.seq_len + 1), generator=g)
+                  for _ in range(m)]
+        out.append([(b[:, :-1], b[:, 1:]) for b in blocks])
+    return out
+
+
+def cli_muon_factory(module):
+    """asyncpp-train --optimizer muon: MuonHybrid with EF 0.5 and the CLI's other defaults."""
+    from asyncpp_ext.training.cli import make_optimizer_factory
+    from asyncpp_ext.training.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.optim.name = "muon"
+    cfg.optim.pin_auto_values()
+    return make_optimizer_factory(cfg)(module)
+
+
+def gpt_train_worker(schedule: str, m: int, steps: int, out_dir: str) -> None:
+    init_distributed(60)
+    torch.set_num_threads(1)  # the reference runs with one intra-op thread too
+    pipe = Pipeline(gpt_model(), loss_fn=GPT.loss, optimizer=cli_muon_factory, schedule=schedule, microbatches=m)
+    losses = [s.loss for s in pipe.train(gpt_minibatches(steps, m), steps)]
+    state = pipe.state_dict()
+    torch.save({"params": state["params"], "stash": state["stash"]}, os.path.join(out_dir, f"stage{pipe.stage}.pt"))
+    if pipe.host.is_last:
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump(losses, f)

@@ -54,10 +54,13 @@ def _last_stage(results, name, replica=0):
 def test_two_replicas_give_the_one_replica_losses(runs, schedule):
     r1, r2 = runs
     one = _last_stage(r1, schedule)
+    # Not bitwise: each replica averages the loss terms and gradients of its own sequences before
+    # the replicas average theirs, where one pipeline sums all sequences of a microbatch at once;
+    # the grouping moves the last bit or two of each step.
     for replica in (0, 1):  # both replicas report the global mean
         two = _last_stage(r2, schedule, replica)
-        assert _rel(two["losses"], one["losses"]) <= 1e-5, (two["losses"], one["losses"])
-        assert two["eval"] == pytest.approx(one["eval"], rel=1e-5)
+        assert _rel(two["losses"], one["losses"]) <= 1e-6, (two["losses"], one["losses"])
+        assert two["eval"] == pytest.approx(one["eval"], rel=1e-6)
     # Both replicas end with the weights of the one-replica run.
     for stage in (0, 1):
         ref = next(r[schedule] for r in r1 if r[schedule]["stage"] == stage)["params"]
@@ -78,12 +81,12 @@ def test_the_2bw_delay_is_kept_under_data_parallelism(runs):
 
 def test_sharded_muon_equals_unsharded_and_really_shards(runs):
     _, r2 = runs
-    for rank in range(4):
+    for rank in range(4):  # the same Newton-Schulz products, run on another rank: bitwise equal
         sharded, unsharded = r2[rank]["2bw"], r2[rank]["2bw-unsharded"]
         if sharded["stage"] == 1:
-            assert _rel(sharded["losses"], unsharded["losses"]) <= 1e-6
+            assert sharded["losses"] == unsharded["losses"]
         for name, t in unsharded["params"].items():
-            assert torch.allclose(sharded["params"][name], t, rtol=1e-6, atol=1e-7), name
+            assert torch.equal(sharded["params"][name], t), name
     for stage in (0, 1):  # each replica orthogonalised a part, together all of the stage's matrices
         counts = [r2[rank]["2bw"]["orthogonalized"] for rank in (stage, 2 + stage)]
         total = r2[stage]["2bw-unsharded"]["orthogonalized"]
@@ -115,15 +118,19 @@ def test_cli_dp_run_equals_its_simulation(tmp_path):
     flags = ["--model", "tiny", "--seq-len", "16", "--n-layer", "2", "--no-progress", "--schedule", "2bw",
              "--stages", "2", "--microbatches", "2", "--micro-batch-size", "2", "--dp", "2",
              "--optimizer", "muon", "--ef-beta", "0.5", "--lr", "0.01", "--steps", "4",
-             "--eval-every", "2", "--ckpt-every", "4"]
+             "--eval-every", "2", "--ckpt-every", "4", "--threads", "1"]
     assert main(flags + ["--out", str(tmp_path / "real")]) == 0
     assert main(flags + ["--simulate", "--out", str(tmp_path / "sim")]) == 0
     rows = {k: [json.loads(l) for l in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
             for k in ("real", "sim")}
     assert [r["step"] for r in rows["real"]] == [1, 2, 3, 4]  # one writer: replica 0's last stage
-    assert _rel([r["loss"] for r in rows["real"]], [r["loss"] for r in rows["sim"]]) <= 1e-5
+    # Equal thread counts, yet not bitwise: each replica takes the mean of its own B sequences'
+    # float32 cross-entropy terms and the replicas average their gradients and losses, where the
+    # simulation sums all dp * B sequences of a microbatch at once. The different grouping moves
+    # the last bit or two of each step (measured: 2e-8 relative after 4 steps).
+    assert _rel([r["loss"] for r in rows["real"]], [r["loss"] for r in rows["sim"]]) <= 1e-6
     assert _rel([r["eval_loss"] for r in rows["real"] if "eval_loss" in r],
-                [r["eval_loss"] for r in rows["sim"] if "eval_loss" in r]) <= 1e-5
+                [r["eval_loss"] for r in rows["sim"] if "eval_loss" in r]) <= 1e-6
     assert rows["real"][-1]["tokens"] == rows["sim"][-1]["tokens"] == 4 * 2 * 2 * 2 * 16
     shards = sorted(p.name for p in (tmp_path / "real" / "ckpt-000004").glob("stage-*.pt"))
     assert len(shards) == 2  # one shard per stage, not per rank

@@ -3,9 +3,14 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 from asyncpp_ext.models import GPT, preset_config
+from asyncpp_ext.optim import ErrorFeedback, Muon, build_optimizer
+from asyncpp_ext.training.cli import make_optimizer_factory
+from asyncpp_ext.training.config import RunConfig
 from asyncpp_ext.training.simulate import DelaySimulator
+from delay_reference import delayed_training
 
 CFG = preset_config("tiny", n_layer=1, n_embd=16, seq_len=8)
 M = 3
@@ -33,53 +38,68 @@ def _sim(schedule, opt="adamw"):
     return DelaySimulator(model, optimizer, schedule)
 
 
-def _hand_written_delayed_run(batches, opt_name):
-    """W(t+1) = W(t) - lr U(grad f_t(W(t-1))): gradients on a separate copy holding W(t-1)."""
-    model = GPT(CFG, seed=0)
-    old = copy.deepcopy(model)  # W(-1) = W(0)
-    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if opt_name == "adamw"
-                 else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    losses = []
-    for mb in batches:
-        old.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in mb:
-            logits, loss = old(x, y)
-            (loss / len(mb)).backward()
-            total += loss.item()
-        losses.append(total / len(mb))
-        for p, q in zip(model.parameters(), old.parameters()):
-            p.grad = q.grad.clone()
-        old.load_state_dict(model.state_dict())  # W(t) is what the next step differentiates
-        optimizer.step()
-    return losses, model
+def _gpt():
+    return GPT(CFG, seed=0)
 
 
-def _hand_written_sync_run(batches):
-    model = GPT(CFG, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for mb in batches:
-        optimizer.zero_grad()
-        total = 0.0
-        for x, y in mb:
-            _, loss = model(x, y)
-            (loss / len(mb)).backward()
-            total += loss.item()
-        losses.append(total / len(mb))
-        optimizer.step()
-    return losses, model
+def _mlp():
+    """Bias-free 2-D weights only: what Muon alone can own."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 16, bias=False),
+                             nn.Tanh(), nn.Linear(16, 4, bias=False))
 
 
-@pytest.mark.parametrize("opt", ["adamw", "sgd"])
-def test_2bw_equals_an_independent_delayed_update_loop(opt):
-    batches = _minibatches(5)
-    sim = _sim("2bw", opt)
+def _gpt_loss(net, x, y):
+    logits = net(x)[0]
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _mlp_loss(net, x, y):
+    return nn.functional.mse_loss(net(x), y)
+
+
+def _mlp_minibatches(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(2, 8, generator=gen), torch.randn(2, 4, generator=gen)) for _ in range(M)]
+            for _ in range(n)]
+
+
+def _cli_muon(model):
+    """What asyncpp-train --optimizer muon builds: MuonHybrid with EF 0.5 and the CLI's defaults."""
+    cfg = RunConfig()
+    cfg.optim.name = "muon"
+    cfg.optim.pin_auto_values()
+    return make_optimizer_factory(cfg)(model)
+
+
+OPTIMIZERS = {  # name -> (model, optimizer factory, loss, minibatches)
+    "torch-sgd": (_gpt, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), _gpt_loss, _minibatches),
+    "torch-adamw": (_gpt, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), _gpt_loss, _minibatches),
+    "muon": (_mlp, lambda m: Muon(m.parameters(), lr=0.02, weight_decay=0.1), _mlp_loss, _mlp_minibatches),
+    "muon-hybrid-ef": (_gpt, _cli_muon, _gpt_loss, _minibatches),
+    "adamw-ef": (_gpt, lambda m: build_optimizer(m, "adamw", 1e-2, weight_decay=0.1, ef_beta=0.5),
+                 _gpt_loss, _minibatches),
+    "ef-sgd": (_gpt, lambda m: ErrorFeedback(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), 0.5),
+               _gpt_loss, _minibatches),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_2bw_equals_the_two_model_reference_bitwise(name):
+    make_model, make_optimizer, loss_fn, make_batches = OPTIMIZERS[name]
+    batches = make_batches(5)
+    model = make_model()
+    sim = DelaySimulator(model, make_optimizer(model), "2bw", loss_fn=loss_fn)
     losses = [sim.step(mb) for mb in batches]
-    ref_losses, ref_model = _hand_written_delayed_run(batches, opt)
+    ref_losses, ref_model, ref_previous = delayed_training(make_model, make_optimizer, batches, loss_fn)
     assert losses == ref_losses
-    for (name, p), q in zip(sim.model.named_parameters(), ref_model.parameters()):
-        assert torch.equal(p, q), name
+    for (n, p), q, old, q_old in zip(sim.model.named_parameters(), ref_model.parameters(), sim.stash,
+                                     ref_previous.parameters()):
+        assert torch.equal(p, q), n  # W(T)
+        assert torch.equal(old, q_old), n  # W(T-1), what step T+1 would differentiate
+    sync_losses, _, _ = delayed_training(make_model, make_optimizer, batches, loss_fn, delayed=False)
+    assert losses[0] == sync_losses[0] and losses[1:] != sync_losses[1:]  # the delay is real
 
 
 @pytest.mark.parametrize("schedule", ["sync", "gpipe", "1f1b"])
@@ -87,7 +107,8 @@ def test_synchronous_schedules_equal_plain_training(schedule):
     batches = _minibatches(4)
     sim = _sim(schedule)
     losses = [sim.step(mb) for mb in batches]
-    ref_losses, ref_model = _hand_written_sync_run(batches)
+    ref_losses, ref_model, _ = delayed_training(
+        _gpt, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), batches, _gpt_loss, delayed=False)
     assert losses == ref_losses
     for p, q in zip(sim.model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)

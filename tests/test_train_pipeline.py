@@ -25,21 +25,18 @@ def _rel(a, b):
 @pytest.mark.parametrize("schedule,stages,optimizer,ef", [
     ("2bw", 2, "muon", "0.5"), ("1f1b", 2, "muon", "0.5"), ("2bw", 4, "adamw", "0.5"), ("gpipe", 3, "sgd", "0")])
 def test_real_run_writes_the_simulated_losses(tmp_path, schedule, stages, optimizer, ef):
+    # --threads 1 on both sides: a matrix product's summation order may depend on the thread
+    # count, and with equal counts the stages' arithmetic is the simulator's, op for op.
     flags = TINY + ["--schedule", schedule, "--stages", str(stages), "--microbatches", "4",
                     "--optimizer", optimizer, "--ef-beta", ef, "--lr", "0.01", "--steps", "6",
-                    "--eval-every", "3", "--ckpt-every", "3", "--n-layer", "2"]
+                    "--eval-every", "3", "--ckpt-every", "3", "--n-layer", "2", "--threads", "1"]
     assert main(flags + ["--out", str(tmp_path / "real")]) == 0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank does: BLAS reduction order depends on the thread count
-    try:
-        assert main(flags + ["--simulate", "--out", str(tmp_path / "sim")]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert main(flags + ["--simulate", "--out", str(tmp_path / "sim")]) == 0
     real, real_eval, steps = _losses(tmp_path / "real")
     sim, sim_eval, _ = _losses(tmp_path / "sim")
     assert steps == list(range(1, 7))
-    assert _rel(real, sim) <= 1e-5, (real, sim)
-    assert _rel([e for e in real_eval if e], [e for e in sim_eval if e]) <= 1e-5
+    assert real == sim
+    assert real_eval == sim_eval and sum(e is not None for e in real_eval) == 2
     assert sorted(p.name for p in (tmp_path / "real").glob("ckpt-*")) == ["ckpt-000003", "ckpt-000006"]
     shards = sorted(p.name for p in (tmp_path / "real" / "ckpt-000006").glob("stage-*.pt"))
     assert len(shards) == stages
@@ -48,8 +45,7 @@ def test_real_run_writes_the_simulated_losses(tmp_path, schedule, stages, optimi
     for part in ("params", "stash"):  # final weights, and W(t-1) for 2bw
         assert real_state[part].keys() == sim_state[part].keys()
         for name, want in sim_state[part].items():
-            err = (real_state[part][name] - want).abs().max() / want.abs().max().clamp_min(1e-12)
-            assert err <= 1e-6, (part, name, float(err))
+            assert torch.equal(real_state[part][name], want), (part, name)
 
 
 def test_pipeline_resume_continues_exactly(tmp_path):
@@ -65,22 +61,25 @@ def test_pipeline_resume_continues_exactly(tmp_path):
 
 
 def test_a_pipeline_checkpoint_resumes_at_another_depth(tmp_path):
-    """Shards are keyed by global parameter names, so 2 stages can continue as 1 (simulated)."""
+    """Shards are keyed by global parameter names, so 2 stages can continue as 1 (simulated); at
+    the same thread count (the resumed run keeps the checkpoint's --threads 1) exactly."""
     flags = TINY + ["--schedule", "2bw", "--microbatches", "2", "--optimizer", "muon", "--ef-beta", "0.5",
-                    "--lr", "0.01", "--eval-every", "0", "--ckpt-every", "3"]
+                    "--lr", "0.01", "--eval-every", "0", "--ckpt-every", "3", "--threads", "1"]
     assert main(flags + ["--stages", "2", "--steps", "6", "--out", str(tmp_path / "full")]) == 0
     assert main(flags + ["--stages", "2", "--steps", "3", "--out", str(tmp_path / "part")]) == 0
     assert main(["--resume", str(tmp_path / "part"), "--steps", "6", "--stages", "1", "--no-progress"]) == 0
     full, _, _ = _losses(tmp_path / "full")
-    resumed, _, _ = _losses(tmp_path / "part")
-    assert _rel(resumed, full) <= 1e-5
+    resumed, _, steps = _losses(tmp_path / "part")
+    assert steps == list(range(1, 7))
+    assert resumed == full
 
 
 def test_a_checkpoint_resumes_at_another_dp_width(tmp_path):
     """1 replica x 2 sequences continues as 2 replicas x 1 sequence (and 2 stages as 1): the same
     global microbatches, the same state on every replica."""
     flags = ["--model", "tiny", "--seq-len", "16", "--no-progress", "--schedule", "2bw", "--microbatches", "2",
-             "--optimizer", "muon", "--ef-beta", "0.5", "--lr", "0.01", "--eval-every", "0", "--ckpt-every", "3"]
+             "--optimizer", "muon", "--ef-beta", "0.5", "--lr", "0.01", "--eval-every", "0", "--ckpt-every", "3",
+             "--threads", "1"]
     one = ["--stages", "2", "--micro-batch-size", "2"]
     assert main(flags + one + ["--steps", "6", "--out", str(tmp_path / "full")]) == 0
     assert main(flags + one + ["--steps", "3", "--out", str(tmp_path / "part")]) == 0
@@ -89,7 +88,11 @@ def test_a_checkpoint_resumes_at_another_dp_width(tmp_path):
     full, _, _ = _losses(tmp_path / "full")
     resumed, _, steps = _losses(tmp_path / "part")
     assert steps == list(range(1, 7))
-    assert _rel(resumed, full) <= 1e-5
+    assert resumed[:3] == full[:3]
+    # Not bitwise after the switch: two replicas of one sequence each take the mean of their own
+    # float32 cross-entropy terms and average gradients over the replicas, where one process sums
+    # both sequences at once; the grouping moves the last bit or two (measured: 5e-8 relative).
+    assert _rel(resumed, full) <= 1e-6
 
 
 def test_resume_that_changes_the_sequences_per_microbatch_names_the_fix(tmp_path, capsys):
@@ -101,3 +104,16 @@ def test_resume_that_changes_the_sequences_per_microbatch_names_the_fix(tmp_path
     assert err == [f"asyncpp-train: error: checkpoint {tmp_path / 'run' / 'ckpt-000002'} was written with "
                    "--dp 1 x --micro-batch-size 2 = 2 sequences per microbatch but this run has --dp 2 x "
                    "--micro-batch-size 2 = 4; keep the product; with --dp 2 pass --micro-batch-size 1"]
+
+
+def test_threads_sets_the_simulations_thread_count_and_gives_it_back(tmp_path, monkeypatch):
+    from asyncpp_ext.training.trainer import Trainer
+
+    seen, run = [], Trainer.run
+    monkeypatch.setattr(Trainer, "run", lambda self: (seen.append(torch.get_num_threads()), run(self))[1])
+    before = torch.get_num_threads()
+    wanted = 2 if before == 1 else 1
+    flags = TINY + ["--simulate", "--n-layer", "1", "--steps", "1", "--threads", str(wanted)]
+    assert main(flags + ["--out", str(tmp_path / "run")]) == 0
+    assert seen == [wanted] and torch.get_num_threads() == before  # main() is also a library call
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["threads"] == wanted

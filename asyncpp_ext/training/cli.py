@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, metavar="SECONDS",
                      help=f"abort every rank with a report when no pipeline instruction completes "
                           f"for this long (default {_D.train.timeout_s:g}, or $ASYNCPP_TIMEOUT)")
+    run.add_argument("--threads", type=int, metavar="N",
+                     help="intra-op threads per process (default: cores / (stages x dp) for each rank "
+                          "of a multi-process run, torch's default for one process); runs match "
+                          "bitwise only at equal counts")
     run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES,
                      help="NaN/Inf loss or gradient: stop the run, or skip that step's update on "
                           f"every stage (default {_D.train.on_nonfinite})")
@@ -135,7 +139,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "simulate"): args.simulate,
         ("train", "progress"): None if args.no_progress is None else not args.no_progress,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
-        ("train", "on_nonfinite"): args.on_nonfinite,
+        ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
     }
     for (section, name), value in sets.items():
         if value is not None:
@@ -225,6 +229,16 @@ def _prepare_run_dir(cfg: RunConfig, resuming: bool) -> Path:
 
 def run_single_process(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
     """Simulated (or single-stage) training: the DelaySimulator under the shared Trainer."""
+    threads = torch.get_num_threads()
+    if cfg.train.threads is not None:
+        torch.set_num_threads(cfg.train.threads)
+    try:
+        return _run_single_process(cfg, resume_dir)
+    finally:  # main() may be called as a library function: leave the caller's setting as it was
+        torch.set_num_threads(threads)
+
+
+def _run_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     factory = make_optimizer_factory(cfg)
     p = cfg.pipeline
     stream, eval_set = run_data(cfg)  # --dp R simulates one replica on the global microbatches
@@ -322,7 +336,7 @@ FIELD_FLAGS = {
     "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.device": "--device", "train.timeout_s": "--timeout",
-    "train.on_nonfinite": "--on-nonfinite", "model.n_layer": "--n-layer",
+    "train.on_nonfinite": "--on-nonfinite", "train.threads": "--threads", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
 }
 

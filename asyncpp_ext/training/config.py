@@ -150,6 +150,11 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """NaN/Inf loss or gradient: "stop" the run naming stage and step, or "skip" that step's update
     on every stage (recorded as ``"skipped": true`` in its metrics row)."""
+    threads: Optional[int] = None
+    """Intra-op threads per process (``torch.set_num_threads``). None: each rank of a multi-process
+    run takes the machine's cores divided by stages x dp, a one-process run keeps torch's default.
+    Float summation order in a matrix product can depend on it, so a run reproduces another's
+    numbers bitwise only at the same count (e.g. a pipeline and its ``--simulate`` run)."""
 
 
 @dataclass
@@ -209,6 +214,8 @@ class RunConfig:
         _choice("train.dtype", self.train.dtype, DTYPES)
         _choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
         _positive_number("train.timeout_s", self.train.timeout_s)
+        if self.train.threads is not None:
+            _positive_int("train.threads", self.train.threads)
         if self.train.timeout_s == float("inf"):
             raise ConfigError("train.timeout_s must be a finite number of seconds, got inf")
         if self.optim.lr is not None:

@@ -78,8 +78,8 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     """One rank of a pipeline run (under torchrun or spawned by ``run_pipeline``)."""
     cfg = RunConfig.from_dict(cfg_dict)
     init_distributed(cfg.train.timeout_s)
-    threads = max(1, (os.cpu_count() or 1) // (cfg.pipeline.stages * cfg.pipeline.dp))
-    torch.set_num_threads(threads)  # stages share the machine's cores
+    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // (cfg.pipeline.stages * cfg.pipeline.dp))
+    torch.set_num_threads(threads)  # by default the ranks share the machine's cores
     p = cfg.pipeline
     # Every replica draws the same stream and takes its rows; every replica evaluates the whole
     # set (same weights, same numbers) so none waits for another.

@@ -137,6 +137,9 @@ BAD_INPUTS = [
     ("--weight-decay -1", "optim.weight_decay must be a non-negative number"),
     ("--timeout 0", "--timeout: train.timeout_s must be a positive number, got 0.0"),
     ("--timeout inf", "--timeout: train.timeout_s must be a finite number of seconds"),
+    ("--threads 0", "--threads: train.threads must be a positive integer, got 0"),
+    ("--threads -2", "--threads: train.threads must be a positive integer, got -2"),
+    ("pipe --threads 0", "--threads: train.threads must be a positive integer, got 0"),
     ("env abc", "ASYNCPP_TIMEOUT='abc' is not a positive number of seconds"),
     ("env -3", "ASYNCPP_TIMEOUT='-3' is not a positive number of seconds"),
     # command line
@@ -144,6 +147,7 @@ BAD_INPUTS = [
     ("--schedule async", "invalid choice: 'async'"),
     ("--on-nonfinite ignore", "invalid choice: 'ignore'"),
     ("--timeout soon", "invalid float value: 'soon'"),
+    ("--threads two", "invalid int value: 'two'"),
     ("--bogus-flag", "unrecognized arguments: --bogus-flag"),
 ]
 
