@@ -27,6 +27,7 @@ from ..data import DataError
 from ..models import GPT, PRESETS
 from .simulate import DelaySimulator, merge_engine_states
 from ..optim import build_optimizer
+from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline import LaunchError, under_launcher
 from ..pipeline.nonfinite import NonFiniteError
 from .trainer import (CONFIG_NAME, METRICS_NAME, Trainer, read_metrics, run_data, truncate_metrics,
@@ -317,6 +318,14 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg.validate()
     cfg.optim.pin_auto_values()  # a resumed run reads the numbers back (older checkpoints: None)
+    try:  # the CPU-path variables fail here, not inside a rank after the run has started
+        bf16_matmul_choice()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if runs_multi_process(cfg) and cfg.pipeline.schedule == "sync":
+        raise UsageError(f"--schedule sync is the one-process reference rule; a run with --stages "
+                         f"{cfg.pipeline.stages} --dp {cfg.pipeline.dp} needs a pipeline schedule: "
+                         "gpipe or 1f1b (the same update rule), or 2bw; or add --simulate")
     if runs_multi_process(cfg) and cfg.train.device == "cuda":
         raise UsageError("--device cuda: a multi-process run's ranks train on CPU (gloo) today; run one "
                          "process on the GPU (--stages 1 --dp 1, or --simulate), or build a CUDA pipeline "

@@ -91,8 +91,9 @@ def _setup(tmp_path, finished_runs, kind, monkeypatch):
     if kind == "unwritable":
         (tmp_path / "afile").write_text("x")
         return FAST + ["--out", str(tmp_path / "afile" / "run")], None
-    if kind.startswith("env "):
-        monkeypatch.setenv("ASYNCPP_TIMEOUT", kind[4:])
+    if kind.startswith("env "):  # "env VALUE" sets ASYNCPP_TIMEOUT, "env NAME=VALUE" any variable
+        name, _, value = kind[4:].rpartition("=")
+        monkeypatch.setenv(name or "ASYNCPP_TIMEOUT", value)
         return FAST + ["--out", out], None
     if kind.startswith("pipe "):  # a real (multi-process) run's flags
         return PIPE + kind[5:].split() + ["--out", out], None
@@ -126,6 +127,7 @@ BAD_INPUTS = [
     ("--stages 4", "pipeline.stages=4 exceeds the model's 3 blocks"),
     ("pipe --stages 5", "pipeline.stages=5 exceeds the model's 4 blocks"),
     ("pipe --stages 3 --schedule 2bw", "2bw needs microbatches >= stages"),
+    ("pipe --schedule sync", "--schedule sync is the one-process reference rule"),
     ("pipe --device cuda", "--device cuda: a multi-process run's ranks train on CPU (gloo) today"),
     ("--n-head 3", "model.n_head=3 must divide model.n_embd=32"),
     # config values
@@ -142,6 +144,7 @@ BAD_INPUTS = [
     ("pipe --threads 0", "--threads: train.threads must be a positive integer, got 0"),
     ("env abc", "ASYNCPP_TIMEOUT='abc' is not a positive number of seconds"),
     ("env -3", "ASYNCPP_TIMEOUT='-3' is not a positive number of seconds"),
+    ("env ASYNCPP_BF16_MATMUL=fast", "ASYNCPP_BF16_MATMUL='fast' is not one of auto, native, emulated"),
     # command line
     ("--steps ten", "invalid int value: 'ten'"),
     ("--schedule async", "invalid choice: 'async'"),
