@@ -1,4 +1,5 @@
 """The package builds, reports what it is, and rejects bad build settings with one clear line."""
+import json
 import os
 import shutil
 import subprocess
@@ -22,7 +23,11 @@ def test_build_info_reports_every_field():
 
     assert info["torch_version"] == torch.__version__
     assert isinstance(info["nccl_loadable"], bool)
-    assert info["cpu_kernel_isa"] in ("avx512f", "avx2", "baseline")
+    built, runnable = info["cpu_kernel_isas_built"], info["cpu_kernel_isas_runnable"]
+    assert built[0] == "baseline" and set(built) <= {"baseline", "avx2", "avx512f"}, built
+    assert runnable[0] == "baseline" and set(runnable) <= set(built), (runnable, built)
+    assert info["cpu_kernel_isa"] in runnable  # auto, or whatever $ASYNCPP_CPU_ISA forces
+    assert info["cpu_kernel_isa_reason"] and "cpu_kernel_isa_error" not in info
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or os.environ.get("ASYNCPP_CUDA") == "off",
@@ -88,17 +93,123 @@ K.adamw_step(p, grad, m, v, e, [3] * 3, [False] * 3, lr=1e-3, beta1=0.9, beta2=0
              weight_decay=0.01, ef_beta=0.5)
 out, sumsq = [torch.empty(s, dtype=torch.bfloat16) for s in shapes], torch.empty(3)
 K.muon_momentum(grad, m, out, momentum=0.95, nesterov=True, sumsq=sumsq)
+out32, sumsq32 = new(), torch.empty(3)
+K.muon_momentum(grad, m, out32, momentum=0.9, nesterov=False, sumsq=sumsq32)
 K.apply_update(p, out, e, [-0.02] * 3, [False] * 3, lr=0.02, weight_decay=0.1, ef_beta=0.5)
 h = hashlib.sha256()
-for t in p + m + v + e + out + [sumsq]:
+for t in p + m + v + e + out + out32 + [sumsq, sumsq32]:
     h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
 print(h.hexdigest())
 """
 
 
+# The same in a process with ASYNCPP_CPU_ISA set, then what that process's build_info says.
+ISA_PROBE = KERNEL_DIGEST + """
+import json, asyncpp_ext
+info = asyncpp_ext.build_info()
+print(json.dumps({k: v for k, v in info.items() if k.startswith("cpu_kernel_isa")}))
+"""
+
+# Imports, reports and validates without running a kernel: none of it may raise on a bad setting.
+REFUSAL_PROBE = """
+import json, asyncpp_ext
+from asyncpp_ext._ext import C
+info = asyncpp_ext.build_info()
+try:
+    C.cpu_kernel_isa_check()
+    check = None
+except ValueError as e:
+    check = str(e)
+print(json.dumps(dict(isa=info["cpu_kernel_isa"], error=info.get("cpu_kernel_isa_error"), check=check)))
+"""
+
+
+def _env_spelling(isa: str) -> str:
+    return "avx512" if isa == "avx512f" else isa
+
+
+def _with_isa(value: str, script: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(env or os.environ, ASYNCPP_CPU_ISA=value)
+    return subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_every_isa_this_cpu_runs_gives_the_baseline_bits():
+    """Each runnable variant forced by ASYNCPP_CPU_ISA, and auto, computes the baseline's bits and
+    reports what ran and why."""
+    runnable = asyncpp_ext.build_info()["cpu_kernel_isas_runnable"]
+    digests = {}
+    for value in runnable + [""]:
+        r = _with_isa(value, ISA_PROBE)
+        assert r.returncode == 0, r.stderr
+        digest, reported = r.stdout.splitlines()
+        reported = json.loads(reported)
+        if value:
+            assert reported["cpu_kernel_isa"] == value, reported
+            assert reported["cpu_kernel_isa_reason"] == f"forced by ASYNCPP_CPU_ISA={value}", reported
+        else:
+            assert reported["cpu_kernel_isa"] == runnable[-1], reported
+            assert reported["cpu_kernel_isa_reason"].startswith("auto: "), reported
+        digests[value or "auto"] = digest
+    assert set(digests.values()) == {digests["baseline"]}, digests
+
+
+def _assert_refused(value: str, message: str, cwd: Path = ROOT, env: dict | None = None) -> None:
+    """The first kernel call raises exactly `message`; import, build_info and the check do not
+    get in the way."""
+    r = _with_isa(value, KERNEL_DIGEST, cwd, env)
+    assert r.returncode != 0
+    assert [l for l in r.stderr.splitlines() if "ASYNCPP_CPU_ISA" in l] == [f"ValueError: {message}"], r.stderr
+    r = _with_isa(value, REFUSAL_PROBE, cwd, env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == dict(isa=None, error=message, check=message)
+
+
+def test_an_isa_this_cpu_cannot_run_is_one_clear_error():
+    info = asyncpp_ext.build_info()
+    built, runnable = info["cpu_kernel_isas_built"], info["cpu_kernel_isas_runnable"]
+    unrunnable = [isa for isa in built if isa not in runnable]
+    if not unrunnable:
+        pytest.skip(f"this CPU runs every built ISA ({', '.join(built)}): none to refuse")
+    usable = ", ".join(["auto"] + [_env_spelling(isa) for isa in runnable])
+    for isa in unrunnable:
+        value = _env_spelling(isa)
+        _assert_refused(value, f"ASYNCPP_CPU_ISA={value}: this CPU does not support {isa}; "
+                               f"use one of {usable} (or unset it)")
+
+
+def test_unknown_isa_is_one_clear_error_and_info_still_runs():
+    runnable = asyncpp_ext.build_info()["cpu_kernel_isas_runnable"]
+    usable = ", ".join(["auto"] + [_env_spelling(isa) for isa in runnable])
+    message = f"ASYNCPP_CPU_ISA=sse9: not a known ISA; use one of {usable} (or unset it)"
+    _assert_refused("sse9", message)
+    out = subprocess.run([sys.executable, "-m", "asyncpp_ext.info", "--json"], capture_output=True, text=True,
+                         env=dict(os.environ, ASYNCPP_CPU_ISA="sse9"), timeout=300)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert json.loads(out.stdout)["cpu_kernel_isa_error"] == message
+
+
+def test_isa_variant_objects_define_nothing_outside_their_namespace():
+    """The per-ISA units (optim_cpu_loops.h) share headers of inline helpers. An out-of-line copy
+    of one emitted by the AVX-512 unit would be merged by the linker with every other unit's, and
+    the baseline could then run AVX-512 code. So each object may define only its own namespace."""
+    kernels = ROOT / "build" / f"cmake-py{sys.version_info[0]}{sys.version_info[1]}" / "CMakeFiles" \
+        / "asyncpp_kernels.dir" / "csrc" / "kernels"
+    objects = sorted(kernels.glob("optim_cpu_*.cpp.o"))
+    if not objects or shutil.which("nm") is None:
+        pytest.skip(f"needs nm and the build tree setup.py writes ({kernels})")
+    for obj in objects:
+        isa = obj.name[len("optim_cpu_"):-len(".cpp.o")]
+        out = subprocess.run(["nm", "-C", "--defined-only", "--extern-only", str(obj)], capture_output=True,
+                             text=True, check=True).stdout
+        foreign = [line for line in out.splitlines() if f"::isa_{isa}::" not in line]
+        assert not foreign, f"{obj.name} defines symbols shared with the other ISA units: {foreign}"
+
+
 def test_cuda_off_build_skips_cuda_and_imports(tmp_path):
     """A full CPU-only, baseline-ISA-only build into a scratch copy of the package, then import it
-    there. Its kernels must give the very bits the main build's ISA clones give (cpu_isa.h)."""
+    there. Its kernels must give the very bits the main build's ISA variant gives (cpu_isa.h), and
+    an ISA it did not build is refused."""
     import pybind11
 
     pkg = tmp_path / "asyncpp_ext"
@@ -115,11 +226,13 @@ def test_cuda_off_build_skips_cuda_and_imports(tmp_path):
     scratch_env = dict(os.environ, PYTHONPATH=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
                          check=True, env=scratch_env)
-    import json
 
     info = json.loads(out.stdout)
     assert info["cuda_compiled"] is False and info["cuda_archs"] == ""
-    assert info["cpu_kernel_isa"] == "baseline"
+    assert info["cpu_kernel_isa"] == "baseline" and info["cpu_kernel_isas_built"] == ["baseline"]
+    assert "ASYNCPP_NO_ISA_CLONES" in info["cpu_kernel_isa_reason"]
     digests = [subprocess.run([sys.executable, "-c", KERNEL_DIGEST], cwd=cwd, env=env, capture_output=True,
                               text=True, check=True).stdout for cwd, env in ((tmp_path, scratch_env), (ROOT, None))]
-    assert digests[0] == digests[1], f"baseline build vs {asyncpp_ext.build_info()['cpu_kernel_isa']} clones"
+    assert digests[0] == digests[1], f"baseline build vs the {asyncpp_ext.build_info()['cpu_kernel_isa']} variant"
+    _assert_refused("avx2", "ASYNCPP_CPU_ISA=avx2: this build has no avx2 variant (it was built with "
+                            "-DASYNCPP_NO_ISA_CLONES); use one of auto, baseline (or unset it)", tmp_path, scratch_env)

@@ -41,6 +41,13 @@ def _check_cuda_kernels() -> None:
             "on PATH), or keep the optimizer on CPU")
 
 
+def cpu_kernel_isa() -> str:
+    """The ISA the CPU kernels run with in this process ("baseline", "avx2", "avx512f"), chosen once
+    from $ASYNCPP_CPU_ISA and the CPU; ValueError naming the variable when the setting cannot be
+    honoured here."""
+    return C.cpu_kernel_isa_check()
+
+
 def on_device_of(t: torch.Tensor):
     """Make t's CUDA device current for a kernel call (nothing for CPU tensors)."""
     if t.device.type != "cuda":

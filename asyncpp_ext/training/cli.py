@@ -27,6 +27,7 @@ from ..data import DataError
 from ..models import GPT, PRESETS
 from .simulate import DelaySimulator, merge_engine_states
 from ..optim import build_optimizer
+from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline import LaunchError, under_launcher
 from ..pipeline.nonfinite import NonFiniteError
@@ -320,6 +321,7 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
     cfg.optim.pin_auto_values()  # a resumed run reads the numbers back (older checkpoints: None)
     try:  # the CPU-path variables fail here, not inside a rank after the run has started
         bf16_matmul_choice()
+        cpu_kernel_isa()  # spawned ranks read $ASYNCPP_CPU_ISA afresh; this process too, if no kernel ran yet
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if runs_multi_process(cfg) and cfg.pipeline.schedule == "sync":

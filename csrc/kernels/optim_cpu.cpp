@@ -1,14 +1,14 @@
 // Multi-tensor CPU optimizer kernels. The tensor list is cut into fixed-size chunks of
 // (tensor, begin, end); the worker pool (cpu_pool.h, not an OpenMP region: see there why) spreads
 // the chunks over threads, so many small tensors and a few large ones balance equally. The inner
-// loops are straight-line calls into optim_math.h with the error-feedback mode hoisted into a
-// template parameter, which lets the compiler vectorize them; each is built for several ISAs
-// (cpu_isa.h).
+// loops themselves live in optim_cpu_loops.inc, compiled once per ISA; this file calls them through
+// the table of the ISA chosen for the process (cpu_isa.h).
 #include <algorithm>
 #include <vector>
 
 #include "kernels/cpu_isa.h"
 #include "kernels/cpu_pool.h"
+#include "kernels/optim_cpu_loops.h"
 #include "kernels/optim_kernels.h"
 
 namespace asyncpp::kernels::optim {
@@ -36,122 +36,39 @@ std::vector<WorkItem> split_work(size_t n_tensors, Numel numel_of) {
   return items;
 }
 
-template <EfMode kMode>
-ASYNCPP_ISA_CLONES void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end) {
-  float* __restrict p = t.param;
-  const float* __restrict g = t.grad;
-  float* __restrict m = t.exp_avg;
-  float* __restrict v = t.exp_avg_sq;
-  float* __restrict e = t.ef;
-  const AdamWScalars s = t.s;
-  const float neg_lr_wd = t.neg_lr_wd, beta = t.ef_beta;
-  for (int64_t i = begin; i < end; ++i) {
-    float mi = m[i], vi = v[i];
-    const float upd = adamw_direction(g[i], mi, vi, s);
-    m[i] = mi;
-    v[i] = vi;
-    if constexpr (kMode == EfMode::off) {
-      p[i] = apply_update<kMode>(p[i], upd, neg_lr_wd, beta, nullptr);
-    } else {
-      p[i] = apply_update<kMode>(p[i], upd, neg_lr_wd, beta, e + i);
-    }
+// The loops of the ISA chosen for this process; throws when $ASYNCPP_CPU_ISA cannot be honoured.
+// Called on the caller's thread, before any work is handed to the pool.
+const CpuLoops& cpu_loops() {
+  switch (cpu_kernel_isa()) {
+#if ASYNCPP_HAS_ISA_VARIANTS
+    case CpuIsa::avx512f: return isa_avx512f::loops;
+    case CpuIsa::avx2: return isa_avx2::loops;
+#endif
+    default: return isa_baseline::loops;
   }
-}
-
-template <Storage kOut>
-ASYNCPP_ISA_CLONES double momentum_range(const MomentumTensor& t, int64_t begin, int64_t end) {
-  const float* __restrict g = t.grad;
-  float* __restrict b = t.buf;
-  const float mu = t.mu;
-  const bool nesterov = t.nesterov;
-  double sumsq = 0.0;
-  if constexpr (kOut == Storage::f32) {
-    float* __restrict out = static_cast<float*>(t.out);
-#pragma omp simd reduction(+ : sumsq)
-    for (int64_t i = begin; i < end; ++i) {
-      float bi = b[i];
-      const float vi = muon_momentum(g[i], bi, mu, nesterov);
-      b[i] = bi;
-      out[i] = vi;
-      sumsq += double(vi) * double(vi);
-    }
-  } else {
-    uint16_t* __restrict out = static_cast<uint16_t*>(t.out);
-#pragma omp simd reduction(+ : sumsq)
-    for (int64_t i = begin; i < end; ++i) {
-      float bi = b[i];
-      const uint16_t vi = float_to_bf16(muon_momentum(g[i], bi, mu, nesterov));
-      b[i] = bi;
-      out[i] = vi;
-      const double stored = bf16_to_float(vi);
-      sumsq += stored * stored;
-    }
-  }
-  return sumsq;
-}
-
-template <EfMode kMode, Storage kIn>
-ASYNCPP_ISA_CLONES void apply_range(const ApplyTensor& t, int64_t begin, int64_t end) {
-  float* __restrict p = t.param;
-  float* __restrict e = t.ef;
-  const float scale = t.update_scale, neg_lr_wd = t.neg_lr_wd, beta = t.ef_beta;
-  for (int64_t i = begin; i < end; ++i) {
-    float o;
-    if constexpr (kIn == Storage::f32) {
-      o = static_cast<const float*>(t.update)[i];
-    } else {
-      o = bf16_to_float(static_cast<const uint16_t*>(t.update)[i]);
-    }
-    const float upd = scale * o;
-    if constexpr (kMode == EfMode::off) {
-      p[i] = apply_update<kMode>(p[i], upd, neg_lr_wd, beta, nullptr);
-    } else {
-      p[i] = apply_update<kMode>(p[i], upd, neg_lr_wd, beta, e + i);
-    }
-  }
-}
-
-template <Storage kIn>
-void apply_dispatch(const ApplyTensor& t, int64_t begin, int64_t end) {
-  switch (t.ef_mode) {
-    case EfMode::off: return apply_range<EfMode::off, kIn>(t, begin, end);
-    case EfMode::first: return apply_range<EfMode::first, kIn>(t, begin, end);
-    case EfMode::corrected: return apply_range<EfMode::corrected, kIn>(t, begin, end);
-  }
-}
-
-ASYNCPP_ISA_CLONES bool range_is_finite(const float* x, int64_t begin, int64_t end) {
-  uint32_t bad = 0;
-#pragma omp simd reduction(| : bad)
-  for (int64_t i = begin; i < end; ++i) bad |= is_finite(x[i]) ? 0u : 1u;
-  return bad == 0;
 }
 
 }  // namespace
 
 void adamw_step_cpu(const std::vector<AdamWTensor>& tensors) {
+  const CpuLoops& loops = cpu_loops();
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
   parallel_items(n_items, kMinParallelChunks, [&](int64_t k) {
     const WorkItem& w = items[k];
     const AdamWTensor& t = tensors[w.tensor];
-    switch (t.ef_mode) {
-      case EfMode::off: adamw_range<EfMode::off>(t, w.begin, w.end); break;
-      case EfMode::first: adamw_range<EfMode::first>(t, w.begin, w.end); break;
-      case EfMode::corrected: adamw_range<EfMode::corrected>(t, w.begin, w.end); break;
-    }
+    loops.adamw[int(t.ef_mode)](t, w.begin, w.end);
   });
 }
 
 void muon_momentum_cpu(const std::vector<MomentumTensor>& tensors, Storage out_storage, float* sumsq) {
+  const auto momentum_range = cpu_loops().momentum[int(out_storage)];
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
   std::vector<double> partial(items.size(), 0.0);
   parallel_items(n_items, kMinParallelChunks, [&](int64_t k) {
     const WorkItem& w = items[k];
-    partial[k] = out_storage == Storage::f32
-                     ? momentum_range<Storage::f32>(tensors[w.tensor], w.begin, w.end)
-                     : momentum_range<Storage::bf16>(tensors[w.tensor], w.begin, w.end);
+    partial[k] = momentum_range(tensors[w.tensor], w.begin, w.end);
   });
   if (sumsq == nullptr) return;
   // Reduce the chunk partials in a fixed order: the norm is deterministic for any thread count.
@@ -161,19 +78,18 @@ void muon_momentum_cpu(const std::vector<MomentumTensor>& tensors, Storage out_s
 }
 
 void apply_update_cpu(const std::vector<ApplyTensor>& tensors, Storage update_storage) {
+  const auto& apply_range = cpu_loops().apply[int(update_storage)];
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
   parallel_items(n_items, kMinParallelChunks, [&](int64_t k) {
     const WorkItem& w = items[k];
-    if (update_storage == Storage::f32) {
-      apply_dispatch<Storage::f32>(tensors[w.tensor], w.begin, w.end);
-    } else {
-      apply_dispatch<Storage::bf16>(tensors[w.tensor], w.begin, w.end);
-    }
+    const ApplyTensor& t = tensors[w.tensor];
+    apply_range[int(t.ef_mode)](t, w.begin, w.end);
   });
 }
 
 int64_t first_nonfinite_cpu(const std::vector<ConstTensor>& tensors) {
+  const auto range_is_finite = cpu_loops().range_is_finite;
   const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
   const int64_t n_items = int64_t(items.size());
   std::vector<unsigned char> bad(items.size(), 0);

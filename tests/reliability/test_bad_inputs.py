@@ -3,6 +3,9 @@ and multi-stage) checkpoints: each ends with exit code 2, exactly one line
 ``asyncpp-train: error: ...``, no traceback, and nothing half-written (no new run directory, no
 temporary files, a refused resume leaves its run untouched)."""
 import json
+import os
+import subprocess
+import sys
 import shutil
 
 import pytest
@@ -174,3 +177,17 @@ def test_bad_input_is_one_clean_error_line(tmp_path, finished_runs, capsys, monk
         assert _snapshot(kept_run) == before  # a refused resume changes nothing
     leftovers = [p for p in tmp_path.rglob("*") if ".tmp" in p.name or p.name.startswith(".old-")]
     assert not leftovers, leftovers  # nothing half-written anywhere
+
+
+@pytest.mark.parametrize("layout", [FAST, PIPE + ["--schedule", "2bw"]], ids=["simulated", "two-processes"])
+def test_unknown_cpu_isa_is_one_clean_error_line(tmp_path, layout):
+    """$ASYNCPP_CPU_ISA is read once per process, at the first kernel call, so only a fresh process
+    shows what a user's run does: refused before any rank starts or anything is written."""
+    env = dict(os.environ, ASYNCPP_CPU_ISA="sse9")
+    r = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", *layout, "--out", str(tmp_path / "out")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("asyncpp-train: error: ASYNCPP_CPU_ISA=sse9: not a known ISA; "
+                                                   "use one of auto, baseline"), r.stderr
+    assert not (tmp_path / "out").exists()
