@@ -5,6 +5,7 @@ statically and only asked how many devices it sees.
 """
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -62,9 +63,13 @@ def _bf16_matmul_info() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m asyncpp_ext.info",
+                                     description="What this asyncpp_ext build is and what it chose on this "
+                                                 "machine: compiler, CUDA archs, NCCL, CPU kernel ISA, bf16 path.")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = parser.parse_args(argv)
     info = build_info()
-    if "--json" in argv:
+    if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
     width = max(len(k) for k in info)

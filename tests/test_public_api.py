@@ -1,0 +1,89 @@
+"""The names users and scripts rely on stay where the docs put them, and the package's layers import
+one way only (README "Layout", docs/design.md §2)."""
+import ast
+import importlib
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "asyncpp_ext"
+
+# module -> names documented in the README, docs/ and the examples
+PROMISED = {
+    "asyncpp_ext": ["__version__", "build_info"],
+    "asyncpp_ext.pipeline": ["Pipeline"],
+    "asyncpp_ext.optim": ["AdamW", "Muon", "MuonHybrid", "ErrorFeedback", "NonFiniteGradientError",
+                          "build_optimizer", "orthogonalize", "split_named_parameters"],
+    "asyncpp_ext.models": ["GPT", "GPTConfig", "PRESETS", "preset_config"],
+    "asyncpp_ext.data": ["load_tokens", "builtin_corpus", "BatchStream", "DataError"],
+    "asyncpp_ext.training": ["DelaySimulator"],
+    "asyncpp_ext.training.cli": ["main"],
+    "asyncpp_ext.schedule.cli": ["main"],
+    "asyncpp_ext.train": ["main"],
+}
+
+# subpackage -> the other parts of asyncpp_ext it may import. Lower layers never import upward:
+# training drives pipelines; pipelines run optimizers; optim, models, data and schedule stand alone.
+ALLOWED_IMPORTS = {
+    "data": set(),
+    "models": set(),
+    "optim": {"_ext"},
+    "schedule": {"_ext"},
+    "pipeline": {"_ext", "info", "optim"},
+    "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(PROMISED))
+def test_promised_names_import(module):
+    mod = importlib.import_module(module)
+    missing = [name for name in PROMISED[module] if not hasattr(mod, name)]
+    assert not missing, f"{module} lost {missing}"
+    for name in getattr(mod, "__all__", []):
+        assert hasattr(mod, name), f"{module}.__all__ names {name}, which it does not define"
+
+
+def test_console_scripts_resolve_to_callables():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) >= {"asyncpp-train", "asyncpp-schedule"}
+    for name, target in scripts.items():
+        module, _, attr = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attr)), f"{name} -> {target}"
+
+
+@pytest.mark.parametrize("module", ["asyncpp_ext.train", "asyncpp_ext.schedule", "asyncpp_ext"])
+def test_python_dash_m_entry_points_answer_help(module):
+    r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
+
+
+def _imported_parts(path: Path) -> set[str]:
+    """The first-level parts of asyncpp_ext a module under a subpackage imports."""
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level >= 2 and node.module:  # from ..x import y
+                parts.add(node.module.split(".")[0])
+            elif node.level >= 2:  # from .. import x
+                parts.update(alias.name for alias in node.names)
+            elif node.level == 0 and (node.module or "").startswith("asyncpp_ext."):
+                parts.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            parts.update(a.name.split(".")[1] for a in node.names if a.name.startswith("asyncpp_ext."))
+    return parts
+
+
+def test_layers_import_one_way():
+    subpackages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert sorted(ALLOWED_IMPORTS) == subpackages, "a new subpackage needs its place in ALLOWED_IMPORTS"
+    wrong = []
+    for sub in subpackages:
+        for path in sorted((PACKAGE / sub).glob("*.py")):
+            extra = _imported_parts(path) - ALLOWED_IMPORTS[sub]
+            if extra:
+                wrong.append(f"{path.relative_to(ROOT)} imports {sorted(extra)}")
+    assert not wrong, "\n".join(wrong)
