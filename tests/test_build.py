@@ -1,4 +1,6 @@
 """The package builds, reports what it is, and rejects bad build settings with one clear line."""
+from __future__ import annotations
+
 import json
 import os
 import shutil
