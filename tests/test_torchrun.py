@@ -39,10 +39,12 @@ def test_torchrun_with_the_wrong_process_count_stops_every_rank(tmp_path, free_p
     r = _torchrun(3, free_port, FLAGS + ["--out", str(tmp_path / "run")])
     assert r.returncode != 0
     ours = [line for line in r.stderr.splitlines() if line.startswith("asyncpp-train: error: ")]
-    assert len(ours) == 3  # one line from each rank ...
+    # Each rank refuses on its own, but torchrun stops the others as soon as one fails, so a slow
+    # rank may be terminated before it prints: one line per rank that got that far.
+    assert 1 <= len(ours) <= 3, r.stderr
     assert all("torchrun started 3 processes but --stages 2 x --dp 1 needs 2; start 2 processes" in line
                for line in ours)
-    assert "[rank" not in r.stderr  # ... and no rank traceback (torchrun's own summary follows)
+    assert "[rank" not in r.stderr  # no rank traceback (torchrun's own summary follows)
     assert not (tmp_path / "run").exists()
 
 
@@ -50,5 +52,5 @@ def test_torchrun_without_out_is_refused(tmp_path, free_port):
     r = _torchrun(2, free_port, FLAGS)
     assert r.returncode != 0
     ours = [line for line in r.stderr.splitlines() if line.startswith("asyncpp-train: error: ")]
-    assert len(ours) == 2 and all("under torchrun pass --out DIR" in line for line in ours)
+    assert 1 <= len(ours) <= 2 and all("under torchrun pass --out DIR" in line for line in ours), r.stderr
     assert "[rank" not in r.stderr
