@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -144,16 +145,22 @@ def run_all(specs: list[RunSpec], args: dict, workers: int, threads: int) -> lis
             results[i] = run_one(spec, args)
             report(i + 1, results[i])
         return results
-    pool = get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(threads,))
+    # A process pool that fails loudly: if a worker dies (killed, or unable to import this
+    # script), the study stops with BrokenProcessPool instead of waiting for a replacement.
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
+                               initargs=(threads,))
     try:
-        jobs = [(i, spec, args) for i, spec in enumerate(specs)]
-        for done, (i, result) in enumerate(pool.imap_unordered(_run_indexed, jobs), 1):
+        futures = [pool.submit(_run_indexed, (i, spec, args)) for i, spec in enumerate(specs)]
+        for done, future in enumerate(as_completed(futures), 1):
+            i, result = future.result()
             results[i] = result
             report(done, result)
-        pool.close()
+    except BaseException:  # an interrupted study must not leave workers training on
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
+        raise
     finally:
-        pool.terminate()  # an interrupted study must not leave workers training on
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
     return results
 
 
