@@ -52,22 +52,29 @@ def under_launcher() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
 
 
-def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
-    """Join the world described by the environment (gloo); returns (rank, world_size).
+def spawned_locally() -> bool:
+    """True in a rank started by ``spawn`` (its LOCAL_RANK is its rank; the world is this machine)."""
+    return os.environ.get(_SPAWNED_ENV) == "1"
+
+
+def init_distributed(timeout_s: float | None = None, backend: str = "gloo") -> tuple[int, int]:
+    """Join the world described by the environment; returns (rank, world_size).
 
     ``timeout_s`` bounds every collective (barriers, the start-up handshake); default
-    ``ASYNCPP_TIMEOUT`` or 300 s. Ranks started by ``spawn`` rendezvous through a store that
-    listens on MASTER_ADDR only (127.0.0.1 unless the user set it)."""
+    ``ASYNCPP_TIMEOUT`` or 300 s. ``backend`` is the default group's: it must carry CPU tensors,
+    so "gloo", or "cpu:gloo,cuda:nccl" where CUDA tensors need NCCL too (devices.py). Ranks
+    started by ``spawn`` rendezvous through a store that listens on MASTER_ADDR only (127.0.0.1
+    unless the user set it)."""
     timeout_s = default_timeout_s() if timeout_s is None else timeout_s
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         timeout = datetime.timedelta(seconds=timeout_s)
         if os.environ.get(_SPAWNED_ENV) == "1":
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-            dist.init_process_group("gloo", store=_local_store(rank, world, timeout), rank=rank,
+            dist.init_process_group(backend, store=_local_store(rank, world, timeout), rank=rank,
                                     world_size=world, timeout=timeout)
         else:
-            dist.init_process_group("gloo", timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -25,11 +25,11 @@ from .nonfinite import NonFiniteGuard
 from .partition import as_blocks, split
 from .recompute import resolve_autocast
 from .stage import Signature, StageError, StageHost
-from .transport import GlooTransport, TransportError, peer_failure_reason
+from .devices import TRANSPORTS, choose_transport  # noqa: F401 (TRANSPORTS: public name kept here)
+from .transport import GlooTransport, TorchTransport, TransportError, create_link_groups, peer_failure_reason
 from .watchdog import Watchdog, WatchedHost, WatchedTransport, check_timeout, default_timeout_s
 
 SCHEDULES = ("gpipe", "1f1b", "2bw")
-TRANSPORTS = ("auto", "gloo", "nccl")
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 _SCHEDULE_CODES = {name: i for i, name in enumerate(SCHEDULES)}
 _HANDSHAKE_LEN = 16
@@ -76,9 +76,12 @@ class Pipeline:
         recv_ahead: receives posted ahead of need per message kind (the receive-buffer budget).
         track_memory: measure the peak bytes of in-flight activations (``host.memory_report()``).
         device: where this stage's blocks run, e.g. "cuda:0" (default CPU). Batches are moved there.
-        transport: "gloo" (CPU tensors over torch.distributed), "nccl" (the C++ NCCL transport,
-            CUDA only; the default process group must still carry CPU tensors, i.e. be "gloo" or
-            "cpu:gloo,cuda:nccl", for the start-up handshake), or "auto": nccl on CUDA, else gloo.
+        transport: "gloo" (torch.distributed over gloo; on CUDA staged through host memory, so
+            ranks may share a GPU), "nccl" (the C++ NCCL transport, CUDA only), "torch"
+            (torch.distributed isend/irecv on a group per link and direction: NCCL on CUDA, gloo
+            on CPU), or "auto": nccl on CUDA, else gloo (see devices.py). On CUDA the default
+            process group must still carry CPU tensors, i.e. be "gloo" or "cpu:gloo,cuda:nccl",
+            for the start-up handshake and evaluation.
         run_id: names this pipeline's NCCL rendezvous keys; equal on every rank (see nccl.py).
         dp: data-parallel replicas R of the S-stage pipeline (world = S * R, rank = replica * S +
             stage; see data_parallel.py). Every rank is fed the same global minibatches; replica r
@@ -126,6 +129,11 @@ class Pipeline:
         if transport == "nccl":  # before touching the device: say what to install or rebuild
             from .nccl import require_nccl
             require_nccl(need_gpu=True)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {str(self.device)!r} but torch sees no CUDA device; use device='cpu'")
+            if self.device.index is None:  # the worker thread needs the index (current device is per thread)
+                self.device = torch.device("cuda", torch.cuda.current_device())
         self.dp, self.layout = dp, Layout(self.stages, dp)
         self.replica, self.stage = self.layout.coords(self.rank)
         self.stage_ranks = self.layout.pipeline_ranks(self.replica)
@@ -163,6 +171,11 @@ class Pipeline:
         self.watchdog.on_report = tell_launcher
         if transport == "gloo":
             self.transport = GlooTransport(self.host, self.stage_ranks)
+        elif transport == "torch":
+            pipelines = [self.layout.pipeline_ranks(r) for r in range(dp)]
+            with self.watchdog.armed("torch transport setup"):
+                groups = create_link_groups(pipelines, self.stage, self.replica, self.device, 2 * timeout_s)
+            self.transport = TorchTransport(self.host, self.stage_ranks, groups, nccl=self.device.type == "cuda")
         else:
             from .nccl import _default_run_ids, create_nccl_transport
             if dp > 1:  # each replica's pipeline rendezvouses under its own keys
@@ -321,6 +334,8 @@ class Pipeline:
 
         def worker() -> None:
             try:
+                if self.device.type == "cuda":  # the current device is per thread
+                    torch.cuda.set_device(self.device)
                 for stream_start in range(first_step, first_step + steps, chunk):
                     n = min(chunk, first_step + steps - stream_start)
                     if isinstance(self.transport, GlooTransport):
@@ -389,17 +404,8 @@ class Pipeline:
 
 
 def _choose_transport(transport: str, device: torch.device) -> str:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
-    if transport == "auto":
-        transport = "nccl" if device.type == "cuda" else "gloo"
-    if transport == "nccl" and device.type != "cuda":
-        raise ValueError(f"transport 'nccl' moves CUDA tensors but device is {str(device)!r}; pass "
-                         "device='cuda:<index>' or use transport='gloo' on CPU")
-    if transport == "gloo" and device.type != "cpu":
-        raise ValueError(f"transport 'gloo' moves CPU tensors but device is {str(device)!r}; use "
-                         "transport='nccl' (or 'auto') on CUDA")
-    if transport == "nccl" and "gloo" not in str(dist.get_backend()):
+    transport = choose_transport(transport, device)
+    if device.type != "cpu" and "gloo" not in str(dist.get_backend()):
         raise ValueError(f"the default process group uses backend {dist.get_backend()!r}, but the start-up "
                          "handshake sends CPU tensors: initialise it with 'gloo' or 'cpu:gloo,cuda:nccl'")
     return transport

@@ -1,4 +1,11 @@
-"""The CPU transport: torch.distributed point-to-point (gloo), driven by the C++ executor.
+"""The Python transports: torch.distributed point-to-point, driven by the C++ executor.
+
+``GlooTransport`` sends over gloo on the default group. Its tensors are the stage's own on CPU;
+on CUDA they are staged through host memory (a send copies the device buffer to the host once
+the compute that produced it is done, a receive lands in a host tensor and is copied into the
+device buffer when its completion is seen), so several ranks may share one GPU.
+``TorchTransport`` is the same on process groups of its own, one per link and message kind:
+NCCL groups on CUDA (tensors stay on the GPU), gloo groups on CPU.
 
 Requests are small integers handed to the executor; each keeps its tensor alive until the
 transfer completes. Failures are re-raised naming the peer stage and its rank, so a dead or
@@ -10,9 +17,10 @@ import datetime
 import itertools
 import re
 
+import torch
 import torch.distributed as dist
 
-from .stage import ACTIVATION, StageHost
+from .stage import ACTIVATION, GRADIENT, StageHost
 
 KIND_NAMES = {0: "activation", 1: "gradient"}
 
@@ -30,10 +38,17 @@ def peer_failure_reason(error: BaseException) -> str:
 
 
 class GlooTransport:
+    host_staging = True
+    """Device tensors travel through host copies (gloo moves CPU memory only)."""
+
     def __init__(self, host: StageHost, stage_ranks: list, group=None):
         self.host, self.stage_ranks, self.group = host, list(stage_ranks), group
         self._ids = itertools.count()
-        self._pending: dict[int, tuple] = {}  # id -> (work, tensor, description)
+        # id -> (work, tensor on the wire, description, device tensor a staged receive fills)
+        self._pending: dict[int, tuple] = {}
+
+    def _group(self, kind: int, peer: int):
+        return self.group
 
     def _describe(self, is_send: bool, kind: int, step: int, mb: int, peer: int, tensor) -> str:
         direction = "send to" if is_send else "recv from"
@@ -48,22 +63,34 @@ class GlooTransport:
         return self._post(False, kind, step, mb, peer)
 
     def _post(self, is_send: bool, kind: int, step: int, mb: int, peer: int) -> int:
+        fill = None
         if is_send:
             tensor = self.host.take_send_buffer(kind, step, mb)
+            # A blocking device-to-host copy: it waits for the compute that produced the tensor.
+            wire = tensor.to("cpu") if self._staged(tensor) else tensor
             op, where = dist.isend, {"dst": self.stage_ranks[peer]}
         else:
             tensor = self.host.recv_buffer(kind, step, mb)
+            wire, fill = (self._host_buffer(tensor), tensor) if self._staged(tensor) else (tensor, None)
             op, where = dist.irecv, {"src": self.stage_ranks[peer]}
         desc = self._describe(is_send, kind, step, mb, peer, tensor)
         try:
-            work = op(tensor, group=self.group, tag=kind, **where)
+            work = op(wire, group=self._group(kind, peer), tag=kind, **where)
         except RuntimeError as e:
             raise TransportError(f"{desc}: {e}") from None
-        return self._add(work, tensor, desc)
+        return self._add(work, wire, desc, fill)
 
-    def _add(self, work, tensor, desc: str) -> int:
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        return self.host_staging and tensor.device.type != "cpu"
+
+    @staticmethod
+    def _host_buffer(like: torch.Tensor) -> torch.Tensor:
+        """Host staging for a receive: pinned, so the copy to the device can be asynchronous."""
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+
+    def _add(self, work, tensor, desc: str, fill=None) -> int:
         request = next(self._ids)
-        self._pending[request] = (work, tensor, desc)
+        self._pending[request] = (work, tensor, desc, fill)
         return request
 
     def test(self, request: int) -> bool:
@@ -74,7 +101,7 @@ class GlooTransport:
         return False
 
     def wait(self, request: int, timeout_s: float) -> None:
-        work, _, desc = self._pending[request]
+        work, wire, desc, fill = self._pending[request]
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
@@ -83,6 +110,10 @@ class GlooTransport:
                 raise TransportError(f"{desc}: no progress for {timeout_s:g} s (the peer is stalled "
                                      f"or has failed): {reason}") from None
             raise TransportError(f"{desc} failed -- the peer has probably exited: {reason}") from None
+        if fill is not None:
+            # Queued on this thread's current stream, ahead of the compute that reads the buffer;
+            # the pinned source stays reserved until the copy has run (torch's host allocator).
+            fill.copy_(wire, non_blocking=True)
         del self._pending[request]
 
     def pending(self, confirm_sends: bool = False) -> list:
@@ -92,7 +123,7 @@ class GlooTransport:
         is waited on for 1 ms and left out if that succeeds. That may consume the completion the
         executor's own wait expects, so only the stall report (just before the rank exits) uses it."""
         out = []
-        for work, _, desc in list(self._pending.values()):
+        for work, _, desc, _ in list(self._pending.values()):
             if work.is_completed():
                 continue
             if confirm_sends and " send to " in desc:
@@ -108,4 +139,65 @@ class GlooTransport:
         return self._pending[request][2]
 
 
-__all__ = ["GlooTransport", "TransportError", "ACTIVATION"]
+class TorchTransport(GlooTransport):
+    """torch.distributed ``isend``/``irecv`` on one process group per (link, message kind).
+
+    With NCCL, torch runs all point-to-point operations of one group between the same two ranks
+    on one stream, in the order they were posted: a gradient receive posted ahead would hold up an
+    activation send behind it, and the two stages would wait for each other. One group per link
+    and kind gives each direction its own stream. ``groups`` maps (kind, link) to this rank's
+    groups, link being the lower stage of the pair (see create_link_groups)."""
+
+    host_staging = False  # NCCL groups move device memory; on CPU the tensors are host tensors already
+
+    def __init__(self, host: StageHost, stage_ranks: list, groups: dict, nccl: bool = False):
+        super().__init__(host, stage_ranks)
+        self.groups, self.nccl = groups, nccl
+
+    def _group(self, kind: int, peer: int):
+        return self.groups[(kind, min(self.host.stage, peer))]
+
+    def pending(self, confirm_sends: bool = False) -> list:
+        # NCCL reports a finished send as complete by itself, and a timed-out wait on NCCL work
+        # tears the communicator down: no confirming waits there.
+        return super().pending(confirm_sends and not self.nccl)
+
+
+def create_link_groups(pipelines: list, stage: int, replica: int, device: torch.device, timeout_s: float) -> dict:
+    """This rank's groups for TorchTransport, as {(kind, link): group}.
+
+    ``pipelines`` lists every replica's stage ranks; the groups are NCCL groups when ``device``
+    is a CUDA device (this rank's), else gloo groups. ``new_group`` is collective over the whole
+    world: every rank creates every group, in the same order (replica, link, activation then
+    gradient). Each group's first message then travels right here, pair by pair in that order,
+    because NCCL connects a pair at its first message and blocks until both ranks arrive: left to
+    the executor, a receive posted ahead on one link could wait for a peer busy connecting
+    another."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    mine, order = {}, []
+    for r, ranks in enumerate(pipelines):
+        for link in range(len(ranks) - 1):
+            for kind in (ACTIVATION, GRADIENT):
+                pair = [ranks[link], ranks[link + 1]]
+                group = dist.new_group(pair, timeout=timeout, backend=backend)
+                if r == replica and stage in (link, link + 1):
+                    mine[(kind, link)] = group
+                    order.append((kind, link, pair))
+    probe = torch.zeros(1, device=device)
+    for kind, link, pair in order:  # the lower stage sends, in the same order on both ends
+        group = mine[(kind, link)]
+        try:
+            if stage == link:
+                dist.send(probe, dst=pair[1], group=group)
+            else:
+                dist.recv(probe, src=pair[0], group=group)
+        except RuntimeError as e:
+            peer = link + 1 if stage == link else link
+            raise TransportError(f"stage {stage}: connecting the {KIND_NAMES[kind]} group with stage {peer} "
+                                 f"(rank {pipelines[replica][peer]}) failed -- the peer has probably exited: "
+                                 f"{peer_failure_reason(e)}") from None
+    return mine
+
+
+__all__ = ["GlooTransport", "TorchTransport", "TransportError", "create_link_groups", "ACTIVATION"]

@@ -1,0 +1,94 @@
+"""Which device each rank trains on and which transport carries its pipeline messages.
+
+Pure functions of their arguments (no CUDA call), so the rules are unit-tested on machines
+without a GPU with made-up GPU counts; callers pass ``torch.cuda.device_count()``.
+
+Transports (``transport=`` / ``--transport``):
+
+- ``nccl``: the C++ NCCL transport (pipeline/nccl.py); CUDA only, one GPU per rank.
+- ``torch``: torch.distributed ``isend``/``irecv`` on process groups of its own, one per link
+  and message kind (transport.TorchTransport): NCCL groups on CUDA (one GPU per rank), gloo
+  groups on CPU.
+- ``gloo``: torch.distributed ``isend``/``irecv`` over gloo on the default group. On CUDA the
+  tensors are staged through host memory, so several ranks may share one GPU.
+- ``auto``: ``nccl`` on CUDA, ``gloo`` on CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+TRANSPORTS = ("auto", "nccl", "torch", "gloo")
+LAUNCHERS = ("spawn", "torchrun")
+
+
+class DeviceError(ValueError):
+    """A device or transport request this machine or this combination cannot run."""
+
+
+def _device_type(device) -> str:
+    return torch.device(device).type
+
+
+def choose_transport(requested: str, device) -> str:
+    """The transport a rank on ``device`` uses for ``requested`` (one of TRANSPORTS)."""
+    if requested not in TRANSPORTS:
+        raise DeviceError(f"unknown transport {requested!r}; choose one of {', '.join(TRANSPORTS)}")
+    kind = _device_type(device)
+    if requested == "auto":
+        return "nccl" if kind == "cuda" else "gloo"
+    if requested == "nccl" and kind != "cuda":
+        raise DeviceError(f"transport 'nccl' moves CUDA tensors but device is {str(device)!r}; pass "
+                          "device='cuda:<index>' (--device cuda) or use transport 'gloo' or 'torch' on CPU")
+    return requested
+
+
+def needs_own_gpu(transport: str) -> bool:
+    """NCCL (ours or torch's) refuses two ranks on one GPU; gloo stages through the host."""
+    return transport in ("nccl", "torch")
+
+
+def check_local_world(local_world: int, visible_gpus: int, transport: str, launcher: str = "spawn") -> None:
+    """Refuse a CUDA run whose ranks on this machine cannot each get what ``transport`` needs."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    transport = choose_transport(transport, "cuda")
+    if visible_gpus < 1:
+        raise DeviceError("--device cuda but torch sees no CUDA GPU (a CPU build of torch, or "
+                          "CUDA_VISIBLE_DEVICES is empty); use --device cpu")
+    if needs_own_gpu(transport) and local_world > visible_gpus:
+        fewer = ("start at most that many processes per machine (--nproc-per-node)" if launcher == "torchrun"
+                 else "lower --stages x --dp")
+        raise DeviceError(f"{local_world} ranks on this machine but {visible_gpus} GPU"
+                          f"{'s' if visible_gpus != 1 else ''} visible; transport {transport!r} needs one "
+                          f"GPU per rank: {fewer}, or use --transport gloo to share GPUs")
+
+
+def rank_device(device: str, local_rank: int, local_world: int, visible_gpus: int, transport: str,
+                launcher: str = "spawn") -> str:
+    """The device string of the rank with index ``local_rank`` among ``local_world`` on this machine.
+
+    ``device`` is "cpu" or "cuda" (``--device``); ``transport`` one of TRANSPORTS.
+    CPU ranks train on "cpu". On CUDA a rank takes ``cuda:<local_rank>`` (torchrun's LOCAL_RANK,
+    or the spawn index); with the gloo transport ranks may share GPUs: ``cuda:<local_rank %
+    visible_gpus>``. Refusals raise DeviceError (see check_local_world)."""
+    if device not in ("cpu", "cuda"):
+        raise DeviceError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"local_rank must be in [0, {local_world}), got {local_rank}")
+    if device == "cpu":
+        return "cpu"
+    check_local_world(local_world, visible_gpus, transport, launcher)
+    return f"cuda:{local_rank % visible_gpus}"
+
+
+def process_group_backend(transport: str, device) -> str:
+    """Backend of the default process group: it always carries CPU tensors (the start-up
+    handshake, evaluation, checkpoint barriers); with the torch transport on CUDA it also needs
+    NCCL, for the CUDA tensors of the data-parallel groups created from it."""
+    if transport == "torch" and _device_type(device) == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+__all__ = ["TRANSPORTS", "LAUNCHERS", "DeviceError", "choose_transport", "needs_own_gpu", "check_local_world",
+           "rank_device", "process_group_backend"]
