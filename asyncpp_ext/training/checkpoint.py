@@ -14,7 +14,9 @@ per-parameter state by name), so a checkpoint can be re-split at another pipelin
 Atomicity: everything is written into a hidden temporary directory in the run directory (files
 fsync'ed, ``meta.json`` last), which is then renamed to ``ckpt-NNNNNN``. A crash before the rename
 leaves only the temporary directory, which readers ignore, so the previous checkpoint stays the
-latest loadable one. Shards are loaded with ``torch.load(weights_only=True)``.
+latest loadable one. Shards hold CPU tensors only (written from any device) and are loaded with
+``torch.load(weights_only=True, map_location="cpu")``; loading a state copies it onto the run's
+device (the pipeline's flat buffers, the optimizers' ``load_state_dict``).
 """
 from __future__ import annotations
 
@@ -111,12 +113,25 @@ def begin_checkpoint(run_dir: str | os.PathLike, step: int) -> Path:
     return tmp
 
 
+def to_cpu(obj):
+    """``obj`` with every tensor in its dicts, lists and tuples moved to the CPU, so a shard written
+    on a GPU loads anywhere (and loading never touches a device)."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_cpu(v) for v in obj] if isinstance(obj, list) else tuple(to_cpu(v) for v in obj)
+    return obj
+
+
 def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict | None = None) -> None:
-    """Write stage ``stage``'s shard into the temporary directory and fsync it. Refuses
-    (NonFiniteCheckpointError) when a weight holds NaN/Inf: a checkpoint never stores NaN."""
+    """Write stage ``stage``'s shard into the temporary directory and fsync it. Tensors are saved as
+    CPU tensors whatever device they live on. Refuses (NonFiniteCheckpointError) when a weight
+    holds NaN/Inf: a checkpoint never stores NaN."""
     _check_finite_weights(stage, engine_state)
     path = Path(tmp_dir) / shard_name(stage)
-    payload = {"format": FORMAT_VERSION, "stage": stage, "engine": engine_state,
+    payload = {"format": FORMAT_VERSION, "stage": stage, "engine": to_cpu(engine_state),
                "rng": capture_rng_state() if rng_state is None else rng_state}
     with open(path, "wb") as f:
         torch.save(payload, f)
@@ -265,7 +280,7 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
                                   "that flag out)")
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "checkpoint_path", "temp_checkpoint_path", "shard_name",
+__all__ = ["FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "to_cpu", "checkpoint_path", "temp_checkpoint_path", "shard_name",
            "capture_rng_state", "restore_rng_state", "begin_checkpoint", "write_shard",
            "finalize_checkpoint", "save_checkpoint", "list_checkpoints", "latest_checkpoint",
            "read_meta", "load_checkpoint", "check_resume_config"]

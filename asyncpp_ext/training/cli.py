@@ -22,7 +22,8 @@ import torch
 
 from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
-from .config import DTYPES, NONFINITE_POLICIES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, ConfigError, RunConfig
+from .config import (DTYPES, NONFINITE_POLICIES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, TRANSPORTS, ConfigError,
+                     RunConfig)
 from ..data import DataError
 from ..models import GPT, PRESETS
 from .simulate import DelaySimulator, merge_engine_states
@@ -68,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--no-shard-muon", action="store_true", default=None,
                       help="with --dp > 1, every replica runs all Muon orthogonalisations itself "
                            "(default: each runs a share and they are gathered)")
+    pipe.add_argument("--transport", choices=TRANSPORTS,
+                      help="how stage processes exchange activations and gradients: auto (nccl on "
+                           "cuda, gloo on cpu), nccl (C++ NCCL, one GPU per rank), torch "
+                           "(torch.distributed p2p: NCCL on cuda, one GPU per rank; gloo on cpu), "
+                           "gloo (on cuda via host copies: ranks may share a GPU) (default auto)")
     pipe.add_argument("--recompute", action="store_true", default=None,
                       help="recompute each stage's forward before its backward: same losses, less "
                            "activation memory")
@@ -131,7 +137,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("pipeline", "microbatches"): args.microbatches,
         ("pipeline", "micro_batch_size"): args.micro_batch_size, ("pipeline", "dp"): args.dp,
         ("pipeline", "shard_muon"): None if args.no_shard_muon is None else not args.no_shard_muon,
-        ("pipeline", "recompute"): args.recompute, ("train", "dtype"): args.dtype,
+        ("pipeline", "recompute"): args.recompute, ("pipeline", "transport"): args.transport,
+        ("train", "dtype"): args.dtype,
         ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
         ("optim", "adamw_lr"): args.adamw_lr, ("optim", "weight_decay"): args.weight_decay,
         ("optim", "ef_beta"): args.ef_beta, ("train", "steps"): args.steps,
@@ -328,21 +335,46 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
         raise UsageError(f"--schedule sync is the one-process reference rule; a run with --stages "
                          f"{cfg.pipeline.stages} --dp {cfg.pipeline.dp} needs a pipeline schedule: "
                          "gpipe or 1f1b (the same update rule), or 2bw; or add --simulate")
-    if runs_multi_process(cfg) and cfg.train.device == "cuda":
-        raise UsageError("--device cuda: a multi-process run's ranks train on CPU (gloo) today; run one "
-                         "process on the GPU (--stages 1 --dp 1, or --simulate), or build a CUDA pipeline "
-                         "with the Python API: Pipeline(..., device='cuda:N', transport='nccl'), see "
-                         "docs/scale_out.md")
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA GPU is visible; use --device cpu")
+    if runs_multi_process(cfg):
+        check_rank_devices(cfg)
     return cfg, resume_dir
+
+
+def check_rank_devices(cfg: RunConfig) -> None:
+    """Before any rank starts: this machine's ranks can each get the device and transport asked for."""
+    from ..pipeline.devices import DeviceError, check_local_world, choose_transport
+
+    try:
+        transport = choose_transport(cfg.pipeline.transport, cfg.train.device)
+        if cfg.train.device != "cuda":
+            return
+        launcher = "torchrun" if under_launcher() else "spawn"
+        local_world = (int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+                       if launcher == "torchrun" else cfg.pipeline.stages * cfg.pipeline.dp)
+        check_local_world(local_world, torch.cuda.device_count(), transport, launcher)
+    except DeviceError as exc:
+        raise UsageError(str(exc)) from None
+    if transport == "nccl":
+        from ..pipeline.nccl import NcclUnavailableError, require_nccl
+        try:
+            require_nccl(need_gpu=True)
+        except NcclUnavailableError as exc:
+            via = "" if cfg.pipeline.transport == "nccl" else " (auto picks nccl on cuda; --transport gloo avoids it)"
+            raise UsageError(f"--transport nccl{via}: {exc}") from None
+    if transport == "torch":
+        import torch.distributed as dist
+        if not dist.is_nccl_available():
+            raise UsageError("--transport torch on cuda needs torch.distributed's NCCL backend, which this "
+                             "torch build lacks; use --transport nccl or gloo")
 
 
 # Config fields and the flag that sets each, so a config complaint can name what to type.
 FIELD_FLAGS = {
     "pipeline.schedule": "--schedule", "pipeline.stages": "--stages",
     "pipeline.microbatches": "--microbatches", "pipeline.micro_batch_size": "--micro-batch-size",
-    "pipeline.dp": "--dp", "train.dtype": "--dtype",
+    "pipeline.dp": "--dp", "pipeline.transport": "--transport", "train.dtype": "--dtype",
     "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
     "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from ..models import GPTConfig
+from ..pipeline.devices import TRANSPORTS
 
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -113,6 +114,11 @@ class PipelineConfig:
     """With dp > 1: each replica orthogonalises a share of the stage's Muon matrices (same result)."""
     recompute: bool = False
     """Recompute each stage's forward right before its backward instead of keeping activations."""
+    transport: str = "auto"
+    """How pipeline messages travel between the stage processes: auto (nccl on cuda, gloo on cpu)
+    | nccl (the C++ NCCL transport; cuda, one GPU per rank) | torch (torch.distributed isend/irecv
+    on a group per link and direction: NCCL on cuda, one GPU per rank; gloo on cpu) | gloo (on
+    cuda staged through host memory, so ranks may share a GPU). All give the same numbers."""
 
     @property
     def global_micro_batch_size(self) -> int:
@@ -212,6 +218,10 @@ class RunConfig:
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("train.device", self.train.device, DEVICES)
         _choice("train.dtype", self.train.dtype, DTYPES)
+        _choice("pipeline.transport", self.pipeline.transport, TRANSPORTS)
+        if self.pipeline.transport == "nccl" and self.train.device != "cuda":
+            raise ConfigError(f"pipeline.transport='nccl' moves CUDA tensors but train.device="
+                              f"{self.train.device!r}; use --device cuda, or --transport gloo (or torch) on cpu")
         _choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
         _positive_number("train.timeout_s", self.train.timeout_s)
         if self.train.threads is not None:
@@ -287,6 +297,6 @@ def get_field(cfg: RunConfig, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["SCHEDULES", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "DTYPES", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "ConfigError", "ModelConfig", "DataConfig",
+__all__ = ["SCHEDULES", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
            "get_field"]

@@ -23,6 +23,8 @@ from .config import ConfigError, RunConfig
 from ..data import BatchStream
 from ..models import GPT
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
+from ..pipeline.devices import choose_transport, process_group_backend, rank_device
+from ..pipeline.launch import spawned_locally
 from ..pipeline.transport import TransportError, peer_failure_reason
 from .simulate import merge_engine_states
 from .trainer import StepOutcome, Trainer, run_data
@@ -74,10 +76,26 @@ def _collective_checkpoint(pipe: Pipeline, run_dir: Path):
     return save
 
 
+def rank_placement(cfg: RunConfig) -> tuple[str, str, str]:
+    """(device, transport, default-group backend) of this process's rank (devices.py's rules):
+    spawned ranks and torchrun's both number the ranks of a machine by LOCAL_RANK."""
+    transport = choose_transport(cfg.pipeline.transport, cfg.train.device)
+    device = cfg.train.device
+    if device == "cuda":
+        launcher = "spawn" if spawned_locally() else "torchrun"
+        local_world = (cfg.pipeline.stages * cfg.pipeline.dp if launcher == "spawn"
+                       else int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+        device = rank_device(device, int(os.environ.get("LOCAL_RANK", "0")), local_world,
+                             torch.cuda.device_count(), transport, launcher)
+        torch.cuda.set_device(torch.device(device))  # before any CUDA work: NCCL binds to it
+    return device, transport, process_group_backend(transport, device)
+
+
 def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> None:
     """One rank of a pipeline run (under torchrun or spawned by ``run_pipeline``)."""
     cfg = RunConfig.from_dict(cfg_dict)
-    init_distributed(cfg.train.timeout_s)
+    device, transport, backend = rank_placement(cfg)
+    init_distributed(cfg.train.timeout_s, backend=backend)
     threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // (cfg.pipeline.stages * cfg.pipeline.dp))
     torch.set_num_threads(threads)  # by default the ranks share the machine's cores
     p = cfg.pipeline
@@ -87,7 +105,7 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     model = GPT(cfg.model, seed=cfg.train.seed)
     pipe = Pipeline(model, loss_fn=GPT.loss, optimizer=factory_builder(cfg), schedule=p.schedule,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
-                    recompute=p.recompute, dtype=cfg.train.dtype,
+                    recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite)
     engine = PipelineEngine(pipe)
     start_step, elapsed = 0, 0.0
@@ -116,7 +134,7 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], factory_builder, prepare)
         prepare()
         spawn(rank_main, cfg.pipeline.stages * cfg.pipeline.dp, args)
         return
-    rank, world = init_distributed()
+    rank, world = init_distributed(backend=rank_placement(cfg)[2])
     need = cfg.pipeline.stages * cfg.pipeline.dp
     if world != need:
         raise ConfigError(f"torchrun started {world} processes but --stages {cfg.pipeline.stages} x --dp "

@@ -98,6 +98,17 @@ def _setup(tmp_path, finished_runs, kind, monkeypatch):
         name, _, value = kind[4:].rpartition("=")
         monkeypatch.setenv(name or "ASYNCPP_TIMEOUT", value)
         return FAST + ["--out", out], None
+    if kind.startswith("gpus "):  # "gpus N[ nonccl] FLAGS": torch pretends to see N GPUs (and no NCCL library)
+        _, count, rest = kind.split(" ", 2)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: int(count))
+        if rest.startswith("nonccl "):
+            from asyncpp_ext.pipeline import nccl
+
+            rest = rest[len("nonccl "):]
+            monkeypatch.setattr(nccl.C, "build_config", lambda: {"cuda_compiled": True})
+            monkeypatch.setattr(nccl.C, "nccl_load", lambda candidates: {"ok": False, "error": "libnccl.so.2: not found;"})
+        kind = "pipe " + rest
     if kind.startswith("pipe "):  # a real (multi-process) run's flags
         return PIPE + kind[5:].split() + ["--out", out], None
     return FAST + kind.split() + ["--out", out], None
@@ -131,7 +142,20 @@ BAD_INPUTS = [
     ("pipe --stages 5", "pipeline.stages=5 exceeds the model's 4 blocks"),
     ("pipe --stages 3 --schedule 2bw", "2bw needs microbatches >= stages"),
     ("pipe --schedule sync", "--schedule sync is the one-process reference rule"),
-    ("pipe --device cuda", "--device cuda: a multi-process run's ranks train on CPU (gloo) today"),
+    # devices and transports (multi-process runs; refused before any rank starts)
+    ("pipe --device cuda", "--device: train.device=cuda but no CUDA GPU is visible; use --device cpu"),
+    ("pipe --device cuda --transport gloo", "--device: train.device=cuda but no CUDA GPU is visible"),
+    ("pipe --transport nccl", "--transport: pipeline.transport='nccl' moves CUDA tensors but train.device='cpu'"),
+    ("--transport nccl", "--transport: pipeline.transport='nccl' moves CUDA tensors but train.device='cpu'"),
+    ("pipe --transport bogus", "argument --transport: invalid choice: 'bogus'"),
+    ("gpus 1 --device cuda --transport nccl",
+     "2 ranks on this machine but 1 GPU visible; transport 'nccl' needs one GPU per rank: lower --stages x --dp, "
+     "or use --transport gloo to share GPUs"),
+    ("gpus 2 --device cuda --transport torch --dp 2", "4 ranks on this machine but 2 GPUs visible; transport 'torch'"),
+    ("gpus 1 --device cuda", "2 ranks on this machine but 1 GPU visible; transport 'nccl'"),
+    ("gpus 2 nonccl --device cuda --transport nccl",
+     "--transport nccl: NCCL could not be loaded (tried: libnccl.so.2: not found): pip install nvidia-nccl-cu12"),
+    ("gpus 2 nonccl --device cuda", "(auto picks nccl on cuda; --transport gloo avoids it): NCCL could not be loaded"),
     ("--n-head 3", "model.n_head=3 must divide model.n_embd=32"),
     # config values
     ("--steps 0", "train.steps must be a positive integer"),
