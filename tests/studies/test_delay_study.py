@@ -1,4 +1,4 @@
-"""Long studies, excluded from the default suite: ``pytest -m slow`` (about 5 minutes on 2 cores).
+"""Long studies, excluded from the default suite: ``pytest -m slow`` (about 8 minutes on 2 cores).
 
 The delay study at its default size (small GPT, the built-in corpus, 100 steps, 3 seeds, sync vs
 2bw per optimizer, EF β 0.25/0.5/1.0 on Muon) must show what the project claims: the one-step
