@@ -17,7 +17,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 BUILT := $(VENV)/.asyncpp-built
 SOURCES := $(shell find csrc cmake -type f 2>/dev/null) CMakeLists.txt setup.py pyproject.toml
 
-.PHONY: demo test build clean
+.PHONY: demo test build clean gpu-check
 .DELETE_ON_ERROR:
 
 demo: $(BUILT)
@@ -58,3 +58,11 @@ $(BUILT): $(SOURCES) $(VENV)/.torch $(VENV)/.build-deps
 
 clean:
 	rm -rf build asyncpp_ext/_C*.so asyncpp_ext.egg-info
+
+# The GPU proof kit on THIS interpreter's torch: builds in place against the installed torch,
+# pybind11, cmake and ninja (never downloads: --no-index, --no-deps, no build isolation), then
+# writes gpu_check/report.md and report.json. GPU_CHECK_ARGS=--quick for a shorter run.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(PYTHON) -m pip install --disable-pip-version-check --no-index --no-build-isolation --no-deps -e .
+	$(PYTHON) -m asyncpp_ext.gpu_check --out gpu_check $(GPU_CHECK_ARGS)

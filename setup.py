@@ -4,8 +4,10 @@ Environment knobs (all optional):
   ASYNCPP_CUDA          auto (default) | on | off. ``auto`` compiles the CUDA kernels when nvcc
                         is found (a GPU need not be visible); ``on`` makes a missing nvcc an
                         error; ``off`` skips CUDA entirely.
-  TORCH_CUDA_ARCH_LIST  e.g. "8.0;9.0+PTX". Without it: the visible GPUs' architectures, or
-                        80;90 (+PTX for 90) when no GPU is visible.
+  TORCH_CUDA_ARCH_LIST  e.g. "8.0;9.0+PTX" (one arch builds fastest, see docs/gpu.md). Without it:
+                        SASS for 8.0, 8.6, 8.9 and 9.0 (A100; RTX 30xx/A10/A40; RTX 40xx/L4/L40;
+                        H100/H200) plus PTX for 9.0, which newer GPUs JIT-compile. The same on
+                        every machine, whatever GPU is visible while building.
   ASYNCPP_BUILD_TYPE    Release (default) | Debug | RelWithDebInfo.
   MAX_JOBS              parallel compile jobs (default: number of CPUs).
 """
@@ -21,7 +23,8 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 CUDA_MODES = ("auto", "on", "off")
-DEFAULT_CUDA_ARCHS = "80-real;90"  # SASS for sm_80 and sm_90, plus PTX for 90 (forward compat)
+# SASS for sm_80/86/89/90, plus PTX for 90 (forward compatibility); kept equal to cmake/AsyncppCUDA.cmake.
+DEFAULT_CUDA_ARCHS = "80-real;86-real;89-real;90"
 
 
 def fail(message: str) -> "NoReturn":  # noqa: F821
@@ -42,8 +45,7 @@ def cmake_cuda_archs() -> str:
     """TORCH_CUDA_ARCH_LIST ("8.0;9.0+PTX", spaces allowed) -> CMake form ("80-real;90")."""
     spec = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if not spec:
-        visible = visible_gpu_archs()
-        return ";".join(f"{a}-real" for a in visible) if visible else DEFAULT_CUDA_ARCHS
+        return DEFAULT_CUDA_ARCHS
     archs = []
     for item in re.split(r"[;\s]+", spec):
         m = re.fullmatch(r"(\d+)\.(\d+)([a-z]?)(\+PTX)?", item)
@@ -52,18 +54,6 @@ def cmake_cuda_archs() -> str:
         arch = f"{m.group(1)}{m.group(2)}{m.group(3)}"
         archs.append(arch if m.group(4) else f"{arch}-real")
     return ";".join(archs)
-
-
-def visible_gpu_archs() -> list:
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return []
-    try:
-        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return sorted({line.strip().replace(".", "") for line in out.splitlines() if line.strip()})
 
 
 def build_tool(name: str) -> str:

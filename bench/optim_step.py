@@ -10,7 +10,9 @@ spread (10th-90th percentile) of each. Correctness, one step from the same start
   1e-6). Newton-Schulz amplifies rounding (up to a^5 ~ 480x along small singular values), so a
   fixed bound between two float32 runs would depend on the matrix size: at width 1024 plain
   PyTorch's float32 result is 1e-4 away from float64.
-Run: .venv/bin/python bench/optim_step.py [--repeats N] [--json]   (15 s at the default size)
+Run: .venv/bin/python bench/optim_step.py [--device cpu|cuda] [--repeats N] [--json]   (15 s at the default size)
+On --device cuda every case runs on GPU tensors (timed with a synchronize after each step), and the
+Newton-Schulz throughput of our step is set against plain bf16 torch.mm on the same shapes.
 
 Equal precision in the bf16 case. torch.optim.Muon runs Newton-Schulz in bfloat16: bf16 operands,
 float32 accumulation inside the matmul, bf16 results. Ours (ns_dtype=torch.bfloat16) does the same:
@@ -37,6 +39,7 @@ from asyncpp_ext.optim.newton_schulz import NS_COEFFICIENTS, bf16_matmul_choice,
 
 A, B, C = NS_COEFFICIENTS
 LR, WD = 0.02, 0.01
+DEVICE = torch.device("cpu")  # --device: where every parameter of every case lives
 
 
 def gpt_matrices(layers, width):
@@ -75,10 +78,15 @@ class PlainMuon:
 
 def make_params(shapes, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=gen).mul_(0.02).requires_grad_() for s in shapes]
+    params = [torch.randn(s, generator=gen).mul_(0.02).to(DEVICE).requires_grad_() for s in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
+        p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
     return params
+
+
+def sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def clone_params(params):
@@ -117,6 +125,8 @@ def error_vs_float64(make_opt, shapes):
 
 def interleaved_times(steppers, repeats):
     """Alternate the steppers step by step (start swapped each round); seconds per stepper."""
+    if DEVICE.type == "cuda":  # time each step to its completion on the GPU
+        steppers = [lambda s=s: (s(), sync()) for s in steppers]
     for s in steppers:  # warm-up: state allocation, oneDNN primitive caches
         s()
     times = [[] for _ in steppers]
@@ -180,6 +190,22 @@ def ns_flops(shapes, steps=5):
         r, c = min(rows, cols), max(rows, cols)
         total += steps * (4 * r * r * c + 2 * r ** 3)
     return total
+
+
+def mm_tflops(shapes, repeats, steps=5):
+    """Plain bf16 torch.mm doing NS5's products on the same shapes (wide side): the matmul ceiling
+    our Newton-Schulz is measured against."""
+    mats = [torch.randn(min(s), max(s), device=DEVICE, dtype=torch.bfloat16) for s in shapes]
+    squares = [torch.randn(min(s), min(s), device=DEVICE, dtype=torch.bfloat16) for s in shapes]
+
+    def products():
+        for x, g in zip(mats, squares):
+            for _ in range(steps):
+                torch.mm(x, x.T)
+                torch.mm(g, g)
+                torch.mm(g, x)
+    (times,) = interleaved_times([products], repeats)
+    return ns_flops(shapes, steps) / statistics.median(times) / 1e12
 
 
 def phase_breakdown(shapes, device, repeats):
@@ -270,18 +296,24 @@ def main(argv=None):
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds per case")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the parameters live")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no GPU")
     load_start = "%.1f" % os.getloadavg()[0]
     mats = gpt_matrices(args.layers, args.width)
     all_shapes = mats + gpt_vectors(args.layers, args.width)
     bf16_path, bf16_reason = bf16_matmul_choice()  # $ASYNCPP_BF16_MATMUL or the CPU
     # Without bf16 dot products a bf16 step is slow on either path (torch.optim.Muon's native bf16
     # matmuls most of all); use a reduced set there.
-    bf16_mats = mats if cpu_has_bf16_dot() else gpt_matrices(1, 128)
+    bf16_mats = mats if cpu_has_bf16_dot() or DEVICE.type == "cuda" else gpt_matrices(1, 128)
     rows = []
     reps = args.repeats
-    compare(rows, "muon bf16-NS", bf16_mats, lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16),
-            lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=WD), "torch.optim.Muon", reps, "float64")
+    if hasattr(torch.optim, "Muon"):  # torch >= 2.9
+        compare(rows, "muon bf16-NS", bf16_mats, lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16),
+                lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=WD), "torch.optim.Muon", reps, "float64")
     compare(rows, "muon bf16 EF on (beta 0.5)", bf16_mats,
             lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16, ef_beta=0.5),
             lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16), "asyncpp EF off", reps, None)
@@ -297,8 +329,9 @@ def main(argv=None):
     compare(rows, "adamw EF on (beta 0.5)", all_shapes, lambda ps: AdamW(ps, lr=1e-3, weight_decay=WD, ef_beta=0.5),
             lambda ps: AdamW(ps, lr=1e-3, weight_decay=WD), "asyncpp EF off", reps, None)
     ef_kernel_rows(rows, mats, reps)
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    devices = ["cuda"] if DEVICE.type == "cuda" else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     breakdowns = [phase_breakdown(bf16_mats if d == "cpu" else mats, d, reps) for d in devices]
+    mm = mm_tflops(mats, reps) if DEVICE.type == "cuda" else None
     grads = [p.grad for p in make_params(all_shapes)]
     (t_scan,) = interleaved_times([lambda: K.first_nonfinite(grads)], reps * 4)
     scan = summary(t_scan)
@@ -307,9 +340,14 @@ def main(argv=None):
                          + ("" if bf16_mats is mats else "; reduced set 1 x 128: no bf16 dot products")),
                 cpu_kernel_isa=build_info()["cpu_kernel_isa"], omp_runtimes=omp_runtimes(),
                 load_start=load_start, load_end="%.1f" % os.getloadavg()[0],
-                nan_scan_ms=scan["median_ms"], nan_scan_params=sum(g.numel() for g in grads))
+                nan_scan_ms=scan["median_ms"], nan_scan_params=sum(g.numel() for g in grads), device=str(DEVICE))
+    muon = next((r for r in rows if r["reference"] == "torch.optim.Muon"), None)
+    summary_ = dict(device=str(DEVICE), checks_ok=all(r["check"] != "FAIL" for r in rows),
+                    ours_muon_bf16_ms=muon["ours"]["median_ms"] if muon else None,
+                    torch_optim_muon_ms=muon["ref"]["median_ms"] if muon else "torch.optim.Muon not in this torch",
+                    ns_tflops=breakdowns[-1]["ns_tflops"], bf16_mm_tflops_same_shapes=mm)
     if args.json:
-        print(json.dumps(dict(info=info, rows=rows, breakdowns=breakdowns), indent=1))
+        print(json.dumps(dict(info=info, rows=rows, breakdowns=breakdowns, summary=summary_), indent=1))
         return
     print_table(rows, info)
     print(f"# NaN/Inf gradient scan (part of every step): {scan['median_ms']:.2f} ms "
@@ -319,6 +357,8 @@ def main(argv=None):
     print("# EF overhead (ours EF on / EF off - 1): " + ", ".join(f"{k}: {v:+.1%}" for k, v in ef.items()))
     for b in breakdowns:
         print_breakdown(b)
+    if mm is not None:
+        print(f"# plain bf16 torch.mm, the same products on the same shapes: {mm:.2f} TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -32,13 +32,75 @@ def test_build_info_reports_every_field():
     assert info["cpu_kernel_isa_reason"] and "cpu_kernel_isa_error" not in info
 
 
+def _expected_archs() -> set:
+    """(major, minor, sass, ptx) the build was asked for: TORCH_CUDA_ARCH_LIST ("8.6;9.0+PTX":
+    SASS each, PTX where +PTX) when set, else setup.py's default, SASS for 8.0/8.6/8.9/9.0 + PTX 9.0."""
+    spec = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if not spec:
+        return {(8, 0, True, False), (8, 6, True, False), (8, 9, True, False), (9, 0, True, True)}
+    out = set()
+    for item in spec.replace(" ", ";").split(";"):
+        if item:
+            major, minor = item.split("+")[0].split(".")
+            out.add((int(major), int(minor.rstrip("af")), True, item.endswith("+PTX")))
+    return out
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or os.environ.get("ASYNCPP_CUDA") == "off",
                     reason="default build compiles CUDA only where nvcc exists")
-def test_default_build_compiled_cuda_for_sm80_and_sm90():
+def test_cuda_build_compiled_the_requested_archs():
+    from asyncpp_ext.optim._kernels import parse_cuda_archs
+
     info = asyncpp_ext.build_info()
     assert info["cuda_compiled"] is True
-    archs = info["cuda_archs"]
-    assert "80" in archs and "90" in archs, archs
+    built = {(major, minor, sass, ptx) for major, minor, _, sass, ptx in parse_cuda_archs(info["cuda_archs"])}
+    assert built == _expected_archs(), info["cuda_archs"]
+
+
+@pytest.mark.parametrize("capability,archs,runs", [
+    ((9, 0), "80-real;86-real;89-real;90", "SASS sm_90"),
+    ((8, 6), "80-real;86-real;89-real;90", "SASS sm_86"),
+    ((8, 7), "80-real;86-real;89-real;90", "SASS sm_86"),       # Orin: sm_86 SASS is binary compatible
+    ((12, 0), "80-real;86-real;89-real;90", "PTX compute_90 (JIT)"),  # newer GPUs JIT the 9.0 PTX
+    ((10, 0), "80-real;86-real;89-real;90", "PTX compute_90 (JIT)"),
+    ((8, 9), "80-real;90", "SASS sm_80"),
+    ((8, 6), "90", None),                                         # PTX for 9.0 cannot run on 8.x
+    ((7, 5), "80-real;86-real;89-real;90", None),
+    ((9, 0), "80-real;89-real", None),                            # SASS never crosses a major version
+    ((9, 0), "90a-real", "SASS sm_90a"),
+    ((10, 0), "90a", None),                                       # arch-specific code: that GPU only
+    ((8, 0), "80-virtual", "PTX compute_80 (JIT)"),
+    ((8, 0), "80-virtual;75-real", "PTX compute_80 (JIT)"),
+    ((8, 0), "", None),
+    ((8, 0), "native", "unknown"),
+])
+def test_cuda_arch_coverage_decides_like_the_cuda_loader(capability, archs, runs):
+    from asyncpp_ext.optim._kernels import cuda_arch_coverage
+
+    assert cuda_arch_coverage(capability, archs) == runs
+
+
+def test_uncovered_gpu_error_names_gpu_capability_archs_and_the_variable(monkeypatch):
+    """The decision above, wired into the first CUDA kernel use, with torch's answers faked."""
+    import torch
+
+    from asyncpp_ext.optim import _kernels
+
+    monkeypatch.setattr(_kernels, "_cuda_usable", True)
+    monkeypatch.setattr(_kernels, "_arch_checked", set())
+    monkeypatch.setattr(_kernels, "C", type("FakeC", (), {"build_config": staticmethod(
+        lambda: {"cuda_archs": "90", "nvcc_version": "13.0"})}))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA GeForce RTX 3090")
+    with pytest.raises(RuntimeError) as info:
+        _kernels._check_cuda_kernels(torch.device("cuda", 1))
+    msg = str(info.value)
+    for part in ("cuda:1", "NVIDIA GeForce RTX 3090", "compute capability 8.6", "CUDA archs 90",
+                 'TORCH_CUDA_ARCH_LIST="8.6"', "--no-build-isolation --no-deps"):
+        assert part in msg, (part, msg)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    _kernels._check_cuda_kernels(torch.device("cuda", 1))  # covered: no error, remembered
+    assert _kernels._arch_checked == {1}
 
 
 def test_info_cli_runs_without_gpu():

@@ -255,3 +255,47 @@ def test_two_stage_pipeline_on_nccl_matches_gloo_on_cpu(tmp_path, schedule):
     cuda = json.loads((tmp_path / "losses_cuda.json").read_text())
     assert len(cpu) == len(cuda) == steps
     assert cuda == pytest.approx(cpu, rel=1e-5, abs=1e-7)
+
+
+# ---- the one-GPU self-test ----------------------------------------------------------------------
+def test_self_test_cases_cover_every_dtype_and_size_class():
+    cases = nccl.self_test_cases()
+    assert {d for d, _, _ in cases} == {"float32", "bfloat16", "float16", "int64", "uint8"}
+    for dtype, size in nccl.SELF_TEST_DTYPES.items():
+        nbytes = sorted(size * n for d, _, n in cases if d == dtype)
+        assert nbytes[0] == size  # one element
+        assert all(n % 2 for _, _, n in cases if n > 1), "counts near a target are odd"
+        for target, got in zip((1000, 4 << 10, 1 << 20, 64 << 20), nbytes[1:]):
+            assert target - size <= got <= target + size, (dtype, target, got)
+    quick = nccl.self_test_cases(quick=True)
+    assert [c for c in quick if c[1] * c[2] >= 64 << 20] == [("uint8", 1, (64 << 20) | 1)]
+
+
+def test_self_test_binding_names_bad_arguments():
+    with pytest.raises(ValueError, match="device must be"):
+        C.nccl_self_test(-1, [("uint8", 1, 1)])
+    with pytest.raises(ValueError, match="spin_ms"):
+        C.nccl_self_test(0, [("uint8", 1, 1)], -1.0)
+    with pytest.raises(ValueError, match="at least one"):
+        C.nccl_self_test(0, [])
+    with pytest.raises(ValueError, match=r"cases\[1\]: element_size"):
+        C.nccl_self_test(0, [("uint8", 1, 1), ("x", 3, 1)])
+    with pytest.raises(ValueError, match=r"cases\[0\]: count"):
+        C.nccl_self_test(0, [("uint8", 1, 0)])
+    with pytest.raises(ValueError, match=r"cases\[0\] must be"):
+        C.nccl_self_test(0, [("uint8", 1)])
+    with pytest.raises(ValueError, match="CUDA device"):
+        nccl.self_test("cpu")
+
+
+@pytest.mark.cuda
+def test_self_test_on_one_gpu_is_bit_exact_and_ordered():
+    if not _nccl_loadable():
+        pytest.skip("NCCL is not loadable here (pip install nvidia-nccl-cu12/cu13)")
+    r = nccl.self_test("cuda:0")
+    assert len(r["cases"]) == len(nccl.self_test_cases())
+    bad = [c for c in r["cases"] + [r["ordering"]] if c["mismatches"]]
+    assert not bad, bad
+    assert r["ok"] and r["ordering"]["bytes"] == max(c["bytes"] for c in r["cases"])
+    # The delayed producer really held the transfer back (else the ordering case proves nothing).
+    assert r["ordering"]["seconds"] >= r["spin_ms"] / 1e3

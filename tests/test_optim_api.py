@@ -162,32 +162,71 @@ def test_kernel_bindings_name_the_bad_argument():
                      0.1, 0.9, 0.999, 1e-8, 0.0, 0.0)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", ["muon", "adamw"])
-def test_cuda_kernels_match_cpu(name):
+def _step_both_on_cpu_gradients(name, steps=4, **kw):
+    """A CPU model and a CUDA copy stepped by the same optimizer config on the SAME gradients: each
+    step's gradients are computed once on CPU and copied to the GPU, so any difference comes from the
+    optimizer alone (a GPU forward/backward would differ from the CPU's by cuBLAS rounding, which
+    AdamW's first steps, update ~ g / (|g| + eps), amplify)."""
     torch.manual_seed(0)
     cpu_model = TinyGPT()
     gpu_model = copy.deepcopy(cpu_model).cuda()
-    kw = dict(lr=0.01, weight_decay=0.01, ef_beta=0.5)
-    if name == "muon":
-        kw["ns_dtype"] = torch.float32
-    opts = [build_optimizer(m, name, **kw) for m in (cpu_model, gpu_model)]
-    for s in range(4):
-        for m, o in zip((cpu_model, gpu_model), opts):
-            o.zero_grad()
-            loss_of(m, s).backward() if m is cpu_model else loss_of_cuda(m, s).backward()
+    start = [p.detach().clone() for p in cpu_model.parameters()]
+    opts = [build_optimizer(m, name, lr=0.01, weight_decay=0.01, ef_beta=0.5, **kw) for m in (cpu_model, gpu_model)]
+    for s in range(steps):
+        opts[0].zero_grad()
+        loss_of(cpu_model, s).backward()
+        for a, b in zip(cpu_model.parameters(), gpu_model.parameters()):
+            b.grad = a.grad.cuda()
+        for o in opts:
             o.step()
+    return cpu_model, gpu_model, opts, start
+
+
+def _state_pairs(opts, cpu_model, gpu_model):
     for a, b in zip(cpu_model.parameters(), gpu_model.parameters()):
-        assert ((a - b.cpu()).abs().max() / a.abs().max().clamp_min(1e-6)).item() < 1e-4
+        yield a, opts[0].state[a], opts[1].state[b]
+
+
+@pytest.mark.cuda
+def test_cuda_adamw_with_ef_is_bitwise_the_cpu_kernel():
+    """Elementwise kernels share optim_math.h with the CPU loops and are built with --fmad=false
+    (CPU: -ffp-contract=off): on the same inputs every parameter and state bit must agree."""
+    cpu_model, gpu_model, opts, _ = _step_both_on_cpu_gradients("adamw")
+    for (na, a), b in zip(cpu_model.named_parameters(), gpu_model.parameters()):
+        assert torch.equal(a.detach(), b.detach().cpu()), na
+    for a, st_cpu, st_gpu in _state_pairs(opts, cpu_model, gpu_model):
+        assert set(st_cpu) == set(st_gpu) and {"exp_avg", "exp_avg_sq", "ef_buffer"} <= set(st_cpu)
+        for k, v in st_cpu.items():
+            assert torch.equal(v, st_gpu[k].cpu()) if torch.is_tensor(v) else v == st_gpu[k], k
     gpu_model.lm_head.weight.grad.fill_(float("nan"))
     with pytest.raises(NonFiniteGradientError):
         opts[1].step()
 
 
-def loss_of_cuda(model, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, 32, (2, 8), generator=gen).cuda()
-    return nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.roll(-1, 1).flatten())
+@pytest.mark.cuda
+def test_cuda_muon_with_ef_matches_cpu():
+    """Bitwise: the AdamW-routed parameters and their state, and Muon's momentum buffers (the
+    momentum kernel is elementwise, and depends only on the gradients). Not bitwise: Newton-Schulz
+    (cuBLAS vs CPU BLAS sum in different orders; fp32 here, TF32 off) and the Frobenius norm that
+    scales its input (per-chunk partials on the GPU vs 8 lanes on CPU), hence the Muon-routed
+    weights and EF buffers. Bound: after 4 steps, max |W_gpu - W_cpu| <= 1e-5 of max |W_cpu - W_0|
+    (how far the weights moved): float32 rounding (6e-8) amplified by the NS polynomial (up to
+    ~a^5 = 480x along small singular values) is ~3e-5 at worst per element, far less in the norm."""
+    assert not torch.backends.cuda.matmul.allow_tf32
+    cpu_model, gpu_model, opts, start = _step_both_on_cpu_gradients("muon", ns_dtype=torch.float32)
+    muon_names = hidden_matrix_names()
+    moved = max((a.detach() - s).abs().max().item()
+                for (n, a), s in zip(cpu_model.named_parameters(), start) if n in muon_names)
+    for (n, a), b in zip(cpu_model.named_parameters(), gpu_model.parameters()):
+        if n in muon_names:
+            diff = (a.detach() - b.detach().cpu()).abs().max().item()
+            assert diff <= 1e-5 * moved, (n, diff, moved)
+        else:
+            assert torch.equal(a.detach(), b.detach().cpu()), n
+    for a, st_cpu, st_gpu in _state_pairs(opts, cpu_model, gpu_model):
+        for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if k in st_cpu:
+                assert torch.equal(st_cpu[k], st_gpu[k].cpu()), k
 
 
 @pytest.mark.cuda
@@ -261,3 +300,60 @@ def test_check_finite_off_leaves_the_scan_to_the_caller():
     opt.check_finite = False  # e.g. the pipeline's guard already verified these gradients
     opt.step()
     assert torch.isnan(p.detach()).all()
+
+
+# Awkward sizes: 1 element, odd lengths around the kernels' vector width and block size, a 2-D
+# matrix with odd sides, and one over a million elements (several blocks per tensor).
+AWKWARD_SHAPES = [(1,), (7,), (1023,), (4097,), (257, 129), ((1 << 20) + 3,)]
+
+
+def _random_kernel_inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    new = lambda: [torch.randn(s, generator=gen) for s in AWKWARD_SHAPES]  # noqa: E731
+    return dict(p=new(), g=new(), m=new(), v=[t.abs() for t in new()], e=new())
+
+
+def _run_kernels(device, seed=5):
+    """Every CUDA-capable kernel once on `device`; returns the outputs (on CPU) by name."""
+    from asyncpp_ext.optim import _kernels as K
+
+    t = {k: [x.to(device) for x in v] for k, v in _random_kernel_inputs(seed).items()}
+    n = len(AWKWARD_SHAPES)
+    first = [i % 2 == 0 for i in range(n)]  # EF buffers: half take the first-step path
+    K.adamw_step(t["p"], t["g"], t["m"], t["v"], t["e"], [1 + i for i in range(n)], first, lr=1e-3, beta1=0.9,
+                 beta2=0.999, eps=1e-8, weight_decay=0.01, ef_beta=0.5)
+    out16 = [torch.empty(s, dtype=torch.bfloat16, device=device) for s in AWKWARD_SHAPES]
+    out32 = [torch.empty(s, device=device) for s in AWKWARD_SHAPES]
+    sumsq16, sumsq32 = torch.empty(n, device=device), torch.empty(n, device=device)
+    K.muon_momentum(t["g"], t["m"], out16, momentum=0.95, nesterov=True, sumsq=sumsq16)
+    K.muon_momentum(t["g"], t["m"], out32, momentum=0.9, nesterov=False, sumsq=sumsq32)
+    scales = [-0.02 * (i + 1) for i in range(n)]
+    K.apply_update(t["p"], out16, t["e"], scales, [not f for f in first], lr=0.02, weight_decay=0.1, ef_beta=0.5)
+    p_no_ef = [x.clone() for x in t["p"]]
+    K.apply_update(p_no_ef, out32, [], scales, [], lr=0.02, weight_decay=0.1, ef_beta=0.0)
+    scans = []
+    for where in (None, (0, 0), (3, 4096), (5, (1 << 20) + 2)):
+        probe = [x.clone() for x in t["g"]]
+        if where:
+            probe[where[0]].view(-1)[where[1]] = float("nan") if where[0] != 3 else float("-inf")
+        scans.append(K.first_nonfinite(probe))
+    cpu = lambda xs: [x.cpu() for x in xs]  # noqa: E731
+    return dict(params=cpu(t["p"]), exp_avg=cpu(t["m"]), exp_avg_sq=cpu(t["v"]), ef=cpu(t["e"]),
+                out_bf16=cpu(out16), out_fp32=cpu(out32), params_no_ef=cpu(p_no_ef),
+                sumsq=[sumsq16.cpu(), sumsq32.cpu()], scans=scans)
+
+
+@pytest.mark.cuda
+def test_cuda_kernels_are_bitwise_the_cpu_kernels_on_awkward_sizes():
+    """Direct kernel calls, CPU vs CUDA on identical random inputs. Everything elementwise must be
+    bit-identical (shared optim_math.h, no FMA contraction on either side). The momentum kernel's
+    sums of squares are reductions whose order differs (8 fixed lanes on CPU, per-chunk partials
+    on the GPU): each is asserted to float32 summation rounding (rel 1e-5), and deterministic."""
+    cpu, gpu, again = _run_kernels("cpu"), _run_kernels("cuda"), _run_kernels("cuda")
+    for name in ("params", "exp_avg", "exp_avg_sq", "ef", "out_bf16", "out_fp32", "params_no_ef"):
+        for shape, a, b in zip(AWKWARD_SHAPES, cpu[name], gpu[name]):
+            assert torch.equal(a, b), f"{name} {shape}: max diff {(a.float() - b.float()).abs().max().item()}"
+    assert cpu["scans"] == gpu["scans"] == [-1, 0, 3, 5]
+    for a, b, c in zip(cpu["sumsq"], gpu["sumsq"], again["sumsq"]):
+        assert torch.equal(b, c)
+        assert torch.allclose(a, b, rtol=1e-5, atol=0), (a, b)

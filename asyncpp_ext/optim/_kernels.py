@@ -5,6 +5,7 @@ device) on that device's current torch stream."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 from torch.utils.dlpack import to_dlpack
@@ -13,6 +14,7 @@ from .._ext import C
 
 _K = C.optim
 _cuda_usable = None
+_arch_checked: set = set()  # device indices whose architecture this build covers
 
 
 def capsules(tensors):
@@ -26,19 +28,77 @@ def stream_of(t: torch.Tensor) -> int:
     return 0
 
 
-def _check_cuda_kernels() -> None:
-    """Fail with the reason (and the fix) when our CUDA kernels cannot run although torch can."""
+_ARCH_RE = re.compile(r"(\d+)(\d)([af]?)(?:-(real|virtual))?")
+
+
+def parse_cuda_archs(archs: str) -> list[tuple[int, int, str, bool, bool]] | None:
+    """CMake's CUDA_ARCHITECTURES as built ("80-real;86-real;90") -> [(major, minor, suffix, sass,
+    ptx)]: "-real" is SASS only, "-virtual" PTX only, plain both. None when an entry is not of that
+    form ("all", "native"): then nothing can be said about coverage."""
+    out = []
+    for item in filter(None, (a.strip() for a in archs.split(";"))):
+        m = _ARCH_RE.fullmatch(item)
+        if not m:
+            return None
+        major, minor, suffix, kind = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        out.append((major, minor, suffix, kind != "virtual", kind != "real"))
+    return out
+
+
+def cuda_arch_coverage(capability: tuple[int, int], archs: str) -> str | None:
+    """How a build for ``archs`` runs on a GPU of compute capability ``capability``: "SASS sm_XY"
+    (binary compatible: same major, minor <= the GPU's), "PTX compute_XY (JIT)" (any capability
+    <= the GPU's), "unknown" for archs that cannot be parsed, or None when nothing in the build can
+    run there. Arch-specific entries (90a) run only on exactly that capability."""
+    parsed = parse_cuda_archs(archs)
+    if parsed is None:
+        return "unknown"
+    major, minor = capability
+    fits = lambda a_major, a_minor, suffix, same_major: (  # noqa: E731
+        (a_major, a_minor) == (major, minor) if suffix == "a" else
+        (a_major == major and a_minor <= minor) if same_major else (a_major, a_minor) <= (major, minor))
+    sass = [(a, b, s) for a, b, s, has_sass, _ in parsed if has_sass and fits(a, b, s, True)]
+    if sass:
+        a, b, s = max(sass)
+        return f"SASS sm_{a}{b}{s}"
+    ptx = [(a, b, s) for a, b, s, _, has_ptx in parsed if has_ptx and fits(a, b, s, False)]
+    if ptx:
+        a, b, s = max(ptx)
+        return f"PTX compute_{a}{b}{s} (JIT)"
+    return None
+
+
+def cuda_arch_error(device: str, name: str, capability: tuple[int, int], archs: str) -> str:
+    """The message for a GPU this build has no code for."""
+    cc = f"{capability[0]}.{capability[1]}"
+    return (f"asyncpp_ext's CUDA kernels cannot run on {device} ({name}, compute capability {cc}): this build "
+            f"has code for CUDA archs {archs or 'none'} (SASS runs on the same major version at an equal or "
+            f"higher minor, PTX on equal or higher capabilities), none of which runs there. Rebuild with "
+            f"TORCH_CUDA_ARCH_LIST=\"{cc}\" set, e.g. TORCH_CUDA_ARCH_LIST=\"{cc}\" python -m pip install "
+            f"--no-build-isolation --no-deps -e .")
+
+
+def _check_cuda_kernels(device: torch.device | None = None) -> None:
+    """Fail with the reason (and the fix) when our CUDA kernels cannot run although torch can:
+    no device for our CUDA runtime, or (checked once per device) no code for its architecture."""
     global _cuda_usable
     if _cuda_usable is None:
         _cuda_usable = C.cuda_device_count() > 0
+    built = C.build_config()
     if not _cuda_usable:
-        built = C.build_config()
         raise RuntimeError(
             "asyncpp_ext's CUDA kernels cannot run here: " + (C.cuda_status() or "no CUDA device") +
             f". They were built with nvcc {built['nvcc_version'] or '(none)'} (archs "
             f"{built['cuda_archs'] or 'none'}) while torch uses CUDA {torch.version.cuda}; rebuild "
             "asyncpp_ext with a CUDA toolkit the installed driver supports (pip install . with that nvcc "
             "on PATH), or keep the optimizer on CPU")
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if index not in _arch_checked:
+        capability = tuple(torch.cuda.get_device_capability(index))
+        if cuda_arch_coverage(capability, built["cuda_archs"]) is None:
+            raise RuntimeError(cuda_arch_error(f"cuda:{index}", torch.cuda.get_device_name(index), capability,
+                                               built["cuda_archs"]))
+        _arch_checked.add(index)
 
 
 def cpu_kernel_isa() -> str:
@@ -52,7 +112,7 @@ def on_device_of(t: torch.Tensor):
     """Make t's CUDA device current for a kernel call (nothing for CPU tensors)."""
     if t.device.type != "cuda":
         return contextlib.nullcontext()
-    _check_cuda_kernels()
+    _check_cuda_kernels(t.device)
     return torch.cuda.device(t.device)
 
 

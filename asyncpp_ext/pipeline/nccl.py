@@ -178,5 +178,45 @@ def create_nccl_transport(buffers, stage: int, stages: int, stage_ranks: Sequenc
     return NcclTransport(impl, torch.device("cuda", index), stream)
 
 
+# The dtypes a boundary tensor may have and their element sizes. The transport moves bytes
+# (ncclUint8), so each dtype is a size class: what changes is the byte count and the alignment.
+SELF_TEST_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "uint8": 1}
+SELF_TEST_SIZES = {  # size class -> target bytes (counts are rounded so every class is odd-sized)
+    "1 element": 0, "odd": 1000, "~4 KiB": 4 << 10, "~1 MiB": 1 << 20, "~64 MiB": 64 << 20}
+
+
+def self_test_cases(quick: bool = False) -> list[tuple[str, int, int]]:
+    """(dtype, element_size, count) per dtype and size class: 1 element, then an odd element count
+    near each target size (never a power of two). ``quick`` keeps one 64 MiB case (uint8)."""
+    cases = []
+    for dtype, size in SELF_TEST_DTYPES.items():
+        for label, target in SELF_TEST_SIZES.items():
+            if quick and target >= 64 << 20 and dtype != "uint8":
+                continue
+            count = 1 if target == 0 else (target // size) | 1
+            cases.append((dtype, size, count))
+    return cases
+
+
+def self_test(device="cuda:0", *, quick: bool = False, spin_ms: float = 20.0) -> dict:
+    """The NCCL transport on one GPU: a 1-rank communicator sends to itself through the transport's
+    own ordering sequence (see csrc/nccl/nccl_selftest.h). Returns {"ok", "device", "gpu",
+    "nccl_version", "cases": [{dtype, count, bytes, mismatches, seconds}], "ordering": {...},
+    "loopback_gbps"}: ok when every byte arrived as sent, in every case and the ordering case."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"the NCCL self-test runs on a CUDA device, got device={str(device)!r}")
+    loaded = require_nccl(need_gpu=True)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    result = dict(C.nccl_self_test(index, self_test_cases(quick), float(spin_ms)))
+    checked = result["cases"] + [result["ordering"]]
+    largest = max(result["cases"], key=lambda c: c["bytes"])
+    result.update(ok=all(c["mismatches"] == 0 for c in checked), gpu=torch.cuda.get_device_name(index),
+                  nccl_version=loaded["version"], nccl_library=loaded["path"],
+                  loopback_gbps=largest["bytes"] / max(largest["seconds"], 1e-9) / 1e9)
+    return result
+
+
 __all__ = ["NcclTransport", "NcclUnavailableError", "RendezvousError", "Channel", "channel_plan",
-           "rendezvous_key", "exchange_unique_ids", "require_nccl", "create_nccl_transport", "default_store"]
+           "rendezvous_key", "exchange_unique_ids", "require_nccl", "create_nccl_transport", "default_store",
+           "self_test", "self_test_cases"]

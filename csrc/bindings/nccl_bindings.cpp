@@ -13,6 +13,7 @@
 #include "bindings/stage_runner.h"
 #include "bindings/tensor_args.h"
 #include "core/error.h"
+#include "nccl/nccl_selftest.h"
 #include "nccl/nccl_transport.h"
 
 namespace py = pybind11;
@@ -81,6 +82,36 @@ std::vector<nccl::ChannelSpec> parse_channels(const std::vector<py::tuple>& chan
   return out;
 }
 
+// Self-test cases from Python: (dtype label, element size in bytes, element count), each checked.
+std::vector<nccl::SelfTestCase> parse_self_test_cases(const std::vector<py::tuple>& cases) {
+  ASYNCPP_ARG_CHECK(!cases.empty(), "cases must list at least one (dtype, element_size, count)");
+  std::vector<nccl::SelfTestCase> out;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const py::tuple& t = cases[i];
+    ASYNCPP_ARG_CHECK(t.size() == 3, "cases[", i, "] must be (dtype, element_size, count), got ", t.size(),
+                      " items");
+    nccl::SelfTestCase c{t[0].cast<std::string>(), t[1].cast<int>(), t[2].cast<int64_t>()};
+    ASYNCPP_ARG_CHECK(c.element_size == 1 || c.element_size == 2 || c.element_size == 4 || c.element_size == 8,
+                      "cases[", i, "]: element_size must be 1, 2, 4 or 8 bytes, got ", c.element_size);
+    ASYNCPP_ARG_CHECK(c.count >= 1 && c.count <= (int64_t{1} << 30) / c.element_size, "cases[", i,
+                      "]: count must be in [1, 1 GiB / element_size], got ", c.count);
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+#ifdef ASYNCPP_WITH_CUDA
+py::dict outcome_dict(const nccl::SelfTestOutcome& o) {
+  py::dict d;
+  d["dtype"] = o.what.dtype;
+  d["count"] = o.what.count;
+  d["bytes"] = o.bytes;
+  d["mismatches"] = o.mismatches;
+  d["seconds"] = o.seconds;
+  return d;
+}
+#endif
+
 // The Python-visible transport: owns the buffer provider and (with CUDA) the C++ transport.
 class PyNcclTransport {
  public:
@@ -137,6 +168,38 @@ void bind_nccl(py::module_& m) {
         return py::bytes(id.internal, sizeof(id.internal));
       },
       "A new NCCL unique id (128 bytes) for one communicator; NCCL must be loaded (nccl_load).");
+
+  m.def(
+      "nccl_self_test",
+      [](int device, const std::vector<py::tuple>& cases, double spin_ms) {
+        ASYNCPP_ARG_CHECK(device >= 0, "device must be a CUDA device index >= 0, got ", device);
+        ASYNCPP_ARG_CHECK(spin_ms >= 0 && spin_ms <= 1000, "spin_ms must be in [0, 1000], got ", spin_ms);
+        auto parsed = parse_self_test_cases(cases);
+#ifdef ASYNCPP_WITH_CUDA
+        nccl::SelfTestReport r;
+        {
+          py::gil_scoped_release release;
+          r = nccl::self_test(device, parsed, spin_ms);
+        }
+        py::dict d;
+        d["device"] = r.device;
+        py::list out;
+        for (const auto& o : r.cases) out.append(outcome_dict(o));
+        d["cases"] = out;
+        d["ordering"] = outcome_dict(r.ordering);
+        d["spin_ms"] = r.spin_ms;
+        return d;
+#else
+        (void)parsed;
+        ASYNCPP_CHECK(false, "asyncpp_ext was built without CUDA, so the NCCL self-test cannot run: rebuild "
+                      "with nvcc on PATH (pip install . with ASYNCPP_CUDA=auto or on)");
+        return py::dict();
+#endif
+      },
+      py::arg("device"), py::arg("cases"), py::arg("spin_ms") = 20.0,
+      "One GPU sends to itself over a 1-rank NCCL communicator through the transport's ordering "
+      "sequence; per case (dtype, element_size, count) the mismatching bytes (0 = bit-exact), plus an "
+      "'ordering' case whose producer kernel is delayed spin_ms on the GPU. NCCL must be loaded.");
 
   auto cls = py::class_<PyNcclTransport>(m, "NcclTransport",
                               "Boundary messages over NCCL: one 2-rank communicator per neighbour and "

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "nccl/nccl_check.h"
+#include "nccl/nccl_ordering.h"
 
 namespace asyncpp::nccl {
 namespace {
@@ -143,28 +144,15 @@ core::Transport::Request NcclTransport::post(const core::MessageKey& key, bool i
   const Api& nccl = api();
   DeviceGuard guard(device_);
   Pending p{key, is_send, ci, nullptr, std::move(buffer.keep_alive)};
-  cudaEvent_t ready = nullptr, done = nullptr;
   try {
     // The transfer waits for the compute stream's work so far: a send's payload is produced there,
     // and a receive buffer's memory may have been used there last (the caching allocator reuses
     // blocks per stream).
-    ASYNCPP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    ASYNCPP_CUDA_CHECK(cudaEventRecord(ready, as_stream(compute_stream_)));
-    ASYNCPP_CUDA_CHECK(cudaStreamWaitEvent(as_stream(ch.stream), ready, 0));
-    cudaEvent_t waited = ready;
-    ready = nullptr;
-    ASYNCPP_CUDA_CHECK(cudaEventDestroy(waited));  // released by CUDA once the wait is satisfied
-    const size_t bytes = static_cast<size_t>(v.nbytes());
-    if (is_send)
-      ASYNCPP_NCCL_CHECK(nccl.ncclSend(v.data, bytes, kUint8, 1, ch.comm, ch.stream));
-    else
-      ASYNCPP_NCCL_CHECK(nccl.ncclRecv(v.data, bytes, kUint8, 0, ch.comm, ch.stream));
-    ASYNCPP_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    p.done = done;
-    ASYNCPP_CUDA_CHECK(cudaEventRecord(done, as_stream(ch.stream)));
+    wait_for_compute(as_stream(compute_stream_), as_stream(ch.stream));
+    enqueue_transfer(nccl, is_send, v.data, static_cast<size_t>(v.nbytes()), is_send ? 1 : 0, ch.comm,
+                     as_stream(ch.stream));
+    p.done = record_done(as_stream(ch.stream));
   } catch (const Error& e) {
-    if (ready) cudaEventDestroy(ready);
-    if (p.done) cudaEventDestroy(as_event(p.done));
     fail(detail::concat("stage ", stage_, ": could not post ", core::describe(key, is_send), " (rank ",
                         ch.spec.peer_rank, "): ", e.what()));
   }
@@ -202,7 +190,7 @@ void NcclTransport::retire(Request request) {
   auto it = pending_.find(request);
   Pending& p = it->second;
   // Later compute reads the received data: order it after the receive on the device too.
-  if (!p.is_send) ASYNCPP_CUDA_CHECK(cudaStreamWaitEvent(as_stream(compute_stream_), as_event(p.done), 0));
+  if (!p.is_send) order_after(as_stream(compute_stream_), as_event(p.done));
   cudaEventDestroy(as_event(p.done));
   pending_.erase(it);  // drops keep_alive: the buffer may now be freed or reused
   std::lock_guard<std::mutex> lock(described_mu_);

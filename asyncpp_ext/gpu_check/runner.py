@@ -1,0 +1,254 @@
+"""The kit's sections, each a subprocess with its own timeout, and the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .report import (BF16_STEP_BAND, BF16_TAIL_BAND, FP32_REL_TOL, compare_losses, overall_status, parse_junit,
+                     read_losses, render_markdown)
+
+PKG_PARENT = Path(__file__).resolve().parents[2]  # the directory holding asyncpp_ext (the checkout)
+# Seconds per section: together well under 15 minutes on one H100-class GPU.
+TIMEOUTS = dict(cuda_tests=420, nccl_self_test=120, train_one_gpu=240, train_two_gpus=300, bench_optim=240,
+                bench_p2p=180)
+TRAIN_CLI = "import sys; from asyncpp_ext.training.cli import main; sys.exit(main(sys.argv[1:]))"
+SELF_TEST = ("import json, sys; from asyncpp_ext.pipeline.nccl import self_test; "
+             "print(json.dumps(self_test('cuda:0', quick=sys.argv[1] == '1')))")
+
+
+def train_args(out: Path, name: str, steps: int, dtype: str, extra: list) -> list:
+    """A 2-stage 2bw Muon+EF run of the tiny model; ``extra`` picks device/transport or --simulate."""
+    return [sys.executable, "-c", TRAIN_CLI, "--schedule", "2bw", "--stages", "2", "--optimizer", "muon",
+            "--ef-beta", "0.5", "--model", "tiny", "--steps", str(steps), "--seed", "0", "--dtype", dtype,
+            "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--out", str(out / "runs" / name), *extra]
+
+
+def plan(out: Path, gpus: int, quick: bool) -> list:
+    """[(key, title, [commands], reason it is skipped or None)] in running order."""
+    steps = 20 if quick else 40
+    has_tests = (PKG_PARENT / "tests").is_dir() and (PKG_PARENT / "bench").is_dir()
+    no_src = None if has_tests else f"needs a source checkout (tests/ and bench/ beside asyncpp_ext in {PKG_PARENT})"
+    one_gpu = [train_args(out, "simulate-fp32", steps, "fp32", ["--simulate"]),
+               train_args(out, "gloo-fp32", steps, "fp32", ["--device", "cuda", "--transport", "gloo"]),
+               train_args(out, "gloo-bf16", steps, "bf16", ["--device", "cuda", "--transport", "gloo"])]
+    two_gpus = [train_args(out, f"{t}-fp32", steps, "fp32", ["--device", "cuda", "--transport", t])
+                for t in ("nccl", "torch")]
+    two_reason = None if gpus >= 2 else (f"needs 2 GPUs ({gpus} visible): NCCL refuses two ranks on one device; "
+                                         "the NCCL self-test covers the transport on one GPU")
+    return [
+        ("environment", "Environment", [], None),
+        ("cuda_tests", "cuda-marked tests", [[sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p",
+                                              "no:cacheprovider", f"--junitxml={out / 'junit-cuda.xml'}", "tests"]],
+         no_src),
+        ("nccl_self_test", "NCCL self-test (one GPU)", [[sys.executable, "-c", SELF_TEST, "1" if quick else "0"]],
+         None),
+        ("train_one_gpu", "2-stage 2bw Muon+EF, both ranks on one GPU (gloo) vs --simulate", one_gpu, None),
+        ("train_two_gpus", "2-stage 2bw Muon+EF on 2 GPUs: nccl vs torch transports vs --simulate", two_gpus,
+         two_reason),
+        ("bench_optim", "bench/optim_step.py on GPU", [[sys.executable, str(PKG_PARENT / "bench" / "optim_step.py"),
+                                                        "--device", "cuda", "--json"]], no_src),
+        ("bench_p2p", "bench/p2p.py on GPU", [[sys.executable, str(PKG_PARENT / "bench" / "p2p.py"), "--backend",
+                                               "nccl", "--json"]],
+         no_src or (None if gpus >= 2 else f"needs 2 GPUs ({gpus} visible): its nccl backend runs one rank per "
+                    "GPU; see the NCCL self-test's loopback figures instead")),
+    ]
+
+
+def run(cmd: list, timeout: float, log: Path) -> dict:
+    """Run one command with the kit's asyncpp_ext first on the path; stdout+stderr go to ``log``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PKG_PARENT), os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1")
+    start = time.monotonic()
+    try:
+        r = subprocess.run(cmd, cwd=PKG_PARENT, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, stdout, stderr = r.returncode, r.stdout, r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, stdout, stderr = None, _text(e.stdout), _text(e.stderr) + f"\n[timed out after {timeout:g} s]"
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n{stdout}\n{stderr}\n[exit {rc}]\n\n")
+    return dict(rc=rc, stdout=stdout, stderr=stderr, seconds=time.monotonic() - start)
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def _tail(r: dict) -> str:
+    lines = (r["stderr"] or r["stdout"]).strip().splitlines()
+    return lines[-1][:300] if lines else f"exit code {r['rc']}"
+
+
+def environment(gpus: int) -> dict:
+    from .. import build_info
+    from ..optim._kernels import cuda_arch_coverage
+
+    info = build_info()
+    figures = dict(build_info=info, python=sys.version.split()[0])
+    try:
+        import torch
+
+        figures.update(torch=torch.__version__, torch_cuda=torch.version.cuda)
+        devices = []
+        for i in range(gpus):
+            cap = tuple(torch.cuda.get_device_capability(i))
+            devices.append(dict(index=i, name=torch.cuda.get_device_name(i), capability=f"{cap[0]}.{cap[1]}",
+                                runs_as=cuda_arch_coverage(cap, info["cuda_archs"])))
+        figures["gpus"] = devices
+    except ImportError:
+        figures["torch"] = None
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        q = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True)
+        figures["nvidia_smi"] = q.stdout.strip().splitlines() or q.stderr.strip()
+    uncovered = [d for d in figures.get("gpus", []) if d["runs_as"] is None]
+    if not info["cuda_compiled"]:
+        return dict(status="fail", reason="asyncpp_ext was built without CUDA (no nvcc at build time)", figures=figures)
+    if uncovered:
+        return dict(status="fail", reason=f"no code for {uncovered[0]['name']} (capability "
+                    f"{uncovered[0]['capability']}) in archs {info['cuda_archs']}: set TORCH_CUDA_ARCH_LIST",
+                    figures=figures)
+    return dict(status="pass", figures=figures)
+
+
+def section_cuda_tests(cmds, out, log) -> dict:
+    junit = out / "junit-cuda.xml"
+    junit.unlink(missing_ok=True)
+    r = run(cmds[0], TIMEOUTS["cuda_tests"], log)
+    if not junit.exists():
+        return dict(status="fail", reason=f"pytest wrote no report: {_tail(r)}", seconds=r["seconds"])
+    j = parse_junit(junit)
+    failed = j["failures"] + j["errors"]
+    status = "fail" if failed or r["rc"] not in (0, 5) else "pass"
+    reason = (f"{failed} failed" if failed else ("timed out" if r["rc"] is None else None))
+    return dict(status=status, reason=reason, figures=j, seconds=r["seconds"])
+
+
+def section_self_test(cmds, out, log) -> dict:
+    r = run(cmds[0], TIMEOUTS["nccl_self_test"], log)
+    if r["rc"] != 0:
+        return dict(status="fail", reason=_tail(r), seconds=r["seconds"])
+    res = json.loads(r["stdout"].strip().splitlines()[-1])
+    bad = [c for c in res["cases"] + [res["ordering"]] if c["mismatches"]]
+    figures = dict(gpu=res["gpu"], nccl_version=res["nccl_version"], cases=len(res["cases"]),
+                   bytes_checked=sum(c["bytes"] for c in res["cases"]), mismatching_cases=bad,
+                   ordering_case=res["ordering"], loopback_GBps=res["loopback_gbps"])
+    return dict(status="pass" if res["ok"] else "fail", reason=None if res["ok"] else f"{len(bad)} cases differ",
+                figures=figures, seconds=r["seconds"])
+
+
+def _train(cmds, out, log, key) -> tuple:
+    """Runs each training command; returns ({run name: losses}, seconds, failure reason or None)."""
+    losses, seconds = {}, 0.0
+    for cmd in cmds:
+        name = Path(cmd[cmd.index("--out") + 1]).name
+        shutil.rmtree(out / "runs" / name, ignore_errors=True)
+        r = run(cmd, TIMEOUTS[key] / len(cmds), log)
+        seconds += r["seconds"]
+        if r["rc"] != 0:
+            return losses, seconds, f"{name}: {_tail(r)}"
+        losses[name] = read_losses(out / "runs" / name)
+    return losses, seconds, None
+
+
+def section_train_one_gpu(cmds, out, log) -> dict:
+    losses, seconds, failure = _train(cmds, out, log, "train_one_gpu")
+    if failure:
+        return dict(status="fail", reason=failure, seconds=seconds)
+    sim = losses["simulate-fp32"]
+    figures = {"gloo fp32 vs simulate fp32 (per-step rel <= %g)" % FP32_REL_TOL:
+               compare_losses(sim, losses["gloo-fp32"], rel_tol=FP32_REL_TOL),
+               "gloo bf16 vs simulate fp32 (per-step rel <= %g, last-10 mean rel <= %g)" % (BF16_STEP_BAND, BF16_TAIL_BAND):
+               compare_losses(sim, losses["gloo-bf16"], step_band=BF16_STEP_BAND, tail_band=BF16_TAIL_BAND)}
+    problems = [p for c in figures.values() for p in c["problems"]]
+    return dict(status="fail" if problems else "pass", reason="; ".join(problems) or None, figures=figures,
+                seconds=seconds)
+
+
+def section_train_two_gpus(cmds, out, log) -> dict:
+    losses, seconds, failure = _train(cmds, out, log, "train_two_gpus")
+    if failure:
+        return dict(status="fail", reason=failure, seconds=seconds)
+    sim_dir = out / "runs" / "simulate-fp32"  # written by the one-GPU section, same config
+    sim = read_losses(sim_dir) if (sim_dir / "metrics.jsonl").exists() else None
+    figures = {"nccl vs torch (bitwise)": compare_losses(losses["torch-fp32"], losses["nccl-fp32"], bitwise=True)}
+    if sim is not None:
+        for t in ("nccl", "torch"):
+            figures[f"{t} vs simulate fp32 (per-step rel <= {FP32_REL_TOL:g})"] = compare_losses(
+                sim, losses[f"{t}-fp32"], rel_tol=FP32_REL_TOL)
+    problems = [p for c in figures.values() for p in c["problems"]]
+    return dict(status="fail" if problems else "pass", reason="; ".join(problems) or None, figures=figures,
+                seconds=seconds)
+
+
+def section_bench(key):
+    def section(cmds, out, log) -> dict:
+        r = run(cmds[0], TIMEOUTS[key], log)
+        if r["rc"] != 0:
+            return dict(status="fail", reason=_tail(r), seconds=r["seconds"])
+        data = json.loads(r["stdout"][r["stdout"].index("{"):])
+        (out / f"{key}.json").write_text(json.dumps(data, indent=1))
+        rows = data.get("rows", [])
+        bad = [row["case"] for row in rows if row.get("check") == "FAIL" or row.get("check") is False]
+        return dict(status="fail" if bad else "pass", reason=f"check failed: {bad}" if bad else None,
+                    figures=data.get("summary", data), seconds=r["seconds"])
+    return section
+
+
+RUNNERS = dict(cuda_tests=section_cuda_tests, nccl_self_test=section_self_test,
+               train_one_gpu=section_train_one_gpu, train_two_gpus=section_train_two_gpus,
+               bench_optim=section_bench("bench_optim"), bench_p2p=section_bench("bench_p2p"))
+
+
+def count_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m asyncpp_ext.gpu_check", description=__doc__)
+    ap.add_argument("--out", default="gpu_check", help="report directory (default gpu_check/)")
+    ap.add_argument("--quick", action="store_true", help="fewer training steps, one 64 MiB self-test case")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "commands.log"
+    log.write_text("")
+    gpus = count_gpus()
+    sections = []
+    for key, title, cmds, skip in plan(out, gpus, args.quick):
+        sec = dict(key=key, title=title, commands=cmds, seconds=0.0)
+        if gpus == 0:
+            sec.update(status="not run", reason="no GPU visible: nothing was run")
+            print(f"[not run] {title}" + "".join(f"\n    would run: {' '.join(c)}" for c in cmds))
+        elif skip:
+            sec.update(status="skipped", reason=skip)
+        else:
+            print(f"[running] {title}", flush=True)
+            start = time.monotonic()
+            try:
+                sec.update(environment(gpus) if key == "environment" else RUNNERS[key](cmds, out, log))
+            except Exception as e:  # a section's own bug is its failure, not the kit's end
+                sec.update(status="fail", reason=f"{type(e).__name__}: {e}")
+            sec.setdefault("seconds", time.monotonic() - start)
+            sec["seconds"] = sec["seconds"] or time.monotonic() - start
+        print(f"[{sec['status']}] {title}" + (f": {sec['reason']}" if sec.get("reason") else ""), flush=True)
+        sections.append(sec)
+    status = overall_status(sections)
+    summary = ("No GPU is visible, so nothing was run; the sections below list what a GPU machine runs."
+               if gpus == 0 else f"{gpus} GPU(s); {sum(s['status'] == 'fail' for s in sections)} section(s) failed.")
+    report = dict(status=status, summary=summary, gpus=gpus, quick=args.quick, sections=sections)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(render_markdown(report))
+    print(f"{summary}\nreport: {out / 'report.md'}")
+    return 1 if status == "fail" else 0

@@ -1,0 +1,122 @@
+"""The GPU proof kit on CPU: the no-GPU run, `make -n gpu-check`, and its comparison and report logic."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncpp_ext.gpu_check import compare_losses, parse_junit, render_markdown
+from asyncpp_ext.gpu_check.report import overall_status, read_losses
+from asyncpp_ext.gpu_check.runner import plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_without_a_gpu_it_says_what_it_would_run_writes_a_report_and_exits_0(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "asyncpp_ext.gpu_check", "--out", str(tmp_path / "gc"), "--quick"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "nothing was run" in r.stdout
+    assert "would run:" in r.stdout and "--transport gloo" in r.stdout and "-m cuda" in r.stdout
+    report = json.loads((tmp_path / "gc" / "report.json").read_text())
+    assert report["status"] == "not run" and report["gpus"] == 0
+    assert {s["key"] for s in report["sections"]} == {"environment", "cuda_tests", "nccl_self_test", "train_one_gpu",
+                                                      "train_two_gpus", "bench_optim", "bench_p2p"}
+    assert all(s["status"] == "not run" for s in report["sections"])
+    md = (tmp_path / "gc" / "report.md").read_text()
+    assert md.startswith("# asyncpp_ext GPU check: NOT RUN") and "nothing was run" in md
+    assert not (tmp_path / "gc" / "runs").exists()  # really nothing ran
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_gpu_check_never_downloads():
+    out = subprocess.run(["make", "-n", "gpu-check", "PYTHON=/x/python"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-1].startswith("/x/python -m asyncpp_ext.gpu_check --out gpu_check")
+    installs = [line for line in lines if "pip" in line]
+    assert installs and all(line.startswith("/x/python -m pip install") for line in installs)
+    for line in installs:
+        for flag in ("--no-index", "--no-deps", "--no-build-isolation"):
+            assert flag in line, (flag, line)
+    assert not any(word in out for word in ("download", "http", "curl", "wget", "venv", "torch=="))
+
+
+def test_plan_runs_the_two_gpu_sections_only_with_two_gpus(tmp_path):
+    one = {key: skip for key, _, _, skip in plan(tmp_path, 1, quick=True)}
+    two = {key: skip for key, _, _, skip in plan(tmp_path, 2, quick=True)}
+    assert "needs 2 GPUs" in one["train_two_gpus"] and "needs 2 GPUs" in one["bench_p2p"]
+    assert all(v is None for v in two.values())
+    cmds = {key: c for key, _, c, _ in plan(tmp_path, 2, quick=False)}
+    sim, gloo32, gloo16 = cmds["train_one_gpu"]
+    assert "--simulate" in sim and "--device" not in sim
+    for c in (gloo32, gloo16):
+        assert c[c.index("--transport") + 1] == "gloo" and c[c.index("--device") + 1] == "cuda"
+    config = lambda c: [a for a in c if a not in ("--simulate", "--device", "cuda", "--transport", "gloo", "nccl",  # noqa: E731
+                                                   "torch") and "runs" not in a]
+    assert config(sim) == config(gloo32) == config(cmds["train_two_gpus"][0]) == config(cmds["train_two_gpus"][1])
+    assert gloo16[gloo16.index("--dtype") + 1] == "bf16" and sim[sim.index("--dtype") + 1] == "fp32"
+    assert sim[sim.index("--schedule") + 1] == "2bw" and "--ef-beta" in sim and "muon" in sim
+
+
+def test_compare_losses_fp32_bound():
+    ref = {s: 4.0 - 0.1 * s for s in range(10)}
+    assert compare_losses(ref, dict(ref), rel_tol=1e-4, bitwise=True)["ok"]
+    close = {s: v * (1 + 5e-5) for s, v in ref.items()}
+    c = compare_losses(ref, close, rel_tol=1e-4)
+    assert c["ok"] and c["max_rel"] == pytest.approx(5e-5)
+    assert not compare_losses(ref, close, bitwise=True)["ok"]
+    off = {**ref, 7: ref[7] * (1 + 2e-4)}
+    c = compare_losses(ref, off, rel_tol=1e-4)
+    assert not c["ok"] and c["worst_step"] == 7 and "step 7" in c["problems"][0]
+
+
+def test_compare_losses_bf16_band_and_broken_runs():
+    ref = {s: 4.0 * 0.95 ** s for s in range(30)}
+    jitter = {s: v * (1 + (0.03 if s % 2 else -0.03)) for s, v in ref.items()}  # within 5%, tail mean ~0
+    assert compare_losses(ref, jitter, step_band=0.05, tail_band=0.02)["ok"]
+    biased = {s: v * 1.03 for s, v in ref.items()}  # every step within 5%, but the tail is 3% off
+    c = compare_losses(ref, biased, step_band=0.05, tail_band=0.02)
+    assert not c["ok"] and c["tail_rel"] == pytest.approx(0.03)
+    stalled = {s: 4.0 for s in ref}  # a run that does not learn
+    assert not compare_losses(ref, stalled, step_band=0.05, tail_band=0.02)["ok"]
+    assert not compare_losses(ref, {**ref, 3: float("nan")}, rel_tol=1.0)["ok"]
+    assert not compare_losses(ref, {s: v for s, v in ref.items() if s < 29}, rel_tol=1.0)["ok"]
+    assert not compare_losses({}, {}, rel_tol=1.0)["ok"]
+
+
+def test_read_losses_skips_rows_without_a_loss(tmp_path):
+    rows = [dict(step=1, loss=3.5), dict(step=2, loss=None, eval_loss=3.0), dict(step=3, loss=3.25)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_losses(tmp_path) == {1: 3.5, 3: 3.25}
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1" failures="1"
+skipped="2" tests="6"><testcase classname="tests.test_a" name="test_ok"/><testcase classname="tests.test_a"
+name="test_bad"><failure message="assert 1 == 2&#10;more">trace</failure></testcase><testcase
+classname="tests.test_b" name="test_err"><error message="fixture broke">trace</error></testcase><testcase
+classname="t" name="s1"><skipped message="no"/></testcase><testcase classname="t" name="s2"><skipped/></testcase>
+<testcase classname="t" name="ok2"/></testsuite></testsuites>"""
+
+
+def test_parse_junit_counts_and_names_failures(tmp_path):
+    (tmp_path / "j.xml").write_text(JUNIT)
+    j = parse_junit(tmp_path / "j.xml")
+    assert (j["tests"], j["passed"], j["failures"], j["errors"], j["skipped"]) == (6, 2, 1, 1, 2)
+    assert j["failed"] == [dict(test="tests.test_a::test_bad", kind="failure", message="assert 1 == 2"),
+                           dict(test="tests.test_b::test_err", kind="error", message="fixture broke")]
+
+
+def test_report_status_and_markdown():
+    secs = [dict(key="a", title="A", status="pass", seconds=1.0, figures=dict(x=1.5, rows=[dict(y=2)])),
+            dict(key="b", title="B", status="skipped", reason="needs 2 GPUs", seconds=0.0)]
+    assert overall_status(secs) == "pass"
+    assert overall_status(secs + [dict(status="fail")]) == "fail"
+    assert overall_status([dict(status="not run")] * 2) == "not run"
+    md = render_markdown(dict(status="pass", summary="1 GPU(s)", sections=secs))
+    assert md.startswith("# asyncpp_ext GPU check: PASS")
+    assert "| B | skipped | 0 | needs 2 GPUs |" in md and "- x: 1.5" in md and "  - y: 2" in md
