@@ -52,13 +52,29 @@ def test_plan_runs_the_two_gpu_sections_only_with_two_gpus(tmp_path):
     assert "needs 2 GPUs" in one["train_two_gpus"] and "needs 2 GPUs" in one["bench_p2p"]
     assert all(v is None for v in two.values())
     cmds = {key: c for key, _, c, _ in plan(tmp_path, 2, quick=False)}
-    sim, gloo32, gloo16 = cmds["train_one_gpu"]
+    sim, sim_cuda, gloo32, gloo16 = cmds["train_one_gpu"]
     assert "--simulate" in sim and "--device" not in sim
+    assert "--simulate" in sim_cuda and sim_cuda[sim_cuda.index("--device") + 1] == "cuda"
     for c in (gloo32, gloo16):
         assert c[c.index("--transport") + 1] == "gloo" and c[c.index("--device") + 1] == "cuda"
-    config = lambda c: [a for a in c if a not in ("--simulate", "--device", "cuda", "--transport", "gloo", "nccl",  # noqa: E731
-                                                   "torch") and "runs" not in a]
-    assert config(sim) == config(gloo32) == config(cmds["train_two_gpus"][0]) == config(cmds["train_two_gpus"][1])
+    # fp32 GPU runs pin Newton-Schulz to fp32, as the CPU run has it
+    for c in [sim_cuda, gloo32] + cmds["train_two_gpus"]:
+        assert c[c.index("--ns-dtype") + 1] == "fp32"
+
+    def config(c):  # the run's settings without where and how it runs
+        placement = {"--device", "--transport", "--ns-dtype", "--out"}
+        kept, skip = [], False
+        for a in c:
+            if skip or a == "--simulate":
+                skip = False
+                continue
+            if a in placement:
+                skip = True
+                continue
+            kept.append(a)
+        return kept
+    assert config(sim) == config(sim_cuda) == config(gloo32) == config(cmds["train_two_gpus"][0]) \
+        == config(cmds["train_two_gpus"][1])
     assert gloo16[gloo16.index("--dtype") + 1] == "bf16" and sim[sim.index("--dtype") + 1] == "fp32"
     assert sim[sim.index("--schedule") + 1] == "2bw" and "--ef-beta" in sim and "muon" in sim
 

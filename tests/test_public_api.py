@@ -23,6 +23,7 @@ PROMISED = {
     "asyncpp_ext.training.cli": ["main"],
     "asyncpp_ext.schedule.cli": ["main"],
     "asyncpp_ext.train": ["main"],
+    "asyncpp_ext.gpu_check": ["main"],
 }
 
 # subpackage -> the other parts of asyncpp_ext it may import. Lower layers never import upward:
@@ -34,6 +35,7 @@ ALLOWED_IMPORTS = {
     "schedule": {"_ext"},
     "pipeline": {"_ext", "info", "optim"},
     "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule"},
+    "gpu_check": {"info", "optim"},  # runs everything else in subprocesses
 }
 
 
@@ -55,7 +57,7 @@ def test_console_scripts_resolve_to_callables():
         assert callable(getattr(importlib.import_module(module), attr)), f"{name} -> {target}"
 
 
-@pytest.mark.parametrize("module", ["asyncpp_ext.train", "asyncpp_ext.schedule", "asyncpp_ext"])
+@pytest.mark.parametrize("module", ["asyncpp_ext.train", "asyncpp_ext.schedule", "asyncpp_ext", "asyncpp_ext.gpu_check"])
 def test_python_dash_m_entry_points_answer_help(module):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr

@@ -1,3 +1,3 @@
-from asyncpp_ext.gpu_check.runner import main
+from .runner import main
 
 raise SystemExit(main())

@@ -15,7 +15,7 @@ from .report import (BF16_STEP_BAND, BF16_TAIL_BAND, FP32_REL_TOL, compare_losse
 
 PKG_PARENT = Path(__file__).resolve().parents[2]  # the directory holding asyncpp_ext (the checkout)
 # Seconds per section: together well under 15 minutes on one H100-class GPU.
-TIMEOUTS = dict(cuda_tests=420, nccl_self_test=120, train_one_gpu=240, train_two_gpus=300, bench_optim=240,
+TIMEOUTS = dict(cuda_tests=420, nccl_self_test=120, train_one_gpu=320, train_two_gpus=300, bench_optim=240,
                 bench_p2p=180)
 TRAIN_CLI = "import sys; from asyncpp_ext.training.cli import main; sys.exit(main(sys.argv[1:]))"
 SELF_TEST = ("import json, sys; from asyncpp_ext.pipeline.nccl import self_test; "
@@ -34,10 +34,14 @@ def plan(out: Path, gpus: int, quick: bool) -> list:
     steps = 20 if quick else 40
     has_tests = (PKG_PARENT / "tests").is_dir() and (PKG_PARENT / "bench").is_dir()
     no_src = None if has_tests else f"needs a source checkout (tests/ and bench/ beside asyncpp_ext in {PKG_PARENT})"
+    # fp32 runs pin Newton-Schulz to fp32 too (auto would be bf16 on CUDA, fp32 on CPU), so only
+    # the order of float32 sums differs between the GPU and the CPU.
+    fp32_gpu = ["--device", "cuda", "--ns-dtype", "fp32"]
     one_gpu = [train_args(out, "simulate-fp32", steps, "fp32", ["--simulate"]),
-               train_args(out, "gloo-fp32", steps, "fp32", ["--device", "cuda", "--transport", "gloo"]),
+               train_args(out, "simulate-cuda-fp32", steps, "fp32", fp32_gpu + ["--simulate"]),
+               train_args(out, "gloo-fp32", steps, "fp32", fp32_gpu + ["--transport", "gloo"]),
                train_args(out, "gloo-bf16", steps, "bf16", ["--device", "cuda", "--transport", "gloo"])]
-    two_gpus = [train_args(out, f"{t}-fp32", steps, "fp32", ["--device", "cuda", "--transport", t])
+    two_gpus = [train_args(out, f"{t}-fp32", steps, "fp32", fp32_gpu + ["--transport", t])
                 for t in ("nccl", "torch")]
     two_reason = None if gpus >= 2 else (f"needs 2 GPUs ({gpus} visible): NCCL refuses two ranks on one device; "
                                          "the NCCL self-test covers the transport on one GPU")
@@ -48,7 +52,8 @@ def plan(out: Path, gpus: int, quick: bool) -> list:
          no_src),
         ("nccl_self_test", "NCCL self-test (one GPU)", [[sys.executable, "-c", SELF_TEST, "1" if quick else "0"]],
          None),
-        ("train_one_gpu", "2-stage 2bw Muon+EF, both ranks on one GPU (gloo) vs --simulate", one_gpu, None),
+        ("train_one_gpu", "2-stage 2bw Muon+EF, both ranks on one GPU (gloo) vs --simulate (GPU and CPU)",
+         one_gpu, None),
         ("train_two_gpus", "2-stage 2bw Muon+EF on 2 GPUs: nccl vs torch transports vs --simulate", two_gpus,
          two_reason),
         ("bench_optim", "bench/optim_step.py on GPU", [[sys.executable, str(PKG_PARENT / "bench" / "optim_step.py"),
@@ -85,7 +90,7 @@ def _tail(r: dict) -> str:
 
 
 def environment(gpus: int) -> dict:
-    from .. import build_info
+    from ..info import build_info
     from ..optim._kernels import cuda_arch_coverage
 
     info = build_info()
@@ -162,7 +167,9 @@ def section_train_one_gpu(cmds, out, log) -> dict:
     if failure:
         return dict(status="fail", reason=failure, seconds=seconds)
     sim = losses["simulate-fp32"]
-    figures = {"gloo fp32 vs simulate fp32 (per-step rel <= %g)" % FP32_REL_TOL:
+    figures = {"gloo fp32 vs simulate on the GPU fp32 (bitwise: same kernels, same order)":
+               compare_losses(losses["simulate-cuda-fp32"], losses["gloo-fp32"], bitwise=True),
+               "gloo fp32 vs simulate fp32 on CPU (per-step rel <= %g)" % FP32_REL_TOL:
                compare_losses(sim, losses["gloo-fp32"], rel_tol=FP32_REL_TOL),
                "gloo bf16 vs simulate fp32 (per-step rel <= %g, last-10 mean rel <= %g)" % (BF16_STEP_BAND, BF16_TAIL_BAND):
                compare_losses(sim, losses["gloo-bf16"], step_band=BF16_STEP_BAND, tail_band=BF16_TAIL_BAND)}

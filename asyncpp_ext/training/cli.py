@@ -22,7 +22,7 @@ import torch
 
 from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
-from .config import (DTYPES, NONFINITE_POLICIES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, TRANSPORTS, ConfigError,
+from .config import (DTYPES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, TRANSPORTS, ConfigError,
                      RunConfig)
 from ..data import DataError
 from ..models import GPT, PRESETS
@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--ef-beta", type=float,
                      help="error-feedback delay correction strength, 0 = off (default auto: "
                           + ", ".join(f"{k} {v:g}" for k, v in EF_BETA_AUTO.items()) + ")")
+    opt.add_argument("--ns-dtype", choices=NS_DTYPES,
+                     help="muon's Newton-Schulz dtype: auto = bf16 on CUDA, fp32 on CPU (default auto)")
     run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
     run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
     run.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
@@ -141,7 +143,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "dtype"): args.dtype,
         ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
         ("optim", "adamw_lr"): args.adamw_lr, ("optim", "weight_decay"): args.weight_decay,
-        ("optim", "ef_beta"): args.ef_beta, ("train", "steps"): args.steps,
+        ("optim", "ef_beta"): args.ef_beta, ("optim", "ns_dtype"): args.ns_dtype, ("train", "steps"): args.steps,
         ("train", "seed"): args.seed, ("data", "source"): args.data,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
         ("train", "out"): args.out, ("train", "device"): args.device,
@@ -172,9 +174,9 @@ def _env_timeout() -> Optional[float]:
 def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
     """``(module) -> optimizer`` for cfg.optim (a whole model or one pipeline stage's blocks)."""
     o = cfg.optim
+    muon = dict(adamw_lr=o.effective_adamw_lr(), ns_dtype=o.ns_torch_dtype()) if o.name == "muon" else {}
     return lambda module: build_optimizer(module, o.name, o.effective_lr(), weight_decay=o.weight_decay,
-                                          ef_beta=o.effective_ef_beta(),
-                                          adamw_lr=o.effective_adamw_lr() if o.name == "muon" else None)
+                                          ef_beta=o.effective_ef_beta(), **muon)
 
 
 def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
@@ -376,7 +378,7 @@ FIELD_FLAGS = {
     "pipeline.microbatches": "--microbatches", "pipeline.micro_batch_size": "--micro-batch-size",
     "pipeline.dp": "--dp", "pipeline.transport": "--transport", "train.dtype": "--dtype",
     "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
-    "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta",
+    "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta", "optim.ns_dtype": "--ns-dtype",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.device": "--device", "train.timeout_s": "--timeout",
     "train.on_nonfinite": "--on-nonfinite", "train.threads": "--threads", "model.n_layer": "--n-layer",

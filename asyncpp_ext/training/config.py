@@ -16,6 +16,7 @@ NONFINITE_POLICIES = ("stop", "skip")
 OPTIMIZERS = ("adamw", "muon", "sgd")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
+NS_DTYPES = ("auto", "fp32", "bf16")
 
 ModelConfig = GPTConfig
 """The model section is the GPT's own shape config."""
@@ -73,6 +74,15 @@ class OptimConfig:
     in docs/results.md ("Delay study"; the evidence is summarized at ``EF_BETA_AUTO``)."""
     momentum: float = 0.9
     """Momentum of sgd."""
+    ns_dtype: str = "auto"
+    """Dtype of muon's Newton-Schulz iteration: auto (bf16 on CUDA, where tensor cores make it
+    cheap; fp32 on CPU) | fp32 | bf16. Independent of ``train.dtype``, which only sets autocast."""
+
+    def ns_torch_dtype(self):
+        """The ``ns_dtype=`` to pass to Muon: None for auto (Muon picks by device)."""
+        import torch
+
+        return {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[self.ns_dtype]
 
     def effective_lr(self) -> float:
         """The learning rate a run uses: ``lr``, or for None the optimizer's auto value."""
@@ -218,6 +228,10 @@ class RunConfig:
         _choice("optim.name", self.optim.name, OPTIMIZERS)
         _choice("train.device", self.train.device, DEVICES)
         _choice("train.dtype", self.train.dtype, DTYPES)
+        _choice("optim.ns_dtype", self.optim.ns_dtype, NS_DTYPES)
+        if self.optim.ns_dtype != "auto" and self.optim.name != "muon":
+            raise ConfigError(f"optim.ns_dtype={self.optim.ns_dtype!r} sets muon's Newton-Schulz dtype, but "
+                              f"the optimizer is {self.optim.name!r}; drop --ns-dtype or use --optimizer muon")
         _choice("pipeline.transport", self.pipeline.transport, TRANSPORTS)
         if self.pipeline.transport == "nccl" and self.train.device != "cuda":
             raise ConfigError(f"pipeline.transport='nccl' moves CUDA tensors but train.device="

@@ -166,6 +166,9 @@ BAD_INPUTS = [
     ("--weight-decay -1", "optim.weight_decay must be a non-negative number"),
     ("--timeout 0", "--timeout: train.timeout_s must be a positive number, got 0.0"),
     ("--timeout inf", "--timeout: train.timeout_s must be a finite number of seconds"),
+    ("--optimizer adamw --ns-dtype bf16", "optim.ns_dtype='bf16' sets muon's Newton-Schulz dtype, but the "
+                                          "optimizer is 'adamw'"),
+    ("--ns-dtype fp64", "invalid choice: 'fp64'"),
     ("--threads 0", "--threads: train.threads must be a positive integer, got 0"),
     ("--threads -2", "--threads: train.threads must be a positive integer, got -2"),
     ("pipe --threads 0", "--threads: train.threads must be a positive integer, got 0"),
