@@ -79,11 +79,14 @@ def test_missing_data_file_is_a_clear_error(study, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_a_worker_that_cannot_start_stops_the_study(study, text_file):
-    """Loaded by path, the script is not importable in spawned workers, so each dies at start. The
-    study must end with that error, not wait forever for a pool that keeps replacing workers."""
+def test_a_worker_that_cannot_start_stops_the_study(study, text_file, monkeypatch):
+    """Loaded by path, the script is not importable in spawned workers (they get this sys.path, here
+    without bench/, which other tests add), so each dies at start. The study must end with that
+    error, not wait forever for a pool that keeps replacing workers."""
     from concurrent.futures.process import BrokenProcessPool
 
+    bench = STUDY_PATH.parent.resolve()
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not p or Path(p).resolve() != bench])
     with pytest.raises(BrokenProcessPool):
         study.main(["--data", text_file, "--model", "tiny", "--steps", "2", "--seeds", "1", "--betas", "0.5",
                     "--workers", "2", "--spot-check-steps", "0", "--json"])
