@@ -34,8 +34,10 @@ def test_without_a_gpu_it_says_what_it_would_run_writes_a_report_and_exits_0(tmp
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_gpu_check_never_downloads():
-    out = subprocess.run(["make", "-n", "gpu-check", "PYTHON=/x/python"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+    # Under `make test` the outer make's settings would leak in (and add "Entering directory" lines).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(["make", "-n", "--no-print-directory", "gpu-check", "PYTHON=/x/python"], cwd=ROOT,
+                         capture_output=True, text=True, check=True, env=env).stdout
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines[-1].startswith("/x/python -m asyncpp_ext.gpu_check --out gpu_check")
     installs = [line for line in lines if "pip" in line]
