@@ -24,7 +24,7 @@ def test_without_a_gpu_it_says_what_it_would_run_writes_a_report_and_exits_0(tmp
     assert "would run:" in r.stdout and "--transport gloo" in r.stdout and "-m cuda" in r.stdout
     report = json.loads((tmp_path / "gc" / "report.json").read_text())
     assert report["status"] == "not run" and report["gpus"] == 0
-    assert {s["key"] for s in report["sections"]} == {"environment", "cuda_tests", "nccl_self_test", "train_one_gpu",
+    assert {s["key"] for s in report["sections"]} == {"environment", "build_tests", "cuda_tests", "nccl_self_test", "train_one_gpu",
                                                       "train_two_gpus", "bench_optim", "bench_p2p"}
     assert all(s["status"] == "not run" for s in report["sections"])
     md = (tmp_path / "gc" / "report.md").read_text()
@@ -138,3 +138,15 @@ def test_report_status_and_markdown():
     md = render_markdown(dict(status="pass", summary="1 GPU(s)", sections=secs))
     assert md.startswith("# asyncpp_ext GPU check: PASS")
     assert "| B | skipped | 0 | needs 2 GPUs |" in md and "- x: 1.5" in md and "  - y: 2" in md
+
+
+def test_a_crashing_test_run_is_a_failed_section_naming_the_signal(tmp_path):
+    """A test process that dies (as a segfault in the extension would) writes no JUnit report: the
+    section fails and says how the process ended."""
+    from asyncpp_ext.gpu_check.runner import section_pytest
+
+    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+             f"--junitxml={tmp_path / 'junit.xml'}"]
+    result = section_pytest("build_tests")([crash], tmp_path, tmp_path / "commands.log")
+    assert result["status"] == "fail", result
+    assert result["reason"].startswith("pytest wrote no report (killed by SIGSEGV)"), result

@@ -15,7 +15,11 @@ from .report import (BF16_STEP_BAND, BF16_TAIL_BAND, FP32_REL_TOL, SAME_DEVICE_R
 
 PKG_PARENT = Path(__file__).resolve().parents[2]  # the directory holding asyncpp_ext (the checkout)
 # Seconds per section: together well under 15 minutes on one H100-class GPU.
-TIMEOUTS = dict(cuda_tests=420, nccl_self_test=120, train_one_gpu=320, train_two_gpus=300, bench_optim=240,
+# The GPU build's own unit tests (not only cuda-marked ones): a crash that only a CUDA build on
+# this machine's compiler shows (one did: a refusal in the NCCL bindings) must surface here.
+BUILD_TESTS = ["tests/test_nccl_transport.py", "tests/test_optim_api.py", "tests/test_devices.py",
+               "tests/test_transports.py"]
+TIMEOUTS = dict(build_tests=300, cuda_tests=420, nccl_self_test=120, train_one_gpu=320, train_two_gpus=300, bench_optim=240,
                 bench_p2p=180)
 TRAIN_CLI = "import sys; from asyncpp_ext.training.cli import main; sys.exit(main(sys.argv[1:]))"
 SELF_TEST = ("import json, sys; from asyncpp_ext.pipeline.nccl import self_test; "
@@ -47,6 +51,9 @@ def plan(out: Path, gpus: int, quick: bool) -> list:
                                          "the NCCL self-test covers the transport on one GPU")
     return [
         ("environment", "Environment", [], None),
+        ("build_tests", "this build's transport, device and kernel unit tests",
+         [[sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out / 'junit-build.xml'}",
+           *BUILD_TESTS]], no_src),
         ("cuda_tests", "cuda-marked tests", [[sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p",
                                               "no:cacheprovider", f"--junitxml={out / 'junit-cuda.xml'}", "tests"]],
          no_src),
@@ -82,6 +89,17 @@ def run(cmd: list, timeout: float, log: Path) -> dict:
 
 def _text(b) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def _exit(rc) -> str:
+    """How a command ended, in words: a crash names its signal."""
+    if rc is None:
+        return "timed out"
+    if rc < 0:
+        import signal
+
+        return f"killed by {signal.Signals(-rc).name}" if -rc in signal.valid_signals() else f"signal {-rc}"
+    return f"exit code {rc}"
 
 
 def _tail(r: dict) -> str:
@@ -122,16 +140,24 @@ def environment(gpus: int) -> dict:
     return dict(status="pass", figures=figures)
 
 
-def section_cuda_tests(cmds, out, log) -> dict:
-    junit = out / "junit-cuda.xml"
-    junit.unlink(missing_ok=True)
-    r = run(cmds[0], TIMEOUTS["cuda_tests"], log)
+def section_pytest(key):
+    """A pytest run whose --junitxml report gives the counts; no report (a crash) is a failure."""
+    def section(cmds, out, log) -> dict:
+        junit = Path(next(a for a in cmds[0] if a.startswith("--junitxml=")).split("=", 1)[1])
+        junit.unlink(missing_ok=True)
+        r = run(cmds[0], TIMEOUTS[key], log)
+        return _pytest_outcome(r, junit)
+    return section
+
+
+def _pytest_outcome(r: dict, junit: Path) -> dict:
     if not junit.exists():
-        return dict(status="fail", reason=f"pytest wrote no report: {_tail(r)}", seconds=r["seconds"])
+        return dict(status="fail", reason=f"pytest wrote no report ({_exit(r['rc'])}): {_tail(r)}",
+                    seconds=r["seconds"])
     j = parse_junit(junit)
     failed = j["failures"] + j["errors"]
     status = "fail" if failed or r["rc"] not in (0, 5) else "pass"
-    reason = (f"{failed} failed" if failed else ("timed out" if r["rc"] is None else None))
+    reason = f"{failed} failed" if failed else (None if status == "pass" else _exit(r["rc"]))
     return dict(status=status, reason=reason, figures=j, seconds=r["seconds"])
 
 
@@ -208,7 +234,7 @@ def section_bench(key):
     return section
 
 
-RUNNERS = dict(cuda_tests=section_cuda_tests, nccl_self_test=section_self_test,
+RUNNERS = dict(build_tests=section_pytest("build_tests"), cuda_tests=section_pytest("cuda_tests"), nccl_self_test=section_self_test,
                train_one_gpu=section_train_one_gpu, train_two_gpus=section_train_two_gpus,
                bench_optim=section_bench("bench_optim"), bench_p2p=section_bench("bench_p2p"))
 
