@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from asyncpp_ext.pipeline import devices
-from asyncpp_ext.pipeline.devices import (DeviceError, check_local_world, choose_transport,
+from asyncpp_ext.pipeline.devices import (DeviceError, check_local_world, choose_transport, local_world_size,
                                           process_group_backend, rank_device)
 from asyncpp_ext.training.config import RunConfig
 
@@ -186,3 +186,11 @@ def test_a_shard_is_saved_through_to_cpu_and_loaded_onto_the_cpu(tmp_path, monke
     assert loads == [{"map_location": "cpu", "weights_only": True}]
     got = shards[0]["engine"]["params"]["w"]
     assert type(got) is torch.Tensor and got.device.type == "cpu" and torch.equal(got, torch.arange(6.0).reshape(2, 3))
+
+
+def test_local_world_size_spawn_counts_every_rank_torchrun_reads_its_environment():
+    assert local_world_size("spawn", 4, {"LOCAL_WORLD_SIZE": "2"}) == 4
+    assert local_world_size("torchrun", 4, {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "8"}) == 2
+    assert local_world_size("torchrun", 4, {"WORLD_SIZE": "8"}) == 8
+    with pytest.raises(ValueError, match="launcher"):
+        local_world_size("mpirun", 4, {})

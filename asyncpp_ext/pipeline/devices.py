@@ -47,6 +47,16 @@ def needs_own_gpu(transport: str) -> bool:
     return transport in ("nccl", "torch")
 
 
+def local_world_size(launcher: str, ranks: int, environ) -> int:
+    """Ranks on this machine: all ``ranks`` of a run spawned here; under torchrun its
+    LOCAL_WORLD_SIZE (or WORLD_SIZE) from ``environ``."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if launcher == "spawn":
+        return ranks
+    return int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")))
+
+
 def check_local_world(local_world: int, visible_gpus: int, transport: str, launcher: str = "spawn") -> None:
     """Refuse a CUDA run whose ranks on this machine cannot each get what ``transport`` needs."""
     if launcher not in LAUNCHERS:
@@ -90,5 +100,6 @@ def process_group_backend(transport: str, device) -> str:
     return "gloo"
 
 
-__all__ = ["TRANSPORTS", "LAUNCHERS", "DeviceError", "choose_transport", "needs_own_gpu", "check_local_world",
+__all__ = ["TRANSPORTS", "LAUNCHERS", "DeviceError", "choose_transport", "needs_own_gpu", "local_world_size",
+           "check_local_world",
            "rank_device", "process_group_backend"]

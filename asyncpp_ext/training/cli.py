@@ -346,15 +346,14 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
 
 def check_rank_devices(cfg: RunConfig) -> None:
     """Before any rank starts: this machine's ranks can each get the device and transport asked for."""
-    from ..pipeline.devices import DeviceError, check_local_world, choose_transport
+    from ..pipeline.devices import DeviceError, check_local_world, choose_transport, local_world_size
 
     try:
         transport = choose_transport(cfg.pipeline.transport, cfg.train.device)
         if cfg.train.device != "cuda":
             return
         launcher = "torchrun" if under_launcher() else "spawn"
-        local_world = (int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-                       if launcher == "torchrun" else cfg.pipeline.stages * cfg.pipeline.dp)
+        local_world = local_world_size(launcher, cfg.pipeline.stages * cfg.pipeline.dp, os.environ)
         check_local_world(local_world, torch.cuda.device_count(), transport, launcher)
     except DeviceError as exc:
         raise UsageError(str(exc)) from None

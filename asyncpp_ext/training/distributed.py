@@ -23,7 +23,7 @@ from .config import ConfigError, RunConfig
 from ..data import BatchStream
 from ..models import GPT
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
-from ..pipeline.devices import choose_transport, process_group_backend, rank_device
+from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
 from ..pipeline.launch import spawned_locally
 from ..pipeline.transport import TransportError, peer_failure_reason
 from .simulate import merge_engine_states
@@ -83,8 +83,7 @@ def rank_placement(cfg: RunConfig) -> tuple[str, str, str]:
     device = cfg.train.device
     if device == "cuda":
         launcher = "spawn" if spawned_locally() else "torchrun"
-        local_world = (cfg.pipeline.stages * cfg.pipeline.dp if launcher == "spawn"
-                       else int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+        local_world = local_world_size(launcher, cfg.pipeline.stages * cfg.pipeline.dp, os.environ)
         device = rank_device(device, int(os.environ.get("LOCAL_RANK", "0")), local_world,
                              torch.cuda.device_count(), transport, launcher)
         torch.cuda.set_device(torch.device(device))  # before any CUDA work: NCCL binds to it
