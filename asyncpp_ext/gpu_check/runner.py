@@ -273,8 +273,7 @@ def main(argv=None) -> int:
                 sec.update(environment(gpus) if key == "environment" else RUNNERS[key](cmds, out, log))
             except Exception as e:  # a section's own bug is its failure, not the kit's end
                 sec.update(status="fail", reason=f"{type(e).__name__}: {e}")
-            sec.setdefault("seconds", time.monotonic() - start)
-            sec["seconds"] = sec["seconds"] or time.monotonic() - start
+            sec["seconds"] = sec["seconds"] or time.monotonic() - start  # sections that time themselves keep theirs
         print(f"[{sec['status']}] {title}" + (f": {sec['reason']}" if sec.get("reason") else ""), flush=True)
         sections.append(sec)
     status = overall_status(sections)
