@@ -204,6 +204,7 @@ def mm_tflops(shapes, repeats, steps=5):
                 torch.mm(x, x.T)
                 torch.mm(g, g)
                 torch.mm(g, x)
+        sync()  # timed to completion on the GPU, as every optimizer step is
     (times,) = interleaved_times([products], repeats)
     return ns_flops(shapes, steps) / statistics.median(times) / 1e12
 
