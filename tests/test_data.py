@@ -1,10 +1,14 @@
-"""Token sources, the resumable batch order, the held-out split, and bad-input errors."""
+"""Token sources (text, raw uint16 and sidecar-described .bin files), the resumable batch order,
+the held-out split, and bad-input errors."""
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from asyncpp_ext.data import (BUILTIN_MAX_BYTES, BatchStream, DataError, builtin_corpus,
-                              eval_batches, load_tokens, min_tokens_needed, split_tokens)
+                              eval_batches, load_tokens, min_tokens_needed, scan_max_token_id,
+                              sidecar_path, split_tokens, token_dtype_for_vocab, token_file_info)
 
 
 def test_builtin_corpus_is_capped_utf8_text_and_deterministic():
@@ -25,7 +29,9 @@ def test_bin_file_is_uint16_tokens_checked_against_vocab(tmp_path):
     path = tmp_path / "t.bin"
     ids = np.array([1, 255, 7, 0], dtype="<u2")
     ids.tofile(path)
-    assert load_tokens(str(path)).tolist() == [1, 255, 7, 0]
+    tokens = load_tokens(str(path))
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.dtype("<u2")
+    assert tokens.tolist() == [1, 255, 7, 0]
     np.array([1, 300], dtype="<u2").tofile(path)
     with pytest.raises(DataError, match=r"t\.bin holds token id 300 .* vocab_size is 256"):
         load_tokens(str(path))
@@ -46,6 +52,104 @@ def test_bad_files_raise_data_error_naming_the_file(tmp_path, name, content, mat
         load_tokens(str(path))
     assert name in str(info.value) and "\n" not in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def _token_file(tmp_path, ids, storage, **header):
+    """Write ``ids`` as numpy type ``storage`` to t.bin with a sidecar: defaults + ``header``."""
+    path = tmp_path / "t.bin"
+    np.asarray(ids, dtype=storage).tofile(path)
+    fields = {"format": "asyncpp-tokens", "version": 1, "dtype": np.dtype(storage).name,
+              "num_tokens": len(ids), "vocab_size": 70_000, "max_token_id": int(max(ids)),
+              "tokenizer": "bytes"}
+    fields.update(header)
+    sidecar_path(path).write_text(json.dumps(fields))
+    return path
+
+
+def test_uint32_file_with_sidecar_is_memory_mapped(tmp_path):
+    ids = [0, 69_999, 65_536, 5]
+    path = _token_file(tmp_path, ids, "<u4")
+    assert sidecar_path(path).name == "t.bin.json"
+    tokens = load_tokens(str(path), vocab_size=70_000)
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.dtype("<u4")
+    assert tokens.tolist() == ids
+    assert token_file_info(path) == {"dtype": "uint32", "num_tokens": 4, "vocab_size": 70_000,
+                                     "max_token_id": 69_999, "tokenizer": "bytes"}
+    with pytest.raises(DataError, match=r"holds token id 69999 .* vocab_size is 65536; train with "
+                                        r"--vocab-size 70000"):
+        load_tokens(str(path), vocab_size=65_536)
+
+
+def test_raw_file_info_scans_for_the_largest_id(tmp_path):
+    path = tmp_path / "raw.bin"
+    np.array([3, 9, 65_535, 2], dtype="<u2").tofile(path)
+    assert token_file_info(path) == {"dtype": "uint16", "num_tokens": 4, "vocab_size": None,
+                                     "max_token_id": 65_535, "tokenizer": None}
+
+
+def test_id_check_trusts_the_sidecar_max_instead_of_reading_the_file(tmp_path):
+    # The header claims a larger id than the file holds: the check must use the header.
+    path = _token_file(tmp_path, [1, 2, 3], "<u2", max_token_id=300)
+    with pytest.raises(DataError, match="holds token id 300"):
+        load_tokens(str(path))
+    # Without max_token_id the file is scanned.
+    path = _token_file(tmp_path, [1, 2, 3], "<u2", max_token_id=None)
+    assert load_tokens(str(path), vocab_size=4).tolist() == [1, 2, 3]
+    with pytest.raises(DataError, match="holds token id 3 "):
+        load_tokens(str(path), vocab_size=3)
+
+
+def test_scan_max_token_id_reads_in_chunks_and_sees_every_chunk():
+    tokens = np.array([5, 1, 2, 3, 4, 9, 0], dtype="<u2")
+    for chunk in (1, 2, 3, 7, 100):
+        assert scan_max_token_id(tokens, chunk=chunk) == 9  # the max sits in a later chunk
+
+
+def test_token_dtype_follows_the_largest_id():
+    assert token_dtype_for_vocab(256) == "uint16"
+    assert token_dtype_for_vocab(65_536) == "uint16"  # ids 0..65535 fit in 16 bits
+    assert token_dtype_for_vocab(65_537) == "uint32"
+    with pytest.raises(DataError):
+        token_dtype_for_vocab(0)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("not_json", "is not readable JSON"),
+    ("wrong_format", "has format 'nanogpt', not 'asyncpp-tokens'"),
+    ("unknown_dtype", "unknown dtype 'int8'"),
+    ("future_version", "has version 2"),
+    ("bad_count", "num_tokens = -1, not a non-negative integer"),
+    ("not_multiple", "byte length \\(6\\), not a multiple of 4"),
+    ("count_disagrees", "says 3 uint32 tokens .* disagrees with its header"),
+    ("dtype_disagrees", "has 16 bytes but .* says 4 uint16 tokens .* disagrees with its header"),
+    ("empty", "is empty"),
+])
+def test_bad_token_files_raise_one_line_naming_the_file(tmp_path, case, match):
+    if case == "dtype_disagrees":  # uint32 data described as uint16
+        path = tmp_path / "t.bin"
+        np.array([1, 2, 3, 4], dtype="<u4").tofile(path)
+        sidecar_path(path).write_text(json.dumps({"format": "asyncpp-tokens", "version": 1,
+                                                  "dtype": "uint16", "num_tokens": 4}))
+    elif case == "not_multiple":
+        path = _token_file(tmp_path, [1, 2], "<u4")
+        path.write_bytes(path.read_bytes()[:6])
+    elif case == "count_disagrees":
+        path = _token_file(tmp_path, [1, 2], "<u4", num_tokens=3)
+    elif case == "empty":
+        path = tmp_path / "t.bin"
+        path.write_bytes(b"")
+    else:
+        header = {"wrong_format": {"format": "nanogpt"}, "unknown_dtype": {"dtype": "int8"},
+                  "future_version": {"version": 2}, "bad_count": {"num_tokens": -1}}.get(case, {})
+        path = _token_file(tmp_path, [1, 2], "<u2", **header)
+        if case == "not_json":
+            sidecar_path(path).write_text("{not json")
+    with pytest.raises(DataError, match=match) as info:
+        load_tokens(str(path), vocab_size=70_000)
+    message = str(info.value)
+    assert "t.bin" in message and "\n" not in message
+    if case != "empty":
+        assert "asyncpp-prepare-data" in message  # the fix: regenerate with the tool
 
 
 def test_too_short_text_says_needed_and_present():

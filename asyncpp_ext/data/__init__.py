@@ -1,6 +1,24 @@
-"""Token data: where tokens come from (``sources``) and how batches are cut from them (``batches``)."""
-from .batches import BatchStream, Microbatch, eval_batches, min_tokens_needed, split_tokens
-from .sources import BUILTIN, BUILTIN_MAX_BYTES, DataError, builtin_corpus, load_tokens
+"""Token data: where tokens come from (``sources``), how batches are cut from them (``batches``), and
+the ``asyncpp-prepare-data`` tokenizer CLI (``prepare``).
 
-__all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "DataError", "builtin_corpus", "load_tokens", "Microbatch",
-           "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches"]
+The batch names are imported on first use: they need torch, and ``asyncpp-prepare-data`` (which
+imports this package) should start without it.
+"""
+from .sources import (BUILTIN, BUILTIN_MAX_BYTES, TOKEN_DTYPES, TOKEN_FORMAT, TOKEN_FORMAT_VERSION,
+                      DataError, builtin_corpus, load_tokens, scan_max_token_id, sidecar_path,
+                      token_dtype_for_vocab, token_file_info)
+
+_BATCH_NAMES = ("BatchStream", "Microbatch", "eval_batches", "min_tokens_needed", "split_tokens")
+
+
+def __getattr__(name: str):
+    if name in _BATCH_NAMES:
+        from . import batches
+
+        return getattr(batches, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "DataError", "TOKEN_DTYPES", "TOKEN_FORMAT",
+           "TOKEN_FORMAT_VERSION", "builtin_corpus", "load_tokens", "scan_max_token_id",
+           "sidecar_path", "token_dtype_for_vocab", "token_file_info", *_BATCH_NAMES]

@@ -2,20 +2,52 @@
   * ``"builtin"``: the source text of Python's own standard library (a sorted, size-capped subset of
     its ``.py`` files), read at run time, so every machine with Python has a corpus;
   * a UTF-8 text file: its bytes are the tokens (vocabulary 256);
-  * a ``.bin`` file of little-endian uint16 token ids (memory-mapped).
+  * a ``.bin`` token file (always memory-mapped, so it may be larger than RAM).
+
+Token file format (``.bin``)
+----------------------------
+A ``.bin`` file is a flat array of little-endian token ids with no header, so a file written by
+nanoGPT's ``prepare.py`` is read as is. Its element type comes from an optional *sidecar* JSON file
+next to it, named ``<file>.bin.json`` (``asyncpp-prepare-data`` writes one)::
+
+    {"format": "asyncpp-tokens", "version": 1, "dtype": "uint16",
+     "num_tokens": 1000000, "vocab_size": 50257, "max_token_id": 50256,
+     "tokenizer": "/abs/path/tokenizer.json"}
+
+* ``dtype``: ``"uint16"`` or ``"uint32"``; uint32 only when a vocabulary's ids do not fit in 16 bits
+  (``token_dtype_for_vocab``).
+* ``num_tokens``: number of ids in the file; the file holds exactly ``num_tokens * itemsize`` bytes.
+* ``vocab_size``: size of the tokenizer's vocabulary (the ``--vocab-size`` a model needs).
+* ``max_token_id``: largest id in the file; lets the id check skip a pass over a huge file.
+* ``tokenizer``: the tokenizer.json it was made with, or ``"bytes"`` (ids are UTF-8 bytes).
+
+Without a sidecar the file is read as uint16 (nanoGPT's format) and its largest id is found by
+scanning it in chunks. Every inconsistency (bad sidecar, size not matching the dtype or the sidecar,
+an id the model's vocabulary cannot embed) is a ``DataError`` naming the file and the fix.
 """
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
 BUILTIN = "builtin"
 BUILTIN_MAX_BYTES = 4_000_000
 """Cap of the built-in corpus: enough text for the presets, small enough to read in a blink."""
+
+TOKEN_FORMAT = "asyncpp-tokens"
+"""The ``format`` field of a token file's sidecar."""
+TOKEN_FORMAT_VERSION = 1
+"""The sidecar version this code writes and reads."""
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+"""Sidecar ``dtype`` names and the little-endian numpy types they stand for."""
+SCAN_CHUNK_TOKENS = 16 * 1024 * 1024
+"""Tokens read at a time when a token file is scanned for its largest id (bounds the memory used)."""
 
 
 class DataError(ValueError):
@@ -55,8 +87,106 @@ def builtin_corpus(max_bytes: int = BUILTIN_MAX_BYTES) -> np.ndarray:
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
+def token_dtype_for_vocab(vocab_size: int) -> str:
+    """Sidecar dtype name for a vocabulary: ``"uint16"`` while every id (< vocab_size) fits in 16
+    bits, i.e. vocab_size <= 65536, else ``"uint32"``."""
+    if vocab_size < 1:
+        raise DataError(f"vocabulary size {vocab_size} is not positive; check the tokenizer")
+    if vocab_size <= 1 << 16:
+        return "uint16"
+    if vocab_size <= 1 << 32:
+        return "uint32"
+    raise DataError(f"vocabulary size {vocab_size} does not fit in uint32 token ids; "
+                    "use a tokenizer with fewer than 2**32 tokens")
+
+
+def sidecar_path(path: str | os.PathLike) -> Path:
+    """The sidecar of a token file: ``<file>.bin`` -> ``<file>.bin.json``."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def _read_sidecar(path: Path) -> Optional[dict]:
+    """The validated sidecar of ``path``, or None when there is none."""
+    side = sidecar_path(path)
+    if not side.exists():
+        return None
+    regenerate = (f"delete {side} to read {path.name} as raw uint16, or regenerate both with "
+                  "asyncpp-prepare-data")
+    try:
+        header = json.loads(side.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DataError(f"token header {side} is not readable JSON ({reason}); {regenerate}") from None
+    if not isinstance(header, dict) or header.get("format") != TOKEN_FORMAT:
+        found = header.get("format") if isinstance(header, dict) else type(header).__name__
+        raise DataError(f"token header {side} has format {found!r}, not {TOKEN_FORMAT!r}; "
+                        f"{regenerate}")
+    if header.get("version") != TOKEN_FORMAT_VERSION:
+        raise DataError(f"token header {side} has version {header.get('version')!r}; this asyncpp "
+                        f"reads version {TOKEN_FORMAT_VERSION}; {regenerate}")
+    if header.get("dtype") not in TOKEN_DTYPES:
+        raise DataError(f"token header {side} has unknown dtype {header.get('dtype')!r} "
+                        f"(known: {', '.join(TOKEN_DTYPES)}); {regenerate}")
+    for key, required in (("num_tokens", True), ("vocab_size", False), ("max_token_id", False)):
+        value = header.get(key)
+        if (value is None and not required) or (type(value) is int and value >= 0):
+            continue
+        raise DataError(f"token header {side} has {key} = {value!r}, not a non-negative "
+                        f"integer; {regenerate}")
+    return header
+
+
+def _open_token_file(path: Path) -> tuple[np.memmap, Optional[dict]]:
+    """Memory-map a ``.bin`` token file after checking its size against its dtype and sidecar."""
+    header = _read_sidecar(path)
+    dtype_name = header["dtype"] if header else "uint16"
+    dtype = TOKEN_DTYPES[dtype_name]
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        shape = "an odd byte length" if dtype.itemsize == 2 else "a byte length"
+        raise DataError(f"data file {path} has {shape} ({size}), not a multiple of "
+                        f"{dtype.itemsize}; a .bin file must hold {dtype_name} token ids "
+                        f"({dtype.itemsize} bytes each); regenerate it with asyncpp-prepare-data")
+    if header is not None and size != header["num_tokens"] * dtype.itemsize:
+        raise DataError(f"data file {path} has {size} bytes but its header {sidecar_path(path).name} "
+                        f"says {header['num_tokens']} {dtype_name} tokens "
+                        f"({header['num_tokens'] * dtype.itemsize} bytes): the file or its dtype "
+                        "disagrees with its header; regenerate both with asyncpp-prepare-data")
+    if size == 0:
+        raise DataError(f"data file {path} is empty; pass a file with tokens in it")
+    return np.memmap(path, dtype=dtype, mode="r"), header
+
+
+def scan_max_token_id(tokens: np.ndarray, chunk: int = SCAN_CHUNK_TOKENS) -> int:
+    """Largest id in ``tokens``, read ``chunk`` ids at a time (a memmap never enters RAM whole)."""
+    top = 0
+    for start in range(0, len(tokens), chunk):
+        top = max(top, int(tokens[start: start + chunk].max()))
+    return top
+
+
+def token_file_info(path: str | os.PathLike) -> dict:
+    """What a ``.bin`` token file holds: ``dtype`` (name), ``num_tokens``, ``vocab_size`` (None
+    without a sidecar), ``max_token_id`` (from the sidecar, else scanned) and ``tokenizer`` (None
+    without a sidecar). Raises ``DataError`` for the same problems as ``load_tokens``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"token file {path} does not exist (or is not a file); "
+                        "make one with asyncpp-prepare-data")
+    tokens, header = _open_token_file(path)
+    header = header or {}
+    top = header.get("max_token_id")
+    return {"dtype": header.get("dtype", "uint16"), "num_tokens": len(tokens),
+            "vocab_size": header.get("vocab_size"),
+            "max_token_id": scan_max_token_id(tokens) if top is None else top,
+            "tokenizer": header.get("tokenizer")}
+
+
 def load_tokens(source: str, vocab_size: int = 256) -> np.ndarray:
-    """Token ids of ``source`` ("builtin", a UTF-8 text file or a uint16 ``.bin`` file)."""
+    """Token ids of ``source``: "builtin", a UTF-8 text file, or a ``.bin`` token file (returned
+    as a read-only ``np.memmap``). Raises ``DataError`` if an id is >= ``vocab_size``."""
+    header = None
     if source == BUILTIN:
         tokens = builtin_corpus()
     else:
@@ -64,27 +194,28 @@ def load_tokens(source: str, vocab_size: int = 256) -> np.ndarray:
         if not path.is_file():
             raise DataError(f"data file {source} does not exist (or is not a file); "
                             "pass an existing text/.bin file or --data builtin")
-        size = path.stat().st_size
-        if size == 0:
-            raise DataError(f"data file {source} is empty; pass a file with text in it")
         if path.suffix == ".bin":
-            if size % 2:
-                raise DataError(f"data file {source} has an odd byte length ({size}); a .bin file "
-                                "must hold uint16 token ids (2 bytes each) - regenerate it")
-            tokens = np.memmap(path, dtype="<u2", mode="r")
+            tokens, header = _open_token_file(path)
         else:
+            if path.stat().st_size == 0:
+                raise DataError(f"data file {source} is empty; pass a file with text in it")
             raw = path.read_bytes()
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise DataError(f"data file {source} is not UTF-8 text (byte {exc.start}); convert "
-                                "it to UTF-8 or give a pre-tokenized uint16 .bin file") from None
+                                "it to UTF-8 or give a pre-tokenized .bin file") from None
             tokens = np.frombuffer(raw, dtype=np.uint8)
-    top = int(tokens.max())
+    known_top = header.get("max_token_id") if header else None
+    top = scan_max_token_id(tokens) if known_top is None else known_top
     if top >= vocab_size:
+        needed = max(top + 1, header.get("vocab_size") or 0) if header else top + 1
         raise DataError(f"data {source} holds token id {top} but the model's vocab_size is "
-                        f"{vocab_size}; use data whose ids are < {vocab_size}")
+                        f"{vocab_size}; train with --vocab-size {needed} or use data whose ids "
+                        f"are < {vocab_size}")
     return tokens
 
 
-__all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "DataError", "builtin_corpus", "load_tokens"]
+__all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "DataError", "SCAN_CHUNK_TOKENS", "TOKEN_DTYPES",
+           "TOKEN_FORMAT", "TOKEN_FORMAT_VERSION", "builtin_corpus", "load_tokens",
+           "scan_max_token_id", "sidecar_path", "token_dtype_for_vocab", "token_file_info"]

@@ -25,6 +25,8 @@ from .nonfinite import NonFiniteGuard
 from .partition import as_blocks, split
 from .recompute import resolve_autocast
 from .stage import Signature, StageError, StageHost
+from .step_exchange import StepExchange
+from .ties import block_prefixes, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, choose_transport  # noqa: F401 (TRANSPORTS: public name kept here)
 from .transport import GlooTransport, TorchTransport, TransportError, create_link_groups, peer_failure_reason
 from .watchdog import Watchdog, WatchedHost, WatchedTransport, check_timeout, default_timeout_s
@@ -96,6 +98,13 @@ class Pipeline:
             gradients and optimizer state stay float32).
         on_nonfinite: "stop" (a NaN/Inf loss or gradient ends the run, naming stage and step) or
             "skip" (that step's update is skipped on every stage); see nonfinite.py.
+        lr_schedule: an object with ``multiplier(step)`` (optim/lr_schedule.py): every parameter
+            group's learning rate is its initial value times it at each optimizer step.
+        clip_grad_norm: clip each step's gradient by the global norm of the previous step's
+            (clipping.py); None = off.
+
+    Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
+    into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).
     """
 
     def __init__(self, model, *, loss_fn: Callable, optimizer: Callable[[nn.Module], torch.optim.Optimizer],
@@ -103,7 +112,8 @@ class Pipeline:
                  split_points: Sequence[int] | None = None, timeout_s: float | None = None, recv_ahead: int = 2,
                  device: str | torch.device | None = None, transport: str = "auto", run_id: str | None = None,
                  track_memory: bool = False, dp: int = 1, shard_optimizer: bool = True,
-                 recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop"):
+                 recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop",
+                 lr_schedule=None, clip_grad_norm: float | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not dist.is_initialized():
@@ -139,13 +149,20 @@ class Pipeline:
         self.stage_ranks = self.layout.pipeline_ranks(self.replica)
         self.dp_group = create_dp_group(self.layout, self.rank)
         blocks = as_blocks(model)
+        ties = find_ties(model, blocks)
+        untie(blocks, ties)
         self.partition = split(blocks, self.stages, split_points)
         self.block_indices = self.partition[self.stage]
         module = nn.Sequential(*[blocks[i] for i in self.block_indices]).to(self.device)
-        prefixes = _block_prefixes(model, blocks, self.block_indices)
+        prefixes = block_prefixes(model, blocks, self.block_indices)
         self.param_names = [n for n, _ in GlobalView(module, prefixes).named_parameters()]
+        # A mirror of a tied weight is updated by its owner, never by this stage's optimizer.
+        self.mirror_of = {m: o for m, o in mirror_names(ties).items() if m in self.param_names}
         user_factory = optimizer
-        optimizer = lambda stage_module: user_factory(GlobalView(stage_module, prefixes))  # noqa: E731
+
+        def optimizer(stage_module):
+            view = GlobalView(stage_module, prefixes, hidden=self.mirror_of)
+            return user_factory(view) if any(True for _ in view.parameters()) else None
         self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
                               microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
                               batch_source=self._next_batch, track_memory=track_memory,
@@ -157,6 +174,16 @@ class Pipeline:
             # The guard scans grad_flat -- every optimizer parameter's gradient -- right before each
             # step and never lets a bad step reach the optimizer: its own scan would repeat it.
             self.host.optimizer.check_finite = False
+        self.host.lr_schedule = lr_schedule
+        self.exchange = StepExchange(
+            stage=self.stage, replica=self.replica, layout=self.layout, partition=self.partition, ties=ties,
+            names=self.param_names, sizes=[p.numel() for p in self.host.opt_params],
+            mirror_count_per_stage=[sum(1 for t in ties for u in t.mirrors if u.block in blocks_of)
+                                    for blocks_of in self.partition],
+            param_count_per_stage=[len({id(p) for i in blocks_of for p in blocks[i].parameters()})
+                                   for blocks_of in self.partition],
+            clip_grad_norm=clip_grad_norm, timeout_s=timeout_s)
+        self.host.exchange = self.exchange if self.exchange.active else None
         if dp > 1:
             self.host.grad_sync = GradientAverager(self.host.grad_flat,
                                                    [list(r.parameters()) for r in self.host.replicas],
@@ -219,12 +246,25 @@ class Pipeline:
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This stage's share of the run state, keyed by global parameter names (see simulate.py)."""
-        return self.host.state_dict(self.param_names)
+        """This stage's share of the run state, keyed by global parameter names (see simulate.py).
+        A tied tensor is stored once, under its owner's name."""
+        state = self.host.state_dict(self.param_names)
+        for section in ("params", "stash"):
+            state[section] = {n: t for n, t in state[section].items() if n not in self.mirror_of}
+        state["clip"] = self.exchange.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Load a state written at any pipeline depth (or by the single-process simulator)."""
+        state = dict(state)
+        for section in ("params", "stash"):
+            values = dict(state.get(section, {}))
+            for mirror, owner in self.mirror_of.items():
+                if owner in values:
+                    values[mirror] = values[owner]
+            state[section] = values
         self.host.load_state_dict(state, self.param_names)
+        self.exchange.load_state_dict(state.get("clip"))
         self.next_step = int(state["steps_done"])
 
     # ---- start-up agreement ----------------------------------------------------------------
@@ -354,6 +394,8 @@ class Pipeline:
                     self.watchdog.dump_state(f"lost a peer: {e}")
                 events.put(e)
 
+        if self.host.exchange is not None:
+            self.exchange.begin_segment(first_step, steps)
         thread = threading.Thread(target=worker, name=f"asyncpp-stage{self.stage}", daemon=True)
         thread.start()
         while True:
@@ -365,6 +407,8 @@ class Pipeline:
                 raise item
             yield item
         thread.join()
+        if self.host.exchange is not None:  # the segment drains: tied copies equal, norms known
+            self.exchange.end_segment(self.host.flat, lambda version: version % len(self.host.flat))
         self.next_step = first_step + steps
 
     # ---- evaluation --------------------------------------------------------------------------
@@ -411,15 +455,6 @@ def _choose_transport(transport: str, device: torch.device) -> str:
     return transport
 
 
-def _block_prefixes(model, blocks: list, indices: list) -> list[str]:
-    """Each block's name inside ``model`` (e.g. ``layers.3``) when the model is an nn.Module holding
-    the blocks, else the block's index."""
-    prefix = {}
-    if isinstance(model, nn.Module):
-        prefix = {id(m): n for n, m in model.named_modules() if n}
-    return [prefix.get(id(blocks[i]), str(i)) for i in indices]
-
-
 class GlobalView(nn.Module):
     """A stage's blocks registered under their names in the whole model, sharing parameters.
 
@@ -427,8 +462,9 @@ class GlobalView(nn.Module):
     the output head to AdamW) see a stage exactly as they would see the whole model, and
     checkpoints name parameters the same way at every pipeline depth."""
 
-    def __init__(self, stage_module: nn.Module, prefixes: Sequence[str]):
+    def __init__(self, stage_module: nn.Module, prefixes: Sequence[str], hidden=()):
         super().__init__()
+        self._hidden = frozenset(hidden)  # names left out of named_parameters (tied mirrors)
         for block, prefix in zip(stage_module, prefixes):
             parent = self
             *path, leaf = prefix.split(".")
@@ -437,3 +473,8 @@ class GlobalView(nn.Module):
                     parent.add_module(part, nn.Module())
                 parent = parent._modules[part]
             parent.add_module(leaf, block)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if name not in self._hidden:
+                yield name, p

@@ -73,6 +73,10 @@ class StageHost:
         self.recompute, self.autocast_dtype = recompute, autocast_dtype
         # Set by the Pipeline under data parallelism: averages grad_flat over the stage's replicas.
         self.grad_sync = None
+        # Set by the Pipeline: tied-weight and clipping exchanges (step_exchange.py), and the
+        # learning-rate schedule (optim/lr_schedule.py) applied at each optimizer step.
+        self.exchange = None
+        self.lr_schedule = None
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
         self.two_versions = schedule == "2bw"
@@ -228,6 +232,8 @@ class StageHost:
         return None, out
 
     def forward(self, step: int, mb: int, version: int) -> None:
+        if self.exchange is not None:  # tied values of this version, from their owner stage
+            self.exchange.install(version, self.flat[version % len(self.flat)])
         replica = self.replica_for(version)
         if self.is_first:
             x = self._batch(step)[0][mb]
@@ -283,17 +289,20 @@ class StageHost:
         if self.grad_sync is not None:  # a replica's bad step reaches every replica through the average
             self.nonfinite.after_average(step, self.grad_flat)
         skip = self.nonfinite.skip_step(step)  # then W(t+1) = W(t): no update on any stage
+        if self.exchange is not None:  # tied gradients summed, gradient clipped
+            self.exchange.before_step(step, self.grad_flat, skip)
+        if self.lr_schedule is not None and self.optimizer is not None:
+            from ..optim.lr_schedule import apply_lr
+            apply_lr(self.optimizer, self.lr_schedule.multiplier(step))
+        dst = (step + 1) % 2 if self.two_versions else 0
         if self.two_versions:
-            src, dst = step % 2, (step + 1) % 2
-            self.flat[dst].copy_(self.flat[src])
+            self.flat[dst].copy_(self.flat[step % 2])
             _point_at(self.opt_params, self.flat[dst])
-            if self.optimizer is not None and not skip:
-                self.optimizer.step()
-            self.version_in[dst] = new_version
-        else:
-            if self.optimizer is not None and not skip:
-                self.optimizer.step()
-            self.version_in[0] = new_version
+        if self.optimizer is not None and not skip:
+            self.optimizer.step()
+        self.version_in[dst] = new_version
+        if self.exchange is not None:
+            self.exchange.after_step(step, self.flat[dst])
         self.grad_flat.zero_()
         loss = None
         if self.is_last:

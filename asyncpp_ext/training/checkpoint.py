@@ -278,6 +278,11 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
             raise CheckpointError(f"checkpoint {ckpt_dir} was written with {name}={before!r} but "
                                   f"this run has {now!r}; resume with the same value (or leave "
                                   "that flag out)")
+    if saved_cfg.optim.lr_schedule != "constant" and saved_cfg.train.steps != run.train.steps:
+        # cosine and wsd place their decay by the run's length: another --steps changes every lr
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written by a run of --steps {saved_cfg.train.steps} "
+                              f"with --lr-schedule {saved_cfg.optim.lr_schedule}, whose learning rates depend "
+                              f"on the run's length; resume with --steps {saved_cfg.train.steps}")
 
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "to_cpu", "checkpoint_path", "temp_checkpoint_path", "shard_name",

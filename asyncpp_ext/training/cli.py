@@ -14,7 +14,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -22,10 +21,11 @@ import torch
 
 from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
-from .config import (DTYPES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES, TRANSPORTS, ConfigError,
-                     RunConfig)
+from .config import (DTYPES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES,
+                     TRANSPORTS, ConfigError, RunConfig)
 from ..data import DataError
-from ..models import GPT, PRESETS
+from ..models.registry import MODEL_PRESETS, build_model
+from .model_source import ModelSourceError, model_from_args
 from .simulate import DelaySimulator, merge_engine_states
 from ..optim import build_optimizer
 from ..optim._kernels import cpu_kernel_isa
@@ -90,13 +90,34 @@ def build_parser() -> argparse.ArgumentParser:
                      help="muon's Newton-Schulz dtype: auto = bf16 on CUDA, fp32 on CPU (default auto)")
     run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
     run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
-    run.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
-                                    "file, or a uint16 .bin token file (default builtin)")
-    run.add_argument("--model", choices=sorted(PRESETS),
-                     help="preset: tiny (2 layers, width 32, 2 heads, seq 32) or small (4, 128, 4, "
-                          "64) (default tiny)")
+    opt.add_argument("--lr-schedule", choices=LR_SCHEDULES,
+                     help="lr multiplier over the run: constant, cosine (down to --min-lr-ratio at the "
+                          "end) or wsd (warmup, stable, linear decay over --decay-steps) (default constant)")
+    opt.add_argument("--warmup-steps", type=int, help="linear lr warmup steps (default 0)")
+    opt.add_argument("--decay-steps", type=int, help="wsd: steps of the final decay (default: a share of --steps)")
+    opt.add_argument("--min-lr-ratio", type=float, help="cosine/wsd: final lr as a fraction of --lr")
+    opt.add_argument("--clip-grad-norm", type=float, metavar="X",
+                     help="clip the gradient to global norm X, measured on the previous step's gradient so "
+                          "no stage waits for the others (default: no clipping)")
+    model = p.add_argument_group("model and data")
+    model.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
+                                      "file, or a .bin token file (uint16 nanoGPT format, or written by "
+                                      "asyncpp-prepare-data) (default builtin)")
+    model.add_argument("--val-data", metavar="FILE",
+                       help="evaluate on this file (same formats as --data) instead of the end of --data")
+    model.add_argument("--model", choices=sorted(MODEL_PRESETS),
+                       help="preset: tiny (gpt, 2 layers, width 32), small (gpt, 4 x 128), llama-tiny, "
+                            "smollm-135m, smollm-360m (default tiny)")
+    model.add_argument("--hf-config", metavar="FILE",
+                       help="a Hugging Face config.json (Llama family or GPT-2): that model, randomly "
+                            "initialised (needs pip install 'asyncpp_ext[hf]')")
+    model.add_argument("--hf-model", metavar="DIR",
+                       help="a local Hugging Face model directory (config.json + safetensors) to continue "
+                            "pretraining from")
     for flag in ("n-layer", "n-embd", "n-head", "seq-len"):
-        run.add_argument(f"--{flag}", type=int, help="override the preset's value")
+        model.add_argument(f"--{flag}", type=int, help="override the preset's value")
+    model.add_argument("--vocab-size", type=int,
+                       help="token ids the model knows (default: the model's; data ids must be below it)")
     run.add_argument("--eval-every", type=int,
                      help=f"eval every K steps and at the end, 0 = end only (default {_D.train.eval_every})")
     run.add_argument("--ckpt-every", type=int,
@@ -120,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="intra-op threads per process (default: cores / (stages x dp) for each rank "
                           "of a multi-process run, torch's default for one process); runs match "
                           "bitwise only at equal counts")
+    run.add_argument("--tensorboard", action="store_true", default=None,
+                     help="also write TensorBoard events to OUT/tensorboard (pip install "
+                          "'asyncpp_ext[tensorboard]')")
     run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES,
                      help="NaN/Inf loss or gradient: stop the run, or skip that step's update on "
                           f"every stage (default {_D.train.on_nonfinite})")
@@ -129,11 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None) -> RunConfig:
     """``base`` (defaults, or a resumed run's config) with every flag the user gave applied."""
     cfg = RunConfig.from_dict((base or RunConfig()).to_dict())  # a private copy
-    model = PRESETS[args.model] if args.model is not None else cfg.model
-    cfg.model = replace(model, **{k: v for k, v in (("n_layer", args.n_layer),
-                                                    ("n_embd", args.n_embd),
-                                                    ("n_head", args.n_head),
-                                                    ("seq_len", args.seq_len)) if v is not None})
+    cfg.model = model_from_args(args, cfg.model)
     sets = {
         ("pipeline", "schedule"): args.schedule, ("pipeline", "stages"): args.stages,
         ("pipeline", "microbatches"): args.microbatches,
@@ -144,7 +164,10 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
         ("optim", "adamw_lr"): args.adamw_lr, ("optim", "weight_decay"): args.weight_decay,
         ("optim", "ef_beta"): args.ef_beta, ("optim", "ns_dtype"): args.ns_dtype, ("train", "steps"): args.steps,
-        ("train", "seed"): args.seed, ("data", "source"): args.data,
+        ("optim", "lr_schedule"): args.lr_schedule, ("optim", "warmup_steps"): args.warmup_steps,
+        ("optim", "decay_steps"): args.decay_steps, ("optim", "min_lr_ratio"): args.min_lr_ratio,
+        ("optim", "clip_grad_norm"): args.clip_grad_norm, ("train", "tensorboard"): args.tensorboard,
+        ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
         ("train", "out"): args.out, ("train", "device"): args.device,
         ("train", "simulate"): args.simulate,
@@ -253,9 +276,10 @@ def _run_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     factory = make_optimizer_factory(cfg)
     p = cfg.pipeline
     stream, eval_set = run_data(cfg)  # --dp R simulates one replica on the global microbatches
-    model = GPT(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
+    model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     engine = DelaySimulator(model, factory(model), p.schedule, on_nonfinite=cfg.train.on_nonfinite,
-                            loss_fn=autocast_loss(cfg.train.dtype, torch.device(cfg.train.device)))
+                            loss_fn=autocast_loss(cfg.train.dtype, torch.device(cfg.train.device)),
+                            lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm)
     start_step, elapsed = 0, 0.0
     if resume_dir is not None:
         meta, shards = load_checkpoint(resume_dir)
@@ -382,6 +406,9 @@ FIELD_FLAGS = {
     "train.ckpt_every": "--ckpt-every", "train.device": "--device", "train.timeout_s": "--timeout",
     "train.on_nonfinite": "--on-nonfinite", "train.threads": "--threads", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
+    "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
+    "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",
+    "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
 }
 
 
@@ -407,7 +434,7 @@ def main(argv=None) -> int:
         where = f"; continue with --resume {cfg.train.out}" if cfg is not None else ""
         sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
         return 130
-    except (UsageError, ConfigError, DataError, CheckpointError) as exc:
+    except (UsageError, ConfigError, DataError, CheckpointError, ModelSourceError) as exc:
         message = " ".join(str(exc).split())  # exactly one line
         if isinstance(exc, ConfigError):
             message = _name_flag(message)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
-from ..models import GPTConfig
+from ..models.registry import ModelConfig
 from ..pipeline.devices import TRANSPORTS
 
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw")
@@ -18,8 +18,7 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 NS_DTYPES = ("auto", "fp32", "bf16")
 
-ModelConfig = GPTConfig
-"""The model section is the GPT's own shape config."""
+LR_SCHEDULES = ("constant", "cosine", "wsd")
 
 
 class ConfigError(ValueError):
@@ -29,9 +28,12 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     source: str = "builtin"
-    """"builtin" (Python's standard library source), a UTF-8 text file, or a uint16 .bin file."""
+    """"builtin" (Python's standard library source), a UTF-8 text file, or a .bin token file
+    (uint16 nanoGPT format, or uint16/uint32 with the JSON sidecar asyncpp-prepare-data writes)."""
     eval_fraction: float = 0.1
-    """Share of the tokens, taken from the end, held out for evaluation."""
+    """Share of the tokens, taken from the end, held out for evaluation (when val_source is None)."""
+    val_source: Optional[str] = None
+    """A separate evaluation file (same formats as ``source``); then all of ``source`` trains."""
     eval_batches: int = 4
     """Number of evaluation batches (each of micro_batch_size windows) per evaluation."""
 
@@ -77,6 +79,19 @@ class OptimConfig:
     ns_dtype: str = "auto"
     """Dtype of muon's Newton-Schulz iteration: auto (bf16 on CUDA, where tensor cores make it
     cheap; fp32 on CPU) | fp32 | bf16. Independent of ``train.dtype``, which only sets autocast."""
+    lr_schedule: str = "constant"
+    """Learning-rate multiplier over the run: constant | cosine (to min_lr_ratio at the end) | wsd
+    (warmup, stable, then a linear decay over decay_steps); applied to every parameter group (Muon's
+    and AdamW's parts alike). Formulas: optim/lr_schedule.py and docs/design.md."""
+    warmup_steps: int = 0
+    """Linear warmup steps at the start (any schedule)."""
+    decay_steps: Optional[int] = None
+    """wsd: length of the final decay; None = the schedule's default share of train.steps."""
+    min_lr_ratio: Optional[float] = None
+    """Final multiplier of cosine and wsd; None = the schedule's default."""
+    clip_grad_norm: Optional[float] = None
+    """Clip the gradient so its global norm is at most this, measured on the PREVIOUS step's
+    gradient (docs/design.md: a norm over every stage that no stage waits for); None = off."""
 
     def ns_torch_dtype(self):
         """The ``ns_dtype=`` to pass to Muon: None for auto (Muon picks by device)."""
@@ -166,6 +181,9 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """NaN/Inf loss or gradient: "stop" the run naming stage and step, or "skip" that step's update
     on every stage (recorded as ``"skipped": true`` in its metrics row)."""
+    tensorboard: bool = False
+    """Also write TensorBoard events (loss, eval loss, lr, tokens/s, each stage's compute and wait
+    shares) under the run directory's tensorboard/ (needs ``pip install 'asyncpp_ext[tensorboard]'``)."""
     threads: Optional[int] = None
     """Intra-op threads per process (``torch.set_num_threads``). None: each rank of a multi-process
     run takes the machine's cores divided by stages x dp, a one-process run keeps torch's default.
@@ -175,7 +193,7 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -207,6 +225,15 @@ class RunConfig:
                                   f"; known: {sorted(known)}")
             built[f.name] = section_cls(**values)
         return cls(**built)
+
+    def lr_schedule(self):
+        """The run's learning-rate schedule (optim/lr_schedule.py)."""
+        from ..optim.lr_schedule import LRSchedule
+
+        o = self.optim
+        extra = {k: v for k, v in (("decay_steps", o.decay_steps), ("min_lr_ratio", o.min_lr_ratio))
+                 if v is not None}
+        return LRSchedule(kind=o.lr_schedule, steps=self.train.steps, warmup_steps=o.warmup_steps, **extra)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first field that cannot run."""
@@ -253,6 +280,15 @@ class RunConfig:
         if self.optim.ef_beta is not None:
             _non_negative_number("optim.ef_beta", self.optim.ef_beta)
         _non_negative_number("optim.momentum", self.optim.momentum)
+        if self.optim.clip_grad_norm is not None:
+            _positive_number("optim.clip_grad_norm", self.optim.clip_grad_norm)
+            if self.optim.clip_grad_norm == float("inf"):
+                raise ConfigError("optim.clip_grad_norm must be finite; leave --clip-grad-norm out to not clip")
+        _non_negative_int("optim.warmup_steps", self.optim.warmup_steps)
+        try:
+            self.lr_schedule().validate()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if not 0 < self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in (0, 1), got {self.data.eval_fraction}")
         blocks = self.model.num_blocks
@@ -298,7 +334,7 @@ def _choice(name, value, options):
 # every replica holds the same state, and R replicas of B sequences average the gradient of the
 # same R*B sequences (equal up to float summation order).
 RESUME_MUST_MATCH = (
-    [f"model.{f.name}" for f in fields(GPTConfig)]
+    [f"model.{f.name}" for f in fields(ModelConfig)]
     + [f"data.{f.name}" for f in fields(DataConfig)]
     + [f"optim.{f.name}" for f in fields(OptimConfig)]
     + ["pipeline.schedule", "pipeline.microbatches", "pipeline.global_micro_batch_size",
@@ -311,6 +347,6 @@ def get_field(cfg: RunConfig, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["SCHEDULES", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "ConfigError", "ModelConfig", "DataConfig",
+__all__ = ["SCHEDULES", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
            "get_field"]

@@ -1,7 +1,7 @@
 """``asyncpp-train`` over real processes: stages x dp ranks, the shared Trainer on each.
 
 The parent (the CLI) has already validated the configuration, the data and the run directory;
-each rank builds the same GPT from the seed, keeps its stage, and runs the Trainer with a
+each rank builds the same model from the seed, keeps its stage, and runs the Trainer with a
 ``PipelineEngine``. Rank = replica * stages + stage (see pipeline/data_parallel.py). Every rank
 draws the same global minibatches (microbatches of dp * B sequences) and its replica takes its
 rows. Replica 0's last stage writes metrics.jsonl and loss.png (its losses are the global means);
@@ -21,7 +21,7 @@ from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, f
                          load_checkpoint, restore_rng_state, temp_checkpoint_path, write_shard)
 from .config import ConfigError, RunConfig
 from ..data import BatchStream
-from ..models import GPT
+from ..models.registry import build_model
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
 from ..pipeline.launch import spawned_locally
@@ -35,6 +35,22 @@ class PipelineEngine:
 
     def __init__(self, pipe: Pipeline):
         self.pipe = pipe
+        self.stage = pipe.stage
+        self._shares_since_ns = 0  # trace entries that started before this are summarised
+
+    def time_shares(self):
+        """This stage's compute and wait shares since the last call (TensorBoard)."""
+        from .tensorboard_log import stage_time_shares
+
+        recent = []
+        for entry in reversed(self.pipe.trace):  # (op, step, mb, version, start_ns, end_ns)
+            if entry[4] < self._shares_since_ns:
+                break
+            recent.append(entry)
+        if not recent:
+            return None
+        self._shares_since_ns = max(e[5] for e in recent) + 1
+        return stage_time_shares(recent[::-1])
 
     def train_steps(self, stream: BatchStream, steps: int):
         minibatches = (stream.next() for _ in range(steps))
@@ -101,11 +117,12 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     # Every replica draws the same stream and takes its rows; every replica evaluates the whole
     # set (same weights, same numbers) so none waits for another.
     stream, eval_set = run_data(cfg)
-    model = GPT(cfg.model, seed=cfg.train.seed)
-    pipe = Pipeline(model, loss_fn=GPT.loss, optimizer=factory_builder(cfg), schedule=p.schedule,
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=factory_builder(cfg), schedule=p.schedule,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
-                    timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite)
+                    timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
+                    lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm)
     engine = PipelineEngine(pipe)
     start_step, elapsed = 0, 0.0
     if resume_dir is not None:

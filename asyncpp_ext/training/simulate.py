@@ -9,6 +9,10 @@ forward on the version the schedule prescribes, then backward of ``loss_i / m`` 
 newest weights W(t) with those gradients. A multi-process pipeline run with the same data and the
 same accumulation order must reproduce these numbers to floating-point tolerance.
 
+Tied weights (docs/design.md §1.13): every use of a tied tensor accumulates its own gradient
+and the owner's becomes ``owner + mirrors`` before the step, as on a pipeline. Learning-rate
+schedule and clipping by the previous step's norm (§1.14) are applied at the step as there.
+
 Non-finite values (``on_nonfinite``): "stop" raises NonFiniteError when a microbatch loss or a
 gradient holds NaN/Inf, before the optimizer runs; "skip" skips that step's update (for 2bw the
 next version is a copy of W(t)) -- the rule a pipeline applies on every stage (see
@@ -23,8 +27,12 @@ import torch
 from torch import nn
 
 from .config import SCHEDULES
+from ..optim.lr_schedule import apply_lr
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
+from ..pipeline.clipping import PreviousNormClipper
 from ..pipeline.nonfinite import POLICIES, NonFiniteError
+from ..pipeline.partition import as_blocks
+from ..pipeline.ties import find_ties, sum_tied_gradients, untie
 from .trainer import StepOutcome
 
 DELAYED_SCHEDULES = ("2bw",)
@@ -47,7 +55,7 @@ class DelaySimulator:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: str,
                  loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_loss,
-                 on_nonfinite: str = "stop"):
+                 on_nonfinite: str = "stop", lr_schedule=None, clip_grad_norm: float | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
         if on_nonfinite not in POLICIES:
@@ -59,8 +67,18 @@ class DelaySimulator:
         self.schedule = schedule
         self.loss_fn = loss_fn
         self.delayed = schedule in DELAYED_SCHEDULES
-        self.names = [n for n, _ in model.named_parameters()]
-        self.params = [p for _, p in model.named_parameters()]
+        self.lr_schedule = lr_schedule
+        self.clipper = PreviousNormClipper(clip_grad_norm) if clip_grad_norm is not None else None
+        # Untie (each use its own Parameter on the owner's storage) after the optimizer was built on
+        # the tied model: the optimizer holds the owners only.
+        self.tied = []
+        if hasattr(model, "blocks"):
+            blocks = as_blocks(model)
+            self.tied = untie(blocks, find_ties(model, blocks))
+        mirrors = {id(m) for _, m in self.tied}
+        named = [(n, p) for n, p in model.named_parameters() if id(p) not in mirrors]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self._check_optimizer_covers_model()
         # W(-1) := W(0): the first delayed step computes its gradient on the initial weights.
         self.stash = [p.detach().clone() for p in self.params] if self.delayed else []
@@ -76,6 +94,11 @@ class DelaySimulator:
     def _swap_stash(self) -> None:
         for p, other in zip(self.params, self.stash):
             p.data, other.data = other.data, p.data
+        self._sync_mirrors()
+
+    def _sync_mirrors(self) -> None:
+        for owner, mirror in self.tied:  # a mirror views its owner's current values
+            mirror.data = owner.data
 
     def step(self, minibatch: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One optimizer step on ``minibatch`` (a list of (inputs, targets)); returns its loss."""
@@ -99,6 +122,7 @@ class DelaySimulator:
         finally:
             if self.delayed:
                 self._swap_stash()  # params <- W(t), stash <- W(t-1)
+        sum_tied_gradients(self.tied)
         if bad is None:
             bad = next((f"non-finite gradient in {n}" for n, p in zip(self.names, self.params)
                         if p.grad is not None and not torch.isfinite(p.grad).all()), None)
@@ -110,6 +134,10 @@ class DelaySimulator:
                 for p, old in zip(self.params, self.stash):
                     old.copy_(p)
         self.last_skipped = bad is not None
+        if self.clipper is not None:
+            self.clipper.clip([p.grad for p in self.params if p.grad is not None], self.last_skipped)
+        if self.lr_schedule is not None:
+            apply_lr(self.optimizer, self.lr_schedule.multiplier(self.steps_done))
         if not self.last_skipped:  # a skipped step leaves weights and optimizer state as they are
             self.optimizer.step()
         self.steps_done += 1
@@ -144,6 +172,7 @@ class DelaySimulator:
             "params": {n: p.detach().clone() for n, p in zip(self.names, self.params)},
             "stash": {n: s.clone() for n, s in zip(self.names, self.stash)},
             "optimizer": optimizer_state_by_name(self.optimizer, self.model),
+            "clip": self.clipper.state_dict() if self.clipper is not None else {"previous_norm": None},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -160,6 +189,8 @@ class DelaySimulator:
                 s.copy_(state["stash"][n])
         load_optimizer_state_by_name(self.optimizer, self.model,
                                      regroup_optimizer_state(state["optimizer"], self.optimizer, self.model))
+        if self.clipper is not None:
+            self.clipper.load_state_dict(state.get("clip"))
         self.steps_done = int(state["steps_done"])
 
 
@@ -177,7 +208,8 @@ def merge_engine_states(states: Sequence[dict]) -> dict:
     if len(states) == 1:
         return states[0]
     merged = {"schedule": states[0]["schedule"], "steps_done": states[0]["steps_done"],
-              "params": {}, "stash": {}, "optimizer": {"state": {}, "param_groups": []}}
+              "params": {}, "stash": {}, "optimizer": {"state": {}, "param_groups": []},
+              "clip": states[0].get("clip")}  # every stage knows the same previous norm
     for s in states:
         if s["steps_done"] != merged["steps_done"]:
             raise ValueError(f"shards disagree on the step ({s['steps_done']} vs {merged['steps_done']})")

@@ -17,7 +17,7 @@ import torch
 
 from .checkpoint import save_checkpoint
 from .config import RunConfig
-from ..data import BatchStream, eval_batches, load_tokens, split_tokens
+from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
@@ -52,8 +52,15 @@ def run_data(cfg: RunConfig) -> tuple[BatchStream, list]:
     p = cfg.pipeline
     batch = p.global_micro_batch_size
     tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
-    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch, cfg.model.seq_len,
-                                             source=cfg.data.source)
+    if cfg.data.val_source is None:
+        train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch, cfg.model.seq_len,
+                                                 source=cfg.data.source)
+    else:  # a separate validation file: every token of --data trains
+        train_tokens, eval_tokens = tokens, load_tokens(cfg.data.val_source, cfg.model.vocab_size)
+        for what, part, need in (("--data", train_tokens, batch), ("--val-data", eval_tokens, 1)):
+            if len(part) < need * (cfg.model.seq_len + 1):
+                raise DataError(f"{what} holds {len(part)} tokens, fewer than {need} window(s) of "
+                                f"seq_len {cfg.model.seq_len} + 1; use more data or a smaller --seq-len")
     stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed)
     return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
 
@@ -142,6 +149,16 @@ class Trainer:
         self.num_stages = num_stages
         p = cfg.pipeline
         self.tokens_per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
+        self.lr_schedule = cfg.lr_schedule()
+        self.base_lr = cfg.optim.effective_lr()
+        # TensorBoard: the metrics writer logs the rows; every rank of a pipeline logs its own
+        # stage's compute/wait shares (engines with a ``time_shares()`` report them).
+        self.tensorboard = None
+        if cfg.train.tensorboard:
+            from .tensorboard_log import TensorboardLogger
+
+            sub = "" if writes_metrics and num_stages == 1 else f"stage{getattr(engine, 'stage', 0)}"
+            self.tensorboard = TensorboardLogger(self.run_dir / "tensorboard" / sub, purge_step=start_step + 1)
 
     def _save_single_process(self, step: int, meta: dict) -> Path:
         return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta)
@@ -163,6 +180,18 @@ class Trainer:
                 "elapsed_s": elapsed_s, "num_stages": self.num_stages}
         return self.checkpoint_fn(self.step, meta)
 
+    def _log_tensorboard(self, rows: list[dict]) -> None:
+        if self.tensorboard is None:
+            return
+        if self.writes_metrics:
+            for row in rows:
+                self.tensorboard.log_metrics(row)
+        shares = getattr(self.engine, "time_shares", None)
+        if callable(shares) and rows:
+            measured = shares()
+            if measured is not None:
+                self.tensorboard.log_stage_shares(getattr(self.engine, "stage", 0), rows[-1]["step"], measured)
+
     def run(self) -> list[dict]:
         """Train to ``cfg.train.steps``; returns the metrics rows written by this call."""
         total = self.cfg.train.steps
@@ -174,6 +203,7 @@ class Trainer:
             bar = tqdm(total=total, initial=self.step, desc="train", unit="step", file=sys.stderr)
         start = time.perf_counter()
         metrics = open(self.run_dir / METRICS_NAME, "a") if self.writes_metrics else None
+        last_elapsed = self.elapsed_before
         try:
             while self.step < total:
                 end = self._segment_end()
@@ -183,10 +213,14 @@ class Trainer:
                     loss = loss.loss if isinstance(loss, StepOutcome) else loss
                     if loss is not None and not math.isfinite(loss):
                         loss = None  # JSON has no NaN; the row says why
+                    lr = self.base_lr * self.lr_schedule.multiplier(self.step)  # the lr step t used
                     self.step += 1
                     elapsed = self.elapsed_before + time.perf_counter() - start
-                    pending.append({"step": self.step, "loss": loss, "lr": self.cfg.optim.effective_lr(),
+                    step_s = elapsed - last_elapsed
+                    last_elapsed = elapsed
+                    pending.append({"step": self.step, "loss": loss, "lr": lr,
                                     "tokens": self.step * self.tokens_per_step,
+                                    "tokens_per_s": round(self.tokens_per_step / step_s, 1) if step_s > 0 else None,
                                     "elapsed_s": round(elapsed, 4)})
                     if skipped:
                         pending[-1]["skipped"] = True
@@ -204,11 +238,14 @@ class Trainer:
                     metrics.flush()
                     os.fsync(metrics.fileno())  # metrics up to a checkpoint survive with it
                 rows += pending
+                self._log_tensorboard(pending)
                 if self._is_due(end, self.cfg.train.ckpt_every):
                     self.save(self.elapsed_before + time.perf_counter() - start)
         finally:
             if metrics is not None:
                 metrics.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             if bar is not None:
                 bar.close()
         if self.writes_metrics:

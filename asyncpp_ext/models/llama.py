@@ -1,0 +1,326 @@
+"""A Llama-architecture decoder expressed as a list of blocks, so a pipeline partitioner can split it.
+
+Layout (pre-norm, RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases)::
+
+    blocks[0]      LlamaEmbedding  int64 (B, T)  -> float (B, T, C)   token embedding only
+    blocks[1..L]   LlamaBlock      (B, T, C)     -> (B, T, C)         x + attn(norm(x)); x + mlp(norm(x))
+    blocks[L+1]    LlamaHead       (B, T, C)     -> (B, T, V)         final RMSNorm + linear head
+
+Positions enter only through the rotary embedding, which every ``LlamaBlock`` computes from the
+sequence length of its input: nothing but the hidden state crosses a block boundary, so blocks can
+run on different pipeline stages. The numerics follow ``transformers.LlamaForCausalLM`` (rotary
+"rotate half" layout, RMSNorm in float32), so weights mapped by name give the same logits.
+
+With ``tie_embeddings`` the head's projection *is* the embedding table (one ``nn.Parameter``).
+The head reads ``head.proj.weight`` at call time, so a pipeline stage that holds the head apart
+from the embedding may replace it with its own Parameter holding the same values.
+
+Parameter names are global and stable: ``embed.tok.weight``, ``layers.3.attn_norm.weight``,
+``layers.3.attn.q_proj.weight``, ``layers.3.mlp_norm.weight``, ``layers.3.mlp.gate_proj.weight``,
+``head.norm.weight``, ``head.proj.weight``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .gpt import GPT
+
+
+class LlamaConfigError(ValueError):
+    """A Llama shape or preset that cannot build a model; the message names the field."""
+
+
+class LlamaInputError(ValueError):
+    """Token ids a Llama model cannot take (wrong rank, longer than ``seq_len``)."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a Llama model. Every field is part of a checkpoint's identity."""
+
+    vocab_size: int
+    """Number of token ids (rows of the embedding table, columns of the logits)."""
+    seq_len: int
+    """Longest context the model accepts (``max_position_embeddings`` in Hugging Face configs)."""
+    n_layer: int
+    """Number of transformer blocks (the model has n_layer + 2 pipeline blocks)."""
+    n_embd: int
+    """Residual stream width C (``hidden_size``)."""
+    n_head: int
+    """Query heads; must divide n_embd, and n_embd // n_head (the head dim) must be even."""
+    n_kv_head: int
+    """Key/value heads for grouped-query attention; must divide n_head (n_head = plain attention)."""
+    intermediate_size: int
+    """Hidden width of the SwiGLU MLP (gate and up projections)."""
+    tie_embeddings: bool
+    """Use the embedding table as the output projection (one shared Parameter)."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position frequencies."""
+    norm_eps: float = 1e-5
+    """Epsilon added to the mean square in every RMSNorm."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init of embeddings and linear weights."""
+
+    def validate(self) -> None:
+        """Raise LlamaConfigError (a ValueError) naming the first field that cannot build a model."""
+        for name in ("vocab_size", "seq_len", "n_layer", "n_embd", "n_head", "n_kv_head",
+                     "intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LlamaConfigError(f"model.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise LlamaConfigError(f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}; "
+                                   "pick a width that is a multiple of the head count")
+        if (self.n_embd // self.n_head) % 2:
+            raise LlamaConfigError(f"model.n_embd // model.n_head = {self.n_embd // self.n_head} must be "
+                                   "even (rotary embeddings rotate pairs of dims); change model.n_head")
+        if self.n_head % self.n_kv_head:
+            raise LlamaConfigError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head="
+                                   f"{self.n_head}; each key/value head serves a whole group of queries")
+        if not isinstance(self.tie_embeddings, bool):
+            raise LlamaConfigError(f"model.tie_embeddings must be True or False, got {self.tie_embeddings!r}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise LlamaConfigError(f"model.{name} must be a positive number, got {value!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, n_embd // n_head."""
+        return self.n_embd // self.n_head
+
+    @property
+    def num_blocks(self) -> int:
+        """How many pipeline blocks ``Llama.blocks()`` returns (embedding + layers + head)."""
+        return self.n_layer + 2
+
+    def to_dict(self) -> dict:
+        """The fields as a plain dict (for checkpoints and logs)."""
+        return asdict(self)
+
+
+LLAMA_PRESETS = {
+    # Tests: seconds on a laptop CPU, with grouped-query attention (2 query heads per kv head).
+    "llama-tiny": LlamaConfig(vocab_size=256, seq_len=32, n_layer=2, n_embd=32, n_head=4, n_kv_head=2,
+                              intermediate_size=64, tie_embeddings=True),
+    # The published SmolLM shapes. Checked field by field (hidden_size, num_hidden_layers,
+    # num_attention_heads, num_key_value_heads, intermediate_size, vocab_size,
+    # max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings, initializer_range)
+    # against the config.json files on the Hugging Face hub:
+    #   huggingface.co/HuggingFaceTB/SmolLM-135M/blob/08113aee5325d8b522b49ed5fbad3f24cc27eeb2/config.json
+    #   huggingface.co/HuggingFaceTB/SmolLM-360M/blob/refs%2Fpr%2F4/config.json (the same shape as
+    #   SmolLM-360M-Instruct/blob/main/config.json, whose _name_or_path is SmolLM-360M).
+    # SmolLM2 differs (max_position_embeddings 8192, rope_theta 100000): not these presets.
+    # Parameters, tied embedding counted once: 134,515,008 and 361,821,120.
+    "smollm-135m": LlamaConfig(vocab_size=49152, seq_len=2048, n_layer=30, n_embd=576, n_head=9,
+                               n_kv_head=3, intermediate_size=1536, tie_embeddings=True,
+                               rope_theta=10000.0, norm_eps=1e-5, init_std=0.02),
+    "smollm-360m": LlamaConfig(vocab_size=49152, seq_len=2048, n_layer=32, n_embd=960, n_head=15,
+                               n_kv_head=5, intermediate_size=2560, tie_embeddings=True,
+                               rope_theta=10000.0, norm_eps=1e-5, init_std=0.02),
+}
+
+
+def llama_preset_config(name: str, **overrides) -> LlamaConfig:
+    """The preset ``name`` with any non-None ``overrides`` (n_layer, seq_len, tie_embeddings...)."""
+    if name not in LLAMA_PRESETS:
+        raise LlamaConfigError(f"unknown model preset {name!r}; choose one of {', '.join(LLAMA_PRESETS)}")
+    known = {f.name for f in fields(LlamaConfig)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise LlamaConfigError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(known)}")
+    cfg = replace(LLAMA_PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+    cfg.validate()
+    return cfg
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32.
+
+    Normalising in float32 and casting back before the weight keeps bf16/fp16 activations from
+    losing the small mean square; it is also the order the reference Llama code uses.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device,
+                   dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (seq_len, head_dim) for positions 0..seq_len-1.
+
+    Frequency i (of head_dim/2) is theta^(-2i/head_dim); the table repeats the frequencies for the
+    two halves of the head ("rotate half" layout). Computed in float32, then cast to ``dtype``.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.arange(seq_len, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, heads, T, D) by position: dim j pairs with dim j + D/2 (the "rotate half" layout)."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions, no biases."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # (B, T, heads * D) -> (B, heads, T, D)
+        q = self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        group = self.n_head // self.n_kv_head
+        if group > 1:  # query head h reads key/value head h // group
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaEmbedding(nn.Module):
+    """Token ids (B, T) -> token embedding (B, T, C); positions are added later, by rotation."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.seq_len = cfg.seq_len
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() != 2:
+            raise LlamaInputError(f"token ids must have shape (batch, time), got {tuple(idx.shape)}")
+        t = idx.shape[1]
+        if t > self.seq_len:
+            raise LlamaInputError(f"sequence length {t} exceeds the model's seq_len {self.seq_len}; "
+                                  "shorten the input or build the model with a larger seq_len")
+        return self.tok(idx)
+
+
+class LlamaBlock(nn.Module):
+    """One pre-norm Llama block: (B, T, C) -> (B, T, C). Derives its rotary tables from T."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A few thousand cos/sin per call: cheaper to recompute than to keep a table in every
+        # dtype and on every device the block may be moved to.
+        cos, sin = rotary_cos_sin(x.shape[1], self.head_dim, self.rope_theta, x.device, x.dtype)
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaHead(nn.Module):
+    """Final RMSNorm + linear projection to vocabulary logits: (B, T, C) -> (B, T, V)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        # nn.Linear reads self.proj.weight at call time, so a replaced (untied) Parameter is used.
+        self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class Llama(nn.Module):
+    """The Llama model as ``blocks()``: embedding, ``n_layer`` Llama blocks, head."""
+
+    def __init__(self, cfg: LlamaConfig, seed: int = 0):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        # torch's default module init draws from the global RNG; fork it so building a model
+        # never shifts the caller's random stream (reset_parameters overwrites those values).
+        with torch.random.fork_rng(devices=[]):
+            self.embed = LlamaEmbedding(cfg)
+            self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
+            self.head = LlamaHead(cfg)
+        if cfg.tie_embeddings:
+            self.head.proj.weight = self.embed.tok.weight
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init from ``seed`` with a private generator (the global RNG is untouched).
+
+        Normal(0, init_std) for the embedding and linear weights, with the residual output
+        projections (o_proj, down_proj) scaled by 1/sqrt(2 * n_layer) so the residual stream does
+        not grow with depth; RMSNorm weights at 1. A tied table is drawn once, as the embedding.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layer)
+        # named_parameters lists a shared Parameter once, under its first name (embed.tok.weight).
+        for name, p in self.named_parameters():  # fixed order -> same values for the same seed
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                is_residual_out = name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
+                values = torch.empty(p.shape, dtype=torch.float32)
+                values.normal_(0.0, residual_std if is_residual_out else std, generator=gen)
+                p.copy_(values)
+
+    def blocks(self) -> list[nn.Module]:
+        """The pipeline blocks in order: [LlamaEmbedding, LlamaBlock * n_layer, LlamaHead]."""
+        return [self.embed, *self.layers, self.head]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Run the blocks in order. Returns ``(logits, loss)``; ``loss`` is None without targets."""
+        x = idx
+        for block in self.blocks():
+            x = block(x)
+        return x, (None if targets is None else self.loss(x, targets))
+
+    # Mean cross entropy over all (batch, time) positions: the GPT's loss, shared.
+    loss = staticmethod(GPT.loss)
+
+    def num_parameters(self) -> int:
+        """Number of parameter elements, a tied table counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+
+__all__ = ["LlamaConfig", "LlamaConfigError", "LlamaInputError", "LLAMA_PRESETS", "llama_preset_config",
+           "RMSNorm", "Attention", "SwiGLU", "LlamaEmbedding", "LlamaBlock", "LlamaHead", "Llama"]

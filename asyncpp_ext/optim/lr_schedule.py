@@ -1,0 +1,144 @@
+"""Learning-rate schedules: one multiplier per optimizer step, applied to every param group.
+
+``LRSchedule.multiplier(t)`` is a closed form of the 0-based optimizer step ``t`` (pure Python
+floats, so every pipeline stage and data-parallel replica computes the same bits without talking to
+the others); ``apply_lr(optimizer, m)`` sets each group's ``lr`` to its base learning rate times
+``m``. The base is kept in the group as ``"initial_lr"`` (the key torch's own schedulers use), so it
+travels in ``optimizer.state_dict()`` and survives a checkpoint round trip, and a Muon hybrid's two
+groups (Muon at ``lr``, AdamW at ``adamw_lr``) are scaled alike. The module needs only the
+standard library, so pipeline stages and the trainer alike can import it.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+LR_SCHEDULES = ("constant", "cosine", "wsd")
+"""Schedule kinds: constant (after warmup), cosine decay, warmup-stable-decay."""
+
+WSD_DEFAULT_DECAY_FRACTION_DIVISOR = 5
+"""wsd without ``decay_steps`` decays over the last ``steps // 5`` steps (20 % of the run)."""
+
+
+class LRScheduleError(ValueError):
+    """A schedule setting that cannot run; the one-line message names the command-line flag."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning-rate multiplier of every optimizer step of a run of ``steps`` steps.
+
+    With T = ``steps``, W = ``warmup_steps``, D = ``effective_decay_steps`` and
+    r = ``min_lr_ratio``, the multiplier of the 0-based step t (0 <= t < T; step t is the update
+    that creates weight version t + 1) is:
+
+    * warmup, any kind, t < W:  (t + 1) / W
+      (starts at 1/W, not 0, so no step is wasted; reaches 1 at t = W - 1);
+    * constant, t >= W:         1;
+    * cosine, t >= W:           r + (1 - r) * 0.5 * (1 + cos(pi * (t - W) / (T - W)))
+      (1 at t = W; the curve reaches r at t = T, one past the last step, so the last update runs
+      at r + (1 - r) * 0.5 * (1 - cos(pi / (T - W))), slightly above r);
+    * wsd, W <= t < T - D:      1  (the stable phase; empty when D = T - W);
+    * wsd, t >= T - D:          r + (1 - r) * (T - 1 - t) / D
+      (linear from 1 at t = T - D - 1, the last stable step, down to exactly r at the last step
+      t = T - 1: each of the last D steps is below 1 when r < 1).
+
+    Call ``validate()`` before use; ``multiplier`` validates too and raises ``LRScheduleError``.
+    """
+
+    kind: str
+    """One of ``LR_SCHEDULES`` (--lr-schedule)."""
+    steps: int
+    """T: the run's total number of optimizer steps (--steps)."""
+    warmup_steps: int = 0
+    """W: steps of linear warmup from 1/W to 1, for every kind; 0 = none (--warmup-steps)."""
+    decay_steps: Optional[int] = None
+    """D: length of wsd's final linear decay (--decay-steps); wsd only. None = 20 % of ``steps``
+    (``steps // 5``), at least 1 and at most ``steps - warmup_steps``."""
+    min_lr_ratio: float = 0.1
+    """r in [0, 1]: the multiplier cosine and wsd decay to (--min-lr-ratio). 0.1 follows the
+    common practice of ending cosine runs at a tenth of the peak, and keeps every step a real
+    update: with r = 0 wsd's last step would change nothing (a multiplier of exactly 0)."""
+
+    @property
+    def effective_decay_steps(self) -> int:
+        """D as wsd uses it: ``decay_steps``, or the default when it is None (0 when the warmup
+        covers the whole run)."""
+        if self.decay_steps is not None:
+            return self.decay_steps
+        room = self.steps - self.warmup_steps
+        return min(max(1, self.steps // WSD_DEFAULT_DECAY_FRACTION_DIVISOR), room)
+
+    def validate(self) -> None:
+        """Raise ``LRScheduleError`` (a ``ValueError``) naming the first flag that cannot run."""
+        if self.kind not in LR_SCHEDULES:
+            raise LRScheduleError(f"--lr-schedule {self.kind!r} is not one of {', '.join(LR_SCHEDULES)}")
+        if not _is_int(self.steps) or self.steps < 1:
+            raise LRScheduleError(f"--steps must be a positive integer, got {self.steps!r}")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise LRScheduleError(f"--warmup-steps must be a non-negative integer, got {self.warmup_steps!r}")
+        if self.warmup_steps > self.steps:
+            raise LRScheduleError(f"--warmup-steps {self.warmup_steps} exceeds --steps {self.steps}; "
+                                  f"use at most {self.steps} warmup steps")
+        if self.decay_steps is not None:
+            if self.kind != "wsd":
+                raise LRScheduleError(f"--decay-steps only applies to --lr-schedule wsd, not {self.kind!r}; "
+                                      "drop --decay-steps or use --lr-schedule wsd")
+            room = self.steps - self.warmup_steps
+            if not _is_int(self.decay_steps) or not 0 < self.decay_steps <= room:
+                raise LRScheduleError(f"--decay-steps must be an integer in 1..{room} (--steps {self.steps} "
+                                      f"minus --warmup-steps {self.warmup_steps}), got {self.decay_steps!r}")
+        r = self.min_lr_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:  # NaN fails too
+            raise LRScheduleError(f"--min-lr-ratio must be a number in [0, 1], got {r!r}")
+
+    def multiplier(self, t: int) -> float:
+        """The learning-rate multiplier of 0-based optimizer step ``t`` (see the class docstring)."""
+        self.validate()
+        if not _is_int(t) or not 0 <= t < self.steps:
+            raise LRScheduleError(f"optimizer step {t!r} is outside the schedule's steps 0..{self.steps - 1} "
+                                  f"(--steps {self.steps})")
+        T, W, r = self.steps, self.warmup_steps, float(self.min_lr_ratio)
+        if t < W:
+            return (t + 1) / W
+        if self.kind == "constant":
+            return 1.0
+        if self.kind == "cosine":
+            return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * (t - W) / (T - W)))
+        D = self.effective_decay_steps  # wsd; D >= 1 here because t >= W and t < T
+        if t < T - D:
+            return 1.0
+        return r + (1.0 - r) * (T - 1 - t) / D  # this order gives exactly r at t = T - 1
+
+    def multipliers(self) -> list[float]:
+        """``multiplier(t)`` for every step of the run, t = 0..steps-1."""
+        return [self.multiplier(t) for t in range(self.steps)]
+
+
+def apply_lr(optimizer, multiplier: float) -> list[float]:
+    """Set every param group's ``lr`` to its base learning rate times ``multiplier``.
+
+    The base is the group's ``lr`` the first time a group is seen, kept as ``group["initial_lr"]``
+    (``setdefault``: later calls, and a group restored from a checkpoint that carries the key, keep
+    it). Works for any ``torch.optim.Optimizer`` whose step reads ``group["lr"]``: asyncpp's fused
+    AdamW, Muon, MuonHybrid (each group scaled from its own base), ``torch.optim.SGD`` and
+    ``ErrorFeedback`` (whose groups are its base optimizer's). Returns the groups' new lrs.
+    """
+    if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) \
+            or not math.isfinite(multiplier) or multiplier < 0:
+        raise LRScheduleError(f"a learning-rate multiplier must be a finite number >= 0, got {multiplier!r}")
+    lrs = []
+    for group in optimizer.param_groups:
+        base = group.setdefault("initial_lr", group["lr"])
+        group["lr"] = base * multiplier
+        lrs.append(group["lr"])
+    return lrs
+
+
+__all__ = ["LR_SCHEDULES", "LRSchedule", "LRScheduleError", "apply_lr"]

@@ -1,0 +1,72 @@
+"""Gradient clipping by the previous step's global norm (docs/design.md §1.14).
+
+A global norm needs every stage's gradient of the same step, and the first stage finishes a step
+last: clipping step t by its own norm would make every other stage wait for it. Instead step t is
+clipped by the norm of step t-1's gradient, which every stage has long finished::
+
+    c(t) = min(1, X / (‖g(t-1)‖ + 1e-6)),   c(0) = 1,   g(t) <- c(t)·g(t)
+
+‖g‖ is taken over every optimizer parameter of every stage (a tied tensor once, after its uses'
+gradients are summed) before clipping. Skipped steps (non-finite values) leave the remembered norm
+as it was. The norm is assembled the same way everywhere: one squared float32 norm per parameter,
+added in global parameter order in float64, so the pipeline and the simulator agree bit for bit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+EPS = 1e-6
+"""Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does."""
+
+
+def norm_terms(grads: Iterable[torch.Tensor]) -> list[float]:
+    """Squared L2 norm of each gradient (float32 reduction, squared as a Python float)."""
+    return [float(torch.linalg.vector_norm(g)) ** 2 for g in grads]
+
+
+def total_norm(terms: Iterable[float]) -> float:
+    """sqrt of the terms added one by one in the given order."""
+    total = 0.0
+    for t in terms:
+        total += t
+    return math.sqrt(total)
+
+
+def clip_coefficient(max_norm: float, previous_norm: Optional[float]) -> float:
+    """c(t) from the previous step's norm (1 at the first step or without a previous norm)."""
+    if previous_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (previous_norm + EPS))
+
+
+class PreviousNormClipper:
+    """The rule for one process that sees every gradient (the simulator)."""
+
+    def __init__(self, max_norm: float):
+        if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
+            raise ValueError(f"clip_grad_norm must be a finite number > 0, got {max_norm!r}")
+        self.max_norm = float(max_norm)
+        self.previous_norm: Optional[float] = None
+
+    @torch.no_grad()
+    def clip(self, grads: Sequence[torch.Tensor], skipped: bool) -> float:
+        """Scale ``grads`` by c(t); remember this step's norm unless it is skipped. Returns c(t)."""
+        coefficient = clip_coefficient(self.max_norm, self.previous_norm)
+        if not skipped:
+            self.previous_norm = total_norm(norm_terms(grads))
+            if coefficient < 1.0:
+                for g in grads:
+                    g.mul_(coefficient)
+        return coefficient
+
+    def state_dict(self) -> dict:
+        return {"previous_norm": self.previous_norm}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        self.previous_norm = None if not state else state.get("previous_norm")
+
+
+__all__ = ["EPS", "norm_terms", "total_norm", "clip_coefficient", "PreviousNormClipper"]

@@ -1,0 +1,283 @@
+"""``asyncpp-prepare-data``: tokenized files round-trip to the text, the dtype follows the
+vocabulary, sidecars describe their files, bad input exits 2 with one line and leaves no file, and a
+prepared train/val pair trains through ``asyncpp-train``."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from asyncpp_ext.data import builtin_corpus, load_tokens, sidecar_path
+from asyncpp_ext.data import prepare as prep
+
+tokenizers = pytest.importorskip("tokenizers")
+
+BPE_VOCAB = 512
+
+
+def _corpus_text(start: int, size: int) -> str:
+    """``size`` bytes of the built-in corpus from ``start``, trimmed to whole lines."""
+    raw = bytes(builtin_corpus()[start: start + size])
+    return raw[raw.index(b"\n") + 1: raw.rindex(b"\n") + 1].decode("utf-8")
+
+
+@pytest.fixture(scope="module")
+def bpe_path(tmp_path_factory):
+    """A byte-level BPE (vocabulary 512) trained on ~200 KB of the built-in corpus, saved as
+    tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus_text(0, 200_000).splitlines(keepends=True), trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def _run(argv, capsys):
+    """(exit status, stdout lines, stderr lines) of main(argv)."""
+    rc = prep.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out.splitlines(), err.splitlines()
+
+
+def _decode(tokenizer_path, *paths) -> str:
+    from tokenizers import Tokenizer
+
+    ids = np.concatenate([np.asarray(load_tokens(str(p), BPE_VOCAB)) for p in paths])
+    return Tokenizer.from_file(str(tokenizer_path)).decode(ids.tolist())
+
+
+def test_bpe_train_and_val_round_trip_with_sidecars(tmp_path, bpe_path, capsys):
+    text = _corpus_text(1_000_000, 30_000) + "# ünïcødé ☃ 日本語\n"
+    source = tmp_path / "in.txt"
+    source.write_text(text, encoding="utf-8")
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    rc, out, err = _run(["--tokenizer", bpe_path, "--input", source, "--out", train,
+                         "--val-fraction", "0.1", "--val-out", val], capsys)
+    assert rc == 0 and err == [] and len(out) == 1  # stderr is no terminal: no progress bar
+    assert "uint16" in out[0] and "vocabulary 512" in out[0]
+
+    # One piece (the input is shorter than PIECE_CHARS): the ids are exactly the tokenizer's.
+    expected = tokenizers.Tokenizer.from_file(str(bpe_path)).encode(
+        text, add_special_tokens=False).ids
+    train_ids, val_ids = load_tokens(str(train), BPE_VOCAB), load_tokens(str(val), BPE_VOCAB)
+    assert isinstance(train_ids, np.memmap) and train_ids.dtype == np.dtype("<u2")
+    assert train_ids.tolist() + val_ids.tolist() == expected
+    assert len(val_ids) == int(len(expected) * 0.1)
+    assert _decode(bpe_path, train, val) == text
+    assert f"wrote {len(expected):,} tokens" in out[0]
+
+    for path, ids in ((train, train_ids), (val, val_ids)):
+        header = json.loads(sidecar_path(path).read_text())
+        assert header == {"format": "asyncpp-tokens", "version": 1, "dtype": "uint16",
+                          "num_tokens": len(ids), "vocab_size": BPE_VOCAB,
+                          "max_token_id": int(ids.max()), "tokenizer": str(bpe_path.resolve())}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "in.txt", "train.bin", "train.bin.json", "val.bin", "val.bin.json"]
+
+
+def test_long_input_is_read_in_pieces_that_rejoin_exactly(tmp_path, bpe_path, monkeypatch, capsys):
+    # Tiny blocks and pieces: multi-byte characters straddle blocks, lines straddle pieces, and
+    # one line is longer than MAX_CARRY_CHARS (cut at a space) or has no space at all.
+    monkeypatch.setattr(prep, "READ_BLOCK_BYTES", 7)
+    monkeypatch.setattr(prep, "PIECE_CHARS", 50)
+    monkeypatch.setattr(prep, "MAX_CARRY_CHARS", 200)
+    text = ("ünï ☃ 日本語 line\n" * 40 + "word " * 120 + "\n" + "x" * 450 + "\n"
+            + _corpus_text(2_000_000, 3_000) + "tail without newline ☃")
+    source = tmp_path / "long.txt"
+    source.write_text(text, encoding="utf-8")
+    seen = []
+    pieces = list(prep.read_pieces(source, seen.append))
+    assert "".join(pieces) == text and sum(seen) == len(text.encode("utf-8"))
+    assert max(map(len, pieces)) <= 200 and len(pieces) > 20
+    assert sum(p.endswith("\n") for p in pieces) >= len(pieces) - 10  # mostly cut at line ends
+
+    rc, _, _ = _run(["--tokenizer", bpe_path, "--input", source, "--out", tmp_path / "t.bin"],
+                    capsys)
+    assert rc == 0 and _decode(bpe_path, tmp_path / "t.bin") == text
+    rc, _, _ = _run(["--tokenizer", "bytes", "--input", source, "--out", tmp_path / "b.bin"],
+                    capsys)
+    assert rc == 0 and bytes(load_tokens(str(tmp_path / "b.bin")).astype(np.uint8)) == \
+        text.encode("utf-8")
+
+
+def test_bytes_tokenizer_concatenates_inputs_and_names_val_after_out(tmp_path, capsys):
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("héllo\n", encoding="utf-8")
+    second.write_text("wörld " * 20, encoding="utf-8")
+    out = tmp_path / "data.bin"
+    rc, lines, _ = _run(["--tokenizer", "bytes", "--input", first, second, "--out", out,
+                         "--val-fraction", "0.25"], capsys)
+    assert rc == 0 and "2 input file(s)" in lines[0]
+    val = tmp_path / "data.val.bin"
+    joined = np.concatenate([load_tokens(str(out)), load_tokens(str(val))])
+    assert bytes(joined.astype(np.uint8)) == ("héllo\n" + "wörld " * 20).encode("utf-8")
+    assert len(load_tokens(str(val))) == int(len(joined) * 0.25)
+    header = json.loads(sidecar_path(val).read_text())
+    assert (header["tokenizer"], header["vocab_size"], header["dtype"]) == ("bytes", 256, "uint16")
+
+
+def test_vocabulary_above_16_bits_writes_uint32(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    # A word-level vocabulary of 70,000 entries costs milliseconds and needs 17-bit ids.
+    vocab = {f"w{i}": i for i in range(70_000)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "big.json"))
+    (tmp_path / "in.txt").write_text("w69999 w3 w65536\nw70 w65535\n")
+    rc, lines, _ = _run(["--tokenizer", tmp_path / "big.json", "--input", tmp_path / "in.txt",
+                         "--out", tmp_path / "t.bin"], capsys)
+    assert rc == 0 and "uint32" in lines[0]
+    ids = load_tokens(str(tmp_path / "t.bin"), vocab_size=70_000)
+    assert ids.dtype == np.dtype("<u4") and ids.tolist() == [69_999, 3, 65_536, 70, 65_535]
+    header = json.loads(sidecar_path(tmp_path / "t.bin").read_text())
+    assert (header["dtype"], header["vocab_size"], header["max_token_id"]) == ("uint32", 70_000, 69_999)
+    assert (tmp_path / "t.bin").stat().st_size == 5 * 4
+
+
+def _error_case(tmp_path, case, bpe_path, monkeypatch):
+    """argv for a bad-input case; files it needs are created in tmp_path."""
+    good = tmp_path / "good.txt"
+    good.write_text("some text\n" * 100)
+    out = tmp_path / "out.bin"
+    base = ["--tokenizer", "bytes", "--input", good, "--out", out]
+    if case == "missing tokenizer":
+        return ["--tokenizer", tmp_path / "nope.json", "--input", good, "--out", out]
+    if case == "tokenizers not installed":
+        monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes the import fail
+        return ["--tokenizer", bpe_path, "--input", good, "--out", out]
+    if case == "not a tokenizer":
+        (tmp_path / "bad.json").write_text('{"hello": 1}')
+        return ["--tokenizer", tmp_path / "bad.json", "--input", good, "--out", out]
+    if case == "missing input":
+        return base[:3] + [good, tmp_path / "gone.txt"] + base[4:]
+    if case == "input is a directory":
+        (tmp_path / "dir").mkdir()
+        return base[:3] + [tmp_path / "dir"] + base[4:]
+    if case == "non-UTF-8 after good text":
+        # Blocks of good text are tokenized and written before the bad byte is met.
+        monkeypatch.setattr(prep, "READ_BLOCK_BYTES", 64)
+        (tmp_path / "latin1.txt").write_bytes(b"abc\n" * 100 + "caf\xe9\n".encode("latin-1"))
+        return base[:3] + [good, tmp_path / "latin1.txt"] + base[4:]
+    if case in ("character split across blocks", "truncated character at the end"):
+        # The reported offset counts the bytes the decoder held back from the previous block.
+        monkeypatch.setattr(prep, "READ_BLOCK_BYTES", 7)
+        bad = b"abcdef\xe2\x82X\n" if case.startswith("character") else b"abcdefghij\xe2\x82"
+        (tmp_path / "split.txt").write_bytes(bad)
+        return base[:3] + [tmp_path / "split.txt"] + base[4:]
+    if case == "val fraction 1":
+        return base + ["--val-fraction", "1"]
+    if case == "val fraction negative":
+        return base + ["--val-fraction", "-0.1"]
+    if case == "val-out without fraction":
+        return base + ["--val-out", tmp_path / "v.bin"]
+    if case == "out not .bin":
+        return base[:-1] + [tmp_path / "out.txt"]
+    if case == "out directory missing":
+        return base[:-1] + [tmp_path / "no" / "out.bin"]
+    if case == "empty result":
+        (tmp_path / "empty.txt").write_text("")
+        return base[:3] + [tmp_path / "empty.txt"] + base[4:]
+    if case == "empty validation file":
+        return base + ["--val-fraction", "0.0001"]
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing tokenizer", "tokenizer file .*nope.json does not exist"),
+    ("tokenizers not installed", r"pip install 'asyncpp_ext\[hf\]'"),
+    ("not a tokenizer", "bad.json is not a tokenizers tokenizer.json"),
+    ("missing input", "input .*gone.txt does not exist"),
+    ("input is a directory", "input .*dir does not exist \\(or is not a file\\)"),
+    ("non-UTF-8 after good text", "latin1.txt is not UTF-8 text \\(byte 403\\)"),
+    ("character split across blocks", "split.txt is not UTF-8 text \\(byte 6\\)"),
+    ("truncated character at the end", "split.txt is not UTF-8 text \\(byte 10\\)"),
+    ("val fraction 1", "--val-fraction 1.0 is outside \\[0, 1\\)"),
+    ("val fraction negative", "--val-fraction -0.1 is outside"),
+    ("val-out without fraction", "--val-out needs --val-fraction > 0"),
+    ("out not .bin", "out.txt does not end in .bin"),
+    ("out directory missing", "directory .*no does not exist or is not writable"),
+    ("empty result", "gave no tokens"),
+    ("empty validation file", "leaves the validation file empty"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, bpe_path, monkeypatch, capsys,
+                                                            case, match):
+    argv = _error_case(tmp_path, case, bpe_path, monkeypatch)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2 and out == [] and len(err) == 1, err
+    assert err[0].startswith("asyncpp-prepare-data: error: ")
+    assert re.search(match, err[0]), err[0]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no output, no temporary
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root may write into any directory")
+def test_unwritable_directory_is_refused(tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("text\n")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    rc, _, err = _run(["--tokenizer", "bytes", "--input", tmp_path / "in.txt",
+                       "--out", locked / "t.bin"], capsys)
+    assert rc == 2 and "is not writable" in err[0] and list(locked.iterdir()) == []
+
+
+def test_ctrl_c_midway_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prep, "READ_BLOCK_BYTES", 32)
+    monkeypatch.setattr(prep, "PIECE_CHARS", 16)
+    monkeypatch.setattr(prep, "PIECES_PER_BATCH", 1)
+    calls = []
+
+    def encode_then_interrupt(self, pieces):
+        calls.append(pieces)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return [np.frombuffer(p.encode(), dtype=np.uint8) for p in pieces]
+
+    monkeypatch.setattr(prep.ByteTokenizer, "encode", encode_then_interrupt)
+    (tmp_path / "in.txt").write_text("a line of text\n" * 50)
+    rc, out, err = _run(["--tokenizer", "bytes", "--input", tmp_path / "in.txt",
+                         "--out", tmp_path / "t.bin", "--val-fraction", "0.1"], capsys)
+    assert rc == 130 and len(calls) == 5 and err == ["asyncpp-prepare-data: interrupted; no file written"]
+    assert [p.name for p in tmp_path.iterdir()] == ["in.txt"]
+
+
+def test_progress_bar_goes_to_stderr_when_asked(tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("text\n" * 10)
+    prep.prepare("bytes", [str(tmp_path / "in.txt")], str(tmp_path / "t.bin"), progress=True)
+    err = capsys.readouterr().err
+    assert "tokenize: 100%" in err and "50.0/50.0" in err  # bytes read of the 50-byte input
+
+
+def test_module_help_runs():
+    done = subprocess.run([sys.executable, "-m", "asyncpp_ext.data.prepare", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--val-fraction" in done.stdout and "--tokenizer" in done.stdout
+
+
+def test_prepared_bpe_data_trains_and_eval_loss_falls(tmp_path, bpe_path, capsys, one_intra_op_thread):
+    from asyncpp_ext.training import cli
+    from asyncpp_ext.training.trainer import read_metrics
+
+    source = tmp_path / "in.txt"
+    source.write_text(_corpus_text(0, 400_000), encoding="utf-8")
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    assert prep.main(["--tokenizer", str(bpe_path), "--input", str(source), "--out", str(train),
+                      "--val-fraction", "0.1", "--val-out", str(val)]) == 0
+    run_dir = tmp_path / "run"
+    rc = cli.main(["--data", str(train), "--val-data", str(val), "--vocab-size", str(BPE_VOCAB),
+                   "--steps", "30", "--eval-every", "10", "--no-progress", "--out", str(run_dir)])
+    assert rc == 0
+    evals = {row["step"]: row["eval_loss"] for row in read_metrics(run_dir) if "eval_loss" in row}
+    assert set(evals) >= {10, 30}
+    assert evals[30] < evals[10] and evals[30] < math.log(BPE_VOCAB)
