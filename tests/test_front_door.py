@@ -1,0 +1,139 @@
+"""asyncpp-train on real pretraining inputs: Llama and Hugging Face models (tied embeddings) over
+real processes equal --simulate; LR schedules and clipping resume bitwise mid-warmup and mid-decay;
+every bad input is one line, exit 2, nothing written."""
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from asyncpp_ext.optim.lr_schedule import LRSchedule
+from asyncpp_ext.training.checkpoint import load_checkpoint
+from asyncpp_ext.training.cli import main
+
+COMMON = ["--micro-batch-size", "2", "--seq-len", "16", "--no-progress", "--threads", "1",
+          "--optimizer", "muon", "--eval-every", "0"]
+LLAMA_HF = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+GPT2_HF = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64,
+           "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0}
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("source,stages", [("llama-tiny", 2), ("hf-llama", 2), ("hf-gpt2", 2), ("hf-gpt2", 3)])
+def test_real_processes_equal_the_simulation(tmp_path, source, stages):
+    if source.startswith("hf-"):
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps(LLAMA_HF if source == "hf-llama" else GPT2_HF))
+        model = ["--hf-config", str(config)]
+    else:
+        model = ["--model", source]
+    flags = model + COMMON + ["--stages", str(stages), "--microbatches", str(stages), "--steps", "8"]
+    assert main(flags + ["--out", str(tmp_path / "real")]) == 0
+    assert main(flags + ["--simulate", "--out", str(tmp_path / "sim")]) == 0
+    real, sim = ([r["loss"] for r in _rows(tmp_path / run)] for run in ("real", "sim"))
+    assert _rel(real, sim) <= 1e-5  # measured: 0 (equal thread counts give the same bits)
+    assert real[-1] < real[0]
+    shards = load_checkpoint(tmp_path / "real" / "ckpt-000008")[1]
+    names = [n for s in shards for n in s["engine"]["params"]]
+    assert len(names) == len(set(names))  # the tied tensor once, under its owner's name
+    config_json = json.loads((tmp_path / "real" / "config.json").read_text())
+    assert config_json["model"]["arch"] == ("llama" if source == "llama-tiny" else "hf")
+
+
+def test_lr_column_is_the_closed_form_at_every_step(tmp_path):
+    flags = ["--model", "llama-tiny", *COMMON, "--simulate", "--steps", "12", "--lr", "0.02",
+             "--lr-schedule", "cosine", "--warmup-steps", "3", "--min-lr-ratio", "0.1"]
+    assert main(flags + ["--out", str(tmp_path / "run")]) == 0
+    rows = _rows(tmp_path / "run")
+    for row in rows:
+        t = row["step"] - 1  # the update that made this row's step
+        want = (t + 1) / 3 if t < 3 else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (t - 3) / 9))
+        assert row["lr"] == pytest.approx(0.02 * want, rel=1e-12)
+        assert row["tokens_per_s"] > 0
+
+
+@pytest.mark.multiproc
+def test_resume_mid_warmup_and_mid_decay_is_bitwise(tmp_path):
+    """wsd over 12 steps: warmup 1..4, decay 9..12; checkpoints at 3 (mid-warmup) and 9 (mid-decay);
+    2 stages with a tied llama and clipping by the previous step's norm (a state to resume too)."""
+    flags = ["--model", "llama-tiny", *COMMON, "--stages", "2", "--microbatches", "2", "--steps", "12",
+             "--lr-schedule", "wsd", "--warmup-steps", "4", "--decay-steps", "4", "--clip-grad-norm", "0.5",
+             "--ckpt-every", "3"]
+    assert main(flags + ["--out", str(tmp_path / "full")]) == 0
+    full = [r["loss"] for r in _rows(tmp_path / "full")]
+    for resume_at in (3, 9):
+        part = tmp_path / f"from{resume_at}"
+        shutil.copytree(tmp_path / "full", part)
+        for ckpt in part.glob("ckpt-*"):
+            if int(ckpt.name.split("-")[1]) > resume_at:
+                shutil.rmtree(ckpt)
+        assert main(["--resume", str(part), "--no-progress"]) == 0
+        rows = _rows(part)
+        assert [r["step"] for r in rows] == list(range(1, 13))
+        assert [r["loss"] for r in rows] == full, resume_at
+
+
+def _fails_cleanly(capsys, argv, out, *words):
+    assert main(argv + ["--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("asyncpp-train: error:"), err
+    for word in words:
+        assert word in err, err
+    assert not out.exists()  # nothing written
+
+
+def test_bad_model_inputs_are_one_line_and_write_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "missing.json")], out, "missing.json", "does not exist")
+    (tmp_path / "bad.json").write_text("{not json")
+    _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "bad.json")], out, "not valid JSON")
+    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 256}))
+    _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "bert.json")], out, "bert", "llama")
+    (tmp_path / "llama.json").write_text(json.dumps(LLAMA_HF))
+    _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "llama.json"), "--model", "tiny"], out, "only one")
+    _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "llama.json"), "--n-layer", "3"], out, "--n-layer")
+    _fails_cleanly(capsys, ["--hf-model", str(tmp_path)], out, "config.json")
+
+
+def test_bad_schedule_clipping_and_data_inputs_are_one_line_and_write_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    _fails_cleanly(capsys, ["--steps", "5", "--warmup-steps", "6"], out, "--warmup-steps")
+    _fails_cleanly(capsys, ["--lr-schedule", "linear"], out, "--lr-schedule")
+    _fails_cleanly(capsys, ["--clip-grad-norm", "-1"], out, "--clip-grad-norm")
+    _fails_cleanly(capsys, ["--lr-schedule", "cosine", "--decay-steps", "3"], out, "--decay-steps")
+    tokens = tmp_path / "ids.bin"
+    (torch.arange(4000, dtype=torch.int32) % 300).to(torch.int16).numpy().tofile(tokens)
+    _fails_cleanly(capsys, ["--data", str(tokens)], out, "299", "vocab")  # ids up to 299, vocabulary 256
+    (tmp_path / "ids.bin.json").write_text(json.dumps({"format": "asyncpp-tokens", "version": 1, "dtype": "uint32",
+                                                      "num_tokens": 4000, "vocab_size": 300, "max_token_id": 299}))
+    _fails_cleanly(capsys, ["--data", str(tokens), "--vocab-size", "300"], out, "ids.bin")
+
+
+def test_missing_transformers_names_the_extra(tmp_path):
+    (tmp_path / "llama.json").write_text(json.dumps(LLAMA_HF))
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from asyncpp_ext.training.cli import main\n"
+            f"sys.exit(main(['--hf-config', {str(tmp_path / 'llama.json')!r}, '--out', {str(tmp_path / 'o')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'asyncpp_ext[hf]'" in proc.stderr and proc.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "o").exists()
+
+
+def test_lr_schedule_values_used_by_the_cli_are_the_library_schedule():
+    s = LRSchedule(kind="wsd", steps=12, warmup_steps=4, decay_steps=4)
+    assert [s.multiplier(t) for t in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s.multiplier(11) == pytest.approx(s.min_lr_ratio)
