@@ -137,3 +137,35 @@ def test_lr_schedule_values_used_by_the_cli_are_the_library_schedule():
     s = LRSchedule(kind="wsd", steps=12, warmup_steps=4, decay_steps=4)
     assert [s.multiplier(t) for t in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert s.multiplier(11) == pytest.approx(s.min_lr_ratio)
+
+
+def test_hf_model_dir_first_step_equals_transformers_forward_and_starts_from_its_weights(tmp_path):
+    """--hf-model DIR, one stage, sync: the first step's loss is the transformers model's own loss on
+    the same batch, and the run started from the directory's weights."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from asyncpp_ext.models import hf
+    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.trainer import run_data
+
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{
+            k: v for k, v in LLAMA_HF.items() if k != "model_type"}))
+    model.save_pretrained(tmp_path / "model")
+    flags = ["--hf-model", str(tmp_path / "model"), "--schedule", "sync", "--simulate", "--microbatches", "1",
+             "--micro-batch-size", "2", "--seq-len", "16", "--steps", "1", "--eval-every", "0", "--no-progress",
+             "--optimizer", "adamw"]
+    assert main(flags + ["--out", str(tmp_path / "run")]) == 0
+    cfg = RunConfig.from_dict(json.loads((tmp_path / "run" / "config.json").read_text()))
+    stream, _ = run_data(cfg)
+    (x, y), = stream.minibatch(0)
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
+    got = _rows(tmp_path / "run")[0]["loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)  # measured: equal (0.0)
+    loaded = hf.from_pretrained(tmp_path / "model").hf_state_dict()
+    for name, value in load_file(tmp_path / "model" / "model.safetensors").items():
+        assert torch.equal(loaded[name], value), name
