@@ -9,6 +9,7 @@ round-robin ``--repeats`` times; each run's figure is its fastest repeat.
 
     python bench/real_compute.py [--model small|tiny] [--microbatches 4] [--micro-batch-size 16]
                                  [--steps 20] [--warmup 3] [--repeats 3] [--json]
+    python bench/real_compute.py --ties [--vocab-size 8192] [same flags but --model]
 
 Theory: a synchronous schedule (GPipe, 1F1B) of S stages idles (S-1)/(m+S-1) of each step (1/5 for
 m=4, S=2); 2BW does not, so 2bw/1f1b -> (m+S-1)/m = 1.25 when compute dominates and the stages are
@@ -18,6 +19,14 @@ instruction) and says where the time goes: compute, waiting for a peer, or neith
 The cpu/wall column is the CPU each stage process actually got: a bubble only costs wall time when
 the idle core would otherwise be ours; on a machine shared with other jobs the bubble is filled by
 them, every schedule becomes CPU-bound and the ratio tends to 1 (check the load average line).
+
+``--ties`` measures instead what tied input/output embeddings and gradient clipping by the previous
+step's norm cost our 2bw (and 1f1b, for reference): a Llama of the ``small`` preset's shape with a
+``--vocab-size`` vocabulary, untied, tied, and tied with ``clip_grad_norm=1.0``. The embedding
+(stage 0) owns the tied matrix; the head (stage 1) sends its gradient at its optimizer step and
+installs the new values before first using that version (step_exchange.py), and clipping
+all-gathers per-parameter norms asynchronously. Waits inside those exchanges happen within the
+traced forward and optimizer_step instructions, so they show up as compute time.
 """
 from __future__ import annotations
 
@@ -28,19 +37,24 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt_workload import (GPT, adamw_factory, build_gpt, machine_description, minibatches,  # noqa: E402
-                          stage_module, tokens_per_step)
+from gpt_workload import (GPT, WorkloadVocabularyError, adamw_factory, build_gpt, build_llama,  # noqa: E402
+                          llama_config, machine_description, minibatches, stage_module, tokens_per_step)
 from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
 
 STAGES = 2
 COMPUTE_OPS = ("forward", "backward", "optimizer_step")
 WAIT_OPS = ("recv_act", "recv_grad", "send_act", "send_grad")
 RUNS = [("ours", "gpipe"), ("ours", "1f1b"), ("ours", "2bw"), ("torch", "gpipe"), ("torch", "1f1b")]
+# --ties: variant -> (tie_embeddings, clip_grad_norm); every variant under 2bw, then under 1f1b.
+TIE_VARIANTS = {"untied": (False, None), "tied": (True, None), "tied+clip": (True, 1.0)}
+TIE_RUNS = [(variant, schedule) for schedule in ("2bw", "1f1b") for variant in TIE_VARIANTS]
+DEFAULT_VOCAB_SIZE = 8192
 
 
 def _write(out: str, payload: dict) -> None:
@@ -78,7 +92,20 @@ def _timed(body) -> tuple[int, float]:
 def run_ours(schedule, model, m, micro_batch, steps, warmup) -> dict:
     pipe = Pipeline(build_gpt(model), loss_fn=GPT.loss, optimizer=adamw_factory(), schedule=schedule,
                     microbatches=m)
-    data = minibatches(model, m, micro_batch)
+    return _time_pipeline(pipe, minibatches(model, m, micro_batch), m, steps, warmup)
+
+
+def run_llama(variant, schedule, vocab_size, m, micro_batch, steps, warmup) -> dict:
+    """One ``--ties`` run: the benchmark Llama in ``variant`` (a TIE_VARIANTS key) on our runtime."""
+    tied, clip = TIE_VARIANTS[variant]
+    model = build_llama(tied, vocab_size)
+    pipe = Pipeline(model, loss_fn=model.loss, optimizer=adamw_factory(), schedule=schedule,
+                    microbatches=m, clip_grad_norm=clip)
+    return _time_pipeline(pipe, minibatches(model.config, m, micro_batch), m, steps, warmup)
+
+
+def _time_pipeline(pipe, data, m, steps, warmup) -> dict:
+    """``warmup`` untimed steps, then ``steps`` timed ones in one ``train`` call, summarised."""
     for _ in pipe.train(data, warmup):
         pass
     timed_from = len(pipe.trace)
@@ -128,16 +155,24 @@ def run_torch(schedule, model, m, micro_batch, steps, warmup) -> dict:
             "stage": None}
 
 
+def _runner(impl):
+    """The function timing one run of ``impl``: "ours", "torch", or a TIE_VARIANTS key."""
+    if impl in TIE_VARIANTS:
+        return partial(run_llama, impl)
+    return run_ours if impl == "ours" else run_torch
+
+
 def worker(runs, repeats, model, m, micro_batch, steps, warmup, out_prefix):
     """Every run in this one process group, ``repeats`` times round-robin, so a burst of outside
     load hits all runs alike. Each run builds its own model, pipeline and optimizer; the barriers
-    around every timed section mean no message of one run is in flight when the next starts."""
+    around every timed section mean no message of one run is in flight when the next starts.
+    ``model`` is the GPT preset name, or with tie variants in ``runs`` the vocabulary size."""
     torch.set_num_threads(1)
     rank, _ = init_distributed(300)
     results = []
     for repeat in range(repeats):
         for impl, schedule in runs:
-            fn = run_ours if impl == "ours" else run_torch
+            fn = _runner(impl)
             results.append({"impl": impl, "schedule": schedule, "repeat": repeat,
                              **fn(schedule, model, m, micro_batch, steps, warmup)})
     _write(f"{out_prefix}-stage{rank}.json", {"results": results})
@@ -163,19 +198,23 @@ def _median_step_ms(repeats_seen: list) -> float:
     return max(statistics.median([x for rep in rank_runs for x in rep]) for rank_runs in per_rank)
 
 
-def measure(model: str, m: int, micro_batch: int, steps: int, warmup: int, repeats: int) -> dict:
-    """Each run's figure is its fastest repeat (outside load can only add time)."""
-    tokens = tokens_per_step(model, m, micro_batch)
-    load_before = os.getloadavg()
+def _run_all(runs, repeats, model, m, micro_batch, steps, warmup) -> list[list[dict]]:
+    """Spawn the two stage processes, run ``runs`` round-robin; each rank's results."""
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "run")
-        spawn(worker, STAGES, (RUNS, repeats, model, m, micro_batch, steps, warmup, prefix))
+        spawn(worker, STAGES, (runs, repeats, model, m, micro_batch, steps, warmup, prefix))
         per_rank = []
         for s in range(STAGES):
             with open(f"{prefix}-stage{s}.json") as fh:
                 per_rank.append(json.load(fh)["results"])
+    return per_rank
+
+
+def _rows(per_rank: list, runs: list, steps: int, tokens: int) -> list[dict]:
+    """One row per run: its fastest repeat's throughput, the steady-state rate over all repeats,
+    CPU shares, and (our runtime only) the fastest repeat's per-stage trace summary."""
     rows = []
-    for impl, schedule in RUNS:
+    for impl, schedule in runs:
         # One repeat = the same run seen by every rank: slowest rank's wall time, each rank's trace.
         repeats_seen = []
         for i, first in enumerate(per_rank[0]):
@@ -193,9 +232,17 @@ def measure(model: str, m: int, micro_batch: int, steps: int, warmup: int, repea
         row["steady_tokens_per_s"] = tokens / (row["median_step_ms"] / 1e3)
         # Work per CPU second: equal across schedules unless one does extra work (or spins).
         row["tokens_per_cpu_s"] = row["tokens_per_s"] / sum(row["cpu_share"])
-        if impl == "ours":
+        if best["stages"][0] is not None:  # traced: our runtime
             row["stages"] = best["stages"]
         rows.append(row)
+    return rows
+
+
+def measure(model: str, m: int, micro_batch: int, steps: int, warmup: int, repeats: int) -> dict:
+    """Each run's figure is its fastest repeat (outside load can only add time)."""
+    tokens = tokens_per_step(model, m, micro_batch)
+    load_before = os.getloadavg()
+    rows = _rows(_run_all(RUNS, repeats, model, m, micro_batch, steps, warmup), RUNS, steps, tokens)
     by = {(r["impl"], r["schedule"]): r for r in rows}
     base, steady_base = by[("torch", "1f1b")]["tokens_per_s"], by[("torch", "1f1b")]["steady_tokens_per_s"]
     for r in rows:
@@ -243,9 +290,76 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def measure_ties(vocab_size: int, m: int, micro_batch: int, steps: int, warmup: int, repeats: int) -> dict:
+    """The TIE_RUNS rows (fastest repeat each), with each row's throughput relative to ``untied``
+    under the same schedule. Raises WorkloadVocabularyError (before spawning) for a vocabulary
+    smaller than the corpus's byte ids."""
+    cfg = llama_config(True, vocab_size)
+    params = {"untied": build_llama(False, vocab_size).num_parameters(),
+              "tied": build_llama(True, vocab_size).num_parameters()}
+    tied_matrix = vocab_size * cfg.n_embd
+    tokens = tokens_per_step(cfg, m, micro_batch)
+    load_before = os.getloadavg()
+    rows = _rows(_run_all(TIE_RUNS, repeats, vocab_size, m, micro_batch, steps, warmup), TIE_RUNS, steps, tokens)
+    by = {}
+    for r in rows:
+        r["variant"] = r.pop("impl")
+        by[r["variant"], r["schedule"]] = r
+    for r in rows:
+        base = by["untied", r["schedule"]]
+        r["ratio_to_untied"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["steady_ratio_to_untied"] = r["steady_tokens_per_s"] / base["steady_tokens_per_s"]
+    ratio_2bw_over_1f1b = {v: by[v, "2bw"]["tokens_per_s"] / by[v, "1f1b"]["tokens_per_s"] for v in TIE_VARIANTS}
+    shape = {k: v for k, v in cfg.to_dict().items() if k != "tie_embeddings"}
+    return {"model": "llama", "config": shape, "parameters": params, "tied_matrix_numel": tied_matrix,
+            "tied_matrix_share": {k: tied_matrix / n for k, n in params.items()},
+            "stages": STAGES, "microbatches": m, "micro_batch_size": micro_batch, "tokens_per_step": tokens,
+            "steps": steps, "warmup": warmup, "repeats": repeats, "machine": machine_description(),
+            "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]], "rows": rows,
+            "ratio_2bw_over_1f1b": ratio_2bw_over_1f1b}
+
+
+def format_ties_report(r: dict) -> str:
+    """The ``--ties`` table: one line per (variant, schedule), then where each stage's time went."""
+    c, p, share = r["config"], r["parameters"], r["tied_matrix_share"]
+    lines = [f"# Llama {c['n_layer']} layers, width {c['n_embd']}, {c['n_head']}/{c['n_kv_head']} q/kv heads, "
+             f"SwiGLU {c['intermediate_size']}, context {c['seq_len']}, vocabulary {c['vocab_size']}: "
+             f"{p['untied']:,} parameters untied, {p['tied']:,} tied; the tied {c['vocab_size']}x{c['n_embd']} "
+             f"matrix is {share['tied']:.1%} of the tied model ({share['untied']:.1%} of the untied)",
+             f"# S={r['stages']} m={r['microbatches']} micro-batch {r['micro_batch_size']} "
+             f"({r['tokens_per_step']} tokens/step), {r['steps']} timed steps after {r['warmup']}, AdamW, gloo, "
+             f"1 torch thread per stage; {r['machine']}",
+             f"# best of {r['repeats']} round-robin repeats; 1-min load average before/after: "
+             f"{r['loadavg_1min_before_after'][0]:.2f}/{r['loadavg_1min_before_after'][1]:.2f}",
+             "# tied: one matrix less to optimize (stage 1's head copy is updated by stage 0), so compare "
+             "tokens/s, not per-parameter rates; tied+clip: clip_grad_norm=1.0 by the previous step's norm",
+             f"  {'variant':<11}{'schedule':<10}{'tokens/s':>10}{'x untied':>10}{'steady tok/s':>14}"
+             f"{'x untied':>10}{'cpu/wall':>11}   all repeats (tokens/s)"]
+    for row in r["rows"]:
+        lines.append(f"  {row['variant']:<11}{row['schedule']:<10}{row['tokens_per_s']:>10.0f}"
+                     f"{row['ratio_to_untied']:>10.3f}{row['steady_tokens_per_s']:>14.0f}"
+                     f"{row['steady_ratio_to_untied']:>10.3f}"
+                     f"{'/'.join(f'{x:.2f}' for x in row['cpu_share']):>11}   "
+                     + " ".join(f"{v:.0f}" for v in row["tokens_per_s_all"]))
+    lines.append("  2bw / 1f1b: " + ", ".join(f"{v} {x:.3f}" for v, x in r["ratio_2bw_over_1f1b"].items()))
+    lines.append("  where the stages' time goes (timed steps, per stage; exchange waits count as compute):")
+    lines.append(f"    {'variant':<11}{'schedule':<9}{'stage':>5}{'fwd ms/mb':>11}{'bwd ms/mb':>11}"
+                 f"{'opt ms/step':>13}{'compute':>9}{'waiting':>9}{'untraced':>10}")
+    for row in r["rows"]:
+        for s, st in enumerate(row["stages"]):
+            lines.append(f"    {row['variant']:<11}{row['schedule']:<9}{s:>5}{st['forward_ms_per_mb']:>11.1f}"
+                         f"{st['backward_ms_per_mb']:>11.1f}{st['optimizer_ms_per_step']:>13.1f}"
+                         f"{st['compute_frac']:>9.1%}{st['wait_frac']:>9.1%}{st['untraced_frac']:>10.1%}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small", choices=("tiny", "small"))
+    p.add_argument("--model", default=None, choices=("tiny", "small"), help="GPT preset (default small)")
+    p.add_argument("--ties", action="store_true",
+                   help="measure untied / tied / tied+clip Llama rows under 2bw and 1f1b instead")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"with --ties: the Llama's vocabulary (default {DEFAULT_VOCAB_SIZE})")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=20, help="timed steps (>= 10 for a stable figure)")
@@ -258,7 +372,19 @@ def main(argv=None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if a.microbatches < STAGES:
         p.error(f"--microbatches must be >= {STAGES} (2bw needs at least one microbatch per stage)")
-    result = measure(a.model, a.microbatches, a.micro_batch_size, a.steps, a.warmup, a.repeats)
+    if a.ties and a.model is not None:
+        p.error("--model does not apply with --ties (the Llama's shape is fixed); drop it or drop --ties")
+    if not a.ties and a.vocab_size is not None:
+        p.error("--vocab-size only applies with --ties; add --ties or drop --vocab-size")
+    if a.ties:
+        try:
+            result = measure_ties(a.vocab_size or DEFAULT_VOCAB_SIZE, a.microbatches, a.micro_batch_size,
+                                  a.steps, a.warmup, a.repeats)
+        except WorkloadVocabularyError as e:
+            p.error(str(e))
+        print(json.dumps(result, indent=2) if a.json else format_ties_report(result))
+        return 0
+    result = measure(a.model or "small", a.microbatches, a.micro_batch_size, a.steps, a.warmup, a.repeats)
     print(json.dumps(result, indent=2) if a.json else format_report(result))
     return 0
 

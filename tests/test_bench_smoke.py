@@ -49,6 +49,36 @@ def test_real_compute_table_names_the_theory(capsys):
     assert "theory (m+S-1)/m = 1.250" in text and "torch   1f1b" in text
 
 
+def test_real_compute_ties_measures_six_variants_and_renders_them(capsys):
+    assert real_compute.main(["--ties", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                              "--micro-batch-size", "2", "--vocab-size", "512", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [(r["variant"], r["schedule"]) for r in result["rows"]] == real_compute.TIE_RUNS
+    assert len(result["rows"]) == 6
+    assert result["tokens_per_step"] == 4 * 2 * 64
+    # Tying removes exactly one vocab x width matrix from the parameter count.
+    assert result["tied_matrix_numel"] == 512 * 128
+    assert result["parameters"]["untied"] - result["parameters"]["tied"] == 512 * 128
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and row["steady_tokens_per_s"] > 0
+        assert len(row["stages"]) == 2
+        assert all(0 < st["compute_frac"] + st["wait_frac"] <= 1 for st in row["stages"])
+        if row["variant"] == "untied":
+            assert row["ratio_to_untied"] == 1.0 and row["steady_ratio_to_untied"] == 1.0
+    assert set(result["ratio_2bw_over_1f1b"]) == set(real_compute.TIE_VARIANTS)
+    text = real_compute.format_ties_report(result)
+    assert "vocabulary 512" in text and "tied+clip  1f1b" in text
+
+
+def test_real_compute_ties_rejects_a_vocabulary_below_the_corpus_bytes(capsys):
+    with pytest.raises(SystemExit):
+        real_compute.main(["--ties", "--vocab-size", "100"])
+    assert "vocab_size must be an integer >= 256" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        real_compute.main(["--ties", "--model", "tiny"])
+    assert "--model does not apply with --ties" in capsys.readouterr().err
+
+
 def test_memory_bench_matches_the_design_formula_on_2bw_with_ef(capsys):
     assert memory_bench.main(["--model", "tiny", "--stages", "2", "--microbatches", "4", "--steps", "2",
                               "--schedules", "2bw", "--ef", "on",

@@ -169,3 +169,37 @@ def test_hf_model_dir_first_step_equals_transformers_forward_and_starts_from_its
     loaded = hf.from_pretrained(tmp_path / "model").hf_state_dict()
     for name, value in load_file(tmp_path / "model" / "model.safetensors").items():
         assert torch.equal(loaded[name], value), name
+
+
+@pytest.mark.multiproc
+def test_tensorboard_gets_the_metrics_and_each_stages_shares(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = ["--model", "llama-tiny", *COMMON, "--stages", "2", "--microbatches", "2", "--steps", "6",
+             "--eval-every", "3", "--tensorboard", "--out", str(tmp_path / "run")]
+    assert main(flags) == 0
+    root = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    root.Reload()
+    rows = _rows(tmp_path / "run")
+    assert [e.value for e in root.Scalars("train/loss")] == pytest.approx([r["loss"] for r in rows])
+    assert [e.step for e in root.Scalars("eval/loss")] == [3, 6]
+    assert [e.value for e in root.Scalars("train/lr")] == pytest.approx([r["lr"] for r in rows])
+    assert len(root.Scalars("train/tokens_per_s")) == 6
+    for stage in (0, 1):
+        acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / f"stage{stage}"))
+        acc.Reload()
+        shares = [e.value for e in acc.Scalars(f"stage{stage}/compute_share")]
+        waits = [e.value for e in acc.Scalars(f"stage{stage}/wait_share")]
+        assert len(shares) == 2 and all(0 < c <= 1 for c in shares)  # one per segment (steps 1-3, 4-6)
+        assert all(abs(c + w - 1) < 1e-6 for c, w in zip(shares, waits))  # event files hold float32
+
+
+def test_missing_tensorboard_is_refused_before_the_run(tmp_path):
+    code = ("import sys; sys.modules['torch.utils.tensorboard'] = None\n"
+            "from asyncpp_ext.training.cli import main\n"
+            f"sys.exit(main(['--tensorboard', '--stages', '2', '--out', {str(tmp_path / 'o')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'asyncpp_ext[tensorboard]'" in proc.stderr and proc.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "o").exists()

@@ -352,6 +352,12 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg.validate()
     cfg.optim.pin_auto_values()  # a resumed run reads the numbers back (older checkpoints: None)
+    if cfg.train.tensorboard:
+        from .tensorboard_log import TensorboardUnavailableError, require_tensorboard
+        try:
+            require_tensorboard()
+        except TensorboardUnavailableError as exc:
+            raise UsageError(str(exc)) from None
     try:  # the CPU-path variables fail here, not inside a rank after the run has started
         bf16_matmul_choice()
         cpu_kernel_isa()  # spawned ranks read $ASYNCPP_CPU_ISA afresh; this process too, if no kernel ran yet

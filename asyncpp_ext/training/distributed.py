@@ -35,7 +35,7 @@ class PipelineEngine:
 
     def __init__(self, pipe: Pipeline):
         self.pipe = pipe
-        self.stage = pipe.stage
+        self.stage, self.replica = pipe.stage, pipe.replica
         self._shares_since_ns = 0  # trace entries that started before this are summarised
 
     def time_shares(self):

@@ -43,6 +43,17 @@ def _non_negative_int(value, what: str) -> int:
     return int(value)
 
 
+def require_tensorboard() -> None:
+    """Raise TensorboardUnavailableError (naming the install command) unless TensorBoard logging
+    can work here; the CLI calls it before any rank starts."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as exc:
+        raise TensorboardUnavailableError(
+            f"--tensorboard needs the tensorboard package, which cannot be imported ({exc}); install "
+            f"it with {INSTALL_HINT}") from None
+
+
 class TensorboardLogger:
     """Scalars of one run in a TensorBoard log directory (a ``torch.utils.tensorboard.SummaryWriter``).
 

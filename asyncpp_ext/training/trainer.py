@@ -151,14 +151,18 @@ class Trainer:
         self.tokens_per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
         self.lr_schedule = cfg.lr_schedule()
         self.base_lr = cfg.optim.effective_lr()
-        # TensorBoard: the metrics writer logs the rows; every rank of a pipeline logs its own
-        # stage's compute/wait shares (engines with a ``time_shares()`` report them).
-        self.tensorboard = None
+        # TensorBoard: the metrics writer logs the rows under tensorboard/; each stage of replica 0
+        # of a pipeline logs its compute/wait shares under tensorboard/stageN (engines with a
+        # ``time_shares()`` report them).
+        self.tensorboard, self.tensorboard_stage = None, None
         if cfg.train.tensorboard:
             from .tensorboard_log import TensorboardLogger
 
-            sub = "" if writes_metrics and num_stages == 1 else f"stage{getattr(engine, 'stage', 0)}"
-            self.tensorboard = TensorboardLogger(self.run_dir / "tensorboard" / sub, purge_step=start_step + 1)
+            root = self.run_dir / "tensorboard"
+            if writes_metrics:
+                self.tensorboard = TensorboardLogger(root, purge_step=start_step + 1)
+            if callable(getattr(engine, "time_shares", None)) and getattr(engine, "replica", 0) == 0:
+                self.tensorboard_stage = TensorboardLogger(root / f"stage{engine.stage}", purge_step=start_step + 1)
 
     def _save_single_process(self, step: int, meta: dict) -> Path:
         return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta)
@@ -181,16 +185,13 @@ class Trainer:
         return self.checkpoint_fn(self.step, meta)
 
     def _log_tensorboard(self, rows: list[dict]) -> None:
-        if self.tensorboard is None:
-            return
-        if self.writes_metrics:
+        if self.tensorboard is not None:
             for row in rows:
                 self.tensorboard.log_metrics(row)
-        shares = getattr(self.engine, "time_shares", None)
-        if callable(shares) and rows:
-            measured = shares()
+        if self.tensorboard_stage is not None and rows:
+            measured = self.engine.time_shares()
             if measured is not None:
-                self.tensorboard.log_stage_shares(getattr(self.engine, "stage", 0), rows[-1]["step"], measured)
+                self.tensorboard_stage.log_stage_shares(self.engine.stage, rows[-1]["step"], measured)
 
     def run(self) -> list[dict]:
         """Train to ``cfg.train.steps``; returns the metrics rows written by this call."""
@@ -244,8 +245,9 @@ class Trainer:
         finally:
             if metrics is not None:
                 metrics.close()
-            if self.tensorboard is not None:
-                self.tensorboard.close()
+            for logger in (self.tensorboard, self.tensorboard_stage):
+                if logger is not None:
+                    logger.close()
             if bar is not None:
                 bar.close()
         if self.writes_metrics:
