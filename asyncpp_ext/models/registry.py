@@ -147,19 +147,13 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
     return hf.from_config(cfg.hf_config, seed=seed)
 
 
-def count_parameters(model: nn.Module) -> int:
-    """Distinct parameter elements (a tied tensor counts once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def describe(cfg: ModelConfig) -> str:
     """One line naming the model for summaries, e.g. ``llama 2x32 (tied)``."""
     tied = " tied" if cfg.tie_embeddings else ""
     if cfg.arch == "hf":
         kind = (cfg.hf_config or {}).get("model_type", "?")
-        return f"hf {kind} {cfg.n_layer} layers"
+        return f"hf {kind} {cfg.n_layer} layers{tied}"
     return f"{cfg.arch} {cfg.n_layer}x{cfg.n_embd}{tied}"
 
 
-__all__ = ["ARCHS", "ModelConfig", "MODEL_PRESETS", "model_config", "build_model", "count_parameters",
-           "describe"]
+__all__ = ["ARCHS", "ModelConfig", "MODEL_PRESETS", "model_config", "build_model", "describe"]

@@ -24,7 +24,7 @@ from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume
 from .config import (DTYPES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES,
                      TRANSPORTS, ConfigError, RunConfig)
 from ..data import DataError
-from ..models.registry import MODEL_PRESETS, build_model
+from ..models.registry import MODEL_PRESETS, build_model, describe
 from .model_source import ModelSourceError, model_from_args
 from .simulate import DelaySimulator, merge_engine_states
 from ..optim import build_optimizer
@@ -236,7 +236,7 @@ def _print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
     shown += f" ({skipped} step{'s' if skipped != 1 else ''} skipped: non-finite values)" if skipped else ""
     loss = "skipped" if last["loss"] is None else f"{last['loss']:.4f}"
     print(f"{out}: step {last['step']} loss {loss}{shown} "
-          f"({last['elapsed_s']:.1f} s, {cfg.pipeline.schedule}, {cfg.optim.name}, "
+          f"({last['elapsed_s']:.1f} s, {describe(cfg.model)}, {cfg.pipeline.schedule}, {cfg.optim.name}, "
           f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''}"
           f"{f' x {cfg.pipeline.dp} replicas' if cfg.pipeline.dp > 1 else ''})")
 
