@@ -17,8 +17,13 @@ PROMISED = {
     "asyncpp_ext.pipeline": ["Pipeline"],
     "asyncpp_ext.optim": ["AdamW", "Muon", "MuonHybrid", "ErrorFeedback", "NonFiniteGradientError",
                           "build_optimizer", "orthogonalize", "split_named_parameters"],
-    "asyncpp_ext.models": ["GPT", "GPTConfig", "PRESETS", "preset_config"],
+    "asyncpp_ext.models": ["GPT", "GPTConfig", "PRESETS", "preset_config", "Llama", "LlamaConfig",
+                           "LLAMA_PRESETS", "llama_preset_config"],
+    "asyncpp_ext.models.hf": ["from_config", "from_pretrained", "HFCausalLM", "HFModelError"],
+    "asyncpp_ext.models.registry": ["ModelConfig", "MODEL_PRESETS", "model_config", "build_model"],
     "asyncpp_ext.data": ["load_tokens", "builtin_corpus", "BatchStream", "DataError"],
+    "asyncpp_ext.data.prepare": ["main"],
+    "asyncpp_ext.optim.lr_schedule": ["LRSchedule", "LR_SCHEDULES", "apply_lr"],
     "asyncpp_ext.training": ["DelaySimulator"],
     "asyncpp_ext.training.cli": ["main"],
     "asyncpp_ext.schedule.cli": ["main"],
@@ -51,13 +56,14 @@ def test_promised_names_import(module):
 def test_console_scripts_resolve_to_callables():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert set(scripts) >= {"asyncpp-train", "asyncpp-schedule"}
+    assert set(scripts) >= {"asyncpp-train", "asyncpp-schedule", "asyncpp-prepare-data"}
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), f"{name} -> {target}"
 
 
-@pytest.mark.parametrize("module", ["asyncpp_ext.train", "asyncpp_ext.schedule", "asyncpp_ext", "asyncpp_ext.gpu_check"])
+@pytest.mark.parametrize("module", ["asyncpp_ext.train", "asyncpp_ext.schedule", "asyncpp_ext", "asyncpp_ext.gpu_check",
+                                    "asyncpp_ext.data.prepare"])
 def test_python_dash_m_entry_points_answer_help(module):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
