@@ -52,7 +52,8 @@ void bind_schedule(py::module_& m) {
   py::enum_<ScheduleKind>(m, "ScheduleKind", "Pipeline schedule family")
       .value("gpipe", ScheduleKind::gpipe)
       .value("one_f_one_b", ScheduleKind::one_f_one_b)
-      .value("two_bw", ScheduleKind::two_bw);
+      .value("two_bw", ScheduleKind::two_bw)
+      .value("pipedream", ScheduleKind::pipedream);
 
   py::enum_<Op>(m, "Op", "Instruction kind of a stage program")
       .value("recv_act", Op::recv_act)
@@ -108,17 +109,22 @@ void bind_schedule(py::module_& m) {
       });
 
   m.def("parse_schedule_kind", &core::parse_schedule_kind, py::arg("name"),
-        "'gpipe' | '1f1b' | '2bw' -> ScheduleKind (ValueError otherwise)");
+        "'gpipe' | '1f1b' | '2bw' | 'pipedream' -> ScheduleKind (ValueError otherwise)");
   m.def("schedule_kind_name", &core::schedule_kind_name, py::arg("kind"));
   m.def("op_name", &core::op_name, py::arg("op"));
-  m.def("version_for_step", &core::version_for_step, py::arg("kind"), py::arg("step"));
+  m.def("version_for_step", &core::version_for_step, py::arg("kind"), py::arg("step"),
+        "Weight version of step `step` for a stage-independent kind (ValueError for pipedream)");
+  m.def("version_for", &core::version_for, py::arg("kind"), py::arg("step"), py::arg("stage"),
+        py::arg("stages"), "Weight version stage `stage` of `stages` runs step `step` with");
+  m.def("versions_alive_limit", &core::versions_alive_limit, py::arg("kind"), py::arg("stage"),
+        py::arg("stages"), "Most weight versions the validator lets stage `stage` hold at once");
   m.def(
       "build_schedule",
       [](const std::string& kind, int stages, int microbatches, int steps) {
         return core::build_schedule(core::parse_schedule_kind(kind), stages, microbatches, steps);
       },
       py::arg("kind"), py::arg("stages"), py::arg("microbatches"), py::arg("steps") = 1,
-      "Build a gpipe / 1f1b / 2bw schedule (ValueError for bad sizes, with the fix)");
+      "Build a gpipe / 1f1b / 2bw / pipedream schedule (ValueError for bad sizes, with the fix)");
   m.def(
       "validate_schedule",
       [](const Schedule& sched) {

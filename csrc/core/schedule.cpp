@@ -1,4 +1,5 @@
-// Builds the per-stage instruction streams of GPipe, 1F1B (PipeDream-Flush) and PipeDream-2BW.
+// Builds the per-stage instruction streams of GPipe, 1F1B (PipeDream-Flush), PipeDream-2BW and the
+// original PipeDream (weight stashing).
 //
 // Construction is two-phase. First each stage gets its compute order (FORWARD / BACKWARD /
 // OPTIMIZER_STEP). Then communication is woven in, stage 0 first: a stage places its downstream
@@ -22,7 +23,9 @@ ScheduleKind parse_schedule_kind(const std::string& name) {
   if (name == "gpipe") return ScheduleKind::gpipe;
   if (name == "1f1b") return ScheduleKind::one_f_one_b;
   if (name == "2bw") return ScheduleKind::two_bw;
-  ASYNCPP_ARG_CHECK(false, "unknown schedule '", name, "': choose one of gpipe, 1f1b, 2bw");
+  if (name == "pipedream") return ScheduleKind::pipedream;
+  ASYNCPP_ARG_CHECK(false, "unknown schedule '", name,
+                    "': choose one of gpipe, 1f1b, 2bw, pipedream");
   return ScheduleKind::gpipe;  // unreachable
 }
 
@@ -31,6 +34,7 @@ const char* schedule_kind_name(ScheduleKind kind) {
     case ScheduleKind::gpipe: return "gpipe";
     case ScheduleKind::one_f_one_b: return "1f1b";
     case ScheduleKind::two_bw: return "2bw";
+    case ScheduleKind::pipedream: return "pipedream";
   }
   return "unknown";
 }
@@ -48,8 +52,34 @@ const char* op_name(Op op) {
   return "unknown";
 }
 
+int version_for(ScheduleKind kind, int step, int stage, int stages) {
+  ASYNCPP_ARG_CHECK(stages >= 1 && stage >= 0 && stage < stages, "stage ", stage,
+                    " is out of range for ", stages, " stages: pass a stage in 0..stages-1");
+  switch (kind) {
+    case ScheduleKind::gpipe:
+    case ScheduleKind::one_f_one_b: return step;
+    case ScheduleKind::two_bw: return std::max(step - 1, 0);
+    // Between stage s's forward and backward of a step, S-1-s later forwards run, each after
+    // one more optimizer step: the backward's stashed weights are that many versions old.
+    case ScheduleKind::pipedream: return std::max(step - (stages - 1 - stage), 0);
+  }
+  return step;
+}
+
 int version_for_step(ScheduleKind kind, int step) {
-  return kind == ScheduleKind::two_bw ? std::max(step - 1, 0) : step;
+  ASYNCPP_ARG_CHECK(kind != ScheduleKind::pipedream, "pipedream's weight version depends on the "
+                    "stage: use version_for(kind, step, stage, stages)");
+  return version_for(kind, step, 0, 1);
+}
+
+int versions_alive_limit(ScheduleKind kind, int stage, int stages) {
+  switch (kind) {
+    case ScheduleKind::gpipe:
+    case ScheduleKind::one_f_one_b: return 1;
+    case ScheduleKind::two_bw: return 2;
+    case ScheduleKind::pipedream: return stages - stage;
+  }
+  return 1;
 }
 
 namespace {
@@ -96,8 +126,9 @@ void one_f_one_b(const std::vector<std::pair<int, int>>& order, int warmup,
 std::vector<ComputeItem> compute_order(ScheduleKind kind, int S, int m, int K, int s) {
   std::vector<ComputeItem> out;
   const int warmup = S - s - 1;  // forwards stage s runs before its first backward (1F1B, 2BW)
-  if (kind == ScheduleKind::two_bw) {
-    // One continuous 1F1B stream over all K*m microbatches: no flush between steps.
+  if (kind == ScheduleKind::two_bw || kind == ScheduleKind::pipedream) {
+    // One continuous 1F1B stream over all K*m microbatches: no flush between steps (pipedream is
+    // this stream with m = 1; only its version rule differs).
     std::vector<std::pair<int, int>> order;
     for (int t = 0; t < K; ++t)
       for (int i = 0; i < m; ++i) order.emplace_back(t, i);
@@ -130,6 +161,9 @@ Schedule build_schedule(ScheduleKind kind, int stages, int microbatches, int ste
   ASYNCPP_ARG_CHECK(K >= 1, "steps must be >= 1 (got K=", K, "): schedule at least one step");
   ASYNCPP_ARG_CHECK(kind != ScheduleKind::two_bw || m >= S, "2bw needs microbatches >= stages (got m=",
                     m, ", S=", S, "): raise --microbatches to at least ", S);
+  ASYNCPP_ARG_CHECK(kind != ScheduleKind::pipedream || m == 1,
+                    "pipedream runs one microbatch per optimizer step (got m=", m,
+                    "): use --microbatches 1");
   // About 4 instructions per stage and microbatch; refuse sizes that would exhaust memory.
   const int64_t work = int64_t{S} * m * K;
   ASYNCPP_ARG_CHECK(work <= kMaxScheduleWork, "schedule too large (stages*microbatches*steps = ", work,
@@ -157,7 +191,7 @@ Schedule build_schedule(ScheduleKind kind, int stages, int microbatches, int ste
                       " needs a message from stage ", s - 1, " that the link never carries");
         const LinkMessage msg = upstream_link[next_upstream++];
         const int64_t mg = global(msg.step, msg.microbatch);
-        const int v = version_for_step(kind, msg.step);
+        const int v = version_for(kind, msg.step, s, S);
         if (msg.is_activation) {
           prog.push_back({Op::recv_act, msg.step, msg.microbatch, v, s - 1});
           upstream_handled_act[mg] = 1;
@@ -176,7 +210,7 @@ Schedule build_schedule(ScheduleKind kind, int stages, int microbatches, int ste
         prog.push_back({Op::optimizer_step, c.step, -1, c.step + 1, -1});
         continue;
       }
-      const int v = version_for_step(kind, c.step);
+      const int v = version_for(kind, c.step, s, S);
       if (c.op == Op::forward) {
         if (s > 0) handle_upstream_through(true, c.step, c.microbatch);
         prog.push_back({Op::forward, c.step, c.microbatch, v, -1});

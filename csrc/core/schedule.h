@@ -9,6 +9,13 @@
 //                       after the stage's last BACKWARD of step t (no flush: step t+1's forwards
 //                       may already be in flight) and produces version t+1 from the gradient of
 //                       step t. At most two versions are alive per stage. Requires m >= S.
+//   pipedream:          original PipeDream (1F1B, no flush, weight stashing), one microbatch per
+//                       step (m = 1). Stage s runs step t's forward and backward on version
+//                       max(t - d_s, 0) with d_s = S-1-s (stage 0 the stalest, the last stage not
+//                       stale at all); OPTIMIZER_STEP(t) right after the stage's backward of step t
+//                       creates version t+1. Program order is the 2bw stream with m = 1, so each
+//                       forward runs on the newest version and its backward on the stashed one; at
+//                       most S-s versions (t-d_s .. t) are alive on stage s.
 // Stage 0 has no RECV_ACT/SEND_GRAD (it reads the batch); stage S-1 has no SEND_ACT/RECV_GRAD
 // (it computes the loss).
 #pragma once
@@ -18,7 +25,7 @@
 
 namespace asyncpp::core {
 
-enum class ScheduleKind : uint8_t { gpipe, one_f_one_b, two_bw };
+enum class ScheduleKind : uint8_t { gpipe, one_f_one_b, two_bw, pipedream };
 
 enum class Op : uint8_t {
   recv_act,        // receive the forward activation of (step, microbatch) from stage s-1
@@ -34,7 +41,8 @@ struct Instruction {
   Op op;
   int32_t step;        // minibatch index t, 0..K-1
   int32_t microbatch;  // 0..m-1; -1 for optimizer_step
-  int32_t version;     // weights used (compute/send/recv) or produced (optimizer_step)
+  int32_t version;     // weights used (compute/send/recv) or produced (optimizer_step); a
+                       // send/recv carries its own stage's version of that step
   int32_t peer;        // neighbour stage for send/recv; -1 otherwise
 };
 
@@ -46,19 +54,30 @@ struct Schedule {
   std::vector<std::vector<Instruction>> programs;  // programs[s] is stage s's stream
 };
 
-// Parses "gpipe" | "1f1b" | "2bw"; throws ArgumentError naming the valid choices otherwise.
+// Parses "gpipe" | "1f1b" | "2bw" | "pipedream"; throws ArgumentError naming the valid choices
+// otherwise.
 ScheduleKind parse_schedule_kind(const std::string& name);
 const char* schedule_kind_name(ScheduleKind kind);
 const char* op_name(Op op);
 
-// The weight version step `step` runs with: sync -> step, 2bw -> max(step - 1, 0).
+// The weight version step `step` runs with on stage `stage` of `stages`: sync -> step,
+// 2bw -> max(step - 1, 0), pipedream -> max(step - (stages-1-stage), 0). Throws ArgumentError for
+// stages < 1 or a stage outside 0..stages-1.
+int version_for(ScheduleKind kind, int step, int stage, int stages);
+
+// The same for the kinds whose version does not depend on the stage (gpipe, 1f1b, 2bw); throws
+// ArgumentError for pipedream, whose version needs the stage (use version_for).
 int version_for_step(ScheduleKind kind, int step);
+
+// Most weight versions a stage may hold at once: 1 for sync, 2 for 2bw, stages - stage for
+// pipedream (the validator's limit).
+int versions_alive_limit(ScheduleKind kind, int stage, int stages);
 
 // Largest stages*microbatches*steps a schedule may have (bounds the memory of build and validate).
 constexpr long long kMaxScheduleWork = 2'000'000;
 
-// Throws ArgumentError for S < 1, m < 1, K < 1, 2bw with m < S, or more than kMaxScheduleWork
-// (stage, microbatch, step) triples (message says why and the fix).
+// Throws ArgumentError for S < 1, m < 1, K < 1, 2bw with m < S, pipedream with m != 1, or more
+// than kMaxScheduleWork (stage, microbatch, step) triples (message says why and the fix).
 Schedule build_schedule(ScheduleKind kind, int stages, int microbatches, int steps);
 
 }  // namespace asyncpp::core

@@ -13,7 +13,8 @@ std::vector<Instruction> segment_program(ScheduleKind kind, int stages, int micr
   std::vector<Instruction> program = std::move(schedule.programs[stage]);
   for (Instruction& ins : program) {
     ins.step += first_step;
-    ins.version = ins.op == Op::optimizer_step ? ins.step + 1 : version_for_step(kind, ins.step);
+    ins.version = ins.op == Op::optimizer_step ? ins.step + 1
+                                               : version_for(kind, ins.step, stage, stages);
   }
   return program;
 }

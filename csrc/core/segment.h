@@ -1,7 +1,9 @@
 // A run is executed as segments of consecutive steps (a segment ends where every stage must be
 // quiet: an evaluation, a checkpoint, the end of training). Inside a segment 2bw streams with no
 // drain; across segments the weight-version rule continues unchanged because versions are a
-// function of the global step.
+// function of the global step (and of the stage, for pipedream). The host therefore keeps, across
+// a boundary at step T, the versions the next segment starts on: 2bw's W(T-1), and on pipedream's
+// stage s the versions max(T-(S-1-s), 0) .. T (its first S-s forwards run on them).
 #pragma once
 #include <vector>
 

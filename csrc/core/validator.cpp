@@ -40,8 +40,20 @@ constexpr int kNoPos = -1;
 
 bool is_comm(Op op) { return op != Op::forward && op != Op::backward && op != Op::optimizer_step; }
 
+// How `kind` derives a step's version on stage s, for error messages.
+std::string version_rule(ScheduleKind kind, int s) {
+  switch (kind) {
+    case ScheduleKind::two_bw: return " (max(step-1, 0))";
+    case ScheduleKind::pipedream:
+      return " on stage " + std::to_string(s) + " (max(step - (S-1-s), 0))";
+    default: return " (= step)";
+  }
+}
+
 // Most versions alive after any instruction, and the first instruction index where that many are
 // alive (-1: before the first instruction). Intervals are accumulated in a difference array.
+// Only forwards and backwards use weights; a send/recv's version just labels its data (a receive
+// may be posted before the optimizer step creating its forward's version).
 std::pair<int, int> versions_alive_peak(const std::vector<Instruction>& program) {
   const int n = static_cast<int>(program.size());
   std::map<int, int> created{{0, -1}};  // version -> index of the instruction creating it
@@ -52,7 +64,7 @@ std::pair<int, int> versions_alive_peak(const std::vector<Instruction>& program)
     if (ins.op == Op::optimizer_step) {
       created.emplace(ins.version, i);
       optimizer_positions.push_back(i);
-    } else {
+    } else if (!is_comm(ins.op)) {
       last_use[ins.version] = i;
     }
   }
@@ -137,6 +149,9 @@ class Validator {
     else if (static_cast<int64_t>(s.programs.size()) != s.stages)
       error("schedule header: ", s.programs.size(), " programs for ", s.stages,
             " stages; give exactly one program per stage");
+    else if (s.kind == ScheduleKind::pipedream && s.microbatches != 1)
+      error("schedule header: pipedream runs one microbatch per optimizer step (got m=",
+            s.microbatches, "); set microbatches to 1");
     return errors_.empty();
   }
 
@@ -167,11 +182,11 @@ class Validator {
         continue;
       }
       check_peer(s, i, S);
-      const int expected = version_for_step(sched_.kind, ins.step);
+      const int expected = version_for(sched_.kind, ins.step, s, S);
       if (ins.version != expected)
         error(where(s, i), ": uses weight version ", ins.version, " but ",
               schedule_kind_name(sched_.kind), " step ", ins.step, " must use version ", expected,
-              sched_.kind == ScheduleKind::two_bw ? " (max(step-1, 0))" : " (= step)");
+              version_rule(sched_.kind, s));
       int& slot = idx.pos[static_cast<int>(ins.op)][key(ins.step, ins.microbatch)];
       if (slot != kNoPos)
         error(where(s, i), ": duplicate; the same ", op_name(ins.op), " is already instruction #",
@@ -278,21 +293,23 @@ class Validator {
                 " (instruction #", o, "); gradients of two steps would mix");
       }
     }
-    // Weights must exist before they are used.
+    // Weights must exist before a forward or backward uses them (a send/recv touches none).
     for (int i = 0; i < static_cast<int>(prog.size()); ++i) {
       const Instruction& ins = prog[i];
-      if (ins.op == Op::optimizer_step || ins.version < 1 || ins.version > K) continue;
+      if (ins.op == Op::optimizer_step || is_comm(ins.op) || ins.version < 1 || ins.version > K)
+        continue;
       const int o = idx.optimizer_pos[ins.version - 1];
       if (o != kNoPos && o > i)
         error(where(s, i), ": uses version ", ins.version, " before it exists (the optimizer step",
               " of step ", ins.version - 1, " creating it is instruction #", o, ")");
     }
-    const int limit = sched_.kind == ScheduleKind::two_bw ? 2 : 1;
+    const int limit = versions_alive_limit(sched_.kind, s, sched_.stages);
     auto [peak, at_index] = versions_alive_peak(prog);
     if (peak > limit)
       error(at_index < 0 ? "stage " + std::to_string(s) + ", at start" : where(s, at_index), ": ",
             peak, " weight versions alive after it; ", schedule_kind_name(sched_.kind),
-            " keeps at most ", limit);
+            " keeps at most ", limit,
+            sched_.kind == ScheduleKind::pipedream ? " (S-s) on this stage" : "");
   }
 
   // Messages from `from` to `to`: every send has one receive and both ends use the same order.
@@ -329,10 +346,21 @@ class Validator {
               "); both ends must handle messages in the same order");
         return;  // later mismatches follow from this one
       }
-      if (snd.version != rcv.version)
-        error(where(to, recvs[k]), ": version ", rcv.version, " differs from version ", snd.version,
-              " of the matching ", op_name(send_op), " (stage ", from, ", instruction #", sends[k],
-              ")");
+      // Each end carries its own stage's version (they differ across stages in pipedream); the
+      // two must be off their stage's rule by the same amount (equal for stage-free rules).
+      const int snd_rule = version_for(sched_.kind, snd.step, from, sched_.stages);
+      const int rcv_rule = version_for(sched_.kind, rcv.step, to, sched_.stages);
+      if (snd.version - snd_rule != rcv.version - rcv_rule) {
+        if (snd_rule == rcv_rule)
+          error(where(to, recvs[k]), ": version ", rcv.version, " differs from version ",
+                snd.version, " of the matching ", op_name(send_op), " (stage ", from,
+                ", instruction #", sends[k], ")");
+        else
+          error(where(to, recvs[k]), ": version ", rcv.version, " does not match version ",
+                snd.version, " of the matching ", op_name(send_op), " (stage ", from,
+                ", instruction #", sends[k], "): this step runs on version ", rcv_rule,
+                " here and ", snd_rule, " there");
+      }
     }
   }
 

@@ -28,8 +28,9 @@ std::string describe_instruction(size_t index, const Instruction& ins);
 int peak_inflight(const std::vector<Instruction>& program);
 
 // Most weight versions alive at once on one stage. Version 0 exists from the start; version v+1
-// is created by an optimizer_step. A version stays alive while a later instruction of the program
-// still uses it, and the newest version is always alive (the next optimizer step updates it).
+// is created by an optimizer_step. A version stays alive while a later forward or backward of the
+// program still uses it (a send/recv's version only labels its data), and the newest version is
+// always alive (the next optimizer step updates it).
 int max_versions_alive(const std::vector<Instruction>& program);
 
 }  // namespace asyncpp::core
