@@ -2,6 +2,7 @@
 
     asyncpp-schedule --schedule 2bw --stages 4 --microbatches 8 --steps 10 [--fwd 1 --bwd 2]
                      [--p2p 0] [--opt 0] [--json] [--plot timeline.png]
+    asyncpp-schedule --schedule pipedream --stages 4 --microbatches 1 --steps 16 --json
 
 Also runs as ``python -m asyncpp_ext.schedule``. Bad input prints one line starting with
 ``asyncpp-schedule: error:`` on stderr and exits with status 2.
@@ -15,6 +16,8 @@ import sys
 from typing import List, Optional
 
 PROG = "asyncpp-schedule"
+# engine.SCHEDULES, spelled out so that parsing (and --help) needs neither torch nor the extension.
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "2bw", "pipedream")
 
 
 class _UsageError(Exception):
@@ -28,13 +31,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Simulate a pipeline schedule (gpipe, 1f1b, 2bw) and "
-                "report per-stage busy/idle time, peak in-flight microbatches, weight versions "
-                "and the bubble fraction.")
-    p.add_argument("--schedule", required=True, choices=["gpipe", "1f1b", "2bw"])
+    p = _Parser(prog=PROG, description="Simulate a pipeline schedule "
+                f"({', '.join(SCHEDULE_CHOICES)}) and report per-stage busy/idle time, peak "
+                "in-flight microbatches, weight versions and the bubble fraction.")
+    p.add_argument("--schedule", required=True, choices=SCHEDULE_CHOICES)
     p.add_argument("--stages", "-S", type=int, required=True, help="pipeline stages S (>= 1)")
     p.add_argument("--microbatches", "-m", type=int, required=True,
-                   help="microbatches per step m (>= 1; 2bw needs m >= S)")
+                   help="microbatches per step m (>= 1; 2bw needs m >= S, pipedream m = 1)")
     p.add_argument("--steps", "-K", type=int, default=1, help="optimizer steps K (default 1)")
     p.add_argument("--fwd", type=float, default=1.0, help="forward cost per stage (default 1.0)")
     p.add_argument("--bwd", type=float, default=2.0, help="backward cost per stage (default 2.0)")

@@ -9,6 +9,19 @@ pipeline stages; ``sched.programs[s]`` is the instruction stream stage ``s`` exe
 * ``2bw``: PipeDream-2BW; the same 1F1B pattern runs continuously over all K*m microbatches
   without a flush. Step t uses weight version max(t-1, 0); each stage applies step t's optimizer
   step right after its own last backward of step t. Needs m >= S.
+* ``pipedream``: the original PipeDream (weight stashing): the 2bw stream with one microbatch per
+  step (needs m = 1). Stage s runs step t's forward and backward on version max(t - (S-1-s), 0),
+  so each forward uses the newest weights and its backward the stashed copy; the optimizer step
+  of step t follows the stage's backward of step t and creates version t+1. Stage s holds at
+  most S-s versions (``max_versions`` is [S, S-1, ..., 1] once K >= S).
+
+Bubble fraction of the continuous streams (2bw, pipedream) with uniform per-stage costs and no
+message latency: with N = K*m microbatches, forward f, backward b and optimizer step o, stage 0
+finishes last, at makespan (S-1)(f+b) + N(f+b) + K*o, so::
+
+    bubble = (S-1)(f+b) / ((S-1)(f+b) + N(f+b) + K*o)      = (S-1)/(N+S-1) when o = 0
+
+(for pipedream N = K: (S-1)/(K+S-1)).
 
 Example::
 
@@ -31,7 +44,7 @@ Instruction = C.Instruction
 Op = C.Op
 ScheduleKind = C.ScheduleKind
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
 
 
 class ScheduleError(ValueError):
@@ -55,10 +68,10 @@ def _check_kind(schedule) -> str:
 
 
 def build(schedule: str, stages: int, microbatches: int, steps: int = 1) -> Schedule:
-    """Build the instruction streams of ``schedule`` ('gpipe', '1f1b' or '2bw').
+    """Build the instruction streams of ``schedule`` ('gpipe', '1f1b', '2bw' or 'pipedream').
 
-    Raises ValueError (naming the fix) for stages, microbatches or steps < 1, and for 2bw with
-    fewer microbatches than stages.
+    Raises ValueError (naming the fix) for stages, microbatches or steps < 1, for 2bw with
+    fewer microbatches than stages, and for pipedream with microbatches other than 1.
     """
     return C.build_schedule(_check_kind(schedule), _check_int(stages, "stages"),
                             _check_int(microbatches, "microbatches"), _check_int(steps, "steps"))
@@ -110,7 +123,7 @@ class SimResult:
     idle: List[float]
     bubble_fraction: float  # 1 - sum(busy) / (stages * makespan)
     peak_inflight: List[int]  # most microbatches forwarded but not yet backwarded
-    max_versions: List[int]  # most weight versions alive at once
+    max_versions: List[int]  # most weight versions alive at once (pipedream: S-s on stage s)
     timeline: List[TimelineEntry]
 
     def to_dict(self, include_timeline: bool = True) -> dict:
@@ -167,8 +180,8 @@ def simulate(sched_or_name: Union[Schedule, str], stages: Optional[int] = None,
                 raise ValueError(f"{name}={given} contradicts the schedule's {name}={actual}: "
                                  f"leave it out when passing a Schedule")
     else:
-        raise TypeError("simulate() needs a schedule name ('gpipe', '1f1b', '2bw') or a Schedule, "
-                        f"got {type(sched_or_name).__name__}")
+        raise TypeError(f"simulate() needs a schedule name ({', '.join(SCHEDULES)}) or a "
+                        f"Schedule, got {type(sched_or_name).__name__}")
     S = sched.stages
     fwd_l, bwd_l, opt_l = (_per_stage(fwd, S, "fwd"), _per_stage(bwd, S, "bwd"),
                            _per_stage(opt, S, "opt"))
