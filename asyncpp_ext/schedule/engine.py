@@ -202,9 +202,10 @@ def plot_timeline(result: SimResult, path, *, title: Optional[str] = None) -> st
     """Draw the simulated timeline to ``path`` (PNG, SVG, PDF... by extension); returns the path.
 
     One row per stage (stage 0 on top). Boxes are coloured by microbatch, forwards light and
-    backwards dark, labelled with the microbatch and the weight version (``3|v1``); odd steps are
-    hatched so step boundaries show, and each optimizer step is a black bar labelled with the
-    version it creates.
+    backwards dark, labelled with the microbatch and the weight version (``3|v1``); with one
+    microbatch per step (pipedream) boxes are coloured and labelled by step instead (``5|v2``:
+    step 5 on version 2). Odd steps are hatched so step boundaries show, and each optimizer step
+    is a black bar labelled with the version it creates.
     """
     from .plot import draw_timeline
 

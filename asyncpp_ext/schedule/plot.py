@@ -35,7 +35,10 @@ def draw_timeline(result, path, *, title: Optional[str] = None) -> str:
 
     path = os.fspath(path)
     S, m = result.stages, result.microbatches
-    colors = _microbatch_colors(m)
+    # With one microbatch per step (pipedream, or m = 1) the microbatch says nothing: boxes are
+    # coloured and labelled by step instead, so each step's stale version can be read off.
+    by_step = m == 1
+    colors = _microbatch_colors(min(result.steps, 10) if by_step else m)
     makespan = result.makespan if result.makespan > 0 else 1.0
     computes = [e for e in result.timeline if e.op != "optimizer_step"]
     shortest = min((e.end - e.start for e in computes if e.end > e.start), default=makespan)
@@ -56,13 +59,14 @@ def draw_timeline(result, path, *, title: Optional[str] = None) -> str:
                     fontsize=font, fontweight="bold", zorder=5,
                     bbox=dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="black"))
             continue
-        base = colors[e.microbatch % len(colors)]
+        name = e.step if by_step else e.microbatch
+        base = colors[name % len(colors)]
         face = _lighten(base, 0.55) if e.op == "forward" else _darken(base, 0.8)
         ax.add_patch(Rectangle((e.start, y - _ROW_HEIGHT / 2), e.end - e.start, _ROW_HEIGHT,
                                facecolor=face, edgecolor="0.25", linewidth=0.6,
                                hatch="///" if e.step % 2 else None, zorder=2))
         if show_labels:
-            ax.text((e.start + e.end) / 2, y, f"{e.microbatch}|v{e.version}", ha="center",
+            ax.text((e.start + e.end) / 2, y, f"{name}|v{e.version}", ha="center",
                     va="center", fontsize=font, zorder=4,
                     color="black" if e.op == "forward" else "white",
                     bbox=dict(boxstyle="square,pad=0.05", facecolor=face, edgecolor="none")
@@ -82,10 +86,16 @@ def draw_timeline(result, path, *, title: Optional[str] = None) -> str:
                Patch(facecolor="0.35", edgecolor="0.25", label="backward (dark)"),
                Patch(facecolor="white", edgecolor="0.25", hatch="///", label="odd step (hatched)"),
                Line2D([], [], color="black", linewidth=3, label="optimizer step (creates vN)")]
-    handles += [Patch(facecolor=colors[i], label=f"mb {i}") for i in range(min(m, 20))]
+    if by_step:  # colours repeat every len(colors) steps
+        cycle = len(colors)
+        handles += [Patch(facecolor=colors[i], label=f"step {i}" if result.steps <= cycle
+                          else f"step {i} mod {cycle}") for i in range(cycle)]
+    else:
+        handles += [Patch(facecolor=colors[i], label=f"mb {i}") for i in range(min(m, 20))]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.32 if S < 3 else -0.18),
               ncol=min(len(handles), 12), fontsize=8, frameon=False,
-              title="box label: microbatch|weight version", title_fontsize=8)
+              title=f"box label: {'step' if by_step else 'microbatch'}|weight version",
+              title_fontsize=8)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110)
