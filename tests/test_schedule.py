@@ -1,5 +1,6 @@
 """Schedule engine: bubble fractions, memory (in-flight microbatches, weight versions), the
-validator on every generated schedule and on hand-broken ones, and the simulator's timing model."""
+validator on every generated schedule and on hand-broken ones, and the simulator's timing model
+(pipedream-specific checks: test_schedule_pipedream.py)."""
 import copy
 import itertools
 import json
@@ -15,8 +16,13 @@ SIZES = [(S, m, K) for S in range(1, 7) for m in range(1, 11) for K in (1, 2, 3)
 INSTR = re.compile(r"stage (\d+), instruction #(\d+) (\w+) \(step (\d+), mb (\d+)\)")
 
 
+KINDS = ["gpipe", "1f1b", "2bw", "pipedream"]
+
+
 def _sizes(kind):
-    return [(S, m, K) for S, m, K in SIZES if kind != "2bw" or m >= S]
+    """SIZES the kind can build: 2bw needs m >= S, pipedream m = 1."""
+    return [(S, m, K) for S, m, K in SIZES
+            if (kind != "2bw" or m >= S) and (kind != "pipedream" or m == 1)]
 
 
 # ---- bubble fraction --------------------------------------------------------------------------
@@ -75,10 +81,12 @@ def test_simulator_matches_a_hand_computed_two_stage_timeline():
     assert res.bubble_fraction == pytest.approx(1 - 20 / 36, abs=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_timeline_respects_data_dependencies_with_random_costs(kind):
     rng = random.Random(7)
-    for S, m, K in [(4, 5, 2), (3, 8, 3), (5, 5, 1)]:
+    sizes = [(4, 1, 9), (3, 1, 5), (5, 1, 2)] if kind == "pipedream" else [(4, 5, 2), (3, 8, 3),
+                                                                           (5, 5, 1)]
+    for S, m, K in sizes:
         fwd = [rng.uniform(0.5, 2) for _ in range(S)]
         bwd = [rng.uniform(0.5, 3) for _ in range(S)]
         p2p = rng.uniform(0, 0.5)
@@ -141,7 +149,7 @@ def test_2bw_versions_follow_the_delay_rule_and_switch_after_the_stage_last_back
 
 # ---- validator: accepts everything generated ----------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_validator_accepts_every_generated_schedule(kind):
     for S, m, K in _sizes(kind):
         sched = sc.build(kind, S, m, K)
@@ -177,13 +185,18 @@ def _names(problems, stage, op, step, mb):
 
 
 BROKEN_SIZES = [(2, 2, 1), (3, 4, 2), (4, 8, 3), (5, 6, 2), (4, 4, 1)]
+PIPEDREAM_BROKEN_SIZES = [(2, 1, 3), (3, 1, 4), (4, 1, 8), (5, 1, 6), (4, 1, 2)]
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "2bw"])
+def _broken_sizes(kind):
+    return PIPEDREAM_BROKEN_SIZES if kind == "pipedream" else BROKEN_SIZES
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("send_op", [Op.send_act, Op.send_grad])
 def test_dropped_send_is_reported_with_stage_instruction_and_microbatch(kind, send_op):
     rng = random.Random(1)
-    for S, m, K in BROKEN_SIZES:
+    for S, m, K in _broken_sizes(kind):
         sched = sc.build(kind, S, m, K)
         progs = sched.programs
         candidates = [(s, k) for s, p in enumerate(progs) for k, i in enumerate(p) if i.op == send_op]
@@ -197,10 +210,10 @@ def test_dropped_send_is_reported_with_stage_instruction_and_microbatch(kind, se
             assert any(f"no matching send_" in p for p in problems), problems
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("send_op", [Op.send_act, Op.send_grad])
 def test_two_swapped_sends_are_reported_as_out_of_order(kind, send_op):
-    for S, m, K in BROKEN_SIZES:
+    for S, m, K in _broken_sizes(kind):
         sched = sc.build(kind, S, m, K)
         progs = sched.programs
         s = 1 if send_op == Op.send_grad else 0
@@ -215,9 +228,9 @@ def test_two_swapped_sends_are_reported_as_out_of_order(kind, send_op):
             f"(step {moved.step}, mb {moved.microbatch})"), problems
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_wrong_version_on_a_backward_is_reported(kind):
-    for S, m, K in BROKEN_SIZES:
+    for S, m, K in _broken_sizes(kind):
         sched = sc.build(kind, S, m, K)
         progs = sched.programs
         s = S - 1
@@ -311,7 +324,9 @@ def test_validate_raises_schedule_error_with_every_problem_by_default():
     (("gpipe", 2, 2, 0), r"steps must be >= 1 \(got K=0\)"),
     (("2bw", 4, 2), r"2bw needs microbatches >= stages \(got m=2, S=4\): raise --microbatches "
                     r"to at least 4"),
-    (("pipedream", 2, 2), r"unknown schedule 'pipedream': choose one of gpipe, 1f1b, 2bw"),
+    (("zb", 2, 2), r"unknown schedule 'zb': choose one of gpipe, 1f1b, 2bw, pipedream"),
+    (("pipedream", 4, 2), r"pipedream runs one microbatch per optimizer step \(got m=2\): use "
+                          r"--microbatches 1"),
     (("1f1b", 100, 10000, 10000), r"schedule too large"),
 ])
 def test_build_rejects_bad_sizes_with_the_fix(args, match):
@@ -348,10 +363,12 @@ def test_dropping_any_single_instruction_is_always_caught():
     from hypothesis import given, settings, strategies as st
 
     @settings(max_examples=150, deadline=None, derandomize=True)
-    @given(kind=st.sampled_from(["gpipe", "1f1b", "2bw"]), S=st.integers(1, 5),
+    @given(kind=st.sampled_from(KINDS), S=st.integers(1, 5),
            extra=st.integers(0, 4), K=st.integers(1, 3), pick=st.integers(0, 10**6))
     def check(kind, S, extra, K, pick):
-        sched = sc.build(kind, S, S + extra, K)  # m >= S keeps 2bw buildable
+        # m >= S keeps 2bw buildable; pipedream takes one microbatch and more steps instead
+        sched = (sc.build(kind, S, 1, K + extra) if kind == "pipedream"
+                 else sc.build(kind, S, S + extra, K))
         progs = sched.programs
         flat = [(s, k) for s, p in enumerate(progs) for k in range(len(p))]
         s, k = flat[pick % len(flat)]
@@ -367,3 +384,4 @@ def test_dropping_any_single_instruction_is_always_caught():
             assert all(p.startswith("stage ") for p in problems)
 
     check()
+

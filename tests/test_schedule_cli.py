@@ -26,6 +26,24 @@ def test_json_reports_the_simulation(capsys):
     assert "timeline" not in d
 
 
+def test_json_reports_pipedream_versions_per_stage_and_its_bubble(capsys):
+    rc = main(["--schedule", "pipedream", "--stages", "4", "--microbatches", "1", "--steps", "16",
+               "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and err == ""
+    d = json.loads(out)
+    assert d["schedule"] == "pipedream" and (d["stages"], d["microbatches"], d["steps"]) == (4, 1, 16)
+    assert d["max_versions"] == [4, 3, 2, 1] and d["peak_inflight"] == [4, 3, 2, 1]
+    assert d["bubble_fraction"] == pytest.approx(3 / 19, abs=1e-12)  # (S-1)/(K+S-1)
+    assert d["makespan"] == pytest.approx(19 * 3.0) and d["busy"] == [48.0] * 4
+
+
+def test_cli_choices_are_the_engine_schedules():
+    from asyncpp_ext.schedule.cli import SCHEDULE_CHOICES
+
+    assert SCHEDULE_CHOICES == sc.SCHEDULES and "pipedream" in SCHEDULE_CHOICES
+
+
 def test_json_costs_and_timeline_flag(capsys):
     assert main(["--schedule", "gpipe", "-S", "2", "-m", "2", "--fwd", "1", "--bwd", "3",
                  "--p2p", "0.5", "--opt", "0.25", "--json", "--timeline"]) == 0
@@ -68,11 +86,28 @@ def test_plot_labels_every_box_with_microbatch_and_version(tmp_path):
         assert label in text, label
 
 
+def test_pipedream_plot_labels_boxes_by_step_and_stashed_version(tmp_path):
+    import matplotlib
+
+    res = sc.simulate("pipedream", stages=4, microbatches=1, steps=8)
+    svg = tmp_path / "pd.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        sc.plot_timeline(res, svg)
+    text = svg.read_text()
+    # Stage 0 runs step 4's forward on the newest version 1 and step 1's backward on stashed v0;
+    # the last stage runs step 7 on v7.
+    for label in (">4|v1<", ">1|v0<", ">7|v4<", ">7|v7<", ">v8<", "step|weight version",
+                  "pipedream", "stage 3"):
+        assert label in text, label
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--schedule", "1f1b", "--stages", "0", "--microbatches", "4"], "stages must be >= 1"),
     (["--schedule", "1f1b", "--stages", "2", "--microbatches", "0"], "microbatches must be >= 1"),
     (["--schedule", "2bw", "--stages", "4", "--microbatches", "2"],
      "raise --microbatches to at least 4"),
+    (["--schedule", "pipedream", "--stages", "4", "--microbatches", "2", "--steps", "16", "--json"],
+     "pipedream runs one microbatch per optimizer step (got m=2): use --microbatches 1"),
     (["--schedule", "zb", "--stages", "2", "--microbatches", "2"], "invalid choice: 'zb'"),
     (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--fwd", "-1"],
      "--fwd must be a finite cost >= 0"),
