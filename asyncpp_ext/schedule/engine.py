@@ -13,7 +13,8 @@ pipeline stages; ``sched.programs[s]`` is the instruction stream stage ``s`` exe
   step (needs m = 1). Stage s runs step t's forward and backward on version max(t - (S-1-s), 0),
   so each forward uses the newest weights and its backward the stashed copy; the optimizer step
   of step t follows the stage's backward of step t and creates version t+1. Stage s holds at
-  most S-s versions (``max_versions`` is [S, S-1, ..., 1] once K >= S).
+  most S-s versions; it reaches them once K >= 2(S-1-s), so ``max_versions`` is
+  [S, S-1, ..., 1] for K >= 2(S-1).
 
 Bubble fraction of the continuous streams (2bw, pipedream) with uniform per-stage costs and no
 message latency: with N = K*m microbatches, forward f, backward b and optimizer step o, stage 0
