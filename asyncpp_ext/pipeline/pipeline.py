@@ -26,12 +26,12 @@ from .partition import as_blocks, split
 from .recompute import resolve_autocast
 from .stage import Signature, StageError, StageHost
 from .step_exchange import StepExchange
-from .ties import block_prefixes, find_ties, mirror_names, untie
+from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, choose_transport  # noqa: F401 (TRANSPORTS: public name kept here)
 from .transport import GlooTransport, TorchTransport, TransportError, create_link_groups, peer_failure_reason
 from .watchdog import Watchdog, WatchedHost, WatchedTransport, check_timeout, default_timeout_s
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 _SCHEDULE_CODES = {name: i for i, name in enumerate(SCHEDULES)}
 _HANDSHAKE_LEN = 16
@@ -68,7 +68,9 @@ class Pipeline:
             the same (identically initialised) model.
         loss_fn: ``loss_fn(output, targets)`` on the last stage (mean over the microbatch).
         optimizer: ``factory(module) -> torch.optim.Optimizer`` for the stage's blocks.
-        schedule: "gpipe", "1f1b" (synchronous) or "2bw" (PipeDream-2BW, one-step delay).
+        schedule: "gpipe", "1f1b" (synchronous), "2bw" (PipeDream-2BW, one-step delay) or
+            "pipedream" (PipeDream with weight stashing: one microbatch per step, stage s delayed
+            by S-1-s steps and keeping S-s weight versions; docs/design.md §1.16).
         microbatches: microbatches per step (2bw needs >= stages).
         stages: pipeline depth; defaults to the world size divided by dp.
         split_points: first block index of stages 1..S-1; default balances parameter counts.
@@ -131,6 +133,12 @@ class Pipeline:
         if schedule == "2bw" and microbatches < self.stages:
             raise ValueError(f"2bw needs microbatches >= stages (got {microbatches} < {self.stages}); "
                              f"raise microbatches to at least {self.stages}")
+        if schedule == "pipedream" and microbatches != 1:
+            raise ValueError(f"pipedream takes one microbatch per optimizer step (got microbatches="
+                             f"{microbatches}); pass microbatches=1 and a larger microbatch instead")
+        if schedule == "pipedream" and clip_grad_norm is not None:
+            raise ValueError("clip_grad_norm is not supported with pipedream: its stages finish a step "
+                             "S-1 steps apart, so a global norm would stall them; use 2bw to clip")
         self.schedule, self.m = schedule, microbatches
         timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, f"timeout_s={timeout_s!r}")
         self.device = torch.device("cpu" if device is None else device)
@@ -152,6 +160,8 @@ class Pipeline:
         ties = find_ties(model, blocks)
         untie(blocks, ties)
         self.partition = split(blocks, self.stages, split_points)
+        if schedule == "pipedream":
+            check_ties_on_one_stage(ties, self.partition)
         self.block_indices = self.partition[self.stage]
         module = nn.Sequential(*[blocks[i] for i in self.block_indices]).to(self.device)
         prefixes = block_prefixes(model, blocks, self.block_indices)
@@ -249,15 +259,16 @@ class Pipeline:
         """This stage's share of the run state, keyed by global parameter names (see simulate.py).
         A tied tensor is stored once, under its owner's name."""
         state = self.host.state_dict(self.param_names)
-        for section in ("params", "stash"):
-            state[section] = {n: t for n, t in state[section].items() if n not in self.mirror_of}
+        for section in ("params", "stash", "older"):
+            if section in state:
+                state[section] = {n: t for n, t in state[section].items() if n not in self.mirror_of}
         state["clip"] = self.exchange.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         """Load a state written at any pipeline depth (or by the single-process simulator)."""
         state = dict(state)
-        for section in ("params", "stash"):
+        for section in ("params", "stash", "older"):
             values = dict(state.get(section, {}))
             for mirror, owner in self.mirror_of.items():
                 if owner in values:

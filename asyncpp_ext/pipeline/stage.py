@@ -1,11 +1,13 @@
 """One pipeline stage as the executor sees it: forward, backward and optimizer step on demand.
 
-Weight versions (2bw): the stage's parameters live in two flat buffers, one per version parity.
-Two module replicas view them, so running a microbatch on version v means running replica v % 2
--- no copies and no pointer swaps under autograd. Both replicas' ``.grad`` view one flat gradient
-buffer. The optimizer owns a third set of parameter *handles* (stable identities for its state)
-that are pointed at the buffer being written just before each step. Sync schedules keep one
-version and step it in place.
+Weight versions: the stage's parameters live in a ring of n flat buffers, version v in buffer
+v % n (n = 1 for sync schedules, 2 for 2bw, S - s on stage s for pipedream). One module replica
+views each buffer, so running a microbatch on version v means running replica v % n -- no copies
+and no pointer swaps under autograd. All replicas' ``.grad`` view one flat gradient buffer. With
+n > 1 the optimizer owns another set of parameter *handles* (stable identities for its state)
+pointed at the buffer being written just before each step: OPTIMIZER_STEP(t) writes version t+1
+into buffer (t+1) % n, whose version t+1-n no instruction needs any more (docs/design.md §1.3,
+§1.16). A single buffer is stepped in place.
 """
 from __future__ import annotations
 
@@ -37,6 +39,14 @@ class Signature:
 
 class StageError(RuntimeError):
     """A stage cannot go on; the message names the stage, the step and the microbatch."""
+
+
+def versions_alive(schedule: str, stage: int, stages: int) -> int:
+    """Weight versions stage ``stage`` keeps: 1 (sync), 2 (2bw), S - s (pipedream: the delay
+    d_s = S - 1 - s plus the newest)."""
+    if schedule == "pipedream":
+        return stages - stage
+    return 2 if schedule == "2bw" else 1
 
 
 def _flatten_into(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
@@ -79,11 +89,11 @@ class StageHost:
         self.lr_schedule = None
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
-        self.two_versions = schedule == "2bw"
+        self.num_versions = versions_alive(schedule, stage, stages)
+        self.ring = self.num_versions > 1
 
-        replicas = [module]
-        if self.two_versions:
-            replicas.append(copy.deepcopy(module))
+        replicas = [module] + [copy.deepcopy(module) for _ in range(self.num_versions - 1)]
+        if self.ring:
             handles_module = copy.deepcopy(module)
         params = [list(r.parameters()) for r in replicas]
         numel = sum(p.numel() for p in params[0])
@@ -95,9 +105,9 @@ class StageHost:
         for ps in params:
             _point_at(ps, self.grad_flat, attr="grad")
         self.replicas = replicas
-        # version_in[k]: the weight version buffer k holds (2bw starts with W(0) in buffer 0 only).
-        self.version_in = [0] + ([-1] if self.two_versions else [])
-        if self.two_versions:
+        # version_in[k]: the weight version buffer k holds (W(0) in buffer 0 only at the start).
+        self.version_in = [0] + [-1] * (self.num_versions - 1)
+        if self.ring:
             self.opt_params = list(handles_module.parameters())
             _point_at(self.opt_params, self.flat[1])
             _point_at(self.opt_params, self.grad_flat, attr="grad")
@@ -164,19 +174,30 @@ class StageHost:
             offset += p.numel()
         return out
 
+    def _version(self, version: int, names: Sequence[str]) -> dict:
+        """The weights of ``version`` by name; versions before 0 are W(0)."""
+        version = max(version, 0)
+        k = version % self.num_versions
+        if self.version_in[k] != version:
+            raise StageError(f"stage {self.stage}: weight version {version} is not held (buffers hold "
+                             f"{self.version_in})")
+        return self._unflatten(self.flat[k], names)
+
     def state_dict(self, names: Sequence[str]) -> dict:
-        """Newest weights W(k), the older version W(k-1) for 2bw, optimizer state, step count."""
+        """Newest weights W(k) (``params``), W(k-1) (``stash``) and W(k-2)..W(k-n+1) (``older``, as
+        lists by name) for the versions this stage keeps, optimizer state, step count."""
         k = self.newest_version()
-        params = self._unflatten(self.flat[k % len(self.flat)], names)
-        stash = {}
-        if self.two_versions:
-            older = (k - 1) % 2
-            stash = self._unflatten(self.flat[older], names) if self.version_in[older] == k - 1 \
-                else {n: t.clone() for n, t in params.items()}  # before step 1: W(-1) = W(0)
+        params = self._unflatten(self.flat[k % self.num_versions], names)
+        lags = [self._version(k - lag, names) for lag in range(1, self.num_versions)]
+        stash = lags[0] if lags else {}
+        older = {n: [lag[n] for lag in lags[1:]] for n in names} if len(lags) > 1 else {}
         optimizer = (optimizer_state_by_name(self.optimizer, self._named_opt_params(names))
                      if self.optimizer is not None else {"state": {}, "param_groups": []})
-        return {"schedule": self.schedule,
-                "steps_done": k, "params": params, "stash": stash, "optimizer": optimizer}
+        state = {"schedule": self.schedule,
+                 "steps_done": k, "params": params, "stash": stash, "optimizer": optimizer}
+        if older:
+            state["older"] = older
+        return state
 
     def load_state_dict(self, state: dict, names: Sequence[str]) -> None:
         """Load a state written at any pipeline depth (only this stage's names are taken)."""
@@ -195,19 +216,26 @@ class StageHost:
 
         fill(self.flat[newest], state["params"])
         self.version_in[newest] = k
-        if self.two_versions:
-            older = (k - 1) % 2
-            if k == 0:
-                self.version_in[older] = -1
-            else:
-                if any(n not in state["stash"] for n in names):
+        for lag in range(1, self.num_versions):
+            buffer = (k - lag) % self.num_versions
+            if k - lag < 0:  # not created yet; W(0) (buffer 0) stands for it
+                self.version_in[buffer] = -1
+                continue
+            if lag == 1:
+                if any(n not in state.get("stash", {}) for n in names):
                     raise ValueError("the checkpoint holds no older weight version W(k-1); it was "
-                                     "not written by a 2bw run")
-                fill(self.flat[older], state["stash"])
-                self.version_in[older] = k - 1
+                                     f"not written by a {self.schedule} run")
+                fill(self.flat[buffer], state["stash"])
+            else:
+                older = state.get("older", {})
+                if any(len(older.get(n, [])) < lag - 1 for n in names):
+                    raise ValueError(f"the checkpoint holds no weight version W(k-{lag}); it was not "
+                                     f"written by a {self.schedule} run of this depth")
+                fill(self.flat[buffer], {n: older[n][lag - 2] for n in names})
+            self.version_in[buffer] = k - lag
         if self.optimizer is not None:
             named = self._named_opt_params(names)
-            if self.two_versions:
+            if self.ring:
                 _point_at(self.opt_params, self.flat[newest])
             load_optimizer_state_by_name(self.optimizer, named,
                                          regroup_optimizer_state(state["optimizer"], self.optimizer, named))
@@ -294,9 +322,9 @@ class StageHost:
         if self.lr_schedule is not None and self.optimizer is not None:
             from ..optim.lr_schedule import apply_lr
             apply_lr(self.optimizer, self.lr_schedule.multiplier(step))
-        dst = (step + 1) % 2 if self.two_versions else 0
-        if self.two_versions:
-            self.flat[dst].copy_(self.flat[step % 2])
+        dst = (step + 1) % self.num_versions
+        if self.ring:  # W(t) into the buffer of the version no instruction needs any more
+            self.flat[dst].copy_(self.flat[step % self.num_versions])
             _point_at(self.opt_params, self.flat[dst])
         if self.optimizer is not None and not skip:
             self.optimizer.step()

@@ -81,6 +81,23 @@ def untie(blocks: Sequence[nn.Module], ties: Sequence[Tie]) -> list[tuple[nn.Par
     return pairs
 
 
+class TieError(ValueError):
+    """Tied weights that the chosen schedule cannot keep consistent."""
+
+
+def check_ties_on_one_stage(ties: Sequence[Tie], partition: Sequence[Sequence[int]]) -> None:
+    """pipedream delays each stage differently (docs/design.md §1.16), so the uses of one tensor
+    on two stages would need two different versions of it: refuse such a split."""
+    stage_of = {b: s for s, blocks in enumerate(partition) for b in blocks}
+    for tie in ties:
+        stages = {stage_of[tie.owner.block], *(stage_of[u.block] for u in tie.mirrors)}
+        if len(stages) > 1:
+            names = ", ".join([tie.owner.name, *(u.name for u in tie.mirrors)])
+            raise TieError(f"pipedream cannot train the tied weights {names} on stages {sorted(stages)}: "
+                           "each stage runs a different weight version; untie them (e.g. "
+                           "--model with tie_embeddings off), put all uses on one stage, or use 2bw")
+
+
 def mirror_names(ties: Sequence[Tie]) -> dict[str, str]:
     """{mirror's global name: owner's global name}."""
     return {use.name: tie.owner.name for tie in ties for use in tie.mirrors}
@@ -98,4 +115,4 @@ def sum_tied_gradients(pairs: Sequence[tuple[nn.Parameter, nn.Parameter]]) -> No
         mirror.grad = None
 
 
-__all__ = ["TiedUse", "Tie", "block_prefixes", "find_ties", "untie", "mirror_names", "sum_tied_gradients"]
+__all__ = ["TieError", "check_ties_on_one_stage", "TiedUse", "Tie", "block_prefixes", "find_ties", "untie", "mirror_names", "sum_tied_gradients"]

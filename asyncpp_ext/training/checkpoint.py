@@ -8,7 +8,8 @@ Layout inside a run directory::
         meta.json           written LAST: step, config, data position, shard sizes + SHA-256
 
 A shard holds ``{"format", "stage", "engine", "rng"}`` where ``engine`` is the step engine's state
-keyed by GLOBAL parameter names (``params``, ``stash`` = W(t-1) for 2bw, ``optimizer`` with its
+keyed by GLOBAL parameter names (``params``, ``stash`` = W(t-1) for 2bw and pipedream, ``older`` =
+[W(t-2), ...] per name where pipedream keeps more versions, ``optimizer`` with its
 per-parameter state by name), so a checkpoint can be re-split at another pipeline depth.
 
 Atomicity: everything is written into a hidden temporary directory in the run directory (files
@@ -47,9 +48,11 @@ class NonFiniteCheckpointError(RuntimeError):
 
 
 def _check_finite_weights(stage: int, engine_state: dict) -> None:
-    for section in ("params", "stash"):
-        for name, t in engine_state.get(section, {}).items():
-            if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    for section in ("params", "stash", "older"):
+        for name, value in engine_state.get(section, {}).items():
+            for t in value if isinstance(value, list) else [value]:
+                if not (torch.is_tensor(t) and t.is_floating_point()) or bool(torch.isfinite(t).all()):
+                    continue
                 which = "weight" if section == "params" else "older weight version (stash) of"
                 raise NonFiniteCheckpointError(
                     f"refusing to write a checkpoint: the {which} {name!r} of stage {stage} holds "
@@ -278,6 +281,10 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
             raise CheckpointError(f"checkpoint {ckpt_dir} was written with {name}={before!r} but "
                                   f"this run has {now!r}; resume with the same value (or leave "
                                   "that flag out)")
+    if saved_cfg.pipeline.schedule == "pipedream" and saved_cfg.pipeline.stages != run.pipeline.stages:
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written by a pipedream run of --stages "
+                              f"{saved_cfg.pipeline.stages}, whose depth sets each stage's delay and the "
+                              f"weight versions it keeps; resume with --stages {saved_cfg.pipeline.stages}")
     if saved_cfg.optim.lr_schedule != "constant" and saved_cfg.train.steps != run.train.steps:
         # cosine and wsd place their decay by the run's length: another --steps changes every lr
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by a run of --steps {saved_cfg.train.steps} "

@@ -56,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     pipe, opt, run = (p.add_argument_group(t) for t in ("pipeline", "optimizer", "run"))
     pipe.add_argument("--schedule", choices=SCHEDULES,
-                      help=f"sync|gpipe|1f1b: no delay; 2bw: one-step weight delay, no flush "
-                           f"(default {_D.pipeline.schedule})")
+                      help=f"sync|gpipe|1f1b: no delay; 2bw: one-step weight delay, no flush; pipedream: "
+                           f"one microbatch per step, stage s delayed S-1-s steps (default {_D.pipeline.schedule})")
+    pipe.add_argument("--delay", type=int, metavar="K",
+                      help="with --schedule 2bw --simulate: a constant K-step weight delay instead of 2bw's one "
+                           "(research knob)")
     pipe.add_argument("--stages", type=int, help=f"pipeline stages (default {_D.pipeline.stages})")
     pipe.add_argument("--microbatches", type=int,
                       help=f"microbatches per step; 2bw needs >= stages (default {_D.pipeline.microbatches})")
@@ -156,6 +159,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
     cfg.model = model_from_args(args, cfg.model)
     sets = {
         ("pipeline", "schedule"): args.schedule, ("pipeline", "stages"): args.stages,
+        ("pipeline", "delay"): args.delay,
         ("pipeline", "microbatches"): args.microbatches,
         ("pipeline", "micro_batch_size"): args.micro_batch_size, ("pipeline", "dp"): args.dp,
         ("pipeline", "shard_muon"): None if args.no_shard_muon is None else not args.no_shard_muon,
@@ -279,7 +283,8 @@ def _run_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     engine = DelaySimulator(model, factory(model), p.schedule, on_nonfinite=cfg.train.on_nonfinite,
                             loss_fn=autocast_loss(cfg.train.dtype, torch.device(cfg.train.device)),
-                            lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm)
+                            lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
+                            stages=p.stages, delay=p.delay)
     start_step, elapsed = 0, 0.0
     if resume_dir is not None:
         meta, shards = load_checkpoint(resume_dir)
@@ -406,6 +411,7 @@ FIELD_FLAGS = {
     "pipeline.schedule": "--schedule", "pipeline.stages": "--stages",
     "pipeline.microbatches": "--microbatches", "pipeline.micro_batch_size": "--micro-batch-size",
     "pipeline.dp": "--dp", "pipeline.transport": "--transport", "train.dtype": "--dtype",
+    "pipeline.delay": "--delay", "model.tie_embeddings": "--model",
     "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
     "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta", "optim.ns_dtype": "--ns-dtype",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",

@@ -11,7 +11,7 @@ from typing import Optional
 from ..models.registry import ModelConfig
 from ..pipeline.devices import TRANSPORTS
 
-SCHEDULES = ("sync", "gpipe", "1f1b", "2bw")
+SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
 NONFINITE_POLICIES = ("stop", "skip")
 OPTIMIZERS = ("adamw", "muon", "sgd")
 DEVICES = ("cpu", "cuda")
@@ -124,7 +124,8 @@ class OptimConfig:
 @dataclass
 class PipelineConfig:
     schedule: str = "2bw"
-    """sync | gpipe | 1f1b (no delay) or 2bw (one-step weight delay, no flush)."""
+    """sync | gpipe | 1f1b (no delay), 2bw (one-step weight delay, no flush) or pipedream (one
+    microbatch per step, stage s delayed by stages-1-s steps; docs/design.md §1.16)."""
     stages: int = 1
     """Pipeline stages (processes); at most the model's number of blocks (n_layer + 2)."""
     microbatches: int = 4
@@ -144,6 +145,10 @@ class PipelineConfig:
     | nccl (the C++ NCCL transport; cuda, one GPU per rank) | torch (torch.distributed isend/irecv
     on a group per link and direction: NCCL on cuda, one GPU per rank; gloo on cpu) | gloo (on
     cuda staged through host memory, so ranks may share a GPU). All give the same numbers."""
+
+    delay: Optional[int] = None
+    """Simulator research knob: a constant K-step delay for every parameter (2bw is K = 1); only
+    with schedule 2bw under train.simulate. None = the schedule's own delay."""
 
     @property
     def global_micro_batch_size(self) -> int:
@@ -235,6 +240,29 @@ class RunConfig:
                  if v is not None}
         return LRSchedule(kind=o.lr_schedule, steps=self.train.steps, warmup_steps=o.warmup_steps, **extra)
 
+    def _validate_delays(self) -> None:
+        """--delay and pipedream's own constraints (docs/design.md §1.16)."""
+        p = self.pipeline
+        if p.delay is not None:
+            _positive_int("pipeline.delay", p.delay)
+            if p.schedule != "2bw" or not self.train.simulate:
+                raise ConfigError(f"pipeline.delay={p.delay} is a simulator knob generalising 2bw's one-step "
+                                  f"delay; use it with --schedule 2bw --simulate (got --schedule {p.schedule}"
+                                  f"{'' if self.train.simulate else ' on a real multi-process run'})")
+        if p.schedule != "pipedream":
+            return
+        if p.microbatches != 1:
+            raise ConfigError(f"pipeline.microbatches={p.microbatches}: pipedream takes one microbatch per "
+                              f"optimizer step; pass --microbatches 1 (and --micro-batch-size "
+                              f"{p.microbatches * p.micro_batch_size} for the same batch per update)")
+        if self.optim.clip_grad_norm is not None:
+            raise ConfigError("optim.clip_grad_norm is not supported with pipedream (its stages finish a step "
+                              "S-1 steps apart, so a global norm would stall them); use 2bw to clip")
+        if self.model.tie_embeddings and p.stages > 1:
+            raise ConfigError(f"model.tie_embeddings: pipedream runs each stage on a different weight version, "
+                              f"so the embedding (stage 0) and the tied head (stage {p.stages - 1}) cannot share "
+                              "one tensor; use 2bw, --stages 1, or an untied model")
+
     def validate(self) -> None:
         """Raise ConfigError naming the first field that cannot run."""
         try:
@@ -296,6 +324,7 @@ class RunConfig:
             raise ConfigError(f"pipeline.stages={self.pipeline.stages} exceeds the model's {blocks} "
                               f"blocks (n_layer {self.model.n_layer} + embedding + head); use "
                               f"--stages <= {blocks} or a deeper model (--n-layer)")
+        self._validate_delays()
         if self.pipeline.schedule == "2bw" and self.pipeline.microbatches < self.pipeline.stages:
             raise ConfigError(f"pipeline.microbatches={self.pipeline.microbatches} is fewer than "
                               f"pipeline.stages={self.pipeline.stages}; 2bw needs microbatches >= "
@@ -337,7 +366,7 @@ RESUME_MUST_MATCH = (
     [f"model.{f.name}" for f in fields(ModelConfig)]
     + [f"data.{f.name}" for f in fields(DataConfig)]
     + [f"optim.{f.name}" for f in fields(OptimConfig)]
-    + ["pipeline.schedule", "pipeline.microbatches", "pipeline.global_micro_batch_size",
+    + ["pipeline.schedule", "pipeline.microbatches", "pipeline.global_micro_batch_size", "pipeline.delay",
        "train.seed", "train.dtype"]
 )
 
