@@ -1,21 +1,30 @@
 """Single-process reference of the update semantics (docs/design.md §1, §1.10).
 
-* sync (also "gpipe", "1f1b"):  W(t+1) = W(t) - lr * U(grad f_t(W(t)))
-* 2bw:                          W(t+1) = W(t) - lr * U(grad f_t(W(t-1))),   W(-1) := W(0)
+Every parameter p has a delay d_p (steps it computes behind the newest weights):
+
+* sync (also "gpipe", "1f1b"): d_p = 0            W(t+1) = W(t) - lr * U(grad f_t(W(t)))
+* 2bw:                         d_p = 1            W(t+1) = W(t) - lr * U(grad f_t(W(t-1)))
+* 2bw with ``delay=K``:        d_p = K (research knob: a constant K-step delay, simulator only)
+* pipedream (weight stashing): d_p = S - 1 - s for the parameters of stage s of S, so the stages
+  of one forward compute on different versions; one microbatch per step.
+
+Step t computes parameter p's gradient (forward and backward) on W_p(max(t - d_p, 0)), i.e.
+versions before 0 are W(0), and the optimizer applies it to the newest weights W(t).
 
 One step consumes a minibatch of m microbatches. For each microbatch i = 0..m-1, in that order,
-forward on the version the schedule prescribes, then backward of ``loss_i / m`` accumulating into
+forward on the versions the schedule prescribes, then backward of ``loss_i / m`` accumulating into
 ``.grad``; the step's loss is ``(loss_0 + ... + loss_{m-1}) / m``. The optimizer then steps the
 newest weights W(t) with those gradients. A multi-process pipeline run with the same data and the
 same accumulation order must reproduce these numbers to floating-point tolerance.
 
 Tied weights (docs/design.md §1.13): every use of a tied tensor accumulates its own gradient
-and the owner's becomes ``owner + mirrors`` before the step, as on a pipeline. Learning-rate
-schedule and clipping by the previous step's norm (§1.14) are applied at the step as there.
+and the owner's becomes ``owner + mirrors`` before the step, as on a pipeline. Under pipedream a
+tie whose uses sit on stages with different delays has no consistent version and is refused.
+Learning-rate schedule and clipping by the previous step's norm (§1.14) are applied at the step.
 
 Non-finite values (``on_nonfinite``): "stop" raises NonFiniteError when a microbatch loss or a
-gradient holds NaN/Inf, before the optimizer runs; "skip" skips that step's update (for 2bw the
-next version is a copy of W(t)) -- the rule a pipeline applies on every stage (see
+gradient holds NaN/Inf, before the optimizer runs; "skip" skips that step's update (the next
+version is a copy of W(t)) -- the rule a pipeline applies on every stage (see
 pipeline/nonfinite.py; the one difference: a pipeline stops where a gradient turns non-finite on
 an early stage only, as its later stages have applied the step by then).
 """
@@ -31,11 +40,28 @@ from ..optim.lr_schedule import apply_lr
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from ..pipeline.clipping import PreviousNormClipper
 from ..pipeline.nonfinite import POLICIES, NonFiniteError
-from ..pipeline.partition import as_blocks
+from ..pipeline.partition import as_blocks, split
 from ..pipeline.ties import find_ties, sum_tied_gradients, untie
 from .trainer import StepOutcome
 
-DELAYED_SCHEDULES = ("2bw",)
+SIMULATED_SCHEDULES = tuple(dict.fromkeys((*SCHEDULES, "pipedream")))
+"""Every schedule the simulator runs: the trainer's, plus pipedream (per-stage delays)."""
+DELAYED_SCHEDULES = ("2bw", "pipedream")
+"""Schedules whose gradients are computed on older weight versions."""
+
+
+class DelaySimulatorError(ValueError):
+    """A simulator argument, input or saved state that cannot run; the message says what to change."""
+
+
+def stage_delay(schedule: str, stage: int, stages: int, delay: int | None = None) -> int:
+    """Steps by which ``stage`` (of ``stages``) computes behind the newest weights: 0 for the
+    synchronous schedules, ``delay`` (default 1) for 2bw, ``stages - 1 - stage`` for pipedream."""
+    if schedule == "pipedream":
+        return stages - 1 - stage
+    if schedule == "2bw":
+        return 1 if delay is None else delay
+    return 0
 
 
 def default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -46,69 +72,106 @@ def default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) 
 
 
 class DelaySimulator:
-    """Step engine running the sync or 2bw update rule in one process.
+    """Step engine running a schedule's update rule (sync, 2bw, pipedream, K-step delay) in one
+    process.
 
-    For 2bw it keeps ``stash`` = W(t-1). During a step the stashed tensors are swapped into the
-    parameters (``p.data``) for the forward/backward passes and swapped back before the optimizer
-    step, so parameter identity (and the optimizer's per-parameter state) never changes.
+    Each parameter p with delay d_p >= 1 keeps a ring of its d_p previous versions, newest first:
+    ``[W(t-1), ..., W(t-d_p)]`` (all W(0) at the start). During a step the oldest one is swapped
+    into the parameter (``p.data``) for the forward/backward passes and swapped back before the
+    optimizer step; then that slot is overwritten with W(t) and becomes the newest. So parameter
+    identity (and the optimizer's per-parameter state) never changes, and a parameter with delay 0
+    (sync, the last pipedream stage) keeps no copy.
+
+    ``stages``/``split_points`` place the model's blocks on pipedream stages exactly as a Pipeline
+    does (``pipeline.partition.split``); the other schedules' delays do not depend on the split,
+    so there they are ignored. ``delay`` (2bw only) is the constant K-step delay; 1 is plain 2bw.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: str,
                  loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_loss,
-                 on_nonfinite: str = "stop", lr_schedule=None, clip_grad_norm: float | None = None):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+                 on_nonfinite: str = "stop", lr_schedule=None, clip_grad_norm: float | None = None,
+                 stages: int | None = None, split_points: Sequence[int] | None = None,
+                 delay: int | None = None):
+        if schedule not in SIMULATED_SCHEDULES:
+            raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SIMULATED_SCHEDULES)}")
         if on_nonfinite not in POLICIES:
-            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(POLICIES)}")
+            raise DelaySimulatorError(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(POLICIES)}")
+        _check_delay_arguments(schedule, stages, delay)
         self.on_nonfinite = on_nonfinite
         self.last_skipped = False
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
         self.loss_fn = loss_fn
-        self.delayed = schedule in DELAYED_SCHEDULES
         self.lr_schedule = lr_schedule
         self.clipper = PreviousNormClipper(clip_grad_norm) if clip_grad_norm is not None else None
         # Untie (each use its own Parameter on the owner's storage) after the optimizer was built on
         # the tied model: the optimizer holds the owners only.
         self.tied = []
-        if hasattr(model, "blocks"):
+        blocks, ties = None, []
+        if hasattr(model, "blocks") or schedule == "pipedream":
             blocks = as_blocks(model)
-            self.tied = untie(blocks, find_ties(model, blocks))
+            ties = find_ties(model, blocks)
+        if hasattr(model, "blocks"):
+            self.tied = untie(blocks, ties)
         mirrors = {id(m) for _, m in self.tied}
         named = [(n, p) for n, p in model.named_parameters() if id(p) not in mirrors]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._check_optimizer_covers_model()
-        # W(-1) := W(0): the first delayed step computes its gradient on the initial weights.
-        self.stash = [p.detach().clone() for p in self.params] if self.delayed else []
+        if schedule == "pipedream":
+            self.delays = _pipedream_delays(named, blocks, ties, stages, split_points)
+        else:
+            self.delays = [stage_delay(schedule, 0, 1, delay)] * len(self.params)
+        self.delayed = any(d > 0 for d in self.delays)
+        # Versions before 0 are W(0): the first d_p steps compute on the initial weights.
+        self.history = [[p.detach().clone() for _ in range(d)] for p, d in zip(self.params, self.delays)]
         self.steps_done = 0
+
+    @property
+    def stash(self) -> list[torch.Tensor]:
+        """W(t-1) of every parameter with delay >= 1, in parameter order (2bw: all of them)."""
+        return [ring[0] for ring in self.history if ring]
 
     def _check_optimizer_covers_model(self) -> None:
         in_optimizer = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         missing = [n for n, p in zip(self.names, self.params) if id(p) not in in_optimizer]
         if missing:
-            raise ValueError(f"the optimizer does not hold parameter(s) {missing[:3]}...; build it "
-                             "from this model's parameters")
+            raise DelaySimulatorError(f"the optimizer does not hold parameter(s) {missing[:3]}...; "
+                                      "build it from this model's parameters")
 
-    def _swap_stash(self) -> None:
-        for p, other in zip(self.params, self.stash):
-            p.data, other.data = other.data, p.data
+    def _swap_oldest(self) -> None:
+        """Exchange each delayed parameter's values with its oldest kept version W(t - d_p)."""
+        for p, ring in zip(self.params, self.history):
+            if ring:
+                p.data, ring[-1].data = ring[-1].data, p.data
         self._sync_mirrors()
 
     def _sync_mirrors(self) -> None:
         for owner, mirror in self.tied:  # a mirror views its owner's current values
             mirror.data = owner.data
 
+    @torch.no_grad()
+    def _push_newest(self) -> None:
+        """W(t) becomes the newest kept version; the oldest, W(t - d_p), is no longer needed."""
+        for p, ring in zip(self.params, self.history):
+            if ring:
+                slot = ring.pop()
+                slot.copy_(p)
+                ring.insert(0, slot)
+
     def step(self, minibatch: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One optimizer step on ``minibatch`` (a list of (inputs, targets)); returns its loss."""
         m = len(minibatch)
         if m == 0:
-            raise ValueError("a minibatch needs at least one microbatch")
+            raise DelaySimulatorError("a minibatch needs at least one microbatch")
+        if self.schedule == "pipedream" and m != 1:
+            raise DelaySimulatorError(f"schedule 'pipedream' takes exactly one microbatch per step, "
+                                      f"got {m}; use --microbatches 1 (with a micro-batch m times as large)")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         if self.delayed:
-            self._swap_stash()  # params <- W(t-1), stash <- W(t)
+            self._swap_oldest()  # params <- W(t - d_p), ring slot <- W(t)
         total, bad = 0.0, None
         try:
             for i, (inputs, targets) in enumerate(minibatch):
@@ -121,7 +184,7 @@ class DelaySimulator:
                 total += loss.item()
         finally:
             if self.delayed:
-                self._swap_stash()  # params <- W(t), stash <- W(t-1)
+                self._swap_oldest()  # params <- W(t), ring slot <- W(t - d_p)
         sum_tied_gradients(self.tied)
         if bad is None:
             bad = next((f"non-finite gradient in {n}" for n, p in zip(self.names, self.params)
@@ -130,9 +193,7 @@ class DelaySimulator:
             raise NonFiniteError(f"{bad} at step {self.steps_done + 1}; stopping (use --on-nonfinite "
                                  "skip to skip such steps)")
         if self.delayed:
-            with torch.no_grad():  # W(t) becomes the version the next step computes on
-                for p, old in zip(self.params, self.stash):
-                    old.copy_(p)
+            self._push_newest()
         self.last_skipped = bad is not None
         if self.clipper is not None:
             self.clipper.clip([p.grad for p in self.params if p.grad is not None], self.last_skipped)
@@ -165,28 +226,44 @@ class DelaySimulator:
 
     # -- state: keyed by global parameter names so a checkpoint can be re-split later ------------
     def state_dict(self) -> dict:
-        """Weights (newest, and W(t-1) for 2bw), optimizer state by parameter name, step count."""
+        """Newest weights W(t) (``params``), W(t-1) of every delayed parameter (``stash``), its
+        older versions ``[W(t-2), ..., W(t-d_p)]`` where d_p >= 2 (``older``), optimizer state by
+        parameter name, step count, clipping norm."""
         return {
             "schedule": self.schedule,
             "steps_done": self.steps_done,
             "params": {n: p.detach().clone() for n, p in zip(self.names, self.params)},
-            "stash": {n: s.clone() for n, s in zip(self.names, self.stash)},
+            "stash": {n: ring[0].clone() for n, ring in zip(self.names, self.history) if ring},
+            "older": {n: [t.clone() for t in ring[1:]] for n, ring in zip(self.names, self.history)
+                      if len(ring) >= 2},
             "optimizer": optimizer_state_by_name(self.optimizer, self.model),
             "clip": self.clipper.state_dict() if self.clipper is not None else {"previous_norm": None},
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a state from ``state_dict`` (or merged pipeline shards); the run continues bitwise."""
         if state.get("schedule") != self.schedule:
-            raise ValueError(f"state was saved with schedule {state.get('schedule')!r}, this "
-                             f"simulator runs {self.schedule!r}; use the same schedule")
+            raise DelaySimulatorError(f"state was saved with schedule {state.get('schedule')!r}, this "
+                                      f"simulator runs {self.schedule!r}; use the same schedule")
         _check_names("params", state["params"], self.names)
+        older = {n: v for n, v in (state.get("older") or {}).items() if len(v)}  # [] = none kept
         if self.delayed:
-            _check_names("stash", state["stash"], self.names)
+            versions_hint = "load a state saved with the same schedule, delay and stage split"
+            _check_names("stash", state["stash"], [n for n, r in zip(self.names, self.history) if r],
+                         versions_hint)
+            _check_names("older", older, [n for n, r in zip(self.names, self.history) if len(r) >= 2],
+                         versions_hint)
+            for n, ring in zip(self.names, self.history):
+                if len(ring) >= 2 and len(older[n]) != len(ring) - 1:
+                    raise DelaySimulatorError(
+                        f"saved older versions of {n!r} are {len(older[n])}, this simulator keeps "
+                        f"{len(ring) - 1} (delay {len(ring)}); {versions_hint}")
         with torch.no_grad():
-            for n, p in zip(self.names, self.params):
+            for n, p, ring in zip(self.names, self.params, self.history):
                 p.copy_(state["params"][n])
-            for n, s in zip(self.names, self.stash):
-                s.copy_(state["stash"][n])
+                for slot, saved in zip(ring, [state["stash"][n], *older.get(n, [])] if ring else []):
+                    slot.copy_(saved)
+        self._sync_mirrors()
         load_optimizer_state_by_name(self.optimizer, self.model,
                                      regroup_optimizer_state(state["optimizer"], self.optimizer, self.model))
         if self.clipper is not None:
@@ -194,30 +271,75 @@ class DelaySimulator:
         self.steps_done = int(state["steps_done"])
 
 
-def _check_names(what: str, saved: dict, expected: list[str]) -> None:
+def _check_delay_arguments(schedule: str, stages, delay) -> None:
+    if delay is not None:
+        if schedule != "2bw":
+            raise DelaySimulatorError(f"delay={delay!r} sets 2bw's constant K-step delay; it does not "
+                                      f"apply to schedule {schedule!r} (use schedule '2bw' or drop delay)")
+        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
+            raise DelaySimulatorError(f"delay must be an integer >= 1 (1 is plain 2bw), got {delay!r}")
+    if schedule == "pipedream":
+        if stages is None:
+            raise DelaySimulatorError("schedule 'pipedream' needs stages=S: stage s of S computes "
+                                      "S-1-s steps behind; pass the pipeline depth")
+        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+            raise DelaySimulatorError(f"stages must be an integer >= 1, got {stages!r}")
+
+
+def _pipedream_delays(named, blocks, ties, stages: int, split_points) -> list[int]:
+    """d_p = S-1-s for each parameter of ``named``, s its block's stage under the Pipeline split."""
+    partition = split(blocks, stages, split_points)
+    stage_of_block = {b: s for s, indices in enumerate(partition) for b in indices}
+    delay_of_block = {b: stage_delay("pipedream", s, stages) for b, s in stage_of_block.items()}
+    for tie in ties:  # every use of a tensor must compute on one version of it
+        a = tie.owner.block
+        for use in tie.mirrors:
+            b = use.block
+            if delay_of_block[a] != delay_of_block[b]:
+                raise DelaySimulatorError(
+                    f"tied weight {tie.owner.name!r} (stage {stage_of_block[a]}) is also used as "
+                    f"{use.name!r} (stage {stage_of_block[b]}), and pipedream computes the two stages "
+                    f"on different weight versions; pass split points that put blocks {a}..{b} on "
+                    "one stage, untie the weights, or use schedule '2bw'")
+    delay_of = {}
+    for b, block in enumerate(blocks):
+        for p in block.parameters():
+            delay_of.setdefault(id(p), delay_of_block[b])
+    outside = [n for n, p in named if id(p) not in delay_of]
+    if outside:
+        raise DelaySimulatorError(f"parameter(s) {outside[:3]} belong to no block of the model, so "
+                                  "pipedream cannot place them on a stage; keep every parameter in a block")
+    return [delay_of[id(p)] for _, p in named]
+
+
+def _check_names(what: str, saved: dict, expected: list[str],
+                 hint: str = "load a state saved from the same model shape") -> None:
     if set(saved) != set(expected):
         missing = sorted(set(expected) - set(saved))[:3]
         extra = sorted(set(saved) - set(expected))[:3]
-        raise ValueError(f"saved {what} do not match the model (missing {missing}, unexpected "
-                         f"{extra}); load a state saved from the same model shape")
+        raise DelaySimulatorError(f"saved {what} do not match the model (missing {missing}, "
+                                  f"unexpected {extra}); {hint}")
 
 
 def merge_engine_states(states: Sequence[dict]) -> dict:
-    """One engine state from per-stage shards (any pipeline depth): weights and optimizer state are
-    keyed by global parameter names, so the union is the whole model's state."""
+    """One engine state from per-stage shards (any pipeline depth): weights, older versions and
+    optimizer state are keyed by global parameter names, so the union is the whole model's state."""
     if len(states) == 1:
         return states[0]
     merged = {"schedule": states[0]["schedule"], "steps_done": states[0]["steps_done"],
-              "params": {}, "stash": {}, "optimizer": {"state": {}, "param_groups": []},
+              "params": {}, "stash": {}, "older": {}, "optimizer": {"state": {}, "param_groups": []},
               "clip": states[0].get("clip")}  # every stage knows the same previous norm
     for s in states:
         if s["steps_done"] != merged["steps_done"]:
-            raise ValueError(f"shards disagree on the step ({s['steps_done']} vs {merged['steps_done']})")
+            raise DelaySimulatorError(f"shards disagree on the step ({s['steps_done']} vs "
+                                      f"{merged['steps_done']}); merge shards of one checkpoint")
         merged["params"].update(s["params"])
         merged["stash"].update(s["stash"])
+        merged["older"].update(s.get("older") or {})
         merged["optimizer"]["state"].update(s["optimizer"]["state"])
         merged["optimizer"]["param_groups"] += s["optimizer"]["param_groups"]
     return merged
 
 
-__all__ = ["DelaySimulator", "default_loss", "merge_engine_states", "DELAYED_SCHEDULES"]
+__all__ = ["DelaySimulator", "DelaySimulatorError", "default_loss", "merge_engine_states", "stage_delay",
+           "DELAYED_SCHEDULES", "SIMULATED_SCHEDULES"]
