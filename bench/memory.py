@@ -1,4 +1,4 @@
-"""Per-stage memory of gpipe / 1f1b / 2bw, EF off and on: measured against docs/design.md §3.
+"""Per-stage memory of gpipe / 1f1b / 2bw / pipedream, EF off and on: measured against docs/design.md §3.
 
 Each run trains the preset GPT over S processes with ``track_memory=True`` and reads every stage's
 ``host.memory_report()``: bytes of weight versions, gradient buffer, optimizer state (AdamW moments
@@ -7,15 +7,20 @@ saved tensors, see asyncpp_ext/pipeline/memory.py), plus the process's max RSS a
 (it also holds torch itself, the data and the allocator's slack, so it is not expected to match).
 
     python bench/memory.py [--model small|tiny] [--stages 4] [--microbatches 8]
-                           [--micro-batch-size 4] [--steps 3] [--schedules gpipe 1f1b 2bw]
+                           [--micro-batch-size 4] [--steps 3] [--schedules gpipe 1f1b 2bw pipedream]
                            [--ef off|on|both] [--json]
 
+pipedream takes one microbatch per step: it runs with one microbatch of m x micro-batch-size
+sequences (the same batch per update as the others).
+
 Predicted (docs/design.md §3, memory per stage s of S):
-  weights      2 versions for 2bw, 1 for gpipe/1f1b (x the stage's parameter bytes P)
+  weights      S - s versions for pipedream, 2 for 2bw, 1 for gpipe/1f1b (x the stage's parameter
+               bytes P)
   optimizer    AdamW: 2 P, +1 P with EF
   activations  A_s x in-flight count, where A_s is the measured activation bytes of ONE microbatch
                on stage s (the stage's blocks run once in this process under the same meter) and
-               the count is min(S - s, m) for 1f1b/2bw and m for gpipe.
+               the count is min(S - s, m) for 1f1b/2bw, m for gpipe, min(S - s, steps) for pipedream
+               (its microbatches are its steps).
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from gpt_workload import (GPT, adamw_factory, build_gpt, machine_description, mi
 from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
 from asyncpp_ext.pipeline.memory import ActivationMeter  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
 EF_BETA_ON = 0.5
 MIB = 1024 * 1024
 
@@ -75,35 +80,49 @@ def one_microbatch_activation_bytes(model: str, stages: int, m: int, micro_batch
     return per_stage
 
 
-def in_flight(schedule: str, stages: int, stage: int, m: int) -> int:
+def batching(schedule: str, m: int, micro_batch: int) -> tuple[int, int]:
+    """(microbatches, micro-batch size) a schedule runs with: pipedream takes the whole minibatch as
+    its one microbatch."""
+    return (1, m * micro_batch) if schedule == "pipedream" else (m, micro_batch)
+
+
+def in_flight(schedule: str, stages: int, stage: int, m: int, steps: int) -> int:
+    if schedule == "pipedream":
+        return min(stages - stage, steps)
     return m if schedule == "gpipe" else min(stages - stage, m)
 
 
-def predict(schedule: str, ef: bool, stages: int, stage: int, m: int, param_bytes: int, act_one: int) -> dict:
-    return {"weights": (2 if schedule == "2bw" else 1) * param_bytes,
+def weight_versions(schedule: str, stages: int, stage: int) -> int:
+    return {"pipedream": stages - stage, "2bw": 2}.get(schedule, 1)
+
+
+def predict(schedule: str, ef: bool, stages: int, stage: int, m: int, steps: int, param_bytes: int,
+            act_one: int) -> dict:
+    return {"weights": weight_versions(schedule, stages, stage) * param_bytes,
             "grads": param_bytes,
             "optimizer_state": (3 if ef else 2) * param_bytes,
-            "peak_activations": act_one * in_flight(schedule, stages, stage, m)}
+            "peak_activations": act_one * in_flight(schedule, stages, stage, m, steps)}
 
 
 def measure(model: str, stages: int, m: int, micro_batch: int, steps: int,
             schedules=SCHEDULES, ef_settings=(False, True)) -> dict:
-    act_one = one_microbatch_activation_bytes(model, stages, m, micro_batch)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for schedule in schedules:
+            mbs, size = batching(schedule, m, micro_batch)
+            act_one = one_microbatch_activation_bytes(model, stages, mbs, size)
             for ef in ef_settings:
                 prefix = os.path.join(tmp, f"{schedule}-{int(ef)}")
-                spawn(worker, stages, (schedule, EF_BETA_ON if ef else 0.0, model, m, micro_batch, steps, prefix))
+                spawn(worker, stages, (schedule, EF_BETA_ON if ef else 0.0, model, mbs, size, steps, prefix))
                 for s in range(stages):
                     with open(f"{prefix}-stage{s}.json") as fh:
                         got = json.load(fh)
-                    want = predict(schedule, ef, stages, s, m, got["param_bytes"], act_one[s])
+                    want = predict(schedule, ef, stages, s, mbs, steps, got["param_bytes"], act_one[s])
                     measured = {k: got[k] for k in want}
                     rows.append({"schedule": schedule, "ef": ef, "stage": s, "param_bytes": got["param_bytes"],
                                  "weight_versions": got["weight_versions"],
                                  "activation_bytes_one_microbatch": act_one[s],
-                                 "in_flight": in_flight(schedule, stages, s, m),
+                                 "in_flight": in_flight(schedule, stages, s, mbs, steps),
                                  "measured": measured, "predicted": want,
                                  "measured_total": sum(measured.values()), "predicted_total": sum(want.values()),
                                  "max_rss": got["max_rss"]})
@@ -120,12 +139,12 @@ def format_report(r: dict) -> str:
     lines = [f"# {r['model']} GPT, S={r['stages']} m={r['microbatches']} micro-batch {r['micro_batch_size']}, "
              f"{r['steps']} steps, AdamW (EF beta {r['ef_beta_on']} when on); MiB, measured/predicted; "
              f"{r['machine']}",
-             f"  {'schedule':<9}{'EF':<4}{'stage':>5}{'weights':>15}{'grads':>8}{'opt state':>15}"
+             f"  {'schedule':<10}{'EF':<4}{'stage':>5}{'weights':>15}{'grads':>8}{'opt state':>15}"
              f"{'act 1 mb':>10}{'in-flight':>10}{'peak activations':>19}{'total':>17}{'max RSS':>9}"]
     for row in r["rows"]:
         me, pr = row["measured"], row["predicted"]
         lines.append(
-            f"  {row['schedule']:<9}{'on' if row['ef'] else 'off':<4}{row['stage']:>5}"
+            f"  {row['schedule']:<10}{'on' if row['ef'] else 'off':<4}{row['stage']:>5}"
             f"{_mib(me['weights']) + '/' + _mib(pr['weights']):>15}{_mib(me['grads']):>8}"
             f"{_mib(me['optimizer_state']) + '/' + _mib(pr['optimizer_state']):>15}"
             f"{_mib(row['activation_bytes_one_microbatch']):>10}{row['in_flight']:>10}"

@@ -1,4 +1,4 @@
-"""Schedule efficiency with emulated compute: our gpipe/1f1b/2bw vs torch.distributed.pipelining.
+"""Schedule efficiency with emulated compute: our gpipe/1f1b/2bw/pipedream vs torch.distributed.pipelining.
 
 Each stage's compute is a fixed-time wait (forward f, backward 2f), as a GPU kernel would look
 to the host, so the table measures schedules and runtime overheads, not this CPU. All runs use
@@ -12,6 +12,8 @@ forward and backward times one emulated stage really takes in one process (the w
 deadline, so this stays within ~0.1 ms of f and 2f: the calibration shows what remains);
 achieved / own ideal, where a synchronous schedule's own ideal
 includes its unavoidable bubble ((m+S-1)*(f+2f) per step); ratio to torch's Schedule1F1B.
+pipedream takes one microbatch per optimizer step: it runs steps*m steps of one microbatch (the
+same microbatches as the others' steps of m), and its figures count m of its steps as one.
 """
 from __future__ import annotations
 
@@ -102,6 +104,8 @@ def _sgd(module):
 
 def ours(schedule, stages, m, steps, warmup, f, out):
     init_distributed(120)
+    if schedule == "pipedream":  # the same microbatches, one optimizer step each
+        m, steps, warmup = 1, steps * m, warmup * m
     blocks = [EmulatedStage(f, 2 * f) for _ in range(stages)]
     pipe = Pipeline(blocks, loss_fn=nn.functional.mse_loss, optimizer=_sgd, schedule=schedule,
                     microbatches=m)
@@ -153,7 +157,8 @@ def theirs(schedule, stages, m, steps, warmup, f, out):
             json.dump({"seconds": time.monotonic() - start}, fh)
 
 
-RUNS = [("ours", "gpipe"), ("ours", "1f1b"), ("ours", "2bw"), ("torch", "gpipe"), ("torch", "1f1b")]
+RUNS = [("ours", "gpipe"), ("ours", "1f1b"), ("ours", "2bw"), ("ours", "pipedream"), ("torch", "gpipe"),
+        ("torch", "1f1b")]
 
 
 def calibrate(f: float, repeats: int = 30) -> tuple[float, float]:
@@ -186,7 +191,7 @@ def measure(stages: int, m: int, steps: int, warmup: int, f: float) -> list[dict
             with open(out) as fh:
                 seconds = json.load(fh)["seconds"]
             step_ideal = m * 3 * f
-            own_ideal = step_ideal if schedule == "2bw" else (m + stages - 1) * 3 * f
+            own_ideal = step_ideal if schedule in ("2bw", "pipedream") else (m + stages - 1) * 3 * f
             rows.append({"impl": impl, "schedule": schedule, "seconds": seconds,
                          "steps_per_s": steps / seconds,
                          "achieved_over_ideal": step_ideal * steps / seconds,

@@ -96,6 +96,17 @@ def test_memory_bench_matches_the_design_formula_on_2bw_with_ef(capsys):
         assert r["max_rss"] > r["measured_total"]
 
 
+def test_memory_bench_counts_pipedreams_weight_versions(capsys):
+    """pipedream keeps S - s weight versions on stage s: (S - s) x the stage's weight bytes."""
+    assert memory_bench.main(["--model", "tiny", "--stages", "3", "--microbatches", "3", "--steps", "3",
+                              "--micro-batch-size", "2", "--schedules", "pipedream", "--ef", "off", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["weight_versions"] for r in rows] == [3, 2, 1]
+    for r in rows:
+        assert r["measured"]["weights"] == (3 - r["stage"]) * r["param_bytes"]
+        assert r["measured"] == r["predicted"]
+
+
 def test_memory_bench_rejects_fewer_microbatches_than_stages(capsys):
     with pytest.raises(SystemExit):
         memory_bench.main(["--stages", "4", "--microbatches", "2"])
