@@ -122,15 +122,21 @@ def test_bad_schedule_clipping_and_data_inputs_are_one_line_and_write_nothing(tm
     _fails_cleanly(capsys, ["--data", str(tokens), "--vocab-size", "300"], out, "ids.bin")
 
 
-def test_missing_transformers_names_the_extra(tmp_path):
-    (tmp_path / "llama.json").write_text(json.dumps(LLAMA_HF))
-    code = ("import sys; sys.modules['transformers'] = None\n"
+def _refused_without(module: str, argv: list, extra: str, out) -> None:
+    """asyncpp-train in a fresh process where ``module`` cannot be imported: exit 2, one line naming
+    the extra to install, nothing written."""
+    code = (f"import sys; sys.modules[{module!r}] = None\n"
             "from asyncpp_ext.training.cli import main\n"
-            f"sys.exit(main(['--hf-config', {str(tmp_path / 'llama.json')!r}, '--out', {str(tmp_path / 'o')!r}]))")
+            f"sys.exit(main({argv + ['--out', str(out)]!r}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "pip install 'asyncpp_ext[hf]'" in proc.stderr and proc.stderr.strip().count("\n") == 0
-    assert not (tmp_path / "o").exists()
+    assert f"pip install 'asyncpp_ext[{extra}]'" in proc.stderr and proc.stderr.strip().count("\n") == 0
+    assert not out.exists()
+
+
+def test_missing_transformers_names_the_extra(tmp_path):
+    (tmp_path / "llama.json").write_text(json.dumps(LLAMA_HF))
+    _refused_without("transformers", ["--hf-config", str(tmp_path / "llama.json")], "hf", tmp_path / "o")
 
 
 def test_lr_schedule_values_used_by_the_cli_are_the_library_schedule():
@@ -196,10 +202,4 @@ def test_tensorboard_gets_the_metrics_and_each_stages_shares(tmp_path):
 
 
 def test_missing_tensorboard_is_refused_before_the_run(tmp_path):
-    code = ("import sys; sys.modules['torch.utils.tensorboard'] = None\n"
-            "from asyncpp_ext.training.cli import main\n"
-            f"sys.exit(main(['--tensorboard', '--stages', '2', '--out', {str(tmp_path / 'o')!r}]))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "pip install 'asyncpp_ext[tensorboard]'" in proc.stderr and proc.stderr.strip().count("\n") == 0
-    assert not (tmp_path / "o").exists()
+    _refused_without("torch.utils.tensorboard", ["--tensorboard", "--stages", "2"], "tensorboard", tmp_path / "o")

@@ -13,12 +13,13 @@ execute the very same operations. Parameter names (``embed.tok.weight``, ``layer
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .base import BlockModel, init_normal_
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class Head(nn.Module):
         return self.proj(self.ln(x))
 
 
-class GPT(nn.Module):
+class GPT(BlockModel):
     """The GPT as ``blocks()``: embedding, ``n_layer`` transformer blocks, head."""
 
     def __init__(self, cfg: GPTConfig, seed: int = 0):
@@ -170,43 +171,14 @@ class GPT(nn.Module):
             self.head = Head(cfg)
         self.reset_parameters(seed)
 
-    @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Deterministic init from ``seed`` with a private generator (the global RNG is untouched).
-
-        Normal(0, init_std) for embeddings and linear weights, with the residual output
-        projections scaled by 1/sqrt(2 * n_layer) (GPT-2) so the residual stream does not grow
-        with depth; zero biases; LayerNorm at identity.
-        """
-        gen = torch.Generator().manual_seed(seed)
-        std = self.config.init_std
-        residual_std = std / math.sqrt(2 * self.config.n_layer)
-        for name, p in self.named_parameters():  # fixed order -> same values for the same seed
-            if name.endswith("bias"):
-                p.zero_()
-            elif ".ln" in name or name.startswith("head.ln"):
-                p.fill_(1.0)
-            else:
-                is_residual_out = name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight")
-                values = torch.empty(p.shape, dtype=torch.float32)
-                values.normal_(0.0, residual_std if is_residual_out else std, generator=gen)
-                p.copy_(values)
-
-    def blocks(self) -> list[nn.Module]:
-        """The pipeline blocks in order: [Embedding, Block * n_layer, Head]."""
-        return [self.embed, *self.layers, self.head]
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Run the blocks in order. Returns ``(logits, loss)``; ``loss`` is None without targets."""
-        x = idx
-        for block in self.blocks():
-            x = block(x)
-        return x, (None if targets is None else self.loss(x, targets))
-
-    @staticmethod
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over all (batch, time) positions."""
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        """Deterministic init from ``seed`` (base.init_normal_): Normal(0, init_std) for embeddings
+        and linear weights, the residual output projections scaled by 1/sqrt(2 * n_layer) (GPT-2);
+        zero biases; LayerNorm at identity."""
+        init_normal_(self, seed, self.config.init_std, self.config.n_layer,
+                     is_zero=lambda n: n.endswith("bias"),
+                     is_one=lambda n: ".ln" in n or n.startswith("head.ln"),
+                     is_residual_out=lambda n: n.endswith("attn.proj.weight") or n.endswith("mlp.proj.weight"))
 
 
 __all__ = ["GPTConfig", "PRESETS", "preset_config", "Embedding", "Block", "Head", "GPT"]

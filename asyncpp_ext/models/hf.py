@@ -36,7 +36,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from .gpt import GPT
+from .base import BlockModel
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 """model_types whose decoder layers take (hidden_states, attention_mask, position_ids,
@@ -278,7 +278,7 @@ def _sliding_window(hf_config, layer_index: int) -> Optional[int]:
     return None
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(BlockModel):
     """A transformers causal LM as pipeline blocks: ``[embed, *layers, head]``.
 
     Build it with ``from_config`` or ``from_pretrained``; the constructor wraps an already built
@@ -333,23 +333,6 @@ class HFCausalLM(nn.Module):
         hf_names = {id(m): name for name, m in hf_model.named_modules(remove_duplicate=False)}
         self._hf_module_names = {name: hf_names[id(m)] for name, m in self.named_modules()
                                  if id(m) in hf_names}
-
-    def blocks(self) -> list[nn.Module]:
-        """The pipeline blocks in order: [embedding, one per decoder layer, head]."""
-        return [self.embed, *self.layers, self.head]
-
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
-        """Run the blocks in order. Returns ``(logits, loss)``; ``loss`` is None without targets."""
-        x = idx
-        for block in self.blocks():
-            x = block(x)
-        return x, (None if targets is None else self.loss(x, targets))
-
-    loss = staticmethod(GPT.loss)
-
-    def num_parameters(self) -> int:
-        """Distinct parameter elements (a tied embedding counts once)."""
-        return sum(p.numel() for p in self.parameters())
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and persistent buffers under transformers' names (``model.layers.0...``,

@@ -21,14 +21,13 @@ Parameter names are global and stable: ``embed.tok.weight``, ``layers.3.attn_nor
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gpt import GPT
+from .base import BlockModel, init_normal_
 
 
 class LlamaConfigError(ValueError):
@@ -265,7 +264,7 @@ class LlamaHead(nn.Module):
         return self.proj(self.norm(x))
 
 
-class Llama(nn.Module):
+class Llama(BlockModel):
     """The Llama model as ``blocks()``: embedding, ``n_layer`` Llama blocks, head."""
 
     def __init__(self, cfg: LlamaConfig, seed: int = 0):
@@ -282,44 +281,13 @@ class Llama(nn.Module):
             self.head.proj.weight = self.embed.tok.weight
         self.reset_parameters(seed)
 
-    @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Deterministic init from ``seed`` with a private generator (the global RNG is untouched).
-
-        Normal(0, init_std) for the embedding and linear weights, with the residual output
-        projections (o_proj, down_proj) scaled by 1/sqrt(2 * n_layer) so the residual stream does
-        not grow with depth; RMSNorm weights at 1. A tied table is drawn once, as the embedding.
-        """
-        gen = torch.Generator().manual_seed(seed)
-        std = self.config.init_std
-        residual_std = std / math.sqrt(2 * self.config.n_layer)
-        # named_parameters lists a shared Parameter once, under its first name (embed.tok.weight).
-        for name, p in self.named_parameters():  # fixed order -> same values for the same seed
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                is_residual_out = name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
-                values = torch.empty(p.shape, dtype=torch.float32)
-                values.normal_(0.0, residual_std if is_residual_out else std, generator=gen)
-                p.copy_(values)
-
-    def blocks(self) -> list[nn.Module]:
-        """The pipeline blocks in order: [LlamaEmbedding, LlamaBlock * n_layer, LlamaHead]."""
-        return [self.embed, *self.layers, self.head]
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Run the blocks in order. Returns ``(logits, loss)``; ``loss`` is None without targets."""
-        x = idx
-        for block in self.blocks():
-            x = block(x)
-        return x, (None if targets is None else self.loss(x, targets))
-
-    # Mean cross entropy over all (batch, time) positions: the GPT's loss, shared.
-    loss = staticmethod(GPT.loss)
-
-    def num_parameters(self) -> int:
-        """Number of parameter elements, a tied table counted once."""
-        return sum(p.numel() for p in self.parameters())
+        """Deterministic init from ``seed`` (base.init_normal_): Normal(0, init_std) for the
+        embedding and linear weights, the residual output projections (o_proj, down_proj) scaled by
+        1/sqrt(2 * n_layer); RMSNorm weights at 1. A tied table is drawn once, as the embedding."""
+        init_normal_(self, seed, self.config.init_std, self.config.n_layer,
+                     is_one=lambda n: n.endswith("norm.weight"),
+                     is_residual_out=lambda n: n.endswith("o_proj.weight") or n.endswith("down_proj.weight"))
 
 
 __all__ = ["LlamaConfig", "LlamaConfigError", "LlamaInputError", "LLAMA_PRESETS", "llama_preset_config",

@@ -1,0 +1,61 @@
+"""What every model of the package shares: it runs as pipeline blocks ``[embed, *layers, head]``
+(each block takes one tensor and returns one), its loss is the mean cross entropy, and the
+models this package defines initialise from a seed with a private generator."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BlockModel(nn.Module):
+    """A causal LM held as ``embed``, ``layers`` (nn.ModuleList) and ``head``; subclasses build them
+    in that order, so parameter names and order follow the blocks."""
+
+    def blocks(self) -> list[nn.Module]:
+        """The pipeline blocks in order: [embed, *layers, head]."""
+        return [self.embed, *self.layers, self.head]
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Run the blocks in order. Returns ``(logits, loss)``; ``loss`` is None without targets."""
+        x = idx
+        for block in self.blocks():
+            x = block(x)
+        return x, (None if targets is None else self.loss(x, targets))
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy over all (batch, time) positions."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def num_parameters(self) -> int:
+        """Distinct parameter elements (a tied tensor counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+@torch.no_grad()
+def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
+                 is_one: Callable[[str], bool], is_residual_out: Callable[[str], bool],
+                 is_zero: Callable[[str], bool] = lambda name: False) -> None:
+    """Deterministic init from ``seed`` with a private generator (the global RNG is untouched):
+    zeros where ``is_zero``, ones where ``is_one`` (norm gains), else Normal(0, std), with residual
+    output projections at std / sqrt(2 * n_layer) so the residual stream does not grow with depth.
+    Parameters are visited in ``named_parameters`` order (a tied tensor once), so the same seed
+    gives the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = std / math.sqrt(2 * n_layer)
+    for name, p in model.named_parameters():
+        if is_zero(name):
+            p.zero_()
+        elif is_one(name):
+            p.fill_(1.0)
+        else:
+            values = torch.empty(p.shape, dtype=torch.float32)
+            values.normal_(0.0, residual_std if is_residual_out(name) else std, generator=gen)
+            p.copy_(values)
+
+
+__all__ = ["BlockModel", "init_normal_"]
