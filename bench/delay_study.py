@@ -1,14 +1,19 @@
 """Delay study: how much a one-step weight delay (PipeDream-2BW) costs each optimizer, and how much
-error feedback (EF) wins back, measured with the project's own delay simulator.
+error feedback (EF) wins back, measured with the project's own delay simulator; optionally also the
+per-stage delays of PipeDream (stage s of S computes S-1-s steps behind) at several depths.
 
 Every run is built exactly like ``asyncpp-train --simulate`` builds it (RunConfig, load_tokens,
-BatchStream, GPT, the CLI's optimizer factory, DelaySimulator); sync and 2bw runs of one optimizer
-share every hyperparameter and, per seed, the initial weights and the batch order, so a gap is a
-paired difference. Runs execute in ``--workers`` processes with ``--threads`` intra-op threads each.
+BatchStream, GPT, the CLI's optimizer factory, DelaySimulator); the runs of one optimizer share
+every hyperparameter and, per seed, the initial weights and the batch order, so a gap is a paired
+difference. A pipedream step takes one microbatch of m·B sequences: the same windows 2bw and sync
+split into m microbatches of B. Sync and 2bw do not depend on the depth, so they run once per seed.
+Runs execute in ``--workers`` processes with ``--threads`` intra-op threads each.
 
     python bench/delay_study.py                      # the study: table on stdout
     python bench/delay_study.py --json               # one JSON object instead
     python bench/delay_study.py --plot docs/delay_study.png
+    python bench/delay_study.py --schedules sync,2bw,pipedream --stages 2,4,8 --n-layer 6 \
+        --plot docs/depth.png                        # + pipedream depths; the plot: gap vs depth
     python bench/delay_study.py --tune               # sync-only learning-rate sweep
 
 A spot check runs one configuration through ``asyncpp-train`` twice, with real processes
@@ -58,9 +63,19 @@ class Variant:
 
 @dataclass(frozen=True)
 class RunSpec:
+    """One training run of the study."""
+
     variant: Variant
+    """The optimizer setting."""
     schedule: str
+    """"sync", "2bw" or "pipedream"."""
     seed: int
+    """Initial weights and batch order."""
+    stages: int | None = None
+    """Pipeline depth S of a pipedream run (None for sync and 2bw, which do not depend on it)."""
+
+
+STUDY_SCHEDULES = ("sync", "2bw", "pipedream")
 
 
 # -- one run (executes in a worker process) ----------------------------------------------------
@@ -72,11 +87,11 @@ def _init_worker(threads: int) -> None:
 
 def run_config(spec: RunSpec, args: dict):
     """The RunConfig ``asyncpp-train`` would build for this run (also used for the spot check)."""
-    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.config import SCHEDULES, RunConfig
     from asyncpp_ext.models import preset_config
 
     cfg = RunConfig()
-    cfg.model = preset_config(args["model"])
+    cfg.model = preset_config(args["model"], n_layer=args.get("n_layer"))
     cfg.data.source = args["data"]
     cfg.data.eval_batches = args["eval_batches"]
     v = spec.variant
@@ -85,6 +100,11 @@ def run_config(spec: RunSpec, args: dict):
     cfg.pipeline.schedule = spec.schedule
     cfg.pipeline.microbatches = args["microbatches"]
     cfg.pipeline.micro_batch_size = args["micro_batch_size"]
+    if spec.schedule == "pipedream":  # one microbatch of m·B sequences per step, S stages
+        cfg.pipeline.microbatches, cfg.pipeline.stages = 1, spec.stages
+        cfg.pipeline.micro_batch_size = args["microbatches"] * args["micro_batch_size"]
+        if spec.schedule not in SCHEDULES:  # the trainer's config may not list it; the simulator does
+            cfg.pipeline.schedule = "sync"
     cfg.train.steps = args["steps"]
     cfg.train.seed = spec.seed
     cfg.train.eval_every = args["eval_every"]
@@ -103,14 +123,16 @@ def run_one(spec: RunSpec, args: dict) -> dict:
     cfg = run_config(spec, args)
     p = cfg.pipeline
     tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
-    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, p.micro_batch_size,
+    # Split and eval set by B for every schedule, so all runs are evaluated on the same windows.
+    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, args["micro_batch_size"],
                                              cfg.model.seq_len, source=cfg.data.source)
     stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
                          seed=cfg.train.seed)
-    eval_set = eval_batches(eval_tokens, p.micro_batch_size, cfg.model.seq_len,
+    eval_set = eval_batches(eval_tokens, args["micro_batch_size"], cfg.model.seq_len,
                             cfg.data.eval_batches)
     model = GPT(cfg.model, seed=cfg.train.seed)
-    engine = DelaySimulator(model, make_optimizer_factory(cfg)(model), p.schedule)
+    engine = DelaySimulator(model, make_optimizer_factory(cfg)(model), spec.schedule,
+                            stages=spec.stages if spec.schedule == "pipedream" else None)
     start = time.perf_counter()
     losses, curve = [], [(0, engine.eval_loss(eval_set))]
     every = cfg.train.eval_every or cfg.train.steps
@@ -125,6 +147,7 @@ def run_one(spec: RunSpec, args: dict) -> dict:
     return {"label": spec.variant.label, "optimizer": spec.variant.optimizer,
             "lr": spec.variant.lr, "adamw_lr": spec.variant.adamw_lr,
             "ef_beta": spec.variant.ef_beta, "schedule": spec.schedule, "seed": spec.seed,
+            "stages": spec.stages,
             "final_eval_loss": final, "eval_curve": curve, "train_losses": losses,
             "seconds": round(time.perf_counter() - start, 2)}
 
@@ -135,8 +158,9 @@ def run_all(specs: list[RunSpec], args: dict, workers: int, threads: int) -> lis
     start = time.perf_counter()
 
     def report(done: int, r: dict) -> None:
+        sched = r["schedule"] if r.get("stages") is None else f"pd{r['stages']}"
         print(f"[{done}/{len(specs)} {time.perf_counter() - start:6.0f} s] {r['label']:<14} "
-              f"{r['schedule']:<4} seed {r['seed']}: eval {r['final_eval_loss']:.4f} "
+              f"{sched:<4} seed {r['seed']}: eval {r['final_eval_loss']:.4f} "
               f"({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
 
     if workers == 1:  # in this process: no start-up cost of a worker importing torch
@@ -187,18 +211,41 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def study_specs(variants: list[Variant], schedules: list[str], depths: list[int],
+                seeds: int) -> list[RunSpec]:
+    """Every run: sync and 2bw once per (seed, variant), pipedream once per depth as well."""
+    specs = []
+    for s in range(seeds):
+        for v in variants:
+            for sched in schedules:
+                specs += ([RunSpec(v, sched, s, d) for d in depths] if sched == "pipedream"
+                          else [RunSpec(v, sched, s)])
+    return specs
+
+
 def summarize(results: list[dict], variants: list[Variant]) -> dict:
-    """Per variant: final eval loss per schedule, the paired async gap, EF's recovered fraction."""
-    final = {(r["label"], r["schedule"], r["seed"]): r["final_eval_loss"] for r in results}
+    """Per variant: final eval loss per schedule, the paired async gap, EF's recovered fraction;
+    with pipedream runs also ``row["pipedream"][str(S)] = {"eval", "gap"}`` per depth S."""
+    final = {(r["label"], r["schedule"], r["seed"], r.get("stages")): r["final_eval_loss"]
+             for r in results}
     seeds = sorted({r["seed"] for r in results})
+    depths = sorted({r["stages"] for r in results if r.get("stages") is not None})
+    has_2bw = any(r["schedule"] == "2bw" for r in results)
     rows = {}
     for v in variants:
-        row = {}
-        for sched in ("sync", "2bw"):
-            row[sched] = _mean_std([final[(v.label, sched, s)] for s in seeds])
-        row["gap"] = _mean_std([final[(v.label, "2bw", s)] - final[(v.label, "sync", s)]
-                                for s in seeds])
+        row = {"sync": _mean_std([final[(v.label, "sync", s, None)] for s in seeds])}
+        if has_2bw:
+            row["2bw"] = _mean_std([final[(v.label, "2bw", s, None)] for s in seeds])
+            row["gap"] = _mean_std([final[(v.label, "2bw", s, None)] - final[(v.label, "sync", s, None)]
+                                    for s in seeds])
+        if depths:
+            row["pipedream"] = {str(d): {
+                "eval": _mean_std([final[(v.label, "pipedream", s, d)] for s in seeds]),
+                "gap": _mean_std([final[(v.label, "pipedream", s, d)] - final[(v.label, "sync", s, None)]
+                                  for s in seeds])} for d in depths}
         rows[v.label] = row
+    if not has_2bw:
+        return rows
     if "muon" in rows:
         gap_muon = rows["muon"]["gap"][0]
         muon_sync, muon_2bw = rows["muon"]["sync"][0], rows["muon"]["2bw"][0]
@@ -217,9 +264,14 @@ def summarize(results: list[dict], variants: list[Variant]) -> dict:
 
 
 def format_table(summary: dict, seeds: int) -> str:
+    lines = [f"final eval loss (nats/byte), mean ± std over {seeds} seed(s)"]
+    if not all("2bw" in row for row in summary.values()):
+        lines += [f"{label:<14} sync {m:.4f} ± {s:.4f}" for label, row in summary.items()
+                  for m, s in [row["sync"]]]
+        return "\n".join(lines + [format_depth_table(summary)])
     head = (f"{'optimizer':<14} {'sync eval':>17} {'2bw eval':>17} {'gap (2bw-sync)':>17} "
             f"{'EF recovers':>12} {'vs sync muon':>13}")
-    lines = [f"final eval loss (nats/byte), mean ± std over {seeds} seed(s)", head, "-" * len(head)]
+    lines += [head, "-" * len(head)]
     for label, row in summary.items():
         cells = [f"{m:.4f} ± {s:.4f}" for m, s in (row["sync"], row["2bw"], row["gap"])]
         own = row.get("recovered_own_gap")
@@ -227,6 +279,21 @@ def format_table(summary: dict, seeds: int) -> str:
         lines.append(f"{label:<14} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} "
                      f"{'' if own is None else f'{own:.0%}':>12} "
                      f"{'' if vs is None else f'{vs:.0%}':>13}")
+    return "\n".join(lines + [format_depth_table(summary)])
+
+
+def format_depth_table(summary: dict) -> str:
+    """The pipedream rows (optimizer x depth); empty without pipedream runs."""
+    if not any("pipedream" in row for row in summary.values()):
+        return ""
+    head = f"{'optimizer':<14} {'depth':>5} {'pipedream eval':>17} {'gap (pd-sync)':>17} {'2bw gap':>8}"
+    lines = ["", "pipedream: stage s of S computes S-1-s steps behind, 1 microbatch of m·B per step",
+             head, "-" * len(head)]
+    for label, row in summary.items():
+        for depth, cell in row["pipedream"].items():
+            ev, gap = (f"{m:.4f} ± {s:.4f}" for m, s in (cell["eval"], cell["gap"]))
+            two = f"{row['gap'][0]:.4f}" if "gap" in row else ""
+            lines.append(f"{label:<14} {depth:>5} {ev:>17} {gap:>17} {two:>8}")
     return "\n".join(lines)
 
 
@@ -245,6 +312,8 @@ def plot_curves(results: list[dict], variants: list[Variant], path: Path, title:
         for sched, color in (("sync", "tab:blue"), ("2bw", "tab:red")):
             curves = [r["eval_curve"] for r in results
                       if r["label"] == v.label and r["schedule"] == sched]
+            if not curves:  # a study without 2bw
+                continue
             steps = [s for s, _ in curves[0]]
             per_step = [[c[i][1] for c in curves if i < len(c)] for i in range(len(steps))]
             mean = [statistics.fmean(x) for x in per_step]
@@ -270,6 +339,37 @@ def plot_curves(results: list[dict], variants: list[Variant], path: Path, title:
     plt.close(fig)
 
 
+def plot_depth(summary: dict, path: Path, title: str) -> None:
+    """Gap to sync vs pipeline depth for pipedream (± std over seeds), one line per optimizer;
+    each optimizer's 2bw gap (one-step delay on every stage) as a dashed line of its colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (label, row) in enumerate(summary.items()):
+        color = f"C{i}"
+        depths = [int(d) for d in row["pipedream"]]
+        cells = list(row["pipedream"].values())
+        ax.errorbar(depths, [c["gap"][0] for c in cells], yerr=[c["gap"][1] for c in cells],
+                    color=color, marker="o", capsize=3, label=f"{label} pipedream")
+        if "gap" in row:
+            ax.axhline(row["gap"][0], color=color, linestyle="--", alpha=0.7, label=f"{label} 2bw")
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.set_xlabel("pipeline depth S (stage s computes S-1-s steps behind)")
+    ax.set_ylabel("final eval loss - sync (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 # -- spot check: real processes vs the simulator, through the CLI --------------------------------
 def spot_check(args: dict, variant: Variant, steps: int) -> dict:
     """``asyncpp-train --stages 2`` vs ``--simulate`` on one 2bw config; compares step losses."""
@@ -280,6 +380,8 @@ def spot_check(args: dict, variant: Variant, steps: int) -> dict:
               "--ckpt-every", "0", "--no-progress", "--stages", "2"]
     if variant.adamw_lr is not None:
         common += ["--adamw-lr", str(variant.adamw_lr)]
+    if args.get("n_layer") is not None:
+        common += ["--n-layer", str(args["n_layer"])]
     losses = {}
     with tempfile.TemporaryDirectory(prefix="delay-study-spot-") as tmp:
         for mode, extra in (("pipeline", []), ("simulate", ["--simulate"])):
@@ -312,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=DEFAULT_DATA,
                    help="'builtin' (default: the package's built-in corpus) or a UTF-8 text / uint16 .bin file")
     p.add_argument("--model", default="small", choices=("tiny", "small"))
+    p.add_argument("--n-layer", type=int, help="override the preset's layer count (the model has "
+                   "n_layer + 2 blocks; a pipedream depth needs at least that many)")
+    p.add_argument("--schedules", default="sync,2bw",
+                   help="comma-separated, from sync,2bw,pipedream; sync is needed for the gaps")
+    p.add_argument("--stages", default="2,4,8", help="pipedream depths S (simulated: no processes)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--micro-batch-size", type=int, default=8)
@@ -329,7 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true", help="sync-only lr sweep instead of the study")
     p.add_argument("--spot-check-steps", type=int, default=20, help="0 = no spot check")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="PNG", help="write eval-loss curves (sync vs 2bw) here")
+    p.add_argument("--plot", metavar="PNG", help="write eval-loss curves (sync vs 2bw) here; with "
+                   "pipedream, its gap to sync vs depth instead")
     return p
 
 
@@ -349,6 +457,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "eval_batches"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    a.schedules = [x.strip() for x in a.schedules.split(",") if x.strip()]
+    unknown = [x for x in a.schedules if x not in STUDY_SCHEDULES]
+    if unknown or "sync" not in a.schedules or len(set(a.schedules)) != len(a.schedules):
+        parser.error(f"--schedules {','.join(a.schedules)} must name each of {', '.join(STUDY_SCHEDULES)} "
+                     "at most once, sync included (the gaps are to sync)")
+    try:
+        a.stages = sorted({int(x) for x in a.stages.split(",") if x.strip()})
+    except ValueError:
+        parser.error(f"--stages {a.stages!r} must be comma-separated integers, e.g. 2,4,8")
+    if a.n_layer is not None and a.n_layer < 1:
+        parser.error(f"--n-layer must be >= 1, got {a.n_layer}")
+    if "pipedream" in a.schedules:
+        from asyncpp_ext.models import preset_config
+
+        blocks = preset_config(a.model, n_layer=a.n_layer).num_blocks
+        if not a.stages or a.stages[0] < 1:
+            parser.error(f"--stages {a.stages} must be pipeline depths >= 1, e.g. 2,4,8")
+        if a.stages[-1] > blocks:
+            parser.error(f"--stages {','.join(map(str, a.stages))} must lie in 1..{blocks} (the "
+                         f"{a.model} model's blocks); lower --stages or raise --n-layer to "
+                         f"{a.stages[-1] - 2} or more")
     if a.microbatches < 2 and a.spot_check_steps > 0:
         parser.error("the 2-stage spot check needs --microbatches >= 2 (or --spot-check-steps 0)")
     return a
@@ -360,10 +489,11 @@ def _exit_on_sigterm(signum, frame):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    run_args = {k: getattr(a, k) for k in ("model", "data", "steps", "microbatches",
+    run_args = {k: getattr(a, k) for k in ("model", "n_layer", "data", "steps", "microbatches",
                                            "micro_batch_size", "eval_every", "eval_batches")}
     setup = {**run_args, "seeds": a.seeds, "workers": a.workers, "threads": a.threads,
-             "batch": a.microbatches * a.micro_batch_size}
+             "batch": a.microbatches * a.micro_batch_size, "schedules": a.schedules,
+             "stages": a.stages if "pipedream" in a.schedules else []}
     import torch
 
     setup["torch"] = torch.__version__
@@ -390,8 +520,8 @@ def main(argv=None) -> int:
         return 0
 
     variants = study_variants(a)
-    specs = [RunSpec(v, sched, s) for s in range(a.seeds) for v in variants
-             for sched in ("sync", "2bw")]
+    depths = a.stages if "pipedream" in a.schedules else []
+    specs = study_specs(variants, [x for x in STUDY_SCHEDULES if x in a.schedules], depths, a.seeds)
     results = run_all(specs, run_args, a.workers, a.threads)
     summary = summarize(results, variants)
     study_seconds = round(time.perf_counter() - start, 1)
@@ -400,8 +530,11 @@ def main(argv=None) -> int:
         spot_variant = next((v for v in variants if v.label.startswith("muon+ef")), variants[0])
         sc = spot_check(run_args, spot_variant, a.spot_check_steps)
     if a.plot:
-        plot_curves(results, variants, Path(a.plot),
-                    f"{a.model} GPT, batch {setup['batch']}, {a.steps} steps, {a.seeds} seeds")
+        title = f"{a.model} GPT, batch {setup['batch']}, {a.steps} steps, {a.seeds} seeds"
+        if depths:
+            plot_depth(summary, Path(a.plot), title)
+        else:
+            plot_curves(results, variants, Path(a.plot), title)
     if a.json:
         print(json.dumps({"setup": setup, "summary": summary, "runs": results,
                           "spot_check": sc, "study_seconds": study_seconds}))

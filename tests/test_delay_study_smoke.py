@@ -2,10 +2,12 @@
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncpp_ext.training.cli import main as train_main
 from asyncpp_ext.training.trainer import read_metrics
@@ -90,3 +92,55 @@ def test_a_worker_that_cannot_start_stops_the_study(study, text_file, monkeypatc
     with pytest.raises(BrokenProcessPool):
         study.main(["--data", text_file, "--model", "tiny", "--steps", "2", "--seeds", "1", "--betas", "0.5",
                     "--workers", "2", "--spot-check-steps", "0", "--json"])
+
+
+def test_pipedream_depths_run_once_per_depth_against_shared_sync_runs(study, text_file, tmp_path, capsys):
+    plot = tmp_path / "depth.png"
+    code = study.main(["--data", text_file, "--model", "tiny", "--steps", "3", "--seeds", "1",
+                       "--eval-every", "0", "--eval-batches", "1", "--betas", "0.5", "--adamw-ef-beta", "0",
+                       "--schedules", "sync,pipedream", "--stages", "3,2", "--workers", "1",
+                       "--spot-check-steps", "0", "--json", "--plot", str(plot)])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["schedules"] == ["sync", "pipedream"] and out["setup"]["stages"] == [2, 3]
+    runs = {(r["label"], r["schedule"], r["stages"]): r for r in out["runs"]}
+    labels = ["adamw", "muon", "muon+ef0.5"]
+    assert sorted(runs) == sorted((lab, s, d) for lab in labels
+                                  for s, d in (("sync", None), ("pipedream", 2), ("pipedream", 3)))
+    for label in labels:
+        row, sync = out["summary"][label], runs[label, "sync", None]
+        assert "gap" not in row and list(row["pipedream"]) == ["2", "3"]
+        for depth in (2, 3):
+            pd = runs[label, "pipedream", depth]
+            # Same init and the same windows (one microbatch of m·B): step 0 runs on W(0) everywhere,
+            # equal up to the summation order of one mean over m·B rows vs a mean of m means.
+            assert pd["train_losses"][0] == pytest.approx(sync["train_losses"][0], rel=1e-6)
+            gap = pd["final_eval_loss"] - sync["final_eval_loss"]
+            assert row["pipedream"][str(depth)]["gap"][0] == pytest.approx(gap, rel=1e-12, abs=1e-12)
+    assert plot.stat().st_size > 0
+    table = study.format_table(out["summary"], 1)
+    assert "pipedream" in table and table.count("muon+ef0.5") == 3  # sync row + one per depth
+
+
+def test_a_pipedream_step_takes_the_windows_of_m_microbatches(text_file):
+    from asyncpp_ext.data import BatchStream, load_tokens
+
+    tokens = load_tokens(text_file, 256)
+    split_in_two = BatchStream(tokens, 2, 4, 16, seed=3).minibatch(5)
+    (whole,) = BatchStream(tokens, 1, 8, 16, seed=3).minibatch(5)
+    for part in range(2):  # inputs, targets
+        assert torch.equal(whole[part], torch.cat([mb[part] for mb in split_in_two]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--schedules", "sync,pipedream", "--stages", "2,8", "--model", "tiny"],
+     "must lie in 1..4 .* raise --n-layer to 6"),
+    (["--schedules", "2bw,pipedream"], "sync included"),
+    (["--schedules", "sync,async"], "sync included"),
+    (["--stages", "two"], "comma-separated integers"),
+])
+def test_bad_schedule_or_depth_arguments_are_clear_errors(study, argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        study.main(argv)
+    assert exc.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

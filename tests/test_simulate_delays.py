@@ -251,6 +251,7 @@ def test_a_tie_across_stages_is_refused():
                                                   r"as 'b.0.weight' \(stage 1\).*blocks 0..1 on one stage"):
         DelaySimulator(model, torch.optim.SGD(model.parameters(), lr=0.1), "pipedream", stages=2,
                        split_points=[1])
+    assert model.b[0].weight is model.a[0].weight  # refused before the model was untied
     llama = Llama(llama_preset_config("llama-tiny", seq_len=8), seed=0)
     with pytest.raises(DelaySimulatorError, match="'embed.tok.weight'.*'head.proj.weight'.*schedule '2bw'"):
         DelaySimulator(llama, torch.optim.SGD(llama.parameters(), lr=0.1), "pipedream", stages=2)

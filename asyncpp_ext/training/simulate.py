@@ -108,10 +108,13 @@ class DelaySimulator:
         # Untie (each use its own Parameter on the owner's storage) after the optimizer was built on
         # the tied model: the optimizer holds the owners only.
         self.tied = []
-        blocks, ties = None, []
+        blocks, ties, partition = None, [], None
         if hasattr(model, "blocks") or schedule == "pipedream":
             blocks = as_blocks(model)
             ties = find_ties(model, blocks)
+        if schedule == "pipedream":  # refuse before the model is touched
+            partition = split(blocks, stages, split_points)
+            _check_pipedream_ties(ties, partition)
         if hasattr(model, "blocks"):
             self.tied = untie(blocks, ties)
         mirrors = {id(m) for _, m in self.tied}
@@ -120,7 +123,7 @@ class DelaySimulator:
         self.params = [p for _, p in named]
         self._check_optimizer_covers_model()
         if schedule == "pipedream":
-            self.delays = _pipedream_delays(named, blocks, ties, stages, split_points)
+            self.delays = _pipedream_delays(named, blocks, partition)
         else:
             self.delays = [stage_delay(schedule, 0, 1, delay)] * len(self.params)
         self.delayed = any(d > 0 for d in self.delays)
@@ -286,21 +289,26 @@ def _check_delay_arguments(schedule: str, stages, delay) -> None:
             raise DelaySimulatorError(f"stages must be an integer >= 1, got {stages!r}")
 
 
-def _pipedream_delays(named, blocks, ties, stages: int, split_points) -> list[int]:
-    """d_p = S-1-s for each parameter of ``named``, s its block's stage under the Pipeline split."""
-    partition = split(blocks, stages, split_points)
+def _check_pipedream_ties(ties, partition: list[list[int]]) -> None:
+    """Every use of a tied tensor must compute on one version of it: all on stages of one delay."""
     stage_of_block = {b: s for s, indices in enumerate(partition) for b in indices}
-    delay_of_block = {b: stage_delay("pipedream", s, stages) for b, s in stage_of_block.items()}
-    for tie in ties:  # every use of a tensor must compute on one version of it
+    for tie in ties:
         a = tie.owner.block
         for use in tie.mirrors:
             b = use.block
-            if delay_of_block[a] != delay_of_block[b]:
+            if stage_of_block[a] != stage_of_block[b]:  # pipedream's delays differ per stage
                 raise DelaySimulatorError(
                     f"tied weight {tie.owner.name!r} (stage {stage_of_block[a]}) is also used as "
                     f"{use.name!r} (stage {stage_of_block[b]}), and pipedream computes the two stages "
                     f"on different weight versions; pass split points that put blocks {a}..{b} on "
                     "one stage, untie the weights, or use schedule '2bw'")
+
+
+def _pipedream_delays(named, blocks, partition: list[list[int]]) -> list[int]:
+    """d_p = S-1-s for each parameter of ``named``, s its block's stage in ``partition``."""
+    stages = len(partition)
+    delay_of_block = {b: stage_delay("pipedream", s, stages) for s, indices in enumerate(partition)
+                      for b in indices}
     delay_of = {}
     for b, block in enumerate(blocks):
         for p in block.parameters():
