@@ -88,10 +88,10 @@ def _init_worker(threads: int) -> None:
 def run_config(spec: RunSpec, args: dict):
     """The RunConfig ``asyncpp-train`` would build for this run (also used for the spot check)."""
     from asyncpp_ext.training.config import SCHEDULES, RunConfig
-    from asyncpp_ext.models import preset_config
+    from asyncpp_ext.models.registry import model_config
 
     cfg = RunConfig()
-    cfg.model = preset_config(args["model"], n_layer=args.get("n_layer"))
+    cfg.model = model_config(args["model"], n_layer=args.get("n_layer"))
     cfg.data.source = args["data"]
     cfg.data.eval_batches = args["eval_batches"]
     v = spec.variant
@@ -116,7 +116,7 @@ def run_config(spec: RunSpec, args: dict):
 def run_one(spec: RunSpec, args: dict) -> dict:
     """Train one configuration in this process; returns its losses and eval curve."""
     from asyncpp_ext.data import BatchStream, eval_batches, load_tokens, split_tokens
-    from asyncpp_ext.models import GPT
+    from asyncpp_ext.models.registry import build_model
     from asyncpp_ext.training.simulate import DelaySimulator
     from asyncpp_ext.training.cli import make_optimizer_factory
 
@@ -130,7 +130,7 @@ def run_one(spec: RunSpec, args: dict) -> dict:
                          seed=cfg.train.seed)
     eval_set = eval_batches(eval_tokens, args["micro_batch_size"], cfg.model.seq_len,
                             cfg.data.eval_batches)
-    model = GPT(cfg.model, seed=cfg.train.seed)
+    model = build_model(cfg.model, seed=cfg.train.seed)
     engine = DelaySimulator(model, make_optimizer_factory(cfg)(model), spec.schedule,
                             stages=spec.stages if spec.schedule == "pipedream" else None)
     start = time.perf_counter()
