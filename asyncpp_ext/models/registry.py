@@ -99,6 +99,19 @@ class ModelConfig:
         self.arch_config().validate()
 
 
+def as_model_config(cfg) -> ModelConfig:
+    """``cfg`` as a ModelConfig: a ModelConfig as is; a GPTConfig or LlamaConfig (e.g. from
+    ``preset_config``) converted, so scripts that hand the run a model's own config keep working."""
+    if isinstance(cfg, ModelConfig):
+        return cfg
+    if isinstance(cfg, GPTConfig):
+        return _from_arch("gpt", cfg)
+    from .llama import LlamaConfig
+    if isinstance(cfg, LlamaConfig):
+        return _from_arch("llama", cfg)
+    raise ValueError(f"model config must be a ModelConfig, GPTConfig or LlamaConfig, got {type(cfg).__name__}")
+
+
 def _from_arch(arch: str, cfg) -> ModelConfig:
     known = {f.name for f in fields(ModelConfig)}
     values = {k: v for k, v in asdict(cfg).items() if k in known}
@@ -156,4 +169,4 @@ def describe(cfg: ModelConfig) -> str:
     return f"{cfg.arch} {cfg.n_layer}x{cfg.n_embd}{tied}"
 
 
-__all__ = ["ARCHS", "ModelConfig", "MODEL_PRESETS", "model_config", "build_model", "describe"]
+__all__ = ["ARCHS", "ModelConfig", "as_model_config", "MODEL_PRESETS", "model_config", "build_model", "describe"]

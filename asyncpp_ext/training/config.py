@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
-from ..models.registry import ModelConfig
+from ..models.registry import ModelConfig, as_model_config
 from ..pipeline.devices import TRANSPORTS
 
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
@@ -204,7 +204,11 @@ class RunConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def __post_init__(self):
+        self.model = as_model_config(self.model)
+
     def to_dict(self) -> dict:
+        self.model = as_model_config(self.model)
         return asdict(self)
 
     @classmethod
@@ -266,6 +270,7 @@ class RunConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first field that cannot run."""
         try:
+            self.model = as_model_config(self.model)
             self.model.validate()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
