@@ -530,7 +530,8 @@ def main(argv=None) -> int:
         spot_variant = next((v for v in variants if v.label.startswith("muon+ef")), variants[0])
         sc = spot_check(run_args, spot_variant, a.spot_check_steps)
     if a.plot:
-        title = f"{a.model} GPT, batch {setup['batch']}, {a.steps} steps, {a.seeds} seeds"
+        layers = "" if a.n_layer is None else f" ({a.n_layer} layers)"
+        title = f"{a.model} GPT{layers}, batch {setup['batch']}, {a.steps} steps, {a.seeds} seeds"
         if depths:
             plot_depth(summary, Path(a.plot), title)
         else:
