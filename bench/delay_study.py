@@ -87,7 +87,7 @@ def _init_worker(threads: int) -> None:
 
 def run_config(spec: RunSpec, args: dict):
     """The RunConfig ``asyncpp-train`` would build for this run (also used for the spot check)."""
-    from asyncpp_ext.training.config import SCHEDULES, RunConfig
+    from asyncpp_ext.training.config import RunConfig
     from asyncpp_ext.models.registry import model_config
 
     cfg = RunConfig()
@@ -103,8 +103,6 @@ def run_config(spec: RunSpec, args: dict):
     if spec.schedule == "pipedream":  # one microbatch of m·B sequences per step, S stages
         cfg.pipeline.microbatches, cfg.pipeline.stages = 1, spec.stages
         cfg.pipeline.micro_batch_size = args["microbatches"] * args["micro_batch_size"]
-        if spec.schedule not in SCHEDULES:  # the trainer's config may not list it; the simulator does
-            cfg.pipeline.schedule = "sync"
     cfg.train.steps = args["steps"]
     cfg.train.seed = spec.seed
     cfg.train.eval_every = args["eval_every"]
