@@ -6,6 +6,7 @@ import torch
 
 from asyncpp_ext.models import Llama, llama_preset_config
 from asyncpp_ext.pipeline import Pipeline, init_distributed
+from pipeline_workers import cli_muon_factory as muon_factory  # asyncpp-train --optimizer muon
 
 CONFIG = llama_preset_config("llama-tiny", seq_len=8)
 CLIP = 0.5  # small enough that clipping acts on most steps (the tiny model's norms are ~1-3)
@@ -22,17 +23,6 @@ def minibatches(steps: int, m: int, micro_batch: int = 2, seed: int = 7) -> list
         rows = [torch.randint(0, CONFIG.vocab_size, (micro_batch, CONFIG.seq_len + 1), generator=g) for _ in range(m)]
         out.append([(r[:, :-1], r[:, 1:]) for r in rows])
     return out
-
-
-def muon_factory(module):
-    """asyncpp-train --optimizer muon (MuonHybrid with EF at the CLI's defaults)."""
-    from asyncpp_ext.training.cli import make_optimizer_factory
-    from asyncpp_ext.training.config import RunConfig
-
-    cfg = RunConfig()
-    cfg.optim.name = "muon"
-    cfg.optim.pin_auto_values()
-    return make_optimizer_factory(cfg)(module)
 
 
 def tied_worker(schedule: str, m: int, steps: int, out_dir: str) -> None:
