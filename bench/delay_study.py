@@ -416,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "n_layer + 2 blocks; a pipedream depth needs at least that many)")
     p.add_argument("--schedules", default="sync,2bw",
                    help="comma-separated, from sync,2bw,pipedream; sync is needed for the gaps")
-    p.add_argument("--stages", default="2,4,8", help="pipedream depths S (simulated: no processes)")
+    p.add_argument("--stages", default=None,
+                   help="pipedream depths S (simulated: no processes); default 2,4,8 where the model "
+                        "has that many blocks (small: 2,4; with --n-layer 6 also 8)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--micro-batch-size", type=int, default=8)
@@ -460,8 +462,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown or "sync" not in a.schedules or len(set(a.schedules)) != len(a.schedules):
         parser.error(f"--schedules {','.join(a.schedules)} must name each of {', '.join(STUDY_SCHEDULES)} "
                      "at most once, sync included (the gaps are to sync)")
+    default_stages = a.stages is None
     try:
-        a.stages = sorted({int(x) for x in a.stages.split(",") if x.strip()})
+        a.stages = sorted({int(x) for x in (a.stages or "2,4,8").split(",") if x.strip()})
     except ValueError:
         parser.error(f"--stages {a.stages!r} must be comma-separated integers, e.g. 2,4,8")
     if a.n_layer is not None and a.n_layer < 1:
@@ -470,6 +473,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         from asyncpp_ext.models import preset_config
 
         blocks = preset_config(a.model, n_layer=a.n_layer).num_blocks
+        if default_stages:  # the default depths this model can be split into
+            a.stages = [s for s in a.stages if s <= blocks]
         if not a.stages or a.stages[0] < 1:
             parser.error(f"--stages {a.stages} must be pipeline depths >= 1, e.g. 2,4,8")
         if a.stages[-1] > blocks:
