@@ -188,10 +188,10 @@ class Pipeline:
         self.exchange = StepExchange(
             stage=self.stage, replica=self.replica, layout=self.layout, partition=self.partition, ties=ties,
             names=self.param_names, sizes=[p.numel() for p in self.host.opt_params],
-            mirror_count_per_stage=[sum(1 for t in ties for u in t.mirrors if u.block in blocks_of)
-                                    for blocks_of in self.partition],
-            param_count_per_stage=[len({id(p) for i in blocks_of for p in blocks[i].parameters()})
-                                   for blocks_of in self.partition],
+            # one norm per optimizer parameter: a stage's distinct parameters less its mirrors
+            norm_terms_per_stage=[len({id(p) for i in blocks_of for p in blocks[i].parameters()})
+                                  - sum(1 for t in ties for u in t.mirrors if u.block in blocks_of)
+                                  for blocks_of in self.partition],
             clip_grad_norm=clip_grad_norm, timeout_s=timeout_s)
         self.host.exchange = self.exchange if self.exchange.active else None
         if dp > 1:
@@ -419,7 +419,7 @@ class Pipeline:
             yield item
         thread.join()
         if self.host.exchange is not None:  # the segment drains: tied copies equal, norms known
-            self.exchange.end_segment(self.host.flat, lambda version: version % len(self.host.flat))
+            self.exchange.end_segment(self.host.buffer_for)
         self.next_step = first_step + steps
 
     # ---- evaluation --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..optim.lr_schedule import apply_lr
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
@@ -133,6 +134,10 @@ class StageHost:
     def newest_version(self) -> int:
         return max(self.version_in)
 
+    def buffer_for(self, version: int) -> torch.Tensor:
+        """The flat buffer that holds (or will hold) ``version``."""
+        return self.flat[version % self.num_versions]
+
     def replica_for(self, version: int) -> nn.Module:
         k = version % len(self.replicas)
         if self.version_in[k] != version:
@@ -187,7 +192,7 @@ class StageHost:
         """Newest weights W(k) (``params``), W(k-1) (``stash``) and W(k-2)..W(k-n+1) (``older``, as
         lists by name) for the versions this stage keeps, optimizer state, step count."""
         k = self.newest_version()
-        params = self._unflatten(self.flat[k % self.num_versions], names)
+        params = self._unflatten(self.buffer_for(k), names)
         lags = [self._version(k - lag, names) for lag in range(1, self.num_versions)]
         stash = lags[0] if lags else {}
         older = {n: [lag[n] for lag in lags[1:]] for n in names} if len(lags) > 1 else {}
@@ -261,7 +266,7 @@ class StageHost:
 
     def forward(self, step: int, mb: int, version: int) -> None:
         if self.exchange is not None:  # tied values of this version, from their owner stage
-            self.exchange.install(version, self.flat[version % len(self.flat)])
+            self.exchange.install(version, self.buffer_for(version))
         replica = self.replica_for(version)
         if self.is_first:
             x = self._batch(step)[0][mb]
@@ -320,7 +325,6 @@ class StageHost:
         if self.exchange is not None:  # tied gradients summed, gradient clipped
             self.exchange.before_step(step, self.grad_flat, skip)
         if self.lr_schedule is not None and self.optimizer is not None:
-            from ..optim.lr_schedule import apply_lr
             apply_lr(self.optimizer, self.lr_schedule.multiplier(step))
         dst = (step + 1) % self.num_versions
         if self.ring:  # W(t) into the buffer of the version no instruction needs any more

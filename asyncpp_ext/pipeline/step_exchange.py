@@ -41,8 +41,7 @@ class StepExchange:
 
     def __init__(self, *, stage: int, replica: int, layout, partition: Sequence[Sequence[int]],
                  ties: Sequence[Tie], names: Sequence[str], sizes: Sequence[int],
-                 mirror_count_per_stage: Sequence[int], param_count_per_stage: Sequence[int],
-                 clip_grad_norm: Optional[float], timeout_s: float):
+                 norm_terms_per_stage: Sequence[int], clip_grad_norm: Optional[float], timeout_s: float):
         self.stage, self.stages = stage, len(partition)
         self.timeout = datetime.timedelta(seconds=2 * timeout_s)  # the watchdog reports first
         stage_of_block = {b: s for s, blocks in enumerate(partition) for b in blocks}
@@ -53,7 +52,7 @@ class StepExchange:
         self.offsets = offsets
         # Owned here: per tie, the mirrors in block order, each ("local", name) or ("remote", stage).
         self.owned = []
-        self.mirrored = []  # (mirror name, owner stage, owner name): remote owners of local mirrors
+        self.mirrored = []  # (mirror name, owner stage): local mirrors of remote owners
         for tie in ties:
             owner_stage = stage_of_block[tie.owner.block]
             if owner_stage == stage:
@@ -63,7 +62,7 @@ class StepExchange:
             else:
                 for u in tie.mirrors:
                     if stage_of_block[u.block] == stage:
-                        self.mirrored.append((u.name, owner_stage, tie.owner.name))
+                        self.mirrored.append((u.name, owner_stage))
         self.mirror_names = {u.name for tie in ties for u in tie.mirrors if stage_of_block[u.block] == stage}
         self.groups = {}
         pairs = _pairs_across_stages(ties, stage_of_block)
@@ -80,7 +79,7 @@ class StepExchange:
                 group = dist.new_group(layout.pipeline_ranks(r), timeout=self.timeout, backend="gloo")
                 if r == replica:
                     self.clip_group = group
-        self.pad = max(c - m for c, m in zip(param_count_per_stage, mirror_count_per_stage)) if partition else 0
+        self.pad = max(norm_terms_per_stage)  # every stage's norms fill a gather slot of this length
         self.previous_norm: Optional[float] = None
         self._gather = None        # (step, work, outputs) of the norms all-gather in flight
         self._grad_recvs = {}      # step -> [(work, buffer)] posted for the owned remote mirrors
@@ -128,10 +127,11 @@ class StepExchange:
         self._last_step = first_step + steps - 1
         self._post_grad_recvs(first_step)
 
-    def end_segment(self, flats: Sequence[torch.Tensor], buffer_of) -> None:
-        """Drain: install every received weight, finish sends and the last norms gather."""
+    def end_segment(self, buffer_for) -> None:
+        """Drain: install every received weight (``buffer_for(version)``: the flat buffer holding
+        it), finish sends and the last norms gather."""
         for version in sorted(self._weight_recvs):
-            self.install(version, flats[buffer_of(version)])
+            self.install(version, buffer_for(version))
         for work, _, peer in self._sends:
             self._wait(work, "sending tied weights/gradients", peer)
         self._sends.clear()
@@ -141,7 +141,7 @@ class StepExchange:
     @torch.no_grad()
     def before_step(self, step: int, grad_flat: torch.Tensor, skip: bool) -> None:
         """Tied gradients summed into their owners; the gradient clipped by c(step)."""
-        for name, owner_stage, _ in self.mirrored:
+        for name, owner_stage in self.mirrored:
             self._send(self._view(grad_flat, name), owner_stage)
         received = iter(self._grad_recvs.pop(step, []))
         for owner, uses in self.owned:
@@ -175,7 +175,7 @@ class StepExchange:
                     self._send(value, where)
         if self.mirrored:
             self._weight_recvs[step + 1] = [(*self._recv(self.offsets[name][1], owner_stage), owner_stage, name)
-                                            for name, owner_stage, _ in self.mirrored]
+                                            for name, owner_stage in self.mirrored]
         self._sends = [s for s in self._sends if not s[0].is_completed()]
 
     @torch.no_grad()

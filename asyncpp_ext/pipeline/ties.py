@@ -90,12 +90,15 @@ def check_ties_on_one_stage(ties: Sequence[Tie], partition: Sequence[Sequence[in
     on two stages would need two different versions of it: refuse such a split."""
     stage_of = {b: s for s, blocks in enumerate(partition) for b in blocks}
     for tie in ties:
-        stages = {stage_of[tie.owner.block], *(stage_of[u.block] for u in tie.mirrors)}
-        if len(stages) > 1:
-            names = ", ".join([tie.owner.name, *(u.name for u in tie.mirrors)])
-            raise TieError(f"pipedream cannot train the tied weights {names} on stages {sorted(stages)}: "
-                           "each stage runs a different weight version; untie them (e.g. "
-                           "--model with tie_embeddings off), put all uses on one stage, or use 2bw")
+        a = tie.owner.block
+        for use in tie.mirrors:
+            b = use.block
+            if stage_of[a] != stage_of[b]:
+                raise TieError(
+                    f"tied weight {tie.owner.name!r} (stage {stage_of[a]}) is also used as {use.name!r} "
+                    f"(stage {stage_of[b]}), and pipedream computes the two stages on different weight "
+                    f"versions; pass split points that put blocks {a}..{b} on one stage, untie the "
+                    "weights, or use schedule '2bw'")
 
 
 def mirror_names(ties: Sequence[Tie]) -> dict[str, str]:

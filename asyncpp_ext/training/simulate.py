@@ -41,7 +41,7 @@ from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name,
 from ..pipeline.clipping import PreviousNormClipper
 from ..pipeline.nonfinite import POLICIES, NonFiniteError
 from ..pipeline.partition import as_blocks, split
-from ..pipeline.ties import find_ties, sum_tied_gradients, untie
+from ..pipeline.ties import TieError, check_ties_on_one_stage, find_ties, sum_tied_gradients, untie
 from .trainer import StepOutcome
 
 SIMULATED_SCHEDULES = tuple(dict.fromkeys((*SCHEDULES, "pipedream")))
@@ -114,7 +114,10 @@ class DelaySimulator:
             ties = find_ties(model, blocks)
         if schedule == "pipedream":  # refuse before the model is touched
             partition = split(blocks, stages, split_points)
-            _check_pipedream_ties(ties, partition)
+            try:
+                check_ties_on_one_stage(ties, partition)
+            except TieError as exc:
+                raise DelaySimulatorError(str(exc)) from None
         if hasattr(model, "blocks"):
             self.tied = untie(blocks, ties)
         mirrors = {id(m) for _, m in self.tied}
@@ -287,21 +290,6 @@ def _check_delay_arguments(schedule: str, stages, delay) -> None:
                                       "S-1-s steps behind; pass the pipeline depth")
         if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
             raise DelaySimulatorError(f"stages must be an integer >= 1, got {stages!r}")
-
-
-def _check_pipedream_ties(ties, partition: list[list[int]]) -> None:
-    """Every use of a tied tensor must compute on one version of it: all on stages of one delay."""
-    stage_of_block = {b: s for s, indices in enumerate(partition) for b in indices}
-    for tie in ties:
-        a = tie.owner.block
-        for use in tie.mirrors:
-            b = use.block
-            if stage_of_block[a] != stage_of_block[b]:  # pipedream's delays differ per stage
-                raise DelaySimulatorError(
-                    f"tied weight {tie.owner.name!r} (stage {stage_of_block[a]}) is also used as "
-                    f"{use.name!r} (stage {stage_of_block[b]}), and pipedream computes the two stages "
-                    f"on different weight versions; pass split points that put blocks {a}..{b} on "
-                    "one stage, untie the weights, or use schedule '2bw'")
 
 
 def _pipedream_delays(named, blocks, partition: list[list[int]]) -> list[int]:
