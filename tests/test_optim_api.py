@@ -129,7 +129,7 @@ def test_bad_arguments_are_named():
     model = TinyGPT()
     with pytest.raises(ValueError, match=r"shape \(16,\).*AdamW"):
         Muon([model.ln_f.weight])
-    for kwargs, word in ((dict(name="lion", lr=0.1), "name"), (dict(name="adamw", lr=-1.0), "lr"),
+    for kwargs, word in ((dict(name="rmsprop", lr=0.1), "name"), (dict(name="adamw", lr=-1.0), "lr"),
                          (dict(name="muon", lr=0.0), "lr"), (dict(name="sgd", lr=0.1, momentum=1.0), "momentum"),
                          (dict(name="muon", lr=0.1, momentum=-0.1), "momentum"),
                          (dict(name="adamw", lr=0.1, weight_decay=-0.1), "weight_decay"),

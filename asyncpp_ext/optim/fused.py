@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import _kernels as K
 from .errors import NonFiniteGradientError
 from .newton_schulz import Workspace, orthogonalize
+from .normuon import NORMUON_BETA2, check_normuon_args, normuon_updates
 from .sharding import assign_owners, gather_updates
 
 MUON = "muon"
@@ -104,6 +105,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if algo == MUON:
             check_muon_args(group["momentum"], group["ns_steps"], group["adjust_lr_fn"],
                             group["ns_dtype"], group["eps"], group["ns_coefficients"])
+            check_normuon_args(group.get("normuon", False), group.get("normuon_beta2", NORMUON_BETA2))
         else:
             check_adamw_args(group["betas"], group["eps"])
         for pi, p in enumerate(group["params"]):
@@ -269,6 +271,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             mine = {i: u for i, u in enumerate(updates) if u is not None}
             updates = gather_updates(mine, [p.shape for p in params], owners, self.shard_group,
                                      storage, device)
+        if group.get("normuon", False):
+            # After the gather: every rank normalises every matrix, so "normuon_v" stays replicated.
+            updates = normuon_updates(updates, [self.state[p] for p in params],
+                                      group.get("normuon_beta2", NORMUON_BETA2))
         lr = group["lr"]
         scales = [-(lr * muon_lr_scale(p.shape, group["adjust_lr_fn"])) for p in params]
         ef_bufs, ef_first = self._ef(group, params)

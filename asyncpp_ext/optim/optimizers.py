@@ -5,6 +5,7 @@ import torch
 
 from .fused import ADAMW, MUON, FusedOptimizer
 from .newton_schulz import NS_COEFFICIENTS
+from .normuon import NORMUON_BETA2
 from .routing import split_named_parameters
 
 
@@ -24,6 +25,9 @@ class Muon(FusedOptimizer):
 
     Extra arguments: `ns_dtype` (torch.float32 | torch.bfloat16 | None = float32 on CPU, bfloat16 on
     CUDA) and `ef_beta` (error-feedback strength; 0 = off and no buffer).
+    `normuon=True` turns it into NorMuon (see normuon.py): O is divided row by row by the root of a
+    running mean of its squared rows (decay `normuon_beta2`, state "normuon_v", one float per row)
+    and rescaled to its former Frobenius norm before the lr scale above applies.
     Parameters must be float32 and 2-D (other tensors belong to AdamW: use MuonHybrid).
     `shard_group`: a data-parallel process group whose ranks hold identical gradients; each rank
     then orthogonalises a share of the matrices and gathers the rest (same result as unsharded).
@@ -35,10 +39,12 @@ class Muon(FusedOptimizer):
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
                  ns_steps: int = 5, adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None,
-                 ef_beta: float = 0.0, shard_group=None):
+                 ef_beta: float = 0.0, shard_group=None, normuon: bool = False,
+                 normuon_beta2: float = NORMUON_BETA2):
         defaults = dict(algorithm=MUON, lr=lr, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), eps=eps,
-                        ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, ef_beta=ef_beta)
+                        ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, ef_beta=ef_beta,
+                        normuon=normuon, normuon_beta2=normuon_beta2)
         super().__init__(_named(params), defaults, shard_group=shard_group)
 
 
@@ -61,7 +67,8 @@ class MuonHybrid(FusedOptimizer):
     the output head go to AdamW; `is_muon(name, param) -> bool`, `adamw_names` and `muon_names` override.
     Param group 0 is Muon (lr, weight_decay, ...), group 1 AdamW (adamw_lr, adamw_betas, adamw_eps,
     adamw_weight_decay which defaults to weight_decay). `shard_group` splits the Muon
-    orthogonalisations among data-parallel replicas (see Muon). Groups without parameters are omitted; each
+    orthogonalisations among data-parallel replicas (see Muon). `normuon`/`normuon_beta2` make the
+    Muon part NorMuon (see Muon). Groups without parameters are omitted; each
     group's "algorithm" says which it is. Defaults: lr=0.02, adamw_lr=3e-4.
     """
 
@@ -70,7 +77,8 @@ class MuonHybrid(FusedOptimizer):
                  ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7, ns_steps: int = 5,
                  adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None,
                  adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
-                 ef_beta: float = 0.0, is_muon=None, adamw_names=(), muon_names=(), shard_group=None):
+                 ef_beta: float = 0.0, is_muon=None, adamw_names=(), muon_names=(), shard_group=None,
+                 normuon: bool = False, normuon_beta2: float = NORMUON_BETA2):
         muon_params, adamw_params = split_named_parameters(
             model_or_named_params, is_muon=is_muon, adamw_names=adamw_names, muon_names=muon_names)
         groups = []
@@ -78,7 +86,7 @@ class MuonHybrid(FusedOptimizer):
             groups.append(dict(params=muon_params, algorithm=MUON, lr=lr, weight_decay=weight_decay,
                                momentum=momentum, nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
                                eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
-                               ef_beta=ef_beta))
+                               ef_beta=ef_beta, normuon=normuon, normuon_beta2=normuon_beta2))
         if adamw_params:
             groups.append(dict(params=adamw_params, algorithm=ADAMW, lr=adamw_lr, betas=tuple(adamw_betas),
                                eps=adamw_eps,

@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._ext import C
+from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
+                                 resolve_mitigation)
 from .data_parallel import GradientAverager, Layout, create_dp_group, replica_share
 from .nonfinite import NonFiniteGuard
 from .partition import as_blocks, split
@@ -104,6 +106,11 @@ class Pipeline:
             group's learning rate is its initial value times it at each optimizer step.
         clip_grad_norm: clip each step's gradient by the global norm of the previous step's
             (clipping.py); None = off.
+        mitigation: staleness mitigation applied per stage with its own delay (optim/mitigations.py):
+            None/"none", "ef" (error feedback, inside the optimizer), "dc" (delay compensation of the
+            gradient, strength ``dc_lambda``) or "lr-rescale" (the lr scaled by (1 + d) ** -p(t),
+            fading out over ``rescale_steps`` steps, which it requires). "predict" needs one more
+            weight version than a stage keeps and is refused: the simulator runs it.
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).
@@ -115,7 +122,8 @@ class Pipeline:
                  device: str | torch.device | None = None, transport: str = "auto", run_id: str | None = None,
                  track_memory: bool = False, dp: int = 1, shard_optimizer: bool = True,
                  recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop",
-                 lr_schedule=None, clip_grad_norm: float | None = None):
+                 lr_schedule=None, clip_grad_norm: float | None = None, mitigation: str | None = None,
+                 dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not dist.is_initialized():
@@ -139,6 +147,10 @@ class Pipeline:
         if schedule == "pipedream" and clip_grad_norm is not None:
             raise ValueError("clip_grad_norm is not supported with pipedream: its stages finish a step "
                              "S-1 steps apart, so a global norm would stall them; use 2bw to clip")
+        mitigation_settings = resolve_mitigation(mitigation, dc_lambda, rescale_steps)
+        if mitigation_settings.name in SIMULATOR_ONLY_MITIGATIONS:
+            raise MitigationError(f"mitigation {mitigation_settings.name!r} (weight prediction) needs one more weight "
+                                  "version than a pipeline stage keeps; run it in the simulator (--simulate)")
         self.schedule, self.m = schedule, microbatches
         timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, f"timeout_s={timeout_s!r}")
         self.device = torch.device("cpu" if device is None else device)
@@ -185,6 +197,7 @@ class Pipeline:
             # step and never lets a bad step reach the optimizer: its own scan would repeat it.
             self.host.optimizer.check_finite = False
         self.host.lr_schedule = lr_schedule
+        self.host.mitigation = mitigation_settings
         self.exchange = StepExchange(
             stage=self.stage, replica=self.replica, layout=self.layout, partition=self.partition, ties=ties,
             names=self.param_names, sizes=[p.numel() for p in self.host.opt_params],

@@ -7,7 +7,13 @@ and no pointer swaps under autograd. All replicas' ``.grad`` view one flat gradi
 n > 1 the optimizer owns another set of parameter *handles* (stable identities for its state)
 pointed at the buffer being written just before each step: OPTIMIZER_STEP(t) writes version t+1
 into buffer (t+1) % n, whose version t+1-n no instruction needs any more (docs/design.md §1.3,
-§1.16). A single buffer is stepped in place.
+§1.16). A single buffer is stepped in place. The step reads W(t) from its own buffer through
+per-parameter views (``step_versioned``; optimizers without an out-of-place step get it copied
+first), and, for error feedback from the weights, W(t-1) from buffer (t-1) % n.
+
+Staleness mitigations (optim/mitigations.py) run per stage with the stage's delay d = n - 1:
+"dc" corrects the flat gradient with W(t) and W(t-d) (buffer (t+1) % n, before the step writes
+there), "lr-rescale" scales the stage's learning rates by (1 + d) ** -max(0, 1 - t/K).
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ import torch
 import torch.nn as nn
 
 from ..optim.lr_schedule import apply_lr
+from ..optim.mitigations import MitigationSettings, delay_compensate_
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
+from ..optim.versioned import step_versioned, wants_previous_weights
 from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
 from .nonfinite import NonFiniteGuard
@@ -60,6 +68,15 @@ def _flatten_into(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
         offset += n
 
 
+def _views(params: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """One view of ``flat`` per parameter, shaped like it, in the flattening order."""
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
+
+
 def _point_at(params: Sequence[torch.Tensor], flat: torch.Tensor, attr: str = "data") -> None:
     offset = 0
     for p in params:
@@ -88,6 +105,9 @@ class StageHost:
         # learning-rate schedule (optim/lr_schedule.py) applied at each optimizer step.
         self.exchange = None
         self.lr_schedule = None
+        # Set by the Pipeline: the staleness mitigation this stage applies (optim/mitigations.py).
+        self.mitigation = MitigationSettings()
+        self._dc_workspace: torch.Tensor | None = None
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
         self.num_versions = versions_alive(schedule, stage, stages)
@@ -116,6 +136,15 @@ class StageHost:
         else:
             self.opt_params = params[0]
             self.optimizer = optimizer_factory(module) if numel else None  # a parameter-free stage
+        self.delay = self.num_versions - 1  # the steps this stage computes behind the newest weights
+        self.wants_previous = self.optimizer is not None and wants_previous_weights(self.optimizer)
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} if self.optimizer else set()
+        # Per buffer, made once: the optimizer's parameter -> its view there (sources / previous
+        # of a versioned step), and the views of the parameters the optimizer does not update
+        # (tied mirrors, frozen tensors), which the step copies from W(t) itself.
+        views = [_views(self.opt_params, flat) for flat in self.flat] if self.ring else []
+        self._held_views = [{p: v for p, v in zip(self.opt_params, vs) if id(p) in held} for vs in views]
+        self._other_views = [[v for p, v in zip(self.opt_params, vs) if id(p) not in held] for vs in views]
 
         # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
         self.activation_meter = ActivationMeter(exclude=self.flat) if track_memory else None
@@ -324,14 +353,20 @@ class StageHost:
         skip = self.nonfinite.skip_step(step)  # then W(t+1) = W(t): no update on any stage
         if self.exchange is not None:  # tied gradients summed, gradient clipped
             self.exchange.before_step(step, self.grad_flat, skip)
-        if self.lr_schedule is not None and self.optimizer is not None:
-            apply_lr(self.optimizer, self.lr_schedule.multiplier(step))
+        if self.mitigation.compensates and self.delay and not skip:
+            self._compensate_delay(step)
+        if self.optimizer is not None and (self.lr_schedule is not None or self.mitigation.rescales_lr):
+            schedule = self.lr_schedule.multiplier(step) if self.lr_schedule is not None else 1.0
+            apply_lr(self.optimizer, schedule * self.mitigation.lr_multiplier(self.delay, step))
         dst = (step + 1) % self.num_versions
-        if self.ring:  # W(t) into the buffer of the version no instruction needs any more
-            self.flat[dst].copy_(self.flat[step % self.num_versions])
+        if self.ring:  # W(t+1) goes into the buffer of the version no instruction needs any more
             _point_at(self.opt_params, self.flat[dst])
-        if self.optimizer is not None and not skip:
-            self.optimizer.step()
+            if self.optimizer is None or skip:  # W(t+1) = W(t)
+                self.flat[dst].copy_(self.flat[step % self.num_versions])
+            else:
+                self._step_into(dst, step)
+        elif self.optimizer is not None and not skip:
+            step_versioned(self.optimizer)
         self.version_in[dst] = new_version
         if self.exchange is not None:
             self.exchange.after_step(step, self.flat[dst])
@@ -342,6 +377,33 @@ class StageHost:
             loss = float(sum(l.item() for l in losses) / len(losses)) if global_loss is None else global_loss
         if self.on_step is not None:
             self.on_step(step, loss, skip)
+
+    def _held_buffer(self, version: int) -> torch.Tensor:
+        """The flat buffer holding ``version`` (versions before 0 are W(0)), checked."""
+        version = max(version, 0)
+        k = version % self.num_versions
+        if self.version_in[k] != version:
+            raise StageError(f"stage {self.stage}: weight version {version} is not held (buffers hold "
+                             f"{self.version_in})")
+        return self.flat[k]
+
+    @torch.no_grad()
+    def _compensate_delay(self, step: int) -> None:
+        """dc on the whole flat gradient: g + lambda g^2 (W(t) - W(t-d)); W(t-d) sits in buffer
+        (t+1) % n until this step overwrites it (W(0) in buffer 0 while t < d)."""
+        if self._dc_workspace is None:
+            self._dc_workspace = torch.empty_like(self.grad_flat)
+        delay_compensate_(self.grad_flat, self._held_buffer(step), self._held_buffer(step - self.delay),
+                          self.mitigation.dc_lambda, workspace=self._dc_workspace)
+
+    def _step_into(self, dst: int, step: int) -> None:
+        """The optimizer step of ``step`` writing W(t+1) into buffer ``dst`` (the handles point
+        there): W(t) read from its own buffer, W(t-1) passed for EF from the weights."""
+        src = step % self.num_versions
+        for to, value in zip(self._other_views[dst], self._other_views[src]):
+            to.copy_(value)
+        previous = self._held_views[(step - 1) % self.num_versions] if self.wants_previous and step >= 1 else None
+        step_versioned(self.optimizer, self._held_views[src], previous)
 
     # ---- transport buffers -----------------------------------------------------------------
     def recv_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:

@@ -21,14 +21,16 @@ import torch
 
 from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint, load_checkpoint,
                          read_meta, restore_rng_state)
-from .config import (DTYPES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS, SCHEDULES,
-                     TRANSPORTS, ConfigError, RunConfig)
+from .config import (DTYPES, LR_SCHEDULES, MUON_FAMILY, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
+                     SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
 from ..data import DataError
 from ..models.registry import MODEL_PRESETS, build_model, describe
 from .model_source import ModelSourceError, model_from_args
 from .simulate import DelaySimulator, merge_engine_states
 from ..optim import build_optimizer
 from ..optim._kernels import cpu_kernel_isa
+from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS
+from ..optim.versioned import EF_SOURCES
 from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline import LaunchError, under_launcher
 from ..pipeline.nonfinite import NonFiniteError
@@ -80,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--recompute", action="store_true", default=None,
                       help="recompute each stage's forward before its backward: same losses, less "
                            "activation memory")
-    opt.add_argument("--optimizer", choices=OPTIMIZERS, help=f"default {_D.optim.name}")
+    # No argparse choices= for names other engineers' lists grow: the config names the valid ones.
+    opt.add_argument("--optimizer", metavar="NAME",
+                     help=f"{'|'.join(OPTIMIZERS)} (default {_D.optim.name})")
     opt.add_argument("--lr", type=float, help="learning rate (default per optimizer: " + ", ".join(
         f"{k} {v:g}" for k, v in LR_AUTO.items()) + ")")
     opt.add_argument("--adamw-lr", type=float,
@@ -89,6 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--ef-beta", type=float,
                      help="error-feedback delay correction strength, 0 = off (default auto: "
                           + ", ".join(f"{k} {v:g}" for k, v in EF_BETA_AUTO.items()) + ")")
+    opt.add_argument("--ef-source", metavar="SOURCE",
+                     help=f"{'|'.join(EF_SOURCES)}: error feedback's previous update from a buffer of its own, "
+                          "or from the weight versions of a delayed schedule (no extra memory) (default buffer)")
+    opt.add_argument("--mitigation", metavar="NAME",
+                     help=f"{'|'.join(MITIGATIONS)}: staleness mitigation; ef = error feedback (--ef-beta), "
+                          "predict = forward/backward on extrapolated weights (--simulate only), dc = delay "
+                          "compensation of the gradient (--dc-lambda), lr-rescale = lr times (1+d)^-p(t) over "
+                          "--rescale-steps (default: ef when --ef-beta resolves > 0, else none)")
+    opt.add_argument("--dc-lambda", type=float, metavar="X",
+                     help=f"strength of --mitigation dc (default {DEFAULT_DC_LAMBDA:g}, DC-ASGD's constant)")
+    opt.add_argument("--rescale-steps", type=int, metavar="K",
+                     help="--mitigation lr-rescale: steps over which the lr reduction fades out "
+                          "(default max(1, steps // 10))")
+    opt.add_argument("--muon-momentum", type=float, metavar="MU",
+                     help=f"momentum of the muon/normuon matrices (default {_D.optim.muon_momentum:g})")
     opt.add_argument("--ns-dtype", choices=NS_DTYPES,
                      help="muon's Newton-Schulz dtype: auto = bf16 on CUDA, fp32 on CPU (default auto)")
     run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
@@ -168,6 +187,9 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
         ("optim", "adamw_lr"): args.adamw_lr, ("optim", "weight_decay"): args.weight_decay,
         ("optim", "ef_beta"): args.ef_beta, ("optim", "ns_dtype"): args.ns_dtype, ("train", "steps"): args.steps,
+        ("optim", "ef_source"): args.ef_source, ("optim", "mitigation"): args.mitigation,
+        ("optim", "dc_lambda"): args.dc_lambda, ("optim", "rescale_steps"): args.rescale_steps,
+        ("optim", "muon_momentum"): args.muon_momentum,
         ("optim", "lr_schedule"): args.lr_schedule, ("optim", "warmup_steps"): args.warmup_steps,
         ("optim", "decay_steps"): args.decay_steps, ("optim", "min_lr_ratio"): args.min_lr_ratio,
         ("optim", "clip_grad_norm"): args.clip_grad_norm, ("train", "tensorboard"): args.tensorboard,
@@ -201,9 +223,13 @@ def _env_timeout() -> Optional[float]:
 def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
     """``(module) -> optimizer`` for cfg.optim (a whole model or one pipeline stage's blocks)."""
     o = cfg.optim
-    muon = dict(adamw_lr=o.effective_adamw_lr(), ns_dtype=o.ns_torch_dtype()) if o.name == "muon" else {}
+    extra = {}
+    if o.name in MUON_FAMILY:
+        extra.update(adamw_lr=o.effective_adamw_lr(), ns_dtype=o.ns_torch_dtype(), momentum=o.muon_momentum)
+    if o.ef_source != "buffer":  # passed only when set, like build_optimizer's own default
+        extra.update(ef_source=o.ef_source)
     return lambda module: build_optimizer(module, o.name, o.effective_lr(), weight_decay=o.weight_decay,
-                                          ef_beta=o.effective_ef_beta(), **muon)
+                                          ef_beta=o.effective_ef_beta(), **extra)
 
 
 def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
@@ -284,7 +310,7 @@ def _run_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     engine = DelaySimulator(model, factory(model), p.schedule, on_nonfinite=cfg.train.on_nonfinite,
                             loss_fn=autocast_loss(cfg.train.dtype, torch.device(cfg.train.device)),
                             lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
-                            stages=p.stages, delay=p.delay)
+                            stages=p.stages, delay=p.delay, **cfg.mitigation_kwargs())
     start_step, elapsed = 0, 0.0
     if resume_dir is not None:
         meta, shards = load_checkpoint(resume_dir)
@@ -322,7 +348,7 @@ def autocast_loss(dtype: str, device: torch.device):
 
 def runs_multi_process(cfg: RunConfig) -> bool:
     """A pipeline or data-parallel run that is not simulated: one process per stage and replica."""
-    return (cfg.pipeline.stages > 1 or cfg.pipeline.dp > 1) and not cfg.train.simulate
+    return cfg.runs_multi_process()
 
 
 def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
@@ -356,7 +382,7 @@ def _resolve(argv) -> tuple[RunConfig, Optional[Path]]:
         if args.out is None:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg.validate()
-    cfg.optim.pin_auto_values()  # a resumed run reads the numbers back (older checkpoints: None)
+    cfg.optim.pin_auto_values(cfg.train.steps)  # a resumed run reads the numbers back (older checkpoints: None)
     if cfg.train.tensorboard:
         from .tensorboard_log import TensorboardUnavailableError, require_tensorboard
         try:
@@ -421,14 +447,16 @@ FIELD_FLAGS = {
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
+    "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
+    "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
 }
 
 
 def _name_flag(message: str) -> str:
     """Prefix a config complaint with the flag that sets the field it starts with."""
-    for name, flag in FIELD_FLAGS.items():
+    for name in sorted(FIELD_FLAGS, key=len, reverse=True):  # optim.lr_schedule before optim.lr
         if message.startswith(name):
-            return f"{flag}: {message}"
+            return f"{FIELD_FLAGS[name]}: {message}"
     return message
 
 

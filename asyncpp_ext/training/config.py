@@ -9,16 +9,24 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from ..models.registry import ModelConfig, as_model_config
+from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_MITIGATIONS, default_rescale_steps
+from ..optim.versioned import EF_SOURCES
 from ..pipeline.devices import TRANSPORTS
 
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
 NONFINITE_POLICIES = ("stop", "skip")
-OPTIMIZERS = ("adamw", "muon", "sgd")
+OPTIMIZERS = ("adamw", "muon", "normuon", "sgd", "lion", "adan", "soap", "mars")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 NS_DTYPES = ("auto", "fp32", "bf16")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
+SYNC_SCHEDULES = ("sync", "gpipe", "1f1b")
+"""Schedules without a weight delay (every computation on the newest weights)."""
+EF_BETA_MAX = 2.0
+"""Largest error-feedback strength accepted: beyond it the correction outweighs the update."""
+MUON_FAMILY = ("muon", "normuon")
+"""Optimizers whose matrices run Muon's momentum (``optim.muon_momentum``)."""
 
 
 class ConfigError(ValueError):
@@ -38,16 +46,24 @@ class DataConfig:
     """Number of evaluation batches (each of micro_batch_size windows) per evaluation."""
 
 
-LR_AUTO = {"adamw": 1e-3, "muon": 0.02, "sgd": 0.02}
+LR_AUTO = {"adamw": 1e-3, "muon": 0.02, "sgd": 0.02, "normuon": 0.02, "lion": 3e-4, "adan": 1e-3, "soap": 3e-3,
+           "mars": 1e-3}
 """Learning rate per optimizer when ``OptimConfig.lr`` is None. On the tiny preset, 2bw, 2 stages,
 200 steps of tinyshakespeare: muon 0.02 (with its AdamW part at 3e-3) reached eval loss 2.48 where
 the former one-size default 1e-3 reached 3.46; the delay study (docs/results.md) tuned adamw 1e-3
 and muon 0.02-0.04 on the small preset. sgd (momentum 0.9): 0.02 reached 2.97 where 0.05 reached
-3.18 and 0.2 diverged (tiny preset, 2bw simulated, 200 steps)."""
+3.18 and 0.2 diverged (tiny preset, 2bw simulated, 200 steps).
+The study's other optimizers, each at the best of 3-4 rates, every best one inside its range (small
+preset, sync, builtin data, no EF, 200 steps, one seed; eval loss; adamw 1e-3 gave 2.39 and muon
+0.02 1.98 there): normuon 0.02 (1.95; 0.01 2.00, 0.04 2.01; AdamW part at 3e-3 as for muon);
+lion 3e-4 (2.53; 1e-4 2.89, 1e-3 2.87: sign updates move every weight by lr, hence ~1/3 of
+AdamW's); adan 1e-3 (2.51; 3e-4 2.67, 3e-3 2.94); soap 3e-3 (2.16; 1e-3 2.69, 1e-2 2.39);
+mars 1e-3 (2.38; 3e-4 2.56, 3e-3 2.61)."""
 MUON_ADAMW_LR_AUTO = 3e-3
 """The AdamW part of muon (embeddings, head, norms, biases) when ``adamw_lr`` is None."""
 
-EF_BETA_AUTO = {"muon": 0.5, "adamw": 0.5, "sgd": 0.0}
+EF_BETA_AUTO = {"muon": 0.5, "adamw": 0.5, "sgd": 0.0, "normuon": 0.5, "lion": 0.5, "adan": 0.5, "soap": 0.5,
+                "mars": 0.5}
 """Error-feedback strength per optimizer when ``OptimConfig.ef_beta`` is None ("auto").
 
 From the delay study (docs/results.md, "Delay study": small GPT, tinyshakespeare, 3 seeds, same
@@ -92,6 +108,24 @@ class OptimConfig:
     clip_grad_norm: Optional[float] = None
     """Clip the gradient so its global norm is at most this, measured on the PREVIOUS step's
     gradient (docs/design.md: a norm over every stage that no stage waits for); None = off."""
+    ef_source: str = "buffer"
+    """Where error feedback takes its previous update E: "buffer" (the optimizer's last raw
+    update, kept in a buffer of its own) or "weights" (the applied update W(t) - W(t-1), read from
+    the weight versions a delayed schedule keeps anyway: no extra memory; needs a delayed schedule,
+    and a parameter with delay 0 gets no correction)."""
+    mitigation: Optional[str] = None
+    """Staleness mitigation: none | ef (error feedback, ``ef_beta``) | predict (forward and backward on
+    W(t-d) + d (W(t-d) - W(t-d-1)); simulator only) | dc (the gradient plus dc_lambda g^2 (W(t) -
+    W(t-d))) | lr-rescale (the lr times (1+d)^-max(0, 1 - t/rescale_steps)); optim/mitigations.py.
+    None = "ef" when the effective ef_beta is > 0, else "none" (pinned by ``pin_auto_values``). A
+    mitigation other than ef turns EF off; an explicit ef_beta > 0 with it is an error."""
+    dc_lambda: float = DEFAULT_DC_LAMBDA
+    """Strength lambda of the dc mitigation; 0.04 is DC-ASGD's constant setting."""
+    rescale_steps: Optional[int] = None
+    """K of lr-rescale: steps over which the delay's lr reduction fades out. None = max(1,
+    train.steps // 10), pinned by ``pin_auto_values`` when lr-rescale runs."""
+    muon_momentum: float = 0.95
+    """Momentum of the Muon matrices of muon and normuon (torch.optim.Muon's default 0.95)."""
 
     def ns_torch_dtype(self):
         """The ``ns_dtype=`` to pass to Muon: None for auto (Muon picks by device)."""
@@ -108,17 +142,36 @@ class OptimConfig:
         return MUON_ADAMW_LR_AUTO if self.adamw_lr is None else self.adamw_lr
 
     def effective_ef_beta(self) -> float:
-        """The EF strength a run uses: ``ef_beta``, or for None the optimizer's auto value."""
-        return EF_BETA_AUTO.get(self.name, 0.0) if self.ef_beta is None else self.ef_beta
+        """The EF strength a run uses: ``ef_beta``; for None the optimizer's auto value, or 0 when
+        another mitigation than ef was chosen."""
+        if self.ef_beta is not None:
+            return self.ef_beta
+        if self.mitigation not in (None, "ef"):
+            return 0.0
+        return EF_BETA_AUTO.get(self.name, 0.0)
 
-    def pin_auto_values(self) -> None:
+    def effective_mitigation(self) -> str:
+        """The mitigation a run uses: ``mitigation``, or for None "ef" when EF is on, else "none"."""
+        if self.mitigation is not None:
+            return self.mitigation
+        return "ef" if self.effective_ef_beta() > 0 else "none"
+
+    def effective_rescale_steps(self, total_steps: int) -> int:
+        """K of lr-rescale: ``rescale_steps``, or for None a tenth of the run's ``total_steps``."""
+        return default_rescale_steps(total_steps) if self.rescale_steps is None else self.rescale_steps
+
+    def pin_auto_values(self, total_steps: Optional[int] = None) -> None:
         """Replace each None ("auto") by the number it stands for today, so the run's config.json
         and checkpoints record it and a resumed run keeps it even if a later version changes a
-        default. (adamw_lr only exists for muon.)"""
+        default. (adamw_lr only exists for muon and normuon; rescale_steps is pinned for
+        lr-rescale when the run's ``total_steps`` is given.)"""
         self.lr = self.effective_lr()
         self.ef_beta = self.effective_ef_beta()
-        if self.name == "muon":
+        self.mitigation = self.effective_mitigation()
+        if self.name in MUON_FAMILY:
             self.adamw_lr = self.effective_adamw_lr()
+        if self.mitigation == "lr-rescale" and total_steps is not None:
+            self.rescale_steps = self.effective_rescale_steps(total_steps)
 
 
 @dataclass
@@ -244,6 +297,70 @@ class RunConfig:
                  if v is not None}
         return LRSchedule(kind=o.lr_schedule, steps=self.train.steps, warmup_steps=o.warmup_steps, **extra)
 
+    def mitigation_kwargs(self) -> dict:
+        """``mitigation``, ``dc_lambda``, ``rescale_steps`` for DelaySimulator and Pipeline: the
+        effective mitigation, and K resolved against train.steps for lr-rescale."""
+        o = self.optim
+        mitigation = o.effective_mitigation()
+        return dict(mitigation=mitigation, dc_lambda=o.dc_lambda,
+                    rescale_steps=o.effective_rescale_steps(self.train.steps) if mitigation == "lr-rescale" else None)
+
+    def runs_multi_process(self) -> bool:
+        """A pipeline or data-parallel run that is not simulated: one process per stage and replica."""
+        return (self.pipeline.stages > 1 or self.pipeline.dp > 1) and not self.train.simulate
+
+    def _validate_mitigation(self) -> None:
+        """ef_beta, ef_source, mitigation and their combinations with the schedule."""
+        o, schedule = self.optim, self.pipeline.schedule
+        if o.ef_beta is not None:
+            _non_negative_number("optim.ef_beta", o.ef_beta)
+            if o.ef_beta > EF_BETA_MAX:
+                raise ConfigError(f"optim.ef_beta must be at most {EF_BETA_MAX:g} (0 = off, 0.5 is the default "
+                                  f"for muon and adamw), got {o.ef_beta!r}")
+        _choice("optim.ef_source", o.ef_source, EF_SOURCES)
+        if o.mitigation is not None:
+            _choice("optim.mitigation", o.mitigation, MITIGATIONS)
+        if o.mitigation not in (None, "ef") and o.ef_beta is not None and o.ef_beta > 0:
+            raise ConfigError(f"optim.mitigation={o.mitigation!r} replaces error feedback, but --ef-beta "
+                              f"{o.ef_beta:g} turns it on; drop --ef-beta (or pass 0), or use --mitigation ef")
+        if o.mitigation == "ef" and o.effective_ef_beta() == 0:
+            raise ConfigError(f"optim.mitigation='ef' needs error feedback on, but --ef-beta is 0 for "
+                              f"optimizer {o.name!r}; pass --ef-beta > 0 (e.g. 0.5)")
+        if o.ef_source == "weights":
+            if schedule in SYNC_SCHEDULES:
+                raise ConfigError(f"optim.ef_source='weights' reads the previous update from the weight versions "
+                                  f"of a delayed schedule, but --schedule {schedule} keeps one version; use "
+                                  "--schedule 2bw or pipedream, or --ef-source buffer")
+            if o.effective_ef_beta() == 0:
+                raise ConfigError(f"optim.ef_source='weights' chooses where error feedback reads its previous "
+                                  f"update, but EF is off (--ef-beta 0, --mitigation {o.effective_mitigation()}); "
+                                  "pass --ef-beta > 0 or drop --ef-source")
+        mitigation = o.effective_mitigation()
+        if mitigation in SIMULATOR_ONLY_MITIGATIONS and self.runs_multi_process():
+            raise ConfigError(f"optim.mitigation={mitigation!r} (weight prediction) needs one more weight version "
+                              "than a pipeline stage keeps; add --simulate (or run --stages 1 --dp 1)")
+        if mitigation == "lr-rescale" and schedule == "pipedream" and not self.runs_multi_process():
+            raise ConfigError("optim.mitigation='lr-rescale' scales each stage's lr by its own delay, but the "
+                              "simulator steps every pipedream stage with one optimizer; run the pipeline "
+                              "without --simulate, or simulate --schedule 2bw (--delay K)")
+        if isinstance(o.dc_lambda, bool) or not isinstance(o.dc_lambda, (int, float)) \
+                or not 0 <= o.dc_lambda < float("inf"):
+            raise ConfigError(f"optim.dc_lambda must be a finite number >= 0, got {o.dc_lambda!r}")
+        if o.dc_lambda != DEFAULT_DC_LAMBDA and mitigation != "dc":
+            raise ConfigError(f"optim.dc_lambda sets the strength of --mitigation dc, but the mitigation is "
+                              f"{mitigation!r}; add --mitigation dc or drop --dc-lambda")
+        if o.rescale_steps is not None:
+            _positive_int("optim.rescale_steps", o.rescale_steps)
+            if mitigation != "lr-rescale":
+                raise ConfigError(f"optim.rescale_steps sets K of --mitigation lr-rescale, but the mitigation is "
+                                  f"{mitigation!r}; add --mitigation lr-rescale or drop --rescale-steps")
+        if isinstance(o.muon_momentum, bool) or not isinstance(o.muon_momentum, (int, float)) \
+                or not 0 <= o.muon_momentum < 1:
+            raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum!r}")
+        if o.muon_momentum != OptimConfig.muon_momentum and o.name not in MUON_FAMILY:
+            raise ConfigError(f"optim.muon_momentum sets the momentum of Muon's matrices, but the optimizer is "
+                              f"{o.name!r}; drop --muon-momentum or use --optimizer {' or '.join(MUON_FAMILY)}")
+
     def _validate_delays(self) -> None:
         """--delay and pipedream's own constraints (docs/design.md §1.16)."""
         p = self.pipeline
@@ -286,10 +403,11 @@ class RunConfig:
             raise ConfigError(f"train.seed must be a non-negative integer, got {self.train.seed!r}")
         _choice("pipeline.schedule", self.pipeline.schedule, SCHEDULES)
         _choice("optim.name", self.optim.name, OPTIMIZERS)
+        _check_optimizer_available(self.optim.name)
         _choice("train.device", self.train.device, DEVICES)
         _choice("train.dtype", self.train.dtype, DTYPES)
         _choice("optim.ns_dtype", self.optim.ns_dtype, NS_DTYPES)
-        if self.optim.ns_dtype != "auto" and self.optim.name != "muon":
+        if self.optim.ns_dtype != "auto" and self.optim.name not in MUON_FAMILY:
             raise ConfigError(f"optim.ns_dtype={self.optim.ns_dtype!r} sets muon's Newton-Schulz dtype, but "
                               f"the optimizer is {self.optim.name!r}; drop --ns-dtype or use --optimizer muon")
         _choice("pipeline.transport", self.pipeline.transport, TRANSPORTS)
@@ -306,12 +424,11 @@ class RunConfig:
             _positive_number("optim.lr", self.optim.lr)
         if self.optim.adamw_lr is not None:
             _positive_number("optim.adamw_lr", self.optim.adamw_lr)
-            if self.optim.name != "muon":
+            if self.optim.name not in MUON_FAMILY:
                 raise ConfigError(f"optim.adamw_lr is the learning rate of muon's AdamW part; it "
                                   f"does not apply to optim.name={self.optim.name!r} (use --lr)")
         _non_negative_number("optim.weight_decay", self.optim.weight_decay)
-        if self.optim.ef_beta is not None:
-            _non_negative_number("optim.ef_beta", self.optim.ef_beta)
+        self._validate_mitigation()
         _non_negative_number("optim.momentum", self.optim.momentum)
         if self.optim.clip_grad_norm is not None:
             _positive_number("optim.clip_grad_norm", self.optim.clip_grad_norm)
@@ -334,6 +451,20 @@ class RunConfig:
             raise ConfigError(f"pipeline.microbatches={self.pipeline.microbatches} is fewer than "
                               f"pipeline.stages={self.pipeline.stages}; 2bw needs microbatches >= "
                               "stages: raise --microbatches or lower --stages")
+
+
+def _check_optimizer_available(name: str) -> None:
+    """A library optimizer whose optional package is missing fails here, before any run starts."""
+    try:
+        from ..optim.library import check_available
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__.rpartition('.')[0]}.optim.library":
+            raise
+        return  # TODO(lead): optim/library.py not merged yet; drop this fallback once it is
+    try:
+        check_available(name)
+    except ValueError as exc:
+        raise ConfigError(f"optim.name={name!r}: {exc}") from None
 
 
 def _positive_int(name, value):
@@ -381,6 +512,6 @@ def get_field(cfg: RunConfig, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["SCHEDULES", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
+__all__ = ["SCHEDULES", "SYNC_SCHEDULES", "EF_BETA_MAX", "MUON_FAMILY", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
            "get_field"]

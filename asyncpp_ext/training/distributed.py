@@ -122,7 +122,8 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
-                    lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm)
+                    lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
+                    **cfg.mitigation_kwargs())
     engine = PipelineEngine(pipe)
     start_step, elapsed = 0, 0.0
     if resume_dir is not None:

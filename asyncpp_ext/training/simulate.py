@@ -22,6 +22,14 @@ and the owner's becomes ``owner + mirrors`` before the step, as on a pipeline. U
 tie whose uses sit on stages with different delays has no consistent version and is refused.
 Learning-rate schedule and clipping by the previous step's norm (§1.14) are applied at the step.
 
+Staleness mitigations (``mitigation``; definitions in optim/mitigations.py): "predict" runs a
+delayed parameter's forward and backward on W(t-d) + d * (W(t-d) - W(t-d-1)) (one more kept
+version), "dc" adds lambda * g * g * (W(t) - W(t-d)) to the gradient after the tied sum and
+clipping, "lr-rescale" multiplies the lr by (1 + d) ** -max(0, 1 - t/K) on top of the lr schedule
+(one delay for all parameters: refused under pipedream, whose stages differ). "ef" and "none"
+leave the engine alone; error feedback lives in the optimizer. An optimizer running EF with
+ef_source "weights" gets W(t-1) as ``previous`` (optim/versioned.py) for every delayed parameter.
+
 Non-finite values (``on_nonfinite``): "stop" raises NonFiniteError when a microbatch loss or a
 gradient holds NaN/Inf, before the optimizer runs; "skip" skips that step's update (the next
 version is a copy of W(t)) -- the rule a pipeline applies on every stage (see
@@ -37,7 +45,10 @@ from torch import nn
 
 from .config import SCHEDULES
 from ..optim.lr_schedule import apply_lr
+from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compensate_, predicted_weights,
+                                 resolve_mitigation)
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
+from ..optim.versioned import step_versioned, wants_previous_weights
 from ..pipeline.clipping import PreviousNormClipper
 from ..pipeline.nonfinite import POLICIES, NonFiniteError
 from ..pipeline.partition import as_blocks, split
@@ -76,27 +87,41 @@ class DelaySimulator:
     process.
 
     Each parameter p with delay d_p >= 1 keeps a ring of its d_p previous versions, newest first:
-    ``[W(t-1), ..., W(t-d_p)]`` (all W(0) at the start). During a step the oldest one is swapped
-    into the parameter (``p.data``) for the forward/backward passes and swapped back before the
-    optimizer step; then that slot is overwritten with W(t) and becomes the newest. So parameter
-    identity (and the optimizer's per-parameter state) never changes, and a parameter with delay 0
-    (sync, the last pipedream stage) keeps no copy.
+    ``[W(t-1), ..., W(t-d_p)]`` (all W(0) at the start), plus W(t-d_p-1) when weight prediction
+    reads it, or when error feedback from the weights needs W(t-1) after the ring has moved on
+    (d_p = 1). During a step W(t-d_p) (or, for "predict", the version extrapolated from it) is
+    swapped into the parameter (``p.data``) for the forward/backward passes and swapped back before
+    the optimizer step; then the oldest slot is overwritten with W(t) and becomes the newest. So
+    parameter identity (and the optimizer's per-parameter state) never changes, and a parameter
+    with delay 0 (sync, the last pipedream stage) keeps no copy.
 
     ``stages``/``split_points`` place the model's blocks on pipedream stages exactly as a Pipeline
     does (``pipeline.partition.split``); the other schedules' delays do not depend on the split,
     so there they are ignored. ``delay`` (2bw only) is the constant K-step delay; 1 is plain 2bw.
+    ``mitigation`` ("none", "ef", "predict", "dc", "lr-rescale"; None = "none"), ``dc_lambda`` and
+    ``rescale_steps`` (K, required for "lr-rescale") select a staleness mitigation
+    (optim/mitigations.py).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: str,
                  loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_loss,
                  on_nonfinite: str = "stop", lr_schedule=None, clip_grad_norm: float | None = None,
                  stages: int | None = None, split_points: Sequence[int] | None = None,
-                 delay: int | None = None):
+                 delay: int | None = None, mitigation: str | None = None, dc_lambda: float = DEFAULT_DC_LAMBDA,
+                 rescale_steps: int | None = None):
         if schedule not in SIMULATED_SCHEDULES:
             raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SIMULATED_SCHEDULES)}")
         if on_nonfinite not in POLICIES:
             raise DelaySimulatorError(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(POLICIES)}")
         _check_delay_arguments(schedule, stages, delay)
+        try:
+            self.mitigation = resolve_mitigation(mitigation, dc_lambda, rescale_steps)
+        except MitigationError as exc:
+            raise DelaySimulatorError(str(exc)) from None
+        if self.mitigation.rescales_lr and schedule == "pipedream":
+            raise DelaySimulatorError("mitigation 'lr-rescale' scales each stage's lr by its own delay, but the "
+                                      "simulator steps every pipedream stage with one optimizer; run it on a "
+                                      "real pipeline (without --simulate), or simulate 2bw / --delay K")
         self.on_nonfinite = on_nonfinite
         self.last_skipped = False
         self.model = model
@@ -130,9 +155,29 @@ class DelaySimulator:
         else:
             self.delays = [stage_delay(schedule, 0, 1, delay)] * len(self.params)
         self.delayed = any(d > 0 for d in self.delays)
+        self.wants_previous = wants_previous_weights(optimizer)
         # Versions before 0 are W(0): the first d_p steps compute on the initial weights.
-        self.history = [[p.detach().clone() for _ in range(d)] for p, d in zip(self.params, self.delays)]
+        self.history = [[p.detach().clone() for _ in range(self._versions_kept(d))] for p, d in
+                        zip(self.params, self.delays)]
+        # "predict": the extrapolated weights are built here each step, then swapped in.
+        self.predicted = [torch.empty_like(p) if d and self.mitigation.predicts else None
+                          for p, d in zip(self.params, self.delays)]
         self.steps_done = 0
+
+    def _versions_kept(self, delay: int) -> int:
+        """Ring length of a parameter with ``delay``: its d older versions, plus W(t-d-1) for
+        prediction, or one slot more for d = 1 under EF from the weights (after the ring moves
+        on, ``ring[1]`` must still hold W(t-1))."""
+        if delay == 0:
+            return 0
+        if self.mitigation.predicts or (self.wants_previous and delay == 1):
+            return delay + 1
+        return delay
+
+    def _versions_read(self, delay: int) -> int:
+        """Kept versions a step reads (a checkpoint must hold them): W(t-1)..W(t-d), and
+        W(t-d-1) for prediction. An extra EF slot is scratch, refilled before it is read."""
+        return delay + 1 if delay and self.mitigation.predicts else delay
 
     @property
     def stash(self) -> list[torch.Tensor]:
@@ -146,12 +191,36 @@ class DelaySimulator:
             raise DelaySimulatorError(f"the optimizer does not hold parameter(s) {missing[:3]}...; "
                                       "build it from this model's parameters")
 
-    def _swap_oldest(self) -> None:
-        """Exchange each delayed parameter's values with its oldest kept version W(t - d_p)."""
-        for p, ring in zip(self.params, self.history):
-            if ring:
-                p.data, ring[-1].data = ring[-1].data, p.data
+    @torch.no_grad()
+    def _swap_compute_versions(self, entering: bool) -> None:
+        """Exchange each delayed parameter's values with the version step t computes on: W(t - d_p)
+        (ring slot d_p - 1), or its extrapolation under "predict" (built when ``entering``). The
+        same call with ``entering=False`` puts W(t) back."""
+        for p, ring, d, guess in zip(self.params, self.history, self.delays, self.predicted):
+            if not ring:
+                continue
+            if guess is None:
+                p.data, ring[d - 1].data = ring[d - 1].data, p.data
+                continue
+            if entering:  # W^ = W(t-d) + d (W(t-d) - W(t-d-1))
+                predicted_weights(ring[d - 1], ring[d], d, out=guess)
+            p.data, guess.data = guess.data, p.data
         self._sync_mirrors()
+
+    @torch.no_grad()
+    def _compensate_delays(self) -> None:
+        """dc: grad <- grad + lambda grad^2 (W(t) - W(t - d_p)) for every delayed parameter."""
+        lam = self.mitigation.dc_lambda
+        for p, ring, d in zip(self.params, self.history, self.delays):
+            if ring and p.grad is not None:
+                delay_compensate_(p.grad, p, ring[d - 1], lam)
+
+    def _previous_versions(self):
+        """W(t-1) of every delayed parameter for EF from the weights (called after the ring moved
+        on, so it is ring slot 1), or None: not asked for, or step 0 (no update applied yet)."""
+        if not (self.wants_previous and self.steps_done >= 1):
+            return None
+        return {p: ring[1] for p, ring in zip(self.params, self.history) if ring}
 
     def _sync_mirrors(self) -> None:
         for owner, mirror in self.tied:  # a mirror views its owner's current values
@@ -177,7 +246,7 @@ class DelaySimulator:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         if self.delayed:
-            self._swap_oldest()  # params <- W(t - d_p), ring slot <- W(t)
+            self._swap_compute_versions(entering=True)  # params <- W(t - d_p) or its prediction
         total, bad = 0.0, None
         try:
             for i, (inputs, targets) in enumerate(minibatch):
@@ -190,7 +259,7 @@ class DelaySimulator:
                 total += loss.item()
         finally:
             if self.delayed:
-                self._swap_oldest()  # params <- W(t), ring slot <- W(t - d_p)
+                self._swap_compute_versions(entering=False)  # params <- W(t)
         sum_tied_gradients(self.tied)
         if bad is None:
             bad = next((f"non-finite gradient in {n}" for n, p in zip(self.names, self.params)
@@ -198,15 +267,19 @@ class DelaySimulator:
         if bad is not None and self.on_nonfinite == "stop":
             raise NonFiniteError(f"{bad} at step {self.steps_done + 1}; stopping (use --on-nonfinite "
                                  "skip to skip such steps)")
-        if self.delayed:
-            self._push_newest()
         self.last_skipped = bad is not None
         if self.clipper is not None:
             self.clipper.clip([p.grad for p in self.params if p.grad is not None], self.last_skipped)
-        if self.lr_schedule is not None:
-            apply_lr(self.optimizer, self.lr_schedule.multiplier(self.steps_done))
+        if self.mitigation.compensates and not self.last_skipped:  # W(t - d_p) is still in the ring
+            self._compensate_delays()
+        if self.delayed:
+            self._push_newest()
+        rescale = self.mitigation.lr_multiplier(self.delays[0] if self.delays else 0, self.steps_done)
+        if self.lr_schedule is not None or self.mitigation.rescales_lr:
+            schedule = self.lr_schedule.multiplier(self.steps_done) if self.lr_schedule is not None else 1.0
+            apply_lr(self.optimizer, schedule * rescale)
         if not self.last_skipped:  # a skipped step leaves weights and optimizer state as they are
-            self.optimizer.step()
+            step_versioned(self.optimizer, None, self._previous_versions())
         self.steps_done += 1
         return total / m
 
@@ -233,8 +306,9 @@ class DelaySimulator:
     # -- state: keyed by global parameter names so a checkpoint can be re-split later ------------
     def state_dict(self) -> dict:
         """Newest weights W(t) (``params``), W(t-1) of every delayed parameter (``stash``), its
-        older versions ``[W(t-2), ..., W(t-d_p)]`` where d_p >= 2 (``older``), optimizer state by
-        parameter name, step count, clipping norm."""
+        other kept versions ``[W(t-2), ..., W(t-d_p)]`` (``older``; with W(t-d_p-1) last where
+        prediction or EF from the weights keeps it), optimizer state by parameter name, step
+        count, clipping norm."""
         return {
             "schedule": self.schedule,
             "steps_done": self.steps_done,
@@ -257,18 +331,23 @@ class DelaySimulator:
             versions_hint = "load a state saved with the same schedule, delay and stage split"
             _check_names("stash", state["stash"], [n for n, r in zip(self.names, self.history) if r],
                          versions_hint)
-            _check_names("older", older, [n for n, r in zip(self.names, self.history) if len(r) >= 2],
-                         versions_hint)
-            for n, ring in zip(self.names, self.history):
-                if len(ring) >= 2 and len(older[n]) != len(ring) - 1:
+            # Older versions a step reads must be saved; an EF scratch slot may be missing (a
+            # pipeline's 2bw checkpoint has none) and is filled from W(t-1).
+            needed = [n for n, d in zip(self.names, self.delays) if self._versions_read(d) >= 2]
+            kept = [n for n, r in zip(self.names, self.history) if len(r) >= 2]
+            _check_names("older", older, needed, versions_hint, optional=kept)
+            for n, ring, d in zip(self.names, self.history, self.delays):
+                saved = len(older.get(n, []))
+                if len(ring) >= 2 and not self._versions_read(d) - 1 <= saved <= len(ring) - 1:
                     raise DelaySimulatorError(
-                        f"saved older versions of {n!r} are {len(older[n])}, this simulator keeps "
-                        f"{len(ring) - 1} (delay {len(ring)}); {versions_hint}")
+                        f"saved older versions of {n!r} are {saved}, this simulator keeps "
+                        f"{len(ring) - 1} (delay {d}); {versions_hint}")
         with torch.no_grad():
             for n, p, ring in zip(self.names, self.params, self.history):
                 p.copy_(state["params"][n])
-                for slot, saved in zip(ring, [state["stash"][n], *older.get(n, [])] if ring else []):
-                    slot.copy_(saved)
+                saved = [state["stash"][n], *older.get(n, [])] if ring else []
+                for slot, value in zip(ring, saved + saved[:1] * (len(ring) - len(saved))):
+                    slot.copy_(value)
         self._sync_mirrors()
         load_optimizer_state_by_name(self.optimizer, self.model,
                                      regroup_optimizer_state(state["optimizer"], self.optimizer, self.model))
@@ -309,10 +388,12 @@ def _pipedream_delays(named, blocks, partition: list[list[int]]) -> list[int]:
 
 
 def _check_names(what: str, saved: dict, expected: list[str],
-                 hint: str = "load a state saved from the same model shape") -> None:
-    if set(saved) != set(expected):
+                 hint: str = "load a state saved from the same model shape", optional=()) -> None:
+    """``saved`` must hold every name of ``expected`` and nothing outside it and ``optional``."""
+    allowed = set(expected) | set(optional)
+    if not set(expected) <= set(saved) <= allowed:
         missing = sorted(set(expected) - set(saved))[:3]
-        extra = sorted(set(saved) - set(expected))[:3]
+        extra = sorted(set(saved) - allowed)[:3]
         raise DelaySimulatorError(f"saved {what} do not match the model (missing {missing}, "
                                   f"unexpected {extra}); {hint}")
 
