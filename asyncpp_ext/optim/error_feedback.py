@@ -27,8 +27,9 @@ class ErrorFeedback(torch.optim.Optimizer):
     Memory beyond the base optimizer: with "buffer", the EF buffer ("ef_buffer" in base.state, so
     base.state_dict() carries it), plus, for an in-place step, a model-sized snapshot of W(t) during
     the step (a step given `sources` reads W(t) there instead). With "weights", no buffer; during a
-    step that is given `previous`, a model-sized temporary holding E (computed before anything is
-    written, since in 2bw W(t-1) is the destination's storage), plus the snapshot when in place.
+    step that is given `previous`, a temporary holding E for each parameter in it (computed before
+    anything is written, since in 2bw W(t-1) is the destination's storage), plus, when in place,
+    the snapshot of those parameters; without `previous` the step is the base's alone.
 
     beta == 0 calls base.step() and nothing else. Gradients are checked for NaN/Inf before the base
     step runs (when no closure is given), raising NonFiniteGradientError with nothing modified.
@@ -122,20 +123,21 @@ class ErrorFeedback(torch.optim.Optimizer):
         for p, prev in (previous or {}).items():
             if prev is not None and p.grad is not None:
                 applied[p] = sources.get(p, p) - prev
-        # W(t) to take D against: the source when it has storage of its own, else a snapshot.
+        # D is needed where a correction follows (with "buffer" everywhere: the closure may only
+        # now produce gradients), taken against W(t): the source when it has storage of its own,
+        # else a snapshot.
+        corrected = [p for p in params if p in applied] if weights else params
         before = {}
-        for p in params:
+        for p in corrected:
             src = sources.get(p)
             before[p] = src if src is not None and src.data_ptr() != p.data_ptr() else p.detach().clone()
         loss = self._base_step(sources, closure)
-        for p in params:
+        for p in corrected:
             if p.grad is None:
                 continue  # the base skipped it: no update, no history
             d = p.detach() - before[p]
             if weights:
-                e = applied.get(p)
-                if e is not None:
-                    p.add_(d - e, alpha=self.beta)  # p is W + D already
+                p.add_(d - applied[p], alpha=self.beta)  # p is W + D already
                 continue
             st = self.state[p]
             e = st.get("ef_buffer")
