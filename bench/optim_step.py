@@ -10,6 +10,11 @@ spread (10th-90th percentile) of each. Correctness, one step from the same start
   1e-6). Newton-Schulz amplifies rounding (up to a^5 ~ 480x along small singular values), so a
   fixed bound between two float32 runs would depend on the matrix size: at width 1024 plain
   PyTorch's float32 result is 1e-4 away from float64.
+2bw rows (docs/design.md §1.3, asyncpp_ext/optim/versioned.py): two weight buffers, the parameters
+pointed at the destination each step. "out-of-place" steps from W(t) in its buffer into the
+destination against today's copy of W(t) into the destination plus an in-place step (checked bitwise
+equal after three steps); "EF buffer"/"EF weights" time ef_source="buffer" and "weights" against EF
+off, all three interleaved in one run, on the out-of-place step.
 Run: .venv/bin/python bench/optim_step.py [--device cpu|cuda] [--repeats N] [--json]   (15 s at the default size)
 On --device cuda every case runs on GPU tensors (timed with a synchronize after each step), and the
 Newton-Schulz throughput of our step is set against plain bf16 torch.mm on the same shapes.
@@ -183,6 +188,55 @@ def ef_kernel_rows(rows, shapes, repeats):
                      ref_err_vs_float64=float("nan"), err_bound=None, check="-"))
 
 
+class TwoVersions:
+    """A 2bw stage's weights: two buffer sets, the parameters pointed at the destination (buffer
+    (t+1) % 2, holding W(t-1)) before each step. copy=True steps as the stage did: W(t) copied into
+    the destination, then in place; else step_from reads W(t) from buffer t % 2 and, for EF from
+    the weights, W(t-1) from the destination itself."""
+
+    def __init__(self, shapes, make_opt, copy):
+        self.params = make_params(shapes)
+        self.bufs = [[p.detach().clone() for p in self.params] for _ in range(2)]
+        self.opt, self.copy, self.t = make_opt(self.params), copy, 0
+
+    def step(self):
+        src, dst = self.bufs[self.t % 2], self.bufs[(self.t + 1) % 2]
+        for p, d in zip(self.params, dst):
+            p.data = d
+        if self.copy:
+            for d, s in zip(dst, src):
+                d.copy_(s)
+            self.opt.step()
+        else:
+            self.opt.step_from(dict(zip(self.params, src)), dict(zip(self.params, dst)) if self.t else None)
+        self.t += 1
+
+
+def timed_row(case, reference, shapes, t_ref, t_ours, err=float("nan"), err_bound=None):
+    s_ref, s_ours = summary(t_ref), summary(t_ours)
+    return dict(case=case, reference=reference, tensors=len(shapes), params=sum(math.prod(s) for s in shapes),
+                ref=s_ref, ours=s_ours, speedup=s_ref["median_ms"] / s_ours["median_ms"], max_rel_err=err,
+                ref_err_vs_float64=float("nan"), err_bound=err_bound,
+                check="-" if err_bound is None else ("ok" if err <= err_bound else "FAIL"))
+
+
+def versioned_rows(rows, label, shapes, make_opt, repeats):
+    """The 2bw rows of one optimizer (module docstring); make_opt(params, **ef_kwargs)."""
+    pair = [TwoVersions(shapes, make_opt, copy) for copy in (True, False)]
+    t_copy, t_oop = interleaved_times([v.step for v in pair], repeats)
+    check = [TwoVersions(shapes, make_opt, copy) for copy in (True, False)]
+    for _ in range(3):
+        for v in check:
+            v.step()
+    err = max((a - b).abs().max().item() for x, y in zip(*(v.bufs for v in check)) for a, b in zip(x, y))
+    rows.append(timed_row(f"2bw {label} out-of-place", "copy + in-place", shapes, t_copy, t_oop, err, 0.0))
+    ef = [TwoVersions(shapes, lambda ps, kw=kw: make_opt(ps, **kw), False)
+          for kw in (dict(), dict(ef_beta=0.5, ef_source="buffer"), dict(ef_beta=0.5, ef_source="weights"))]
+    t_off, t_buffer, t_weights = interleaved_times([v.step for v in ef], repeats)
+    rows.append(timed_row(f"2bw {label} EF buffer", "2bw EF off", shapes, t_off, t_buffer))
+    rows.append(timed_row(f"2bw {label} EF weights", "2bw EF off", shapes, t_off, t_weights))
+
+
 def ns_flops(shapes, steps=5):
     """Multiply-add FLOPs of NS5 on the wide side (r <= c): per step X X^T (2r^2c), G G (2r^3), P X (2r^2c)."""
     total = 0
@@ -330,6 +384,9 @@ def main(argv=None):
     compare(rows, "adamw EF on (beta 0.5)", all_shapes, lambda ps: AdamW(ps, lr=1e-3, weight_decay=WD, ef_beta=0.5),
             lambda ps: AdamW(ps, lr=1e-3, weight_decay=WD), "asyncpp EF off", reps, None)
     ef_kernel_rows(rows, mats, reps)
+    versioned_rows(rows, "adamw", all_shapes, lambda ps, **kw: AdamW(ps, lr=1e-3, weight_decay=WD, **kw), reps)
+    versioned_rows(rows, "muon " + ("bf16-NS" if DEVICE.type == "cuda" else "fp32-NS"), mats,  # ns_dtype auto
+                   lambda ps, **kw: Muon(ps, lr=LR, weight_decay=WD, **kw), reps)
     devices = ["cuda"] if DEVICE.type == "cuda" else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     breakdowns = [phase_breakdown(bf16_mats if d == "cpu" else mats, d, reps) for d in devices]
     mm = mm_tflops(mats, reps) if DEVICE.type == "cuda" else None
@@ -356,6 +413,8 @@ def main(argv=None):
     ef = {r["case"]: r["ours"]["median_ms"] / r["ref"]["median_ms"] - 1 for r in rows if r["reference"].endswith("EF off")
           or r["reference"] == "EF off"}
     print("# EF overhead (ours EF on / EF off - 1): " + ", ".join(f"{k}: {v:+.1%}" for k, v in ef.items()))
+    print("# 2bw step without the copy (copy + in-place / out-of-place): " + ", ".join(
+        f"{r['case']}: x{r['speedup']:.2f}" for r in rows if r["reference"] == "copy + in-place"))
     for b in breakdowns:
         print_breakdown(b)
     if mm is not None:

@@ -21,6 +21,11 @@ def capsules(tensors):
     return [to_dlpack(t) for t in tensors]
 
 
+def optional_capsules(tensors):
+    """Like capsules, with None entries kept as None (the kernels read None as "not given")."""
+    return [None if t is None else to_dlpack(t) for t in tensors]
+
+
 def stream_of(t: torch.Tensor) -> int:
     """The current CUDA stream of t's device as an integer (0 for CPU tensors)."""
     if t.device.type == "cuda":
@@ -117,13 +122,15 @@ def on_device_of(t: torch.Tensor):
 
 
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, ef_bufs, steps, ef_first, *, lr, beta1, beta2,
-               eps, weight_decay, ef_beta):
+               eps, weight_decay, ef_beta, sources=(), previous=()):
+    """sources: W(t) per parameter, () = in place; params receive W(t+1). previous: W(t-1) per
+    parameter for error feedback from the weights (with ef_bufs=[]; None = no correction)."""
     if not params:
         return
     with on_device_of(params[0]):
         _K.adamw_step(capsules(params), capsules(grads), capsules(exp_avgs), capsules(exp_avg_sqs),
                       capsules(ef_bufs), steps, ef_first, lr, beta1, beta2, eps, weight_decay, ef_beta,
-                      stream_of(params[0]))
+                      stream_of(params[0]), capsules(sources), optional_capsules(previous))
 
 
 def muon_momentum(grads, bufs, outs, *, momentum, nesterov, sumsq=None):
@@ -134,12 +141,15 @@ def muon_momentum(grads, bufs, outs, *, momentum, nesterov, sumsq=None):
                          None if sumsq is None else to_dlpack(sumsq), stream_of(grads[0]))
 
 
-def apply_update(params, updates, ef_bufs, update_scales, ef_first, *, lr, weight_decay, ef_beta):
+def apply_update(params, updates, ef_bufs, update_scales, ef_first, *, lr, weight_decay, ef_beta,
+                 sources=(), previous=()):
+    """sources and previous as in adamw_step."""
     if not params:
         return
     with on_device_of(params[0]):
         _K.apply_update(capsules(params), capsules(updates), capsules(ef_bufs), update_scales, ef_first,
-                        lr, weight_decay, ef_beta, stream_of(params[0]))
+                        lr, weight_decay, ef_beta, stream_of(params[0]), capsules(sources),
+                        optional_capsules(previous))
 
 
 def first_nonfinite(tensors) -> int:

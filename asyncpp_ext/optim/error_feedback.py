@@ -3,29 +3,40 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import Mapping
 
 import torch
 
 from . import _kernels as K
 from .errors import NonFiniteGradientError
+from .fused import check_ef_source, check_versions
 
 
 class ErrorFeedback(torch.optim.Optimizer):
-    """Wraps `base` so each step applies W <- W + D + beta*(D - E), E <- D, where D is what
-    `base.step()` added to W this step (the first step is the plain update and only records E).
+    """Wraps `base` so each step applies W <- W + D + beta*(D - E), where D is what `base.step()`
+    added to W this step. `ef_source` says where E, the previous update, comes from: "buffer"
+    (default) keeps E <- D in a buffer (the first step is the plain update and only records E);
+    "weights" takes E = W(t) - W(t-1) from the previous version given to `step_from` (a parameter
+    without one gets the plain update) and keeps no buffer.
 
     D is recovered as a snapshot difference, W_after - W_before, in the parameter dtype: it carries
     the rounding of W_after (about one ulp of |W|, not of |D|), so for tiny updates on large weights
     it is less exact than the fused optimizers (asyncpp_ext.optim.Muon/AdamW/MuonHybrid with
-    `ef_beta`), which compute D explicitly. The wrapper costs one model-sized snapshot per step plus
-    the EF buffer ("ef_buffer" in base.state, so base.state_dict() carries it).
+    `ef_beta`), which compute D explicitly.
+
+    Memory beyond the base optimizer: with "buffer", the EF buffer ("ef_buffer" in base.state, so
+    base.state_dict() carries it), plus, for an in-place step, a model-sized snapshot of W(t) during
+    the step (a step given `sources` reads W(t) there instead). With "weights", no buffer; during a
+    step that is given `previous`, a temporary holding E for each parameter in it (computed before
+    anything is written, since in 2bw W(t-1) is the destination's storage), plus, when in place,
+    the snapshot of those parameters; without `previous` the step is the base's alone.
 
     beta == 0 calls base.step() and nothing else. Gradients are checked for NaN/Inf before the base
     step runs (when no closure is given), raising NonFiniteGradientError with nothing modified.
     param_groups, state and state_dict() are the base optimizer's.
     """
 
-    def __init__(self, base: torch.optim.Optimizer, beta: float):
+    def __init__(self, base: torch.optim.Optimizer, beta: float, ef_source: str = "buffer"):
         if not isinstance(base, torch.optim.Optimizer):
             raise ValueError(f"ErrorFeedback wraps a torch.optim.Optimizer, got {type(base).__name__}")
         if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta >= 0):
@@ -33,6 +44,7 @@ class ErrorFeedback(torch.optim.Optimizer):
         # Deliberately no Optimizer.__init__: this object shares the base's groups and state.
         self.base = base
         self.beta = float(beta)
+        self.ef_source = check_ef_source(ef_source)
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._optimizer_state_dict_pre_hooks = OrderedDict()
@@ -53,7 +65,7 @@ class ErrorFeedback(torch.optim.Optimizer):
         return self.base.defaults
 
     def __repr__(self):
-        return f"ErrorFeedback(beta={self.beta}, base={self.base!r})"
+        return f"ErrorFeedback(beta={self.beta}, ef_source={self.ef_source!r}, base={self.base!r})"
 
     def zero_grad(self, set_to_none: bool = True):
         self.base.zero_grad(set_to_none=set_to_none)
@@ -83,22 +95,65 @@ class ErrorFeedback(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        return self._step(None, None, closure)
+
+    @torch.no_grad()
+    def step_from(self, sources: Mapping[torch.Tensor, torch.Tensor] | None = None,
+                  previous: Mapping[torch.Tensor, torch.Tensor] | None = None):
+        """The versioned step (versioned.py): W(t) from ``sources`` (parameter -> tensor; None or
+        a missing parameter = in place), W(t+1) into the parameters. ``previous`` (parameter ->
+        W(t-1)) is read with ef_source "weights" only. A base optimizer with its own ``step_from``
+        steps out of place; any other gets W(t) copied into the parameter and steps in place. The
+        result is bitwise that of copying W(t) in and calling ``step()``."""
+        return self._step(sources, previous, None)
+
+    def _step(self, sources, previous, closure):
+        weights = self.ef_source == "weights"
+        if not weights or self.beta == 0:
+            previous = None
+        check_versions(self.param_groups, sources, previous, contiguous=False)
         if closure is None:
             self._check_finite()
+        sources = sources or {}
         if self.beta == 0:
-            return self.base.step(closure)
+            return self._base_step(sources, closure)
         params = [p for g in self.param_groups for p in g["params"]]
-        before = [p.detach().clone() for p in params]
-        loss = self.base.step(closure)
-        for p, w0 in zip(params, before):
+        # E from the weights first: in 2bw, W(t-1) is the very storage W(t) is about to be copied to.
+        applied = {}
+        for p, prev in (previous or {}).items():
+            if prev is not None and p.grad is not None:
+                applied[p] = sources.get(p, p) - prev
+        # D is needed where a correction follows (with "buffer" everywhere: the closure may only
+        # now produce gradients), taken against W(t): the source when it has storage of its own,
+        # else a snapshot.
+        corrected = [p for p in params if p in applied] if weights else params
+        before = {}
+        for p in corrected:
+            src = sources.get(p)
+            before[p] = src if src is not None and src.data_ptr() != p.data_ptr() else p.detach().clone()
+        loss = self._base_step(sources, closure)
+        for p in corrected:
             if p.grad is None:
                 continue  # the base skipped it: no update, no history
-            d = p.detach() - w0
+            d = p.detach() - before[p]
+            if weights:
+                p.add_(d - applied[p], alpha=self.beta)  # p is W + D already
+                continue
             st = self.state[p]
             e = st.get("ef_buffer")
             if e is not None:
-                p.add_(d - e, alpha=self.beta)  # p is W + D already
+                p.add_(d - e, alpha=self.beta)
                 e.copy_(d)
             else:
                 st["ef_buffer"] = d
         return loss
+
+    def _base_step(self, sources, closure):
+        """The base optimizer's step from W(t) in ``sources`` into the parameters."""
+        step_from = getattr(self.base, "step_from", None)
+        if step_from is not None and closure is None:
+            return step_from(sources or None, None)
+        for p, src in sources.items():
+            if src.data_ptr() != p.data_ptr():
+                p.copy_(src)
+        return self.base.step(closure)

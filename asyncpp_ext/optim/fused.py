@@ -1,16 +1,22 @@
 """The shared engine of the fused optimizers: one `step()` over param groups that are either Muon
 groups (2-D matrices) or AdamW groups, all updated by the multi-tensor kernels of asyncpp_ext._C.
 
-Order inside `step()`: (1) collect and validate every parameter with a gradient, (2) scan all
-gradients for NaN/Inf and raise `NonFiniteGradientError` naming the parameter -- nothing has been
-modified yet (skipped when `check_finite` is False: the caller has checked), (3) update the AdamW groups, (4) update the Muon groups (momentum kernel -> batched
-Newton-Schulz -> apply kernel). Error feedback (ef_beta > 0) is fused into the final kernel and uses
-the explicitly computed update D (docs/design.md §1.5: W <- W + D + beta*(D - E), E <- D).
+Order inside `step_from()` (`step()` is `step_from(None, None)`): (1) collect and validate every
+parameter with a gradient, and the weight versions given, (2) scan all gradients for NaN/Inf and
+raise `NonFiniteGradientError` naming the parameter -- nothing has been modified yet (skipped when
+`check_finite` is False: the caller has checked), (3) update the AdamW groups, (4) update the Muon
+groups (momentum kernel -> batched Newton-Schulz -> apply kernel). The final kernel of each reads
+W(t) from the source (the parameter itself in place) and writes W(t+1) into the parameter
+(versioned.py). Error feedback (ef_beta > 0) is fused into that kernel and uses the explicitly
+computed update D (docs/design.md §1.5: W <- W + D + beta*(D - E)), with E from the optimizer's
+buffer (ef_source "buffer": E <- D after each step) or from the weights (ef_source "weights":
+E = W(t) - W(t-1), the update applied last step, read from the previous version).
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +26,7 @@ from .errors import NonFiniteGradientError
 from .newton_schulz import Workspace, orthogonalize
 from .normuon import NORMUON_BETA2, check_normuon_args, normuon_updates
 from .sharding import assign_owners, gather_updates
+from .versioned import EF_SOURCES
 
 MUON = "muon"
 ADAMW = "adamw"
@@ -57,6 +64,60 @@ def check_muon_args(momentum, ns_steps, adjust_lr_fn, ns_dtype, eps, ns_coeffici
         raise ValueError(f"ns_coefficients must be three floats (a, b, c), got {ns_coefficients!r}")
 
 
+def check_ef_source(ef_source) -> str:
+    if ef_source not in EF_SOURCES:
+        raise ValueError(f"ef_source must be one of {', '.join(map(repr, EF_SOURCES))} (where error feedback "
+                         f"takes the previous update from), got {ef_source!r}")
+    return ef_source
+
+
+def param_label(group, gi, pi) -> str:
+    names = group.get("param_names")
+    if names is not None and pi < len(names):
+        return f"parameter '{names[pi]}'"
+    return f"parameter {pi} of param group {gi}"
+
+
+def check_versions(param_groups, sources, previous, contiguous: bool) -> None:
+    """Check step_from's dicts before anything is written (a bad entry found halfway would leave
+    some groups stepped): keys are parameters of ``param_groups``, values tensors shaped, typed and
+    placed like their parameter (and contiguous where the kernels read them). None values are
+    allowed in ``previous`` (no correction)."""
+    where = {id(p): (group, gi, pi) for gi, group in enumerate(param_groups)
+             for pi, p in enumerate(group["params"])}
+    for what, mapping in (("sources", sources), ("previous", previous)):
+        if mapping is None:
+            continue
+        if not isinstance(mapping, Mapping):
+            raise ValueError(f"{what} must be a dict parameter -> tensor (or None), got {type(mapping).__name__}")
+        for p, t in mapping.items():
+            if id(p) not in where:
+                raise ValueError(f"{what} holds a key that is not a parameter of this optimizer; key it by "
+                                 "the parameter tensors the optimizer holds")
+            if t is None and what == "previous":
+                continue
+            name = param_label(*where[id(p)])
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{what} for {name}: expected a tensor, got {type(t).__name__}")
+            problem = (f"shape {tuple(t.shape)}" if t.shape != p.shape else f"dtype {t.dtype}" if t.dtype != p.dtype
+                       else f"device {t.device}" if t.device != p.device
+                       else "a non-contiguous layout" if contiguous and not t.is_contiguous() else None)
+            if problem:
+                raise ValueError(f"{what} for {name} has {problem}; pass a tensor like the parameter "
+                                 f"(shape {tuple(p.shape)}, {p.dtype}, on {p.device}"
+                                 f"{', contiguous' if contiguous else ''})")
+
+
+class FinalArgs(NamedTuple):
+    """What the final kernel of a group takes besides the update: EF buffers and first-step flags
+    (ef_source "buffer"), where each parameter reads W(t) ([] = in place) and W(t-1) (ef_source
+    "weights"; None = no correction)."""
+    ef_bufs: list
+    ef_first: list
+    sources: list
+    previous: list
+
+
 def check_adamw_args(betas, eps):
     if len(tuple(betas)) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
@@ -67,7 +128,10 @@ def check_adamw_args(betas, eps):
 class FusedOptimizer(torch.optim.Optimizer):
     """Base of Muon, AdamW and MuonHybrid. Each param group carries "algorithm" ("muon"/"adamw")."""
 
-    def __init__(self, params, defaults, shard_group=None):
+    def __init__(self, params, defaults, shard_group=None, ef_source: str = "buffer"):
+        # Where error feedback takes E from (versioned.EF_SOURCES); "weights" allocates no buffer and
+        # needs W(t-1) passed to step_from as `previous`.
+        self.ef_source = check_ef_source(ef_source)
         super().__init__(params, defaults)
         for gi, group in enumerate(self.param_groups):
             self._validate_group(gi, group)
@@ -121,12 +185,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{name}: the fused kernels need contiguous parameters; "
                                  "call .data = p.data.contiguous() on it first")
 
-    @staticmethod
-    def _param_name(group, gi, pi) -> str:
-        names = group.get("param_names")
-        if names is not None and pi < len(names):
-            return f"parameter '{names[pi]}'"
-        return f"parameter {pi} of param group {gi}"
+    _param_name = staticmethod(param_label)
 
     # ---- step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -135,6 +194,22 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.step_from(None, None)
+        return loss
+
+    @torch.no_grad()
+    def step_from(self, sources: Mapping[torch.Tensor, torch.Tensor] | None = None,
+                  previous: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One step that reads W(t) from ``sources`` and writes W(t+1) into the parameters, with no
+        copy (the protocol of versioned.step_versioned). sources: parameter -> W(t); None, or a
+        parameter missing from it, = in place. previous: parameter -> W(t-1), read by error feedback
+        with ef_source "weights" only (ignored with "buffer"); a parameter missing from it gets the
+        plain update this step. Either tensor may be the parameter's own storage (in 2bw the
+        destination holds W(t-1)): each element is read before it is written. Bitwise the same as
+        copying W(t) into the parameters and stepping in place."""
+        if self.ef_source != "weights":
+            previous = None
+        check_versions(self.param_groups, sources, previous, contiguous=True)
         work = []  # (group, [(param, grad)])
         for gi, group in enumerate(self.param_groups):
             items = []
@@ -151,13 +226,23 @@ class FusedOptimizer(torch.optim.Optimizer):
             work.append((group, items))
         if self.check_finite:
             self._check_finite(work)
+        versions = (sources or {}, previous or {})
+        self._copy_unstepped(sources)
         for group, items in work:
             if items and group["algorithm"] == ADAMW:
-                self._adamw_group(group, items)
+                self._adamw_group(group, items, versions)
         for group, items in work:
             if items and group["algorithm"] == MUON:
-                self._muon_group(group, items)
-        return loss
+                self._muon_group(group, items, versions)
+
+    def _copy_unstepped(self, sources):
+        """A parameter without a gradient is not stepped, yet its destination must hold
+        W(t+1) = W(t): copy it there."""
+        for group in self.param_groups if sources else ():
+            for p in group["params"]:
+                src = sources.get(p)
+                if p.grad is None and src is not None and src.data_ptr() != p.data_ptr():
+                    p.copy_(src)
 
     def _check_finite(self, work):
         by_device = defaultdict(list)
@@ -172,10 +257,18 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{self._param_name(group, gi, pi)} has a NaN/Inf gradient; no weight or optimizer "
                     "state was changed. Skip this step (zero_grad) or lower the learning rate / clip gradients")
 
-    def _ef(self, group, params):
-        """EF buffers and first-step flags for `params` ([] and [] when EF is off)."""
+    def _final_args(self, group, params, versions) -> FinalArgs:
+        sources, previous = versions
+        srcs = [sources.get(p, p) for p in params] if sources else []
         if group["ef_beta"] == 0:
-            return [], []
+            return FinalArgs([], [], srcs, [])
+        if self.ef_source == "weights":
+            return FinalArgs([], [], srcs, [previous.get(p) for p in params])
+        bufs, first = self._ef(group, params)
+        return FinalArgs(bufs, first, srcs, [])
+
+    def _ef(self, group, params):
+        """EF buffers and first-step flags for `params` (ef_source "buffer", ef_beta > 0)."""
         bufs, first = [], []
         for p in params:
             st = self.state[p]
@@ -191,7 +284,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for p in params if ef_bufs else ():
             state[p]["ef_initialized"] = True
 
-    def _adamw_group(self, group, items):
+    def _adamw_group(self, group, items, versions):
         params = [it[0] for it in items]
         grads = [it[1] for it in items]
         exp_avgs, exp_avg_sqs, steps = [], [], []
@@ -204,16 +297,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             exp_avgs.append(st["exp_avg"])
             exp_avg_sqs.append(st["exp_avg_sq"])
             steps.append(int(st["step"]) + 1)
-        ef_bufs, ef_first = self._ef(group, params)
+        final = self._final_args(group, params, versions)
         beta1, beta2 = group["betas"]
-        K.adamw_step(params, grads, exp_avgs, exp_avg_sqs, ef_bufs, steps, ef_first, lr=group["lr"],
+        K.adamw_step(params, grads, exp_avgs, exp_avg_sqs, final.ef_bufs, steps, final.ef_first, lr=group["lr"],
                      beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                     ef_beta=group["ef_beta"])
+                     ef_beta=group["ef_beta"], sources=final.sources, previous=final.previous)
         for p, s in zip(params, steps):
             self.state[p]["step"] = s
-        self._ef_mark(self.state, params, ef_bufs)
+        self._ef_mark(self.state, params, final.ef_bufs)
 
-    def _muon_group(self, group, items):
+    def _muon_group(self, group, items, versions):
         # Same-shape matrices side by side: each shape's batch is one contiguous run of the lists
         # (and of sumsq, read below as a slice: no index tensor, no host round trip on CUDA).
         first_seen = {}
@@ -277,9 +370,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                                       group.get("normuon_beta2", NORMUON_BETA2))
         lr = group["lr"]
         scales = [-(lr * muon_lr_scale(p.shape, group["adjust_lr_fn"])) for p in params]
-        ef_bufs, ef_first = self._ef(group, params)
-        K.apply_update(params, updates, ef_bufs, scales, ef_first, lr=lr,
-                       weight_decay=group["weight_decay"], ef_beta=group["ef_beta"])
+        final = self._final_args(group, params, versions)
+        K.apply_update(params, updates, final.ef_bufs, scales, final.ef_first, lr=lr,
+                       weight_decay=group["weight_decay"], ef_beta=group["ef_beta"],
+                       sources=final.sources, previous=final.previous)
         for p in params:
             self.state[p]["step"] = int(self.state[p]["step"]) + 1
-        self._ef_mark(self.state, params, ef_bufs)
+        self._ef_mark(self.state, params, final.ef_bufs)

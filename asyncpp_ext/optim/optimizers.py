@@ -24,7 +24,9 @@ class Muon(FusedOptimizer):
     differs only for near-zero V.
 
     Extra arguments: `ns_dtype` (torch.float32 | torch.bfloat16 | None = float32 on CPU, bfloat16 on
-    CUDA) and `ef_beta` (error-feedback strength; 0 = off and no buffer).
+    CUDA), `ef_beta` (error-feedback strength; 0 = off and no buffer) and `ef_source` (where EF takes
+    the previous update from: "buffer" = a buffer of its own, "weights" = W(t) - W(t-1) from the
+    versions `step_from(sources, previous)` is given; see versioned.py).
     `normuon=True` turns it into NorMuon (see normuon.py): O is divided row by row by the root of a
     running mean of its squared rows (decay `normuon_beta2`, state "normuon_v", one float per row)
     and rescaled to its former Frobenius norm before the lr scale above applies.
@@ -40,23 +42,24 @@ class Muon(FusedOptimizer):
                  nesterov: bool = True, ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
                  ns_steps: int = 5, adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None,
                  ef_beta: float = 0.0, shard_group=None, normuon: bool = False,
-                 normuon_beta2: float = NORMUON_BETA2):
+                 normuon_beta2: float = NORMUON_BETA2, ef_source: str = "buffer"):
         defaults = dict(algorithm=MUON, lr=lr, weight_decay=weight_decay, momentum=momentum,
                         nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), eps=eps,
                         ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, ef_beta=ef_beta,
                         normuon=normuon, normuon_beta2=normuon_beta2)
-        super().__init__(_named(params), defaults, shard_group=shard_group)
+        super().__init__(_named(params), defaults, shard_group=shard_group, ef_source=ef_source)
 
 
 class AdamW(FusedOptimizer):
     """AdamW with one fused multi-tensor kernel per param group (torch.optim.AdamW arithmetic,
-    float32), plus `ef_beta` error feedback (0 = off). amsgrad/maximize are not supported."""
+    float32), plus `ef_beta` error feedback (0 = off) with E from `ef_source` (as in Muon).
+    amsgrad/maximize are not supported."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, ef_beta: float = 0.0):
+                 weight_decay: float = 1e-2, ef_beta: float = 0.0, ef_source: str = "buffer"):
         defaults = dict(algorithm=ADAMW, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         ef_beta=ef_beta)
-        super().__init__(_named(params), defaults)
+        super().__init__(_named(params), defaults, ef_source=ef_source)
 
 
 class MuonHybrid(FusedOptimizer):
@@ -69,7 +72,8 @@ class MuonHybrid(FusedOptimizer):
     adamw_weight_decay which defaults to weight_decay). `shard_group` splits the Muon
     orthogonalisations among data-parallel replicas (see Muon). `normuon`/`normuon_beta2` make the
     Muon part NorMuon (see Muon). Groups without parameters are omitted; each
-    group's "algorithm" says which it is. Defaults: lr=0.02, adamw_lr=3e-4.
+    group's "algorithm" says which it is. `ef_beta` and `ef_source` (see Muon) apply to both parts.
+    Defaults: lr=0.02, adamw_lr=3e-4.
     """
 
     def __init__(self, model_or_named_params, lr: float = 0.02, adamw_lr: float = 3e-4,
@@ -78,7 +82,7 @@ class MuonHybrid(FusedOptimizer):
                  adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None,
                  adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
                  ef_beta: float = 0.0, is_muon=None, adamw_names=(), muon_names=(), shard_group=None,
-                 normuon: bool = False, normuon_beta2: float = NORMUON_BETA2):
+                 normuon: bool = False, normuon_beta2: float = NORMUON_BETA2, ef_source: str = "buffer"):
         muon_params, adamw_params = split_named_parameters(
             model_or_named_params, is_muon=is_muon, adamw_names=adamw_names, muon_names=muon_names)
         groups = []
@@ -94,7 +98,7 @@ class MuonHybrid(FusedOptimizer):
                                ef_beta=ef_beta))
         if not groups:
             raise ValueError("MuonHybrid got no trainable parameters (all have requires_grad=False?)")
-        super().__init__(groups, dict(ef_beta=ef_beta), shard_group=shard_group)
+        super().__init__(groups, dict(ef_beta=ef_beta), shard_group=shard_group, ef_source=ef_source)
 
 
 __all__ = ["Muon", "AdamW", "MuonHybrid"]

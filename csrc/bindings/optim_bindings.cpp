@@ -4,7 +4,9 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,21 +50,78 @@ void expect_finite_scalar(double x, const char* name) {
   ASYNCPP_ARG_CHECK(std::isfinite(x), name, " must be a finite number, got ", x);
 }
 
-// EF buffers: an empty list turns EF off (ef_beta must then be 0); otherwise one per parameter.
+// `previous` may hold None: that tensor gets no correction this step.
+std::vector<std::optional<TensorView>> borrow_optional_tensors(const py::sequence& capsules,
+                                                               const char* arg_name) {
+  std::vector<std::optional<TensorView>> out;
+  out.reserve(py::len(capsules));
+  size_t i = 0;
+  for (const auto& c : capsules) {
+    const std::string name = item(arg_name, i++);
+    out.push_back(c.is_none() ? std::nullopt : std::optional<TensorView>(borrow_tensor(c, name.c_str())));
+  }
+  return out;
+}
+
+// The EF mode of each tensor. E comes from one place: ef_bufs (one buffer per parameter, ef_first
+// picking the first-step rule) or previous (W(t-1) per parameter, None = no correction); with
+// neither, EF is off and ef_beta must be 0.
 std::vector<EfMode> ef_modes(const std::vector<TensorView>& efs, const std::vector<bool>& ef_first,
-                             size_t n, double ef_beta) {
+                             const std::vector<std::optional<TensorView>>& previous, size_t n,
+                             double ef_beta) {
   expect_finite_scalar(ef_beta, "ef_beta");
   ASYNCPP_ARG_CHECK(ef_beta >= 0.0, "ef_beta must be >= 0 (0 turns error feedback off), got ", ef_beta);
+  std::vector<EfMode> modes(n, EfMode::off);
+  if (!previous.empty()) {
+    ASYNCPP_ARG_CHECK(efs.empty(), "ef_bufs and previous were both given; error feedback takes its previous "
+                      "update from one of them: pass ef_bufs=[] or previous=[]");
+    ASYNCPP_ARG_CHECK(ef_first.empty(), "ef_first applies to ef_bufs only; pass ef_first=[] with previous");
+    ASYNCPP_ARG_CHECK(ef_beta > 0.0, "previous was given but ef_beta is 0; pass previous=[] to turn EF off");
+    expect_len(previous.size(), n, "previous", "params");
+    for (size_t i = 0; i < n; ++i) modes[i] = previous[i] ? EfMode::weights : EfMode::off;
+    return modes;
+  }
   if (efs.empty()) {
-    ASYNCPP_ARG_CHECK(ef_beta == 0.0, "ef_beta=", ef_beta, " needs one buffer in ef_bufs per parameter; got none (pass ef_beta=0 to turn EF off)");
-    return std::vector<EfMode>(n, EfMode::off);
+    ASYNCPP_ARG_CHECK(ef_beta == 0.0, "ef_beta=", ef_beta, " needs one buffer in ef_bufs or one tensor in "
+                      "previous per parameter; got neither (pass ef_beta=0 to turn EF off)");
+    return modes;
   }
   ASYNCPP_ARG_CHECK(ef_beta > 0.0, "ef_bufs were given but ef_beta is 0; pass ef_bufs=[] to turn EF off");
   expect_len(efs.size(), n, "ef_bufs", "params");
   expect_len(ef_first.size(), n, "ef_first", "params");
-  std::vector<EfMode> modes(n);
   for (size_t i = 0; i < n; ++i) modes[i] = ef_first[i] ? EfMode::first : EfMode::corrected;
   return modes;
+}
+
+// W(t) (sources[i]) or W(t-1) (previous[i]) of params[i]: a float32 tensor like the parameter, and
+// either the parameter's very storage (in place; 2bw's previous) or apart from it. A partial
+// overlap would make one element's store feed another element's read.
+void expect_version_of(const TensorView& t, const TensorView& param, const TensorView& first,
+                       const std::string& name, const std::string& param_name) {
+  expect_like(t, first, DType::f32, name);
+  expect_same_shape(param, t, param_name, name);
+  const auto a = reinterpret_cast<uintptr_t>(t.data), b = reinterpret_cast<uintptr_t>(param.data);
+  const auto bytes = uintptr_t(param.nbytes());
+  ASYNCPP_ARG_CHECK(a == b || a + bytes <= b || b + bytes <= a, name, " partly overlaps ", param_name,
+                    "; pass the parameter itself or a tensor in memory of its own");
+}
+
+// Where params[i] reads W(t) (the parameter itself when `sources` is empty: in place) and W(t-1).
+std::pair<const float*, const float*> versions_of(size_t i, const std::vector<TensorView>& params,
+                                                  const std::vector<TensorView>& sources,
+                                                  const std::vector<std::optional<TensorView>>& previous) {
+  const std::string param_name = item("params", i);
+  const float* src = params[i].ptr<float>();
+  if (!sources.empty()) {
+    expect_version_of(sources[i], params[i], params[0], item("sources", i), param_name);
+    src = sources[i].ptr<float>();
+  }
+  const float* prev = nullptr;
+  if (!previous.empty() && previous[i]) {
+    expect_version_of(*previous[i], params[i], params[0], item("previous", i), param_name);
+    prev = previous[i]->ptr<float>();
+  }
+  return {src, prev};
 }
 
 Storage storage_of(const TensorView& t, const std::string& name) {
@@ -74,8 +133,11 @@ Storage storage_of(const TensorView& t, const std::string& name) {
 void adamw_step(const py::sequence& params_c, const py::sequence& grads_c, const py::sequence& exp_avgs_c,
                 const py::sequence& exp_avg_sqs_c, const py::sequence& ef_c, const std::vector<int64_t>& steps,
                 const std::vector<bool>& ef_first, double lr, double beta1, double beta2, double eps,
-                double weight_decay, double ef_beta, intptr_t stream) {
+                double weight_decay, double ef_beta, intptr_t stream, const py::sequence& sources_c,
+                const py::sequence& previous_c) {
   const auto params = borrow_tensors(params_c, "params");
+  const auto sources = borrow_tensors(sources_c, "sources");
+  const auto previous = borrow_optional_tensors(previous_c, "previous");
   const auto grads = borrow_tensors(grads_c, "grads");
   const auto m = borrow_tensors(exp_avgs_c, "exp_avgs");
   const auto v = borrow_tensors(exp_avg_sqs_c, "exp_avg_sqs");
@@ -85,13 +147,14 @@ void adamw_step(const py::sequence& params_c, const py::sequence& grads_c, const
   expect_len(m.size(), n, "exp_avgs", "params");
   expect_len(v.size(), n, "exp_avg_sqs", "params");
   expect_len(steps.size(), n, "steps", "params");
+  if (!sources.empty()) expect_len(sources.size(), n, "sources", "params");
   for (double x : {lr, beta1, beta2, eps, weight_decay}) expect_finite_scalar(x, "AdamW hyperparameters");
   ASYNCPP_ARG_CHECK(lr >= 0.0, "lr must be >= 0, got ", lr);
   ASYNCPP_ARG_CHECK(beta1 >= 0.0 && beta1 < 1.0, "beta1 must be in [0, 1), got ", beta1);
   ASYNCPP_ARG_CHECK(beta2 >= 0.0 && beta2 < 1.0, "beta2 must be in [0, 1), got ", beta2);
   ASYNCPP_ARG_CHECK(eps >= 0.0, "eps must be >= 0, got ", eps);
   ASYNCPP_ARG_CHECK(weight_decay >= 0.0, "weight_decay must be >= 0, got ", weight_decay);
-  const auto modes = ef_modes(ef, ef_first, n, ef_beta);
+  const auto modes = ef_modes(ef, ef_first, previous, n, ef_beta);
   if (n == 0) return;
 
   std::vector<AdamWTensor> work(n);
@@ -113,8 +176,11 @@ void adamw_step(const py::sequence& params_c, const py::sequence& grads_c, const
     // Scalars in double, rounded once to float, as torch does with Python-float scalars.
     const double bc1 = 1.0 - std::pow(beta1, double(steps[i]));
     const double bc2 = 1.0 - std::pow(beta2, double(steps[i]));
+    const auto [src, prev] = versions_of(i, params, sources, previous);
     AdamWTensor& w = work[i];
     w.param = p.ptr<float>();
+    w.source = src;
+    w.previous = prev;
     w.grad = grads[i].ptr<float>();
     w.exp_avg = m[i].ptr<float>();
     w.exp_avg_sq = v[i].ptr<float>();
@@ -180,18 +246,22 @@ void muon_momentum(const py::sequence& grads_c, const py::sequence& bufs_c, cons
 
 void apply_update(const py::sequence& params_c, const py::sequence& updates_c, const py::sequence& ef_c,
                   const std::vector<double>& update_scales, const std::vector<bool>& ef_first, double lr,
-                  double weight_decay, double ef_beta, intptr_t stream) {
+                  double weight_decay, double ef_beta, intptr_t stream, const py::sequence& sources_c,
+                  const py::sequence& previous_c) {
   const auto params = borrow_tensors(params_c, "params");
+  const auto sources = borrow_tensors(sources_c, "sources");
+  const auto previous = borrow_optional_tensors(previous_c, "previous");
   const auto updates = borrow_tensors(updates_c, "updates");
   const auto ef = borrow_tensors(ef_c, "ef_bufs");
   const size_t n = params.size();
   expect_len(updates.size(), n, "updates", "params");
   expect_len(update_scales.size(), n, "update_scales", "params");
+  if (!sources.empty()) expect_len(sources.size(), n, "sources", "params");
   expect_finite_scalar(lr, "lr");
   expect_finite_scalar(weight_decay, "weight_decay");
   ASYNCPP_ARG_CHECK(lr >= 0.0, "lr must be >= 0, got ", lr);
   ASYNCPP_ARG_CHECK(weight_decay >= 0.0, "weight_decay must be >= 0, got ", weight_decay);
-  const auto modes = ef_modes(ef, ef_first, n, ef_beta);
+  const auto modes = ef_modes(ef, ef_first, previous, n, ef_beta);
   if (n == 0) return;
   const Storage storage = storage_of(updates[0], "updates[0]");
   std::vector<ApplyTensor> work(n);
@@ -204,8 +274,10 @@ void apply_update(const py::sequence& params_c, const py::sequence& updates_c, c
       expect_same_shape(params[i], ef[i], item("params", i), item("ef_bufs", i));
     }
     expect_finite_scalar(update_scales[i], "update_scales");
-    work[i] = ApplyTensor{params[i].ptr<float>(), updates[i].data, ef.empty() ? nullptr : ef[i].ptr<float>(),
-                          params[i].numel(), float(update_scales[i]), float(-(lr * weight_decay)), float(ef_beta), modes[i]};
+    const auto [src, prev] = versions_of(i, params, sources, previous);
+    work[i] = ApplyTensor{params[i].ptr<float>(), src, prev, updates[i].data,
+                          ef.empty() ? nullptr : ef[i].ptr<float>(), params[i].numel(), float(update_scales[i]),
+                          float(-(lr * weight_decay)), float(ef_beta), modes[i]};
   }
   const bool cuda = params[0].device == DeviceKind::cuda;
   py::gil_scoped_release release;
@@ -244,17 +316,23 @@ void bind_optim(py::module_& m) {
   o.def("adamw_step", &adamw_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("ef_bufs"), py::arg("steps"), py::arg("ef_first"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("ef_beta"),
-        py::arg("stream") = 0,
+        py::arg("stream") = 0, py::arg("sources") = py::list(), py::arg("previous") = py::list(),
         "One AdamW step (torch.optim.AdamW arithmetic) over all tensors; steps[i] is tensor i's step count "
-        "after this update. ef_bufs=[] turns error feedback off.");
+        "after this update. ef_bufs=[] and previous=[] turn error feedback off. sources[i] holds W(t) "
+        "and params[i] receives W(t+1) (sources=[]: in place); previous[i] holds W(t-1) for error "
+        "feedback from the weights (None: no correction for that tensor). params[i] may be the very "
+        "storage of sources[i] or previous[i].");
   o.def("muon_momentum", &muon_momentum, py::arg("grads"), py::arg("momentum_bufs"), py::arg("outs"),
         py::arg("momentum"), py::arg("nesterov"), py::arg("sumsq") = py::none(), py::arg("stream") = 0,
         "B <- mu*B + (1-mu)*G; outs <- nesterov ? (1-mu)*G + mu*B : B (float32 or bfloat16); "
         "sumsq[i] <- sum(outs[i]^2) when given.");
   o.def("apply_update", &apply_update, py::arg("params"), py::arg("updates"), py::arg("ef_bufs"),
         py::arg("update_scales"), py::arg("ef_first"), py::arg("lr"), py::arg("weight_decay"),
-        py::arg("ef_beta"), py::arg("stream") = 0,
-        "W <- W + D, D = -lr*wd*W + update_scales[i]*updates[i], with error feedback when ef_bufs is not empty.");
+        py::arg("ef_beta"), py::arg("stream") = 0, py::arg("sources") = py::list(),
+        py::arg("previous") = py::list(),
+        "W(t+1) = W(t) + D, D = -lr*wd*W(t) + update_scales[i]*updates[i], with error feedback when ef_bufs "
+        "(E from the buffer) or previous (E = W(t) - W(t-1)) is not empty. W(t) is read from sources[i] "
+        "(sources=[]: in place) and W(t+1) written to params[i], as in adamw_step.");
   o.def("first_nonfinite", &first_nonfinite, py::arg("tensors"), py::arg("stream") = 0,
         "Index of the first float32 tensor holding a NaN or Inf, or -1.");
 }

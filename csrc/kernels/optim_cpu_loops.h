@@ -21,9 +21,9 @@ namespace asyncpp::kernels::optim {
 
 // Each function handles elements [begin, end) of one tensor.
 struct CpuLoops {
-  void (*adamw[3])(const AdamWTensor& t, int64_t begin, int64_t end);            // [EfMode]
+  void (*adamw[kEfModes])(const AdamWTensor& t, int64_t begin, int64_t end);     // [EfMode]
   double (*momentum[2])(const MomentumTensor& t, int64_t begin, int64_t end);    // [Storage]: sum V^2
-  void (*apply[2][3])(const ApplyTensor& t, int64_t begin, int64_t end);         // [Storage][EfMode]
+  void (*apply[2][kEfModes])(const ApplyTensor& t, int64_t begin, int64_t end);  // [Storage][EfMode]
   bool (*range_is_finite)(const float* x, int64_t begin, int64_t end);
 };
 

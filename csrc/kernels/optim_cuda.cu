@@ -146,8 +146,9 @@ __global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, in
       const float upd = adamw_direction(t.grad[i], m, v, t.s);
       t.exp_avg[i] = m;
       t.exp_avg_sq[i] = v;
-      const float w = t.param[i];
-      t.param[i] = apply_update_at(t.ef_mode, w, upd, t.neg_lr_wd, t.ef_beta, t.ef, i);
+      // W(t) from the source; the destination may be it or W(t-1), each read before this store.
+      const float w = t.source[i];
+      t.param[i] = apply_update_at(t.ef_mode, w, upd, t.neg_lr_wd, t.ef_beta, t.ef, t.previous, i);
     }
   }
 }
@@ -223,8 +224,9 @@ __global__ void apply_kernel(const ApplyTensor* tensors, const Chunk* chunks, in
         o = bf16_to_float(static_cast<const uint16_t*>(t.update)[i]);
       }
       const float upd = t.update_scale * o;
-      const float w = t.param[i];
-      t.param[i] = apply_update_at(t.ef_mode, w, upd, t.neg_lr_wd, t.ef_beta, t.ef, i);
+      // W(t) from the source; the destination may be it or W(t-1), each read before this store.
+      const float w = t.source[i];
+      t.param[i] = apply_update_at(t.ef_mode, w, upd, t.neg_lr_wd, t.ef_beta, t.ef, t.previous, i);
     }
   }
 }

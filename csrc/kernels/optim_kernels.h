@@ -14,12 +14,17 @@ namespace asyncpp::kernels::optim {
 // apply kernel). Parameters, gradients and state are always float32.
 enum class Storage : int { f32 = 0, bf16 = 1 };
 
+// Out of place: `param` is the destination W(t+1) is written to and `source` holds W(t); in place
+// they are the same pointer. `previous` (W(t-1), EfMode::weights only) may be the destination's
+// storage too (2bw), never a partial overlap: every element is read before it is written.
 struct AdamWTensor {
   float* param;
+  const float* source;
+  const float* previous;  // nullptr unless ef_mode == weights
   const float* grad;
   float* exp_avg;
   float* exp_avg_sq;
-  float* ef;          // error-feedback buffer, nullptr when ef_mode == off
+  float* ef;          // error-feedback buffer, nullptr unless ef_mode is first or corrected
   int64_t numel;
   AdamWScalars s;     // per tensor: the bias corrections depend on its own step count
   float neg_lr_wd;    // -lr*wd
@@ -37,8 +42,10 @@ struct MomentumTensor {
 };
 
 struct ApplyTensor {
-  float* param;
-  const void* update;  // O, in `Storage`
+  float* param;           // destination, source and previous as in AdamWTensor
+  const float* source;
+  const float* previous;
+  const void* update;     // O, in `Storage`
   float* ef;
   int64_t numel;
   float update_scale;  // -adjusted_lr

@@ -20,7 +20,10 @@ namespace asyncpp::kernels::optim {
 //   off       -> plain update, E is neither read nor written (beta == 0 allocates no buffer)
 //   first     -> plain update, E <- D (no history yet)
 //   corrected -> W <- W + D + beta*(D - E), E <- D
-enum class EfMode : int { off = 0, first = 1, corrected = 2 };
+//   weights   -> W <- W + D + beta*(D - E) with E = W(t) - W(t-1), the update applied at the last
+//                step, read from the previous weight version: no buffer is read or written
+enum class EfMode : int { off = 0, first = 1, corrected = 2, weights = 3 };
+constexpr int kEfModes = 4;
 
 // ---- storage conversions ----------------------------------------------------------------------
 ASYNCPP_HD uint32_t float_bits(float x) {
@@ -84,37 +87,51 @@ ASYNCPP_HD float muon_momentum(float g, float& b, float mu, bool nesterov) {
 }
 
 // ---- the final weight update, with optional error feedback --------------------------------------
-// `upd` is the optimizer's step without weight decay and neg_lr_wd = -lr*wd. The update
-// D = W*neg_lr_wd + upd is always formed explicitly and added once, W <- W + D: more exact than
-// torch's W*(1 - lr*wd) + upd, whose float32 decay factor is off by up to 6e-8 relative (a drift
-// of ~1e-5 of the step size over 10 steps at lr*wd = 2e-3). EF sees the exact D, not a difference
-// of rounded weights. kMode == off and kMode == first produce bitwise the same W.
+// `w` is W(t), `upd` the optimizer's step without weight decay and neg_lr_wd = -lr*wd; the result
+// is W(t+1). The update D = W*neg_lr_wd + upd is always formed explicitly and added once,
+// W <- W + D: more exact than torch's W*(1 - lr*wd) + upd, whose float32 decay factor is off by up
+// to 6e-8 relative (a drift of ~1e-5 of the step size over 10 steps at lr*wd = 2e-3). EF sees the
+// exact D, not a difference of rounded weights. kMode == off and kMode == first produce bitwise the
+// same W. `e` points at this element of the EF buffer (first, corrected) and `w_prev` at this
+// element of W(t-1) (weights); both are read before the caller stores the result, so the caller's
+// destination may be the very storage of W(t) or of W(t-1).
 template <EfMode kMode>
-ASYNCPP_HD float apply_update(float w, float upd, float neg_lr_wd, float beta, float* e) {
+ASYNCPP_HD float apply_update(float w, float upd, float neg_lr_wd, float beta, float* e,
+                              const float* w_prev) {
   const float d = w * neg_lr_wd + upd;
   if constexpr (kMode == EfMode::off) {
     (void)beta;
     (void)e;
+    (void)w_prev;
     return w + d;
   } else if constexpr (kMode == EfMode::first) {
     (void)beta;
+    (void)w_prev;
     *e = d;
     return w + d;
-  } else {
+  } else if constexpr (kMode == EfMode::corrected) {
+    (void)w_prev;
     const float out = w + (d + beta * (d - *e));
     *e = d;
     return out;
+  } else {
+    (void)e;
+    const float applied = w - *w_prev;  // E: what the last step added to the weights
+    return w + (d + beta * (d - applied));
   }
 }
 
 // The same with the mode chosen at run time (per tensor, as the CUDA kernels read it from their
-// tensor table). `e` is the EF buffer's base; it is not touched when mode == off.
+// tensor table). `e` is the EF buffer's base, `w_prev` W(t-1)'s; each is touched only in its modes.
 ASYNCPP_HD float apply_update_at(EfMode mode, float w, float upd, float neg_lr_wd, float beta,
-                                        float* e, int64_t i) {
+                                 float* e, const float* w_prev, int64_t i) {
   switch (mode) {
-    case EfMode::first: return apply_update<EfMode::first>(w, upd, neg_lr_wd, beta, e + i);
-    case EfMode::corrected: return apply_update<EfMode::corrected>(w, upd, neg_lr_wd, beta, e + i);
-    default: return apply_update<EfMode::off>(w, upd, neg_lr_wd, beta, nullptr);
+    case EfMode::first: return apply_update<EfMode::first>(w, upd, neg_lr_wd, beta, e + i, nullptr);
+    case EfMode::corrected:
+      return apply_update<EfMode::corrected>(w, upd, neg_lr_wd, beta, e + i, nullptr);
+    case EfMode::weights:
+      return apply_update<EfMode::weights>(w, upd, neg_lr_wd, beta, nullptr, w_prev + i);
+    default: return apply_update<EfMode::off>(w, upd, neg_lr_wd, beta, nullptr, nullptr);
   }
 }
 
