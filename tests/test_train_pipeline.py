@@ -22,13 +22,16 @@ def _rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("schedule,stages,optimizer,ef", [
-    ("2bw", 2, "muon", "0.5"), ("1f1b", 2, "muon", "0.5"), ("2bw", 4, "adamw", "0.5"), ("gpipe", 3, "sgd", "0")])
-def test_real_run_writes_the_simulated_losses(tmp_path, schedule, stages, optimizer, ef):
+@pytest.mark.parametrize("schedule,stages,optimizer,ef,ef_source", [
+    ("2bw", 2, "muon", "0.5", "buffer"), ("1f1b", 2, "muon", "0.5", "buffer"),
+    ("2bw", 4, "adamw", "0.5", "buffer"), ("gpipe", 3, "sgd", "0", "buffer"),
+    ("2bw", 2, "muon", "1.0", "weights")])  # EF from the weight versions: out-of-place step reads W(t-1)
+def test_real_run_writes_the_simulated_losses(tmp_path, schedule, stages, optimizer, ef, ef_source):
     # --threads 1 on both sides: a matrix product's summation order may depend on the thread
     # count, and with equal counts the stages' arithmetic is the simulator's, op for op.
     flags = TINY + ["--schedule", schedule, "--stages", str(stages), "--microbatches", "4",
                     "--optimizer", optimizer, "--ef-beta", ef, "--lr", "0.01", "--steps", "6",
+                    *(["--ef-source", ef_source] if ef_source != "buffer" else []),
                     "--eval-every", "3", "--ckpt-every", "3", "--n-layer", "2", "--threads", "1"]
     assert main(flags + ["--out", str(tmp_path / "real")]) == 0
     assert main(flags + ["--simulate", "--out", str(tmp_path / "sim")]) == 0
@@ -48,9 +51,11 @@ def test_real_run_writes_the_simulated_losses(tmp_path, schedule, stages, optimi
             assert torch.equal(real_state[part][name], want), (part, name)
 
 
-def test_pipeline_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("ef_source", ["buffer", "weights"])
+def test_pipeline_resume_continues_exactly(tmp_path, ef_source):
     flags = TINY + ["--schedule", "2bw", "--stages", "2", "--microbatches", "2", "--optimizer", "muon",
-                    "--ef-beta", "0.5", "--lr", "0.01", "--eval-every", "0", "--ckpt-every", "4"]
+                    "--ef-beta", "0.5", "--ef-source", ef_source, "--lr", "0.01", "--eval-every", "0",
+                    "--ckpt-every", "4"]
     assert main(flags + ["--steps", "8", "--out", str(tmp_path / "full")]) == 0
     assert main(flags + ["--steps", "4", "--out", str(tmp_path / "part")]) == 0
     assert main(["--resume", str(tmp_path / "part"), "--steps", "8", "--no-progress"]) == 0
