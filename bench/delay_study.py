@@ -23,20 +23,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from multiprocessing import get_context
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(Path(__file__).resolve().parent) not in sys.path:  # the shared study code next to this script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from study_runs import (build_config, mean_std, plot_curve_panels, progress_reporter,  # noqa: E402
+                        run_pool, train_run)
+
 DEFAULT_DATA = "builtin"  # the package's built-in corpus: runs on any machine, no download
 
 # Learning rates chosen by `--tune` (sync runs only, see docs/results.md "Delay study"); the 2bw
@@ -79,116 +80,35 @@ STUDY_SCHEDULES = ("sync", "2bw", "pipedream")
 
 
 # -- one run (executes in a worker process) ----------------------------------------------------
-def _init_worker(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
+def variant_overrides(variant: Variant) -> dict:
+    """The config fields a variant sets (dotted field -> value)."""
+    return {"optim.name": variant.optimizer, "optim.lr": variant.lr, "optim.ef_beta": variant.ef_beta,
+            "optim.adamw_lr": variant.adamw_lr}
 
 
 def run_config(spec: RunSpec, args: dict):
     """The RunConfig ``asyncpp-train`` would build for this run (also used for the spot check)."""
-    from asyncpp_ext.training.config import RunConfig
-    from asyncpp_ext.models.registry import model_config
-
-    cfg = RunConfig()
-    cfg.model = model_config(args["model"], n_layer=args.get("n_layer"))
-    cfg.data.source = args["data"]
-    cfg.data.eval_batches = args["eval_batches"]
-    v = spec.variant
-    cfg.optim.name, cfg.optim.lr, cfg.optim.ef_beta, cfg.optim.adamw_lr = (
-        v.optimizer, v.lr, v.ef_beta, v.adamw_lr)
-    cfg.pipeline.schedule = spec.schedule
-    cfg.pipeline.microbatches = args["microbatches"]
-    cfg.pipeline.micro_batch_size = args["micro_batch_size"]
-    if spec.schedule == "pipedream":  # one microbatch of m·B sequences per step, S stages
-        cfg.pipeline.microbatches, cfg.pipeline.stages = 1, spec.stages
-        cfg.pipeline.micro_batch_size = args["microbatches"] * args["micro_batch_size"]
-    cfg.train.steps = args["steps"]
-    cfg.train.seed = spec.seed
-    cfg.train.eval_every = args["eval_every"]
-    cfg.train.simulate = True
-    cfg.validate()
-    return cfg
+    return build_config(args, spec.schedule, spec.seed, variant_overrides(spec.variant), spec.stages)
 
 
 def run_one(spec: RunSpec, args: dict) -> dict:
     """Train one configuration in this process; returns its losses and eval curve."""
-    from asyncpp_ext.data import BatchStream, eval_batches, load_tokens, split_tokens
-    from asyncpp_ext.models.registry import build_model
-    from asyncpp_ext.training.simulate import DelaySimulator
-    from asyncpp_ext.training.cli import make_optimizer_factory
-
-    cfg = run_config(spec, args)
-    p = cfg.pipeline
-    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
-    # Split and eval set by B for every schedule, so all runs are evaluated on the same windows.
-    train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, args["micro_batch_size"],
-                                             cfg.model.seq_len, source=cfg.data.source)
-    stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
-                         seed=cfg.train.seed)
-    eval_set = eval_batches(eval_tokens, args["micro_batch_size"], cfg.model.seq_len,
-                            cfg.data.eval_batches)
-    model = build_model(cfg.model, seed=cfg.train.seed)
-    engine = DelaySimulator(model, make_optimizer_factory(cfg)(model), spec.schedule,
-                            stages=spec.stages if spec.schedule == "pipedream" else None)
-    start = time.perf_counter()
-    losses, curve = [], [(0, engine.eval_loss(eval_set))]
-    every = cfg.train.eval_every or cfg.train.steps
-    for loss in engine.train_steps(stream, cfg.train.steps):
-        losses.append(loss)
-        step = len(losses)
-        if not math.isfinite(loss):
-            break  # diverged: report it rather than train on NaNs
-        if step % every == 0 or step == cfg.train.steps:
-            curve.append((step, engine.eval_loss(eval_set)))
-    final = curve[-1][1] if len(losses) == cfg.train.steps else float("nan")
+    run = train_run(run_config(spec, args), args["micro_batch_size"])
     return {"label": spec.variant.label, "optimizer": spec.variant.optimizer,
             "lr": spec.variant.lr, "adamw_lr": spec.variant.adamw_lr,
             "ef_beta": spec.variant.ef_beta, "schedule": spec.schedule, "seed": spec.seed,
-            "stages": spec.stages,
-            "final_eval_loss": final, "eval_curve": curve, "train_losses": losses,
-            "seconds": round(time.perf_counter() - start, 2)}
+            "stages": spec.stages, **run}
+
+
+def _describe_run(r: dict) -> str:
+    sched = r["schedule"] if r.get("stages") is None else f"pd{r['stages']}"
+    return f"{r['label']:<14} {sched:<4} seed {r['seed']}"
 
 
 def run_all(specs: list[RunSpec], args: dict, workers: int, threads: int) -> list[dict]:
     """Every spec, ``workers`` at a time; results in spec order. Prints progress to stderr."""
-    results = [None] * len(specs)
-    start = time.perf_counter()
-
-    def report(done: int, r: dict) -> None:
-        sched = r["schedule"] if r.get("stages") is None else f"pd{r['stages']}"
-        print(f"[{done}/{len(specs)} {time.perf_counter() - start:6.0f} s] {r['label']:<14} "
-              f"{sched:<4} seed {r['seed']}: eval {r['final_eval_loss']:.4f} "
-              f"({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
-
-    if workers == 1:  # in this process: no start-up cost of a worker importing torch
-        _init_worker(threads)
-        for i, spec in enumerate(specs):
-            results[i] = run_one(spec, args)
-            report(i + 1, results[i])
-        return results
-    # A process pool that fails loudly: if a worker dies (killed, or unable to import this
-    # script), the study stops with BrokenProcessPool instead of waiting for a replacement.
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                               initargs=(threads,))
-    try:
-        futures = [pool.submit(_run_indexed, (i, spec, args)) for i, spec in enumerate(specs)]
-        for done, future in enumerate(as_completed(futures), 1):
-            i, result = future.result()
-            results[i] = result
-            report(done, result)
-    except BaseException:  # an interrupted study must not leave workers training on
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
-            proc.terminate()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    return results
-
-
-def _run_indexed(job: tuple) -> tuple:
-    i, spec, args = job
-    return i, run_one(spec, args)
+    return run_pool(run_one, [(spec, args) for spec in specs], workers, threads,
+                    progress_reporter(len(specs), _describe_run))
 
 
 # -- the study's variants and summaries --------------------------------------------------------
@@ -201,12 +121,6 @@ def study_variants(a) -> list[Variant]:
     variants.append(Variant("muon", **muon))
     variants += [Variant(f"muon+ef{b:g}", ef_beta=b, **muon) for b in a.betas]
     return variants
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    if not values:
-        return float("nan"), float("nan")
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
 def study_specs(variants: list[Variant], schedules: list[str], depths: list[int],
@@ -231,15 +145,15 @@ def summarize(results: list[dict], variants: list[Variant]) -> dict:
     has_2bw = any(r["schedule"] == "2bw" for r in results)
     rows = {}
     for v in variants:
-        row = {"sync": _mean_std([final[(v.label, "sync", s, None)] for s in seeds])}
+        row = {"sync": mean_std([final[(v.label, "sync", s, None)] for s in seeds])}
         if has_2bw:
-            row["2bw"] = _mean_std([final[(v.label, "2bw", s, None)] for s in seeds])
-            row["gap"] = _mean_std([final[(v.label, "2bw", s, None)] - final[(v.label, "sync", s, None)]
+            row["2bw"] = mean_std([final[(v.label, "2bw", s, None)] for s in seeds])
+            row["gap"] = mean_std([final[(v.label, "2bw", s, None)] - final[(v.label, "sync", s, None)]
                                     for s in seeds])
         if depths:
             row["pipedream"] = {str(d): {
-                "eval": _mean_std([final[(v.label, "pipedream", s, d)] for s in seeds]),
-                "gap": _mean_std([final[(v.label, "pipedream", s, d)] - final[(v.label, "sync", s, None)]
+                "eval": mean_std([final[(v.label, "pipedream", s, d)] for s in seeds]),
+                "gap": mean_std([final[(v.label, "pipedream", s, d)] - final[(v.label, "sync", s, None)]
                                   for s in seeds])} for d in depths}
         rows[v.label] = row
     if not has_2bw:
@@ -297,44 +211,11 @@ def format_depth_table(summary: dict) -> str:
 
 def plot_curves(results: list[dict], variants: list[Variant], path: Path, title: str) -> None:
     """One panel per optimizer: mean eval loss vs step, sync and 2bw, shaded ± std over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(3, len(variants))
-    rows = math.ceil(len(variants) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), sharey=True,
-                             squeeze=False)
-    for ax, v in zip(axes.flat, variants):
-        for sched, color in (("sync", "tab:blue"), ("2bw", "tab:red")):
-            curves = [r["eval_curve"] for r in results
-                      if r["label"] == v.label and r["schedule"] == sched]
-            if not curves:  # a study without 2bw
-                continue
-            steps = [s for s, _ in curves[0]]
-            per_step = [[c[i][1] for c in curves if i < len(c)] for i in range(len(steps))]
-            mean = [statistics.fmean(x) for x in per_step]
-            std = [statistics.stdev(x) if len(x) > 1 else 0.0 for x in per_step]
-            ax.plot(steps, mean, color=color, label=sched)
-            ax.fill_between(steps, [m - s for m, s in zip(mean, std)],
-                            [m + s for m, s in zip(mean, std)], color=color, alpha=0.2)
-        ax.set_title(v.label)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    for ax in axes[:, 0]:
-        ax.set_ylabel("eval loss")
-    for ax in list(axes.flat)[len(variants):]:
-        ax.axis("off")
-    finals = [r["final_eval_loss"] for r in results if math.isfinite(r["final_eval_loss"])]
-    if finals:  # zoom on the part of the curves where the gaps are visible
-        axes[0, 0].set_ylim(min(finals) - 0.1, max(finals) + 0.6)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    panels = [(v.label, [(sched, color, [r["eval_curve"] for r in results
+                                         if r["label"] == v.label and r["schedule"] == sched])
+                         for sched, color in (("sync", "tab:blue"), ("2bw", "tab:red"))])
+              for v in variants]
+    plot_curve_panels(panels, path, title, [r["final_eval_loss"] for r in results])
 
 
 def plot_depth(summary: dict, path: Path, title: str) -> None:
@@ -510,7 +391,7 @@ def main(argv=None) -> int:
         results = run_all(specs, run_args, a.workers, a.threads)
         tuned = {}
         for v in variants:
-            tuned[v.label] = _mean_std([r["final_eval_loss"] for r in results
+            tuned[v.label] = mean_std([r["final_eval_loss"] for r in results
                                         if r["label"] == v.label])
         out = {"setup": setup, "tune": tuned, "seconds": round(time.perf_counter() - start, 1)}
         if a.json:
