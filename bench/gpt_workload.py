@@ -62,9 +62,11 @@ def stage_module(gpt: GPT, stages: int, stage: int) -> nn.Sequential:
     return nn.Sequential(*[blocks[i] for i in split(blocks, stages)[stage]])
 
 
-def adamw_factory(ef_beta: float = 0.0):
-    """The optimizer of every run: the project's fused AdamW (EF on when ef_beta > 0)."""
-    return lambda module: build_optimizer(module, "adamw", lr=LR, weight_decay=WEIGHT_DECAY, ef_beta=ef_beta)
+def adamw_factory(ef_beta: float = 0.0, ef_source: str = "buffer"):
+    """The optimizer of every run: the project's fused AdamW (EF on when ef_beta > 0, its previous
+    update from its own buffer or, with ef_source "weights", from the weight versions)."""
+    return lambda module: build_optimizer(module, "adamw", lr=LR, weight_decay=WEIGHT_DECAY, ef_beta=ef_beta,
+                                          ef_source=ef_source)
 
 
 def minibatches(model, microbatches: int, micro_batch_size: int, concatenated: bool = False):

@@ -1,14 +1,14 @@
-"""Per-stage memory of gpipe / 1f1b / 2bw / pipedream, EF off and on: measured against docs/design.md §3.
+"""Per-stage memory of gpipe / 1f1b / 2bw / pipedream, EF off, on (own buffer) and from the weight versions: measured against docs/design.md §3.
 
 Each run trains the preset GPT over S processes with ``track_memory=True`` and reads every stage's
 ``host.memory_report()``: bytes of weight versions, gradient buffer, optimizer state (AdamW moments
-plus the EF buffer when ef_beta > 0) and the measured peak of in-flight activations (autograd's
+plus the EF buffer when ef_beta > 0 with ef_source "buffer"; none with "weights") and the measured peak of in-flight activations (autograd's
 saved tensors, see asyncpp_ext/pipeline/memory.py), plus the process's max RSS as a sanity column
 (it also holds torch itself, the data and the allocator's slack, so it is not expected to match).
 
     python bench/memory.py [--model small|tiny] [--stages 4] [--microbatches 8]
                            [--micro-batch-size 4] [--steps 3] [--schedules gpipe 1f1b 2bw pipedream]
-                           [--ef off|on|both] [--json]
+                           [--ef off|on|weights|both|all] [--json]
 
 pipedream takes one microbatch per step: it runs with one microbatch of m x micro-batch-size
 sequences (the same batch per update as the others).
@@ -44,10 +44,15 @@ EF_BETA_ON = 0.5
 MIB = 1024 * 1024
 
 
-def worker(schedule, ef_beta, model, m, micro_batch, steps, out_prefix):
+EF_SETTINGS = {"off": (0.0, "buffer"), "on": (EF_BETA_ON, "buffer"), "weights": (EF_BETA_ON, "weights")}
+"""--ef setting -> (ef_beta, ef_source): off, EF with its own buffer, EF from the weight versions."""
+SYNC_SCHEDULES = ("gpipe", "1f1b")  # one weight version: no W(t-1) for EF "weights" to read
+
+
+def worker(schedule, ef, model, m, micro_batch, steps, out_prefix):
     torch.set_num_threads(1)
     init_distributed(300)
-    pipe = Pipeline(build_gpt(model), loss_fn=GPT.loss, optimizer=adamw_factory(ef_beta), schedule=schedule,
+    pipe = Pipeline(build_gpt(model), loss_fn=GPT.loss, optimizer=adamw_factory(*EF_SETTINGS[ef]), schedule=schedule,
                     microbatches=m, track_memory=True)
     for _ in pipe.train(minibatches(model, m, micro_batch), steps):
         pass
@@ -96,30 +101,33 @@ def weight_versions(schedule: str, stages: int, stage: int) -> int:
     return {"pipedream": stages - stage, "2bw": 2}.get(schedule, 1)
 
 
-def predict(schedule: str, ef: bool, stages: int, stage: int, m: int, steps: int, param_bytes: int,
+def predict(schedule: str, ef: str, stages: int, stage: int, m: int, steps: int, param_bytes: int,
             act_one: int) -> dict:
     return {"weights": weight_versions(schedule, stages, stage) * param_bytes,
             "grads": param_bytes,
-            "optimizer_state": (3 if ef else 2) * param_bytes,
+            "optimizer_state": (3 if ef == "on" else 2) * param_bytes,  # "weights" stores nothing
             "peak_activations": act_one * in_flight(schedule, stages, stage, m, steps)}
 
 
 def measure(model: str, stages: int, m: int, micro_batch: int, steps: int,
-            schedules=SCHEDULES, ef_settings=(False, True)) -> dict:
+            schedules=SCHEDULES, ef_settings=("off", "on", "weights")) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for schedule in schedules:
             mbs, size = batching(schedule, m, micro_batch)
             act_one = one_microbatch_activation_bytes(model, stages, mbs, size)
             for ef in ef_settings:
-                prefix = os.path.join(tmp, f"{schedule}-{int(ef)}")
-                spawn(worker, stages, (schedule, EF_BETA_ON if ef else 0.0, model, mbs, size, steps, prefix))
+                if ef == "weights" and schedule in SYNC_SCHEDULES:
+                    continue
+                prefix = os.path.join(tmp, f"{schedule}-{ef}")
+                spawn(worker, stages, (schedule, ef, model, mbs, size, steps, prefix))
                 for s in range(stages):
                     with open(f"{prefix}-stage{s}.json") as fh:
                         got = json.load(fh)
                     want = predict(schedule, ef, stages, s, mbs, steps, got["param_bytes"], act_one[s])
                     measured = {k: got[k] for k in want}
-                    rows.append({"schedule": schedule, "ef": ef, "stage": s, "param_bytes": got["param_bytes"],
+                    rows.append({"schedule": schedule, "ef": ef != "off",
+                                 "ef_source": None if ef == "off" else EF_SETTINGS[ef][1], "stage": s, "param_bytes": got["param_bytes"],
                                  "weight_versions": got["weight_versions"],
                                  "activation_bytes_one_microbatch": act_one[s],
                                  "in_flight": in_flight(schedule, stages, s, mbs, steps),
@@ -135,6 +143,11 @@ def _mib(n: int) -> str:
     return f"{n / MIB:.2f}"
 
 
+def _ef_label(row: dict) -> str:
+    """off, on (EF with its buffer) or wts (EF from the weight versions: no buffer)."""
+    return "off" if not row["ef"] else ("wts" if row.get("ef_source") == "weights" else "on")
+
+
 def format_report(r: dict) -> str:
     lines = [f"# {r['model']} GPT, S={r['stages']} m={r['microbatches']} micro-batch {r['micro_batch_size']}, "
              f"{r['steps']} steps, AdamW (EF beta {r['ef_beta_on']} when on); MiB, measured/predicted; "
@@ -144,7 +157,7 @@ def format_report(r: dict) -> str:
     for row in r["rows"]:
         me, pr = row["measured"], row["predicted"]
         lines.append(
-            f"  {row['schedule']:<10}{'on' if row['ef'] else 'off':<4}{row['stage']:>5}"
+            f"  {row['schedule']:<10}{_ef_label(row):<4}{row['stage']:>5}"
             f"{_mib(me['weights']) + '/' + _mib(pr['weights']):>15}{_mib(me['grads']):>8}"
             f"{_mib(me['optimizer_state']) + '/' + _mib(pr['optimizer_state']):>15}"
             f"{_mib(row['activation_bytes_one_microbatch']):>10}{row['in_flight']:>10}"
@@ -153,7 +166,7 @@ def format_report(r: dict) -> str:
     mismatches = [row for row in r["rows"] if row["measured"] != row["predicted"]]
     lines.append(f"  {len(r['rows']) - len(mismatches)} of {len(r['rows'])} stage rows match the formula "
                  "byte for byte" + ("" if not mismatches else "; differing: " + ", ".join(
-                     f"{x['schedule']}/EF {'on' if x['ef'] else 'off'}/stage {x['stage']}" for x in mismatches)))
+                     f"{x['schedule']}/EF {_ef_label(x)}/stage {x['stage']}" for x in mismatches)))
     return "\n".join(lines)
 
 
@@ -166,7 +179,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="steps per run (>= 2: 2bw holds two versions "
                                                         "and EF its buffer from the first step on)")
     p.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
-    p.add_argument("--ef", choices=("off", "on", "both"), default="both", help="error feedback setting(s)")
+    p.add_argument("--ef", choices=("off", "on", "weights", "both", "all"), default="all",
+                   help="error feedback setting(s): off, on (its own buffer), weights (previous update read "
+                        "from the weight versions; delayed schedules only), both = off+on, all (default)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)
     for name in ("stages", "microbatches", "micro_batch_size", "steps"):
@@ -174,7 +189,8 @@ def main(argv=None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if a.microbatches < a.stages:
         p.error(f"--microbatches must be >= --stages ({a.stages}): 2bw needs one microbatch per stage")
-    ef_settings = {"off": (False,), "on": (True,), "both": (False, True)}[a.ef]
+    ef_settings = {"off": ("off",), "on": ("on",), "weights": ("weights",), "both": ("off", "on"),
+                   "all": ("off", "on", "weights")}[a.ef]
     result = measure(a.model, a.stages, a.microbatches, a.micro_batch_size, a.steps, a.schedules, ef_settings)
     print(json.dumps(result, indent=2) if a.json else format_report(result))
     return 0

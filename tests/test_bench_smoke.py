@@ -79,18 +79,21 @@ def test_real_compute_ties_rejects_a_vocabulary_below_the_corpus_bytes(capsys):
     assert "--model does not apply with --ties" in capsys.readouterr().err
 
 
-def test_memory_bench_matches_the_design_formula_on_2bw_with_ef(capsys):
+@pytest.mark.parametrize("ef,state_copies", [("on", 3), ("weights", 2)])
+def test_memory_bench_matches_the_design_formula_on_2bw_with_ef(capsys, ef, state_copies):
     assert memory_bench.main(["--model", "tiny", "--stages", "2", "--microbatches", "4", "--steps", "2",
-                              "--schedules", "2bw", "--ef", "on",
+                              "--schedules", "2bw", "--ef", ef,
                               "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     rows = result["rows"]
     assert [r["stage"] for r in rows] == [0, 1]
     for r in rows:
         assert r["weight_versions"] == 2
-        # 2 weight versions, AdamW moments + the EF buffer, and S - s microbatches in flight.
+        assert r["ef"] and r["ef_source"] == {"on": "buffer", "weights": "weights"}[ef]
+        # 2 weight versions, AdamW moments (+ the EF buffer unless EF reads the weight versions),
+        # and S - s microbatches in flight.
         assert r["measured"]["weights"] == 2 * r["param_bytes"]
-        assert r["measured"]["optimizer_state"] == 3 * r["param_bytes"]
+        assert r["measured"]["optimizer_state"] == state_copies * r["param_bytes"]
         assert r["in_flight"] == 2 - r["stage"]
         assert r["measured"]["peak_activations"] == r["predicted"]["peak_activations"] > 0
         assert r["max_rss"] > r["measured_total"]
