@@ -79,10 +79,10 @@ def test_the_optimizer_factory_gets_the_muon_momentum_and_ef_source(monkeypatch)
     cfg = RunConfig()
     cfg.optim.name, cfg.optim.muon_momentum, cfg.optim.ef_source = "muon", 0.9, "weights"
     cli.make_optimizer_factory(cfg)(None)
-    cfg = RunConfig()  # adamw, buffer: neither is passed
+    cfg = RunConfig()  # adamw: no muon momentum; the default source
     cli.make_optimizer_factory(cfg)(None)
     assert calls[0][1]["momentum"] == 0.9 and calls[0][1]["ef_source"] == "weights"
-    assert "momentum" not in calls[1][1] and "ef_source" not in calls[1][1]
+    assert "momentum" not in calls[1][1] and calls[1][1]["ef_source"] == "buffer"
 
 
 def test_config_round_trip_and_the_explicit_conflict():

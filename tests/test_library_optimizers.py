@@ -94,25 +94,14 @@ def test_build_optimizer_wraps_library_optimizers_in_error_feedback():
 
 
 @pytest.mark.parametrize("name", ["muon", "normuon", "adamw", "sgd"] + LIBRARY)
-def test_ef_source_is_passed_on_only_when_not_buffer(monkeypatch, name):
-    from asyncpp_ext.optim import factory
+def test_ef_source_reaches_the_optimizer_that_runs_error_feedback(name):
+    from asyncpp_ext.optim.versioned import wants_previous_weights
 
-    seen = []
-
-    def recorder(cls):
-        def build(*args, **kwargs):
-            seen.append((cls, kwargs.get("ef_source", "absent")))
-            return "built"
-        return build
-
-    for cls in ("MuonHybrid", "AdamW", "ErrorFeedback"):
-        monkeypatch.setattr(factory, cls, recorder(cls))
-    monkeypatch.setattr(factory, "build_library_optimizer", lambda *a, **k: "library optimizer")
     model = tiny_model()
-    factory.build_optimizer(model, name, 1e-3, ef_beta=0.5)
-    factory.build_optimizer(model, name, 1e-3, ef_beta=0.5, ef_source="weights")
-    ef_owner = {"muon": "MuonHybrid", "normuon": "MuonHybrid", "adamw": "AdamW"}.get(name, "ErrorFeedback")
-    assert seen == [(ef_owner, "absent"), (ef_owner, "weights")]
+    default = build_optimizer(model, name, 1e-3, ef_beta=0.5)
+    weights = build_optimizer(model, name, 1e-3, ef_beta=0.5, ef_source="weights")
+    assert default.ef_source == "buffer" and not wants_previous_weights(default)
+    assert weights.ef_source == "weights" and wants_previous_weights(weights)
 
 
 # ---- error feedback against a float64 reference ------------------------------------------------

@@ -63,8 +63,7 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     if not named:
         raise ValueError("model has no trainable parameters")
 
-    # Passed only when it differs from "buffer", the default of every constructor that takes it.
-    ef = {} if ef_source == DEFAULT_EF_SOURCE else dict(ef_source=ef_source)
+    ef = dict(ef_source=ef_source)
     if name in MUON_NAMES:
         if "normuon" in kwargs:
             raise OptimizerArgumentError("pass name='normuon' (or 'muon') instead of normuon= in kwargs")

@@ -226,10 +226,8 @@ def make_optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
     extra = {}
     if o.name in MUON_FAMILY:
         extra.update(adamw_lr=o.effective_adamw_lr(), ns_dtype=o.ns_torch_dtype(), momentum=o.muon_momentum)
-    if o.ef_source != "buffer":  # passed only when set, like build_optimizer's own default
-        extra.update(ef_source=o.ef_source)
     return lambda module: build_optimizer(module, o.name, o.effective_lr(), weight_decay=o.weight_decay,
-                                          ef_beta=o.effective_ef_beta(), **extra)
+                                          ef_beta=o.effective_ef_beta(), ef_source=o.ef_source, **extra)
 
 
 def run_pipeline(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
