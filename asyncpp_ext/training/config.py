@@ -77,7 +77,8 @@ the snapshot wrapper) was not studied, so it stays off unless asked for."""
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    """Optimizer: adamw | muon | sgd."""
+    """Optimizer: adamw | muon | normuon | sgd | lion | adan | soap | mars (the last four need the
+    `study` extra: pytorch-optimizer)."""
     lr: Optional[float] = None
     """Learning rate (of the Muon matrices for muon). None = ``LR_AUTO[name]``: adamw 1e-3 (AdamW
     without warmup stalls near the byte-unigram loss at 3e-3 on the small preset), muon 0.02, sgd
