@@ -66,12 +66,13 @@ EF_BETA_AUTO = {"muon": 0.5, "adamw": 0.5, "sgd": 0.0, "normuon": 0.5, "lion": 0
                 "mars": 0.5}
 """Error-feedback strength per optimizer when ``OptimConfig.ef_beta`` is None ("auto").
 
-From the delay study (docs/results.md, "Delay study": small GPT, tinyshakespeare, 3 seeds, same
-hyperparameters sync vs 2bw). Muon: beta 0.5 lowered the 2bw eval loss in every seed (mean -0.046
-nats, gap 0.260 -> 0.220) and left sync unchanged (-0.006); beta 1.0 lowered 2bw a little more
-(-0.054) but raised sync in every seed (+0.016). AdamW: beta 0.5 lowered 2bw in every seed (mean
--0.150, gap 0.84 -> 0.70), sync -0.008 on average (between -0.06 and +0.03 per seed). sgd (EF via
-the snapshot wrapper) was not studied, so it stays off unless asked for."""
+Muon's 0.5 comes from the beta sweep (docs/paper_reproduction.md, ``ef`` table and the 200-step
+sweep): 0.5 won back 37-53 % of the 2bw gap on average and part of it in every seed of every
+table; 1.0 as much on average (40-44 %) with four times the spread (one seed lost 62 %); 1.5 63 %
+at 200 steps but 2.0 33 %. AdamW: 0.5 lowered the 2bw loss in every seed of the delay study
+(docs/results.md). NorMuon and the library optimizers (lion, adan, soap, mars) use the same 0.5 so
+the ``optimizers`` table compares like with like; at 60 steps its effect on them is within the
+seeds' spread. sgd (EF via the snapshot wrapper) was not studied, so it stays off unless asked."""
 
 
 @dataclass
