@@ -21,7 +21,7 @@ from asyncpp_ext.optim import ErrorFeedback, Muon, build_optimizer
 from asyncpp_ext.optim import library
 from asyncpp_ext.optim.library import LIBRARY_OPTIMIZERS, MissingExtraError, check_available
 from asyncpp_ext.optim.normuon import NorMuonArgumentError
-from optim_reference import ns5_f64
+from optim_reference import ns5_f64, run as run_fused
 
 needs_study = pytest.mark.skipif(importlib.util.find_spec("pytorch_optimizer") is None,
                                  reason="needs pip install 'asyncpp_ext[study]'")
@@ -225,16 +225,6 @@ def weights_and_grads(seed, steps, shapes=SHAPES):
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(s, generator=gen) for s in shapes]
     return weights, [[torch.randn(s, generator=gen) for s in shapes] for _ in range(steps)]
-
-
-def run_fused(make, weights, grads):
-    params = [w.clone().requires_grad_() for w in weights]
-    opt = make(params)
-    for gs in grads:
-        for p, g in zip(params, gs):
-            p.grad = g.clone()
-        opt.step()
-    return [p.detach() for p in params], opt
 
 
 def normuon_reference(weights, grads, lr, wd, beta2, mu=0.95, eps=1e-10):
