@@ -22,7 +22,9 @@ def _run(tmp_path, schedule, stages, m, steps, optimizer):
 
 @pytest.mark.usefixtures("one_intra_op_thread")  # as the ranks: the same arithmetic, bitwise
 @pytest.mark.parametrize("schedule,stages,m,optimizer", [
-    ("2bw", 2, 2, "adamw"), ("2bw", 4, 4, "sgd"), ("1f1b", 4, 4, "adamw"), ("gpipe", 2, 3, "sgd")])
+    ("2bw", 2, 2, "adamw"), ("2bw", 4, 4, "sgd"), ("gpipe", 2, 3, "sgd"),
+    # 1f1b at depth 2 stays in the default suite (tests/test_train_pipeline.py)
+    pytest.param("1f1b", 4, 4, "adamw", marks=pytest.mark.slow)])
 def test_losses_and_weights_match_single_process_reference(tmp_path, schedule, stages, m, optimizer):
     steps = 6
     losses, stage_files = _run(tmp_path, schedule, stages, m, steps, optimizer)
