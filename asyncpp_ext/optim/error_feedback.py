@@ -10,6 +10,7 @@ import torch
 from . import _kernels as K
 from .errors import NonFiniteGradientError
 from .fused import check_ef_source, check_versions
+from .versioned import copy_sources
 
 
 class ErrorFeedback(torch.optim.Optimizer):
@@ -153,7 +154,5 @@ class ErrorFeedback(torch.optim.Optimizer):
         step_from = getattr(self.base, "step_from", None)
         if step_from is not None and closure is None:
             return step_from(sources or None, None)
-        for p, src in sources.items():
-            if src.data_ptr() != p.data_ptr():
-                p.copy_(src)
+        copy_sources(sources)
         return self.base.step(closure)

@@ -26,7 +26,7 @@ from .errors import NonFiniteGradientError
 from .newton_schulz import Workspace, orthogonalize
 from .normuon import NORMUON_BETA2, check_normuon_args, normuon_updates
 from .sharding import assign_owners, gather_updates
-from .versioned import EF_SOURCES
+from .versioned import EF_SOURCES, copy_sources
 
 MUON = "muon"
 ADAMW = "adamw"
@@ -235,14 +235,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             if items and group["algorithm"] == MUON:
                 self._muon_group(group, items, versions)
 
-    def _copy_unstepped(self, sources):
+    @staticmethod
+    def _copy_unstepped(sources):
         """A parameter without a gradient is not stepped, yet its destination must hold
-        W(t+1) = W(t): copy it there."""
-        for group in self.param_groups if sources else ():
-            for p in group["params"]:
-                src = sources.get(p)
-                if p.grad is None and src is not None and src.data_ptr() != p.data_ptr():
-                    p.copy_(src)
+        W(t+1) = W(t): copy it there (check_versions has made sure every key is a parameter)."""
+        copy_sources({p: src for p, src in (sources or {}).items() if p.grad is None})
 
     def _check_finite(self, work):
         by_device = defaultdict(list)

@@ -50,10 +50,17 @@ def step_versioned(optimizer, sources: Mapping[torch.Tensor, torch.Tensor] | Non
     if previous:
         raise VersionedStepError(f"{type(optimizer).__name__} cannot use previous weight versions; only "
                                  "error feedback with ef_source='weights' reads them")
-    for p, src in (sources or {}).items():
-        if src.data_ptr() != p.data_ptr():
-            p.copy_(src)
+    copy_sources(sources)
     return optimizer.step()
 
 
-__all__ = ["EF_SOURCES", "VersionedStepError", "step_versioned", "wants_previous_weights"]
+@torch.no_grad()
+def copy_sources(sources: Mapping[torch.Tensor, torch.Tensor] | None) -> None:
+    """W(t) into each parameter's storage (the in-place half of a versioned step); a source that is
+    the parameter's own storage is left alone."""
+    for p, src in (sources or {}).items():
+        if src.data_ptr() != p.data_ptr():
+            p.copy_(src)
+
+
+__all__ = ["EF_SOURCES", "VersionedStepError", "copy_sources", "step_versioned", "wants_previous_weights"]

@@ -210,12 +210,7 @@ class StageHost:
 
     def _version(self, version: int, names: Sequence[str]) -> dict:
         """The weights of ``version`` by name; versions before 0 are W(0)."""
-        version = max(version, 0)
-        k = version % self.num_versions
-        if self.version_in[k] != version:
-            raise StageError(f"stage {self.stage}: weight version {version} is not held (buffers hold "
-                             f"{self.version_in})")
-        return self._unflatten(self.flat[k], names)
+        return self._unflatten(self._held_buffer(version), names)
 
     def state_dict(self, names: Sequence[str]) -> dict:
         """Newest weights W(k) (``params``), W(k-1) (``stash``) and W(k-2)..W(k-n+1) (``older``, as
