@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import pipeline_workers as w
+from asyncpp_ext import _C as C
 from asyncpp_ext.pipeline import Pipeline, init_distributed
 from asyncpp_ext.pipeline.nccl import create_nccl_transport
 
@@ -25,22 +26,21 @@ def pipeline_worker(device_kind: str, schedule: str, m: int, steps: int, out_dir
 
 
 class Buffers:
-    """A minimal buffer provider: sends a fixed tensor per key, receives into fresh ones."""
+    """A minimal stage host for the board: receive slots in the order the test asks for them (each
+    receive in these tests takes a new slot), and the payload each (kind, step, microbatch) sends."""
 
     def __init__(self, device, shapes, dtypes):
-        self.device, self.shapes, self.dtypes, self.sent, self.received = device, shapes, dtypes, {}, {}
+        self.device, self.shapes, self.dtypes = device, shapes, dtypes
+        self.slots_made = 0
+        self.board = C.MessageBoard(self)
 
     def payload(self, kind: int, step: int, mb: int, dtype) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 * kind + 10 * step + mb)
         return (torch.randn(self.shapes[step], generator=g) * 100).to(dtype).to(self.device)
 
-    def take_send_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:
-        return self.sent[(kind, step, mb)]
-
-    def recv_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:
-        t = torch.empty(self.shapes[step], dtype=self.dtypes[step], device=self.device)
-        self.received[(kind, step, mb)] = t
-        return t
+    def new_recv_buffer(self, kind: int) -> torch.Tensor:
+        step, self.slots_made = self.slots_made, self.slots_made + 1
+        return torch.empty(self.shapes[step], dtype=self.dtypes[step], device=self.device)
 
 
 def transfer_worker(out_dir: str) -> None:
@@ -51,16 +51,16 @@ def transfer_worker(out_dir: str) -> None:
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.float64]
     shapes = [(3,), (64, 33), (1 << 20,), (5, 7, 11), (0,)]
     buffers = Buffers(device, shapes, dtypes)
-    t = create_nccl_transport(buffers, rank, 2, [0, 1], device, run_id="transfer", timeout_s=60)
+    t = create_nccl_transport(buffers.board, rank, 2, [0, 1], device, run_id="transfer", timeout_s=60)
     out_kind, in_kind, peer = (0, 1, 1) if rank == 0 else (1, 0, 0)
     for step, dtype in enumerate(dtypes):
-        buffers.sent[(out_kind, step, 0)] = buffers.payload(out_kind, step, 0, dtype)
+        buffers.board.put_send(out_kind, step, 0, buffers.payload(out_kind, step, 0, dtype))
     recvs = [t.impl.post_recv(in_kind, step, 0, peer) for step in range(len(dtypes))]
     sends = [t.impl.post_send(out_kind, step, 0, peer) for step in range(len(dtypes))]
     for r in recvs + sends:
         t.impl.wait(r, 60.0)
     assert t.impl.pending() == 0 and t.pending() == []
-    ok = [bool(torch.equal(buffers.received[(in_kind, s, 0)].cpu(),
+    ok = [bool(torch.equal(buffers.board.received(in_kind, s, 0).cpu(),
                            buffers.payload(in_kind, s, 0, dtypes[s]).cpu())) for s in range(len(dtypes))]
     t.close()
     with open(os.path.join(out_dir, f"transfer{rank}.json"), "w") as f:
@@ -73,7 +73,7 @@ def timeout_worker(out_dir: str) -> None:
     rank, _ = init_distributed(120)
     device = torch.device("cuda", rank)
     buffers = Buffers(device, [(4,)], [torch.float32])
-    t = create_nccl_transport(buffers, rank, 2, [0, 1], device, run_id="timeout", timeout_s=60)
+    t = create_nccl_transport(buffers.board, rank, 2, [0, 1], device, run_id="timeout", timeout_s=60)
     if rank == 0:
         request = t.impl.post_recv(1, 0, 0, 1)
         described = t.pending()  # what the watchdog's stall report would list

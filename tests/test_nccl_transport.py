@@ -104,6 +104,20 @@ def test_exchange_rejects_wrong_id_sizes_and_rank_lists():
 
 
 # ---- the C++ transport's checks (before any NCCL or CUDA call) ----------------------------------
+class _NoReceives:
+    def new_recv_buffer(self, kind):
+        raise AssertionError("these checks never receive")
+
+
+def _board():
+    return C.MessageBoard(_NoReceives())
+
+
+def test_cpp_transport_needs_a_message_board():
+    with pytest.raises(ValueError, match="board must be the stage host's MessageBoard"):
+        C.NcclTransport(1, 0, 0, [(0, False, 0, 0, ID)], None)
+
+
 @pytest.mark.parametrize("channels,match", [
     ([(0, True, 0, 1, ID)], "stage 1 sends activations to stage 2, not stage 0"),
     ([(1, True, 2, 1, ID)], "stage 1 sends gradients to stage 0, not stage 2"),
@@ -117,7 +131,7 @@ def test_exchange_rejects_wrong_id_sizes_and_rank_lists():
 ])
 def test_cpp_transport_rejects_bad_channels(channels, match):
     with pytest.raises(ValueError, match=match):
-        C.NcclTransport(1, 0, 0, channels, None)
+        C.NcclTransport(1, 0, 0, channels, _board())
 
 
 def test_cpp_transport_without_nccl_or_gpu_fails_clearly():
@@ -131,7 +145,7 @@ def test_cpp_transport_without_nccl_or_gpu_fails_clearly():
     else:
         pytest.skip("NCCL and a GPU are available: the CUDA tests cover this machine")
     with pytest.raises(RuntimeError, match=expected):
-        C.NcclTransport(1, 0, 0, channels, None)
+        C.NcclTransport(1, 0, 0, channels, _board())
 
 
 @pytest.mark.skipif(_nccl_loadable(), reason="NCCL is loadable here")

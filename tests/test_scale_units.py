@@ -101,10 +101,8 @@ def test_stage_forward_under_autocast_on_cuda():
                      optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), loss_fn=None,
                      batch_source=lambda step: ([torch.randn(4, 8, device="cuda")], [None]),
                      autocast_dtype=torch.bfloat16, recompute=True)
-    host.forward(0, 0, 0)
-    out = host.take_send_buffer(0, 0, 0)
+    out = host.forward(0, 0, 0)
     assert out.dtype == torch.bfloat16           # activations in bf16
     assert host.flat[0].dtype == torch.float32   # master weights stay fp32
-    host._recv[(1, 0, 0)] = torch.ones_like(out)
-    host.backward(0, 0, 0)                        # recomputed under autocast, grads in fp32
+    host.backward(0, 0, 0, torch.ones_like(out))  # recomputed under autocast, grads in fp32
     assert host.grad_flat.dtype == torch.float32 and host.grad_flat.abs().sum() > 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-TRANSPORTS = ("auto", "nccl", "torch", "gloo")
+TRANSPORTS = ("auto", "nccl", "torch", "gloo", "socket")
 LAUNCHERS = ("spawn", "torchrun")
 
 
@@ -36,6 +36,9 @@ def choose_transport(requested: str, device) -> str:
     kind = _device_type(device)
     if requested == "auto":
         return "nccl" if kind == "cuda" else "gloo"
+    if requested == "socket" and kind != "cpu":
+        raise DeviceError(f"transport 'socket' moves CPU tensors but device is {str(device)!r}; use transport "
+                          "'nccl' (one GPU per rank) or 'gloo' (ranks may share a GPU) on CUDA")
     if requested == "nccl" and kind != "cuda":
         raise DeviceError(f"transport 'nccl' moves CUDA tensors but device is {str(device)!r}; pass "
                           "device='cuda:<index>' (--device cuda) or use transport 'gloo' or 'torch' on CPU")

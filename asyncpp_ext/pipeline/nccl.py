@@ -141,7 +141,7 @@ class NcclTransport:
         self.impl, self.device, self.stream = impl, device, stream
 
     def run_stage(self, schedule: str, stages: int, microbatches: int, steps: int, stage: int, first_step: int,
-                  host, *, recv_ahead: int = 2, max_inflight_sends: int = 8, timeout_s: float = 300.0) -> list:
+                  host, board=None, *, recv_ahead: int = 2, max_inflight_sends: int = 8, timeout_s: float = 300.0) -> list:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             return C.run_stage_nccl(schedule, stages, microbatches, steps, stage, first_step, host, self.impl,
                                     recv_ahead, max_inflight_sends, timeout_s)
@@ -154,12 +154,12 @@ class NcclTransport:
         self.impl.close(timeout_s)
 
 
-def create_nccl_transport(buffers, stage: int, stages: int, stage_ranks: Sequence[int], device, *,
+def create_nccl_transport(board, stage: int, stages: int, stage_ranks: Sequence[int], device, *,
                           store=None, run_id: str | None = None, timeout_s: float = 300.0) -> NcclTransport:
     """Rendezvous with the neighbouring stages and create this stage's NCCL communicators.
 
-    ``buffers`` provides the payloads: ``take_send_buffer/recv_buffer(kind, step, microbatch)``
-    return contiguous tensors on ``device`` (a StageHost does). Every stage must call this with the
+    ``board`` is the stage host's ``C.MessageBoard``: the payloads, contiguous tensors on
+    ``device``. Every stage must call this with the
     same ``run_id`` (default: a per-process counter, equal on all ranks that create their
     transports in the same order). Blocks until the neighbours have joined.
     """
@@ -174,7 +174,7 @@ def create_nccl_transport(buffers, stage: int, stages: int, stage_ranks: Sequenc
     channels = exchange_unique_ids(store, run_id, stage, stages, stage_ranks, make_id=C.nccl_unique_id,
                                    timeout_s=timeout_s)
     stream = torch.cuda.current_stream(index)
-    impl = C.NcclTransport(stage, index, stream.cuda_stream, channels, buffers)
+    impl = C.NcclTransport(stage, index, stream.cuda_stream, channels, board)
     return NcclTransport(impl, torch.device("cuda", index), stream)
 
 

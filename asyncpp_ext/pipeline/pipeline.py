@@ -214,6 +214,8 @@ class Pipeline:
             if shard_optimizer and hasattr(self.host.optimizer, "shard_across"):
                 self.host.optimizer.shard_across(self.dp_group)
         self.transport = None
+        # Boundary tensors between the host and the transport; receive slots are reused.
+        self.board = C.MessageBoard(self.host)
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
         self.watchdog = Watchdog(timeout_s, f"rank {self.rank} (stage {self.stage})",
                                  pending=self._pending_transfers)
@@ -226,6 +228,13 @@ class Pipeline:
             with self.watchdog.armed("torch transport setup"):
                 groups = create_link_groups(pipelines, self.stage, self.replica, self.device, 2 * timeout_s)
             self.transport = TorchTransport(self.host, self.stage_ranks, groups, nccl=self.device.type == "cuda")
+        elif transport == "socket":
+            from .nccl import _default_run_ids
+            from .sockets import create_socket_transport
+            run_id = f"{run_id or f'run{next(_default_run_ids)}'}-replica{self.replica}"
+            with self.watchdog.armed("socket transport setup"):
+                self.transport = create_socket_transport(self.board, self.stage, self.stages, self.stage_ranks,
+                                                         run_id=run_id, timeout_s=timeout_s)
         else:
             from .nccl import _default_run_ids, create_nccl_transport
             if dp > 1:  # each replica's pipeline rendezvouses under its own keys
@@ -233,7 +242,7 @@ class Pipeline:
             # Communicator setup blocks in NCCL until every peer has joined: a peer that died
             # before joining must end this rank too, with a report, not leave it waiting.
             with self.watchdog.armed("NCCL communicator setup"):
-                self.transport = create_nccl_transport(self.host, self.stage, self.stages, self.stage_ranks,
+                self.transport = create_nccl_transport(self.board, self.stage, self.stages, self.stage_ranks,
                                                        self.device, run_id=run_id, timeout_s=timeout_s)
         # (op, step, microbatch, version, start_ns, end_ns) per executed instruction, newest last;
         # bounded so that long runs do not grow without limit.
@@ -404,10 +413,10 @@ class Pipeline:
                     n = min(chunk, first_step + steps - stream_start)
                     if isinstance(self.transport, GlooTransport):
                         trace = C.run_stage(self.schedule, self.stages, self.m, n, self.stage, stream_start,
-                                            host, transport, self.recv_ahead, 8, wait_timeout_s)
+                                            host, self.board, transport, self.recv_ahead, 8, wait_timeout_s)
                     else:
                         trace = self.transport.run_stage(self.schedule, self.stages, self.m, n, self.stage,
-                                                         stream_start, host, recv_ahead=self.recv_ahead,
+                                                         stream_start, host, self.board, recv_ahead=self.recv_ahead,
                                                          max_inflight_sends=8, timeout_s=wait_timeout_s)
                     self.trace.extend(trace)
                     if len(self.trace) > self.trace_limit:

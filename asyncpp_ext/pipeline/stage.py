@@ -155,8 +155,6 @@ class StageHost:
         self.out_sig: Signature | None = None
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
         self._saved: dict[tuple, tuple] = {}    # (step, mb) -> (input, output or scaled loss)
-        self._recv: dict[tuple, torch.Tensor] = {}
-        self._send: dict[tuple, torch.Tensor] = {}
         self._losses: dict[int, list] = {}
 
     # ---- weights ---------------------------------------------------------------------------
@@ -288,15 +286,18 @@ class StageHost:
                 return loss, loss / self.m
         return None, out
 
-    def forward(self, step: int, mb: int, version: int) -> None:
+    def forward(self, step: int, mb: int, version: int, received: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward of microbatch ``mb`` of ``step`` on weight ``version``. ``received`` is the
+        input activation (a receive slot the runtime reuses once this microbatch's backward has
+        returned; None on the first stage). Returns the activation to send (None on the last)."""
         if self.exchange is not None:  # tied values of this version, from their owner stage
             self.exchange.install(version, self.buffer_for(version))
         replica = self.replica_for(version)
         if self.is_first:
             x = self._batch(step)[0][mb]
             self._check(x, self.in_sig, "input microbatch", step, mb)
-        else:
-            x = self._recv.pop((ACTIVATION, step, mb)).requires_grad_()
+        else:  # a leaf of its own: the slot itself never accumulates a .grad
+            x = received.detach().requires_grad_()
         if self.recompute:  # no graph now; keep the input (counted as in-flight) and the RNG state
             rng = RngState(x.device)
             with torch.no_grad():
@@ -311,11 +312,13 @@ class StageHost:
         if self.is_last:
             self._losses.setdefault(step, []).append(loss.detach())
             self.nonfinite.check_loss(step, mb, loss.detach())
-        else:
-            self._check(out, self.out_sig, "output activation", step, mb)
-            self._send[(ACTIVATION, step, mb)] = out.detach()
+            return None
+        self._check(out, self.out_sig, "output activation", step, mb)
+        return out.detach().contiguous()
 
-    def backward(self, step: int, mb: int, version: int) -> None:
+    def backward(self, step: int, mb: int, version: int, received: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Backward of microbatch ``mb`` of ``step``; ``received`` is the gradient of this stage's
+        output (None on the last stage). Returns the input's gradient to send (None on the first)."""
         x, out = self._saved.pop((step, mb))
         if self.recompute:
             rng, held = out
@@ -330,16 +333,14 @@ class StageHost:
         if self.is_last:
             out.backward()
         else:
-            grad = self._recv.pop((GRADIENT, step, mb))
-            self.nonfinite.check_received_gradient(step, mb, grad)
-            torch.autograd.backward(out, grad)
+            self.nonfinite.check_received_gradient(step, mb, received)
+            torch.autograd.backward(out, received)
         self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)
         if last and self.grad_sync is not None:
             self.grad_sync.launch_rest()
-        if not self.is_first:
-            self._send[(GRADIENT, step, mb)] = x.grad
         if last:
             self._batches.pop(step, None)
+        return None if self.is_first else x.grad.contiguous()
 
     def optimizer_step(self, step: int, new_version: int) -> None:
         global_loss = self.grad_sync.finish() if self.grad_sync is not None else None
@@ -401,14 +402,10 @@ class StageHost:
         step_versioned(self.optimizer, self._held_views[src], previous)
 
     # ---- transport buffers -----------------------------------------------------------------
-    def recv_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:
+    def new_recv_buffer(self, kind: int) -> torch.Tensor:
+        """A tensor a receive of ``kind`` lands in (the runtime allocates a few and reuses them)."""
         sig = self.in_sig if kind == ACTIVATION else self.out_sig
-        buf = torch.empty(sig.shape, dtype=sig.dtype, device=self.flat[0].device)
-        self._recv[(kind, step, mb)] = buf
-        return buf
-
-    def take_send_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:
-        return self._send.pop((kind, step, mb)).contiguous()
+        return torch.empty(sig.shape, dtype=sig.dtype, device=self.flat[0].device)
 
     def _check(self, t: torch.Tensor, sig: Signature, what: str, step: int, mb: int) -> None:
         if sig is not None and (tuple(t.shape) != tuple(sig.shape) or t.dtype != sig.dtype):

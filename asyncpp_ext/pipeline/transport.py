@@ -56,21 +56,21 @@ class GlooTransport:
                 f"(rank {self.stage_ranks[peer]}, tag {kind}), step {step}, microbatch {mb}, "
                 f"shape {tuple(tensor.shape)}")
 
-    def post_send(self, kind: int, step: int, mb: int, peer: int) -> int:
-        return self._post(True, kind, step, mb, peer)
+    def post_send(self, kind: int, step: int, mb: int, peer: int, tensor: torch.Tensor) -> int:
+        """Start sending ``tensor`` (the stage host's output) to stage ``peer``."""
+        return self._post(True, kind, step, mb, peer, tensor)
 
-    def post_recv(self, kind: int, step: int, mb: int, peer: int) -> int:
-        return self._post(False, kind, step, mb, peer)
+    def post_recv(self, kind: int, step: int, mb: int, peer: int, tensor: torch.Tensor) -> int:
+        """Start receiving into ``tensor`` (a receive slot of the runtime) from stage ``peer``."""
+        return self._post(False, kind, step, mb, peer, tensor)
 
-    def _post(self, is_send: bool, kind: int, step: int, mb: int, peer: int) -> int:
+    def _post(self, is_send: bool, kind: int, step: int, mb: int, peer: int, tensor: torch.Tensor) -> int:
         fill = None
         if is_send:
-            tensor = self.host.take_send_buffer(kind, step, mb)
             # A blocking device-to-host copy: it waits for the compute that produced the tensor.
             wire = tensor.to("cpu") if self._staged(tensor) else tensor
             op, where = dist.isend, {"dst": self.stage_ranks[peer]}
         else:
-            tensor = self.host.recv_buffer(kind, step, mb)
             wire, fill = (self._host_buffer(tensor), tensor) if self._staged(tensor) else (tensor, None)
             op, where = dist.irecv, {"src": self.stage_ranks[peer]}
         desc = self._describe(is_send, kind, step, mb, peer, tensor)

@@ -191,13 +191,13 @@ class WatchedHost:
     def __init__(self, host, watchdog: Watchdog):
         self.host, self.watchdog = host, watchdog
 
-    def forward(self, step: int, mb: int, version: int) -> None:
+    def forward(self, step: int, mb: int, version: int, received=None):
         with self.watchdog.doing(f"forward (step {step}, microbatch {mb}, version {version})", False):
-            self.host.forward(step, mb, version)
+            return self.host.forward(step, mb, version, received)
 
-    def backward(self, step: int, mb: int, version: int) -> None:
+    def backward(self, step: int, mb: int, version: int, received=None):
         with self.watchdog.doing(f"backward (step {step}, microbatch {mb}, version {version})", False):
-            self.host.backward(step, mb, version)
+            return self.host.backward(step, mb, version, received)
 
     def optimizer_step(self, step: int, new_version: int) -> None:
         with self.watchdog.doing(f"optimizer_step (step {step}, new version {new_version})", False):
@@ -210,11 +210,11 @@ class WatchedTransport:
     def __init__(self, transport, watchdog: Watchdog):
         self.transport, self.watchdog = transport, watchdog
 
-    def post_send(self, kind: int, step: int, mb: int, peer: int) -> int:
-        return self.transport.post_send(kind, step, mb, peer)
+    def post_send(self, kind: int, step: int, mb: int, peer: int, tensor) -> int:
+        return self.transport.post_send(kind, step, mb, peer, tensor)
 
-    def post_recv(self, kind: int, step: int, mb: int, peer: int) -> int:
-        return self.transport.post_recv(kind, step, mb, peer)
+    def post_recv(self, kind: int, step: int, mb: int, peer: int, tensor) -> int:
+        return self.transport.post_recv(kind, step, mb, peer, tensor)
 
     def test(self, request: int) -> bool:
         return self.transport.test(request)

@@ -8,4 +8,5 @@ void bind_schedule(pybind11::module_& m);    // schedule_bindings.cpp
 void bind_optim(pybind11::module_& m);       // optim_bindings.cpp
 void bind_runtime(pybind11::module_& m);     // runtime_bindings.cpp
 void bind_nccl(pybind11::module_& m);        // nccl_bindings.cpp
+void bind_socket(pybind11::module_& m);      // socket_bindings.cpp
 }  // namespace asyncpp::bindings

@@ -20,4 +20,5 @@ PYBIND11_MODULE(_C, m) {
   bind_optim(m);
   bind_runtime(m);
   bind_nccl(m);
+  bind_socket(m);
 }

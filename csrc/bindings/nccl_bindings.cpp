@@ -1,5 +1,5 @@
 // The NCCL transport's Python face: unique ids for the rendezvous, the transport object (buffers
-// come from a Python stage host as torch tensors, converted through DLPack), and run_stage_nccl,
+// come from the stage host's MessageBoard), and run_stage_nccl,
 // which drives the executor with it. Blocking calls release the GIL.
 //
 // The class is bound in every build so that its argument checks behave the same everywhere; in a
@@ -23,39 +23,6 @@ namespace {
 
 using core::MessageKey;
 using core::MessageKind;
-
-// Asks the stage host for its tensors: take_send_buffer/recv_buffer(kind, step, microbatch).
-// The DLPack capsule holds a reference to the tensor's storage, so keeping the capsule keeps the
-// memory alive until the transport drops it (after the transfer completed on the device).
-class PyBufferProvider final : public nccl::BufferProvider {
- public:
-  explicit PyBufferProvider(py::object host)
-      : host_(std::move(host)), to_dlpack_(py::module_::import("torch.utils.dlpack").attr("to_dlpack")) {}
-  ~PyBufferProvider() override {
-    py::gil_scoped_acquire gil;
-    host_ = py::object();
-    to_dlpack_ = py::object();
-  }
-  nccl::Buffer send_buffer(const MessageKey& key) override { return fetch("take_send_buffer", key, true); }
-  nccl::Buffer recv_buffer(const MessageKey& key) override { return fetch("recv_buffer", key, false); }
-
- private:
-  nccl::Buffer fetch(const char* method, const MessageKey& key, bool is_send) {
-    py::gil_scoped_acquire gil;
-    py::object tensor = host_.attr(method)(static_cast<int>(key.kind), key.step, key.microbatch);
-    auto* capsule = new py::object(to_dlpack_(tensor));
-    std::shared_ptr<void> keep_alive(capsule, [](void* p) {
-      if (!Py_IsInitialized()) return;  // interpreter gone: nothing left to release
-      py::gil_scoped_acquire gil;
-      delete static_cast<py::object*>(p);
-    });
-    const std::string what = "the buffer to " + core::describe(key, is_send);
-    return nccl::Buffer{borrow_tensor(*capsule, what.c_str()), std::move(keep_alive)};
-  }
-
-  py::object host_;
-  py::object to_dlpack_;
-};
 
 std::vector<nccl::ChannelSpec> parse_channels(const std::vector<py::tuple>& channels) {
   std::vector<nccl::ChannelSpec> out;
@@ -112,18 +79,20 @@ py::dict outcome_dict(const nccl::SelfTestOutcome& o) {
 }
 #endif
 
-// The Python-visible transport: owns the buffer provider and (with CUDA) the C++ transport.
+// The Python-visible transport: keeps the board alive and (with CUDA) owns the C++ transport.
 class PyNcclTransport {
  public:
   PyNcclTransport(int stage, int device, std::uintptr_t compute_stream, const std::vector<py::tuple>& channels,
-                  py::object buffers)
-      : stage_(stage), device_(device) {
+                  py::object board)
+      : stage_(stage), device_(device), board_object_(board) {
     auto specs = parse_channels(channels);
     nccl::validate_channels(stage, specs);
+    ASYNCPP_ARG_CHECK(py::isinstance<MessageBoard>(board), "board must be the stage host's MessageBoard "
+                      "(asyncpp_ext._C.MessageBoard(host)), got ", std::string(py::str(py::type::of(board))));
+    MessageBoard& buffers = board.cast<MessageBoard&>();
 #ifdef ASYNCPP_WITH_CUDA
-    provider_ = std::make_unique<PyBufferProvider>(std::move(buffers));
     py::gil_scoped_release release;  // communicator creation blocks until every peer has joined
-    transport_ = std::make_unique<nccl::NcclTransport>(stage, device, compute_stream, std::move(specs), *provider_);
+    transport_ = std::make_unique<nccl::NcclTransport>(stage, device, compute_stream, std::move(specs), buffers);
 #else
     (void)compute_stream;
     (void)buffers;
@@ -141,12 +110,13 @@ class PyNcclTransport {
 #endif
   int stage() const { return stage_; }
   int device() const { return device_; }
+  MessageBoard& board() { return board_object_.cast<MessageBoard&>(); }
 
  private:
   int stage_;
   int device_;
+  py::object board_object_;  // declared first: destroyed after the transport
 #ifdef ASYNCPP_WITH_CUDA
-  std::unique_ptr<PyBufferProvider> provider_;  // declared first: destroyed after the transport
   std::unique_ptr<nccl::NcclTransport> transport_;
 #endif
 };
@@ -205,10 +175,10 @@ void bind_nccl(py::module_& m) {
                               "Boundary messages over NCCL: one 2-rank communicator per neighbour and "
                               "direction, each on its own CUDA stream.")
       .def(py::init<int, int, std::uintptr_t, const std::vector<py::tuple>&, py::object>(), py::arg("stage"),
-           py::arg("device"), py::arg("compute_stream"), py::arg("channels"), py::arg("buffers"),
+           py::arg("device"), py::arg("compute_stream"), py::arg("channels"), py::arg("board"),
            "channels: list of (kind 0=activation/1=gradient, is_send, peer_stage, peer_rank, unique_id "
-           "bytes); buffers: object with take_send_buffer/recv_buffer(kind, step, microbatch) returning "
-           "contiguous CUDA tensors on `device`; compute_stream: torch.cuda.Stream.cuda_stream. Blocks "
+           "bytes); board: the stage host's MessageBoard (its tensors are contiguous CUDA tensors on "
+           "`device`); compute_stream: torch.cuda.Stream.cuda_stream. Blocks "
            "until every peer has created its side.")
       .def_property_readonly("stage", &PyNcclTransport::stage)
       .def_property_readonly("device", &PyNcclTransport::device);
@@ -248,13 +218,13 @@ void bind_nccl(py::module_& m) {
         ASYNCPP_ARG_CHECK(transport.stage() == stage, "the NCCL transport was created for stage ",
                           transport.stage(), " but run_stage_nccl was asked to run stage ", stage);
         return run_stage_program(schedule, stages, microbatches, steps, stage, first_step, std::move(host),
-                                 transport.get(), core::ExecutorOptions{recv_ahead, max_inflight_sends, timeout_s});
+                                 transport.board(), transport.get(), core::ExecutorOptions{recv_ahead, max_inflight_sends, timeout_s});
       },
       py::arg("schedule"), py::arg("stages"), py::arg("microbatches"), py::arg("steps"), py::arg("stage"),
       py::arg("first_step"), py::arg("host"), py::arg("transport"), py::arg("recv_ahead") = 2,
       py::arg("max_inflight_sends") = 8, py::arg("timeout_s") = 300.0,
       "run_stage with the C++ NCCL transport: same arguments and trace; `transport` is an NcclTransport "
-      "whose buffers come from `host`.");
+      "whose board is `host`'s.");
 #endif
 }
 

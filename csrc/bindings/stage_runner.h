@@ -1,10 +1,12 @@
 // Shared by the runtime and NCCL bindings: run one stage's program with a Python stage host and
-// any C++ transport, with the GIL released while the executor runs.
+// any C++ transport (buffers from the host's MessageBoard), with the GIL released while the
+// executor runs.
 #pragma once
 #include <pybind11/pybind11.h>
 
 #include <string>
 
+#include "bindings/message_board.h"
 #include "core/executor.h"
 #include "core/transport.h"
 
@@ -14,7 +16,7 @@ namespace asyncpp::bindings {
 // the trace as a list of (op, step, microbatch, version, start_ns, end_ns). Defined in
 // runtime_bindings.cpp.
 pybind11::list run_stage_program(const std::string& schedule, int stages, int microbatches, int steps, int stage,
-                                 int first_step, pybind11::object host, core::Transport& transport,
+                                 int first_step, pybind11::object host, MessageBoard& board, core::Transport& transport,
                                  const core::ExecutorOptions& options);
 
 }  // namespace asyncpp::bindings

@@ -1,10 +1,13 @@
 // What the executor needs from a transport: post a send or a receive of one boundary message,
 // then test or wait for it. Payload buffers belong to the stage host; a transport only moves them.
-// Implementations: the gloo transport (torch.distributed, driven from Python through the
-// bindings) and the NCCL transport (csrc/nccl).
+// Implementations: the socket transport (csrc/socket, CPU tensors over TCP), the NCCL transport
+// (csrc/nccl, CUDA tensors), and torch.distributed's gloo driven from Python through the bindings.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
+
+#include "core/tensor_view.h"
 
 namespace asyncpp::core {
 
@@ -18,6 +21,22 @@ struct MessageKey {
 };
 
 std::string describe(const MessageKey& key, bool is_send);
+
+// A payload buffer plus whatever keeps its memory alive; a transport holds `keep_alive` until the
+// transfer has completed (or the transport is torn down), then drops it.
+struct Buffer {
+  TensorView view;
+  std::shared_ptr<void> keep_alive;
+};
+
+// Where C++ transports get payload buffers. Sends must already hold the data; receive buffers are
+// filled by the transport. Called on the executor's thread only.
+class BufferProvider {
+ public:
+  virtual ~BufferProvider() = default;
+  virtual Buffer send_buffer(const MessageKey& key) = 0;
+  virtual Buffer recv_buffer(const MessageKey& key) = 0;
+};
 
 class Transport {
  public:

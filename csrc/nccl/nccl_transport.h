@@ -21,21 +21,8 @@
 
 namespace asyncpp::nccl {
 
-// A payload buffer plus whatever keeps its memory alive; the transport holds `keep_alive` until
-// the transfer has completed on the device (or the transport is torn down).
-struct Buffer {
-  TensorView view;
-  std::shared_ptr<void> keep_alive;
-};
-
-// Where payload buffers come from: the stage host owns them. Sends must already hold the data
-// (produced on the compute stream); receive buffers are filled by the transport.
-class BufferProvider {
- public:
-  virtual ~BufferProvider() = default;
-  virtual Buffer send_buffer(const core::MessageKey& key) = 0;
-  virtual Buffer recv_buffer(const core::MessageKey& key) = 0;
-};
+using core::Buffer;
+using core::BufferProvider;
 
 // One communicator of this rank: which messages it carries and this rank's role on it.
 struct ChannelSpec {

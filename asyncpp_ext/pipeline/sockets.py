@@ -1,0 +1,125 @@
+"""The CPU transport: the C++ socket transport, its rendezvous, and where a stage listens.
+
+Each stage opens one listening TCP socket, publishes ``host:port`` in torch.distributed's
+key-value store under ``asyncpp/socket/<run_id>/<stage>``, and reads its neighbours' addresses
+there; the sender of each (kind, link) connects to the receiver. From then on the executor, the
+transfers and their progress thread are all C++: Python runs only the stage's forward, backward
+and optimizer step.
+
+The address a stage advertises: ``ASYNCPP_SOCKET_HOST`` when set; else 127.0.0.1 when the run
+is on one machine (MASTER_ADDR unset or a loopback name); else this machine's address on the route
+to MASTER_ADDR (what torchrun's other nodes can reach).
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import ipaddress
+import os
+import socket
+from typing import Sequence
+
+from .._ext import C
+from .nccl import _check_run_id, channel_plan, default_store
+
+HOST_ENV = "ASYNCPP_SOCKET_HOST"
+
+
+class SocketSetupError(RuntimeError):
+    """The socket transport could not connect; the message names the peer and what to check."""
+
+
+def _is_loopback(name: str) -> bool:
+    if name in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(name)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def advertised_host() -> str:
+    """The IPv4 address this rank's neighbours connect to (see the module docstring)."""
+    explicit = os.environ.get(HOST_ENV, "").strip()
+    if explicit:
+        try:
+            return str(ipaddress.IPv4Address(socket.gethostbyname(explicit)))
+        except (OSError, ValueError):
+            raise SocketSetupError(f"{HOST_ENV}={explicit!r} is not an IPv4 address or resolvable host name "
+                                   "of this machine") from None
+    master = os.environ.get("MASTER_ADDR", "")
+    if _is_loopback(master):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
+        probe.connect((master, 1))
+        return probe.getsockname()[0]
+
+
+def rendezvous_key(run_id: str, stage: int) -> str:
+    """Store key under which stage ``stage`` publishes its listener's ``host:port``."""
+    return f"asyncpp/socket/{run_id}/{stage}"
+
+
+def run_token(run_id: str) -> int:
+    """A 64-bit number naming the run: connections presenting another are refused."""
+    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:8], "little")
+
+
+class SocketTransport:
+    """One stage's socket transport. ``impl`` is the C++ object (post_send/post_recv/test/wait/
+    pending/close); :meth:`run_stage` runs the C++ executor with it."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def run_stage(self, schedule: str, stages: int, microbatches: int, steps: int, stage: int, first_step: int,
+                  host, board=None, *, recv_ahead: int = 2, max_inflight_sends: int = 8,
+                  timeout_s: float = 300.0) -> list:
+        return C.run_stage_socket(schedule, stages, microbatches, steps, stage, first_step, host, self.impl,
+                                  recv_ahead, max_inflight_sends, timeout_s)
+
+    def pending(self) -> list:
+        """Descriptions of the posted, unfinished transfers (for the watchdog's stall report)."""
+        return list(self.impl.pending_descriptions())
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.impl.close()
+
+
+def create_socket_transport(board, stage: int, stages: int, stage_ranks: Sequence[int], *, store=None,
+                            run_id: str = "run0", timeout_s: float = 300.0) -> SocketTransport:
+    """Listen, publish this stage's address, read the neighbours', and connect every channel.
+
+    ``board`` is the stage host's ``C.MessageBoard``. Every stage of the pipeline calls this with
+    the same ``run_id``. Blocks until the neighbours have connected (at most ``timeout_s``)."""
+    _check_run_id(run_id)
+    if len(stage_ranks) != stages:
+        raise ValueError(f"stage_ranks must list one rank per stage ({stages}), got {list(stage_ranks)}")
+    plan = channel_plan(stage, stages)
+    host = advertised_host()
+    listener = C.SocketListener("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+    store = default_store() if store is None else store
+    store.set(rendezvous_key(run_id, stage), f"{host}:{listener.port}")
+    channels = []
+    for ch in plan:
+        peer_host, peer_port = "", 0
+        if ch.is_send:  # the receiver listens; the sender connects
+            key = rendezvous_key(run_id, ch.peer)
+            try:
+                store.wait([key], datetime.timedelta(seconds=timeout_s))
+            except RuntimeError:
+                raise SocketSetupError(f"stage {stage}: stage {ch.peer} (rank {stage_ranks[ch.peer]}) did not "
+                                       f"publish its socket address within {timeout_s:g} s -- it has not "
+                                       "started or failed during start-up") from None
+            peer_host, port = store.get(key).decode().rsplit(":", 1)
+            peer_port = int(port)
+        channels.append((ch.kind, ch.is_send, ch.peer, int(stage_ranks[ch.peer]), peer_host, peer_port))
+    try:
+        impl = C.SocketTransport(stage, listener, channels, run_token(run_id), float(timeout_s), board)
+    except RuntimeError as e:
+        raise SocketSetupError(str(e).split(" [")[0]) from None
+    return SocketTransport(impl)
+
+
+__all__ = ["SocketTransport", "SocketSetupError", "create_socket_transport", "advertised_host", "rendezvous_key",
+           "run_token", "HOST_ENV"]

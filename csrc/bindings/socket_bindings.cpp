@@ -1,0 +1,125 @@
+// The socket transport's Python face: the listener a stage opens before the rendezvous, the
+// transport (buffers from the stage host's MessageBoard), and run_stage_socket, which drives the
+// executor with it. Calls that block release the GIL.
+#include <pybind11/stl.h>
+
+#include <memory>
+
+#include "bindings/bindings.h"
+#include "bindings/message_board.h"
+#include "bindings/stage_runner.h"
+#include "core/error.h"
+#include "socket/socket_transport.h"
+
+namespace py = pybind11;
+
+namespace asyncpp::bindings {
+namespace {
+
+std::vector<sock::ChannelSpec> parse_channels(const std::vector<py::tuple>& channels) {
+  std::vector<sock::ChannelSpec> out;
+  for (size_t i = 0; i < channels.size(); ++i) {
+    const py::tuple& t = channels[i];
+    ASYNCPP_ARG_CHECK(t.size() == 6, "channels[", i, "] must be (kind, is_send, peer_stage, peer_rank, host, "
+                      "port), got ", t.size(), " items");
+    const int kind = t[0].cast<int>();
+    ASYNCPP_ARG_CHECK(kind == 0 || kind == 1, "channels[", i, "]: kind must be 0 (activation) or 1 (gradient), "
+                      "got ", kind);
+    out.push_back(sock::ChannelSpec{static_cast<core::MessageKind>(kind), t[1].cast<bool>(), t[2].cast<int>(),
+                                    t[3].cast<int>(), t[4].cast<std::string>(), t[5].cast<int>()});
+  }
+  return out;
+}
+
+core::MessageKey make_key(int kind, int step, int microbatch, int peer) {
+  ASYNCPP_ARG_CHECK(kind == 0 || kind == 1, "kind must be 0 (activation) or 1 (gradient), got ", kind);
+  return core::MessageKey{static_cast<core::MessageKind>(kind), step, microbatch, peer};
+}
+
+// Keeps the board alive as long as the transport that takes buffers from it.
+class PySocketTransport {
+ public:
+  PySocketTransport(int stage, const sock::Listener& listener, const std::vector<py::tuple>& channels,
+                    uint64_t token, double connect_timeout_s, py::object board)
+      : stage_(stage), board_object_(board) {
+    auto specs = parse_channels(channels);
+    ASYNCPP_ARG_CHECK(py::isinstance<MessageBoard>(board), "board must be the stage host's MessageBoard "
+                      "(asyncpp_ext._C.MessageBoard(host)), got ", std::string(py::str(py::type::of(board))));
+    MessageBoard& buffers = board.cast<MessageBoard&>();
+    py::gil_scoped_release release;  // connecting waits for the neighbours
+    transport_ = std::make_unique<sock::SocketTransport>(stage, listener, std::move(specs), token,
+                                                         connect_timeout_s, buffers);
+  }
+  ~PySocketTransport() {
+    py::gil_scoped_release release;  // joins the progress thread
+    transport_.reset();
+  }
+  int stage() const { return stage_; }
+  sock::SocketTransport& get() { return *transport_; }
+  MessageBoard& board() { return board_object_.cast<MessageBoard&>(); }
+
+ private:
+  int stage_;
+  py::object board_object_;  // declared first: destroyed after the transport
+  std::unique_ptr<sock::SocketTransport> transport_;
+};
+
+}  // namespace
+
+void bind_socket(py::module_& m) {
+  py::class_<sock::Listener>(m, "SocketListener", "A listening TCP socket on a port the OS picks.")
+      .def(py::init<const std::string&>(), py::arg("bind_host"),
+           "bind_host: an IPv4 address (0.0.0.0 for every interface, 127.0.0.1 for this machine only).")
+      .def_property_readonly("port", &sock::Listener::port);
+
+  py::class_<PySocketTransport>(m, "SocketTransport",
+                                "Boundary messages over TCP: one connection per neighbour and direction, "
+                                "moved by a progress thread (CPU tensors).")
+      .def(py::init<int, const sock::Listener&, const std::vector<py::tuple>&, uint64_t, double, py::object>(),
+           py::arg("stage"), py::arg("listener"), py::arg("channels"), py::arg("token"),
+           py::arg("connect_timeout_s"), py::arg("board"),
+           "channels: list of (kind 0=activation/1=gradient, is_send, peer_stage, peer_rank, host, port), "
+           "host/port being the receiver's listener (used by senders); token: a number identifying the run; "
+           "board: the stage host's MessageBoard. Blocks until every channel is connected.")
+      .def_property_readonly("stage", &PySocketTransport::stage)
+      .def("post_send", [](PySocketTransport& t, int kind, int step, int mb, int peer) {
+             return t.get().post_send(make_key(kind, step, mb, peer));
+           }, py::arg("kind"), py::arg("step"), py::arg("microbatch"), py::arg("peer"),
+           "Send the board's tensor for (kind, step, microbatch) to stage `peer`.")
+      .def("post_recv", [](PySocketTransport& t, int kind, int step, int mb, int peer) {
+             return t.get().post_recv(make_key(kind, step, mb, peer));
+           }, py::arg("kind"), py::arg("step"), py::arg("microbatch"), py::arg("peer"),
+           "Receive (kind, step, microbatch) from stage `peer` into a board slot.")
+      .def("test", [](PySocketTransport& t, int64_t request) { return t.get().test(request); }, py::arg("request"))
+      .def("wait", [](PySocketTransport& t, int64_t request, double timeout_s) {
+             sock::SocketTransport& impl = t.get();
+             py::gil_scoped_release release;
+             impl.wait(request, timeout_s);
+           }, py::arg("request"), py::arg("timeout_s"))
+      .def("pending", [](PySocketTransport& t) { return t.get().pending(); })
+      .def("pending_descriptions", [](PySocketTransport& t) { return t.get().pending_descriptions(); },
+           "What each posted, unfinished transfer is; safe from another thread (the watchdog).")
+      .def("close", [](PySocketTransport& t) {
+             sock::SocketTransport& impl = t.get();
+             py::gil_scoped_release release;
+             impl.close();
+           }, "Stop the progress thread and close the connections.");
+
+  m.def(
+      "run_stage_socket",
+      [](const std::string& schedule, int stages, int microbatches, int steps, int stage, int first_step,
+         py::object host, PySocketTransport& transport, int recv_ahead, int max_inflight_sends, double timeout_s) {
+        ASYNCPP_ARG_CHECK(transport.stage() == stage, "the socket transport was created for stage ",
+                          transport.stage(), " but run_stage_socket was asked to run stage ", stage);
+        return run_stage_program(schedule, stages, microbatches, steps, stage, first_step, std::move(host),
+                                 transport.board(), transport.get(),
+                                 core::ExecutorOptions{recv_ahead, max_inflight_sends, timeout_s});
+      },
+      py::arg("schedule"), py::arg("stages"), py::arg("microbatches"), py::arg("steps"), py::arg("stage"),
+      py::arg("first_step"), py::arg("host"), py::arg("transport"), py::arg("recv_ahead") = 2,
+      py::arg("max_inflight_sends") = 8, py::arg("timeout_s") = 300.0,
+      "run_stage with the C++ socket transport: same arguments and trace; `transport` is a SocketTransport "
+      "whose board is `host`'s.");
+}
+
+}  // namespace asyncpp::bindings

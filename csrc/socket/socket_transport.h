@@ -1,0 +1,137 @@
+// The CPU transport: boundary messages over TCP, one connection per neighbour and direction
+// (activations s -> s+1, gradients s+1 -> s), moved by one progress thread per stage.
+//
+// Each message is a 24-byte header (magic, kind, step, microbatch, byte count) followed by the
+// payload, read straight into the receive buffer. Messages of one kind between two stages are
+// posted in the same order on both ends (the schedule's order), so each connection is a FIFO and
+// the header only confirms what the receiver expects: a mismatch (another schedule, another
+// tensor shape) fails the transport with a message naming both sides. Any failure -- a peer that
+// closes its connection, a corrupt stream, a wait that times out -- fails every pending request
+// and shuts the sockets down, so the neighbours fail too instead of waiting.
+//
+// The executor's thread posts and waits. What a socket takes at once is moved on the executor's
+// thread (a small send completes inside post_send; a receive being waited for is read by the
+// waiter), and a progress thread moves the rest, so large transfers advance while the stage
+// computes. No allocation per message once the request pool has grown.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/transport.h"
+
+namespace asyncpp::sock {
+
+// A listening TCP socket on `bind_host` ("0.0.0.0" for every interface) and a port the OS picks.
+// Open it before publishing its address: peers may connect as soon as they read it.
+class Listener {
+ public:
+  explicit Listener(const std::string& bind_host);
+  ~Listener();
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+  int port() const { return port_; }
+  int fd() const { return fd_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// One connection of this stage: which messages it carries and this stage's role on it.
+struct ChannelSpec {
+  core::MessageKind kind;
+  bool is_send;          // this stage sends (and connects) or receives (and accepts)
+  int32_t peer;          // the other stage
+  int32_t peer_rank;     // the other stage's process rank, for messages
+  std::string host;      // senders: where the receiver listens
+  int port = 0;
+};
+
+// Checks a channel list for `stage` of a pipeline (activations go to stage+1 and come from
+// stage-1, gradients go to stage-1 and come from stage+1, each at most once). Throws
+// asyncpp::ArgumentError naming the bad entry.
+void validate_channels(int stage, const std::vector<ChannelSpec>& channels);
+
+class SocketTransport final : public core::Transport {
+ public:
+  // Connects every channel (senders connect to their receivers' listeners, receivers accept on
+  // `listener`), within `connect_timeout_s`. `token` identifies the run: a connection presenting
+  // another token is refused. `buffers` must outlive the transport.
+  SocketTransport(int stage, const Listener& listener, std::vector<ChannelSpec> channels, uint64_t token,
+                  double connect_timeout_s, core::BufferProvider& buffers);
+  ~SocketTransport() override;
+  SocketTransport(const SocketTransport&) = delete;
+  SocketTransport& operator=(const SocketTransport&) = delete;
+
+  Request post_send(const core::MessageKey& key) override;
+  Request post_recv(const core::MessageKey& key) override;
+  bool test(Request request) override;
+  void wait(Request request, double timeout_s) override;
+
+  // What each posted, unretired request is; safe from another thread (the watchdog).
+  std::vector<std::string> pending_descriptions() const;
+  size_t pending() const;
+  // Stops the progress thread and closes the connections. Idempotent.
+  void close();
+
+ private:
+  struct Header {
+    uint32_t magic;
+    uint32_t kind;
+    int32_t step;
+    int32_t microbatch;
+    uint64_t nbytes;
+  };
+  enum class State : uint8_t { free, queued, done, failed };
+  struct Op {
+    core::MessageKey key{};
+    bool is_send = false;
+    size_t channel = 0;
+    core::Buffer buffer;
+    Header header{};
+    uint64_t done_bytes = 0;  // header + payload bytes moved so far
+    State state = State::free;
+  };
+  struct Channel {
+    ChannelSpec spec;
+    int fd = -1;
+    std::vector<size_t> queue;  // ops in posting order; queue_head is the one in progress
+    size_t queue_head = 0;
+    bool waiter = false;        // the executor's thread is polling this socket itself
+  };
+  using Clock = std::chrono::steady_clock;
+
+  Request post(const core::MessageKey& key, bool is_send);
+  size_t channel_for(const core::MessageKey& key, bool is_send) const;
+  void connect_all(const Listener& listener, uint64_t token, double timeout_s);
+  void progress_loop();
+  // Moves bytes of the channel's front ops; false when the channel failed (failure_ set).
+  bool pump(Channel& c);
+  void wait_on_socket(std::unique_lock<std::mutex>& lock, size_t index, Clock::time_point deadline);
+  State op_state(size_t index) const { return ops_[index].state; }
+  bool pump_send(Channel& c, Op& op);
+  bool pump_recv(Channel& c, Op& op);
+  void fail_locked(const std::string& message);
+  std::string describe_op(const Op& op) const;
+  std::string where() const;
+  void wake();
+
+  int stage_;
+  core::BufferProvider& buffers_;
+  std::vector<Channel> channels_;
+  mutable std::mutex mu_;            // guards ops_, free_ops_, channel queues, failure_
+  std::condition_variable done_cv_;  // an op completed or the transport failed
+  std::vector<Op> ops_;
+  std::vector<size_t> free_ops_;
+  std::string failure_;
+  bool stopping_ = false;
+  int wake_fd_ = -1;                 // eventfd: new work or stop
+  std::thread progress_;
+};
+
+}  // namespace asyncpp::sock
