@@ -11,7 +11,7 @@ from asyncpp_ext.training.config import RunConfig
 
 
 @pytest.mark.parametrize("requested,device,want", [
-    ("auto", "cpu", "gloo"), ("auto", "cuda", "nccl"), ("auto", "cuda:3", "nccl"),
+    ("auto", "cpu", "socket"), ("socket", "cpu", "socket"), ("auto", "cuda", "nccl"), ("auto", "cuda:3", "nccl"),
     ("gloo", "cpu", "gloo"), ("gloo", "cuda:0", "gloo"), ("torch", "cpu", "torch"),
     ("torch", "cuda", "torch"), ("nccl", "cuda:1", "nccl"),
 ])
@@ -22,7 +22,8 @@ def test_choose_transport(requested, device, want):
 
 @pytest.mark.parametrize("requested,device,match", [
     ("nccl", "cpu", "transport 'nccl' moves CUDA tensors but device is 'cpu'"),
-    ("bogus", "cpu", "unknown transport 'bogus'; choose one of auto, nccl, torch, gloo"),
+    ("bogus", "cpu", "unknown transport 'bogus'; choose one of auto, nccl, torch, gloo, socket"),
+    ("socket", "cuda:0", "transport 'socket' moves CPU tensors but device is 'cuda:0'"),
     ("mpi", "cuda", "unknown transport 'mpi'"),
 ])
 def test_choose_transport_refusals(requested, device, match):
@@ -128,7 +129,7 @@ def test_rank_placement_on_cpu(monkeypatch, fake_gpus):
 
     chosen = fake_gpus(8)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert rank_placement(_cfg("cpu", "auto")) == ("cpu", "gloo", "gloo")
+    assert rank_placement(_cfg("cpu", "auto")) == ("cpu", "socket", "gloo")
     assert rank_placement(_cfg("cpu", "torch")) == ("cpu", "torch", "gloo")
     assert chosen == []
 

@@ -24,19 +24,20 @@ def _rows(run_dir):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [  # 2x2 (slow): the dp all-reduce is covered by tests/test_scale_out.py
-    pytest.param(["--stages", "2"], id="2x1"),
-    pytest.param(["--stages", "2", "--dp", "2"], id="2x2", marks=pytest.mark.slow)])
-def test_torch_transport_gives_the_default_transports_losses(tmp_path, layout):
+@pytest.mark.parametrize("transport,layout", [  # 2x2 (slow): the dp all-reduce is covered by test_scale_out
+    pytest.param("torch", ["--stages", "2"], id="torch-2x1"),
+    pytest.param("gloo", ["--stages", "2"], id="gloo-2x1"),
+    pytest.param("torch", ["--stages", "2", "--dp", "2"], id="torch-2x2", marks=pytest.mark.slow)])
+def test_python_transports_give_the_default_transports_losses(tmp_path, transport, layout):
     steps = ["--steps", "4"] if "--dp" not in layout else ["--steps", "2"]
-    assert main(TINY + layout + steps + ["--transport", "torch", "--out", str(tmp_path / "torch")]) == 0
-    assert main(TINY + layout + steps + ["--out", str(tmp_path / "default")]) == 0
-    got, want = _rows(tmp_path / "torch"), _rows(tmp_path / "default")
+    assert main(TINY + layout + steps + ["--transport", transport, "--out", str(tmp_path / transport)]) == 0
+    assert main(TINY + layout + steps + ["--out", str(tmp_path / "default")]) == 0  # socket on CPU
+    got, want = _rows(tmp_path / transport), _rows(tmp_path / "default")
     assert len(got) == len(want) > 0
     for key in ("loss", "eval_loss"):
         assert [r.get(key) for r in got] == [r.get(key) for r in want]  # bitwise
-    config = json.loads((tmp_path / "torch" / "config.json").read_text())
-    assert config["pipeline"]["transport"] == "torch"
+    config = json.loads((tmp_path / transport / "config.json").read_text())
+    assert config["pipeline"]["transport"] == transport
     assert json.loads((tmp_path / "default" / "config.json").read_text())["pipeline"]["transport"] == "auto"
 
 
@@ -52,12 +53,34 @@ def test_host_staged_receives_give_the_direct_losses(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_lost_peer_on_the_torch_transport_is_named(tmp_path, capfd):
+@pytest.mark.parametrize("transport,payload", [("torch", "shape ("), ("socket", " bytes)")])
+def test_a_lost_peer_is_named(tmp_path, capfd, transport, payload):
     with pytest.raises(LaunchError):
-        spawn(tw.peer_exits_worker, 2, ("torch",), grace_s=20)
+        spawn(tw.peer_exits_worker, 2, (transport,), grace_s=20)
     err = capfd.readouterr().err
     line = next(l for l in err.splitlines() if l.startswith("asyncpp: rank 0:"))
-    assert "stage 1 (rank 1" in line and "step " in line and "microbatch " in line and "shape (" in line, err
+    assert "stage 1 (rank 1" in line and "step " in line and "microbatch " in line and payload in line, err
+
+
+@pytest.mark.multiproc
+def test_socket_transport_size_disagreement_ends_both_ranks_with_a_message(tmp_path):
+    spawn(tw.socket_mismatch_worker, 2, (str(tmp_path),))
+    receiver = json.loads((tmp_path / "mismatch1.json").read_text())
+    sender = json.loads((tmp_path / "mismatch0.json").read_text())
+    assert "activation (step 0, microbatch 0) from stage 0 (rank 0) is 16 bytes but this stage expects 20" \
+        in receiver and "shape or dtype" in receiver, receiver
+    assert "recv gradient (step 0, microbatch 0) from stage 1 (rank 1" in sender and \
+        "closed the connection" in sender, sender
+
+
+@pytest.mark.multiproc
+def test_socket_transport_reuses_its_receive_slots(tmp_path):
+    spawn(tw.socket_slots_worker, 2, (str(tmp_path),))
+    first = json.loads((tmp_path / "slots0.json").read_text())
+    last = json.loads((tmp_path / "slots1.json").read_text())
+    assert first[0] == [0, first[1][1]] and last[0] == [last[1][0], 0]  # each end receives one kind
+    for counts in (first, last):  # 3 steps, then 9 more: no new slot once the pipeline is full
+        assert counts[0] == counts[1] and 0 < max(counts[1]) <= 4 + 2, counts
 
 
 class _FakeDist:

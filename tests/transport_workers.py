@@ -39,3 +39,53 @@ def peer_exits_worker(transport: str) -> None:
         pass
     if pipe.stage == 1:
         os._exit(0)
+
+
+class _SlotHost:
+    """A stage host for a bare MessageBoard: receive slots of a fixed number of float32 elements."""
+
+    def __init__(self, numel: int):
+        self.numel = numel
+
+    def new_recv_buffer(self, kind: int) -> torch.Tensor:
+        return torch.empty(self.numel)
+
+
+def socket_mismatch_worker(out_dir: str) -> None:
+    """Stage 0 sends 4 floats where stage 1 expects 5: stage 1 must fail naming both sizes, and
+    stage 0 (waiting for a gradient that never comes) must fail because stage 1 closed the link."""
+    from asyncpp_ext import _C as C
+    from asyncpp_ext.pipeline.sockets import create_socket_transport
+
+    rank, _ = init_distributed(30)
+    board = C.MessageBoard(_SlotHost(4 if rank == 0 else 5))
+    t = create_socket_transport(board, rank, 2, [0, 1], run_id="mismatch", timeout_s=30)
+    try:
+        if rank == 0:
+            board.put_send(0, 0, 0, torch.ones(4))
+            t.impl.wait(t.impl.post_send(0, 0, 0, 1), 20.0)
+            t.impl.wait(t.impl.post_recv(1, 0, 0, 1), 20.0)
+        else:
+            t.impl.wait(t.impl.post_recv(0, 0, 0, 0), 20.0)
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    with open(os.path.join(out_dir, f"mismatch{rank}.json"), "w") as f:
+        json.dump(message, f)
+
+
+def socket_slots_worker(out_dir: str) -> None:
+    """A 2bw run over the socket transport: receive slots stop growing once the pipeline is full."""
+    init_distributed(60)
+    torch.set_num_threads(1)
+    m = 4
+    pipe = Pipeline(w.make_blocks(), loss_fn=nn.functional.mse_loss, optimizer=w.optimizer_factory("sgd"),
+                    schedule="2bw", microbatches=m, transport="socket", timeout_s=60)
+    data = w.batches(12, m)
+    counts = []
+    for steps in (3, 9):
+        for _ in pipe.train(data, steps):
+            pass
+        counts.append([pipe.board.slot_count(0), pipe.board.slot_count(1)])
+    with open(os.path.join(out_dir, f"slots{pipe.stage}.json"), "w") as f:
+        json.dump(counts, f)

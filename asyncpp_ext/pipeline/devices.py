@@ -35,7 +35,7 @@ def choose_transport(requested: str, device) -> str:
         raise DeviceError(f"unknown transport {requested!r}; choose one of {', '.join(TRANSPORTS)}")
     kind = _device_type(device)
     if requested == "auto":
-        return "nccl" if kind == "cuda" else "gloo"
+        return "nccl" if kind == "cuda" else "socket"
     if requested == "socket" and kind != "cpu":
         raise DeviceError(f"transport 'socket' moves CPU tensors but device is {str(device)!r}; use transport "
                           "'nccl' (one GPU per rank) or 'gloo' (ranks may share a GPU) on CUDA")

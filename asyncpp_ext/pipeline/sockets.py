@@ -21,8 +21,10 @@ from typing import Sequence
 
 from .._ext import C
 from .nccl import _check_run_id, channel_plan, default_store
+from .transport import TransportError
 
 HOST_ENV = "ASYNCPP_SOCKET_HOST"
+TRANSPORT_FAILURE = ": socket transport: "  # in every message of the C++ transport's failures
 
 
 class SocketSetupError(RuntimeError):
@@ -75,8 +77,13 @@ class SocketTransport:
     def run_stage(self, schedule: str, stages: int, microbatches: int, steps: int, stage: int, first_step: int,
                   host, board=None, *, recv_ahead: int = 2, max_inflight_sends: int = 8,
                   timeout_s: float = 300.0) -> list:
-        return C.run_stage_socket(schedule, stages, microbatches, steps, stage, first_step, host, self.impl,
-                                  recv_ahead, max_inflight_sends, timeout_s)
+        try:
+            return C.run_stage_socket(schedule, stages, microbatches, steps, stage, first_step, host, self.impl,
+                                      recv_ahead, max_inflight_sends, timeout_s)
+        except RuntimeError as e:
+            if TRANSPORT_FAILURE not in str(e):  # the stage host's own error, unchanged
+                raise
+            raise TransportError(str(e)) from None  # a lost or stalled peer (see launch.py's exit codes)
 
     def pending(self) -> list:
         """Descriptions of the posted, unfinished transfers (for the watchdog's stall report)."""
