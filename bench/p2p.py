@@ -4,11 +4,13 @@ Two local processes play ping-pong: rank 0 sends an activation-sized message, ra
 and sends one of the same size back. Time is one-way (round trip / 2), algbw = bytes / time, as
 nccl-tests reports it. After timing, every received buffer is compared with what the peer sent
 ("check" column). Backends:
-  gloo  CPU tensors: asyncpp's GlooTransport driven directly (post_send/post_recv/wait) vs
-        dist.isend/irecv on the same process group.
-  nccl  CUDA tensors (needs 2 GPUs): the C++ NCCL transport vs dist.isend/irecv on an NCCL group.
+  socket  CPU tensors: asyncpp's C++ socket transport (the CPU default) vs dist.isend/irecv over gloo.
+  gloo    CPU tensors: asyncpp's Python GlooTransport vs dist.isend/irecv on the same process group.
+  nccl    CUDA tensors (needs 2 GPUs): the C++ NCCL transport vs dist.isend/irecv on an NCCL group.
+Our side is driven the way the executor drives it: payloads through the stage's MessageBoard (a
+send's tensor handed over, receives into reused slots), post, then wait.
 
-    python bench/p2p.py [--backend gloo|nccl] [--max-mib 64] [--json]
+    python bench/p2p.py [--backend socket|gloo|nccl] [--max-mib 64] [--json]
 """
 from __future__ import annotations
 
@@ -22,25 +24,65 @@ import time
 import torch
 import torch.distributed as dist
 
+from asyncpp_ext import _C as C
 from asyncpp_ext.pipeline import init_distributed, spawn
 from asyncpp_ext.pipeline.stage import ACTIVATION, GRADIENT
 
 KIB = 1024
 
 
-class PingPongBuffers:
-    """The stage-host side of the transport: one payload per direction, received into fresh tensors
-    (as a real stage does)."""
+class PingPong:
+    """Our transport as the executor drives it, for one payload size: sends hand the payload to
+    the board, receives land in board slots that are released once checked."""
 
-    def __init__(self, stage: int, payload: torch.Tensor):
-        self.stage, self.payload, self.last_received = stage, payload, None
+    def __init__(self, backend: str, rank: int, payload: torch.Tensor):
+        self.backend, self.rank, self.payload, self.peer = backend, rank, payload, 1 - rank
+        self.stage = rank  # GlooTransport names its stage in messages
+        self.board = C.MessageBoard(self)
+        self.last_received = None
+        if backend == "gloo":
+            from asyncpp_ext.pipeline.transport import GlooTransport
 
-    def take_send_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:
-        return self.payload
+            self.transport, self.python = GlooTransport(self, [0, 1]), True
+            self.slot = torch.empty_like(payload)
+        else:
+            run_id = f"p2p{payload.numel()}"
+            if backend == "socket":
+                from asyncpp_ext.pipeline.sockets import create_socket_transport
 
-    def recv_buffer(self, kind: int, step: int, mb: int) -> torch.Tensor:
-        self.last_received = torch.empty_like(self.payload)
-        return self.last_received
+                self.transport = create_socket_transport(self.board, rank, 2, [0, 1], run_id=run_id)
+            else:
+                from asyncpp_ext.pipeline.nccl import create_nccl_transport
+
+                self.transport = create_nccl_transport(self.board, rank, 2, [0, 1], payload.device, run_id=run_id)
+            self.python = False
+        self.impl = self.transport if self.python else self.transport.impl
+
+    def new_recv_buffer(self, kind: int) -> torch.Tensor:
+        return torch.empty_like(self.payload)
+
+    def post_send(self, kind: int, step: int) -> int:
+        if self.python:
+            return self.impl.post_send(kind, step, 0, self.peer, self.payload)
+        self.board.put_send(kind, step, 0, self.payload)
+        return self.impl.post_send(kind, step, 0, self.peer)
+
+    def post_recv(self, kind: int, step: int) -> int:
+        if self.python:
+            return self.impl.post_recv(kind, step, 0, self.peer, self.slot)
+        return self.impl.post_recv(kind, step, 0, self.peer)
+
+    def received(self, kind: int, step: int) -> None:
+        """Keep what arrived (for the check) and free its slot, as a backward would."""
+        if self.python:
+            self.last_received = self.slot
+        else:
+            self.last_received = self.board.received(kind, step, 0)
+            self.board.release(kind, step, 0)
+
+    def close(self) -> None:
+        if not self.python:
+            self.transport.close(30.0)
 
 
 def pattern(count: int, rank: int, device) -> torch.Tensor:
@@ -57,32 +99,33 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ours(transport, buffers, rank: int, iters: int, device) -> tuple[float, bool]:
-    peer = 1 - rank
+def time_ours(ours: PingPong, rank: int, iters: int, device) -> tuple[float, bool]:
     out_kind, in_kind = (ACTIVATION, GRADIENT) if rank == 0 else (GRADIENT, ACTIVATION)
-    wait = transport.wait
+    wait = ours.impl.wait
 
     def one(step: int) -> None:
         if rank == 0:
-            s = transport.post_send(out_kind, step, 0, peer)
-            r = transport.post_recv(in_kind, step, 0, peer)
+            s = ours.post_send(out_kind, step)
+            r = ours.post_recv(in_kind, step)
             wait(r, 60.0)
+            ours.received(in_kind, step)
             wait(s, 60.0)
         else:
-            r = transport.post_recv(in_kind, step, 0, peer)
+            r = ours.post_recv(in_kind, step)
             wait(r, 60.0)
-            s = transport.post_send(out_kind, step, 0, peer)
+            ours.received(in_kind, step)
+            s = ours.post_send(out_kind, step)
             wait(s, 60.0)
 
     for step in range(2):  # warm-up
         one(step)
     sync(device)
     start = time.perf_counter()
-    for step in range(iters):
+    for step in range(2, 2 + iters):
         one(step)
     sync(device)
     elapsed = time.perf_counter() - start
-    ok = bool(torch.equal(buffers.last_received, pattern(buffers.payload.numel(), peer, device)))
+    ok = bool(torch.equal(ours.last_received, pattern(ours.payload.numel(), 1 - rank, device)))
     return elapsed / iters / 2, ok
 
 
@@ -112,16 +155,6 @@ def time_torch(payload: torch.Tensor, rank: int, iters: int, device, group) -> t
     return elapsed / iters / 2, ok
 
 
-def make_transport(backend: str, rank: int, buffers, device):
-    if backend == "gloo":
-        from asyncpp_ext.pipeline.transport import GlooTransport
-
-        return GlooTransport(buffers, [0, 1])
-    from asyncpp_ext.pipeline.nccl import create_nccl_transport
-
-    return create_nccl_transport(buffers, rank, 2, [0, 1], device, run_id=f"p2p{buffers.payload.numel()}").impl
-
-
 def worker(backend: str, sizes: list, out_path: str) -> None:
     rank, _ = init_distributed(120)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -130,12 +163,10 @@ def worker(backend: str, sizes: list, out_path: str) -> None:
     for nbytes in sizes:
         count = nbytes // 4
         payload = pattern(count, rank, device)
-        buffers = PingPongBuffers(rank, payload)
-        transport = make_transport(backend, rank, buffers, device)
+        ours = PingPong(backend, rank, payload)
         iters = iterations(nbytes)
-        ours_s, ours_ok = time_ours(transport, buffers, rank, iters, device)
-        if backend == "nccl":
-            transport.close(30.0)
+        ours_s, ours_ok = time_ours(ours, rank, iters, device)
+        ours.close()
         dist.barrier()
         torch_s, torch_ok = time_torch(payload, rank, iters, device, group)
         flags = torch.tensor([ours_ok, torch_ok], dtype=torch.int32)
@@ -158,7 +189,7 @@ def default_backend() -> str:
             return "nccl"
         except NcclUnavailableError:
             pass
-    return "gloo"
+    return "socket"
 
 
 def print_table(backend: str, rows: list) -> None:
@@ -174,8 +205,8 @@ def print_table(backend: str, rows: list) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                        help="default: nccl with 2 GPUs and NCCL loadable, else gloo")
+    parser.add_argument("--backend", choices=("socket", "gloo", "nccl"), default=None,
+                        help="default: nccl with 2 GPUs and NCCL loadable, else socket")
     parser.add_argument("--min-kib", type=int, default=1, help="smallest message (KiB, default 1)")
     parser.add_argument("--max-mib", type=int, default=64, help="largest message (MiB, default 64)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")

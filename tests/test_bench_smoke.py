@@ -164,3 +164,14 @@ def test_optim_step_bench_flop_count_matches_torchs_flop_counter():
             orthogonalize(v, v.flatten(1).norm(dim=1))
         counted += counter.get_total_flops()
     assert optim_step.ns_flops(shapes) == counted
+
+
+@pytest.mark.parametrize("backend", ["socket", "gloo"])
+def test_p2p_moves_every_size_intact_through_our_transports(capsys, backend):
+    import p2p
+
+    assert p2p.main(["--backend", backend, "--min-kib", "256", "--max-mib", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["backend"] == backend
+    assert [r["bytes"] for r in result["rows"]] == [256 << 10, 1 << 20]
+    assert all(r["asyncpp_check"] and r["torch_check"] and r["asyncpp_us"] > 0 for r in result["rows"])

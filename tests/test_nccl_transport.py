@@ -217,10 +217,10 @@ def test_pipeline_on_cuda_without_nccl_or_gpu_fails_clearly(one_rank_world):
                  microbatches=1, device="cuda")
 
 
-def test_pipeline_on_cpu_keeps_gloo(one_rank_world):
+def test_pipeline_on_cpu_takes_the_socket_transport(one_rank_world):
     pipe = Pipeline(_blocks(), loss_fn=torch.nn.functional.mse_loss, optimizer=_sgd, schedule="1f1b",
                     microbatches=1)
-    assert type(pipe.transport).__name__ == "GlooTransport" and pipe.device == torch.device("cpu")
+    assert type(pipe.transport).__name__ == "SocketTransport" and pipe.device == torch.device("cpu")
 
 
 # ---- on GPUs: real transfers and a 2-stage pipeline ---------------------------------------------

@@ -73,7 +73,7 @@ class NonFiniteGuard:
         raise NonFiniteError(f"stage {self.stage}: {what} at step {step + 1}; stopping ({_ADVICE})")
 
     def check_loss(self, step: int, mb: int, loss: torch.Tensor) -> None:
-        if bool(torch.isfinite(loss).all()):
+        if all_finite(loss):
             return
         what = f"non-finite loss ({float(loss):g}) in microbatch {mb}"
         if self.policy == "stop":

@@ -94,10 +94,16 @@ class Watchdog:
     @contextlib.contextmanager
     def doing(self, what: str, waits_on_peer: bool, instruction: bool = True):
         """Marks what this rank is doing now; completing it is a beat."""
-        with self._lock:
-            self._current = (what, waits_on_peer, time.monotonic())
+        self.begin(what, waits_on_peer)
         yield
         self.beat(what, instruction)
+
+    def begin(self, what, waits_on_peer: bool) -> None:
+        """What this rank is doing now (``doing`` without the context manager, for the per-
+        instruction path). ``what`` is text, or a tuple (op, step, microbatch[, version]) formatted
+        only if a report needs it."""
+        with self._lock:
+            self._current = (what, waits_on_peer, time.monotonic())
 
     @contextlib.contextmanager
     def armed(self, phase: str):
@@ -154,11 +160,11 @@ class Watchdog:
         now = time.monotonic()
         if self._current is not None:
             what, _, since = self._current
-            doing = f"{what} (for {now - since:.1f} s)"
+            doing = f"{describe_activity(what)} (for {now - since:.1f} s)"
         else:
             doing = "between instructions"
         lines = [f"asyncpp: {self.label}: {headline}",
-                 f"  last completed: {self._last_done or 'none yet'}",
+                 f"  last completed: {describe_activity(self._last_done) or 'none yet'}",
                  f"  in progress:    {doing}"]
         return lines + ([f"  pending:        {p}" for p in self.pending()]
                         or ["  pending:        no send or receive"])
@@ -168,21 +174,31 @@ class Watchdog:
         now = time.monotonic()
         if self._current is not None:
             what, waits_on_peer, since = self._current
-            doing = f"{what} (for {now - since:.1f} s)"
+            doing = f"{describe_activity(what)} (for {now - since:.1f} s)"
         else:
             waits_on_peer, doing = True, "between instructions"
         code = EXIT_PEER_LOST if waits_on_peer else EXIT_STALLED
         pending = self.pending()
         lines = [f"asyncpp: {self.label}: watchdog: no instruction completed for {idle:.1f} s during "
                  f"{self._phase} (timeout {self.timeout_s:g} s; set --timeout or {TIMEOUT_ENV})",
-                 f"  last completed: {self._last_done or 'none yet'}",
+                 f"  last completed: {describe_activity(self._last_done) or 'none yet'}",
                  f"  in progress:    {doing}"]
         lines += [f"  pending:        {p}" for p in pending] or ["  pending:        no send or receive"]
         cause = "waiting on a peer" if code == EXIT_PEER_LOST else "this rank stalled"
         lines.append(f"  aborting this rank (exit code {code}: {cause})")
         summary = (f"watchdog: no instruction completed for {idle:.1f} s; in progress: {doing}; "
-                   f"last completed: {self._last_done or 'none yet'}")
+                   f"last completed: {describe_activity(self._last_done) or 'none yet'}")
         return "\n".join(lines) + "\n", summary, code
+
+
+def describe_activity(what) -> str | None:
+    """Text of an activity given to ``begin``/``beat``: a string as is, or a stage-host tuple."""
+    if not isinstance(what, tuple):
+        return what
+    if what[0] == "optimizer_step":
+        return f"optimizer_step (step {what[1]}, new version {what[2]})"
+    op, step, mb, version = what
+    return f"{op} (step {step}, microbatch {mb}, version {version})"
 
 
 class WatchedHost:
@@ -191,17 +207,26 @@ class WatchedHost:
     def __init__(self, host, watchdog: Watchdog):
         self.host, self.watchdog = host, watchdog
 
+    # Called once per instruction: the activity is a tuple, formatted only for a report.
     def forward(self, step: int, mb: int, version: int, received=None):
-        with self.watchdog.doing(f"forward (step {step}, microbatch {mb}, version {version})", False):
-            return self.host.forward(step, mb, version, received)
+        what = ("forward", step, mb, version)
+        self.watchdog.begin(what, False)
+        out = self.host.forward(step, mb, version, received)
+        self.watchdog.beat(what)
+        return out
 
     def backward(self, step: int, mb: int, version: int, received=None):
-        with self.watchdog.doing(f"backward (step {step}, microbatch {mb}, version {version})", False):
-            return self.host.backward(step, mb, version, received)
+        what = ("backward", step, mb, version)
+        self.watchdog.begin(what, False)
+        out = self.host.backward(step, mb, version, received)
+        self.watchdog.beat(what)
+        return out
 
     def optimizer_step(self, step: int, new_version: int) -> None:
-        with self.watchdog.doing(f"optimizer_step (step {step}, new version {new_version})", False):
-            self.host.optimizer_step(step, new_version)
+        what = ("optimizer_step", step, new_version)
+        self.watchdog.begin(what, False)
+        self.host.optimizer_step(step, new_version)
+        self.watchdog.beat(what)
 
 
 class WatchedTransport:
