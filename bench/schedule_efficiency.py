@@ -2,7 +2,8 @@
 
 Each stage's compute is a fixed-time wait (forward f, backward 2f), as a GPU kernel would look
 to the host, so the table measures schedules and runtime overheads, not this CPU. All runs use
-gloo on 127.0.0.1 with the same stage costs, stages, microbatches and steps.
+127.0.0.1 (ours: the default CPU transport, socket; torch: gloo) with the same stage costs,
+stages, microbatches and steps.
 
     python bench/schedule_efficiency.py [--stages 4 --microbatches 8 --steps 50 --fwd-ms 20] [--json]
 
@@ -220,7 +221,8 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"# S={a.stages} m={a.microbatches} steps={a.steps} fwd={a.fwd_ms:g} ms bwd={2 * a.fwd_ms:g} ms, gloo")
+    print(f"# S={a.stages} m={a.microbatches} steps={a.steps} fwd={a.fwd_ms:g} ms bwd={2 * a.fwd_ms:g} ms; ours: "
+          "the default CPU transport (socket), torch: gloo")
     r0 = rows[0]
     print(f"# calibrated stage compute: fwd {r0['calibrated_fwd_ms']:.2f} ms, bwd {r0['calibrated_bwd_ms']:.2f} ms "
           "(median of 30 in one process; the ideal in ach/cal uses these)")
