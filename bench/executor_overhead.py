@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from schedule_efficiency import MICRO_BATCH, WIDTH, _batches, _sgd  # noqa: E402
+from schedule_efficiency import MICRO_BATCH, WIDTH, _batches, _sgd, torch_stepper  # noqa: E402
 from asyncpp_ext.pipeline import LaunchError, Pipeline, init_distributed, spawn  # noqa: E402
 from asyncpp_ext.pipeline.devices import TRANSPORTS  # noqa: E402
 
@@ -112,28 +112,10 @@ def run_ours(schedule: str, transport: str, stages: int, m: int, steps: int, war
 
 def run_torch(schedule: str, stages: int, m: int, steps: int, warmup: int, out_prefix: str) -> None:
     """One rank of a torch.distributed.pipelining run: writes its timed wall ns."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
     torch.set_num_threads(1)
     rank, _ = init_distributed(120)
     torch.manual_seed(0)
-    module = nn.Linear(WIDTH, WIDTH)
-    stage = PipelineStage(module, rank, stages, torch.device("cpu"))  # shapes inferred at step 1
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = cls(stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
-    opt = _sgd(module)
-    data = _batches(m)
-
-    def one_step():
-        x, y = next(data)
-        if rank == 0:
-            sched.step(x)
-        elif rank == stages - 1:
-            sched.step(target=y, losses=[])
-        else:
-            sched.step()
-        opt.step()
-        opt.zero_grad()
+    one_step = torch_stepper(nn.Linear(WIDTH, WIDTH), schedule, stages, m, rank)
 
     for _ in range(warmup):
         one_step()

@@ -123,12 +123,11 @@ def ours(schedule, stages, m, steps, warmup, f, out):
             json.dump({"seconds": time.monotonic() - start}, fh)
 
 
-def theirs(schedule, stages, m, steps, warmup, f, out):
+def torch_stepper(module: nn.Module, schedule: str, stages: int, m: int, rank: int):
+    """One training step of torch.distributed.pipelining's ``schedule`` on this rank's ``module``
+    (mse loss, SGD, the same batches as ours), as a callable."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    rank, _ = init_distributed(120)
-    torch.manual_seed(0)
-    module = EmulatedStage(f, 2 * f)
     stage = PipelineStage(module, rank, stages, torch.device("cpu"))  # shapes inferred at step 1
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = cls(stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
@@ -145,6 +144,14 @@ def theirs(schedule, stages, m, steps, warmup, f, out):
             sched.step()
         opt.step()
         opt.zero_grad()
+
+    return one_step
+
+
+def theirs(schedule, stages, m, steps, warmup, f, out):
+    rank, _ = init_distributed(120)
+    torch.manual_seed(0)
+    one_step = torch_stepper(EmulatedStage(f, 2 * f), schedule, stages, m, rank)
 
     for _ in range(warmup):
         one_step()
