@@ -68,7 +68,8 @@ def train_worker(schedule: str, m: int, steps: int, optimizer: str, out_dir: str
     weights = {f"{i}": t for i, t in zip(pipe.block_indices,
                                          [list(pipe.host.newest_replica()[k].parameters())
                                           for k in range(len(pipe.block_indices))])}
-    torch.save({"weights": weights, "trace": pipe.trace}, os.path.join(out_dir, f"stage{pipe.stage}.pt"))
+    torch.save({"weights": weights, "trace": pipe.trace, "progress": pipe.progress.snapshot()},
+               os.path.join(out_dir, f"stage{pipe.stage}.pt"))
     if pipe.host.is_last:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump(losses, f)

@@ -47,6 +47,10 @@ def test_2bw_stream_does_not_drain_between_steps(tmp_path):
         next_first_forward = min(e[4] for e in trace if e[0] == "forward" and e[1] == t + 1)
         last_backward_end = max(e[5] for e in trace if e[0] == "backward" and e[1] == t)
         assert next_first_forward < last_backward_end, f"step {t + 1} waited for step {t} to drain"
+    for files in stage_files:  # the watchdog's view: every instruction counted, none left running
+        progress, last = files["progress"], files["trace"][-1]
+        assert progress["completed"] == len(files["trace"]) and progress["current"] is None
+        assert progress["last_done"] == tuple(last[:4])
 
 
 def test_a_stage_that_raises_ends_every_rank_with_a_message(capfd):

@@ -141,10 +141,11 @@ class NcclTransport:
         self.impl, self.device, self.stream = impl, device, stream
 
     def run_stage(self, schedule: str, stages: int, microbatches: int, steps: int, stage: int, first_step: int,
-                  host, board=None, *, recv_ahead: int = 2, max_inflight_sends: int = 8, timeout_s: float = 300.0) -> list:
+                  host, board=None, *, recv_ahead: int = 2, max_inflight_sends: int = 8, timeout_s: float = 300.0,
+                  progress=None) -> list:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             return C.run_stage_nccl(schedule, stages, microbatches, steps, stage, first_step, host, self.impl,
-                                    recv_ahead, max_inflight_sends, timeout_s)
+                                    recv_ahead, max_inflight_sends, timeout_s, progress)
 
     def pending(self) -> list:
         """Descriptions of the posted, unfinished transfers (for the watchdog's stall report)."""

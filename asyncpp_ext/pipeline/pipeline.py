@@ -31,7 +31,7 @@ from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, choose_transport  # noqa: F401 (TRANSPORTS: public name kept here)
 from .transport import GlooTransport, TorchTransport, TransportError, create_link_groups, peer_failure_reason
-from .watchdog import Watchdog, WatchedHost, WatchedTransport, check_timeout, default_timeout_s
+from .watchdog import Watchdog, WatchedTransport, check_timeout, default_timeout_s
 
 SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -219,6 +219,10 @@ class Pipeline:
         self.timeout_s, self.recv_ahead = timeout_s, recv_ahead
         self.watchdog = Watchdog(timeout_s, f"rank {self.rank} (stage {self.stage})",
                                  pending=self._pending_transfers)
+        # The executor shows the instruction in flight here; the watchdog reads it (no Python
+        # call per instruction).
+        self.progress = C.Progress()
+        self.watchdog.follow(self.progress.snapshot)
         from .launch import tell_launcher
         self.watchdog.on_report = tell_launcher
         if transport == "gloo":
@@ -397,7 +401,7 @@ class Pipeline:
         self.host.on_step = on_step
         done = object()
 
-        host = WatchedHost(self.host, self.watchdog)
+        host = self.host
         transport = WatchedTransport(self.transport, self.watchdog) if isinstance(
             self.transport, GlooTransport) else self.transport
         wait_timeout_s = 2 * self.timeout_s  # the watchdog reports a stall first
@@ -413,11 +417,13 @@ class Pipeline:
                     n = min(chunk, first_step + steps - stream_start)
                     if isinstance(self.transport, GlooTransport):
                         trace = C.run_stage(self.schedule, self.stages, self.m, n, self.stage, stream_start,
-                                            host, self.board, transport, self.recv_ahead, 8, wait_timeout_s)
+                                            host, self.board, transport, self.recv_ahead, 8, wait_timeout_s,
+                                            self.progress)
                     else:
                         trace = self.transport.run_stage(self.schedule, self.stages, self.m, n, self.stage,
                                                          stream_start, host, self.board, recv_ahead=self.recv_ahead,
-                                                         max_inflight_sends=8, timeout_s=wait_timeout_s)
+                                                         max_inflight_sends=8, timeout_s=wait_timeout_s,
+                                                         progress=self.progress)
                     self.trace.extend(trace)
                     if len(self.trace) > self.trace_limit:
                         del self.trace[:len(self.trace) - self.trace_limit]

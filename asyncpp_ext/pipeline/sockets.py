@@ -76,10 +76,10 @@ class SocketTransport:
 
     def run_stage(self, schedule: str, stages: int, microbatches: int, steps: int, stage: int, first_step: int,
                   host, board=None, *, recv_ahead: int = 2, max_inflight_sends: int = 8,
-                  timeout_s: float = 300.0) -> list:
+                  timeout_s: float = 300.0, progress=None) -> list:
         try:
             return C.run_stage_socket(schedule, stages, microbatches, steps, stage, first_step, host, self.impl,
-                                      recv_ahead, max_inflight_sends, timeout_s)
+                                      recv_ahead, max_inflight_sends, timeout_s, progress)
         except RuntimeError as e:
             if TRANSPORT_FAILURE not in str(e):  # the stage host's own error, unchanged
                 raise

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -56,6 +57,11 @@ def versions_alive(schedule: str, stage: int, stages: int) -> int:
     if schedule == "pipedream":
         return stages - stage
     return 2 if schedule == "2bw" else 1
+
+
+def _mean_loss(losses: list[float]) -> float:
+    """The step loss: the mean of its microbatches' losses."""
+    return sum(losses) / len(losses)
 
 
 def _flatten_into(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
@@ -143,6 +149,7 @@ class StageHost:
         # of a versioned step), and the views of the parameters the optimizer does not update
         # (tied mirrors, frozen tensors), which the step copies from W(t) itself.
         views = [_views(self.opt_params, flat) for flat in self.flat] if self.ring else []
+        self._buffer_views = views  # per buffer, every handle's view: pointing them costs no view op
         self._held_views = [{p: v for p, v in zip(self.opt_params, vs) if id(p) in held} for vs in views]
         self._other_views = [[v for p, v in zip(self.opt_params, vs) if id(p) not in held] for vs in views]
 
@@ -155,7 +162,8 @@ class StageHost:
         self.out_sig: Signature | None = None
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
         self._saved: dict[tuple, tuple] = {}    # (step, mb) -> (input, output or scaled loss)
-        self._losses: dict[int, list] = {}
+        self._losses: dict[int, list] = {}     # step -> its microbatches' losses (floats)
+        self._loss_grads: dict[torch.dtype, torch.Tensor] = {}
 
     # ---- weights ---------------------------------------------------------------------------
     def newest_version(self) -> int:
@@ -263,7 +271,7 @@ class StageHost:
         if self.optimizer is not None:
             named = self._named_opt_params(names)
             if self.ring:
-                _point_at(self.opt_params, self.flat[newest])
+                self._point_handles(newest)
             load_optimizer_state_by_name(self.optimizer, named,
                                          regroup_optimizer_state(state["optimizer"], self.optimizer, named))
 
@@ -278,13 +286,24 @@ class StageHost:
         return autocast_context(self.flat[0].device, self.autocast_dtype)
 
     def _run_blocks(self, replica: nn.Module, x: torch.Tensor, step: int, mb: int):
-        """(loss or None, what backward starts from: the output, or loss / m on the last stage)."""
+        """The stage output, or on the last stage its loss (backward starts there with the
+        gradient 1/m, see ``_loss_gradient``)."""
+        if self.autocast_dtype is None:  # the common case: no context manager per microbatch
+            out = replica(x)
+            return self.loss_fn(out, self._batch(step)[1][mb]) if self.is_last else out
         with self.autocast():
             out = replica(x)
-            if self.is_last:
-                loss = self.loss_fn(out, self._batch(step)[1][mb])
-                return loss, loss / self.m
-        return None, out
+            return self.loss_fn(out, self._batch(step)[1][mb]) if self.is_last else out
+
+    def _loss_gradient(self, loss: torch.Tensor) -> torch.Tensor:
+        """d(step loss)/d(microbatch loss) = 1/m, computed once as ``ones / m`` in the loss's dtype:
+        the very value autograd would derive for ``(loss / m).backward()`` (the simulator's form),
+        without a division node per microbatch."""
+        grad = self._loss_grads.get(loss.dtype)
+        if grad is None or grad.device != loss.device:
+            grad = torch.ones((), dtype=loss.dtype, device=loss.device) / self.m
+            self._loss_grads[loss.dtype] = grad
+        return grad
 
     def forward(self, step: int, mb: int, version: int, received: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward of microbatch ``mb`` of ``step`` on weight ``version``. ``received`` is the
@@ -301,20 +320,34 @@ class StageHost:
         if self.recompute:  # no graph now; keep the input (counted as in-flight) and the RNG state
             rng = RngState(x.device)
             with torch.no_grad():
-                loss, out = self._run_blocks(replica, x, step, mb)
+                out = self._run_blocks(replica, x, step, mb)
             held = self.activation_meter.hold(x) if self.activation_meter else None
             self._saved[(step, mb)] = (x, (rng, held))
+        elif self.activation_meter is None and torch.is_grad_enabled():  # the per-microbatch fast path
+            out = self._run_blocks(replica, x, step, mb)
+            self._saved[(step, mb)] = (x, out)
         else:
             tracking = self.activation_meter.track() if self.activation_meter else contextlib.nullcontext()
             with torch.enable_grad(), tracking:
-                loss, out = self._run_blocks(replica, x, step, mb)
+                out = self._run_blocks(replica, x, step, mb)
             self._saved[(step, mb)] = (x, out)
         if self.is_last:
-            self._losses.setdefault(step, []).append(loss.detach())
-            self.nonfinite.check_loss(step, mb, loss.detach())
+            self._record_loss(step, mb, out)
             return None
         self._check(out, self.out_sig, "output activation", step, mb)
         return out.detach().contiguous()
+
+    def _record_loss(self, step: int, mb: int, loss: torch.Tensor) -> None:
+        """Keep the microbatch's loss as a float (one read of a scalar; the step loss is their
+        mean) and stop or mark the step on a NaN/Inf."""
+        if loss.numel() != 1:
+            raise StageError(f"stage {self.stage}: loss_fn returned a tensor of shape {tuple(loss.shape)} "
+                             f"for microbatch {mb} of step {step}; it must return a scalar (reduce it, e.g. "
+                             "with .mean())")
+        value = loss.item()
+        self._losses.setdefault(step, []).append(value)
+        if not math.isfinite(value):
+            self.nonfinite.check_loss(step, mb, loss.detach())
 
     def backward(self, step: int, mb: int, version: int, received: torch.Tensor | None = None) -> torch.Tensor | None:
         """Backward of microbatch ``mb`` of ``step``; ``received`` is the gradient of this stage's
@@ -324,14 +357,14 @@ class StageHost:
             rng, held = out
             tracking = self.activation_meter.track() if self.activation_meter else contextlib.nullcontext()
             with rng.replay(), torch.enable_grad(), tracking:
-                _, out = self._run_blocks(self.replica_for(version), x, step, mb)
+                out = self._run_blocks(self.replica_for(version), x, step, mb)
             del held  # the graph now holds what the input kept alive
         last = mb == self.m - 1
         if last and self.grad_sync is not None:  # gradient all-reduce overlaps this backward
             losses = self._losses.get(step)
-            self.grad_sync.arm(float(sum(l.item() for l in losses) / len(losses)) if self.is_last else None)
+            self.grad_sync.arm(_mean_loss(losses) if self.is_last else None)
         if self.is_last:
-            out.backward()
+            torch.autograd.backward(out, self._loss_gradient(out))
         else:
             self.nonfinite.check_received_gradient(step, mb, received)
             torch.autograd.backward(out, received)
@@ -356,7 +389,7 @@ class StageHost:
             apply_lr(self.optimizer, schedule * self.mitigation.lr_multiplier(self.delay, step))
         dst = (step + 1) % self.num_versions
         if self.ring:  # W(t+1) goes into the buffer of the version no instruction needs any more
-            _point_at(self.opt_params, self.flat[dst])
+            self._point_handles(dst)
             if self.optimizer is None or skip:  # W(t+1) = W(t)
                 self.flat[dst].copy_(self.flat[step % self.num_versions])
             else:
@@ -370,7 +403,7 @@ class StageHost:
         loss = None
         if self.is_last:
             losses = self._losses.pop(step)
-            loss = float(sum(l.item() for l in losses) / len(losses)) if global_loss is None else global_loss
+            loss = _mean_loss(losses) if global_loss is None else global_loss
         if self.on_step is not None:
             self.on_step(step, loss, skip)
 
@@ -391,6 +424,11 @@ class StageHost:
             self._dc_workspace = torch.empty_like(self.grad_flat)
         delay_compensate_(self.grad_flat, self._held_buffer(step), self._held_buffer(step - self.delay),
                           self.mitigation.dc_lambda, workspace=self._dc_workspace)
+
+    def _point_handles(self, buffer: int) -> None:
+        """Point the optimizer's parameter handles at flat buffer ``buffer``."""
+        for p, view in zip(self.opt_params, self._buffer_views[buffer]):
+            p.data = view
 
     def _step_into(self, dst: int, step: int) -> None:
         """The optimizer step of ``step`` writing W(t+1) into buffer ``dst`` (the handles point

@@ -2,8 +2,10 @@
 
 A pipeline that stops making progress (a stage stuck in a kernel, a peer that hangs without
 closing its sockets, a deadlocked collective) would otherwise wait forever. Every rank runs one
-``Watchdog`` thread. The stage host and the transport report each completed instruction
-(``beat``); while the rank is inside the pipeline (``armed``), if nothing completes for
+``Watchdog`` thread. It learns of progress two ways: the stage executor records the instruction in
+flight and counts completed ones in a C++ ``Progress`` object that the thread polls (``follow``;
+nothing per instruction enters Python), and other phases report with ``beat``/``doing``. While
+the rank is inside the pipeline (``armed``), if nothing completes for
 ``timeout_s`` the watchdog writes ONE report block to stderr -- the last completed instruction,
 what the rank is doing now and its pending sends/receives -- and ends the process. Because every
 rank runs its own watchdog, a stall makes every rank dump its own state.
@@ -79,6 +81,16 @@ class Watchdog:
         self._reported = False  # one report block per rank
         self.fired = threading.Event()
         self.on_report: Optional[Callable[[str], None]] = None  # e.g. tell the launcher
+        self._progress: Optional[Callable[[], dict]] = None  # an executor Progress's snapshot
+        self._progress_seen = 0
+        self._progress_current = None  # (what, waits_on_peer, since) from the latest poll
+
+    def follow(self, snapshot: Callable[[], dict]) -> None:
+        """Poll ``snapshot()`` (``asyncpp_ext._C.Progress.snapshot``: completed count, the
+        instruction running now and for how long, the last one finished) at every check: a
+        changed count is progress. The poll interval adds at most ``min(0.5, timeout_s / 20)`` s
+        to a stall's detection."""
+        self._progress = snapshot
 
     # ---- progress ------------------------------------------------------------------------
     def beat(self, what: str, instruction: bool = True) -> None:
@@ -113,6 +125,8 @@ class Watchdog:
             self._phase = phase
             self._last_time = time.monotonic()
             self._allowance = self.timeout_s * self.warmup_factor
+            if self._progress is not None:  # what finished before this region is no progress in it
+                self._progress_seen = self._progress()["completed"]
         self._ensure_thread()
         try:
             yield
@@ -126,11 +140,25 @@ class Watchdog:
             self._thread = threading.Thread(target=self._watch, name="asyncpp-watchdog", daemon=True)
             self._thread.start()
 
+    def _poll_progress(self) -> None:
+        """Fold the executor's progress into the watched state (called with the lock held)."""
+        snap = self._progress()
+        now = time.monotonic()
+        if snap["completed"] != self._progress_seen:
+            self._progress_seen = snap["completed"]
+            self._last_time, self._allowance = now, self.timeout_s
+            self._last_done = _progress_activity(snap["last_done"])
+        current = snap["current"]
+        self._progress_current = None if current is None else (
+            _progress_activity(current), current[0] in _PEER_WAITING_OPS, now - snap["current_for_s"])
+
     def _watch(self) -> None:
         poll = min(0.5, self.timeout_s / 20)
         while True:
             time.sleep(poll)
             with self._lock:
+                if self._progress is not None:
+                    self._poll_progress()
                 idle = time.monotonic() - self._last_time
                 if not self._armed or idle < self._allowance or self._reported:
                     continue
@@ -156,10 +184,16 @@ class Watchdog:
         sys.stderr.write("\n".join(block) + "\n")
         sys.stderr.flush()
 
+    def _activity(self):
+        """(what, waits_on_peer, since) of what this rank is doing, or None between instructions."""
+        return self._current if self._current is not None else self._progress_current
+
     def _state_lines(self, headline: str) -> list:
         now = time.monotonic()
-        if self._current is not None:
-            what, _, since = self._current
+        if self._progress is not None:
+            self._poll_progress()
+        if self._activity() is not None:
+            what, _, since = self._activity()
             doing = f"{describe_activity(what)} (for {now - since:.1f} s)"
         else:
             doing = "between instructions"
@@ -172,8 +206,8 @@ class Watchdog:
     def _report(self, idle: float) -> tuple[str, str, int]:
         """(the report block, a one-line summary for the launcher, the exit code)"""
         now = time.monotonic()
-        if self._current is not None:
-            what, waits_on_peer, since = self._current
+        if self._activity() is not None:
+            what, waits_on_peer, since = self._activity()
             doing = f"{describe_activity(what)} (for {now - since:.1f} s)"
         else:
             waits_on_peer, doing = True, "between instructions"
@@ -191,6 +225,18 @@ class Watchdog:
         return "\n".join(lines) + "\n", summary, code
 
 
+_PEER_WAITING_OPS = ("recv_act", "recv_grad", "send_act", "send_grad")
+"""Executor instructions that wait on a neighbour (a send waits when too many are in flight)."""
+
+
+def _progress_activity(instruction):
+    """A Progress tuple (op, step, microbatch, version) as the activity tuple reports format."""
+    if instruction is None:
+        return None
+    op, step, mb, version = instruction
+    return ("optimizer_step", step, version) if op == "optimizer_step" else (op, step, mb, version)
+
+
 def describe_activity(what) -> str | None:
     """Text of an activity given to ``begin``/``beat``: a string as is, or a stage-host tuple."""
     if not isinstance(what, tuple):
@@ -199,34 +245,6 @@ def describe_activity(what) -> str | None:
         return f"optimizer_step (step {what[1]}, new version {what[2]})"
     op, step, mb, version = what
     return f"{op} (step {step}, microbatch {mb}, version {version})"
-
-
-class WatchedHost:
-    """The executor's stage host with every callback reported to the watchdog."""
-
-    def __init__(self, host, watchdog: Watchdog):
-        self.host, self.watchdog = host, watchdog
-
-    # Called once per instruction: the activity is a tuple, formatted only for a report.
-    def forward(self, step: int, mb: int, version: int, received=None):
-        what = ("forward", step, mb, version)
-        self.watchdog.begin(what, False)
-        out = self.host.forward(step, mb, version, received)
-        self.watchdog.beat(what)
-        return out
-
-    def backward(self, step: int, mb: int, version: int, received=None):
-        what = ("backward", step, mb, version)
-        self.watchdog.begin(what, False)
-        out = self.host.backward(step, mb, version, received)
-        self.watchdog.beat(what)
-        return out
-
-    def optimizer_step(self, step: int, new_version: int) -> None:
-        what = ("optimizer_step", step, new_version)
-        self.watchdog.begin(what, False)
-        self.host.optimizer_step(step, new_version)
-        self.watchdog.beat(what)
 
 
 class WatchedTransport:

@@ -3,6 +3,8 @@
 // GIL only to call back into Python.
 #include <pybind11/stl.h>
 
+#include <chrono>
+
 #include "bindings/bindings.h"
 #include "bindings/message_board.h"
 #include "bindings/stage_runner.h"
@@ -103,6 +105,20 @@ MessageKind message_kind(int kind) {
 
 }  // namespace
 
+core::ExecutorOptions executor_options(int recv_ahead, int max_inflight_sends, double timeout_s,
+                                       const py::object& progress) {
+  core::ExecutorOptions options{recv_ahead, max_inflight_sends, timeout_s, nullptr};
+  if (!progress.is_none()) {
+    ASYNCPP_ARG_CHECK(py::isinstance<core::Progress>(progress), "progress must be an asyncpp Progress or None");
+    options.progress = &progress.cast<core::Progress&>();
+  }
+  return options;
+}
+
+static py::tuple instruction_tuple(const core::Instruction& ins) {
+  return py::make_tuple(core::op_name(ins.op), ins.step, ins.microbatch, ins.version);
+}
+
 py::list run_stage_program(const std::string& schedule, int stages, int microbatches, int steps, int stage,
                            int first_step, py::object host, MessageBoard& board, Transport& transport,
                            const core::ExecutorOptions& options) {
@@ -139,20 +155,44 @@ void bind_runtime(py::module_& m) {
       "run_stage",
       [](const std::string& schedule, int stages, int microbatches, int steps, int stage, int first_step,
          py::object host, MessageBoard& board, py::object transport, int recv_ahead, int max_inflight_sends,
-         double timeout_s) {
+         double timeout_s, py::object progress) {
         PyTransport py_transport(transport, board);
         return run_stage_program(schedule, stages, microbatches, steps, stage, first_step, std::move(host), board,
-                                 py_transport, core::ExecutorOptions{recv_ahead, max_inflight_sends, timeout_s});
+                                 py_transport, executor_options(recv_ahead, max_inflight_sends, timeout_s, progress));
       },
       py::arg("schedule"), py::arg("stages"), py::arg("microbatches"), py::arg("steps"), py::arg("stage"),
       py::arg("first_step"), py::arg("host"), py::arg("board"), py::arg("transport"), py::arg("recv_ahead") = 2,
-      py::arg("max_inflight_sends") = 8, py::arg("timeout_s") = 300.0,
+      py::arg("max_inflight_sends") = 8, py::arg("timeout_s") = 300.0, py::arg("progress") = py::none(),
       "Execute stage `stage`'s program for global steps [first_step, first_step+steps). `host` has "
       "forward/backward(step, microbatch, version, received) -> tensor to send (received and the "
       "result are None on the pipeline's ends) and optimizer_step(step, new_version); `board` is the "
       "MessageBoard of `host`; `transport` has post_send/post_recv(kind, step, microbatch, peer, tensor) "
-      "-> int, test(req) -> bool and wait(req, timeout_s). Returns the trace as (op, step, microbatch, "
+      "-> int, test(req) -> bool and wait(req, timeout_s); `progress` (a Progress, optional) shows "
+      "another thread the instruction in flight. Returns the trace as (op, step, microbatch, "
       "version, start_ns, end_ns).");
+
+  py::class_<core::Progress>(m, "Progress",
+                             "What a running stage executor is doing, for the watchdog thread: pass it "
+                             "to run_stage and read snapshot() from any thread.")
+      .def(py::init<>())
+      .def("snapshot", [](const core::Progress& p) {
+             const auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now().time_since_epoch()).count();
+             core::Progress::Snapshot s;
+             {
+               py::gil_scoped_release release;  // the executor may hold the lock for a moment
+               s = p.snapshot(now);
+             }
+             py::dict out;
+             out["completed"] = s.completed;
+             out["current"] = s.running ? py::object(instruction_tuple(s.current)) : py::none();
+             out["current_for_s"] = s.current_for_s;
+             out["last_done"] = s.has_last ? py::object(instruction_tuple(s.last_done)) : py::none();
+             return out;
+           },
+           "{'completed': instructions finished so far, 'current': (op, step, microbatch, version) "
+           "running now or None, 'current_for_s': its running time, 'last_done': the last finished "
+           "instruction's tuple or None}. optimizer_step tuples carry microbatch -1 and the new version.");
 
   py::class_<MessageBoard>(m, "MessageBoard",
                            "Boundary tensors between a stage host and its transport: sends returned by "

@@ -108,16 +108,17 @@ void bind_socket(py::module_& m) {
   m.def(
       "run_stage_socket",
       [](const std::string& schedule, int stages, int microbatches, int steps, int stage, int first_step,
-         py::object host, PySocketTransport& transport, int recv_ahead, int max_inflight_sends, double timeout_s) {
+         py::object host, PySocketTransport& transport, int recv_ahead, int max_inflight_sends, double timeout_s,
+         py::object progress) {
         ASYNCPP_ARG_CHECK(transport.stage() == stage, "the socket transport was created for stage ",
                           transport.stage(), " but run_stage_socket was asked to run stage ", stage);
         return run_stage_program(schedule, stages, microbatches, steps, stage, first_step, std::move(host),
                                  transport.board(), transport.get(),
-                                 core::ExecutorOptions{recv_ahead, max_inflight_sends, timeout_s});
+                                 executor_options(recv_ahead, max_inflight_sends, timeout_s, progress));
       },
       py::arg("schedule"), py::arg("stages"), py::arg("microbatches"), py::arg("steps"), py::arg("stage"),
       py::arg("first_step"), py::arg("host"), py::arg("transport"), py::arg("recv_ahead") = 2,
-      py::arg("max_inflight_sends") = 8, py::arg("timeout_s") = 300.0,
+      py::arg("max_inflight_sends") = 8, py::arg("timeout_s") = 300.0, py::arg("progress") = py::none(),
       "run_stage with the C++ socket transport: same arguments and trace; `transport` is a SocketTransport "
       "whose board is `host`'s.");
 }

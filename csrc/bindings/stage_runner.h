@@ -19,4 +19,9 @@ pybind11::list run_stage_program(const std::string& schedule, int stages, int mi
                                  int first_step, pybind11::object host, MessageBoard& board, core::Transport& transport,
                                  const core::ExecutorOptions& options);
 
+// The executor options of a run_stage call; `progress` is None or a Progress the watchdog reads
+// (it must outlive the call: the Python caller holds it).
+core::ExecutorOptions executor_options(int recv_ahead, int max_inflight_sends, double timeout_s,
+                                       const pybind11::object& progress);
+
 }  // namespace asyncpp::bindings

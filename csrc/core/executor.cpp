@@ -120,8 +120,10 @@ void Executor::run() {
     post_receives_up_to(program_.size());
     const Instruction& ins = program_[index];
     TraceEvent ev{static_cast<int32_t>(index), ins.op, ins.step, ins.microbatch, ins.version, now_ns(), 0};
+    if (options_.progress) options_.progress->begin(ins, ev.start_ns);
     execute(index);
     ev.end_ns = now_ns();
+    if (options_.progress) options_.progress->end(ins);
     trace_.push_back(ev);
     last_completed_ = static_cast<long>(index);
     // Retire finished sends in order so their buffers can be released early.

@@ -4,13 +4,14 @@
 // only for messages about to be used), keeps up to `max_inflight_sends` sends in flight without
 // blocking compute, and waits only where an instruction needs data. Compute instructions call
 // the StageHost. For 2bw the stream spans every step of a segment with no drain between steps.
-// Every instruction's start/end time is recorded so a run can be checked and drawn.
+// Every instruction's start/end time is recorded so a run can be checked and drawn; a Progress
+// shows another thread (the watchdog) the instruction in flight.
 #pragma once
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "core/progress.h"
 #include "core/schedule.h"
 #include "core/transport.h"
 
@@ -28,6 +29,7 @@ struct ExecutorOptions {
   int recv_ahead = 2;           // receives posted ahead of use, per message kind
   int max_inflight_sends = 8;   // beyond this the oldest send is waited for
   double timeout_s = 300.0;     // a wait longer than this is a hang: fail with a report
+  Progress* progress = nullptr; // when set, every instruction's begin and end are recorded there
 };
 
 struct TraceEvent {

@@ -74,3 +74,65 @@ def test_timeout_from_flag_env_and_default(tmp_path, monkeypatch):
     assert saved["env"]["on_nonfinite"] == "stop"
     with pytest.raises(ValueError, match="timeout_s=0 is not a positive number of seconds"):
         Watchdog(0, "x")
+
+
+class _FakeProgress:
+    """Stands in for asyncpp_ext._C.Progress.snapshot: what a running executor shows."""
+
+    def __init__(self):
+        self.state = {"completed": 0, "current": None, "current_for_s": 0.0, "last_done": None}
+
+    def run(self, instruction):
+        self.state = dict(self.state, current=instruction, current_for_s=0.0)
+
+    def finish(self):
+        self.state = dict(self.state, completed=self.state["completed"] + 1, current=None,
+                          last_done=self.state["current"])
+
+    def __call__(self):
+        return dict(self.state)
+
+
+def test_followed_progress_keeps_it_quiet_while_instructions_complete():
+    wd, exits = _watchdog(timeout_s=0.3)
+    progress = _FakeProgress()
+    wd.follow(progress)
+    with wd.armed("training"):
+        for mb in range(12):  # 1.2 s, four timeouts long, with no beat(): only the executor's count moves
+            progress.run(("forward", 0, mb, 0))
+            time.sleep(0.1)
+            progress.finish()
+    assert exits == [] and not wd.fired.is_set()
+
+
+@pytest.mark.parametrize("instruction, code, text", [
+    (("backward", 3, 1, 2), EXIT_STALLED, "backward (step 3, microbatch 1, version 2)"),
+    (("recv_grad", 3, 2, 2), EXIT_PEER_LOST, "recv_grad (step 3, microbatch 2, version 2)"),
+    (("optimizer_step", 3, -1, 4), EXIT_STALLED, "optimizer_step (step 3, new version 4)")])
+def test_a_followed_instruction_that_never_ends_is_reported_with_its_cause(capfd, instruction, code, text):
+    wd, exits = _watchdog()
+    progress = _FakeProgress()
+    wd.follow(progress)
+    with wd.armed("training"):
+        progress.run(("forward", 3, 0, 2))
+        progress.finish()
+        progress.run(instruction)
+        assert wd.fired.wait(3)
+    assert exits == [code]
+    err = capfd.readouterr().err
+    assert "  last completed: forward (step 3, microbatch 0, version 2)" in err
+    assert f"  in progress:    {text} (for " in err
+
+
+def test_progress_made_before_arming_does_not_cut_the_warmup_allowance():
+    wd, exits = _watchdog(timeout_s=0.3, warmup_factor=4.0)
+    progress = _FakeProgress()
+    wd.follow(progress)
+    progress.run(("forward", 0, 0, 0))
+    progress.finish()  # the previous train call's last instruction, not yet seen by a poll
+    with wd.armed("training"):
+        progress.run(("forward", 1, 0, 0))
+        time.sleep(0.7)  # a slow first instruction: > timeout, < 4 x timeout
+        assert not wd.fired.is_set()
+        progress.finish()
+    assert exits == []
