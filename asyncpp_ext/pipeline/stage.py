@@ -163,7 +163,7 @@ class StageHost:
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
         self._saved: dict[tuple, tuple] = {}    # (step, mb) -> (input, output or scaled loss)
         self._losses: dict[int, list] = {}     # step -> its microbatches' losses (floats)
-        self._loss_grads: dict[torch.dtype, torch.Tensor] = {}
+        self._loss_grad: torch.Tensor | None = None  # 1/m, made at the first backward
 
     # ---- weights ---------------------------------------------------------------------------
     def newest_version(self) -> int:
@@ -289,20 +289,21 @@ class StageHost:
         """The stage output, or on the last stage its loss (backward starts there with the
         gradient 1/m, see ``_loss_gradient``)."""
         if self.autocast_dtype is None:  # the common case: no context manager per microbatch
-            out = replica(x)
-            return self.loss_fn(out, self._batch(step)[1][mb]) if self.is_last else out
+            return self._blocks_and_loss(replica, x, step, mb)
         with self.autocast():
-            out = replica(x)
-            return self.loss_fn(out, self._batch(step)[1][mb]) if self.is_last else out
+            return self._blocks_and_loss(replica, x, step, mb)
+
+    def _blocks_and_loss(self, replica: nn.Module, x: torch.Tensor, step: int, mb: int):
+        out = replica(x)
+        return self.loss_fn(out, self._batch(step)[1][mb]) if self.is_last else out
 
     def _loss_gradient(self, loss: torch.Tensor) -> torch.Tensor:
         """d(step loss)/d(microbatch loss) = 1/m, computed once as ``ones / m`` in the loss's dtype:
         the very value autograd would derive for ``(loss / m).backward()`` (the simulator's form),
         without a division node per microbatch."""
-        grad = self._loss_grads.get(loss.dtype)
-        if grad is None or grad.device != loss.device:
-            grad = torch.ones((), dtype=loss.dtype, device=loss.device) / self.m
-            self._loss_grads[loss.dtype] = grad
+        grad = self._loss_grad
+        if grad is None or grad.dtype != loss.dtype or grad.device != loss.device:
+            grad = self._loss_grad = torch.ones((), dtype=loss.dtype, device=loss.device) / self.m
         return grad
 
     def forward(self, step: int, mb: int, version: int, received: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -106,16 +106,10 @@ class Watchdog:
     @contextlib.contextmanager
     def doing(self, what: str, waits_on_peer: bool, instruction: bool = True):
         """Marks what this rank is doing now; completing it is a beat."""
-        self.begin(what, waits_on_peer)
-        yield
-        self.beat(what, instruction)
-
-    def begin(self, what, waits_on_peer: bool) -> None:
-        """What this rank is doing now (``doing`` without the context manager, for the per-
-        instruction path). ``what`` is text, or a tuple (op, step, microbatch[, version]) formatted
-        only if a report needs it."""
         with self._lock:
             self._current = (what, waits_on_peer, time.monotonic())
+        yield
+        self.beat(what, instruction)
 
     @contextlib.contextmanager
     def armed(self, phase: str):
@@ -147,10 +141,10 @@ class Watchdog:
         if snap["completed"] != self._progress_seen:
             self._progress_seen = snap["completed"]
             self._last_time, self._allowance = now, self.timeout_s
-            self._last_done = _progress_activity(snap["last_done"])
+            self._last_done = snap["last_done"]
         current = snap["current"]
         self._progress_current = None if current is None else (
-            _progress_activity(current), current[0] in _PEER_WAITING_OPS, now - snap["current_for_s"])
+            current, current[0] in _PEER_WAITING_OPS, now - snap["current_for_s"])
 
     def _watch(self) -> None:
         poll = min(0.5, self.timeout_s / 20)
@@ -192,8 +186,9 @@ class Watchdog:
         now = time.monotonic()
         if self._progress is not None:
             self._poll_progress()
-        if self._activity() is not None:
-            what, _, since = self._activity()
+        activity = self._activity()
+        if activity is not None:
+            what, _, since = activity
             doing = f"{describe_activity(what)} (for {now - since:.1f} s)"
         else:
             doing = "between instructions"
@@ -206,8 +201,9 @@ class Watchdog:
     def _report(self, idle: float) -> tuple[str, str, int]:
         """(the report block, a one-line summary for the launcher, the exit code)"""
         now = time.monotonic()
-        if self._activity() is not None:
-            what, waits_on_peer, since = self._activity()
+        activity = self._activity()
+        if activity is not None:
+            what, waits_on_peer, since = activity
             doing = f"{describe_activity(what)} (for {now - since:.1f} s)"
         else:
             waits_on_peer, doing = True, "between instructions"
@@ -229,21 +225,14 @@ _PEER_WAITING_OPS = ("recv_act", "recv_grad", "send_act", "send_grad")
 """Executor instructions that wait on a neighbour (a send waits when too many are in flight)."""
 
 
-def _progress_activity(instruction):
-    """A Progress tuple (op, step, microbatch, version) as the activity tuple reports format."""
-    if instruction is None:
-        return None
-    op, step, mb, version = instruction
-    return ("optimizer_step", step, version) if op == "optimizer_step" else (op, step, mb, version)
-
-
 def describe_activity(what) -> str | None:
-    """Text of an activity given to ``begin``/``beat``: a string as is, or a stage-host tuple."""
+    """Text of an activity: a string given to ``beat``/``doing`` as is, or an executor Progress
+    tuple (op, step, microbatch, version; an optimizer step's version is the one it creates)."""
     if not isinstance(what, tuple):
         return what
-    if what[0] == "optimizer_step":
-        return f"optimizer_step (step {what[1]}, new version {what[2]})"
     op, step, mb, version = what
+    if op == "optimizer_step":
+        return f"optimizer_step (step {step}, new version {version})"
     return f"{op} (step {step}, microbatch {mb}, version {version})"
 
 
