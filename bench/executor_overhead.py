@@ -31,6 +31,10 @@ Columns (all in microseconds per microbatch per stage; breakdowns are means over
 - cb-host: fwd + bwd minus the stage's own forward+backward measured alone in one process
   (median of 200): the Python host cost inside the callbacks.
 - ratio: our us/mb / torch's for the same schedule (2bw and pipedream: torch's 1f1b). Goal <= 0.25.
+- rt-us, rt-ratio: us/mb minus the slowest stage's compute alone, for ours and torch's runs (what
+  the runtime costs beyond the layer's own fwd+bwd, which both runtimes pay), and our rt-us over
+  torch's. The header says what share of torch's us/mb the compute alone is: no runtime can bring
+  the ratio below it.
 """
 from __future__ import annotations
 
@@ -259,13 +263,15 @@ def measure(stages: int = 2, m: int = 8, steps: int = 50, warmup: int = 3, sched
                     best[run] = row
                 best[run]["us_per_microbatch_repeats"] = figures
     rows = [best[run] for run in runs]
-    torch_us = {r["schedule"]: r["us_per_microbatch"] for r in rows
-                if r["runtime"] == "torch" and r["us_per_microbatch"] is not None}
+    for r in rows:
+        r["runtime_us"] = r["us_per_microbatch"] - max(compute_us) if r["us_per_microbatch"] is not None else None
+    torch_rows = {r["schedule"]: r for r in rows if r["runtime"] == "torch" and r["us_per_microbatch"] is not None}
     for r in rows:
         baseline = torch_baseline(r["schedule"])
-        known = baseline in torch_us and r["us_per_microbatch"] is not None
-        r["ratio_baseline"] = f"torch {baseline}" if known else None
-        r["ratio_to_torch"] = r["us_per_microbatch"] / torch_us[baseline] if known else None
+        theirs = torch_rows.get(baseline) if r["us_per_microbatch"] is not None else None
+        r["ratio_baseline"] = f"torch {baseline}" if theirs else None
+        r["ratio_to_torch"] = r["us_per_microbatch"] / theirs["us_per_microbatch"] if theirs else None
+        r["runtime_ratio_to_torch"] = r["runtime_us"] / theirs["runtime_us"] if theirs else None
     return rows
 
 
@@ -297,8 +303,13 @@ def format_table(result: dict) -> str:
     if ours:
         compute = ", ".join(f"stage {p['stage']} {p['compute_us']:.1f}" for p in ours[0]["stages"])
         lines.append(f"# compute alone (fwd+bwd, median of {COMPUTE_REPEATS}): {compute}")
+        slowest = max(p["compute_us"] for p in ours[0]["stages"])
+        floors = ", ".join(f"torch {r['schedule']} {slowest / r['us_per_microbatch']:.2f}" for r in rows
+                           if r["runtime"] == "torch" and r["us_per_microbatch"] is not None)
+        if floors:
+            lines.append(f"# compute alone / torch us/mb (the lowest ratio any runtime could reach here): {floors}")
     lines.append(f"# {'runtime':<8}{'schedule':<10}{'transport':<10}{'us/mb':>8}{'fwd':>7}{'bwd':>7}{'step':>7}"
-                 f"{'send':>7}{'recv-wait':>10}{'loop':>7}{'cb-host':>8}{'ratio':>7}")
+                 f"{'send':>7}{'recv-wait':>10}{'loop':>7}{'cb-host':>8}{'ratio':>7}{'rt-us':>8}{'rt-ratio':>9}")
     for r in rows:
         if r["us_per_microbatch"] is None:
             lines.append(f"  {r['runtime']:<8}{r['schedule']:<10}{r['transport']:<10}  FAILED: {r['error']}")
@@ -306,7 +317,8 @@ def format_table(result: dict) -> str:
         lines.append(f"  {r['runtime']:<8}{r['schedule']:<10}{r['transport']:<10}{r['us_per_microbatch']:>8.1f}"
                      f"{_cell(r['forward_us'], 7)}{_cell(r['backward_us'], 7)}{_cell(r['optimizer_step_us'], 7)}"
                      f"{_cell(r['send_us'], 7)}{_cell(r['recv_wait_us'], 10)}{_cell(r['executor_loop_us'], 7)}"
-                     f"{_cell(r['callback_host_us'], 8)}{_cell(r['ratio_to_torch'], 7, '.2f')}")
+                     f"{_cell(r['callback_host_us'], 8)}{_cell(r['ratio_to_torch'], 7, '.2f')}"
+                     f"{_cell(r['runtime_us'], 8)}{_cell(r['runtime_ratio_to_torch'], 9, '.2f')}")
     if ours:  # where our time goes, over every run of ours
         total = sum(sum(r[k] for k in BREAKDOWN) for r in ours)
         shares = ", ".join(f"{k.removesuffix('_us')} {sum(r[k] for r in ours) / total:.0%}" for k in BREAKDOWN)

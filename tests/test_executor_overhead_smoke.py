@@ -35,8 +35,13 @@ def test_overhead_bench_reports_ours_against_torch_with_a_breakdown_that_adds_up
                                                           - stage["compute_us"])
     assert ours["ratio_to_torch"] == pytest.approx(ours["us_per_microbatch"] / theirs["us_per_microbatch"])
     assert ours["ratio_baseline"] == "torch 1f1b" and theirs["ratio_to_torch"] == 1.0
+    slowest_compute = max(stage["compute_us"] for stage in ours["stages"])
+    for row in (ours, theirs):  # beyond the compute both runtimes pay
+        assert row["runtime_us"] == pytest.approx(row["us_per_microbatch"] - slowest_compute)
+    assert ours["runtime_ratio_to_torch"] == pytest.approx(ours["runtime_us"] / theirs["runtime_us"])
     table = executor_overhead.format_table(result)
-    assert "# runtime schedule  transport" in table and "recv-wait" in table
+    assert "# runtime schedule  transport" in table and "recv-wait" in table and "rt-ratio" in table
+    assert f"any runtime could reach here): torch 1f1b {slowest_compute / theirs['us_per_microbatch']:.2f}" in table
     assert "ours    2bw       gloo" in table and "torch   1f1b      gloo" in table
 
 
@@ -75,6 +80,7 @@ def test_overhead_bench_keeps_each_runs_fastest_repeat(monkeypatch):
     assert rows[0]["us_per_microbatch_repeats"] == [900.0, 600.0, 700.0]
     assert rows[1]["us_per_microbatch_repeats"] == [2000.0, 2500.0, 1500.0]
     assert rows[0]["ratio_to_torch"] == pytest.approx(600.0 / 1500.0)
+    assert rows[0]["runtime_ratio_to_torch"] == pytest.approx((600.0 - 1.0) / (1500.0 - 1.0))
 
 
 def test_overhead_bench_reports_a_failed_run_and_goes_on(monkeypatch, capsys):

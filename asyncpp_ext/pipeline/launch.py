@@ -6,12 +6,17 @@ When one rank fails, the others get a grace period to report their own view (e.g
 and are then killed, so no orphan is ever left behind; children also die with the launcher
 (PR_SET_PDEATHSIG). Each failing rank prints one line (a stalled one its watchdog report) and
 tells the launcher why it failed, so the launcher's error names the root cause.
+
+Ranks start from a forkserver with torch already imported where the platform has one (Linux), so
+a launch costs a fork instead of a fresh interpreter importing torch per rank (seconds each);
+``ASYNCPP_START_METHOD=spawn`` starts every rank from a fresh interpreter instead.
 """
 from __future__ import annotations
 
 import ctypes
 import datetime
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -32,6 +37,10 @@ EXIT_FAILED = 1        # the rank itself failed
 _SPAWNED_ENV = "ASYNCPP_LOCAL_SPAWN"
 _failure_channel = None  # a spawned rank's line back to the launcher
 _store_listener = None  # rank 0 of a spawned run: the store's socket, bound by the launcher
+START_METHOD_ENV = "ASYNCPP_START_METHOD"
+START_METHODS = ("auto", "forkserver", "spawn")
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+_forkserver_env: dict | None = None  # the environment the forkserver we use was started under
 
 
 class LaunchError(RuntimeError):
@@ -138,9 +147,49 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
             dist.destroy_process_group()
 
 
+def start_method() -> str:
+    """How ``spawn`` starts ranks: ``ASYNCPP_START_METHOD`` (auto, forkserver, spawn); auto is
+    forkserver where the platform has it, else spawn. ValueError naming the variable otherwise."""
+    raw = os.environ.get(START_METHOD_ENV, "").strip().lower()
+    available = mp.get_all_start_methods()
+    if raw not in ("",) + START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV}={raw!r} is not one of {', '.join(START_METHODS)}; "
+                         "unset it or use spawn")
+    if raw in ("", "auto"):
+        return "forkserver" if "forkserver" in available else "spawn"
+    if raw not in available:
+        raise ValueError(f"{START_METHOD_ENV}={raw}: this platform has no {raw} start method; use spawn")
+    return raw
+
+
+def _context():
+    method = start_method()
+    if method == "forkserver" and not _forkserver_for_this_environment():
+        method = "spawn"
+    return mp.get_context(method)
+
+
+def _forkserver_for_this_environment() -> bool:
+    """A forkserver's ranks inherit the environment the server started under, not the launcher's
+    at launch time; restart the server when the two differ, so that ranks see what a fresh
+    interpreter would (and torch is imported under the same environment). False if it cannot be."""
+    global _forkserver_env
+    env = dict(os.environ)
+    server = mp.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None and env != _forkserver_env:
+        stop = getattr(server, "_stop", None)
+        if stop is None:
+            return False
+        stop()
+    mp.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    _forkserver_env = env
+    return True
+
+
 def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0) -> None:
-    """Run ``fn(*args)`` in ``nprocs`` local ranks; raise LaunchError if any rank fails."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(*args)`` in ``nprocs`` local ranks; raise LaunchError if any rank fails
+    (ValueError, before anything starts, if ``ASYNCPP_START_METHOD`` is not a valid choice)."""
+    ctx = _context()
     listener = _listening_socket(os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, max(64, nprocs))
     port = listener.getsockname()[1]
     channel = ctx.SimpleQueue()

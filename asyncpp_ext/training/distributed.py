@@ -24,7 +24,7 @@ from ..data import BatchStream
 from ..models.registry import build_model
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
-from ..pipeline.launch import spawned_locally
+from ..pipeline.launch import spawned_locally, start_method
 from ..pipeline.transport import TransportError, peer_failure_reason
 from .simulate import merge_engine_states
 from .trainer import StepOutcome, Trainer, run_data
@@ -148,6 +148,10 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], factory_builder, prepare)
     launch, on rank 0 (the others wait) under torchrun."""
     args = (cfg.to_dict(), str(resume_dir) if resume_dir is not None else None, factory_builder)
     if not under_launcher():
+        try:
+            start_method()  # a bad ASYNCPP_START_METHOD stops the run before anything is written
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         prepare()
         spawn(rank_main, cfg.pipeline.stages * cfg.pipeline.dp, args)
         return

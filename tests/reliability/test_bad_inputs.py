@@ -94,10 +94,12 @@ def _setup(tmp_path, finished_runs, kind, monkeypatch):
     if kind == "unwritable":
         (tmp_path / "afile").write_text("x")
         return FAST + ["--out", str(tmp_path / "afile" / "run")], None
-    if kind.startswith("env "):  # "env VALUE" sets ASYNCPP_TIMEOUT, "env NAME=VALUE" any variable
-        name, _, value = kind[4:].rpartition("=")
+    if kind.startswith("env "):  # "env VALUE" sets ASYNCPP_TIMEOUT, "env NAME=VALUE[ KIND]" any variable
+        setting, _, kind = kind[4:].partition(" ")
+        name, _, value = setting.rpartition("=")
         monkeypatch.setenv(name or "ASYNCPP_TIMEOUT", value)
-        return FAST + ["--out", out], None
+        if not kind:
+            return FAST + ["--out", out], None
     if kind.startswith("gpus "):  # "gpus N[ nonccl] FLAGS": torch pretends to see N GPUs (and no NCCL library)
         _, count, rest = kind.split(" ", 2)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -175,6 +177,8 @@ BAD_INPUTS = [
     ("env abc", "ASYNCPP_TIMEOUT='abc' is not a positive number of seconds"),
     ("env -3", "ASYNCPP_TIMEOUT='-3' is not a positive number of seconds"),
     ("env ASYNCPP_BF16_MATMUL=fast", "ASYNCPP_BF16_MATMUL='fast' is not one of auto, native, emulated"),
+    ("env ASYNCPP_START_METHOD=fork pipe --stages 2",
+     "ASYNCPP_START_METHOD='fork' is not one of auto, forkserver, spawn"),
     # command line
     ("--steps ten", "invalid int value: 'ten'"),
     ("--schedule async", "invalid choice: 'async'"),

@@ -66,6 +66,20 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read().replace("\0", " ")
+
+
+def _rank_processes(pid: int) -> list[int]:
+    """The ranks a launcher started: its spawn_main children (spawn), or its forkserver's children."""
+    ranks = []
+    for kid in _children(pid):
+        cmd = _cmdline(kid)
+        ranks += [kid] if "spawn_main" in cmd else _children(kid) if "forkserver" in cmd else []
+    return sorted(ranks)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -86,9 +100,8 @@ def test_sigkill_of_one_rank_ends_the_cli_run_naming_it(tmp_path):
         while not (run / "ckpt-000002").exists():
             assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
             time.sleep(0.1)
-        ranks = sorted(p for p in _children(cli.pid)
-                       if "spawn_main" in open(f"/proc/{p}/cmdline").read().replace("\0", " "))
-        everything = _children(cli.pid)
+        ranks = _rank_processes(cli.pid)
+        everything = _children(cli.pid) + ranks
         assert len(ranks) == 3, ranks
         os.kill(ranks[1], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -107,7 +120,7 @@ def test_sigkill_of_one_rank_ends_the_cli_run_naming_it(tmp_path):
         assert len(mine) == 1 and "has probably exited" in mine[0], err
     assert "Traceback" not in err
     assert not [p for p in ranks if _alive(p)]  # the launcher reaped every rank before exiting
-    # multiprocessing's resource tracker (not a rank) ends on its own once the CLI has gone
+    # multiprocessing's resource tracker and forkserver (not ranks) end on their own once the CLI has gone
     deadline = time.monotonic() + 10
     while [p for p in everything if _alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)

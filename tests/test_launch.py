@@ -1,0 +1,61 @@
+"""How `spawn` starts ranks: forkserver (torch preloaded) or fresh interpreters, same environment."""
+import json
+import multiprocessing as mp
+import multiprocessing.forkserver
+import os
+
+import pytest
+
+from asyncpp_ext.pipeline import launch, spawn
+
+
+def report_environment(out_dir: str) -> None:
+    rank = os.environ["RANK"]
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"value": os.environ.get("ASYNCPP_TEST_VALUE"), "parent": os.getppid()}, f)
+
+
+def _launch_and_read(tmp_path, name: str) -> list[dict]:
+    out = tmp_path / name
+    out.mkdir()
+    spawn(report_environment, 2, (str(out),))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_ranks_see_the_launchers_environment_at_each_launch(method, tmp_path, monkeypatch):
+    if method not in mp.get_all_start_methods():
+        pytest.skip(f"no {method} on this platform")
+    monkeypatch.setenv(launch.START_METHOD_ENV, method)
+    monkeypatch.setenv("ASYNCPP_TEST_VALUE", "first")
+    first = _launch_and_read(tmp_path, "first")
+    server_pid = mp.forkserver._forkserver._forkserver_pid
+    again = _launch_and_read(tmp_path, "again")
+    assert [r["value"] for r in first + again] == ["first"] * 4
+    monkeypatch.setenv("ASYNCPP_TEST_VALUE", "second")  # a forkserver must not hand out the old value
+    second = _launch_and_read(tmp_path, "second")
+    assert [r["value"] for r in second] == ["second", "second"]
+    if method == "forkserver":
+        # ranks are the server's children; the server is reused while the environment stays the
+        # same and restarted when it changes
+        assert {r["parent"] for r in first + again} == {server_pid}
+        assert {r["parent"] for r in second} == {mp.forkserver._forkserver._forkserver_pid} != {server_pid}
+    else:
+        assert {r["parent"] for r in first + second} == {os.getpid()}
+
+
+@pytest.mark.parametrize("value, expected", [("", None), ("auto", None), (" Spawn ", "spawn"),
+                                             ("forkserver", "forkserver")])
+def test_start_method_from_the_environment(value, expected, monkeypatch):
+    monkeypatch.setenv(launch.START_METHOD_ENV, value)
+    if expected == "forkserver" and "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no forkserver on this platform")
+    auto = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    assert launch.start_method() == (expected or auto)
+
+
+def test_unknown_start_method_is_refused_before_any_rank_starts(monkeypatch, tmp_path):
+    monkeypatch.setenv(launch.START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match="ASYNCPP_START_METHOD='fork' is not one of auto, forkserver, spawn"):
+        spawn(report_environment, 2, (str(tmp_path),))
+    assert list(tmp_path.iterdir()) == []
