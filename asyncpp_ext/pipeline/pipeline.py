@@ -391,7 +391,7 @@ class Pipeline:
             if first is not None:
                 self._pulled[self.next_step] = first
             self._handshake(first[0][0] if self.host.is_first else None)
-        first_step, events = self.next_step, queue.Queue()
+        first_step, events = self.next_step, queue.SimpleQueue()
         start = time.monotonic()
         tokens_per_step = self.m * self.tokens_per_microbatch * self.dp
 
