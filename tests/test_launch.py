@@ -3,6 +3,7 @@ import json
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
+import sys
 
 import pytest
 
@@ -13,6 +14,11 @@ def report_environment(out_dir: str) -> None:
     rank = os.environ["RANK"]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"value": os.environ.get("ASYNCPP_TEST_VALUE"), "parent": os.getppid()}, f)
+
+
+def say(word: str) -> None:
+    sys.stderr.write(f"rank {os.environ['RANK']} says {word}\n")
+    sys.stderr.flush()
 
 
 def _launch_and_read(tmp_path, name: str) -> list[dict]:
@@ -59,3 +65,19 @@ def test_unknown_start_method_is_refused_before_any_rank_starts(monkeypatch, tmp
     with pytest.raises(ValueError, match="ASYNCPP_START_METHOD='fork' is not one of auto, forkserver, spawn"):
         spawn(report_environment, 2, (str(tmp_path),))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ranks_write_to_the_launchers_current_stderr(tmp_path):
+    """A launcher that points its stderr elsewhere between launches gets its ranks' lines there,
+    as ranks started from fresh interpreters would (a forkserver is restarted for it)."""
+    spawn(say, 2, ("before",))
+    saved = os.dup(2)
+    try:
+        with open(tmp_path / "stderr.txt", "w") as log:
+            os.dup2(log.fileno(), 2)
+            spawn(say, 2, ("after",))
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    lines = sorted((tmp_path / "stderr.txt").read_text().splitlines())
+    assert lines == ["rank 0 says after", "rank 1 says after"], lines

@@ -40,7 +40,7 @@ _store_listener = None  # rank 0 of a spawned run: the store's socket, bound by 
 START_METHOD_ENV = "ASYNCPP_START_METHOD"
 START_METHODS = ("auto", "forkserver", "spawn")
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
-_forkserver_env: dict | None = None  # the environment the forkserver we use was started under
+_forkserver_started_under: tuple | None = None  # (environment, stdio files) of the forkserver we use
 
 
 class LaunchError(RuntimeError):
@@ -169,20 +169,32 @@ def _context():
     return mp.get_context(method)
 
 
+def _stdio_files() -> tuple:
+    """What file descriptors 0-2 are open on (device, inode), None where one is closed."""
+    def identity(fd: int):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+    return tuple(identity(fd) for fd in range(3))
+
+
 def _forkserver_for_this_environment() -> bool:
-    """A forkserver's ranks inherit the environment the server started under, not the launcher's
-    at launch time; restart the server when the two differ, so that ranks see what a fresh
-    interpreter would (and torch is imported under the same environment). False if it cannot be."""
-    global _forkserver_env
-    env = dict(os.environ)
+    """A forkserver's ranks inherit the environment and standard streams the server started
+    with, not the launcher's at launch time; restart the server when they differ, so that ranks
+    see what a fresh interpreter would (and torch is imported under the same environment).
+    False if it cannot be restarted."""
+    global _forkserver_started_under
+    now = (dict(os.environ), _stdio_files())
     server = mp.forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is not None and env != _forkserver_env:
+    if getattr(server, "_forkserver_pid", None) is not None and now != _forkserver_started_under:
         stop = getattr(server, "_stop", None)
         if stop is None:
             return False
         stop()
     mp.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    _forkserver_env = env
+    _forkserver_started_under = now
     return True
 
 
