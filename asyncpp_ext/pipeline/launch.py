@@ -114,11 +114,21 @@ def tell_launcher(message: str) -> None:
 
 
 def _die_with_parent() -> None:
+    """SIGKILL when the parent exits: the launcher, or the forkserver, which exits when the
+    launcher does once no rank holds the server's "launcher alive" pipe (each forked process
+    inherits its write end so that it could start processes of its own; a rank never does)."""
+    server = mp.forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     if sys.platform.startswith("linux"):
+        parent = os.getppid()
         try:
             ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
-            pass
+            return
+        if os.getppid() != parent:  # the parent was gone before the request took effect
+            os._exit(EXIT_FAILED)
 
 
 def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel=None,

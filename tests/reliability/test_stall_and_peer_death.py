@@ -127,3 +127,31 @@ def test_sigkill_of_one_rank_ends_the_cli_run_naming_it(tmp_path):
     assert not [p for p in everything if _alive(p)], everything  # no orphan of the run
     meta, shards = load_checkpoint(latest_checkpoint(run))  # the previous checkpoint still loads
     assert meta["step"] >= 2 and len(shards) == 3
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_die_with_a_killed_launcher(tmp_path, start_method):
+    """SIGKILL of the CLI leaves no rank (nor forkserver) behind, whichever way the ranks started."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncpp_ext.train", "--stages", "2", "--n-layer", "1", "--microbatches", "2",
+           "--micro-batch-size", "2", "--seq-len", "16", "--steps", "100000", "--ckpt-every", "2",
+           "--eval-every", "0", "--no-progress", "--out", str(run)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "ASYNCPP_START_METHOD": start_method}
+    cli = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "ckpt-000002").exists():  # the ranks are training
+            assert cli.poll() is None and time.monotonic() < deadline, cli.communicate()
+            time.sleep(0.1)
+        ranks = _rank_processes(cli.pid)
+        everything = _children(cli.pid) + ranks
+        assert len(ranks) == 2, ranks
+        cli.kill()
+        cli.wait(10)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    deadline = time.monotonic() + 10
+    while [p for p in everything if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in everything if _alive(p)], everything
