@@ -11,6 +11,7 @@
 
 #include "bindings/bindings.h"
 #include "bindings/stage_runner.h"
+#include "bindings/transport_methods.h"
 #include "bindings/tensor_args.h"
 #include "core/error.h"
 #include "nccl/nccl_selftest.h"
@@ -21,7 +22,6 @@ namespace py = pybind11;
 namespace asyncpp::bindings {
 namespace {
 
-using core::MessageKey;
 using core::MessageKind;
 
 std::vector<nccl::ChannelSpec> parse_channels(const std::vector<py::tuple>& channels) {
@@ -121,13 +121,6 @@ class PyNcclTransport {
 #endif
 };
 
-#ifdef ASYNCPP_WITH_CUDA
-MessageKey make_key(int kind, int step, int microbatch, int peer) {
-  ASYNCPP_ARG_CHECK(kind == 0 || kind == 1, "kind must be 0 (activation) or 1 (gradient), got ", kind);
-  return MessageKey{static_cast<MessageKind>(kind), step, microbatch, peer};
-}
-#endif
-
 }  // namespace
 
 void bind_nccl(py::module_& m) {
@@ -184,32 +177,14 @@ void bind_nccl(py::module_& m) {
       .def_property_readonly("device", &PyNcclTransport::device);
 #ifdef ASYNCPP_WITH_CUDA
   // Without CUDA no instance can exist (the constructor fails), so only CUDA builds need these.
-  cls.def("post_send", [](PyNcclTransport& t, int kind, int step, int mb, int peer) {
-             return t.get().post_send(make_key(kind, step, mb, peer));
-           }, py::arg("kind"), py::arg("step"), py::arg("microbatch"), py::arg("peer"))
-      .def("post_recv", [](PyNcclTransport& t, int kind, int step, int mb, int peer) {
-             return t.get().post_recv(make_key(kind, step, mb, peer));
-           }, py::arg("kind"), py::arg("step"), py::arg("microbatch"), py::arg("peer"))
-      .def("test", [](PyNcclTransport& t, int64_t request) {
-             nccl::NcclTransport& impl = t.get();
-             py::gil_scoped_release release;
-             return impl.test(request);
-           }, py::arg("request"))
-      .def("wait", [](PyNcclTransport& t, int64_t request, double timeout_s) {
-             nccl::NcclTransport& impl = t.get();
-             py::gil_scoped_release release;
-             impl.wait(request, timeout_s);
-           }, py::arg("request"), py::arg("timeout_s"))
-      .def("pending", [](PyNcclTransport& t) { return t.get().pending(); })
-      .def("pending_descriptions", [](PyNcclTransport& t) { return t.get().pending_descriptions(); },
-           "What each posted, unfinished transfer is; safe from another thread (the watchdog).")
-      .def("close", [](PyNcclTransport& t, double timeout_s) {
-             nccl::NcclTransport& impl = t.get();
-             py::gil_scoped_release release;
-             impl.close(timeout_s);
-           }, py::arg("timeout_s") = 30.0,
-           "Wait for in-flight transfers (up to timeout_s) and destroy the communicators; aborts them "
-           "instead if a transfer is still incomplete.");
+  def_transport_requests<PyNcclTransport>(cls);
+  cls.def("close", [](PyNcclTransport& t, double timeout_s) {
+         nccl::NcclTransport& impl = t.get();
+         py::gil_scoped_release release;
+         impl.close(timeout_s);
+       }, py::arg("timeout_s") = 30.0,
+       "Wait for in-flight transfers (up to timeout_s) and destroy the communicators; aborts them "
+       "instead if a transfer is still incomplete.");
 
   m.def(
       "run_stage_nccl",

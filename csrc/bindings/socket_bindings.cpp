@@ -8,6 +8,7 @@
 #include "bindings/bindings.h"
 #include "bindings/message_board.h"
 #include "bindings/stage_runner.h"
+#include "bindings/transport_methods.h"
 #include "core/error.h"
 #include "socket/socket_transport.h"
 
@@ -29,11 +30,6 @@ std::vector<sock::ChannelSpec> parse_channels(const std::vector<py::tuple>& chan
                                     t[3].cast<int>(), t[4].cast<std::string>(), t[5].cast<int>()});
   }
   return out;
-}
-
-core::MessageKey make_key(int kind, int step, int microbatch, int peer) {
-  ASYNCPP_ARG_CHECK(kind == 0 || kind == 1, "kind must be 0 (activation) or 1 (gradient), got ", kind);
-  return core::MessageKey{static_cast<core::MessageKind>(kind), step, microbatch, peer};
 }
 
 // Keeps the board alive as long as the transport that takes buffers from it.
@@ -72,7 +68,7 @@ void bind_socket(py::module_& m) {
            "bind_host: an IPv4 address (0.0.0.0 for every interface, 127.0.0.1 for this machine only).")
       .def_property_readonly("port", &sock::Listener::port);
 
-  py::class_<PySocketTransport>(m, "SocketTransport",
+  auto transport = py::class_<PySocketTransport>(m, "SocketTransport",
                                 "Boundary messages over TCP: one connection per neighbour and direction, "
                                 "moved by a progress thread (CPU tensors).")
       .def(py::init<int, const sock::Listener&, const std::vector<py::tuple>&, uint64_t, double, py::object>(),
@@ -82,28 +78,12 @@ void bind_socket(py::module_& m) {
            "host/port being the receiver's listener (used by senders); token: a number identifying the run; "
            "board: the stage host's MessageBoard. Blocks until every channel is connected.")
       .def_property_readonly("stage", &PySocketTransport::stage)
-      .def("post_send", [](PySocketTransport& t, int kind, int step, int mb, int peer) {
-             return t.get().post_send(make_key(kind, step, mb, peer));
-           }, py::arg("kind"), py::arg("step"), py::arg("microbatch"), py::arg("peer"),
-           "Send the board's tensor for (kind, step, microbatch) to stage `peer`.")
-      .def("post_recv", [](PySocketTransport& t, int kind, int step, int mb, int peer) {
-             return t.get().post_recv(make_key(kind, step, mb, peer));
-           }, py::arg("kind"), py::arg("step"), py::arg("microbatch"), py::arg("peer"),
-           "Receive (kind, step, microbatch) from stage `peer` into a board slot.")
-      .def("test", [](PySocketTransport& t, int64_t request) { return t.get().test(request); }, py::arg("request"))
-      .def("wait", [](PySocketTransport& t, int64_t request, double timeout_s) {
-             sock::SocketTransport& impl = t.get();
-             py::gil_scoped_release release;
-             impl.wait(request, timeout_s);
-           }, py::arg("request"), py::arg("timeout_s"))
-      .def("pending", [](PySocketTransport& t) { return t.get().pending(); })
-      .def("pending_descriptions", [](PySocketTransport& t) { return t.get().pending_descriptions(); },
-           "What each posted, unfinished transfer is; safe from another thread (the watchdog).")
       .def("close", [](PySocketTransport& t) {
              sock::SocketTransport& impl = t.get();
              py::gil_scoped_release release;
              impl.close();
            }, "Stop the progress thread and close the connections.");
+  def_transport_requests<PySocketTransport>(transport);
 
   m.def(
       "run_stage_socket",
