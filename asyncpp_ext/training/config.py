@@ -12,6 +12,8 @@ from ..models.registry import ModelConfig, as_model_config
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_MITIGATIONS, default_rescale_steps
 from ..optim.versioned import EF_SOURCES
 from ..pipeline.devices import TRANSPORTS
+from .field_checks import (ConfigError, choice, non_negative_int, non_negative_number, positive_int,
+                           positive_number)
 
 SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -27,10 +29,6 @@ EF_BETA_MAX = 2.0
 """Largest error-feedback strength accepted: beyond it the correction outweighs the update."""
 MUON_FAMILY = ("muon", "normuon")
 """Optimizers whose matrices run Muon's momentum (``optim.muon_momentum``)."""
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot run; the message names the field."""
 
 
 @dataclass
@@ -315,13 +313,13 @@ class RunConfig:
         """ef_beta, ef_source, mitigation and their combinations with the schedule."""
         o, schedule = self.optim, self.pipeline.schedule
         if o.ef_beta is not None:
-            _non_negative_number("optim.ef_beta", o.ef_beta)
+            non_negative_number("optim.ef_beta", o.ef_beta)
             if o.ef_beta > EF_BETA_MAX:
                 raise ConfigError(f"optim.ef_beta must be at most {EF_BETA_MAX:g} (0 = off, 0.5 is the default "
                                   f"for muon and adamw), got {o.ef_beta!r}")
-        _choice("optim.ef_source", o.ef_source, EF_SOURCES)
+        choice("optim.ef_source", o.ef_source, EF_SOURCES)
         if o.mitigation is not None:
-            _choice("optim.mitigation", o.mitigation, MITIGATIONS)
+            choice("optim.mitigation", o.mitigation, MITIGATIONS)
         if o.mitigation not in (None, "ef") and o.ef_beta is not None and o.ef_beta > 0:
             raise ConfigError(f"optim.mitigation={o.mitigation!r} replaces error feedback, but --ef-beta "
                               f"{o.ef_beta:g} turns it on; drop --ef-beta (or pass 0), or use --mitigation ef")
@@ -352,7 +350,7 @@ class RunConfig:
             raise ConfigError(f"optim.dc_lambda sets the strength of --mitigation dc, but the mitigation is "
                               f"{mitigation!r}; add --mitigation dc or drop --dc-lambda")
         if o.rescale_steps is not None:
-            _positive_int("optim.rescale_steps", o.rescale_steps)
+            positive_int("optim.rescale_steps", o.rescale_steps)
             if mitigation != "lr-rescale":
                 raise ConfigError(f"optim.rescale_steps sets K of --mitigation lr-rescale, but the mitigation is "
                                   f"{mitigation!r}; add --mitigation lr-rescale or drop --rescale-steps")
@@ -367,7 +365,7 @@ class RunConfig:
         """--delay and pipedream's own constraints (docs/design.md §1.16)."""
         p = self.pipeline
         if p.delay is not None:
-            _positive_int("pipeline.delay", p.delay)
+            positive_int("pipeline.delay", p.delay)
             if p.schedule != "2bw" or not self.train.simulate:
                 raise ConfigError(f"pipeline.delay={p.delay} is a simulator knob generalising 2bw's one-step "
                                   f"delay; use it with --schedule 2bw --simulate (got --schedule {p.schedule}"
@@ -393,50 +391,50 @@ class RunConfig:
             self.model.validate()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        _positive_int("pipeline.stages", self.pipeline.stages)
-        _positive_int("pipeline.microbatches", self.pipeline.microbatches)
-        _positive_int("pipeline.micro_batch_size", self.pipeline.micro_batch_size)
-        _positive_int("pipeline.dp", self.pipeline.dp)
-        _positive_int("train.steps", self.train.steps)
-        _non_negative_int("train.eval_every", self.train.eval_every)
-        _non_negative_int("train.ckpt_every", self.train.ckpt_every)
-        _non_negative_int("data.eval_batches", self.data.eval_batches)
+        positive_int("pipeline.stages", self.pipeline.stages)
+        positive_int("pipeline.microbatches", self.pipeline.microbatches)
+        positive_int("pipeline.micro_batch_size", self.pipeline.micro_batch_size)
+        positive_int("pipeline.dp", self.pipeline.dp)
+        positive_int("train.steps", self.train.steps)
+        non_negative_int("train.eval_every", self.train.eval_every)
+        non_negative_int("train.ckpt_every", self.train.ckpt_every)
+        non_negative_int("data.eval_batches", self.data.eval_batches)
         if not isinstance(self.train.seed, int) or self.train.seed < 0:
             raise ConfigError(f"train.seed must be a non-negative integer, got {self.train.seed!r}")
-        _choice("pipeline.schedule", self.pipeline.schedule, SCHEDULES)
-        _choice("optim.name", self.optim.name, OPTIMIZERS)
+        choice("pipeline.schedule", self.pipeline.schedule, SCHEDULES)
+        choice("optim.name", self.optim.name, OPTIMIZERS)
         _check_optimizer_available(self.optim.name)
-        _choice("train.device", self.train.device, DEVICES)
-        _choice("train.dtype", self.train.dtype, DTYPES)
-        _choice("optim.ns_dtype", self.optim.ns_dtype, NS_DTYPES)
+        choice("train.device", self.train.device, DEVICES)
+        choice("train.dtype", self.train.dtype, DTYPES)
+        choice("optim.ns_dtype", self.optim.ns_dtype, NS_DTYPES)
         if self.optim.ns_dtype != "auto" and self.optim.name not in MUON_FAMILY:
             raise ConfigError(f"optim.ns_dtype={self.optim.ns_dtype!r} sets muon's Newton-Schulz dtype, but "
                               f"the optimizer is {self.optim.name!r}; drop --ns-dtype or use --optimizer muon")
-        _choice("pipeline.transport", self.pipeline.transport, TRANSPORTS)
+        choice("pipeline.transport", self.pipeline.transport, TRANSPORTS)
         if self.pipeline.transport == "nccl" and self.train.device != "cuda":
             raise ConfigError(f"pipeline.transport='nccl' moves CUDA tensors but train.device="
                               f"{self.train.device!r}; use --device cuda, or --transport gloo (or torch) on cpu")
-        _choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
-        _positive_number("train.timeout_s", self.train.timeout_s)
+        choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
+        positive_number("train.timeout_s", self.train.timeout_s)
         if self.train.threads is not None:
-            _positive_int("train.threads", self.train.threads)
+            positive_int("train.threads", self.train.threads)
         if self.train.timeout_s == float("inf"):
             raise ConfigError("train.timeout_s must be a finite number of seconds, got inf")
         if self.optim.lr is not None:
-            _positive_number("optim.lr", self.optim.lr)
+            positive_number("optim.lr", self.optim.lr)
         if self.optim.adamw_lr is not None:
-            _positive_number("optim.adamw_lr", self.optim.adamw_lr)
+            positive_number("optim.adamw_lr", self.optim.adamw_lr)
             if self.optim.name not in MUON_FAMILY:
                 raise ConfigError(f"optim.adamw_lr is the learning rate of muon's AdamW part; it "
                                   f"does not apply to optim.name={self.optim.name!r} (use --lr)")
-        _non_negative_number("optim.weight_decay", self.optim.weight_decay)
+        non_negative_number("optim.weight_decay", self.optim.weight_decay)
         self._validate_mitigation()
-        _non_negative_number("optim.momentum", self.optim.momentum)
+        non_negative_number("optim.momentum", self.optim.momentum)
         if self.optim.clip_grad_norm is not None:
-            _positive_number("optim.clip_grad_norm", self.optim.clip_grad_norm)
+            positive_number("optim.clip_grad_norm", self.optim.clip_grad_norm)
             if self.optim.clip_grad_norm == float("inf"):
                 raise ConfigError("optim.clip_grad_norm must be finite; leave --clip-grad-norm out to not clip")
-        _non_negative_int("optim.warmup_steps", self.optim.warmup_steps)
+        non_negative_int("optim.warmup_steps", self.optim.warmup_steps)
         try:
             self.lr_schedule().validate()
         except ValueError as exc:
@@ -457,41 +455,12 @@ class RunConfig:
 
 def _check_optimizer_available(name: str) -> None:
     """A library optimizer whose optional package is missing fails here, before any run starts."""
-    try:
-        from ..optim.library import check_available
-    except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__.rpartition('.')[0]}.optim.library":
-            raise
-        return  # TODO(lead): optim/library.py not merged yet; drop this fallback once it is
+    from ..optim.library import check_available
+
     try:
         check_available(name)
     except ValueError as exc:
         raise ConfigError(f"optim.name={name!r}: {exc}") from None
-
-
-def _positive_int(name, value):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _non_negative_int(name, value):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-
-
-def _positive_number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
-
-
-def _non_negative_number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
-
-
-def _choice(name, value, options):
-    if value not in options:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(options)}")
 
 
 # Fields that change the numbers a run produces: a checkpoint resumed under a different value of
