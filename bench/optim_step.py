@@ -220,8 +220,9 @@ def timed_row(case, reference, shapes, t_ref, t_ours, err=float("nan"), err_boun
                 check="-" if err_bound is None else ("ok" if err <= err_bound else "FAIL"))
 
 
-def versioned_rows(rows, label, shapes, make_opt, repeats):
-    """The 2bw rows of one optimizer (module docstring); make_opt(params, **ef_kwargs)."""
+def versioned_rows(rows, label, shapes, make_opt, repeats, ef_repeats):
+    """The 2bw rows of one optimizer (module docstring); make_opt(params, **ef_kwargs). ef_repeats:
+    rounds of the EF on/off comparison, whose few-percent differences need more than the rest."""
     pair = [TwoVersions(shapes, make_opt, copy) for copy in (True, False)]
     t_copy, t_oop = interleaved_times([v.step for v in pair], repeats)
     check = [TwoVersions(shapes, make_opt, copy) for copy in (True, False)]
@@ -232,7 +233,7 @@ def versioned_rows(rows, label, shapes, make_opt, repeats):
     rows.append(timed_row(f"2bw {label} out-of-place", "copy + in-place", shapes, t_copy, t_oop, err, 0.0))
     ef = [TwoVersions(shapes, lambda ps, kw=kw: make_opt(ps, **kw), False)
           for kw in (dict(), dict(ef_beta=0.5, ef_source="buffer"), dict(ef_beta=0.5, ef_source="weights"))]
-    t_off, t_buffer, t_weights = interleaved_times([v.step for v in ef], repeats)
+    t_off, t_buffer, t_weights = interleaved_times([v.step for v in ef], ef_repeats)
     rows.append(timed_row(f"2bw {label} EF buffer", "2bw EF off", shapes, t_off, t_buffer))
     rows.append(timed_row(f"2bw {label} EF weights", "2bw EF off", shapes, t_off, t_weights))
 
@@ -384,9 +385,11 @@ def main(argv=None):
     compare(rows, "adamw EF on (beta 0.5)", all_shapes, lambda ps: AdamW(ps, lr=1e-3, weight_decay=WD, ef_beta=0.5),
             lambda ps: AdamW(ps, lr=1e-3, weight_decay=WD), "asyncpp EF off", reps, None)
     ef_kernel_rows(rows, mats, reps)
-    versioned_rows(rows, "adamw", all_shapes, lambda ps, **kw: AdamW(ps, lr=1e-3, weight_decay=WD, **kw), reps)
+    # An AdamW step is ~100x cheaper than a Muon one: four times the rounds cost ~1 s.
+    versioned_rows(rows, "adamw", all_shapes, lambda ps, **kw: AdamW(ps, lr=1e-3, weight_decay=WD, **kw), reps,
+                   4 * reps)
     versioned_rows(rows, "muon " + ("bf16-NS" if DEVICE.type == "cuda" else "fp32-NS"), mats,  # ns_dtype auto
-                   lambda ps, **kw: Muon(ps, lr=LR, weight_decay=WD, **kw), reps)
+                   lambda ps, **kw: Muon(ps, lr=LR, weight_decay=WD, **kw), reps, reps)
     devices = ["cuda"] if DEVICE.type == "cuda" else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     breakdowns = [phase_breakdown(bf16_mats if d == "cpu" else mats, d, reps) for d in devices]
     mm = mm_tflops(mats, reps) if DEVICE.type == "cuda" else None

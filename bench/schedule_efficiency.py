@@ -9,8 +9,9 @@ stages, microbatches and steps.
 
 Columns: steps/s; achieved / ideal, where ideal is a bubble-free pipeline (every stage busy all
 the time: one step = m*(f+2f)) with the nominal f; achieved / calibrated ideal, the same with the
-forward and backward times one emulated stage really takes in one process (the waits end at a
-deadline, so this stays within ~0.1 ms of f and 2f: the calibration shows what remains);
+forward and backward times the slowest emulated stage really takes in one process (the waits end
+at a deadline, so this stays within ~0.1 ms of f and 2f: the calibration shows what remains; the
+last stage's times include the loss it computes);
 achieved / own ideal, where a synchronous schedule's own ideal
 includes its unavoidable bubble ((m+S-1)*(f+2f) per step); ratio to torch's Schedule1F1B.
 pipedream takes one microbatch per optimizer step: it runs steps*m steps of one microbatch (the
@@ -169,28 +170,44 @@ RUNS = [("ours", "gpipe"), ("ours", "1f1b"), ("ours", "2bw"), ("ours", "pipedrea
         ("torch", "1f1b")]
 
 
-def calibrate(f: float, repeats: int = 30) -> tuple[float, float]:
+def calibrate(f: float, m: int, repeats: int = 30) -> dict[str, tuple[float, float]]:
     """Median seconds one emulated stage really spends per microbatch forward and backward in this
     process (the wait overshoots and the tiny layer/autograd cost something): the compute a
-    bubble-free pipeline of these very stages would do back to back."""
+    bubble-free pipeline of these very stages would do back to back. Two kinds, measured in
+    alternation: "inner" (any stage but the last) and "last", whose forward also computes the
+    loss and whose backward starts from it with the gradient 1/m, as the last stage of either
+    runtime does (the first torch call after an emulated kernel's wait costs ~0.2 ms on some VMs,
+    so the loss is not free)."""
     torch.set_num_threads(1)
     stage = EmulatedStage(f, 2 * f)
     x = torch.randn(MICRO_BATCH, WIDTH, requires_grad=True)
-    fwd, bwd = [], []
+    target = torch.randn(MICRO_BATCH, WIDTH)
+    loss_grad = torch.tensor(1.0 / m)
+    times = {"inner": ([], []), "last": ([], [])}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = stage(x)
-        t1 = time.perf_counter()
-        out.sum().backward()
-        t2 = time.perf_counter()
-        fwd.append(t1 - t0)
-        bwd.append(t2 - t1)
-    return sorted(fwd)[repeats // 2], sorted(bwd)[repeats // 2]
+        for kind, (fwd, bwd) in times.items():
+            t0 = time.perf_counter()
+            out = stage(x)
+            if kind == "last":
+                out = nn.functional.mse_loss(out, target)
+            t1 = time.perf_counter()
+            if kind == "last":
+                out.backward(loss_grad)
+            else:
+                out.sum().backward()
+            t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return {kind: (sorted(fwd)[repeats // 2], sorted(bwd)[repeats // 2]) for kind, (fwd, bwd) in times.items()}
 
 
 def measure(stages: int, m: int, steps: int, warmup: int, f: float) -> list[dict]:
     rows = []
-    f_real, b_real = calibrate(f)
+    cal = calibrate(f, m)
+    f_real, b_real = cal["inner"]
+    f_last, b_last = cal["last"]
+    # A bubble-free pipeline runs at its slowest stage's pace (with S = 1 the one stage is the last).
+    per_mb = max(f_real + b_real, f_last + b_last) if stages > 1 else f_last + b_last
     with tempfile.TemporaryDirectory() as tmp:
         for impl, schedule in RUNS:
             out = os.path.join(tmp, f"{impl}-{schedule}.json")
@@ -203,8 +220,9 @@ def measure(stages: int, m: int, steps: int, warmup: int, f: float) -> list[dict
             rows.append({"impl": impl, "schedule": schedule, "seconds": seconds,
                          "steps_per_s": steps / seconds,
                          "achieved_over_ideal": step_ideal * steps / seconds,
-                         "achieved_over_calibrated_ideal": m * (f_real + b_real) * steps / seconds,
+                         "achieved_over_calibrated_ideal": m * per_mb * steps / seconds,
                          "calibrated_fwd_ms": 1e3 * f_real, "calibrated_bwd_ms": 1e3 * b_real,
+                         "calibrated_last_fwd_ms": 1e3 * f_last, "calibrated_last_bwd_ms": 1e3 * b_last,
                          "achieved_over_own_ideal": own_ideal * steps / seconds})
     base = next(r for r in rows if r["impl"] == "torch" and r["schedule"] == "1f1b")["steps_per_s"]
     for r in rows:
@@ -231,8 +249,9 @@ def main(argv=None) -> int:
     print(f"# S={a.stages} m={a.microbatches} steps={a.steps} fwd={a.fwd_ms:g} ms bwd={2 * a.fwd_ms:g} ms; ours: "
           "the default CPU transport (socket), torch: gloo")
     r0 = rows[0]
-    print(f"# calibrated stage compute: fwd {r0['calibrated_fwd_ms']:.2f} ms, bwd {r0['calibrated_bwd_ms']:.2f} ms "
-          "(median of 30 in one process; the ideal in ach/cal uses these)")
+    print(f"# calibrated stage compute: fwd {r0['calibrated_fwd_ms']:.2f} ms, bwd {r0['calibrated_bwd_ms']:.2f} ms; "
+          f"last stage (with the loss) fwd {r0['calibrated_last_fwd_ms']:.2f} ms, bwd {r0['calibrated_last_bwd_ms']:.2f} ms "
+          "(median of 30 in one process; the ideal in ach/cal runs at the slower)")
     print(f"# {'runtime':<8}{'schedule':<10}{'steps/s':>9}{'ach/ideal':>11}{'ach/cal':>9}{'ach/own':>9}{'x torch1F1B':>13}")
     for r in rows:
         print(f"  {r['impl']:<8}{r['schedule']:<10}{r['steps_per_s']:>9.3f}{r['achieved_over_ideal']:>11.3f}{r['achieved_over_calibrated_ideal']:>9.3f}"

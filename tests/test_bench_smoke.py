@@ -126,6 +126,14 @@ def test_schedule_efficiency_runs_ours_and_torchs_schedules(capsys):
     assert set(rows) == set(schedule_efficiency.RUNS)
     assert rows["torch", "1f1b"]["ratio_to_torch_1f1b"] == 1.0
     assert all(r["steps_per_s"] > 0 for r in rows.values())
+    for r in rows.values():  # the waits end at deadlines: no stage is faster than asked
+        assert r["calibrated_fwd_ms"] >= 5 and r["calibrated_last_fwd_ms"] >= 5
+        assert r["calibrated_bwd_ms"] >= 10 and r["calibrated_last_bwd_ms"] >= 10
+        slowest_ms = max(r["calibrated_fwd_ms"] + r["calibrated_bwd_ms"],
+                         r["calibrated_last_fwd_ms"] + r["calibrated_last_bwd_ms"])
+        # m = 2 microbatches x 4 steps at the slowest stage's pace (pipedream's 8 one-microbatch
+        # steps count as 4)
+        assert r["achieved_over_calibrated_ideal"] == pytest.approx(2 * slowest_ms * 1e-3 * 4 / r["seconds"])
 
 
 def test_optim_step_bench_checks_every_case_and_splits_the_step(capsys):
