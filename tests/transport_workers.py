@@ -89,3 +89,36 @@ def socket_slots_worker(out_dir: str) -> None:
         counts.append([pipe.board.slot_count(0), pipe.board.slot_count(1)])
     with open(os.path.join(out_dir, f"slots{pipe.stage}.json"), "w") as f:
         json.dump(counts, f)
+
+
+def socket_spin_worker(out_dir: str, spin_us: int) -> None:
+    """Receives with ``spin_us`` of polling before blocking. Stage 1 waits for an activation stage
+    0 sends 0.3 s late (data arriving while the receive spins, or after it has blocked); stage 0
+    then waits 0.2 s for a gradient that never comes: the wait must end at its own deadline, not
+    at the end of the spin."""
+    import time
+
+    import torch.distributed as dist
+    from asyncpp_ext import _C as C
+    from asyncpp_ext.pipeline.sockets import create_socket_transport
+
+    rank, _ = init_distributed(30)
+    board = C.MessageBoard(_SlotHost(4))
+    t = create_socket_transport(board, rank, 2, [0, 1], run_id=f"spin{spin_us}", timeout_s=30, spin_us=spin_us)
+    if rank == 0:
+        time.sleep(0.3)
+        board.put_send(0, 0, 0, torch.arange(4.0))
+        t.impl.wait(t.impl.post_send(0, 0, 0, 1), 20.0)
+        start = time.monotonic()
+        try:
+            t.impl.wait(t.impl.post_recv(1, 0, 0, 1), 0.2)
+            result = {"error": None}
+        except RuntimeError as e:
+            result = {"error": str(e)}
+        result["waited_s"] = time.monotonic() - start
+    else:
+        t.impl.wait(t.impl.post_recv(0, 0, 0, 0), 20.0)
+        result = {"received": board.received(0, 0, 0).tolist()}
+    with open(os.path.join(out_dir, f"spin{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()  # stage 1 keeps its end open until stage 0's wait has timed out

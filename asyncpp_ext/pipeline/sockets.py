@@ -9,6 +9,10 @@ and optimizer step.
 The address a stage advertises: ``ASYNCPP_SOCKET_HOST`` when set; else 127.0.0.1 when the run
 is on one machine (MASTER_ADDR unset or a loopback name); else this machine's address on the route
 to MASTER_ADDR (what torchrun's other nodes can reach).
+
+A receive the executor waits for polls its socket without sleeping for up to
+``ASYNCPP_RECV_SPIN_US`` microseconds before it blocks (see :func:`recv_spin_us`): waking a
+sleeping receiver puts a cross-CPU wake-up on the pipeline's critical path, once per transfer.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ from .nccl import _check_run_id, channel_plan, default_store
 from .transport import TransportError
 
 HOST_ENV = "ASYNCPP_SOCKET_HOST"
+RECV_SPIN_ENV = "ASYNCPP_RECV_SPIN_US"
+AUTO_RECV_SPIN_US = 1000  # covers most waits of a fine-grained pipeline (0.1-0.7 ms, docs/results.md)
+MAX_RECV_SPIN_US = 1_000_000  # the C++ transport's kMaxRecvSpinUs
 TRANSPORT_FAILURE = ": socket transport: "  # in every message of the C++ transport's failures
 
 
@@ -55,6 +62,24 @@ def advertised_host() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # no packet is sent
         probe.connect((master, 1))
         return probe.getsockname()[0]
+
+
+def recv_spin_us(environ=None, cpus: int | None = None) -> int:
+    """Microseconds a waited-for receive polls before it sleeps: ``ASYNCPP_RECV_SPIN_US``, either
+    a whole number from 0 (block at once) to 1000000, or ``auto`` (the default): 1000 when this
+    machine's ranks (LOCAL_WORLD_SIZE, else WORLD_SIZE) fit on the CPUs this process may run on,
+    else 0, because a spinning rank would then take a core another rank computes on.
+    ValueError naming the variable for anything else."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(RECV_SPIN_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        local_ranks = int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")))
+        cpus = len(os.sched_getaffinity(0)) if cpus is None and hasattr(os, "sched_getaffinity") else cpus
+        return AUTO_RECV_SPIN_US if local_ranks <= (cpus or os.cpu_count() or 1) else 0
+    if not raw.isdigit() or int(raw) > MAX_RECV_SPIN_US:
+        raise ValueError(f"{RECV_SPIN_ENV}={raw!r}: use auto or a whole number of microseconds from 0 to "
+                         f"{MAX_RECV_SPIN_US} (how long a receive polls its socket before it sleeps; 0 never spins)")
+    return int(raw)
 
 
 def rendezvous_key(run_id: str, stage: int) -> str:
@@ -94,12 +119,15 @@ class SocketTransport:
 
 
 def create_socket_transport(board, stage: int, stages: int, stage_ranks: Sequence[int], *, store=None,
-                            run_id: str = "run0", timeout_s: float = 300.0) -> SocketTransport:
+                            run_id: str = "run0", timeout_s: float = 300.0,
+                            spin_us: int | None = None) -> SocketTransport:
     """Listen, publish this stage's address, read the neighbours', and connect every channel.
 
     ``board`` is the stage host's ``C.MessageBoard``. Every stage of the pipeline calls this with
-    the same ``run_id``. Blocks until the neighbours have connected (at most ``timeout_s``)."""
+    the same ``run_id``. Blocks until the neighbours have connected (at most ``timeout_s``).
+    ``spin_us``: see :func:`recv_spin_us` (None: from the environment)."""
     _check_run_id(run_id)
+    spin_us = recv_spin_us() if spin_us is None else spin_us
     if len(stage_ranks) != stages:
         raise ValueError(f"stage_ranks must list one rank per stage ({stages}), got {list(stage_ranks)}")
     plan = channel_plan(stage, stages)
@@ -122,11 +150,12 @@ def create_socket_transport(board, stage: int, stages: int, stage_ranks: Sequenc
             peer_port = int(port)
         channels.append((ch.kind, ch.is_send, ch.peer, int(stage_ranks[ch.peer]), peer_host, peer_port))
     try:
-        impl = C.SocketTransport(stage, listener, channels, run_token(run_id), float(timeout_s), board)
+        impl = C.SocketTransport(stage, listener, channels, run_token(run_id), float(timeout_s), board,
+                                 recv_spin_us=int(spin_us))
     except RuntimeError as e:
         raise SocketSetupError(str(e).split(" [")[0]) from None
     return SocketTransport(impl)
 
 
 __all__ = ["SocketTransport", "SocketSetupError", "create_socket_transport", "advertised_host", "rendezvous_key",
-           "run_token", "HOST_ENV"]
+           "run_token", "recv_spin_us", "HOST_ENV", "RECV_SPIN_ENV"]

@@ -25,6 +25,7 @@ from ..models.registry import build_model
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
 from ..pipeline.launch import spawned_locally, start_method
+from ..pipeline.sockets import recv_spin_us
 from ..pipeline.transport import TransportError, peer_failure_reason
 from .simulate import merge_engine_states
 from .trainer import StepOutcome, Trainer, run_data
@@ -147,11 +148,13 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], factory_builder, prepare)
     ``prepare()`` creates the run directory and config.json: here in the parent for a local
     launch, on rank 0 (the others wait) under torchrun."""
     args = (cfg.to_dict(), str(resume_dir) if resume_dir is not None else None, factory_builder)
+    try:  # a bad ASYNCPP_START_METHOD or ASYNCPP_RECV_SPIN_US stops the run before anything is written
+        recv_spin_us()
+        if not under_launcher():
+            start_method()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if not under_launcher():
-        try:
-            start_method()  # a bad ASYNCPP_START_METHOD stops the run before anything is written
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
         prepare()
         spawn(rank_main, cfg.pipeline.stages * cfg.pipeline.dp, args)
         return

@@ -146,9 +146,12 @@ void validate_channels(int stage, const std::vector<ChannelSpec>& channels) {
 
 // ---- set-up ------------------------------------------------------------------------------------
 SocketTransport::SocketTransport(int stage, const Listener& listener, std::vector<ChannelSpec> channels,
-                                 uint64_t token, double connect_timeout_s, core::BufferProvider& buffers)
-    : stage_(stage), buffers_(buffers) {
+                                 uint64_t token, double connect_timeout_s, core::BufferProvider& buffers,
+                                 int64_t recv_spin_us)
+    : stage_(stage), buffers_(buffers), recv_spin_(recv_spin_us) {
   ASYNCPP_ARG_CHECK(connect_timeout_s > 0, "connect_timeout_s must be > 0, got ", connect_timeout_s);
+  ASYNCPP_ARG_CHECK(recv_spin_us >= 0 && recv_spin_us <= kMaxRecvSpinUs, "recv_spin_us must lie in [0, ",
+                    kMaxRecvSpinUs, "] (microseconds a receive polls before it blocks), got ", recv_spin_us);
   validate_channels(stage, channels);
   for (auto& spec : channels) channels_.push_back(Channel{std::move(spec), -1, {}, 0});
   try {
@@ -325,18 +328,23 @@ void SocketTransport::wait(Request request, double timeout_s) {
 
 // A receive is waited for on this thread: it polls the channel's socket itself (the progress
 // thread leaves that channel alone meanwhile), so arriving data needs no hand-over between threads.
+// For the first recv_spin_ of the wait it polls without sleeping (socket_transport.h says why).
 void SocketTransport::wait_on_socket(std::unique_lock<std::mutex>& lock, size_t index, Clock::time_point deadline) {
   Channel& c = channels_[ops_[index].channel];
   c.waiter = true;
+  const Clock::time_point spin_until = std::min(Clock::now() + recv_spin_, deadline);
   while (ops_[index].state == State::queued && failure_.empty() && !stopping_) {
     pump(c);
     if (ops_[index].state != State::queued || !failure_.empty()) break;
     const int fd = c.fd;
     lock.unlock();
     pollfd pfd{fd, POLLIN, 0};
-    const int ready = poll(&pfd, 1, std::min(remaining_ms(deadline), 100));
+    // Spinning: a zero timeout, so the socket is looked at again at once (the lock is released
+    // meanwhile, so the watchdog and the progress thread are never held up).
+    const bool spinning = Clock::now() < spin_until;
+    const int ready = poll(&pfd, 1, spinning ? 0 : std::min(remaining_ms(deadline), 100));
     lock.lock();
-    if (ready == 0 && Clock::now() >= deadline) break;
+    if (ready == 0 && !spinning && Clock::now() >= deadline) break;
   }
   c.waiter = false;
   if (c.queue_head < c.queue.size()) wake();  // the progress thread takes the channel back

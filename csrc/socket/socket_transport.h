@@ -57,13 +57,19 @@ struct ChannelSpec {
 // asyncpp::ArgumentError naming the bad entry.
 void validate_channels(int stage, const std::vector<ChannelSpec>& channels);
 
+// The longest a receive may spin before it blocks (SocketTransport's recv_spin_us): 1 s.
+inline constexpr int64_t kMaxRecvSpinUs = 1'000'000;
+
 class SocketTransport final : public core::Transport {
  public:
   // Connects every channel (senders connect to their receivers' listeners, receivers accept on
   // `listener`), within `connect_timeout_s`. `token` identifies the run: a connection presenting
-  // another token is refused. `buffers` must outlive the transport.
+  // another token is refused. `buffers` must outlive the transport. `recv_spin_us`: how long a
+  // wait for a receive polls its socket without sleeping before it blocks (0: block at once). A
+  // sleeping receiver costs the sender a cross-CPU wake-up on the critical path (hundreds of us
+  // on some VMs); a spinning one costs a core that is otherwise idle while the stage waits.
   SocketTransport(int stage, const Listener& listener, std::vector<ChannelSpec> channels, uint64_t token,
-                  double connect_timeout_s, core::BufferProvider& buffers);
+                  double connect_timeout_s, core::BufferProvider& buffers, int64_t recv_spin_us = 0);
   ~SocketTransport() override;
   SocketTransport(const SocketTransport&) = delete;
   SocketTransport& operator=(const SocketTransport&) = delete;
@@ -123,6 +129,7 @@ class SocketTransport final : public core::Transport {
 
   int stage_;
   core::BufferProvider& buffers_;
+  std::chrono::microseconds recv_spin_;
   std::vector<Channel> channels_;
   mutable std::mutex mu_;            // guards ops_, free_ops_, channel queues, failure_
   std::condition_variable done_cv_;  // an op completed or the transport failed

@@ -179,6 +179,8 @@ BAD_INPUTS = [
     ("env ASYNCPP_BF16_MATMUL=fast", "ASYNCPP_BF16_MATMUL='fast' is not one of auto, native, emulated"),
     ("env ASYNCPP_START_METHOD=fork pipe --stages 2",
      "ASYNCPP_START_METHOD='fork' is not one of auto, forkserver, spawn"),
+    ("env ASYNCPP_RECV_SPIN_US=fast pipe --stages 2",
+     "ASYNCPP_RECV_SPIN_US='fast': use auto or a whole number of microseconds from 0 to 1000000"),
     # command line
     ("--steps ten", "invalid int value: 'ten'"),
     ("--schedule async", "invalid choice: 'async'"),
