@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -343,6 +344,7 @@ void SocketTransport::wait_on_socket(std::unique_lock<std::mutex>& lock, size_t 
     // meanwhile, so the watchdog and the progress thread are never held up).
     const bool spinning = Clock::now() < spin_until;
     const int ready = poll(&pfd, 1, spinning ? 0 : std::min(remaining_ms(deadline), 100));
+    if (spinning && ready == 0) sched_yield();  // another runnable thread of this CPU goes first
     lock.lock();
     if (ready == 0 && !spinning && Clock::now() >= deadline) break;
   }
