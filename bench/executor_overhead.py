@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from schedule_efficiency import MICRO_BATCH, WIDTH, _batches, _sgd, torch_stepper  # noqa: E402
 from asyncpp_ext.pipeline import LaunchError, Pipeline, init_distributed, spawn  # noqa: E402
 from asyncpp_ext.pipeline.devices import TRANSPORTS  # noqa: E402
+from asyncpp_ext.pipeline.sockets import RECV_SPIN_ENV, recv_spin_of_local_launch  # noqa: E402
 
 OURS_SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
 TORCH_SCHEDULES = ("gpipe", "1f1b")
@@ -298,7 +299,8 @@ def format_table(result: dict) -> str:
     lines = [f"# S={result['stages']} m={result['microbatches']} steps={result['steps']} "
              f"warmup={result['warmup']} repeats={result.get('repeats', 1)} (fastest kept); "
              f"Linear({WIDTH},{WIDTH}) x {MICRO_BATCH} rows per stage, gloo on 127.0.0.1, 1 torch thread per rank",
-             f"# cpu: {result['cpu']}, {os.cpu_count()} cores; torch {result['torch']}",
+             f"# cpu: {result['cpu']}, {os.cpu_count()} cores; torch {result['torch']}; socket transport's receive "
+             f"spin {result['recv_spin_us']} us ({RECV_SPIN_ENV}={result['recv_spin_setting']})",
              f"# goal: ratio (ours us/mb / torch us/mb) <= {GOAL_RATIO}; all times in us per microbatch per stage"]
     if ours:
         compute = ", ".join(f"stage {p['stage']} {p['compute_us']:.1f}" for p in ours[0]["stages"])
@@ -348,9 +350,10 @@ def main(argv=None) -> int:
                        with_torch=not a.no_torch, repeats=a.repeats)
     except OverheadBenchError as e:
         p.error(str(e))
+    spin_us, spin_setting = recv_spin_of_local_launch(a.stages)
     result = {"stages": a.stages, "microbatches": a.microbatches, "steps": a.steps, "warmup": a.warmup,
               "repeats": a.repeats, "cpu": cpu_name(), "torch": torch.__version__, "goal_ratio": GOAL_RATIO,
-              "rows": rows}
+              "recv_spin_us": spin_us, "recv_spin_setting": spin_setting, "rows": rows}
     print(json.dumps(result, indent=2) if a.json else format_table(result))
     return 1 if any(r["us_per_microbatch"] is None for r in rows) else 0
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from asyncpp_ext import _C as C
 from asyncpp_ext.pipeline import init_distributed, spawn
+from asyncpp_ext.pipeline.sockets import RECV_SPIN_ENV, recv_spin_of_local_launch
 from asyncpp_ext.pipeline.stage import ACTIVATION, GRADIENT
 
 KIB = 1024
@@ -192,8 +193,9 @@ def default_backend() -> str:
     return "socket"
 
 
-def print_table(backend: str, rows: list) -> None:
-    print(f"# asyncpp p2p ping-pong, 2 local ranks, backend {backend}; time = one-way (round trip / 2)")
+def print_table(backend: str, rows: list, spin_us: int, spin_setting: str) -> None:
+    spin = f", receive spin {spin_us} us ({RECV_SPIN_ENV}={spin_setting})" if backend == "socket" else ""
+    print(f"# asyncpp p2p ping-pong, 2 local ranks, backend {backend}{spin}; time = one-way (round trip / 2)")
     print(f"# {'':>28}{'asyncpp transport':^30}{'torch.distributed isend/irecv':^30}")
     print(f"# {'size(B)':>10} {'count':>10} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'check':>6} "
           f"{'time(us)':>10} {'algbw(GB/s)':>12} {'check':>6}")
@@ -218,15 +220,16 @@ def main(argv=None) -> int:
     while n <= args.max_mib * KIB * KIB:  # powers of 4
         sizes.append(n)
         n *= 4
+    spin_us, spin_setting = recv_spin_of_local_launch(2)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         spawn(worker, 2, (backend, sizes, out))
         with open(out) as f:
             rows = json.load(f)
     if args.json:
-        print(json.dumps({"backend": backend, "rows": rows}, indent=2))
+        print(json.dumps({"backend": backend, "recv_spin_us": spin_us, "rows": rows}, indent=2))
     else:
-        print_table(backend, rows)
+        print_table(backend, rows, spin_us, spin_setting)
     return 0 if all(r["asyncpp_check"] and r["torch_check"] for r in rows) else 1
 
 

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
+from asyncpp_ext.pipeline.sockets import RECV_SPIN_ENV, recv_spin_of_local_launch  # noqa: E402
 
 WIDTH, MICRO_BATCH = 16, 2
 
@@ -241,13 +242,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)
     rows = measure(a.stages, a.microbatches, a.steps, a.warmup, a.fwd_ms / 1000)
-    result = {"stages": a.stages, "microbatches": a.microbatches, "steps": a.steps,
+    spin_us, spin_setting = recv_spin_of_local_launch(a.stages)
+    result = {"stages": a.stages, "microbatches": a.microbatches, "steps": a.steps, "recv_spin_us": spin_us,
               "fwd_ms": a.fwd_ms, "bwd_ms": 2 * a.fwd_ms, "rows": rows}
     if a.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"# S={a.stages} m={a.microbatches} steps={a.steps} fwd={a.fwd_ms:g} ms bwd={2 * a.fwd_ms:g} ms; ours: "
-          "the default CPU transport (socket), torch: gloo")
+          f"the default CPU transport (socket, receive spin {spin_us} us: {RECV_SPIN_ENV}={spin_setting}), torch: gloo")
     r0 = rows[0]
     print(f"# calibrated stage compute: fwd {r0['calibrated_fwd_ms']:.2f} ms, bwd {r0['calibrated_bwd_ms']:.2f} ms; "
           f"last stage (with the loss) fwd {r0['calibrated_last_fwd_ms']:.2f} ms, bwd {r0['calibrated_last_bwd_ms']:.2f} ms "

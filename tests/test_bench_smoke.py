@@ -175,11 +175,12 @@ def test_optim_step_bench_flop_count_matches_torchs_flop_counter():
 
 
 @pytest.mark.parametrize("backend", ["socket", "gloo"])
-def test_p2p_moves_every_size_intact_through_our_transports(capsys, backend):
+def test_p2p_moves_every_size_intact_through_our_transports(capsys, monkeypatch, backend):
     import p2p
 
+    monkeypatch.setenv("ASYNCPP_RECV_SPIN_US", "250")  # the ranks' setting, reported as such
     assert p2p.main(["--backend", backend, "--min-kib", "256", "--max-mib", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["backend"] == backend
+    assert result["backend"] == backend and result["recv_spin_us"] == 250
     assert [r["bytes"] for r in result["rows"]] == [256 << 10, 1 << 20]
     assert all(r["asyncpp_check"] and r["torch_check"] and r["asyncpp_us"] > 0 for r in result["rows"])

@@ -82,6 +82,13 @@ def recv_spin_us(environ=None, cpus: int | None = None) -> int:
     return int(raw)
 
 
+def recv_spin_of_local_launch(ranks: int) -> tuple[int, str]:
+    """(microseconds, setting) of the receive spin that ``ranks`` ranks spawned on this machine
+    get from the current environment: for benchmark headers."""
+    environ = dict(os.environ, WORLD_SIZE=str(ranks))
+    return recv_spin_us(environ), environ.get(RECV_SPIN_ENV, "").strip() or "auto"
+
+
 def rendezvous_key(run_id: str, stage: int) -> str:
     """Store key under which stage ``stage`` publishes its listener's ``host:port``."""
     return f"asyncpp/socket/{run_id}/{stage}"
@@ -158,4 +165,4 @@ def create_socket_transport(board, stage: int, stages: int, stage_ranks: Sequenc
 
 
 __all__ = ["SocketTransport", "SocketSetupError", "create_socket_transport", "advertised_host", "rendezvous_key",
-           "run_token", "recv_spin_us", "HOST_ENV", "RECV_SPIN_ENV"]
+           "run_token", "recv_spin_us", "recv_spin_of_local_launch", "HOST_ENV", "RECV_SPIN_ENV"]
