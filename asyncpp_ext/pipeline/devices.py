@@ -50,6 +50,12 @@ def needs_own_gpu(transport: str) -> bool:
     return transport in ("nccl", "torch")
 
 
+def local_ranks_from_env(environ) -> int:
+    """Ranks on this machine as a launcher's environment says: LOCAL_WORLD_SIZE (torchrun), else
+    WORLD_SIZE (a local spawn sets it for its ranks), else 1."""
+    return int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")))
+
+
 def local_world_size(launcher: str, ranks: int, environ) -> int:
     """Ranks on this machine: all ``ranks`` of a run spawned here; under torchrun its
     LOCAL_WORLD_SIZE (or WORLD_SIZE) from ``environ``."""
@@ -57,7 +63,7 @@ def local_world_size(launcher: str, ranks: int, environ) -> int:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     if launcher == "spawn":
         return ranks
-    return int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")))
+    return local_ranks_from_env(environ)
 
 
 def check_local_world(local_world: int, visible_gpus: int, transport: str, launcher: str = "spawn") -> None:

@@ -24,6 +24,7 @@ import socket
 from typing import Sequence
 
 from .._ext import C
+from .devices import local_ranks_from_env
 from .nccl import _check_run_id, channel_plan, default_store
 from .transport import TransportError
 
@@ -73,9 +74,8 @@ def recv_spin_us(environ=None, cpus: int | None = None) -> int:
     environ = os.environ if environ is None else environ
     raw = environ.get(RECV_SPIN_ENV, "").strip().lower()
     if raw in ("", "auto"):
-        local_ranks = int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1")))
         cpus = len(os.sched_getaffinity(0)) if cpus is None and hasattr(os, "sched_getaffinity") else cpus
-        return AUTO_RECV_SPIN_US if local_ranks <= (cpus or os.cpu_count() or 1) else 0
+        return AUTO_RECV_SPIN_US if local_ranks_from_env(environ) <= (cpus or os.cpu_count() or 1) else 0
     if not raw.isdigit() or int(raw) > MAX_RECV_SPIN_US:
         raise ValueError(f"{RECV_SPIN_ENV}={raw!r}: use auto or a whole number of microseconds from 0 to "
                          f"{MAX_RECV_SPIN_US} (how long a receive polls its socket before it sleeps; 0 never spins)")
