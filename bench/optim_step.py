@@ -16,6 +16,10 @@ destination against today's copy of W(t) into the destination plus an in-place s
 equal after three steps); "EF buffer"/"EF weights" time ef_source="buffer" and "weights" against EF
 off, all three interleaved in one run, on the out-of-place step.
 Run: .venv/bin/python bench/optim_step.py [--device cpu|cuda] [--repeats N] [--json]   (15 s at the default size)
+Width sweep: --muon-widths 256,1024,2048 runs only the bf16 Muon step against torch.optim.Muon, on
+--layers layers of matrices at each width. It uses the full set on every CPU, with or without bf16
+dot products (the header says which): without them torch's bf16 matmuls take minutes per step from
+width 1024 on (use --layers 1 --repeats 1 there).
 On --device cuda every case runs on GPU tensors (timed with a synchronize after each step), and the
 Newton-Schulz throughput of our step is set against plain bf16 torch.mm on the same shapes.
 
@@ -346,6 +350,27 @@ def print_table(rows, info):
               f"{fmt(r['ours']):>26}{r['speedup']:>8.2f}{err:>10}{ref_err:>10}{bound:>10}  {r['check']}")
 
 
+def parse_widths(text: str) -> list[int]:
+    """--muon-widths: comma-separated positive integers."""
+    try:
+        widths = [int(w) for w in text.split(",")]
+    except ValueError:
+        widths = []
+    if not widths or any(w < 1 for w in widths):
+        raise ValueError(f"--muon-widths {text!r}: give comma-separated positive widths, e.g. 256,1024,2048")
+    return widths
+
+
+def muon_width_rows(widths, layers, repeats):
+    """The bf16 Muon step against torch.optim.Muon at each width (the full set, whatever the CPU)."""
+    rows = []
+    for width in widths:
+        compare(rows, f"muon bf16-NS width {width}", gpt_matrices(layers, width),
+                lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16),
+                lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=WD), "torch.optim.Muon", repeats, "float64")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6)
@@ -353,12 +378,24 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds per case")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the parameters live")
+    ap.add_argument("--muon-widths", default=None, metavar="W1,W2,...",
+                    help="only the bf16 Muon step vs torch.optim.Muon, at each of these widths (--layers each)")
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no GPU")
+    if args.layers < 1 or args.width < 1 or args.repeats < 1:
+        ap.error(f"--layers, --width and --repeats must be >= 1 (got {args.layers}, {args.width}, {args.repeats})")
     load_start = "%.1f" % os.getloadavg()[0]
+    if args.muon_widths is not None:
+        try:
+            widths = parse_widths(args.muon_widths)
+        except ValueError as e:
+            ap.error(str(e))
+        if not hasattr(torch.optim, "Muon"):
+            ap.error(f"--muon-widths compares with torch.optim.Muon, which torch {torch.__version__} lacks (>= 2.9)")
+        return width_sweep(widths, args, load_start)
     mats = gpt_matrices(args.layers, args.width)
     all_shapes = mats + gpt_vectors(args.layers, args.width)
     bf16_path, bf16_reason = bf16_matmul_choice()  # $ASYNCPP_BF16_MATMUL or the CPU
@@ -422,6 +459,22 @@ def main(argv=None):
         print_breakdown(b)
     if mm is not None:
         print(f"# plain bf16 torch.mm, the same products on the same shapes: {mm:.2f} TFLOP/s")
+
+
+def width_sweep(widths, args, load_start) -> None:
+    bf16_path, bf16_reason = bf16_matmul_choice()
+    capability = ("bf16 dot products (AVX512-BF16 or AMX)" if cpu_has_bf16_dot() else "no bf16 dot products"
+                  ) if DEVICE.type == "cpu" else "GPU"
+    rows = muon_width_rows(widths, args.layers, args.repeats)
+    info = dict(torch=torch.__version__, threads=torch.get_num_threads(), layers=args.layers,
+                width=",".join(map(str, widths)), bf16_ns=f"{bf16_path} ({bf16_reason})", cpu_bf16=capability,
+                cpu_kernel_isa=build_info()["cpu_kernel_isa"], omp_runtimes=omp_runtimes(),
+                load_start=load_start, load_end="%.1f" % os.getloadavg()[0], device=str(DEVICE))
+    if args.json:
+        print(json.dumps(dict(info=info, rows=rows), indent=1))
+        return
+    print(f"# width sweep on {DEVICE}: {capability}")
+    print_table(rows, info)
 
 
 if __name__ == "__main__":

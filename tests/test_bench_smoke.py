@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
@@ -153,6 +154,29 @@ def test_optim_step_bench_checks_every_case_and_splits_the_step(capsys):
     assert set(phases) == {"NaN/Inf scan", "momentum kernel", "Newton-Schulz", "apply kernel",
                            "other (Python, lists)"}
     assert all(ms > 0 for label, ms in phases.items() if label != "other (Python, lists)")
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+def test_optim_step_width_sweep_compares_with_torch_muon_at_every_width(capsys):
+    import optim_step
+
+    optim_step.main(["--muon-widths", "32,64", "--layers", "1", "--repeats", "1", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    assert [r["case"] for r in rows] == ["muon bf16-NS width 32", "muon bf16-NS width 64"]
+    assert [r["params"] for r in rows] == [12 * 32 * 32, 12 * 64 * 64]  # 3w*w + w*w + 2 * 4w*w
+    assert all(r["reference"] == "torch.optim.Muon" and r["check"] == "ok" for r in rows), rows
+    assert result["info"]["cpu_bf16"] in ("bf16 dot products (AVX512-BF16 or AMX)", "no bf16 dot products")
+
+
+@pytest.mark.parametrize("widths", ["", "256,x", "0", "256,-1"])
+def test_optim_step_width_sweep_refuses_bad_widths(widths, capsys):
+    import optim_step
+
+    with pytest.raises(SystemExit) as e:
+        optim_step.main(["--muon-widths", widths])
+    assert e.value.code == 2
+    assert "--muon-widths" in capsys.readouterr().err
 
 
 def test_optim_step_bench_flop_count_matches_torchs_flop_counter():
