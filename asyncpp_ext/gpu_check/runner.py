@@ -20,7 +20,7 @@ PKG_PARENT = Path(__file__).resolve().parents[2]  # the directory holding asyncp
 BUILD_TESTS = ["tests/test_nccl_transport.py", "tests/test_optim_api.py", "tests/test_devices.py",
                "tests/test_transports.py"]
 TIMEOUTS = dict(build_tests=300, cuda_tests=420, nccl_self_test=120, train_one_gpu=320, train_two_gpus=300, bench_optim=240,
-                bench_p2p=180)
+                bench_muon_widths=240, bench_p2p=180)
 TRAIN_CLI = "import sys; from asyncpp_ext.training.cli import main; sys.exit(main(sys.argv[1:]))"
 SELF_TEST = ("import json, sys; from asyncpp_ext.pipeline.nccl import self_test; "
              "print(json.dumps(self_test('cuda:0', quick=sys.argv[1] == '1')))")
@@ -65,6 +65,9 @@ def plan(out: Path, gpus: int, quick: bool) -> list:
          two_reason),
         ("bench_optim", "bench/optim_step.py on GPU", [[sys.executable, str(PKG_PARENT / "bench" / "optim_step.py"),
                                                         "--device", "cuda", "--json"]], no_src),
+        ("bench_muon_widths", "bench/optim_step.py: bf16 Muon vs torch.optim.Muon at widths 256, 1024, 2048 on GPU",
+         [[sys.executable, str(PKG_PARENT / "bench" / "optim_step.py"), "--device", "cuda", "--muon-widths",
+           "256,1024,2048", "--layers", "2", "--repeats", "10", "--json"]], no_src),
         ("bench_p2p", "bench/p2p.py on GPU", [[sys.executable, str(PKG_PARENT / "bench" / "p2p.py"), "--backend",
                                                "nccl", "--json"]],
          no_src or (None if gpus >= 2 else f"needs 2 GPUs ({gpus} visible): its nccl backend runs one rank per "
@@ -236,7 +239,8 @@ def section_bench(key):
 
 RUNNERS = dict(build_tests=section_pytest("build_tests"), cuda_tests=section_pytest("cuda_tests"), nccl_self_test=section_self_test,
                train_one_gpu=section_train_one_gpu, train_two_gpus=section_train_two_gpus,
-               bench_optim=section_bench("bench_optim"), bench_p2p=section_bench("bench_p2p"))
+               bench_optim=section_bench("bench_optim"),
+               bench_muon_widths=section_bench("bench_muon_widths"), bench_p2p=section_bench("bench_p2p"))
 
 
 def count_gpus() -> int:
