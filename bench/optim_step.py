@@ -346,8 +346,8 @@ def print_table(rows, info):
         bound = "-" if r["err_bound"] is None else f"{r['err_bound']:.2e}"
         ref_err = "-" if math.isnan(r["ref_err_vs_float64"]) else f"{r['ref_err_vs_float64']:.2e}"
         err = "-" if math.isnan(r["max_rel_err"]) else f"{r['max_rel_err']:.2e}"
-        print(f"  {r['case']:<30}{r['reference']:<24}{r['tensors']:>7}{r['params']:>10}{fmt(r['ref']):>26}"
-              f"{fmt(r['ours']):>26}{r['speedup']:>8.2f}{err:>10}{ref_err:>10}{bound:>10}  {r['check']}")
+        print(f"  {r['case']:<30}{r['reference']:<24}{r['tensors']:>7}{r['params']:>10} {fmt(r['ref']):>25}"
+              f" {fmt(r['ours']):>25}{r['speedup']:>8.2f}{err:>10}{ref_err:>10}{bound:>10}  {r['check']}")
 
 
 def parse_widths(text: str) -> list[int]:
