@@ -15,6 +15,7 @@ from asyncpp_ext.pipeline import Pipeline, init_distributed
 CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16)
 GLOBAL_MICRO_BATCH = 4   # sequences per microbatch over all replicas
 MICROBATCHES = 4
+ADAMW_LR = 3e-3          # the hybrid's AdamW part (embeddings, head, vectors)
 
 
 def global_batches(steps: int, seed: int = 3):
@@ -27,7 +28,7 @@ def global_batches(steps: int, seed: int = 3):
 
 
 def muon_factory(module):
-    return build_optimizer(module, "muon", 0.02, ef_beta=0.5, weight_decay=0.01, adamw_lr=3e-3)
+    return build_optimizer(module, "muon", 0.02, ef_beta=0.5, weight_decay=0.01, adamw_lr=ADAMW_LR)
 
 
 def run_configs(configs: list, steps: int, out_dir: str) -> None:

@@ -46,6 +46,30 @@ def _comparable(name, t):
     return t
 
 
+def _is_adamw_updated(name, t):
+    """The hybrid's rule (optim.routing): embeddings, the head and every non-matrix go to AdamW."""
+    return t.dim() != 2 or "embed" in name or name.startswith("head")
+
+
+def _assert_same_weights(name, got, ref):
+    """fp32-level agreement. AdamW normalises each element by its own second moment, so an element
+    whose gradient nearly cancels still moves by ~lr, and the rounding of two summation orders
+    (~1e-7 of the typical gradient, so ~1e-2 of that element's) reaches its weight as a small
+    fraction of lr: seen on an AVX-512 CPU, token 45's row of the table at the step it first
+    occurs, gradient 1.4e-7 vs a typical 2e-3, differing by 0.7 % between the groupings, weight by
+    2.8e-6. Such elements may leave the fp32 bound (at most 1 in 1000, within 1e-3 of lr per step);
+    a replica that trains on other data or misses the average moves whole rows by ~lr."""
+    got, ref = _comparable(name, got), _comparable(name, ref)
+    tight = torch.isclose(got, ref, rtol=1e-5, atol=1e-6)
+    if not _is_adamw_updated(name, ref):
+        assert tight.all(), (name, float((got - ref).abs().max()))
+        return
+    outside = int((~tight).sum())
+    worst = float((got - ref).abs().max())
+    assert outside <= max(1, ref.numel() // 1000), (name, outside, worst)
+    assert worst <= 1e-3 * w.ADAMW_LR * STEPS, (name, worst)
+
+
 def _last_stage(results, name, replica=0):
     return next(r[name] for r in results if r[name]["stage"] == 1 and r[name]["replica"] == replica)
 
@@ -68,8 +92,7 @@ def test_two_replicas_give_the_one_replica_losses(runs, schedule):
             got = r2[rank][schedule]["params"]
             assert got.keys() == ref.keys()
             for name in ref:
-                assert torch.allclose(_comparable(name, got[name]), _comparable(name, ref[name]),
-                                      rtol=1e-5, atol=1e-6), name
+                _assert_same_weights(name, got[name], ref[name])
 
 
 def test_the_2bw_delay_is_kept_under_data_parallelism(runs):
