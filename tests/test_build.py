@@ -270,10 +270,39 @@ def test_isa_variant_objects_define_nothing_outside_their_namespace():
         assert not foreign, f"{obj.name} defines symbols shared with the other ISA units: {foreign}"
 
 
+def _defined_dynamic_symbols(module: Path) -> list:
+    out = subprocess.run(["nm", "-D", "--defined-only", str(module)], capture_output=True, text=True, check=True)
+    return [line.split()[-1] for line in out.stdout.splitlines() if line.strip()]
+
+
+def test_the_module_exports_its_init_function_alone():
+    """cmake/module_exports.map: nothing but PyInit__C is visible outside _C, so no symbol of ours,
+    of cudart or of a static libstdc++ can be mixed up with the copies torch loaded."""
+    if shutil.which("nm") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs nm (binutils) on Linux")
+    assert _defined_dynamic_symbols(Path(asyncpp_ext._C.__file__)) == ["PyInit__C"]
+
+
+# A bad channel list: its refusal formats integers (the stream code a static libstdc++ copy broke).
+BAD_CHANNEL_PROBE = """
+import torch  # loads the shared libstdc++ first, as in every real use
+from asyncpp_ext import _C
+class NoReceives:
+    def new_recv_buffer(self, kind):
+        raise AssertionError
+try:
+    _C.NcclTransport(1, 0, 0, [(0, True, 0, 1, b"x" * 128)], _C.MessageBoard(NoReceives()))
+except ValueError as e:
+    print(e)
+"""
+
+
 def test_cuda_off_build_skips_cuda_and_imports(tmp_path):
     """A full CPU-only, baseline-ISA-only build into a scratch copy of the package, then import it
     there. Its kernels must give the very bits the main build's ISA variant gives (cpu_isa.h), and
-    an ISA it did not build is refused."""
+    an ISA it did not build is refused. It links libstdc++ statically, as some toolchains do (one
+    GPU machine's did): its C++ error messages must still format, which needs the module to keep
+    that copy to itself."""
     import pybind11
 
     pkg = tmp_path / "asyncpp_ext"
@@ -283,7 +312,7 @@ def test_cuda_off_build_skips_cuda_and_imports(tmp_path):
     # ~25 % less build time; the kernels carry their own -O3 and FP flags (CMakeLists.txt), which
     # is what the bitwise comparison below is about.
     configure = [_cmake(), "-S", str(ROOT), "-B", str(build), "-DASYNCPP_CUDA=off", "-DCMAKE_BUILD_TYPE=None",
-                 "-DCMAKE_CXX_FLAGS=-DASYNCPP_NO_ISA_CLONES",
+                 "-DCMAKE_CXX_FLAGS=-DASYNCPP_NO_ISA_CLONES", "-DCMAKE_MODULE_LINKER_FLAGS=-static-libstdc++",
                  f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={pkg}", f"-DPython_EXECUTABLE={sys.executable}",
                  f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"]
     subprocess.run(configure, check=True, capture_output=True, timeout=300)
@@ -303,5 +332,12 @@ def test_cuda_off_build_skips_cuda_and_imports(tmp_path):
     digests = [subprocess.run([sys.executable, "-c", KERNEL_DIGEST], cwd=cwd, env=env, capture_output=True,
                               text=True, check=True).stdout for cwd, env in ((tmp_path, scratch_env), (ROOT, main_env))]
     assert digests[0] == digests[1], "the baseline-only build vs the main build's best variant"
+    refusal = subprocess.run([sys.executable, "-c", BAD_CHANNEL_PROBE], cwd=tmp_path, capture_output=True, text=True,
+                             env=scratch_env, timeout=120)
+    assert refusal.returncode == 0 and refusal.stdout.startswith(
+        "channels[0]: stage 1 sends activations to stage 2, not stage 0"), (refusal.returncode, refusal.stdout,
+                                                                             refusal.stderr[-2000:])
+    if shutil.which("nm") is not None:
+        assert _defined_dynamic_symbols(next(pkg.glob("_C*.so"))) == ["PyInit__C"]
     _assert_refused("avx2", "ASYNCPP_CPU_ISA=avx2: this build has no avx2 variant (it was built with "
                             "-DASYNCPP_NO_ISA_CLONES); use one of auto, baseline (or unset it)", tmp_path, scratch_env)
