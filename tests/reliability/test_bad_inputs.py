@@ -102,7 +102,7 @@ def _setup(tmp_path, finished_runs, kind, monkeypatch):
             return FAST + ["--out", out], None
     if kind.startswith("gpus "):  # "gpus N[ nonccl] FLAGS": torch pretends to see N GPUs (and no NCCL library)
         _, count, rest = kind.split(" ", 2)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: int(count) > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: int(count))
         if rest.startswith("nonccl "):
             from asyncpp_ext.pipeline import nccl
@@ -145,8 +145,9 @@ BAD_INPUTS = [
     ("pipe --stages 3 --schedule 2bw", "2bw needs microbatches >= stages"),
     ("pipe --schedule sync", "--schedule sync is the one-process reference rule"),
     # devices and transports (multi-process runs; refused before any rank starts)
-    ("pipe --device cuda", "--device: train.device=cuda but no CUDA GPU is visible; use --device cpu"),
-    ("pipe --device cuda --transport gloo", "--device: train.device=cuda but no CUDA GPU is visible"),
+    # "gpus 0": no GPU visible, also on a machine that has one
+    ("gpus 0 --device cuda", "--device: train.device=cuda but no CUDA GPU is visible; use --device cpu"),
+    ("gpus 0 --device cuda --transport gloo", "--device: train.device=cuda but no CUDA GPU is visible"),
     ("pipe --transport nccl", "--transport: pipeline.transport='nccl' moves CUDA tensors but train.device='cpu'"),
     ("--transport nccl", "--transport: pipeline.transport='nccl' moves CUDA tensors but train.device='cpu'"),
     ("pipe --transport bogus", "argument --transport: invalid choice: 'bogus'"),
