@@ -1,4 +1,5 @@
 """Rank functions for the reliability tests (importable by spawned ranks)."""
+import itertools
 import os
 import time
 
@@ -96,11 +97,12 @@ class PoisonGradAt(nn.Module):
     forward calls, m per step) while the gradient it passes on stays finite."""
 
     _calls: dict = {}  # shared by the 2bw weight replicas (deep copies keep the same key)
+    _keys = itertools.count()  # a fresh key per instance (an object's address can be reused at once)
 
     def __init__(self, step: int, m: int):
         super().__init__()
         self.w = nn.Parameter(torch.ones(1))
-        self.step, self.m, self.key = step, m, object().__repr__()
+        self.step, self.m, self.key = step, m, next(PoisonGradAt._keys)
 
     def forward(self, x):
         if not torch.is_grad_enabled():  # the start-up shape probe is not a microbatch
