@@ -17,7 +17,9 @@ equal after three steps); "EF buffer"/"EF weights" time ef_source="buffer" and "
 off, all three interleaved in one run, on the out-of-place step.
 Run: .venv/bin/python bench/optim_step.py [--device cpu|cuda] [--repeats N] [--json]   (15 s at the default size)
 Width sweep: --muon-widths 256,1024,2048 runs only the bf16 Muon step against torch.optim.Muon, on
---layers layers of matrices at each width. It uses the full set on every CPU, with or without bf16
+--layers layers of matrices at each width, and, where bf16 matmuls are native, the matmul bound:
+NS5's flops as plain bf16 torch.mm on the same shapes, and the speedup over torch a step doing only
+those matmuls would reach (once both steps run at the matmul rate, no faster NS5 is possible). It uses the full set on every CPU, with or without bf16
 dot products (the header says which): without them torch's bf16 matmuls take minutes per step from
 width 1024 on (use --layers 1 --repeats 1 there).
 On --device cuda every case runs on GPU tensors (timed with a synchronize after each step), and the
@@ -151,7 +153,9 @@ def interleaved_times(steppers, repeats):
 
 
 def summary(ts):
-    q = statistics.quantiles(ts, n=10) if len(ts) >= 2 else [ts[0]] * 9
+    # inclusive: the percentiles stay inside the measured range (the default method extrapolates
+    # past it with few rounds, down to negative times)
+    q = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) >= 2 else [ts[0]] * 9
     return dict(median_ms=statistics.median(ts) * 1e3, p10_ms=q[0] * 1e3, p90_ms=q[-1] * 1e3)
 
 
@@ -361,14 +365,38 @@ def parse_widths(text: str) -> list[int]:
     return widths
 
 
-def muon_width_rows(widths, layers, repeats):
-    """The bf16 Muon step against torch.optim.Muon at each width (the full set, whatever the CPU)."""
+def muon_width_rows(widths, layers, repeats, native_bf16):
+    """The bf16 Muon step against torch.optim.Muon at each width (the full set, whatever the CPU).
+
+    Where bf16 matmuls are native (a GPU, or a CPU with bf16 dot products) each row also gets the
+    matmul bound: NS5's products on the same shapes as plain bf16 torch.mm (``mm_tflops``), the
+    rate each step reaches on NS5's flops (its other work counted in its time), and
+    ``speedup_ceiling``, torch's time over the time of NS5's flops at the plain-matmul rate: the
+    lead over torch.optim.Muon that a Muon step doing nothing but those matmuls would have."""
     rows = []
     for width in widths:
-        compare(rows, f"muon bf16-NS width {width}", gpt_matrices(layers, width),
+        shapes = gpt_matrices(layers, width)
+        compare(rows, f"muon bf16-NS width {width}", shapes,
                 lambda ps: Muon(ps, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16),
                 lambda ps: torch.optim.Muon(ps, lr=LR, weight_decay=WD), "torch.optim.Muon", repeats, "float64")
+        row, flops = rows[-1], ns_flops(shapes)
+        row["ns_gflop"] = flops / 1e9
+        if native_bf16:
+            row["mm_tflops"] = mm_tflops(shapes, repeats)
+            row["ours_tflops"] = flops / (row["ours"]["median_ms"] * 1e-3) / 1e12
+            row["ref_tflops"] = flops / (row["ref"]["median_ms"] * 1e-3) / 1e12
+            row["speedup_ceiling"] = row["mm_tflops"] / row["ref_tflops"]
     return rows
+
+
+def print_matmul_bound(rows) -> None:
+    print("# matmul bound: NS5 flops; plain bf16 torch.mm on the same products; each step's rate on those "
+          "flops; ceiling = the speedup over torch of a step that only does NS5's matmuls at the plain rate")
+    print(f"# {'case':<28}{'NS GFLOP':>10}{'mm TFLOP/s':>12}{'ours TFLOP/s':>14}{'torch TFLOP/s':>15}"
+          f"{'speedup':>9}{'ceiling':>9}")
+    for r in rows:
+        print(f"  {r['case']:<28}{r['ns_gflop']:>10.1f}{r['mm_tflops']:>12.3f}{r['ours_tflops']:>14.3f}"
+              f"{r['ref_tflops']:>15.3f}{r['speedup']:>9.2f}{r['speedup_ceiling']:>9.2f}")
 
 
 def main(argv=None):
@@ -465,7 +493,8 @@ def width_sweep(widths, args, load_start) -> None:
     bf16_path, bf16_reason = bf16_matmul_choice()
     capability = ("bf16 dot products (AVX512-BF16 or AMX)" if cpu_has_bf16_dot() else "no bf16 dot products"
                   ) if DEVICE.type == "cpu" else "GPU"
-    rows = muon_width_rows(widths, args.layers, args.repeats)
+    native = DEVICE.type == "cuda" or bf16_path == "native"
+    rows = muon_width_rows(widths, args.layers, args.repeats, native)
     info = dict(torch=torch.__version__, threads=torch.get_num_threads(), layers=args.layers,
                 width=",".join(map(str, widths)), bf16_ns=f"{bf16_path} ({bf16_reason})", cpu_bf16=capability,
                 cpu_kernel_isa=build_info()["cpu_kernel_isa"], omp_runtimes=omp_runtimes(),
@@ -475,6 +504,10 @@ def width_sweep(widths, args, load_start) -> None:
         return
     print(f"# width sweep on {DEVICE}: {capability}")
     print_table(rows, info)
+    if native:
+        print_matmul_bound(rows)
+    else:
+        print("# no matmul bound: bf16 matmuls are not native here (emulated NS), so torch's are a slow path")
 
 
 if __name__ == "__main__":

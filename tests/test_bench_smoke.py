@@ -167,6 +167,22 @@ def test_optim_step_width_sweep_compares_with_torch_muon_at_every_width(capsys):
     assert [r["params"] for r in rows] == [12 * 32 * 32, 12 * 64 * 64]  # 3w*w + w*w + 2 * 4w*w
     assert all(r["reference"] == "torch.optim.Muon" and r["check"] == "ok" for r in rows), rows
     assert result["info"]["cpu_bf16"] in ("bf16 dot products (AVX512-BF16 or AMX)", "no bf16 dot products")
+    assert [r["ns_gflop"] for r in rows] == [optim_step.ns_flops(optim_step.gpt_matrices(1, w)) / 1e9 for w in (32, 64)]
+    if optim_step.bf16_matmul_choice()[0] == "native":  # the matmul bound, from the row's own times
+        for r in rows:
+            assert r["mm_tflops"] > 0 and r["speedup_ceiling"] == pytest.approx(r["mm_tflops"] / r["ref_tflops"])
+            assert r["ours_tflops"] == pytest.approx(r["ns_gflop"] / r["ours"]["median_ms"])
+    else:
+        assert all("speedup_ceiling" not in r for r in rows)
+    for r in rows:
+        assert r["ref"]["p10_ms"] <= r["ref"]["median_ms"] <= r["ref"]["p90_ms"]
+
+
+def test_bench_percentiles_stay_inside_the_measured_range():
+    import optim_step
+
+    s = optim_step.summary([0.010, 0.001, 0.003])
+    assert 1.0 <= s["p10_ms"] <= s["median_ms"] == 3.0 <= s["p90_ms"] <= 10.0
 
 
 @pytest.mark.parametrize("widths", ["", "256,x", "0", "256,-1"])
