@@ -8,6 +8,7 @@ import torch
 from .error_feedback import ErrorFeedback
 from .library import LIBRARY_OPTIMIZERS, build_library_optimizer
 from .optimizers import AdamW, MuonHybrid
+from .param_groups import named_param_groups
 
 MUON_NAMES = ("muon", "normuon")
 """The names built as MuonHybrid (Muon or NorMuon matrices, an AdamW part for the rest)."""
@@ -79,5 +80,5 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     else:
         sgd_kwargs = dict(momentum=0.9)
         sgd_kwargs.update(kwargs)
-        opt = torch.optim.SGD(named, lr=lr, weight_decay=weight_decay, **sgd_kwargs)
+        opt = torch.optim.SGD(named_param_groups(named), lr=lr, weight_decay=weight_decay, **sgd_kwargs)
     return ErrorFeedback(opt, ef_beta, **ef) if ef_beta > 0 else opt

@@ -25,6 +25,7 @@ from . import _kernels as K
 from .errors import NonFiniteGradientError
 from .newton_schulz import Workspace, orthogonalize
 from .normuon import NORMUON_BETA2, check_normuon_args, normuon_updates
+from .param_groups import named_param_groups
 from .sharding import assign_owners, gather_updates
 from .versioned import EF_SOURCES, copy_sources
 
@@ -156,6 +157,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.shard_group = group
 
     def add_param_group(self, param_group):
+        # (name, tensor) pairs split here, as torch >= 2.6 would (torch 2.5 takes only tensors);
+        # torch's __init__ hands every group to this method.
+        (param_group,) = named_param_groups([param_group])
         super().add_param_group(param_group)
         if hasattr(self, "_validated"):
             self._validate_group(len(self.param_groups) - 1, self.param_groups[-1])

@@ -13,6 +13,8 @@ import inspect
 
 import torch
 
+from .param_groups import named_param_groups
+
 PACKAGE = "pytorch-optimizer"
 """The distribution name (its import name is ``pytorch_optimizer``)."""
 MODULE = "pytorch_optimizer"
@@ -101,7 +103,7 @@ def build_library_optimizer(named_params, name: str, lr: float, weight_decay: fl
         raise LibraryOptimizerError(f"{name}: no parameters to optimize")
     args = _fair_overrides(name, lr, weight_decay)
     args.update(kwargs)
-    return cls(named, **args)
+    return cls(named_param_groups(named), **args)
 
 
 __all__ = ["LIBRARY_OPTIMIZERS", "INSTALL_HINT", "MissingExtraError", "LibraryOptimizerError", "check_available",

@@ -96,7 +96,13 @@ def _local_store(rank: int, world: int, timeout: datetime.timedelta):
     # The launcher bound and listens on the port already and handed the socket over, so no other
     # process can take the port between choosing it and serving on it.
     listener = _store_listener or _listening_socket(addr, port, max(64, world))
-    return dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=listener.detach())
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=fd)
+    except RuntimeError as exc:  # torch 2.5's libuv server cannot start from a listening socket
+        if "listen fd" not in str(exc):
+            raise
+        return dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=fd, use_libuv=False)
 
 
 def _loopback_interface() -> str | None:
