@@ -143,7 +143,11 @@ def test_optim_step_bench_checks_every_case_and_splits_the_step(capsys):
     optim_step.main(["--layers", "1", "--width", "64", "--repeats", "2", "--json"])
     result = json.loads(capsys.readouterr().out)
     rows = result["rows"]
-    assert {r["case"] for r in rows} >= {"muon bf16-NS", "muon fp32-NS", "adamw", "muon bf16 EF on (beta 0.5)"}
+    # the row against torch.optim.Muon needs torch >= 2.9; the others run on every torch
+    expected = {"muon fp32-NS", "adamw", "muon bf16 EF on (beta 0.5)"} | (
+        {"muon bf16-NS"} if hasattr(torch.optim, "Muon") else set())
+    assert {r["case"] for r in rows} >= expected
+    assert ("muon bf16-NS" in {r["case"] for r in rows}) == hasattr(torch.optim, "Muon")
     for r in rows:
         assert r["ours"]["median_ms"] > 0 and r["ref"]["median_ms"] > 0
         if r["err_bound"] is not None:

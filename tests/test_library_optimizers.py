@@ -56,8 +56,12 @@ def direct(name, params, lr, wd, **kwargs):
     """The pytorch_optimizer class built by hand with the arguments library.py documents."""
     import pytorch_optimizer as po
 
+    from asyncpp_ext.optim.param_groups import named_param_groups
+
     extra = dict(lr_1d=lr, weight_decay_1d=wd) if name == "mars" else {}
-    return getattr(po, LIBRARY_OPTIMIZERS[name])(params, lr=lr, weight_decay=wd, **extra, **kwargs)
+    # named pairs split as library.py splits them (torch 2.5 takes no pairs)
+    return getattr(po, LIBRARY_OPTIMIZERS[name])(named_param_groups(params), lr=lr, weight_decay=wd, **extra,
+                                                 **kwargs)
 
 
 # Extra keywords per optimizer: SOAP refreshes its eigenbasis every 2 steps so 5 steps reach the

@@ -99,10 +99,14 @@ def _local_store(rank: int, world: int, timeout: datetime.timedelta):
     fd = listener.detach()
     try:
         return dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=fd)
-    except RuntimeError as exc:  # torch 2.5's libuv server cannot start from a listening socket
+    except RuntimeError as exc:
         if "listen fd" not in str(exc):
             raise
-        return dist.TCPStore(addr, port, world, True, timeout=timeout, master_listen_fd=fd, use_libuv=False)
+    # torch 2.5's libuv server cannot start from a listening socket, and its legacy server can
+    # leave a rank hanging in destroy_process_group: release the port and let the server bind it
+    # (another process could take it in between; a failed bind then names the port).
+    os.close(fd)
+    return dist.TCPStore(addr, port, world, True, timeout=timeout)
 
 
 def _loopback_interface() -> str | None:
