@@ -19,9 +19,9 @@ Run: .venv/bin/python bench/optim_step.py [--device cpu|cuda] [--repeats N] [--j
 Width sweep: --muon-widths 256,1024,2048 runs only the bf16 Muon step against torch.optim.Muon, on
 --layers layers of matrices at each width, and, where bf16 matmuls are native, the matmul bound:
 NS5's flops as plain bf16 torch.mm on the same shapes, and the speedup over torch a step doing only
-those matmuls would reach (once both steps run at the matmul rate, no faster NS5 is possible). It uses the full set on every CPU, with or without bf16
-dot products (the header says which): without them torch's bf16 matmuls take minutes per step from
-width 1024 on (use --layers 1 --repeats 1 there).
+those matmuls would reach (once both steps run at the matmul rate, no faster NS5 is possible). It
+uses the full set on every CPU, with or without bf16 dot products (the header says which): without
+them torch's bf16 matmuls take minutes per step from width 1024 on (use --layers 1 --repeats 1 there).
 On --device cuda every case runs on GPU tensors (timed with a synchronize after each step), and the
 Newton-Schulz throughput of our step is set against plain bf16 torch.mm on the same shapes.
 
