@@ -122,3 +122,43 @@ def socket_spin_worker(out_dir: str, spin_us: int) -> None:
     with open(os.path.join(out_dir, f"spin{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()  # stage 1 keeps its end open until stage 0's wait has timed out
+
+
+def socket_inline_worker(out_dir: str, inline_bytes: int) -> None:
+    """Stage 0 posts a receive of a small gradient, then waits for its send of a 64 MiB activation
+    (more than the sockets buffer, so the send completes only as stage 1 reads it). Stage 1 sends
+    the gradient 0.2 s in, then reads the activation. The gradient must have arrived by the time
+    stage 0's send wait returns, read during that wait (inline) or by the progress thread."""
+    import time
+
+    import torch.distributed as dist
+    from asyncpp_ext import _C as C
+    from asyncpp_ext.pipeline.sockets import create_socket_transport
+
+    big = 16 * 1024 * 1024  # float32 elements: 64 MiB
+
+    class Host:
+        def new_recv_buffer(self, kind: int) -> torch.Tensor:
+            return torch.empty(big if kind == 0 else 4)
+
+    rank, _ = init_distributed(30)
+    board = C.MessageBoard(Host())
+    t = create_socket_transport(board, rank, 2, [0, 1], run_id=f"inline{inline_bytes}", timeout_s=30,
+                                inline_bytes=inline_bytes)
+    if rank == 0:
+        grad = t.impl.post_recv(1, 0, 0, 1)
+        board.put_send(0, 0, 0, torch.arange(float(big)))
+        t.impl.wait(t.impl.post_send(0, 0, 0, 1), 20.0)
+        result = {"gradient_done_after_send_wait": t.impl.test(grad)}
+        t.impl.wait(grad, 20.0) if not result["gradient_done_after_send_wait"] else None
+        result["gradient"] = board.received(1, 0, 0).tolist()
+    else:
+        time.sleep(0.2)
+        board.put_send(1, 0, 0, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        t.impl.wait(t.impl.post_send(1, 0, 0, 0), 20.0)
+        t.impl.wait(t.impl.post_recv(0, 0, 0, 0), 20.0)
+        got = board.received(0, 0, 0)
+        result = {"activation_ok": bool(torch.equal(got, torch.arange(float(big))))}
+    with open(os.path.join(out_dir, f"inline{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()

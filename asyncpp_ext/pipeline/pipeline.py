@@ -9,7 +9,6 @@ receives per-step statistics as steps complete.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from .nonfinite import NonFiniteGuard
 from .partition import as_blocks, split
 from .recompute import resolve_autocast
 from .stage import Signature, StageError, StageHost
+from .step_feed import StepFeed
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, choose_transport  # noqa: F401 (TRANSPORTS: public name kept here)
@@ -391,12 +391,12 @@ class Pipeline:
             if first is not None:
                 self._pulled[self.next_step] = first
             self._handshake(first[0][0] if self.host.is_first else None)
-        first_step, events = self.next_step, queue.SimpleQueue()
+        first_step, feed = self.next_step, StepFeed()
         start = time.monotonic()
         tokens_per_step = self.m * self.tokens_per_microbatch * self.dp
 
         def on_step(step: int, loss: float | None, skipped: bool = False) -> None:
-            events.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage, skipped))
+            feed.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage, skipped))
 
         self.host.on_step = on_step
         done = object()
@@ -427,18 +427,17 @@ class Pipeline:
                     self.trace.extend(trace)
                     if len(self.trace) > self.trace_limit:
                         del self.trace[:len(self.trace) - self.trace_limit]
-                events.put(done)
+                feed.finish(done)
             except BaseException as e:  # handed to the caller's thread
                 if isinstance(e, TransportError):  # on record like a stalled rank's state
                     self.watchdog.dump_state(f"lost a peer: {e}")
-                events.put(e)
+                feed.finish(e)
 
         if self.host.exchange is not None:
             self.exchange.begin_segment(first_step, steps)
         thread = threading.Thread(target=worker, name=f"asyncpp-stage{self.stage}", daemon=True)
         thread.start()
-        while True:
-            item = events.get()
+        for item in feed.items((done, BaseException)):
             if item is done:
                 break
             if isinstance(item, BaseException):

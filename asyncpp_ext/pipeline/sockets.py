@@ -13,6 +13,9 @@ to MASTER_ADDR (what torchrun's other nodes can reach).
 A receive the executor waits for polls its socket without sleeping for up to
 ``ASYNCPP_RECV_SPIN_US`` microseconds before it blocks (see :func:`recv_spin_us`): waking a
 sleeping receiver puts a cross-CPU wake-up on the pipeline's critical path, once per transfer.
+Receives of at most ``ASYNCPP_INLINE_RECV_BYTES`` (default 65536) are read only by the waiting
+executor thread (see :func:`inline_recv_bytes`); larger ones also by the progress thread as their
+data arrives, so their copy overlaps the stage's compute.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ HOST_ENV = "ASYNCPP_SOCKET_HOST"
 RECV_SPIN_ENV = "ASYNCPP_RECV_SPIN_US"
 AUTO_RECV_SPIN_US = 1000  # covers most waits of a fine-grained pipeline (0.1-0.7 ms, docs/results.md)
 MAX_RECV_SPIN_US = 1_000_000  # the C++ transport's kMaxRecvSpinUs
+INLINE_RECV_ENV = "ASYNCPP_INLINE_RECV_BYTES"
+DEFAULT_INLINE_RECV_BYTES = 64 * 1024  # the C++ transport's kDefaultInlineRecvBytes
 TRANSPORT_FAILURE = ": socket transport: "  # in every message of the C++ transport's failures
 
 
@@ -82,6 +87,23 @@ def recv_spin_us(environ=None, cpus: int | None = None) -> int:
     return int(raw)
 
 
+def inline_recv_bytes(environ=None) -> int:
+    """The largest receive (payload bytes) that only the waiting executor thread reads:
+    ``ASYNCPP_INLINE_RECV_BYTES``, a whole number (0: every receive may be read by the progress
+    thread), default 65536. A hand-over to the progress thread costs a wake-up and, on a core the
+    stage computes on, a context switch, which is more than copying a small message; a large one
+    is worth reading as it arrives, while the stage computes. ValueError naming the variable for
+    anything else."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(INLINE_RECV_ENV, "").strip()
+    if not raw:
+        return DEFAULT_INLINE_RECV_BYTES
+    if not raw.isdigit():
+        raise ValueError(f"{INLINE_RECV_ENV}={raw!r}: use a whole number of bytes (receives up to that size are "
+                         "read only by the waiting executor thread; 0 for none)")
+    return int(raw)
+
+
 def recv_spin_of_local_launch(ranks: int) -> tuple[int, str]:
     """(microseconds, setting) of the receive spin that ``ranks`` ranks spawned on this machine
     get from the current environment: for benchmark headers."""
@@ -127,14 +149,16 @@ class SocketTransport:
 
 def create_socket_transport(board, stage: int, stages: int, stage_ranks: Sequence[int], *, store=None,
                             run_id: str = "run0", timeout_s: float = 300.0,
-                            spin_us: int | None = None) -> SocketTransport:
+                            spin_us: int | None = None, inline_bytes: int | None = None) -> SocketTransport:
     """Listen, publish this stage's address, read the neighbours', and connect every channel.
 
     ``board`` is the stage host's ``C.MessageBoard``. Every stage of the pipeline calls this with
     the same ``run_id``. Blocks until the neighbours have connected (at most ``timeout_s``).
-    ``spin_us``: see :func:`recv_spin_us` (None: from the environment)."""
+    ``spin_us``: see :func:`recv_spin_us`, ``inline_bytes``: see :func:`inline_recv_bytes` (None:
+    from the environment)."""
     _check_run_id(run_id)
     spin_us = recv_spin_us() if spin_us is None else spin_us
+    inline_bytes = inline_recv_bytes() if inline_bytes is None else inline_bytes
     if len(stage_ranks) != stages:
         raise ValueError(f"stage_ranks must list one rank per stage ({stages}), got {list(stage_ranks)}")
     plan = channel_plan(stage, stages)
@@ -158,11 +182,12 @@ def create_socket_transport(board, stage: int, stages: int, stage_ranks: Sequenc
         channels.append((ch.kind, ch.is_send, ch.peer, int(stage_ranks[ch.peer]), peer_host, peer_port))
     try:
         impl = C.SocketTransport(stage, listener, channels, run_token(run_id), float(timeout_s), board,
-                                 recv_spin_us=int(spin_us))
+                                 recv_spin_us=int(spin_us), inline_recv_bytes=int(inline_bytes))
     except RuntimeError as e:
         raise SocketSetupError(str(e).split(" [")[0]) from None
     return SocketTransport(impl)
 
 
 __all__ = ["SocketTransport", "SocketSetupError", "create_socket_transport", "advertised_host", "rendezvous_key",
-           "run_token", "recv_spin_us", "recv_spin_of_local_launch", "HOST_ENV", "RECV_SPIN_ENV"]
+           "run_token", "recv_spin_us", "recv_spin_of_local_launch", "inline_recv_bytes", "HOST_ENV",
+           "RECV_SPIN_ENV", "INLINE_RECV_ENV"]

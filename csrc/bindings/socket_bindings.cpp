@@ -36,7 +36,8 @@ std::vector<sock::ChannelSpec> parse_channels(const std::vector<py::tuple>& chan
 class PySocketTransport {
  public:
   PySocketTransport(int stage, const sock::Listener& listener, const std::vector<py::tuple>& channels,
-                    uint64_t token, double connect_timeout_s, py::object board, int64_t recv_spin_us)
+                    uint64_t token, double connect_timeout_s, py::object board, int64_t recv_spin_us,
+                    int64_t inline_recv_bytes)
       : stage_(stage), board_object_(board) {
     auto specs = parse_channels(channels);
     ASYNCPP_ARG_CHECK(py::isinstance<MessageBoard>(board), "board must be the stage host's MessageBoard "
@@ -44,7 +45,8 @@ class PySocketTransport {
     MessageBoard& buffers = board.cast<MessageBoard&>();
     py::gil_scoped_release release;  // connecting waits for the neighbours
     transport_ = std::make_unique<sock::SocketTransport>(stage, listener, std::move(specs), token,
-                                                         connect_timeout_s, buffers, recv_spin_us);
+                                                         connect_timeout_s, buffers, recv_spin_us,
+                                                         inline_recv_bytes);
   }
   ~PySocketTransport() {
     py::gil_scoped_release release;  // joins the progress thread
@@ -72,13 +74,16 @@ void bind_socket(py::module_& m) {
                                 "Boundary messages over TCP: one connection per neighbour and direction, "
                                 "moved by a progress thread (CPU tensors).")
       .def(py::init<int, const sock::Listener&, const std::vector<py::tuple>&, uint64_t, double, py::object,
-                    int64_t>(),
+                    int64_t, int64_t>(),
            py::arg("stage"), py::arg("listener"), py::arg("channels"), py::arg("token"),
            py::arg("connect_timeout_s"), py::arg("board"), py::arg("recv_spin_us") = 0,
+           py::arg("inline_recv_bytes") = sock::kDefaultInlineRecvBytes,
            "channels: list of (kind 0=activation/1=gradient, is_send, peer_stage, peer_rank, host, port), "
            "host/port being the receiver's listener (used by senders); token: a number identifying the run; "
            "board: the stage host's MessageBoard; recv_spin_us: microseconds a waited-for receive polls its "
-           "socket before it blocks (0 to 1e6). Blocks until every channel is connected.")
+           "socket before it blocks (0 to 1e6); inline_recv_bytes: receives up to this payload size are read "
+           "only by the waiting executor thread, never handed to the progress thread (0: none). Blocks until every "
+           "channel is connected.")
       .def_property_readonly("stage", &PySocketTransport::stage)
       .def("close", [](PySocketTransport& t) {
              sock::SocketTransport& impl = t.get();

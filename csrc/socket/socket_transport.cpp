@@ -148,11 +148,13 @@ void validate_channels(int stage, const std::vector<ChannelSpec>& channels) {
 // ---- set-up ------------------------------------------------------------------------------------
 SocketTransport::SocketTransport(int stage, const Listener& listener, std::vector<ChannelSpec> channels,
                                  uint64_t token, double connect_timeout_s, core::BufferProvider& buffers,
-                                 int64_t recv_spin_us)
-    : stage_(stage), buffers_(buffers), recv_spin_(recv_spin_us) {
+                                 int64_t recv_spin_us, int64_t inline_recv_bytes)
+    : stage_(stage), buffers_(buffers), recv_spin_(recv_spin_us), inline_recv_bytes_(inline_recv_bytes) {
   ASYNCPP_ARG_CHECK(connect_timeout_s > 0, "connect_timeout_s must be > 0, got ", connect_timeout_s);
   ASYNCPP_ARG_CHECK(recv_spin_us >= 0 && recv_spin_us <= kMaxRecvSpinUs, "recv_spin_us must lie in [0, ",
                     kMaxRecvSpinUs, "] (microseconds a receive polls before it blocks), got ", recv_spin_us);
+  ASYNCPP_ARG_CHECK(inline_recv_bytes >= 0, "inline_recv_bytes must be >= 0 (the largest receive only the "
+                    "executor's thread reads; 0 for none), got ", inline_recv_bytes);
   validate_channels(stage, channels);
   for (auto& spec : channels) channels_.push_back(Channel{std::move(spec), -1, {}, 0});
   try {
@@ -278,6 +280,7 @@ core::Transport::Request SocketTransport::post(const core::MessageKey& key, bool
     op.buffer = std::move(buffer);
     op.done_bytes = 0;
     op.state = State::queued;
+    op.inline_recv = !is_send && static_cast<int64_t>(op.buffer.view.nbytes()) <= inline_recv_bytes_;
     if (is_send)
       op.header = Header{kMagic, static_cast<uint32_t>(key.kind), key.step, key.microbatch,
                          static_cast<uint64_t>(op.buffer.view.nbytes())};
@@ -286,7 +289,8 @@ core::Transport::Request SocketTransport::post(const core::MessageKey& key, bool
     // Move what the socket takes right now on this thread: a small send usually completes here,
     // with no hand-over to the progress thread.
     if (c.queue.size() - c.queue_head == 1) pump(c);
-    if (op_state(index) != State::queued) return static_cast<Request>(index);
+    // Done, or read later by this thread while it waits: the progress thread need not know.
+    if (op_state(index) != State::queued || !progress_owned(c)) return static_cast<Request>(index);
   }
   wake();
   return static_cast<Request>(index);
@@ -315,9 +319,8 @@ void SocketTransport::wait(Request request, double timeout_s) {
     std::unique_lock<std::mutex> lock(mu_);
     ASYNCPP_CHECK(request >= 0 && static_cast<size_t>(request) < ops_.size() &&
                   ops_[request].state != State::free, where(), "unknown request ", request);
-    if (!ops_[request].is_send) wait_on_socket(lock, static_cast<size_t>(request), deadline);
-    const bool finished = done_cv_.wait_until(lock, deadline, [&] { return ops_[request].state != State::queued; });
-    if (!finished) {
+    wait_on_sockets(lock, static_cast<size_t>(request), deadline);
+    if (ops_[request].state == State::queued && failure_.empty()) {
       const std::string what = describe_op(ops_[request]);
       fail_locked(detail::concat(where(), what, ": no progress for ", timeout_s,
                                  " s (the peer is stalled or has failed)"));
@@ -327,29 +330,48 @@ void SocketTransport::wait(Request request, double timeout_s) {
   test(request);  // retires it, or throws the failure
 }
 
-// A receive is waited for on this thread: it polls the channel's socket itself (the progress
-// thread leaves that channel alone meanwhile), so arriving data needs no hand-over between threads.
-// For the first recv_spin_ of the wait it polls without sleeping (socket_transport.h says why).
-void SocketTransport::wait_on_socket(std::unique_lock<std::mutex>& lock, size_t index, Clock::time_point deadline) {
-  Channel& c = channels_[ops_[index].channel];
-  c.waiter = true;
-  const Clock::time_point spin_until = std::min(Clock::now() + recv_spin_, deadline);
+// A request is waited for on this thread: it polls the request's channel (which the progress
+// thread leaves alone meanwhile) and every channel whose next receive it reads inline, and moves
+// their bytes itself, so arriving data needs no hand-over between threads. Waiting for a receive
+// polls without sleeping for the first recv_spin_ (socket_transport.h says why).
+void SocketTransport::wait_on_sockets(std::unique_lock<std::mutex>& lock, size_t index,
+                                      Clock::time_point deadline) {
+  Channel& mine = channels_[ops_[index].channel];
+  mine.waiter = true;
+  uint64_t touched = 0;  // bit i: this wait moved bytes of channel i (a stage has at most 4)
+  const Clock::time_point spin_until =
+      ops_[index].is_send ? Clock::now() : std::min(Clock::now() + recv_spin_, deadline);
   while (ops_[index].state == State::queued && failure_.empty() && !stopping_) {
-    pump(c);
+    wait_fds_.clear();
+    wait_channels_.clear();
+    for (size_t i = 0; i < channels_.size() && failure_.empty(); ++i) {
+      Channel& c = channels_[i];
+      if (&c != &mine && !reads_inline(c)) continue;
+      touched |= uint64_t{1} << i;
+      pump(c);
+      if (&c == &mine ? c.queue_head < c.queue.size() : reads_inline(c)) {
+        wait_fds_.push_back(pollfd{c.fd, static_cast<short>(c.spec.is_send ? POLLOUT : POLLIN), 0});
+        wait_channels_.push_back(i);
+      }
+    }
     if (ops_[index].state != State::queued || !failure_.empty()) break;
-    const int fd = c.fd;
     lock.unlock();
-    pollfd pfd{fd, POLLIN, 0};
-    // Spinning: a zero timeout, so the socket is looked at again at once (the lock is released
+    // Spinning: a zero timeout, so the sockets are looked at again at once (the lock is released
     // meanwhile, so the watchdog and the progress thread are never held up).
     const bool spinning = Clock::now() < spin_until;
-    const int ready = poll(&pfd, 1, spinning ? 0 : std::min(remaining_ms(deadline), 100));
+    const int ready = poll(wait_fds_.data(), wait_fds_.size(), spinning ? 0 : std::min(remaining_ms(deadline), 100));
     if (spinning && ready == 0) sched_yield();  // another runnable thread of this CPU goes first
     lock.lock();
     if (ready == 0 && !spinning && Clock::now() >= deadline) break;
   }
-  c.waiter = false;
-  if (c.queue_head < c.queue.size()) wake();  // the progress thread takes the channel back
+  mine.waiter = false;
+  // A channel this thread polled may now hold ops the progress thread moves: hand them back.
+  for (size_t i = 0; i < channels_.size(); ++i) {
+    if ((touched >> i & 1) && progress_owned(channels_[i])) {
+      wake();
+      break;
+    }
+  }
 }
 
 std::vector<std::string> SocketTransport::pending_descriptions() const {
@@ -397,8 +419,8 @@ void SocketTransport::progress_loop() {
       if (failure_.empty()) {
         for (size_t i = 0; i < channels_.size(); ++i) {
           const Channel& c = channels_[i];
-          if (c.queue_head == c.queue.size()) continue;  // idle: a peer that closed is no error yet
-          if (c.waiter) continue;                          // the executor polls it itself
+          // Idle (a peer that closed is no error yet), or the executor's thread polls it itself.
+          if (!progress_owned(c)) continue;
           fds.push_back(pollfd{c.fd, static_cast<short>(c.spec.is_send ? POLLOUT : POLLIN), 0});
           which.push_back(i);
         }
@@ -418,7 +440,7 @@ void SocketTransport::progress_loop() {
     for (size_t k = 1; k < fds.size() && failure_.empty(); ++k) {
       if (fds[k].revents == 0) continue;
       Channel& c = channels_[which[k - 1]];
-      if (c.waiter) continue;
+      if (!progress_owned(c)) continue;
       if (!pump(c)) break;
     }
   }

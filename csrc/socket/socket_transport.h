@@ -12,8 +12,13 @@
 // The executor's thread posts and waits. What a socket takes at once is moved on the executor's
 // thread (a small send completes inside post_send; a receive being waited for is read by the
 // waiter), and a progress thread moves the rest, so large transfers advance while the stage
-// computes. No allocation per message once the request pool has grown.
+// computes. Receives of at most `inline_recv_bytes` never involve the progress thread: the
+// executor's thread reads them whenever it waits for anything (a wake-up of another thread costs
+// more than such a message takes to copy, and on a core the stage computes on it is a context
+// switch per message). No allocation per message once the request pool has grown.
 #pragma once
+#include <poll.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -59,6 +64,9 @@ void validate_channels(int stage, const std::vector<ChannelSpec>& channels);
 
 // The longest a receive may spin before it blocks (SocketTransport's recv_spin_us): 1 s.
 inline constexpr int64_t kMaxRecvSpinUs = 1'000'000;
+// Receives of at most this many payload bytes are read by the executor's thread alone (the
+// default of SocketTransport's inline_recv_bytes): what a loopback socket buffers without a reader.
+inline constexpr int64_t kDefaultInlineRecvBytes = 64 * 1024;
 
 class SocketTransport final : public core::Transport {
  public:
@@ -68,8 +76,11 @@ class SocketTransport final : public core::Transport {
   // wait for a receive polls its socket without sleeping before it blocks (0: block at once). A
   // sleeping receiver costs the sender a cross-CPU wake-up on the critical path (hundreds of us
   // on some VMs); a spinning one costs a core that is otherwise idle while the stage waits.
+  // `inline_recv_bytes`: receives up to this payload size are read only by the executor's thread,
+  // during its waits (0: every receive may be read by the progress thread as its data arrives).
   SocketTransport(int stage, const Listener& listener, std::vector<ChannelSpec> channels, uint64_t token,
-                  double connect_timeout_s, core::BufferProvider& buffers, int64_t recv_spin_us = 0);
+                  double connect_timeout_s, core::BufferProvider& buffers, int64_t recv_spin_us = 0,
+                  int64_t inline_recv_bytes = kDefaultInlineRecvBytes);
   ~SocketTransport() override;
   SocketTransport(const SocketTransport&) = delete;
   SocketTransport& operator=(const SocketTransport&) = delete;
@@ -102,6 +113,7 @@ class SocketTransport final : public core::Transport {
     Header header{};
     uint64_t done_bytes = 0;  // header + payload bytes moved so far
     State state = State::free;
+    bool inline_recv = false;  // a receive only the executor's thread reads (inline_recv_bytes)
   };
   struct Channel {
     ChannelSpec spec;
@@ -118,8 +130,16 @@ class SocketTransport final : public core::Transport {
   void progress_loop();
   // Moves bytes of the channel's front ops; false when the channel failed (failure_ set).
   bool pump(Channel& c);
-  void wait_on_socket(std::unique_lock<std::mutex>& lock, size_t index, Clock::time_point deadline);
+  void wait_on_sockets(std::unique_lock<std::mutex>& lock, size_t index, Clock::time_point deadline);
   State op_state(size_t index) const { return ops_[index].state; }
+  // The channel's next op is a receive only the executor's thread reads.
+  bool reads_inline(const Channel& c) const {
+    return c.queue_head < c.queue.size() && ops_[c.queue[c.queue_head]].inline_recv;
+  }
+  // The channel has ops the progress thread moves (it is neither idle nor the executor's).
+  bool progress_owned(const Channel& c) const {
+    return c.queue_head < c.queue.size() && !c.waiter && !reads_inline(c);
+  }
   bool pump_send(Channel& c, Op& op);
   bool pump_recv(Channel& c, Op& op);
   void fail_locked(const std::string& message);
@@ -130,6 +150,9 @@ class SocketTransport final : public core::Transport {
   int stage_;
   core::BufferProvider& buffers_;
   std::chrono::microseconds recv_spin_;
+  int64_t inline_recv_bytes_;
+  std::vector<pollfd> wait_fds_;        // the executor's poll set while it waits (reused)
+  std::vector<size_t> wait_channels_;   // the channel of each wait_fds_ entry
   std::vector<Channel> channels_;
   mutable std::mutex mu_;            // guards ops_, free_ops_, channel queues, failure_
   std::condition_variable done_cv_;  // an op completed or the transport failed
