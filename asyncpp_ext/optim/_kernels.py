@@ -156,5 +156,7 @@ def first_nonfinite(tensors) -> int:
     """Index of the first tensor holding NaN/Inf, or -1 (one read pass; syncs on CUDA)."""
     if not tensors:
         return -1
+    if not tensors[0].is_cuda:  # no device or stream to set: the pipeline checks small tensors per microbatch
+        return _K.first_nonfinite(capsules(tensors), 0)
     with on_device_of(tensors[0]):
         return _K.first_nonfinite(capsules(tensors), stream_of(tensors[0]))

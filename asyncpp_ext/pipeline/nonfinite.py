@@ -38,7 +38,7 @@ class NonFiniteError(RuntimeError):
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN/Inf in t. Float32 tensors go through the fused scan (one read, no temporary: measured
     0.9 vs 15-43 ms for torch.isfinite(t).all()/.any() on 6.8M elements); others through torch."""
-    if t.dtype == torch.float32 and t.is_contiguous() and t.device.type in ("cpu", "cuda"):
+    if t.dtype == torch.float32 and t.is_contiguous() and (t.is_cuda or t.is_cpu):
         return K.first_nonfinite([t]) < 0
     return bool(torch.isfinite(t).all())
 

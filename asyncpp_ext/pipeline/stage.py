@@ -59,6 +59,20 @@ def versions_alive(schedule: str, stage: int, stages: int) -> int:
     return 2 if schedule == "2bw" else 1
 
 
+# torch.autograd.backward converts and validates its arguments, a few microseconds per call; a
+# stage's output gradient has the output's shape and dtype by construction (the signature agreed
+# at start-up), so where torch exposes its engine call the stage makes that call directly.
+_engine_run_backward = getattr(getattr(torch.autograd, "graph", None), "_engine_run_backward", None)
+
+
+def run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """Accumulate d(output . grad)/d(leaves) into the leaves' .grad, as torch.autograd.backward."""
+    if _engine_run_backward is None:
+        torch.autograd.backward(output, grad)
+    else:
+        _engine_run_backward((output,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
 def _mean_loss(losses: list[float]) -> float:
     """The step loss: the mean of its microbatches' losses."""
     return sum(losses) / len(losses)
@@ -365,10 +379,10 @@ class StageHost:
             losses = self._losses.get(step)
             self.grad_sync.arm(_mean_loss(losses) if self.is_last else None)
         if self.is_last:
-            torch.autograd.backward(out, self._loss_gradient(out))
+            run_backward(out, self._loss_gradient(out))
         else:
             self.nonfinite.check_received_gradient(step, mb, received)
-            torch.autograd.backward(out, received)
+            run_backward(out, received)
         self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)
         if last and self.grad_sync is not None:
             self.grad_sync.launch_rest()
