@@ -31,10 +31,11 @@ Columns (all in microseconds per microbatch per stage; breakdowns are means over
 - cb-host: fwd + bwd minus the stage's own forward+backward measured alone in one process
   (median of 200): the Python host cost inside the callbacks.
 - ratio: our us/mb / torch's for the same schedule (2bw and pipedream: torch's 1f1b). Goal <= 0.25.
-- rt-us, rt-ratio: us/mb minus the slowest stage's compute alone, for ours and torch's runs (what
-  the runtime costs beyond the layer's own fwd+bwd, which both runtimes pay), and our rt-us over
-  torch's. The header says what share of torch's us/mb the compute alone is: no runtime can bring
-  the ratio below it.
+- rt-us, rt-ratio: us/mb minus the slowest stage's compute alone and its optimizer steps (the
+  optimizer's step measured alone, once per microbatch for pipedream, 1/m of it otherwise), for
+  ours and torch's runs: what the runtime costs beyond the work both runtimes pay; and our rt-us
+  over torch's. The header says what share of torch's us/mb the compute alone is: no runtime can
+  bring the ratio below it.
 """
 from __future__ import annotations
 
@@ -160,6 +161,34 @@ def stage_compute_us(stage: int, stages: int, repeats: int = COMPUTE_REPEATS) ->
         torch.set_num_threads(threads)
 
 
+def optimizer_step_alone_us(repeats: int = COMPUTE_REPEATS) -> float:
+    """Median µs of one step of the benchmark's optimizer (``_sgd`` on one stage's layer, gradients
+    set), alone in this process with one thread: the optimizer's own host cost, which a pipeline
+    pays once per step -- per microbatch for pipedream."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        layer = nn.Linear(WIDTH, WIDTH)
+        for p in layer.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer = _sgd(layer)
+        samples = []
+        for i in range(repeats + 20):
+            begin = time.perf_counter_ns()
+            optimizer.step()
+            if i >= 20:
+                samples.append(time.perf_counter_ns() - begin)
+        return statistics.median(samples) / 1e3
+    finally:
+        torch.set_num_threads(threads)
+
+
+def steps_per_microbatch(schedule: str, m: int) -> float:
+    """Optimizer steps a schedule takes per microbatch: one per microbatch for pipedream."""
+    return 1.0 if schedule == "pipedream" else 1.0 / m
+
+
 def _read_ranks(out_prefix: str, stages: int) -> list[dict]:
     results = []
     for rank in range(stages):
@@ -251,6 +280,7 @@ def measure(stages: int = 2, m: int = 8, steps: int = 50, warmup: int = 3, sched
     if repeats < 1:
         raise OverheadBenchError(f"--repeats must be >= 1 (got {repeats})")
     compute_us = [stage_compute_us(s, stages) for s in range(stages)]
+    step_us = optimizer_step_alone_us()
     runs = [("ours", s, t) for s in schedules for t in transports]
     runs += [("torch", s, "gloo") for s in TORCH_SCHEDULES
              if with_torch and any(s in (x, torch_baseline(x)) for x in schedules)]
@@ -264,8 +294,10 @@ def measure(stages: int = 2, m: int = 8, steps: int = 50, warmup: int = 3, sched
                     best[run] = row
                 best[run]["us_per_microbatch_repeats"] = figures
     rows = [best[run] for run in runs]
-    for r in rows:
-        r["runtime_us"] = r["us_per_microbatch"] - max(compute_us) if r["us_per_microbatch"] is not None else None
+    for r in rows:  # beyond the work any runtime does: the slowest stage's fwd+bwd and its optimizer steps
+        r["optimizer_step_alone_us"] = step_us
+        floor = max(compute_us) + step_us * steps_per_microbatch(r["schedule"], m)
+        r["runtime_us"] = r["us_per_microbatch"] - floor if r["us_per_microbatch"] is not None else None
     torch_rows = {r["schedule"]: r for r in rows if r["runtime"] == "torch" and r["us_per_microbatch"] is not None}
     for r in rows:
         baseline = torch_baseline(r["schedule"])
@@ -310,6 +342,9 @@ def format_table(result: dict) -> str:
                            if r["runtime"] == "torch" and r["us_per_microbatch"] is not None)
         if floors:
             lines.append(f"# compute alone / torch us/mb (the lowest ratio any runtime could reach here): {floors}")
+        lines.append(f"# optimizer step alone (torch SGD, median of {COMPUTE_REPEATS}): "
+                     f"{ours[0]['optimizer_step_alone_us']:.1f} us, paid once per step: per microbatch 1/m of it, "
+                     "pipedream all of it (rt-us subtracts compute and steps)")
     lines.append(f"# {'runtime':<8}{'schedule':<10}{'transport':<10}{'us/mb':>8}{'fwd':>7}{'bwd':>7}{'step':>7}"
                  f"{'send':>7}{'recv-wait':>10}{'loop':>7}{'cb-host':>8}{'ratio':>7}{'rt-us':>8}{'rt-ratio':>9}")
     for r in rows:

@@ -36,13 +36,21 @@ def test_overhead_bench_reports_ours_against_torch_with_a_breakdown_that_adds_up
     assert ours["ratio_to_torch"] == pytest.approx(ours["us_per_microbatch"] / theirs["us_per_microbatch"])
     assert ours["ratio_baseline"] == "torch 1f1b" and theirs["ratio_to_torch"] == 1.0
     slowest_compute = max(stage["compute_us"] for stage in ours["stages"])
-    for row in (ours, theirs):  # beyond the compute both runtimes pay
-        assert row["runtime_us"] == pytest.approx(row["us_per_microbatch"] - slowest_compute)
+    step_alone = ours["optimizer_step_alone_us"]
+    assert step_alone > 0 and theirs["optimizer_step_alone_us"] == step_alone
+    for row in (ours, theirs):  # beyond the compute and the optimizer steps (one per 2 microbatches) both pay
+        assert row["runtime_us"] == pytest.approx(row["us_per_microbatch"] - slowest_compute - step_alone / 2)
     assert ours["runtime_ratio_to_torch"] == pytest.approx(ours["runtime_us"] / theirs["runtime_us"])
     table = executor_overhead.format_table(result)
     assert "# runtime schedule  transport" in table and "recv-wait" in table and "rt-ratio" in table
     assert f"any runtime could reach here): torch 1f1b {slowest_compute / theirs['us_per_microbatch']:.2f}" in table
     assert "ours    2bw       gloo" in table and "torch   1f1b      gloo" in table
+    assert f"# optimizer step alone (torch SGD, median of 200): {step_alone:.1f} us" in table
+
+
+def test_pipedream_pays_a_step_per_microbatch_the_others_one_per_step():
+    assert executor_overhead.steps_per_microbatch("pipedream", 8) == 1.0
+    assert executor_overhead.steps_per_microbatch("2bw", 8) == executor_overhead.steps_per_microbatch("gpipe", 8) == 0.125
 
 
 def test_overhead_bench_transports_follow_the_runtimes_list():
@@ -75,12 +83,14 @@ def test_overhead_bench_keeps_each_runs_fastest_repeat(monkeypatch):
 
     monkeypatch.setattr(executor_overhead, "_one_run", fake_run)
     monkeypatch.setattr(executor_overhead, "stage_compute_us", lambda stage, stages: 1.0)
+    monkeypatch.setattr(executor_overhead, "optimizer_step_alone_us", lambda: 1.0)
     rows = executor_overhead.measure(schedules=("2bw",), transports=("gloo",), repeats=3)
     assert [(r["runtime"], r["us_per_microbatch"]) for r in rows] == [("ours", 600.0), ("torch", 1500.0)]
     assert rows[0]["us_per_microbatch_repeats"] == [900.0, 600.0, 700.0]
     assert rows[1]["us_per_microbatch_repeats"] == [2000.0, 2500.0, 1500.0]
     assert rows[0]["ratio_to_torch"] == pytest.approx(600.0 / 1500.0)
-    assert rows[0]["runtime_ratio_to_torch"] == pytest.approx((600.0 - 1.0) / (1500.0 - 1.0))
+    floor = 1.0 + 1.0 / 8  # compute alone + the optimizer step alone spread over m = 8 microbatches
+    assert rows[0]["runtime_ratio_to_torch"] == pytest.approx((600.0 - floor) / (1500.0 - floor))
 
 
 def test_overhead_bench_reports_a_failed_run_and_goes_on(monkeypatch, capsys):

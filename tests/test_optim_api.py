@@ -160,6 +160,10 @@ def test_kernel_bindings_name_the_bad_argument():
     with pytest.raises(ValueError, match="steps"):
         k.adamw_step([to_dlpack(p)], [to_dlpack(g)], [to_dlpack(m)], [to_dlpack(v)], [], [0], [],
                      0.1, 0.9, 0.999, 1e-8, 0.0, 0.0)
+    # Views hold their shape inline (no allocation per message): more than 8 dimensions is refused.
+    with pytest.raises(ValueError, match=r"tensors\[0\]: tensors of 9 dimensions are not supported \(at most 8\)"):
+        k.first_nonfinite([to_dlpack(torch.zeros([1] * 9))], 0)
+    assert k.first_nonfinite([to_dlpack(torch.zeros([1] * 8))], 0) == -1
 
 
 def _step_both_on_cpu_gradients(name, steps=4, **kw):

@@ -86,7 +86,7 @@ def socket_slots_worker(out_dir: str) -> None:
     for steps in (3, 9):
         for _ in pipe.train(data, steps):
             pass
-        counts.append([pipe.board.slot_count(0), pipe.board.slot_count(1)])
+        counts.append([pipe.board.slot_count(0), pipe.board.slot_count(1), pipe.board.send_hold_count()])
     with open(os.path.join(out_dir, f"slots{pipe.stage}.json"), "w") as f:
         json.dump(counts, f)
 

@@ -1,5 +1,6 @@
 #include "bindings/message_board.h"
 
+#include <atomic>
 #include <string>
 
 #include "bindings/tensor_args.h"
@@ -23,16 +24,15 @@ TensorView view_of_tensor(const py::object& tensor, const py::object& to_dlpack,
   return v;
 }
 
-MessageBoard::FinishedSends::~FinishedSends() {
-  if (tensors.empty() || !Py_IsInitialized()) return;  // interpreter gone: nothing left to release
+MessageBoard::SendHold::~SendHold() {
+  if (!tensor || !Py_IsInitialized()) return;  // interpreter gone: nothing left to release
   py::gil_scoped_acquire gil;
-  tensors.clear();
+  tensor = py::object();
 }
 
 MessageBoard::MessageBoard(py::object host)
     : host_(std::move(host)),
-      to_dlpack_(py::module_::import("torch.utils.dlpack").attr("to_dlpack")),
-      finished_(std::make_shared<FinishedSends>()) {
+      to_dlpack_(py::module_::import("torch.utils.dlpack").attr("to_dlpack")) {
   ASYNCPP_ARG_CHECK(py::hasattr(host_, "new_recv_buffer"), "the stage host must have new_recv_buffer(kind) "
                     "returning the tensor a receive of that kind lands in");
 }
@@ -43,12 +43,20 @@ MessageBoard::~MessageBoard() {
 }
 
 void MessageBoard::put_send(core::MessageKind kind, int step, int microbatch, py::object tensor) {
-  const std::string what = "the " + std::string(kind_name(kind)) + " to send for step " + std::to_string(step) +
-                           ", microbatch " + std::to_string(microbatch);
-  ASYNCPP_ARG_CHECK(!tensor.is_none(), "the stage host returned None as ", what, "; forward/backward must "
+  auto what = [&] {  // built only for an error message: a send allocates nothing here
+    return "the " + std::string(kind_name(kind)) + " to send for step " + std::to_string(step) + ", microbatch " +
+           std::to_string(microbatch);
+  };
+  ASYNCPP_ARG_CHECK(!tensor.is_none(), "the stage host returned None as ", what(), "; forward/backward must "
                     "return the tensor to send when the stage has a neighbour on that side");
-  TensorView view = view_of_tensor(tensor, to_dlpack_, what.c_str());
-  outgoing_[index(kind)].push_back(Outgoing{Tag{step, microbatch}, std::move(tensor), std::move(view)});
+  TensorView view;
+  try {
+    view = view_of_tensor(tensor, to_dlpack_, "");
+  } catch (const ArgumentError&) {
+    view_of_tensor(tensor, to_dlpack_, what().c_str());  // throws again, naming the message
+    throw;
+  }
+  outgoing_[index(kind)].push_back(Outgoing{Tag{step, microbatch}, std::move(tensor), view});
 }
 
 MessageBoard::Outgoing MessageBoard::take_outgoing(core::MessageKind kind, Tag tag) {
@@ -110,28 +118,31 @@ void MessageBoard::release(core::MessageKind kind, int step, int microbatch) {
 }
 
 void MessageBoard::collect_finished_sends() {
-  std::vector<py::object> done;
-  {
-    std::lock_guard<std::mutex> lock(finished_->mu);
-    done.swap(finished_->tensors);
+  for (auto& hold : holds_) {
+    if (hold->tensor && hold.use_count() == 1) {  // the transport has let go of it
+      std::atomic_thread_fence(std::memory_order_acquire);  // its last read of the data came first
+      hold->tensor = py::object();  // decref here, with the GIL held
+    }
   }
-  done.clear();  // decrefs here, with the GIL held
 }
 
 core::Buffer MessageBoard::send_buffer(const core::MessageKey& key) {
   Outgoing out = take_outgoing(key.kind, Tag{key.step, key.microbatch});
-  // The tensor must outlive the transfer; its reference is dropped later under the GIL.
-  auto* held = new py::object(std::move(out.tensor));
-  std::shared_ptr<FinishedSends> finished = finished_;
-  std::shared_ptr<void> keep_alive(held, [finished](void* p) {
-    auto* obj = static_cast<py::object*>(p);
-    {
-      std::lock_guard<std::mutex> lock(finished->mu);
-      finished->tensors.push_back(std::move(*obj));  // moves the reference: no GIL needed
+  // The tensor must outlive the transfer: a free hold keeps it (moving a reference needs no GIL).
+  std::shared_ptr<SendHold>* hold = nullptr;
+  for (auto& h : holds_) {
+    if (!h->tensor && h.use_count() == 1) {
+      hold = &h;
+      break;
     }
-    delete obj;  // empty now
-  });
-  return core::Buffer{std::move(out.view), std::move(keep_alive)};
+  }
+  if (hold == nullptr) {  // only while the pipeline fills up
+    holds_.push_back(std::make_shared<SendHold>());
+    hold = &holds_.back();
+  }
+  (*hold)->tensor = std::move(out.tensor);
+  // An aliasing reference: shares the hold's count, so handing it out allocates nothing.
+  return core::Buffer{out.view, std::shared_ptr<void>(*hold, hold->get())};
 }
 
 core::Buffer MessageBoard::recv_buffer(const core::MessageKey& key) {

@@ -9,14 +9,15 @@
 //
 // Threads: every method runs on the executor's thread. Methods marked "GIL" need the GIL held;
 // `send_buffer`/`recv_buffer` (the BufferProvider side, called by C++ transports with the GIL
-// released) take it only to allocate a new slot. A finished send's tensor is handed back from the
-// transport's thread without the GIL and released at the next GIL-holding call.
+// released) take it only to allocate a new slot. A send's tensor is held in one of a pool of
+// holds; the transport keeps it alive through an aliasing reference to its hold (no allocation
+// per message), and the board drops the tensor under the GIL, at its next GIL-holding call, once
+// the transport has let go of the hold.
 #pragma once
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "core/transport.h"
@@ -47,6 +48,8 @@ class MessageBoard final : public core::BufferProvider {
 
   // Slots allocated so far, per kind (tests check that a steady pipeline stops allocating).
   size_t slot_count(core::MessageKind kind) const { return slots_[index(kind)].size(); }
+  // Send holds allocated so far (tests check that a steady pipeline stops allocating them too).
+  size_t send_hold_count() const { return holds_.size(); }
 
  private:
   struct Tag {
@@ -70,19 +73,20 @@ class MessageBoard final : public core::BufferProvider {
   size_t claim(core::MessageKind kind, Tag tag);  // GIL held or not: takes it only to allocate
   Outgoing take_outgoing(core::MessageKind kind, Tag tag);
 
-  // Completed sends' tensors, handed back by transport threads and released under the GIL. Shared
-  // with every keep-alive so that a transport torn down after the board still finds it.
-  struct FinishedSends {
-    std::mutex mu;
-    std::vector<pybind11::object> tensors;
-    ~FinishedSends();
+  // A send's tensor while a transport may read it. A hold that outlives the board (its transport
+  // torn down later) releases the tensor under the GIL itself.
+  struct SendHold {
+    pybind11::object tensor;
+    ~SendHold();
   };
 
   pybind11::object host_;
   pybind11::object to_dlpack_;
   std::vector<Slot> slots_[2];
   std::vector<Outgoing> outgoing_[2];
-  std::shared_ptr<FinishedSends> finished_;
+  // The pool: a hold the board alone references is finished (its tensor dropped at the next
+  // collect_finished_sends) or free (empty). Grows only while the pipeline fills up.
+  std::vector<std::shared_ptr<SendHold>> holds_;
 };
 
 // GIL. A contiguous CPU/CUDA tensor as a borrowed view (valid while the tensor lives).

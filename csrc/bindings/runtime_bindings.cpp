@@ -201,6 +201,8 @@ void bind_runtime(py::module_& m) {
       .def(py::init<py::object>(), py::arg("host"))
       .def("slot_count", [](const MessageBoard& b, int kind) { return b.slot_count(message_kind(kind)); },
            py::arg("kind"), "Receive slots allocated so far for `kind` (0 activation, 1 gradient).")
+      .def("send_hold_count", &MessageBoard::send_hold_count,
+           "Holds allocated so far for tensors being sent (a pool: it stops growing once the pipeline is full).")
       .def("put_send", [](MessageBoard& b, int kind, int step, int mb, py::object tensor) {
              b.put_send(message_kind(kind), step, mb, std::move(tensor));
            }, py::arg("kind"), py::arg("step"), py::arg("microbatch"), py::arg("tensor"),

@@ -1,5 +1,7 @@
 #include "bindings/tensor_args.h"
 
+#include <algorithm>
+
 #include "bindings/dlpack_abi.h"
 #include "core/error.h"
 
@@ -54,7 +56,10 @@ TensorView borrow_tensor(const py::handle& capsule, const char* arg_name) {
                       " are not supported; use a CPU or CUDA tensor");
   }
   v.device_index = t.device.device_id;
-  v.shape.assign(t.shape, t.shape + t.ndim);
+  ASYNCPP_ARG_CHECK(t.ndim >= 0 && t.ndim <= Shape::kMaxDims, arg_name, ": tensors of ", t.ndim,
+                    " dimensions are not supported (at most ", Shape::kMaxDims, "); reshape it first");
+  v.shape.ndim = t.ndim;
+  std::copy(t.shape, t.shape + t.ndim, v.shape.dims.begin());
   // Row-major compact check; size-1 dimensions may carry any stride.
   v.contiguous = true;
   if (t.strides != nullptr) {

@@ -2,9 +2,10 @@
 // transports. The bindings build it from a DLPack capsule after checking it; nothing below the
 // bindings owns or frees the memory.
 #pragma once
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace asyncpp {
 
@@ -14,12 +15,25 @@ enum class DeviceKind : uint8_t { cpu, cuda };
 int dtype_size(DType t);
 const char* dtype_name(DType t);
 
+// A tensor's sizes, held inline so that making or copying a view allocates nothing (transports
+// make one per message). The bindings refuse tensors of more than kMaxDims dimensions.
+struct Shape {
+  static constexpr int kMaxDims = 8;
+  std::array<int64_t, kMaxDims> dims{};
+  int ndim = 0;
+
+  const int64_t* begin() const { return dims.data(); }
+  const int64_t* end() const { return dims.data() + ndim; }
+  bool operator==(const Shape& o) const { return ndim == o.ndim && std::equal(begin(), end(), o.begin()); }
+  bool operator!=(const Shape& o) const { return !(*this == o); }
+};
+
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::f32;
   DeviceKind device = DeviceKind::cpu;
   int device_index = 0;
-  std::vector<int64_t> shape;
+  Shape shape;
   bool contiguous = true;
 
   int64_t numel() const {
