@@ -449,6 +449,12 @@ class StageHost:
         """The optimizer step of ``step`` writing W(t+1) into buffer ``dst`` (the handles point
         there): W(t) read from its own buffer, W(t-1) passed for EF from the weights."""
         src = step % self.num_versions
+        if getattr(self.optimizer, "step_from", None) is None and not self.wants_previous:
+            # It steps in place: W(t) goes into the destination in one copy of the flat buffer
+            # (bitwise what copying parameter by parameter gives, without a Python call per tensor).
+            self.flat[dst].copy_(self.flat[src])
+            step_versioned(self.optimizer)
+            return
         for to, value in zip(self._other_views[dst], self._other_views[src]):
             to.copy_(value)
         previous = self._held_views[(step - 1) % self.num_versions] if self.wants_previous and step >= 1 else None
