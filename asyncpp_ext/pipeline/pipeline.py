@@ -437,7 +437,7 @@ class Pipeline:
             self.exchange.begin_segment(first_step, steps)
         thread = threading.Thread(target=worker, name=f"asyncpp-stage{self.stage}", daemon=True)
         thread.start()
-        for item in feed.items((done, BaseException)):
+        for item in feed.items():
             if item is done:
                 break
             if isinstance(item, BaseException):

@@ -27,6 +27,7 @@ class StepFeed:
         self._ready: collections.deque = collections.deque()  # appends/pops are thread-safe
         self._wake: queue.SimpleQueue = queue.SimpleQueue()
         self._last_wake = float("-inf")
+        self._final = None  # the item ``finish`` handed over: the consumer stops after it
 
     def put(self, item) -> None:
         """Producer: hand over one result; wakes the consumer only if it was last woken flush_s ago."""
@@ -38,12 +39,12 @@ class StepFeed:
 
     def finish(self, final) -> None:
         """Producer: hand over the last item (an end marker or an exception) and wake the consumer."""
+        self._final = final  # set before the item is visible to the consumer
         self._ready.append(final)
         self._wake.put(None)
 
-    def items(self, final_types: tuple) -> Iterator:
-        """Consumer: every item in order, up to and including the first one that ``final_types`` (a
-        tuple of types, or of objects compared by identity) matches."""
+    def items(self) -> Iterator:
+        """Consumer: every item in order, up to and including the one handed to ``finish``."""
         while True:
             try:
                 self._wake.get(timeout=self.flush_s)
@@ -52,7 +53,7 @@ class StepFeed:
             while self._ready:
                 item = self._ready.popleft()
                 yield item
-                if any(item is t or (isinstance(t, type) and isinstance(item, t)) for t in final_types):
+                if item is self._final:
                     return
 
 

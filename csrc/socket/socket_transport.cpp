@@ -343,7 +343,6 @@ void SocketTransport::wait_on_sockets(std::unique_lock<std::mutex>& lock, size_t
       ops_[index].is_send ? Clock::now() : std::min(Clock::now() + recv_spin_, deadline);
   while (ops_[index].state == State::queued && failure_.empty() && !stopping_) {
     wait_fds_.clear();
-    wait_channels_.clear();
     for (size_t i = 0; i < channels_.size() && failure_.empty(); ++i) {
       Channel& c = channels_[i];
       if (&c != &mine && !reads_inline(c)) continue;
@@ -351,7 +350,6 @@ void SocketTransport::wait_on_sockets(std::unique_lock<std::mutex>& lock, size_t
       pump(c);
       if (&c == &mine ? c.queue_head < c.queue.size() : reads_inline(c)) {
         wait_fds_.push_back(pollfd{c.fd, static_cast<short>(c.spec.is_send ? POLLOUT : POLLIN), 0});
-        wait_channels_.push_back(i);
       }
     }
     if (ops_[index].state != State::queued || !failure_.empty()) break;
@@ -402,7 +400,6 @@ void SocketTransport::fail_locked(const std::string& message) {
     c.queue_head = 0;
     if (c.fd >= 0) shutdown(c.fd, SHUT_RDWR);  // the neighbours see the end and fail too
   }
-  done_cv_.notify_all();
 }
 
 // ---- the progress thread -----------------------------------------------------------------------
@@ -455,8 +452,7 @@ bool SocketTransport::pump(Channel& c) {
     if (!finished) return true;  // the socket would block: poll again
     op.state = State::done;
     ++c.queue_head;
-    done_cv_.notify_all();
-  }
+    }
   c.queue.clear();  // keeps its capacity: no allocation per message
   c.queue_head = 0;
   return true;

@@ -20,7 +20,6 @@
 #include <poll.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -152,10 +151,8 @@ class SocketTransport final : public core::Transport {
   std::chrono::microseconds recv_spin_;
   int64_t inline_recv_bytes_;
   std::vector<pollfd> wait_fds_;        // the executor's poll set while it waits (reused)
-  std::vector<size_t> wait_channels_;   // the channel of each wait_fds_ entry
   std::vector<Channel> channels_;
   mutable std::mutex mu_;            // guards ops_, free_ops_, channel queues, failure_
-  std::condition_variable done_cv_;  // an op completed or the transport failed
   std::vector<Op> ops_;
   std::vector<size_t> free_ops_;
   std::string failure_;
