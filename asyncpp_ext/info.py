@@ -6,27 +6,13 @@ statically and only asked how many devices it sees.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
-import sys
-
-
-def nccl_candidates() -> list[str]:
-    """Where the NCCL transport looks for libnccl, in order."""
-    found = []
-    if os.environ.get("NCCL_LIBRARY"):
-        found.append(os.environ["NCCL_LIBRARY"])
-    for entry in sys.path:  # the nvidia-nccl-cu12 / -cu13 wheels install nvidia/nccl/lib
-        found += sorted(glob.glob(os.path.join(entry, "nvidia", "nccl", "lib", "libnccl.so*")))
-        found += sorted(glob.glob(os.path.join(entry, "nvidia", "cu1*", "lib", "libnccl.so*")))
-    found.append("libnccl.so.2")  # the system loader path
-    return list(dict.fromkeys(found))
 
 
 def build_info() -> dict:
     """Version, compiler, CUDA kernels and archs, NCCL loadability, GPU visibility, torch version."""
     from ._ext import C
+    from .pipeline.nccl import nccl_candidates
 
     info = dict(C.build_config())
     nccl = C.nccl_load(nccl_candidates())

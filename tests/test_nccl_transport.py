@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import asyncpp_ext.pipeline.nccl as nccl
 from asyncpp_ext import _C as C
-from asyncpp_ext.info import nccl_candidates
+from asyncpp_ext.pipeline.nccl import nccl_candidates
 from asyncpp_ext.pipeline import Pipeline, spawn
 from asyncpp_ext.pipeline.nccl import (Channel, NcclUnavailableError, RendezvousError, channel_plan,
                                        exchange_unique_ids, rendezvous_key)

@@ -10,19 +10,31 @@ machines, or :func:`asyncpp_ext.pipeline.spawn`) is all the rendezvous NCCL need
 from __future__ import annotations
 
 import datetime
-import itertools
+import glob
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .._ext import C
-from ..info import nccl_candidates
+from .rendezvous import check_run_id, default_store, next_run_id
 from .stage import ACTIVATION, GRADIENT
 
 _KIND_KEYS = {ACTIVATION: "act", GRADIENT: "grad"}
-_default_run_ids = itertools.count()
+
+
+def nccl_candidates() -> list[str]:
+    """Where the NCCL transport looks for libnccl, in order."""
+    found = []
+    if os.environ.get("NCCL_LIBRARY"):
+        found.append(os.environ["NCCL_LIBRARY"])
+    for entry in sys.path:  # the nvidia-nccl-cu12 / -cu13 wheels install nvidia/nccl/lib
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "nccl", "lib", "libnccl.so*")))
+        found += sorted(glob.glob(os.path.join(entry, "nvidia", "cu1*", "lib", "libnccl.so*")))
+    found.append("libnccl.so.2")  # the system loader path
+    return list(dict.fromkeys(found))
 
 
 class NcclUnavailableError(RuntimeError):
@@ -63,12 +75,6 @@ def channel_plan(stage: int, stages: int) -> list[Channel]:
     return plan
 
 
-def _check_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not run_id or "/" in run_id:
-        raise ValueError(f"run_id must be a non-empty string without '/', got {run_id!r}")
-    return run_id
-
-
 def exchange_unique_ids(store, run_id: str, stage: int, stages: int, stage_ranks: Sequence[int], *,
                         make_id: Callable[[], bytes], timeout_s: float = 300.0) -> list[tuple]:
     """Publish this stage's sender ids, then collect the ids of the channels it receives on.
@@ -76,7 +82,7 @@ def exchange_unique_ids(store, run_id: str, stage: int, stages: int, stage_ranks
     Returns the channel tuples ``C.NcclTransport`` takes: (kind, is_send, peer, peer_rank, id).
     Publishing everything before waiting for anything means no two stages wait for each other.
     """
-    _check_run_id(run_id)
+    check_run_id(run_id)
     if len(stage_ranks) != stages:
         raise ValueError(f"stage_ranks must list one rank per stage ({stages}), got {len(stage_ranks)}")
     plan = channel_plan(stage, stages)
@@ -121,14 +127,6 @@ def require_nccl(need_gpu: bool = False) -> dict:
     return loaded
 
 
-def default_store():
-    """The key-value store of the default torch.distributed process group."""
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: launch with torchrun or "
-                           "asyncpp_ext.pipeline.spawn, or pass a store (e.g. torch.distributed.TCPStore)")
-    return dist.distributed_c10d._get_default_store()
-
-
 class NcclTransport:
     """One stage's NCCL transport, bound to its CUDA device and compute stream.
 
@@ -151,6 +149,8 @@ class NcclTransport:
         """Descriptions of the posted, unfinished transfers (for the watchdog's stall report)."""
         return list(self.impl.pending_descriptions())
 
+    pending_transfers = pending
+
     def close(self, timeout_s: float = 30.0) -> None:
         self.impl.close(timeout_s)
 
@@ -170,7 +170,7 @@ def create_nccl_transport(board, stage: int, stages: int, stage_ranks: Sequence[
                          "use the gloo transport on CPU")
     require_nccl(need_gpu=True)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    run_id = _check_run_id(f"run{next(_default_run_ids)}" if run_id is None else run_id)
+    run_id = check_run_id(next_run_id() if run_id is None else run_id)
     store = default_store() if store is None else store
     channels = exchange_unique_ids(store, run_id, stage, stages, stage_ranks, make_id=C.nccl_unique_id,
                                    timeout_s=timeout_s)

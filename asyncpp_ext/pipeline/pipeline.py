@@ -21,8 +21,8 @@ import torch.nn as nn
 from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
-from .data_parallel import GradientAverager, Layout, create_dp_group, replica_share
-from .nonfinite import NonFiniteGuard
+from ..schedule.table import schedule_names, schedule_spec
+from .data_parallel import Layout, create_dp_group, replica_share
 from .partition import as_blocks, split
 from .recompute import resolve_autocast
 from .stage import Signature, StageError, StageHost
@@ -30,12 +30,13 @@ from .step_feed import StepFeed
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, choose_transport  # noqa: F401 (TRANSPORTS: public name kept here)
-from .transport import GlooTransport, TorchTransport, TransportError, create_link_groups, peer_failure_reason
-from .watchdog import Watchdog, WatchedTransport, check_timeout, default_timeout_s
+from .transport import TransportError, peer_failure_reason
+from .transports import TransportContext, create_transport
+from .watchdog import Watchdog, check_timeout, default_timeout_s
 
-SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULES = schedule_names(pipeline_only=True)
+"""The schedules a Pipeline runs: the pipeline rows of the schedule table (schedule/table.py)."""
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
-_SCHEDULE_CODES = {name: i for i, name in enumerate(SCHEDULES)}
 _HANDSHAKE_LEN = 16
 _EVAL_TAG = 2
 
@@ -124,8 +125,10 @@ class Pipeline:
                  recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop",
                  lr_schedule=None, clip_grad_norm: float | None = None, mitigation: str | None = None,
                  dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if schedule not in schedule_names(pipeline_only=True):
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of "
+                             f"{', '.join(schedule_names(pipeline_only=True))}")
+        spec = schedule_spec(schedule)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: launch with torchrun or "
                                "asyncpp_ext.pipeline.spawn, or call init_distributed() first")
@@ -136,22 +139,15 @@ class Pipeline:
         if self.stages * dp != world:
             raise ValueError(f"{self.stages} stages x {dp} replicas need a world of {self.stages * dp} "
                              f"ranks, got {world}")
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1 (got {microbatches})")
-        if schedule == "2bw" and microbatches < self.stages:
-            raise ValueError(f"2bw needs microbatches >= stages (got {microbatches} < {self.stages}); "
-                             f"raise microbatches to at least {self.stages}")
-        if schedule == "pipedream" and microbatches != 1:
-            raise ValueError(f"pipedream takes one microbatch per optimizer step (got microbatches="
-                             f"{microbatches}); pass microbatches=1 and a larger microbatch instead")
-        if schedule == "pipedream" and clip_grad_norm is not None:
-            raise ValueError("clip_grad_norm is not supported with pipedream: its stages finish a step "
+        spec.check(self.stages, microbatches)
+        if spec.lag_per_stage and clip_grad_norm is not None:
+            raise ValueError(f"clip_grad_norm is not supported with {schedule}: its stages finish a step "
                              "S-1 steps apart, so a global norm would stall them; use 2bw to clip")
         mitigation_settings = resolve_mitigation(mitigation, dc_lambda, rescale_steps)
         if mitigation_settings.name in SIMULATOR_ONLY_MITIGATIONS:
             raise MitigationError(f"mitigation {mitigation_settings.name!r} (weight prediction) needs one more weight "
                                   "version than a pipeline stage keeps; run it in the simulator (--simulate)")
-        self.schedule, self.m = schedule, microbatches
+        self.schedule, self.core_schedule, self.m = schedule, spec.core, microbatches
         timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, f"timeout_s={timeout_s!r}")
         self.device = torch.device("cpu" if device is None else device)
         self.autocast_dtype = resolve_autocast(dtype, self.device)
@@ -172,7 +168,7 @@ class Pipeline:
         ties = find_ties(model, blocks)
         untie(blocks, ties)
         self.partition = split(blocks, self.stages, split_points)
-        if schedule == "pipedream":
+        if spec.lag_per_stage:  # a tie across stages would join two weight versions
             check_ties_on_one_stage(ties, self.partition)
         self.block_indices = self.partition[self.stage]
         module = nn.Sequential(*[blocks[i] for i in self.block_indices]).to(self.device)
@@ -185,34 +181,22 @@ class Pipeline:
         def optimizer(stage_module):
             view = GlobalView(stage_module, prefixes, hidden=self.mirror_of)
             return user_factory(view) if any(True for _ in view.parameters()) else None
-        self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
-                              microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
-                              batch_source=self._next_batch, track_memory=track_memory,
-                              recompute=recompute, autocast_dtype=self.autocast_dtype)
-        self.host.nonfinite = NonFiniteGuard(self.stage, self.stages, microbatches, on_nonfinite)
-        self.host.nonfinite.names = self.param_names
-        self.host.nonfinite.sizes = [p.numel() for p in self.host.opt_params]
-        if hasattr(self.host.optimizer, "check_finite"):
-            # The guard scans grad_flat -- every optimizer parameter's gradient -- right before each
-            # step and never lets a bad step reach the optimizer: its own scan would repeat it.
-            self.host.optimizer.check_finite = False
-        self.host.lr_schedule = lr_schedule
-        self.host.mitigation = mitigation_settings
         self.exchange = StepExchange(
             stage=self.stage, replica=self.replica, layout=self.layout, partition=self.partition, ties=ties,
-            names=self.param_names, sizes=[p.numel() for p in self.host.opt_params],
+            names=self.param_names, sizes=[p.numel() for p in module.parameters()],
             # one norm per optimizer parameter: a stage's distinct parameters less its mirrors
             norm_terms_per_stage=[len({id(p) for i in blocks_of for p in blocks[i].parameters()})
                                   - sum(1 for t in ties for u in t.mirrors if u.block in blocks_of)
                                   for blocks_of in self.partition],
             clip_grad_norm=clip_grad_norm, timeout_s=timeout_s)
-        self.host.exchange = self.exchange if self.exchange.active else None
-        if dp > 1:
-            self.host.grad_sync = GradientAverager(self.host.grad_flat,
-                                                   [list(r.parameters()) for r in self.host.replicas],
-                                                   self.dp_group, dp)
-            if shard_optimizer and hasattr(self.host.optimizer, "shard_across"):
-                self.host.optimizer.shard_across(self.dp_group)
+        self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
+                              microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
+                              batch_source=self._next_batch, track_memory=track_memory,
+                              recompute=recompute, autocast_dtype=self.autocast_dtype,
+                              on_nonfinite=on_nonfinite, param_names=self.param_names, lr_schedule=lr_schedule,
+                              mitigation=mitigation_settings,
+                              exchange=self.exchange if self.exchange.active else None,
+                              dp_group=self.dp_group, dp=dp, shard_optimizer=shard_optimizer)
         self.transport = None
         # Boundary tensors between the host and the transport; receive slots are reused.
         self.board = C.MessageBoard(self.host)
@@ -225,29 +209,10 @@ class Pipeline:
         self.watchdog.follow(self.progress.snapshot)
         from .launch import tell_launcher
         self.watchdog.on_report = tell_launcher
-        if transport == "gloo":
-            self.transport = GlooTransport(self.host, self.stage_ranks)
-        elif transport == "torch":
-            pipelines = [self.layout.pipeline_ranks(r) for r in range(dp)]
-            with self.watchdog.armed("torch transport setup"):
-                groups = create_link_groups(pipelines, self.stage, self.replica, self.device, 2 * timeout_s)
-            self.transport = TorchTransport(self.host, self.stage_ranks, groups, nccl=self.device.type == "cuda")
-        elif transport == "socket":
-            from .nccl import _default_run_ids
-            from .sockets import create_socket_transport
-            run_id = f"{run_id or f'run{next(_default_run_ids)}'}-replica{self.replica}"
-            with self.watchdog.armed("socket transport setup"):
-                self.transport = create_socket_transport(self.board, self.stage, self.stages, self.stage_ranks,
-                                                         run_id=run_id, timeout_s=timeout_s)
-        else:
-            from .nccl import _default_run_ids, create_nccl_transport
-            if dp > 1:  # each replica's pipeline rendezvouses under its own keys
-                run_id = f"{run_id or f'run{next(_default_run_ids)}'}-replica{self.replica}"
-            # Communicator setup blocks in NCCL until every peer has joined: a peer that died
-            # before joining must end this rank too, with a report, not leave it waiting.
-            with self.watchdog.armed("NCCL communicator setup"):
-                self.transport = create_nccl_transport(self.board, self.stage, self.stages, self.stage_ranks,
-                                                       self.device, run_id=run_id, timeout_s=timeout_s)
+        self.transport = create_transport(transport, TransportContext(
+            host=self.host, board=self.board, stage=self.stage, stages=self.stages, stage_ranks=self.stage_ranks,
+            replica=self.replica, dp=dp, layout=self.layout, device=self.device, run_id=run_id,
+            timeout_s=timeout_s, watchdog=self.watchdog))
         # (op, step, microbatch, version, start_ns, end_ns) per executed instruction, newest last;
         # bounded so that long runs do not grow without limit.
         self.trace: list[tuple] = []
@@ -259,9 +224,7 @@ class Pipeline:
         self._pull_step = 0
 
     def _pending_transfers(self) -> list:
-        if isinstance(self.transport, GlooTransport):
-            return self.transport.pending(confirm_sends=True)
-        pending = getattr(self.transport, "pending", None)  # None while the transport is being set up
+        pending = getattr(self.transport, "pending_transfers", None)  # None while it is being set up
         return list(pending()) if callable(pending) else []
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -308,7 +271,7 @@ class Pipeline:
     def _handshake(self, first_input: torch.Tensor) -> None:
         """Chain stage 0 -> S-1: settings and boundary signatures; any disagreement is an error."""
         h = self.host
-        settings = [_SCHEDULE_CODES[self.schedule], self.m, self.stages]
+        settings = [int(C.parse_schedule_kind(self.core_schedule)), self.m, self.stages]
         if h.is_first:
             h.in_sig = Signature(tuple(first_input.shape), first_input.dtype)
             self.tokens_per_microbatch = first_input.numel()
@@ -402,8 +365,6 @@ class Pipeline:
         done = object()
 
         host = self.host
-        transport = WatchedTransport(self.transport, self.watchdog) if isinstance(
-            self.transport, GlooTransport) else self.transport
         wait_timeout_s = 2 * self.timeout_s  # the watchdog reports a stall first
         # Programs are materialised per call; a very long call runs as a few long streams (one
         # drain per MAX_SCHEDULE_WORK / (S*m) steps) to bound the program's memory.
@@ -415,15 +376,10 @@ class Pipeline:
                     torch.cuda.set_device(self.device)
                 for stream_start in range(first_step, first_step + steps, chunk):
                     n = min(chunk, first_step + steps - stream_start)
-                    if isinstance(self.transport, GlooTransport):
-                        trace = C.run_stage(self.schedule, self.stages, self.m, n, self.stage, stream_start,
-                                            host, self.board, transport, self.recv_ahead, 8, wait_timeout_s,
-                                            self.progress)
-                    else:
-                        trace = self.transport.run_stage(self.schedule, self.stages, self.m, n, self.stage,
-                                                         stream_start, host, self.board, recv_ahead=self.recv_ahead,
-                                                         max_inflight_sends=8, timeout_s=wait_timeout_s,
-                                                         progress=self.progress)
+                    trace = self.transport.run_stage(self.core_schedule, self.stages, self.m, n, self.stage,
+                                                     stream_start, host, self.board, recv_ahead=self.recv_ahead,
+                                                     max_inflight_sends=8, timeout_s=wait_timeout_s,
+                                                     progress=self.progress)
                     self.trace.extend(trace)
                     if len(self.trace) > self.trace_limit:
                         del self.trace[:len(self.trace) - self.trace_limit]

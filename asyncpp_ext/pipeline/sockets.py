@@ -28,7 +28,8 @@ from typing import Sequence
 
 from .._ext import C
 from .devices import local_ranks_from_env
-from .nccl import _check_run_id, channel_plan, default_store
+from .nccl import channel_plan
+from .rendezvous import check_run_id, default_store
 from .transport import TransportError
 
 HOST_ENV = "ASYNCPP_SOCKET_HOST"
@@ -143,6 +144,8 @@ class SocketTransport:
         """Descriptions of the posted, unfinished transfers (for the watchdog's stall report)."""
         return list(self.impl.pending_descriptions())
 
+    pending_transfers = pending
+
     def close(self, timeout_s: float = 30.0) -> None:
         self.impl.close()
 
@@ -156,7 +159,7 @@ def create_socket_transport(board, stage: int, stages: int, stage_ranks: Sequenc
     the same ``run_id``. Blocks until the neighbours have connected (at most ``timeout_s``).
     ``spin_us``: see :func:`recv_spin_us`, ``inline_bytes``: see :func:`inline_recv_bytes` (None:
     from the environment)."""
-    _check_run_id(run_id)
+    check_run_id(run_id)
     spin_us = recv_spin_us() if spin_us is None else spin_us
     inline_bytes = inline_recv_bytes() if inline_bytes is None else inline_bytes
     if len(stage_ranks) != stages:

@@ -30,6 +30,8 @@ from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import MitigationSettings, delay_compensate_
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from ..optim.versioned import step_versioned, wants_previous_weights
+from ..schedule.table import schedule_spec
+from .data_parallel import GradientAverager
 from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
 from .nonfinite import NonFiniteGuard
@@ -49,14 +51,6 @@ class Signature:
 
 class StageError(RuntimeError):
     """A stage cannot go on; the message names the stage, the step and the microbatch."""
-
-
-def versions_alive(schedule: str, stage: int, stages: int) -> int:
-    """Weight versions stage ``stage`` keeps: 1 (sync), 2 (2bw), S - s (pipedream: the delay
-    d_s = S - 1 - s plus the newest)."""
-    if schedule == "pipedream":
-        return stages - stage
-    return 2 if schedule == "2bw" else 1
 
 
 # torch.autograd.backward converts and validates its arguments, a few microseconds per call; a
@@ -116,21 +110,24 @@ class StageHost:
                  optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
                  loss_fn: Callable | None, batch_source: Callable[[int], tuple],
                  on_step: Callable | None = None, track_memory: bool = False, recompute: bool = False,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, on_nonfinite: str = "stop",
+                 param_names: Sequence[str] = (), lr_schedule=None,
+                 mitigation: MitigationSettings | None = None, exchange=None,
+                 dp_group=None, dp: int = 1, shard_optimizer: bool = False):
+        """``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
+        ``lr_schedule`` (optim/lr_schedule.py) scales every group's lr at each step; ``mitigation``
+        is the staleness mitigation this stage applies (optim/mitigations.py); ``exchange`` the
+        tied-weight and clipping exchange (step_exchange.py; None when it has nothing to do);
+        with ``dp`` > 1 the gradient is averaged over ``dp_group`` before each step and, with
+        ``shard_optimizer``, Muon's orthogonalisations are split among the replicas."""
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
         self.recompute, self.autocast_dtype = recompute, autocast_dtype
-        # Set by the Pipeline under data parallelism: averages grad_flat over the stage's replicas.
-        self.grad_sync = None
-        # Set by the Pipeline: tied-weight and clipping exchanges (step_exchange.py), and the
-        # learning-rate schedule (optim/lr_schedule.py) applied at each optimizer step.
-        self.exchange = None
-        self.lr_schedule = None
-        # Set by the Pipeline: the staleness mitigation this stage applies (optim/mitigations.py).
-        self.mitigation = MitigationSettings()
+        self.exchange, self.lr_schedule = exchange, lr_schedule
+        self.mitigation = MitigationSettings() if mitigation is None else mitigation
         self._dc_workspace: torch.Tensor | None = None
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
-        self.num_versions = versions_alive(schedule, stage, stages)
+        self.num_versions = schedule_spec(schedule).stage_lags(stages)[stage].versions
         self.ring = self.num_versions > 1
 
         replicas = [module] + [copy.deepcopy(module) for _ in range(self.num_versions - 1)]
@@ -169,9 +166,18 @@ class StageHost:
 
         # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
         self.activation_meter = ActivationMeter(exclude=self.flat) if track_memory else None
-        # NaN/Inf checks (policy "stop" unless the Pipeline sets another; see nonfinite.py).
-        self.nonfinite = NonFiniteGuard(stage, stages, microbatches)
+        self.nonfinite = NonFiniteGuard(stage, stages, microbatches, on_nonfinite)
+        self.nonfinite.names = list(param_names)
         self.nonfinite.sizes = [p.numel() for p in self.opt_params]
+        if hasattr(self.optimizer, "check_finite"):
+            # The guard scans grad_flat -- every optimizer parameter's gradient -- right before each
+            # step and never lets a bad step reach the optimizer: its own scan would repeat it.
+            self.optimizer.check_finite = False
+        # Under data parallelism: averages grad_flat over the stage's replicas.
+        self.grad_sync = GradientAverager(self.grad_flat, [list(r.parameters()) for r in self.replicas],
+                                          dp_group, dp) if dp > 1 else None
+        if dp > 1 and shard_optimizer and hasattr(self.optimizer, "shard_across"):
+            self.optimizer.shard_across(dp_group)
         self.in_sig: Signature | None = None   # set by the start-up handshake
         self.out_sig: Signature | None = None
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use

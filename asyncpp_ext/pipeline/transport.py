@@ -20,7 +20,9 @@ import re
 import torch
 import torch.distributed as dist
 
+from .._ext import C
 from .stage import ACTIVATION, GRADIENT, StageHost
+from .watchdog import WatchedTransport
 
 KIND_NAMES = {0: "activation", 1: "gradient"}
 
@@ -41,8 +43,9 @@ class GlooTransport:
     host_staging = True
     """Device tensors travel through host copies (gloo moves CPU memory only)."""
 
-    def __init__(self, host: StageHost, stage_ranks: list, group=None):
+    def __init__(self, host: StageHost, stage_ranks: list, group=None, watchdog=None):
         self.host, self.stage_ranks, self.group = host, list(stage_ranks), group
+        self.watchdog = watchdog  # told of every completed wait (watchdog.WatchedTransport)
         self._ids = itertools.count()
         # id -> (work, tensor on the wire, description, device tensor a staged receive fills)
         self._pending: dict[int, tuple] = {}
@@ -138,6 +141,18 @@ class GlooTransport:
     def describe_request(self, request: int) -> str:
         return self._pending[request][2]
 
+    def run_stage(self, schedule: str, stages: int, microbatches: int, steps: int, stage: int, first_step: int,
+                  host, board, *, recv_ahead: int = 2, max_inflight_sends: int = 8, timeout_s: float = 300.0,
+                  progress=None) -> list:
+        """The C++ executor over this transport (its posts and waits call back into Python)."""
+        transport = self if self.watchdog is None else WatchedTransport(self, self.watchdog)
+        return C.run_stage(schedule, stages, microbatches, steps, stage, first_step, host, board, transport,
+                           recv_ahead, max_inflight_sends, timeout_s, progress)
+
+    def pending_transfers(self) -> list:
+        """For the watchdog's stall report, just before the rank exits (see ``pending``)."""
+        return self.pending(confirm_sends=True)
+
 
 class TorchTransport(GlooTransport):
     """torch.distributed ``isend``/``irecv`` on one process group per (link, message kind).
@@ -150,8 +165,8 @@ class TorchTransport(GlooTransport):
 
     host_staging = False  # NCCL groups move device memory; on CPU the tensors are host tensors already
 
-    def __init__(self, host: StageHost, stage_ranks: list, groups: dict, nccl: bool = False):
-        super().__init__(host, stage_ranks)
+    def __init__(self, host: StageHost, stage_ranks: list, groups: dict, nccl: bool = False, watchdog=None):
+        super().__init__(host, stage_ranks, watchdog=watchdog)
         self.groups, self.nccl = groups, nccl
 
     def _group(self, kind: int, peer: int):

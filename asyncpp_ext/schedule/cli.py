@@ -15,9 +15,10 @@ import re
 import sys
 from typing import List, Optional
 
+from .table import schedule_names
+
 PROG = "asyncpp-schedule"
-# engine.SCHEDULES, spelled out so that parsing (and --help) needs neither torch nor the extension.
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULE_CHOICES = schedule_names(pipeline_only=True)  # the pipeline rows of the schedule table
 
 
 class _UsageError(Exception):

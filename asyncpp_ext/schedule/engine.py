@@ -39,13 +39,15 @@ import numbers
 from typing import List, NamedTuple, Optional, Sequence, Union
 
 from .._ext import C
+from .table import schedule_names, schedule_spec
 
 Schedule = C.Schedule
 Instruction = C.Instruction
 Op = C.Op
 ScheduleKind = C.ScheduleKind
 
-SCHEDULES = ("gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULES = schedule_names(pipeline_only=True)
+"""The schedules the engine builds (the table's pipeline rows: schedule/table.py)."""
 
 
 class ScheduleError(ValueError):
@@ -63,9 +65,11 @@ def _check_int(value, name: str) -> int:
 
 
 def _check_kind(schedule) -> str:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    return schedule
+    """The C++ kind a pipeline schedule's name builds with (ValueError for other names)."""
+    if schedule not in schedule_names(pipeline_only=True):
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of "
+                         f"{', '.join(schedule_names(pipeline_only=True))}")
+    return schedule_spec(schedule).core
 
 
 def build(schedule: str, stages: int, microbatches: int, steps: int = 1) -> Schedule:

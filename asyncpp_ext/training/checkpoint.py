@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..schedule.table import schedule_spec
 from .config import RESUME_MUST_MATCH, ConfigError, RunConfig, get_field
 
 FORMAT_VERSION = 1
@@ -281,8 +282,8 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
             raise CheckpointError(f"checkpoint {ckpt_dir} was written with {name}={before!r} but "
                                   f"this run has {now!r}; resume with the same value (or leave "
                                   "that flag out)")
-    if saved_cfg.pipeline.schedule == "pipedream" and saved_cfg.pipeline.stages != run.pipeline.stages:
-        raise CheckpointError(f"checkpoint {ckpt_dir} was written by a pipedream run of --stages "
+    if schedule_spec(saved_cfg.pipeline.schedule).lag_per_stage and saved_cfg.pipeline.stages != run.pipeline.stages:
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written by a {saved_cfg.pipeline.schedule} run of --stages "
                               f"{saved_cfg.pipeline.stages}, whose depth sets each stage's delay and the "
                               f"weight versions it keeps; resume with --stages {saved_cfg.pipeline.stages}")
     if saved_cfg.optim.lr_schedule != "constant" and saved_cfg.train.steps != run.train.steps:

@@ -10,25 +10,31 @@ from typing import Optional
 
 from ..models.registry import ModelConfig, as_model_config
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_MITIGATIONS, default_rescale_steps
+from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
+                              muon_family, optimizer_names, optimizer_spec)
 from ..optim.versioned import EF_SOURCES
 from ..pipeline.devices import TRANSPORTS
+from ..schedule.table import SCHEDULES as SCHEDULE_TABLE, schedule_names, schedule_spec
 from .field_checks import (ConfigError, choice, non_negative_int, non_negative_number, positive_int,
                            positive_number)
 
-SCHEDULES = ("sync", "gpipe", "1f1b", "2bw", "pipedream")
+SCHEDULES = schedule_names()
+"""Every schedule a run can name (the schedule table, schedule/table.py; read there at validation
+time, so a row added to the table is accepted here too)."""
 NONFINITE_POLICIES = ("stop", "skip")
-OPTIMIZERS = ("adamw", "muon", "normuon", "sgd", "lion", "adan", "soap", "mars")
+OPTIMIZERS = optimizer_names()
+"""Every optimizer name, in display order (the registry's, optim/registry.py)."""
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 NS_DTYPES = ("auto", "fp32", "bf16")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
-SYNC_SCHEDULES = ("sync", "gpipe", "1f1b")
+SYNC_SCHEDULES = tuple(n for n, spec in SCHEDULE_TABLE.items() if not spec.delayed())
 """Schedules without a weight delay (every computation on the newest weights)."""
 EF_BETA_MAX = 2.0
 """Largest error-feedback strength accepted: beyond it the correction outweighs the update."""
-MUON_FAMILY = ("muon", "normuon")
-"""Optimizers whose matrices run Muon's momentum (``optim.muon_momentum``)."""
+MUON_FAMILY = muon_family()
+"""Optimizers whose matrices run Muon's momentum (``optim.muon_momentum``): the registry's family "muon"."""
 
 
 @dataclass
@@ -44,33 +50,15 @@ class DataConfig:
     """Number of evaluation batches (each of micro_batch_size windows) per evaluation."""
 
 
-LR_AUTO = {"adamw": 1e-3, "muon": 0.02, "sgd": 0.02, "normuon": 0.02, "lion": 3e-4, "adan": 1e-3, "soap": 3e-3,
-           "mars": 1e-3}
-"""Learning rate per optimizer when ``OptimConfig.lr`` is None. On the tiny preset, 2bw, 2 stages,
-200 steps of tinyshakespeare: muon 0.02 (with its AdamW part at 3e-3) reached eval loss 2.48 where
-the former one-size default 1e-3 reached 3.46; the delay study (docs/results.md) tuned adamw 1e-3
-and muon 0.02-0.04 on the small preset. sgd (momentum 0.9): 0.02 reached 2.97 where 0.05 reached
-3.18 and 0.2 diverged (tiny preset, 2bw simulated, 200 steps).
-The study's other optimizers, each at the best of 3-4 rates, every best one inside its range (small
-preset, sync, builtin data, no EF, 200 steps, one seed; eval loss; adamw 1e-3 gave 2.39 and muon
-0.02 1.98 there): normuon 0.02 (1.95; 0.01 2.00, 0.04 2.01; AdamW part at 3e-3 as for muon);
-lion 3e-4 (2.53; 1e-4 2.89, 1e-3 2.87: sign updates move every weight by lr, hence ~1/3 of
-AdamW's); adan 1e-3 (2.51; 3e-4 2.67, 3e-3 2.94); soap 3e-3 (2.16; 1e-3 2.69, 1e-2 2.39);
-mars 1e-3 (2.38; 3e-4 2.56, 3e-3 2.61)."""
-MUON_ADAMW_LR_AUTO = 3e-3
-"""The AdamW part of muon (embeddings, head, norms, biases) when ``adamw_lr`` is None."""
+LR_AUTO = DefaultsView("lr")
+"""Learning rate per optimizer when ``OptimConfig.lr`` is None: a read-only live view of the
+registry (optim/registry.py ``OPTIMIZERS``, where the values and the evidence for them live)."""
+MUON_ADAMW_LR_AUTO = MUON_ADAMW_LR
+"""The AdamW part of muon (embeddings, head, norms, biases) when ``adamw_lr`` is None (registry.py)."""
 
-EF_BETA_AUTO = {"muon": 0.5, "adamw": 0.5, "sgd": 0.0, "normuon": 0.5, "lion": 0.5, "adan": 0.5, "soap": 0.5,
-                "mars": 0.5}
-"""Error-feedback strength per optimizer when ``OptimConfig.ef_beta`` is None ("auto").
-
-Muon's 0.5 comes from the beta sweep (docs/paper_reproduction.md, ``ef`` table and the 200-step
-sweep): 0.5 won back 37-53 % of the 2bw gap on average and part of it in every seed of every
-table; 1.0 as much on average (40-44 %) with four times the spread (one seed lost 62 %); 1.5 63 %
-at 200 steps but 2.0 33 %. AdamW: 0.5 lowered the 2bw loss in every seed of the delay study
-(docs/results.md). NorMuon and the library optimizers (lion, adan, soap, mars) use the same 0.5 so
-the ``optimizers`` table compares like with like; at 60 steps its effect on them is within the
-seeds' spread. sgd (EF via the snapshot wrapper) was not studied, so it stays off unless asked."""
+EF_BETA_AUTO = DefaultsView("ef_beta")
+"""Error-feedback strength per optimizer when ``OptimConfig.ef_beta`` is None ("auto"): a read-only
+live view of the registry (optim/registry.py ``OPTIMIZERS``, with the evidence for each value)."""
 
 
 @dataclass
@@ -79,18 +67,17 @@ class OptimConfig:
     """Optimizer: adamw | muon | normuon | sgd | lion | adan | soap | mars (the last four need the
     `study` extra: pytorch-optimizer)."""
     lr: Optional[float] = None
-    """Learning rate (of the Muon matrices for muon). None = ``LR_AUTO[name]``: adamw 1e-3 (AdamW
-    without warmup stalls near the byte-unigram loss at 3e-3 on the small preset), muon 0.02, sgd
-    0.02 (see ``LR_AUTO``)."""
+    """Learning rate (of the Muon matrices for muon). None = the registry's default for the
+    optimizer (``LR_AUTO[name]``; optim/registry.py): adamw 1e-3, muon 0.02, sgd 0.02, ..."""
     adamw_lr: Optional[float] = None
     """Learning rate of the AdamW part of muon (embeddings, head, norms, biases); None = 3e-3."""
-    weight_decay: float = 0.0
+    weight_decay: float = DEFAULT_WEIGHT_DECAY
     """Decoupled weight decay."""
     ef_beta: Optional[float] = None
     """Error-feedback delay correction strength; 0 turns it off (no extra buffer). None = "auto":
     ``EF_BETA_AUTO[name]``: 0.5 for muon and adamw, 0 (off) for sgd, chosen from the delay study
-    in docs/results.md ("Delay study"; the evidence is summarized at ``EF_BETA_AUTO``)."""
-    momentum: float = 0.9
+    in docs/results.md ("Delay study"; the evidence is summarized at optim/registry.py ``OPTIMIZERS``)."""
+    momentum: float = optimizer_spec("sgd").momentum
     """Momentum of sgd."""
     ns_dtype: str = "auto"
     """Dtype of muon's Newton-Schulz iteration: auto (bf16 on CUDA, where tensor cores make it
@@ -108,7 +95,7 @@ class OptimConfig:
     clip_grad_norm: Optional[float] = None
     """Clip the gradient so its global norm is at most this, measured on the PREVIOUS step's
     gradient (docs/design.md: a norm over every stage that no stage waits for); None = off."""
-    ef_source: str = "buffer"
+    ef_source: str = DEFAULT_EF_SOURCE
     """Where error feedback takes its previous update E: "buffer" (the optimizer's last raw
     update, kept in a buffer of its own) or "weights" (the applied update W(t) - W(t-1), read from
     the weight versions a delayed schedule keeps anyway: no extra memory; needs a delayed schedule,
@@ -124,7 +111,7 @@ class OptimConfig:
     rescale_steps: Optional[int] = None
     """K of lr-rescale: steps over which the delay's lr reduction fades out. None = max(1,
     train.steps // 10), pinned by ``pin_auto_values`` when lr-rescale runs."""
-    muon_momentum: float = 0.95
+    muon_momentum: float = MUON_MOMENTUM
     """Momentum of the Muon matrices of muon and normuon (torch.optim.Muon's default 0.95)."""
 
     def ns_torch_dtype(self):
@@ -134,12 +121,13 @@ class OptimConfig:
         return {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}[self.ns_dtype]
 
     def effective_lr(self) -> float:
-        """The learning rate a run uses: ``lr``, or for None the optimizer's auto value."""
+        """The learning rate a run uses: ``lr``, or for None the optimizer's registry default."""
         return LR_AUTO[self.name] if self.lr is None else self.lr
 
-    def effective_adamw_lr(self) -> float:
-        """The AdamW part's learning rate for muon: ``adamw_lr``, or MUON_ADAMW_LR_AUTO."""
-        return MUON_ADAMW_LR_AUTO if self.adamw_lr is None else self.adamw_lr
+    def effective_adamw_lr(self) -> Optional[float]:
+        """The AdamW part's learning rate for muon and normuon: ``adamw_lr``, or for None the
+        registry default (None for an optimizer without an AdamW part)."""
+        return optimizer_spec(self.name).adamw_lr if self.adamw_lr is None else self.adamw_lr
 
     def effective_ef_beta(self) -> float:
         """The EF strength a run uses: ``ef_beta``; for None the optimizer's auto value, or 0 when
@@ -327,7 +315,7 @@ class RunConfig:
             raise ConfigError(f"optim.mitigation='ef' needs error feedback on, but --ef-beta is 0 for "
                               f"optimizer {o.name!r}; pass --ef-beta > 0 (e.g. 0.5)")
         if o.ef_source == "weights":
-            if schedule in SYNC_SCHEDULES:
+            if not schedule_spec(schedule).delayed(max(2, self.pipeline.stages)):
                 raise ConfigError(f"optim.ef_source='weights' reads the previous update from the weight versions "
                                   f"of a delayed schedule, but --schedule {schedule} keeps one version; use "
                                   "--schedule 2bw or pipedream, or --ef-source buffer")
@@ -339,9 +327,9 @@ class RunConfig:
         if mitigation in SIMULATOR_ONLY_MITIGATIONS and self.runs_multi_process():
             raise ConfigError(f"optim.mitigation={mitigation!r} (weight prediction) needs one more weight version "
                               "than a pipeline stage keeps; add --simulate (or run --stages 1 --dp 1)")
-        if mitigation == "lr-rescale" and schedule == "pipedream" and not self.runs_multi_process():
-            raise ConfigError("optim.mitigation='lr-rescale' scales each stage's lr by its own delay, but the "
-                              "simulator steps every pipedream stage with one optimizer; run the pipeline "
+        if mitigation == "lr-rescale" and schedule_spec(schedule).lag_per_stage and not self.runs_multi_process():
+            raise ConfigError(f"optim.mitigation='lr-rescale' scales each stage's lr by its own delay, but the "
+                              f"simulator steps every {schedule} stage with one optimizer; run the pipeline "
                               "without --simulate, or simulate --schedule 2bw (--delay K)")
         if isinstance(o.dc_lambda, bool) or not isinstance(o.dc_lambda, (int, float)) \
                 or not 0 <= o.dc_lambda < float("inf"):
@@ -362,25 +350,27 @@ class RunConfig:
                               f"{o.name!r}; drop --muon-momentum or use --optimizer {' or '.join(MUON_FAMILY)}")
 
     def _validate_delays(self) -> None:
-        """--delay and pipedream's own constraints (docs/design.md §1.16)."""
+        """The schedule table's shape rule, --delay, and what stages lagging by different amounts
+        (pipedream) rule out (docs/design.md §1.16)."""
         p = self.pipeline
+        spec = schedule_spec(p.schedule)
+        try:
+            spec.check(p.stages, p.microbatches)
+        except ValueError as exc:
+            raise ConfigError(f"pipeline.microbatches={p.microbatches}: {exc}") from None
         if p.delay is not None:
             positive_int("pipeline.delay", p.delay)
-            if p.schedule != "2bw" or not self.train.simulate:
+            if spec.lag_per_stage or not spec.delayed() or not self.train.simulate:
                 raise ConfigError(f"pipeline.delay={p.delay} is a simulator knob generalising 2bw's one-step "
                                   f"delay; use it with --schedule 2bw --simulate (got --schedule {p.schedule}"
                                   f"{'' if self.train.simulate else ' on a real multi-process run'})")
-        if p.schedule != "pipedream":
+        if not spec.lag_per_stage:
             return
-        if p.microbatches != 1:
-            raise ConfigError(f"pipeline.microbatches={p.microbatches}: pipedream takes one microbatch per "
-                              f"optimizer step; pass --microbatches 1 (and --micro-batch-size "
-                              f"{p.microbatches * p.micro_batch_size} for the same batch per update)")
         if self.optim.clip_grad_norm is not None:
-            raise ConfigError("optim.clip_grad_norm is not supported with pipedream (its stages finish a step "
+            raise ConfigError(f"optim.clip_grad_norm is not supported with {p.schedule} (its stages finish a step "
                               "S-1 steps apart, so a global norm would stall them); use 2bw to clip")
         if self.model.tie_embeddings and p.stages > 1:
-            raise ConfigError(f"model.tie_embeddings: pipedream runs each stage on a different weight version, "
+            raise ConfigError(f"model.tie_embeddings: {p.schedule} runs each stage on a different weight version, "
                               f"so the embedding (stage 0) and the tied head (stage {p.stages - 1}) cannot share "
                               "one tensor; use 2bw, --stages 1, or an untied model")
 
@@ -401,7 +391,7 @@ class RunConfig:
         non_negative_int("data.eval_batches", self.data.eval_batches)
         if not isinstance(self.train.seed, int) or self.train.seed < 0:
             raise ConfigError(f"train.seed must be a non-negative integer, got {self.train.seed!r}")
-        choice("pipeline.schedule", self.pipeline.schedule, SCHEDULES)
+        choice("pipeline.schedule", self.pipeline.schedule, schedule_names())
         choice("optim.name", self.optim.name, OPTIMIZERS)
         _check_optimizer_available(self.optim.name)
         choice("train.device", self.train.device, DEVICES)
@@ -447,10 +437,6 @@ class RunConfig:
                               f"blocks (n_layer {self.model.n_layer} + embedding + head); use "
                               f"--stages <= {blocks} or a deeper model (--n-layer)")
         self._validate_delays()
-        if self.pipeline.schedule == "2bw" and self.pipeline.microbatches < self.pipeline.stages:
-            raise ConfigError(f"pipeline.microbatches={self.pipeline.microbatches} is fewer than "
-                              f"pipeline.stages={self.pipeline.stages}; 2bw needs microbatches >= "
-                              "stages: raise --microbatches or lower --stages")
 
 
 def _check_optimizer_available(name: str) -> None:

@@ -43,7 +43,6 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .config import SCHEDULES
 from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compensate_, predicted_weights,
                                  resolve_mitigation)
@@ -53,12 +52,11 @@ from ..pipeline.clipping import PreviousNormClipper
 from ..pipeline.nonfinite import POLICIES, NonFiniteError
 from ..pipeline.partition import as_blocks, split
 from ..pipeline.ties import TieError, check_ties_on_one_stage, find_ties, sum_tied_gradients, untie
+from ..schedule.table import SCHEDULES, schedule_spec
 from .trainer import StepOutcome
 
-SIMULATED_SCHEDULES = tuple(dict.fromkeys((*SCHEDULES, "pipedream")))
-"""Every schedule the simulator runs: the trainer's, plus pipedream (per-stage delays)."""
-DELAYED_SCHEDULES = ("2bw", "pipedream")
-"""Schedules whose gradients are computed on older weight versions."""
+SIMULATED_SCHEDULES = tuple(SCHEDULES)
+"""Every schedule the simulator runs: all rows of the schedule table (schedule/table.py)."""
 
 
 class DelaySimulatorError(ValueError):
@@ -66,13 +64,11 @@ class DelaySimulatorError(ValueError):
 
 
 def stage_delay(schedule: str, stage: int, stages: int, delay: int | None = None) -> int:
-    """Steps by which ``stage`` (of ``stages``) computes behind the newest weights: 0 for the
-    synchronous schedules, ``delay`` (default 1) for 2bw, ``stages - 1 - stage`` for pipedream."""
-    if schedule == "pipedream":
-        return stages - 1 - stage
-    if schedule == "2bw":
-        return 1 if delay is None else delay
-    return 0
+    """Steps by which ``stage`` (of ``stages``) computes behind the newest weights, from the
+    schedule table (0 for the synchronous schedules, 1 for 2bw, ``stages - 1 - stage`` for
+    pipedream); ``delay`` replaces a delayed schedule's uniform lag (the --delay K knob)."""
+    lag = schedule_spec(schedule).stage_lags(stages)[stage].lag
+    return delay if delay is not None and lag else lag
 
 
 def default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -109,8 +105,9 @@ class DelaySimulator:
                  stages: int | None = None, split_points: Sequence[int] | None = None,
                  delay: int | None = None, mitigation: str | None = None, dc_lambda: float = DEFAULT_DC_LAMBDA,
                  rescale_steps: int | None = None):
-        if schedule not in SIMULATED_SCHEDULES:
-            raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SIMULATED_SCHEDULES)}")
+        if schedule not in SCHEDULES:
+            raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        per_stage = SCHEDULES[schedule].lag_per_stage
         if on_nonfinite not in POLICIES:
             raise DelaySimulatorError(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(POLICIES)}")
         _check_delay_arguments(schedule, stages, delay)
@@ -118,7 +115,7 @@ class DelaySimulator:
             self.mitigation = resolve_mitigation(mitigation, dc_lambda, rescale_steps)
         except MitigationError as exc:
             raise DelaySimulatorError(str(exc)) from None
-        if self.mitigation.rescales_lr and schedule == "pipedream":
+        if self.mitigation.rescales_lr and per_stage:
             raise DelaySimulatorError("mitigation 'lr-rescale' scales each stage's lr by its own delay, but the "
                                       "simulator steps every pipedream stage with one optimizer; run it on a "
                                       "real pipeline (without --simulate), or simulate 2bw / --delay K")
@@ -127,6 +124,7 @@ class DelaySimulator:
         self.model = model
         self.optimizer = optimizer
         self.schedule = schedule
+        self.stages = stages if per_stage else None  # the depth matters only where lags differ
         self.loss_fn = loss_fn
         self.lr_schedule = lr_schedule
         self.clipper = PreviousNormClipper(clip_grad_norm) if clip_grad_norm is not None else None
@@ -134,10 +132,10 @@ class DelaySimulator:
         # the tied model: the optimizer holds the owners only.
         self.tied = []
         blocks, ties, partition = None, [], None
-        if hasattr(model, "blocks") or schedule == "pipedream":
+        if hasattr(model, "blocks") or per_stage:
             blocks = as_blocks(model)
             ties = find_ties(model, blocks)
-        if schedule == "pipedream":  # refuse before the model is touched
+        if per_stage:  # refuse before the model is touched
             partition = split(blocks, stages, split_points)
             try:
                 check_ties_on_one_stage(ties, partition)
@@ -150,8 +148,8 @@ class DelaySimulator:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self._check_optimizer_covers_model()
-        if schedule == "pipedream":
-            self.delays = _pipedream_delays(named, blocks, partition)
+        if per_stage:
+            self.delays = _per_stage_delays(schedule, named, blocks, partition)
         else:
             self.delays = [stage_delay(schedule, 0, 1, delay)] * len(self.params)
         self.delayed = any(d > 0 for d in self.delays)
@@ -240,9 +238,10 @@ class DelaySimulator:
         m = len(minibatch)
         if m == 0:
             raise DelaySimulatorError("a minibatch needs at least one microbatch")
-        if self.schedule == "pipedream" and m != 1:
-            raise DelaySimulatorError(f"schedule 'pipedream' takes exactly one microbatch per step, "
-                                      f"got {m}; use --microbatches 1 (with a micro-batch m times as large)")
+        try:
+            SCHEDULES[self.schedule].check(self.stages or 1, m)
+        except ValueError as exc:
+            raise DelaySimulatorError(str(exc)) from None
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         if self.delayed:
@@ -357,24 +356,27 @@ class DelaySimulator:
 
 
 def _check_delay_arguments(schedule: str, stages, delay) -> None:
+    spec = SCHEDULES[schedule]
     if delay is not None:
-        if schedule != "2bw":
+        if spec.lag_per_stage or not spec.delayed():
             raise DelaySimulatorError(f"delay={delay!r} sets 2bw's constant K-step delay; it does not "
                                       f"apply to schedule {schedule!r} (use schedule '2bw' or drop delay)")
         if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
             raise DelaySimulatorError(f"delay must be an integer >= 1 (1 is plain 2bw), got {delay!r}")
-    if schedule == "pipedream":
+    if spec.lag_per_stage:
         if stages is None:
-            raise DelaySimulatorError("schedule 'pipedream' needs stages=S: stage s of S computes "
-                                      "S-1-s steps behind; pass the pipeline depth")
+            raise DelaySimulatorError(f"schedule {schedule!r} needs stages=S: its stages lag by different "
+                                      "amounts (pipedream: stage s of S computes S-1-s steps behind); pass "
+                                      "the pipeline depth")
         if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
             raise DelaySimulatorError(f"stages must be an integer >= 1, got {stages!r}")
 
 
-def _pipedream_delays(named, blocks, partition: list[list[int]]) -> list[int]:
-    """d_p = S-1-s for each parameter of ``named``, s its block's stage in ``partition``."""
+def _per_stage_delays(schedule: str, named, blocks, partition: list[list[int]]) -> list[int]:
+    """d_p = the lag of p's stage (pipedream: S-1-s) for each parameter of ``named``, s its
+    block's stage in ``partition``."""
     stages = len(partition)
-    delay_of_block = {b: stage_delay("pipedream", s, stages) for s, indices in enumerate(partition)
+    delay_of_block = {b: stage_delay(schedule, s, stages) for s, indices in enumerate(partition)
                       for b in indices}
     delay_of = {}
     for b, block in enumerate(blocks):
@@ -419,4 +421,4 @@ def merge_engine_states(states: Sequence[dict]) -> dict:
 
 
 __all__ = ["DelaySimulator", "DelaySimulatorError", "default_loss", "merge_engine_states", "stage_delay",
-           "DELAYED_SCHEDULES", "SIMULATED_SCHEDULES"]
+           "SIMULATED_SCHEDULES"]

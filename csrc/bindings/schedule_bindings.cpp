@@ -116,6 +116,16 @@ void bind_schedule(py::module_& m) {
         "Weight version of step `step` for a stage-independent kind (ValueError for pipedream)");
   m.def("version_for", &core::version_for, py::arg("kind"), py::arg("step"), py::arg("stage"),
         py::arg("stages"), "Weight version stage `stage` of `stages` runs step `step` with");
+  m.def("stage_lag", &core::stage_lag, py::arg("kind"), py::arg("stage"), py::arg("stages"),
+        "Steps by which stage `stage` of `stages` computes behind the newest weights");
+  m.def("check_schedule_shape", &core::check_schedule_shape, py::arg("kind"), py::arg("stages"),
+        py::arg("microbatches"), "ValueError naming the fix when (stages, microbatches) cannot run `kind`");
+  m.def("schedule_table", [] {
+        py::list rows;
+        for (const core::ScheduleTraits& row : core::schedule_table())
+          rows.append(py::make_tuple(row.kind, row.name, row.summary));
+        return rows;
+      }, "(kind, name, summary) per schedule the core builds, in enum order");
   m.def("versions_alive_limit", &core::versions_alive_limit, py::arg("kind"), py::arg("stage"),
         py::arg("stages"), "Most weight versions the validator lets stage `stage` hold at once");
   m.def(

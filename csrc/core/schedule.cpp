@@ -14,28 +14,38 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "core/error.h"
 
 namespace asyncpp::core {
 
+const std::vector<ScheduleTraits>& schedule_table() {
+  static const std::vector<ScheduleTraits> table = {
+      {ScheduleKind::gpipe, "gpipe", "all forwards, then all backwards, then a flush: no weight delay"},
+      {ScheduleKind::one_f_one_b, "1f1b",
+       "one forward / one backward after S-s-1 warm-up forwards, flush per step: no weight delay"},
+      {ScheduleKind::two_bw, "2bw",
+       "PipeDream-2BW: 1F1B with no flush, every stage one step behind; needs microbatches >= stages"},
+      {ScheduleKind::pipedream, "pipedream",
+       "PipeDream with weight stashing: one microbatch per step, stage s S-1-s steps behind"},
+  };
+  return table;
+}
+
 ScheduleKind parse_schedule_kind(const std::string& name) {
-  if (name == "gpipe") return ScheduleKind::gpipe;
-  if (name == "1f1b") return ScheduleKind::one_f_one_b;
-  if (name == "2bw") return ScheduleKind::two_bw;
-  if (name == "pipedream") return ScheduleKind::pipedream;
-  ASYNCPP_ARG_CHECK(false, "unknown schedule '", name,
-                    "': choose one of gpipe, 1f1b, 2bw, pipedream");
+  std::string names;
+  for (const ScheduleTraits& row : schedule_table()) {
+    if (name == row.name) return row.kind;
+    names += (names.empty() ? "" : ", ") + std::string(row.name);
+  }
+  ASYNCPP_ARG_CHECK(false, "unknown schedule '", name, "': choose one of ", names);
   return ScheduleKind::gpipe;  // unreachable
 }
 
 const char* schedule_kind_name(ScheduleKind kind) {
-  switch (kind) {
-    case ScheduleKind::gpipe: return "gpipe";
-    case ScheduleKind::one_f_one_b: return "1f1b";
-    case ScheduleKind::two_bw: return "2bw";
-    case ScheduleKind::pipedream: return "pipedream";
-  }
+  for (const ScheduleTraits& row : schedule_table())
+    if (row.kind == kind) return row.name;
   return "unknown";
 }
 
@@ -52,18 +62,22 @@ const char* op_name(Op op) {
   return "unknown";
 }
 
-int version_for(ScheduleKind kind, int step, int stage, int stages) {
+int stage_lag(ScheduleKind kind, int stage, int stages) {
   ASYNCPP_ARG_CHECK(stages >= 1 && stage >= 0 && stage < stages, "stage ", stage,
                     " is out of range for ", stages, " stages: pass a stage in 0..stages-1");
   switch (kind) {
     case ScheduleKind::gpipe:
-    case ScheduleKind::one_f_one_b: return step;
-    case ScheduleKind::two_bw: return std::max(step - 1, 0);
+    case ScheduleKind::one_f_one_b: return 0;
+    case ScheduleKind::two_bw: return 1;
     // Between stage s's forward and backward of a step, S-1-s later forwards run, each after
     // one more optimizer step: the backward's stashed weights are that many versions old.
-    case ScheduleKind::pipedream: return std::max(step - (stages - 1 - stage), 0);
+    case ScheduleKind::pipedream: return stages - 1 - stage;
   }
-  return step;
+  return 0;
+}
+
+int version_for(ScheduleKind kind, int step, int stage, int stages) {
+  return std::max(step - stage_lag(kind, stage, stages), 0);
 }
 
 int version_for_step(ScheduleKind kind, int step) {
@@ -72,14 +86,24 @@ int version_for_step(ScheduleKind kind, int step) {
   return version_for(kind, step, 0, 1);
 }
 
+// The versions a stage's instructions can still need: its lag's worth of older ones plus the
+// newest, which the optimizer step writes while they are in use.
 int versions_alive_limit(ScheduleKind kind, int stage, int stages) {
-  switch (kind) {
-    case ScheduleKind::gpipe:
-    case ScheduleKind::one_f_one_b: return 1;
-    case ScheduleKind::two_bw: return 2;
-    case ScheduleKind::pipedream: return stages - stage;
-  }
-  return 1;
+  return stage_lag(kind, stage, stages) + 1;
+}
+
+void check_schedule_shape(ScheduleKind kind, int stages, int microbatches) {
+  const int S = stages, m = microbatches;
+  ASYNCPP_ARG_CHECK(S >= 1, "stages must be >= 1 (got S=", S, "): use at least one stage");
+  ASYNCPP_ARG_CHECK(m >= 1, "microbatches must be >= 1 (got m=", m,
+                    "): split each minibatch into at least one microbatch");
+  // 2bw keeps two versions only if a stage's last backward of step t comes before its first
+  // forward of step t+2, i.e. at most m in-flight microbatches span S stages.
+  ASYNCPP_ARG_CHECK(kind != ScheduleKind::two_bw || m >= S, "2bw needs microbatches >= stages (got m=",
+                    m, ", S=", S, "): raise --microbatches to at least ", S);
+  ASYNCPP_ARG_CHECK(kind != ScheduleKind::pipedream || m == 1,
+                    "pipedream runs one microbatch per optimizer step (got m=", m,
+                    "): use --microbatches 1");
 }
 
 namespace {
@@ -155,15 +179,8 @@ std::vector<ComputeItem> compute_order(ScheduleKind kind, int S, int m, int K, i
 
 Schedule build_schedule(ScheduleKind kind, int stages, int microbatches, int steps) {
   const int S = stages, m = microbatches, K = steps;
-  ASYNCPP_ARG_CHECK(S >= 1, "stages must be >= 1 (got S=", S, "): use at least one stage");
-  ASYNCPP_ARG_CHECK(m >= 1, "microbatches must be >= 1 (got m=", m,
-                    "): split each minibatch into at least one microbatch");
+  check_schedule_shape(kind, S, m);
   ASYNCPP_ARG_CHECK(K >= 1, "steps must be >= 1 (got K=", K, "): schedule at least one step");
-  ASYNCPP_ARG_CHECK(kind != ScheduleKind::two_bw || m >= S, "2bw needs microbatches >= stages (got m=",
-                    m, ", S=", S, "): raise --microbatches to at least ", S);
-  ASYNCPP_ARG_CHECK(kind != ScheduleKind::pipedream || m == 1,
-                    "pipedream runs one microbatch per optimizer step (got m=", m,
-                    "): use --microbatches 1");
   // About 4 instructions per stage and microbatch; refuse sizes that would exhaust memory.
   const int64_t work = int64_t{S} * m * K;
   ASYNCPP_ARG_CHECK(work <= kMaxScheduleWork, "schedule too large (stages*microbatches*steps = ", work,

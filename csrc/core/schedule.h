@@ -60,9 +60,22 @@ ScheduleKind parse_schedule_kind(const std::string& name);
 const char* schedule_kind_name(ScheduleKind kind);
 const char* op_name(Op op);
 
-// The weight version step `step` runs with on stage `stage` of `stages`: sync -> step,
-// 2bw -> max(step - 1, 0), pipedream -> max(step - (stages-1-stage), 0). Throws ArgumentError for
-// stages < 1 or a stage outside 0..stages-1.
+// One row per schedule kind, in enum order: the source of the Python schedule table
+// (asyncpp_ext/schedule/table.py), which adds nothing but Python-side spellings.
+struct ScheduleTraits {
+  ScheduleKind kind;
+  const char* name;     // as parse_schedule_kind spells it
+  const char* summary;  // one line for --help and the docs' table
+};
+const std::vector<ScheduleTraits>& schedule_table();
+
+// Steps by which stage `stage` of `stages` computes behind the newest weights: 0 for sync, 1 for
+// 2bw, stages-1-stage for pipedream. Every version rule below derives from it. Throws
+// ArgumentError for stages < 1 or a stage outside 0..stages-1.
+int stage_lag(ScheduleKind kind, int stage, int stages);
+
+// The weight version step `step` runs with on stage `stage` of `stages`:
+// max(step - stage_lag, 0). Throws ArgumentError as stage_lag.
 int version_for(ScheduleKind kind, int step, int stage, int stages);
 
 // The same for the kinds whose version does not depend on the stage (gpipe, 1f1b, 2bw); throws
@@ -76,8 +89,13 @@ int versions_alive_limit(ScheduleKind kind, int stage, int stages);
 // Largest stages*microbatches*steps a schedule may have (bounds the memory of build and validate).
 constexpr long long kMaxScheduleWork = 2'000'000;
 
-// Throws ArgumentError for S < 1, m < 1, K < 1, 2bw with m < S, pipedream with m != 1, or more
-// than kMaxScheduleWork (stage, microbatch, step) triples (message says why and the fix).
+// The one check of a schedule's shape: throws ArgumentError for S < 1, m < 1, 2bw with m < S or
+// pipedream with m != 1 (the message says why and the fix). build_schedule, the Python table and
+// through it the run config, Pipeline and simulator all call it.
+void check_schedule_shape(ScheduleKind kind, int stages, int microbatches);
+
+// Throws ArgumentError as check_schedule_shape, for K < 1, or for more than kMaxScheduleWork
+// (stage, microbatch, step) triples (message says why and the fix).
 Schedule build_schedule(ScheduleKind kind, int stages, int microbatches, int steps);
 
 }  // namespace asyncpp::core
