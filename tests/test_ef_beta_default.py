@@ -52,9 +52,12 @@ def test_auto_survives_a_config_round_trip():
 
 def test_a_run_records_its_auto_values_and_resumes_with_them(tmp_path, monkeypatch):
     """config.json holds the numbers "auto" stood for; a resumed run keeps them even when the
-    defaults have changed since (here: EF_BETA_AUTO and LR_AUTO patched before the resume)."""
+    defaults have changed since (here: muon's registry entry patched before the resume; config's
+    LR_AUTO and EF_BETA_AUTO are live views of it)."""
+    import dataclasses
     import json
 
+    from asyncpp_ext.optim import registry
     from asyncpp_ext.training import config
     from asyncpp_ext.training.cli import main
 
@@ -65,8 +68,10 @@ def test_a_run_records_its_auto_values_and_resumes_with_them(tmp_path, monkeypat
     saved = json.loads((tmp_path / "part" / "config.json").read_text())["optim"]
     assert (saved["lr"], saved["adamw_lr"], saved["ef_beta"]) == (
         config.LR_AUTO["muon"], config.MUON_ADAMW_LR_AUTO, config.EF_BETA_AUTO["muon"])
-    monkeypatch.setitem(config.EF_BETA_AUTO, "muon", 0.9)
-    monkeypatch.setitem(config.LR_AUTO, "muon", 0.05)
+    monkeypatch.setitem(registry.OPTIMIZERS, "muon",
+                        dataclasses.replace(registry.OPTIMIZERS["muon"], ef_beta=0.9, lr=0.05, adamw_lr=1e-2))
+    assert (config.LR_AUTO["muon"], config.EF_BETA_AUTO["muon"]) == (0.05, 0.9)  # the patch is seen
+    assert config.OptimConfig(name="muon").effective_adamw_lr() == 1e-2
     assert main(["--resume", str(tmp_path / "part"), "--steps", "4", "--no-progress"]) == 0
 
     def losses(run):

@@ -56,7 +56,7 @@ def test_hybrid_routing_on_gpt():
     groups = {g["algorithm"]: set(g["param_names"]) for g in opt.param_groups}
     assert groups["muon"] == hidden_matrix_names()
     assert groups["adamw"] == {n for n, _ in model.named_parameters()} - hidden_matrix_names()
-    assert opt.param_groups[1]["lr"] == 3e-4
+    assert opt.param_groups[1]["lr"] == 3e-3  # the registry's adamw_lr of muon, as on the command line
     before = [p.detach().clone() for p in model.parameters()]
     loss_of(model).backward()
     opt.step()

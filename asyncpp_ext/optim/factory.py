@@ -1,4 +1,4 @@
-"""build_optimizer: the one constructor the trainer calls."""
+"""build_optimizer: the one constructor the trainer calls; every default comes from the registry."""
 from __future__ import annotations
 
 import math
@@ -6,50 +6,53 @@ import math
 import torch
 
 from .error_feedback import ErrorFeedback
-from .library import LIBRARY_OPTIMIZERS, build_library_optimizer
+from .library import build_library_optimizer
 from .optimizers import AdamW, MuonHybrid
 from .param_groups import named_param_groups
-
-MUON_NAMES = ("muon", "normuon")
-"""The names built as MuonHybrid (Muon or NorMuon matrices, an AdamW part for the rest)."""
-NAMES = ("adamw", "muon", "normuon", "sgd") + tuple(LIBRARY_OPTIMIZERS)
-DEFAULT_ADAMW_LR_FOR_MUON = 3e-4
-DEFAULT_EF_SOURCE = "buffer"
+from .registry import DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, muon_family, optimizer_spec
 
 
 class OptimizerArgumentError(ValueError):
     """An argument of build_optimizer that does not fit the optimizer asked for."""
 
 
-def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.0,
-                    ef_beta: float = 0.0, adamw_lr: float | None = None, shard_group=None,
-                    ef_source: str = DEFAULT_EF_SOURCE, **kwargs) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, name: str, lr: float | None = None,
+                    weight_decay: float = DEFAULT_WEIGHT_DECAY, ef_beta: float | None = None,
+                    adamw_lr: float | None = None, shard_group=None, ef_source: str = DEFAULT_EF_SOURCE,
+                    **kwargs) -> torch.optim.Optimizer:
     """An optimizer for `model` (a whole model or one pipeline stage's part of it).
 
-    name:
+    Every argument left out (or None) takes the registry's default for `name` (optim/registry.py,
+    the same numbers ``asyncpp-train`` uses): lr, ef_beta, adamw_lr and momentum.
+
+    name (one of registry.OPTIMIZERS):
       "muon"  -> MuonHybrid: Muon (at `lr`) for hidden 2-D matrices, AdamW for embeddings, the output
-                 head, norms, biases and other tensors at `adamw_lr` (default 3e-4). Routing does not
+                 head, norms, biases and other tensors at `adamw_lr` (default 3e-3). Routing does not
                  assume the embedding or head are present. kwargs go to MuonHybrid (momentum,
-                 nesterov, ns_steps, ns_dtype, adjust_lr_fn, adamw_betas, is_muon, ...).
+                 default 0.95, nesterov, ns_steps, ns_dtype, adjust_lr_fn, adamw_betas, is_muon, ...).
       "normuon" -> the same with normuon=True: NorMuon's per-row normalisation of the Muon update
                  (normuon.py); kwargs as for "muon", plus normuon_beta2.
       "adamw" -> the fused AdamW at `lr`; kwargs: betas, eps.
       "sgd"   -> torch.optim.SGD(momentum=0.9 unless given in kwargs), wrapped in ErrorFeedback
-                 when ef_beta > 0.
+                 when ef_beta > 0 (its default is 0).
       "lion", "adan", "soap", "mars" -> pytorch_optimizer's class (library.py; needs the extra
                  `study`), all parameters in one group, kwargs to the class; wrapped in
                  ErrorFeedback when ef_beta > 0.
     weight_decay is decoupled (AdamW/Muon, and as each library optimizer applies it) or L2 (SGD).
     ef_beta > 0 turns on error feedback (fused into the kernels for "muon", "normuon" and "adamw",
-    the ErrorFeedback wrapper for the others). ef_source ("buffer" = E is the stored previous
-    update) is handed to the optimizer or wrapper that does EF, and only when it is not
-    "buffer", the constructors' default. shard_group (a data-parallel process group) splits
-    Muon's orthogonalisations among its ranks; the other optimizers ignore it.
+    the ErrorFeedback wrapper for the others); pass 0 to turn it off (the default is 0.5 for every
+    optimizer but sgd). ef_source ("buffer" = E is the stored previous update) is handed to the
+    optimizer or wrapper that does EF, and only when it is not "buffer", the constructors' default.
+    shard_group (a data-parallel process group) splits Muon's orthogonalisations among its ranks;
+    the other optimizers ignore it.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if name not in NAMES:
-        raise ValueError(f"name must be one of {NAMES}, got {name!r}")
+    spec = optimizer_spec(name)  # a ValueError naming the valid names
+    lr = spec.lr if lr is None else lr
+    ef_beta = spec.ef_beta if ef_beta is None else ef_beta
+    if spec.momentum is not None:
+        kwargs.setdefault("momentum", spec.momentum)
     for arg, value in (("lr", lr), ("adamw_lr", adamw_lr)):
         if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"{arg} must be a finite number > 0, got {value!r}")
@@ -65,20 +68,23 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
         raise ValueError("model has no trainable parameters")
 
     ef = dict(ef_source=ef_source)
-    if name in MUON_NAMES:
-        if "normuon" in kwargs:
-            raise OptimizerArgumentError("pass name='normuon' (or 'muon') instead of normuon= in kwargs")
-        return MuonHybrid(model, lr=lr, adamw_lr=DEFAULT_ADAMW_LR_FOR_MUON if adamw_lr is None else adamw_lr,
+    if spec.family == "muon":
+        fixed = {k for n in muon_family() for k in optimizer_spec(n).build_kwargs} & set(kwargs)
+        if fixed:  # the name chooses them (normuon=)
+            setters = [n for n in muon_family() if fixed & set(optimizer_spec(n).build_kwargs)]
+            others = [n for n in muon_family() if n not in setters]
+            raise OptimizerArgumentError(f"pass name={' or '.join(map(repr, setters))} (or "
+                                         f"{' or '.join(map(repr, others))}) instead of "
+                                         f"{', '.join(f'{k}=' for k in sorted(fixed))} in kwargs")
+        return MuonHybrid(model, lr=lr, adamw_lr=spec.adamw_lr if adamw_lr is None else adamw_lr,
                           weight_decay=weight_decay, ef_beta=ef_beta, shard_group=shard_group,
-                          normuon=name == "normuon", **ef, **kwargs)
+                          **spec.build_kwargs, **ef, **kwargs)
     if adamw_lr is not None:
-        raise ValueError(f"adamw_lr is only used with name='muon' or 'normuon'; for {name!r} pass lr")
-    if name == "adamw":
+        raise ValueError(f"adamw_lr is only used with the muon family {muon_family()}; for {name!r} pass lr")
+    if spec.family == "adamw":
         return AdamW(named, lr=lr, weight_decay=weight_decay, ef_beta=ef_beta, **ef, **kwargs)
-    if name in LIBRARY_OPTIMIZERS:
+    if spec.family == "library":
         opt = build_library_optimizer(named, name, lr, weight_decay, **kwargs)
-    else:
-        sgd_kwargs = dict(momentum=0.9)
-        sgd_kwargs.update(kwargs)
-        opt = torch.optim.SGD(named_param_groups(named), lr=lr, weight_decay=weight_decay, **sgd_kwargs)
+    else:  # sgd
+        opt = torch.optim.SGD(named_param_groups(named), lr=lr, weight_decay=weight_decay, **kwargs)
     return ErrorFeedback(opt, ef_beta, **ef) if ef_beta > 0 else opt

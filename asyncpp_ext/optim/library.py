@@ -14,14 +14,16 @@ import inspect
 import torch
 
 from .param_groups import named_param_groups
+from .registry import library_classes
 
 PACKAGE = "pytorch-optimizer"
 """The distribution name (its import name is ``pytorch_optimizer``)."""
 MODULE = "pytorch_optimizer"
 INSTALL_HINT = "pip install 'asyncpp_ext[study]'"
 
-LIBRARY_OPTIMIZERS = {"lion": "Lion", "adan": "Adan", "soap": "SOAP", "mars": "MARS"}
-"""Optimizer name (as build_optimizer and the CLI spell it) -> class name in pytorch_optimizer."""
+LIBRARY_OPTIMIZERS = library_classes()
+"""Optimizer name (as build_optimizer and the CLI spell it) -> class name in pytorch_optimizer: the
+registry's family "library" (registry.py, where a new one goes)."""
 
 
 class MissingExtraError(ValueError):

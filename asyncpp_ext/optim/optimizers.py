@@ -6,6 +6,7 @@ import torch
 from .fused import ADAMW, MUON, FusedOptimizer
 from .newton_schulz import NS_COEFFICIENTS
 from .normuon import NORMUON_BETA2
+from .registry import OPTIMIZERS
 from .routing import split_named_parameters
 
 
@@ -73,11 +74,14 @@ class MuonHybrid(FusedOptimizer):
     orthogonalisations among data-parallel replicas (see Muon). `normuon`/`normuon_beta2` make the
     Muon part NorMuon (see Muon). Groups without parameters are omitted; each
     group's "algorithm" says which it is. `ef_beta` and `ef_source` (see Muon) apply to both parts.
-    Defaults: lr=0.02, adamw_lr=3e-4.
+    Defaults: lr, adamw_lr and momentum are the registry's for "muon" (registry.py: 0.02, 3e-3,
+    0.95), as build_optimizer and asyncpp-train use them; ef_beta here is 0 (build_optimizer's
+    default is the registry's 0.5).
     """
 
-    def __init__(self, model_or_named_params, lr: float = 0.02, adamw_lr: float = 3e-4,
-                 weight_decay: float = 0.0, momentum: float = 0.95, nesterov: bool = True,
+    def __init__(self, model_or_named_params, lr: float = OPTIMIZERS["muon"].lr,
+                 adamw_lr: float = OPTIMIZERS["muon"].adamw_lr, weight_decay: float = 0.0,
+                 momentum: float = OPTIMIZERS["muon"].momentum, nesterov: bool = True,
                  ns_coefficients=NS_COEFFICIENTS, eps: float = 1e-7, ns_steps: int = 5,
                  adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None,
                  adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
