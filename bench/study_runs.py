@@ -80,30 +80,14 @@ def build_config(args: dict, schedule: str, seed: int, overrides: Mapping[str, o
     return cfg
 
 
-def simulator_options(cfg) -> dict:
-    """DelaySimulator's keyword arguments that the run config decides, as ``asyncpp-train
-    --simulate`` passes them: the learning-rate schedule, clipping, the delay knobs, and the
-    staleness mitigation (``RunConfig.mitigation_kwargs``, where this asyncpp_ext has it)."""
-    p = cfg.pipeline
-    options = dict(on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
-                   clip_grad_norm=cfg.optim.clip_grad_norm, delay=p.delay,
-                   stages=p.stages if p.schedule == "pipedream" else None)
-    if hasattr(cfg, "mitigation_kwargs"):
-        options.update(cfg.mitigation_kwargs())
-    return options
-
-
 # -- one run (executes in a worker process) -------------------------------------------------------
 def build_engine(cfg):
-    """The model (initialised from the run's seed), the CLI's optimizer for it, and the
-    DelaySimulator that trains them under the run's schedule."""
-    from asyncpp_ext.models.registry import build_model
-    from asyncpp_ext.training.cli import make_optimizer_factory
-    from asyncpp_ext.training.simulate import DelaySimulator
+    """The model (initialised from the run's seed), its optimizer, and the DelaySimulator that
+    trains them under the run's schedule: what ``asyncpp-train --simulate`` builds
+    (asyncpp_ext.training.build)."""
+    from asyncpp_ext.training.build import build_simulator
 
-    model = build_model(cfg.model, seed=cfg.train.seed)
-    return DelaySimulator(model, make_optimizer_factory(cfg)(model), cfg.pipeline.schedule,
-                          **simulator_options(cfg))
+    return build_simulator(cfg)
 
 
 def train_run(cfg, eval_micro_batch_size: int) -> dict:
@@ -277,6 +261,6 @@ def plot_curve_panels(panels: Sequence[tuple[str, Sequence[tuple[str, str | None
     plt.close(fig)
 
 
-__all__ = ["RUN_ARGS", "StudyError", "parse_value", "set_field", "build_config", "simulator_options",
+__all__ = ["RUN_ARGS", "StudyError", "parse_value", "set_field", "build_config",
            "build_engine", "train_run", "run_overrides", "init_worker", "run_pool", "progress_reporter", "mean_std",
            "paired_differences", "recovered_fractions", "mean_band", "plot_curve_panels"]

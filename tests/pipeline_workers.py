@@ -120,7 +120,7 @@ def gpt_minibatches(steps: int, m: int, micro_batch: int = 2, seed: int = 5) -> 
 
 def cli_muon_factory(module):
     """asyncpp-train --optimizer muon: MuonHybrid with EF 0.5 and the CLI's other defaults."""
-    from asyncpp_ext.training.cli import make_optimizer_factory
+    from asyncpp_ext.training.build import optimizer_factory as make_optimizer_factory
     from asyncpp_ext.training.config import RunConfig
 
     cfg = RunConfig()

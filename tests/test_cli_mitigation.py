@@ -62,25 +62,25 @@ def test_a_library_optimizer_without_its_extra_is_one_line(tmp_path, capsys, mon
     (["--optimizer", "muon", "--muon-momentum", "0.9"], dict(muon_momentum=0.9, mitigation="ef")),
 ])
 def test_good_values_are_pinned_in_the_run_config(tmp_path, argv, pinned, monkeypatch):
-    from asyncpp_ext.training import cli
+    from asyncpp_ext.training import run
 
     built = []
-    monkeypatch.setattr(cli, "_run_single_process", lambda cfg, resume: built.append(cfg) or 0)
+    monkeypatch.setattr(run, "_train_single_process", lambda cfg, resume: built.append(cfg) or 0)
     assert main(argv + ["--simulate", "--steps", "3", "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     optim = built[0].optim
     assert {k: getattr(optim, k) for k in pinned} == pinned
 
 
 def test_the_optimizer_factory_gets_the_muon_momentum_and_ef_source(monkeypatch):
-    from asyncpp_ext.training import cli
+    from asyncpp_ext.training import build
 
     calls = []
-    monkeypatch.setattr(cli, "build_optimizer", lambda module, name, lr, **kw: calls.append((name, kw)))
+    monkeypatch.setattr(build, "build_optimizer", lambda module, name, lr, **kw: calls.append((name, kw)))
     cfg = RunConfig()
     cfg.optim.name, cfg.optim.muon_momentum, cfg.optim.ef_source = "muon", 0.9, "weights"
-    cli.make_optimizer_factory(cfg)(None)
+    build.optimizer_factory(cfg)(None)
     cfg = RunConfig()  # adamw: no muon momentum; the default source
-    cli.make_optimizer_factory(cfg)(None)
+    build.optimizer_factory(cfg)(None)
     assert calls[0][1]["momentum"] == 0.9 and calls[0][1]["ef_source"] == "weights"
     assert "momentum" not in calls[1][1] and calls[1][1]["ef_source"] == "buffer"
 

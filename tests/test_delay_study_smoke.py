@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncpp_ext.training.cli import main as train_main
-from asyncpp_ext.training.trainer import read_metrics
+from asyncpp_ext.training.run_files import read_metrics
 
 STUDY_PATH = Path(__file__).resolve().parent.parent / "bench" / "delay_study.py"
 

@@ -4,7 +4,7 @@ import torch
 
 from asyncpp_ext.training.config import EF_BETA_AUTO, ConfigError, RunConfig
 from asyncpp_ext.models import GPT, PRESETS
-from asyncpp_ext.training.cli import make_optimizer_factory
+from asyncpp_ext.training.build import optimizer_factory as make_optimizer_factory
 
 
 def _ef_betas(optimizer):

@@ -155,7 +155,7 @@ def test_hf_model_dir_first_step_equals_transformers_forward_and_starts_from_its
 
     from asyncpp_ext.models import hf
     from asyncpp_ext.training.config import RunConfig
-    from asyncpp_ext.training.trainer import run_data
+    from asyncpp_ext.training.build import build_data as run_data
 
     with torch.random.fork_rng():
         torch.manual_seed(3)

@@ -22,7 +22,8 @@ from asyncpp_ext.optim.mitigations import (MitigationError, default_rescale_step
                                            lr_rescale_multiplier, predicted_weights, resolve_mitigation)
 from asyncpp_ext.training.checkpoint import load_checkpoint
 from asyncpp_ext.training.cli import main
-from asyncpp_ext.training.simulate import DelaySimulator, DelaySimulatorError, merge_engine_states
+from asyncpp_ext.training.checkpoint import merge_engine_states
+from asyncpp_ext.training.simulate import DelaySimulator, DelaySimulatorError
 
 STEPS, MICROBATCHES = 7, 2
 LR = {"sgd": 0.1, "adamw": 0.03}

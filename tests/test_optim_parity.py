@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from asyncpp_ext.optim import AdamW, ErrorFeedback, Muon, build_optimizer
-from asyncpp_ext.training.cli import make_optimizer_factory
+from asyncpp_ext.training.build import optimizer_factory as make_optimizer_factory
 from asyncpp_ext.training.config import RunConfig
 from optim_reference import AdamWRef, MuonHybridRef, MuonRef, hybrid_routing, run
 

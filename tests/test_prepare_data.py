@@ -267,7 +267,7 @@ def test_module_help_runs():
 
 def test_prepared_bpe_data_trains_and_eval_loss_falls(tmp_path, bpe_path, capsys, one_intra_op_thread):
     from asyncpp_ext.training import cli
-    from asyncpp_ext.training.trainer import read_metrics
+    from asyncpp_ext.training.run_files import read_metrics
 
     source = tmp_path / "in.txt"
     source.write_text(_corpus_text(0, 400_000), encoding="utf-8")

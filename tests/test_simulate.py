@@ -7,7 +7,7 @@ from torch import nn
 
 from asyncpp_ext.models import GPT, preset_config
 from asyncpp_ext.optim import ErrorFeedback, Muon, build_optimizer
-from asyncpp_ext.training.cli import make_optimizer_factory
+from asyncpp_ext.training.build import optimizer_factory as make_optimizer_factory
 from asyncpp_ext.training.config import RunConfig
 from asyncpp_ext.training.simulate import DelaySimulator
 from delay_reference import delayed_training

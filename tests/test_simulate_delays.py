@@ -8,9 +8,10 @@ from torch import nn
 
 from asyncpp_ext.models import GPT, Llama, llama_preset_config, preset_config
 from asyncpp_ext.pipeline.partition import PartitionError, split
-from asyncpp_ext.training.cli import make_optimizer_factory
+from asyncpp_ext.training.build import optimizer_factory as make_optimizer_factory
 from asyncpp_ext.training.config import RunConfig
-from asyncpp_ext.training.simulate import (DelaySimulator, DelaySimulatorError, merge_engine_states,
+from asyncpp_ext.training.checkpoint import merge_engine_states
+from asyncpp_ext.training.simulate import (DelaySimulator, DelaySimulatorError,
                                            stage_delay)
 from delay_reference import delayed_training
 from stage_delay_reference import stage_delayed_training

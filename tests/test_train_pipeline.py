@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from asyncpp_ext.training.checkpoint import load_checkpoint
-from asyncpp_ext.training.simulate import merge_engine_states
+from asyncpp_ext.training.checkpoint import merge_engine_states
 from asyncpp_ext.training.cli import main
 
 pytestmark = pytest.mark.multiproc

@@ -21,14 +21,14 @@ BUILD_TESTS = ["tests/test_nccl_transport.py", "tests/test_optim_api.py", "tests
                "tests/test_transports.py"]
 TIMEOUTS = dict(build_tests=300, cuda_tests=420, nccl_self_test=120, train_one_gpu=320, train_two_gpus=300, bench_optim=240,
                 bench_muon_widths=240, bench_p2p=180)
-TRAIN_CLI = "import sys; from asyncpp_ext.training.cli import main; sys.exit(main(sys.argv[1:]))"
+TRAIN_CLI = ["-m", "asyncpp_ext.train"]  # asyncpp-train, as the installed command runs it
 SELF_TEST = ("import json, sys; from asyncpp_ext.pipeline.nccl import self_test; "
              "print(json.dumps(self_test('cuda:0', quick=sys.argv[1] == '1')))")
 
 
 def train_args(out: Path, name: str, steps: int, dtype: str, extra: list) -> list:
     """A 2-stage 2bw Muon+EF run of the tiny model; ``extra`` picks device/transport or --simulate."""
-    return [sys.executable, "-c", TRAIN_CLI, "--schedule", "2bw", "--stages", "2", "--optimizer", "muon",
+    return [sys.executable, *TRAIN_CLI, "--schedule", "2bw", "--stages", "2", "--optimizer", "muon",
             "--ef-beta", "0.5", "--model", "tiny", "--steps", str(steps), "--seed", "0", "--dtype", dtype,
             "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--out", str(out / "runs" / name), *extra]
 

@@ -28,6 +28,7 @@ import random
 import re
 import shutil
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -293,7 +294,27 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
                               f"on the run's length; resume with --steps {saved_cfg.train.steps}")
 
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "to_cpu", "checkpoint_path", "temp_checkpoint_path", "shard_name",
+def merge_engine_states(states: Sequence[dict]) -> dict:
+    """One engine state from per-stage shards (any pipeline depth): weights, older versions and
+    optimizer state are keyed by global parameter names, so the union is the whole model's state."""
+    if len(states) == 1:
+        return states[0]
+    merged = {"schedule": states[0]["schedule"], "steps_done": states[0]["steps_done"],
+              "params": {}, "stash": {}, "older": {}, "optimizer": {"state": {}, "param_groups": []},
+              "clip": states[0].get("clip")}  # every stage knows the same previous norm
+    for s in states:
+        if s["steps_done"] != merged["steps_done"]:
+            raise CheckpointError(f"shards disagree on the step ({s['steps_done']} vs "
+                                  f"{merged['steps_done']}); merge shards of one checkpoint")
+        merged["params"].update(s["params"])
+        merged["stash"].update(s["stash"])
+        merged["older"].update(s.get("older") or {})
+        merged["optimizer"]["state"].update(s["optimizer"]["state"])
+        merged["optimizer"]["param_groups"] += s["optimizer"]["param_groups"]
+    return merged
+
+
+__all__ = ["merge_engine_states", "FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "to_cpu", "checkpoint_path", "temp_checkpoint_path", "shard_name",
            "capture_rng_state", "restore_rng_state", "begin_checkpoint", "write_shard",
            "finalize_checkpoint", "save_checkpoint", "list_checkpoints", "latest_checkpoint",
            "read_meta", "load_checkpoint", "check_resume_config"]

@@ -8,13 +8,28 @@ import sys
 from pathlib import Path
 
 from ..info import build_info
-from .cli import main as train_main
+from ..models.registry import model_config
+from .config import RunConfig
+from .run import preflight, train
 
 OUT = Path("runs/demo")
 FLAGS = ["--schedule", "2bw", "--stages", "2", "--microbatches", "4", "--micro-batch-size", "8",
          "--model", "small", "--optimizer", "muon", "--lr", "0.02", "--adamw-lr", "0.003",
          "--ef-beta", "0.5", "--steps", "150", "--eval-every", "25", "--ckpt-every", "150",
          "--data", "builtin"]
+"""The same run as the asyncpp-train command line, printed for the reader to try."""
+
+
+def demo_config() -> RunConfig:
+    """The run FLAGS describe, built as a Python script would."""
+    cfg = RunConfig()
+    cfg.model = model_config("small")
+    cfg.pipeline.schedule, cfg.pipeline.stages, cfg.pipeline.microbatches = "2bw", 2, 4
+    cfg.pipeline.micro_batch_size = 8
+    cfg.optim.name, cfg.optim.lr, cfg.optim.adamw_lr, cfg.optim.ef_beta = "muon", 0.02, 0.003, 0.5
+    cfg.train.steps, cfg.train.eval_every, cfg.train.ckpt_every = 150, 25, 150
+    cfg.data.source, cfg.train.out = "builtin", str(OUT)
+    return cfg
 
 
 def main() -> int:
@@ -24,7 +39,9 @@ def main() -> int:
           f"GPU {'visible' if info['gpu_visible'] else 'not visible'}")
     print("training: asyncpp-train " + " ".join(FLAGS) + f" --out {OUT}")
     shutil.rmtree(OUT, ignore_errors=True)  # the demo always starts fresh
-    code = train_main(FLAGS + ["--out", str(OUT)])
+    cfg = demo_config()
+    preflight(cfg)
+    code = train(cfg)
     if code != 0:
         return code
     rows = [json.loads(line) for line in (OUT / "metrics.jsonl").read_text().splitlines()]

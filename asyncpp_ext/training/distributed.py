@@ -17,55 +17,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .build import build_data, build_pipeline_engine, resume
 from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
-                         load_checkpoint, restore_rng_state, temp_checkpoint_path, write_shard)
+                         restore_rng_state, temp_checkpoint_path, write_shard)
 from .config import ConfigError, RunConfig
-from ..data import BatchStream
-from ..models.registry import build_model
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
 from ..pipeline.launch import spawned_locally, start_method
 from ..pipeline.sockets import recv_spin_us
 from ..pipeline.transport import TransportError, peer_failure_reason
-from .simulate import merge_engine_states
-from .trainer import StepOutcome, Trainer, run_data
-
-
-class PipelineEngine:
-    """StepEngine over a Pipeline: each ``train_steps`` call is one continuous stream."""
-
-    def __init__(self, pipe: Pipeline):
-        self.pipe = pipe
-        self.stage, self.replica = pipe.stage, pipe.replica
-        self._shares_since_ns = 0  # trace entries that started before this are summarised
-
-    def time_shares(self):
-        """This stage's compute and wait shares since the last call (TensorBoard)."""
-        from .tensorboard_log import stage_time_shares
-
-        recent = []
-        for entry in reversed(self.pipe.trace):  # (op, step, mb, version, start_ns, end_ns)
-            if entry[4] < self._shares_since_ns:
-                break
-            recent.append(entry)
-        if not recent:
-            return None
-        self._shares_since_ns = max(e[5] for e in recent) + 1
-        return stage_time_shares(recent[::-1])
-
-    def train_steps(self, stream: BatchStream, steps: int):
-        minibatches = (stream.next() for _ in range(steps))
-        for stats in self.pipe.train(minibatches, steps):
-            yield StepOutcome(stats.loss, True) if stats.skipped else stats.loss
-
-    def eval_loss(self, batches):
-        return self.pipe.evaluate(batches)
-
-    def state_dict(self) -> dict:
-        return self.pipe.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.pipe.load_state_dict(state)
+from .trainer import Trainer
 
 
 def _collective_checkpoint(pipe: Pipeline, run_dir: Path):
@@ -107,8 +68,8 @@ def rank_placement(cfg: RunConfig) -> tuple[str, str, str]:
     return device, transport, process_group_backend(transport, device)
 
 
-def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> None:
-    """One rank of a pipeline run (under torchrun or spawned by ``run_pipeline``)."""
+def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
+    """One rank of a pipeline run (under torchrun or spawned by ``launch``)."""
     cfg = RunConfig.from_dict(cfg_dict)
     device, transport, backend = rank_placement(cfg)
     init_distributed(cfg.train.timeout_s, backend=backend)
@@ -117,37 +78,26 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str], factory_builder) -> Non
     p = cfg.pipeline
     # Every replica draws the same stream and takes its rows; every replica evaluates the whole
     # set (same weights, same numbers) so none waits for another.
-    stream, eval_set = run_data(cfg)
-    model = build_model(cfg.model, seed=cfg.train.seed)
-    pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=factory_builder(cfg), schedule=p.schedule,
-                    microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
-                    recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
-                    timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
-                    lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
-                    **cfg.mitigation_kwargs())
-    engine = PipelineEngine(pipe)
-    start_step, elapsed = 0, 0.0
-    if resume_dir is not None:
-        meta, shards = load_checkpoint(resume_dir)
-        engine.load_state_dict(merge_engine_states([s["engine"] for s in shards]))
-        stream.load_state_dict(meta["data"])
-        start_step, elapsed = int(meta["step"]), float(meta.get("elapsed_s", 0.0))
-        same_depth = len(shards) == p.stages
-        restore_rng_state(shards[pipe.stage if same_depth else 0]["rng"])
+    stream, eval_set = build_data(cfg)
+    engine = build_pipeline_engine(cfg, device, transport)
+    pipe = engine.pipe
+    resumed = resume(engine, stream, Path(resume_dir) if resume_dir is not None else None, pipe.stage, p.stages)
+    if resumed.rng is not None:
+        restore_rng_state(resumed.rng)
     run_dir = Path(cfg.train.out)
-    trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=start_step, elapsed_s=elapsed,
-                      device="cpu", checkpoint_fn=_collective_checkpoint(pipe, run_dir),
+    trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=resumed.start_step,
+                      elapsed_s=resumed.elapsed_s, device="cpu", checkpoint_fn=_collective_checkpoint(pipe, run_dir),
                       writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages)
     with pipe:
         trainer.run()
 
 
-def launch(cfg: RunConfig, resume_dir: Optional[Path], factory_builder, prepare) -> None:
+def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:
     """Run the pipeline under torchrun's world, or spawn ``stages * dp`` local ranks on 127.0.0.1.
 
     ``prepare()`` creates the run directory and config.json: here in the parent for a local
     launch, on rank 0 (the others wait) under torchrun."""
-    args = (cfg.to_dict(), str(resume_dir) if resume_dir is not None else None, factory_builder)
+    args = (cfg.to_dict(), str(resume_dir) if resume_dir is not None else None)
     try:  # a bad ASYNCPP_START_METHOD or ASYNCPP_RECV_SPIN_US stops the run before anything is written
         recv_spin_us()
         if not under_launcher():

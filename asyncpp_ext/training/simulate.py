@@ -400,25 +400,5 @@ def _check_names(what: str, saved: dict, expected: list[str],
                                   f"unexpected {extra}); {hint}")
 
 
-def merge_engine_states(states: Sequence[dict]) -> dict:
-    """One engine state from per-stage shards (any pipeline depth): weights, older versions and
-    optimizer state are keyed by global parameter names, so the union is the whole model's state."""
-    if len(states) == 1:
-        return states[0]
-    merged = {"schedule": states[0]["schedule"], "steps_done": states[0]["steps_done"],
-              "params": {}, "stash": {}, "older": {}, "optimizer": {"state": {}, "param_groups": []},
-              "clip": states[0].get("clip")}  # every stage knows the same previous norm
-    for s in states:
-        if s["steps_done"] != merged["steps_done"]:
-            raise DelaySimulatorError(f"shards disagree on the step ({s['steps_done']} vs "
-                                      f"{merged['steps_done']}); merge shards of one checkpoint")
-        merged["params"].update(s["params"])
-        merged["stash"].update(s["stash"])
-        merged["older"].update(s.get("older") or {})
-        merged["optimizer"]["state"].update(s["optimizer"]["state"])
-        merged["optimizer"]["param_groups"] += s["optimizer"]["param_groups"]
-    return merged
-
-
-__all__ = ["DelaySimulator", "DelaySimulatorError", "default_loss", "merge_engine_states", "stage_delay",
+__all__ = ["DelaySimulator", "DelaySimulatorError", "default_loss", "stage_delay",
            "SIMULATED_SCHEDULES"]

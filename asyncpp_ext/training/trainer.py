@@ -17,12 +17,8 @@ import torch
 
 from .checkpoint import save_checkpoint
 from .config import RunConfig
-from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
-
-METRICS_NAME = "metrics.jsonl"
-CONFIG_NAME = "config.json"
-PLOT_NAME = "loss.png"
-
+from ..data import BatchStream
+from .run_files import METRICS_NAME, plot_losses
 
 class StepOutcome(NamedTuple):
     """What an engine yields for a step whose update was skipped (non-finite values); plain
@@ -43,80 +39,6 @@ class StepEngine(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-def run_data(cfg: RunConfig) -> tuple[BatchStream, list]:
-    """The run's training stream and evaluation set. Every process of a run builds the same ones:
-    with --dp R each microbatch holds the global R*B sequences (a replica takes its rows), and a
-    simulation trains on exactly those."""
-    p = cfg.pipeline
-    batch = p.global_micro_batch_size
-    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
-    if cfg.data.val_source is None:
-        train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch, cfg.model.seq_len,
-                                                 source=cfg.data.source)
-    else:  # a separate validation file: every token of --data trains
-        train_tokens, eval_tokens = tokens, load_tokens(cfg.data.val_source, cfg.model.vocab_size)
-        for what, part, need in (("--data", train_tokens, batch), ("--val-data", eval_tokens, 1)):
-            if len(part) < need * (cfg.model.seq_len + 1):
-                raise DataError(f"{what} holds {len(part)} tokens, fewer than {need} window(s) of "
-                                f"seq_len {cfg.model.seq_len} + 1; use more data or a smaller --seq-len")
-    stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed)
-    return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file + rename, so readers never see a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    path = Path(run_dir) / METRICS_NAME
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
-    """Drop metrics rows after ``last_step`` (steps a resumed run will compute again)."""
-    path = Path(run_dir) / METRICS_NAME
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
-    write_text_atomic(path, "".join(line + "\n" for line in kept))
-
-
-def plot_losses(run_dir: str | os.PathLike) -> Path:
-    """loss.png: training loss per step and eval loss at eval steps, from metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(run_dir)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    trained = [r for r in rows if r["loss"] is not None]
-    ax.plot([r["step"] for r in trained], [r["loss"] for r in trained], label="train", linewidth=1)
-    evals = [r for r in rows if "eval_loss" in r]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path = Path(run_dir) / PLOT_NAME
-    tmp = path.with_name(".loss.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
 
 
 class Trainer:
@@ -255,5 +177,4 @@ class Trainer:
         return rows
 
 
-__all__ = ["StepEngine", "StepOutcome", "Trainer", "METRICS_NAME", "CONFIG_NAME", "PLOT_NAME",
-           "read_metrics", "truncate_metrics", "plot_losses", "write_text_atomic"]
+__all__ = ["StepEngine", "StepOutcome", "Trainer"]

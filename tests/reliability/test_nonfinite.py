@@ -102,7 +102,8 @@ class _ListStream:
 
 def test_trainer_records_the_skip_and_checkpoints_refuse_nan_weights(tmp_path):
     from asyncpp_ext.training.config import RunConfig
-    from asyncpp_ext.training.trainer import Trainer, read_metrics
+    from asyncpp_ext.training.run_files import read_metrics
+    from asyncpp_ext.training.trainer import Trainer
 
     model = nn.Sequential(*pw.make_blocks())
     sim = DelaySimulator(model, pw.optimizer_factory("sgd")(model), "2bw", on_nonfinite="skip",

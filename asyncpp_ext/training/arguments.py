@@ -1,0 +1,226 @@
+"""The flags of ``asyncpp-train`` and how they become a ``RunConfig``: the parser, the mapping of
+flags onto config fields (and back, so a config complaint can name the flag to type)."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from .config import (DTYPES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
+                     SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
+from ..models.registry import MODEL_PRESETS
+from .model_source import model_from_args
+from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS
+from ..optim.versioned import EF_SOURCES
+
+PROG = "asyncpp-train"
+_D = RunConfig()  # the documented defaults
+
+
+class UsageError(ValueError):
+    """Bad command line (argparse's complaints, conflicting flags, unusable --out)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump: the caller prints it
+        raise UsageError(message)
+
+
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    # Defaults are None so that the flags a user typed can be told apart (needed by --resume,
+    # which takes every unset value from the checkpoint); the real defaults are shown in help.
+    p = _Parser(prog=PROG, description=description,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    pipe, opt, run = (p.add_argument_group(t) for t in ("pipeline", "optimizer", "run"))
+    pipe.add_argument("--schedule", choices=SCHEDULES,
+                      help=f"sync|gpipe|1f1b: no delay; 2bw: one-step weight delay, no flush; pipedream: "
+                           f"one microbatch per step, stage s delayed S-1-s steps (default {_D.pipeline.schedule})")
+    pipe.add_argument("--delay", type=int, metavar="K",
+                      help="with --schedule 2bw --simulate: a constant K-step weight delay instead of 2bw's one "
+                           "(research knob)")
+    pipe.add_argument("--stages", type=int, help=f"pipeline stages (default {_D.pipeline.stages})")
+    pipe.add_argument("--microbatches", type=int,
+                      help=f"microbatches per step; 2bw needs >= stages (default {_D.pipeline.microbatches})")
+    pipe.add_argument("--micro-batch-size", type=int,
+                      help=f"sequences per microbatch per replica (default {_D.pipeline.micro_batch_size})")
+    pipe.add_argument("--dp", type=int,
+                      help="data-parallel replicas of the pipeline; stages x dp processes, each step "
+                           "takes microbatches x dp x micro-batch-size sequences (default 1)")
+    pipe.add_argument("--no-shard-muon", action="store_true", default=None,
+                      help="with --dp > 1, every replica runs all Muon orthogonalisations itself "
+                           "(default: each runs a share and they are gathered)")
+    pipe.add_argument("--transport", choices=TRANSPORTS,
+                      help="how stage processes exchange activations and gradients: auto (nccl on "
+                           "cuda, gloo on cpu), nccl (C++ NCCL, one GPU per rank), torch "
+                           "(torch.distributed p2p: NCCL on cuda, one GPU per rank; gloo on cpu), "
+                           "gloo (on cuda via host copies: ranks may share a GPU) (default auto)")
+    pipe.add_argument("--recompute", action="store_true", default=None,
+                      help="recompute each stage's forward before its backward: same losses, less "
+                           "activation memory")
+    # No argparse choices= for names other engineers' lists grow: the config names the valid ones.
+    opt.add_argument("--optimizer", metavar="NAME",
+                     help=f"{'|'.join(OPTIMIZERS)} (default {_D.optim.name})")
+    opt.add_argument("--lr", type=float, help="learning rate (default per optimizer: " + ", ".join(
+        f"{k} {v:g}" for k, v in LR_AUTO.items()) + ")")
+    opt.add_argument("--adamw-lr", type=float,
+                     help="lr of muon's AdamW part (embeddings, head, norms, biases); default 3e-3")
+    opt.add_argument("--weight-decay", type=float, help=f"default {_D.optim.weight_decay}")
+    opt.add_argument("--ef-beta", type=float,
+                     help="error-feedback delay correction strength, 0 = off (default auto: "
+                          + ", ".join(f"{k} {v:g}" for k, v in EF_BETA_AUTO.items()) + ")")
+    opt.add_argument("--ef-source", metavar="SOURCE",
+                     help=f"{'|'.join(EF_SOURCES)}: error feedback's previous update from a buffer of its own, "
+                          "or from the weight versions of a delayed schedule (no extra memory) (default buffer)")
+    opt.add_argument("--mitigation", metavar="NAME",
+                     help=f"{'|'.join(MITIGATIONS)}: staleness mitigation; ef = error feedback (--ef-beta), "
+                          "predict = forward/backward on extrapolated weights (--simulate only), dc = delay "
+                          "compensation of the gradient (--dc-lambda), lr-rescale = lr times (1+d)^-p(t) over "
+                          "--rescale-steps (default: ef when --ef-beta resolves > 0, else none)")
+    opt.add_argument("--dc-lambda", type=float, metavar="X",
+                     help=f"strength of --mitigation dc (default {DEFAULT_DC_LAMBDA:g}, DC-ASGD's constant)")
+    opt.add_argument("--rescale-steps", type=int, metavar="K",
+                     help="--mitigation lr-rescale: steps over which the lr reduction fades out "
+                          "(default max(1, steps // 10))")
+    opt.add_argument("--muon-momentum", type=float, metavar="MU",
+                     help=f"momentum of the muon/normuon matrices (default {_D.optim.muon_momentum:g})")
+    opt.add_argument("--ns-dtype", choices=NS_DTYPES,
+                     help="muon's Newton-Schulz dtype: auto = bf16 on CUDA, fp32 on CPU (default auto)")
+    run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
+    run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
+    opt.add_argument("--lr-schedule", choices=LR_SCHEDULES,
+                     help="lr multiplier over the run: constant, cosine (down to --min-lr-ratio at the "
+                          "end) or wsd (warmup, stable, linear decay over --decay-steps) (default constant)")
+    opt.add_argument("--warmup-steps", type=int, help="linear lr warmup steps (default 0)")
+    opt.add_argument("--decay-steps", type=int, help="wsd: steps of the final decay (default: a share of --steps)")
+    opt.add_argument("--min-lr-ratio", type=float, help="cosine/wsd: final lr as a fraction of --lr")
+    opt.add_argument("--clip-grad-norm", type=float, metavar="X",
+                     help="clip the gradient to global norm X, measured on the previous step's gradient so "
+                          "no stage waits for the others (default: no clipping)")
+    model = p.add_argument_group("model and data")
+    model.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
+                                      "file, or a .bin token file (uint16 nanoGPT format, or written by "
+                                      "asyncpp-prepare-data) (default builtin)")
+    model.add_argument("--val-data", metavar="FILE",
+                       help="evaluate on this file (same formats as --data) instead of the end of --data")
+    model.add_argument("--model", choices=sorted(MODEL_PRESETS),
+                       help="preset: tiny (gpt, 2 layers, width 32), small (gpt, 4 x 128), llama-tiny, "
+                            "smollm-135m, smollm-360m (default tiny)")
+    model.add_argument("--hf-config", metavar="FILE",
+                       help="a Hugging Face config.json (Llama family or GPT-2): that model, randomly "
+                            "initialised (needs pip install 'asyncpp_ext[hf]')")
+    model.add_argument("--hf-model", metavar="DIR",
+                       help="a local Hugging Face model directory (config.json + safetensors) to continue "
+                            "pretraining from")
+    for flag in ("n-layer", "n-embd", "n-head", "seq-len"):
+        model.add_argument(f"--{flag}", type=int, help="override the preset's value")
+    model.add_argument("--vocab-size", type=int,
+                       help="token ids the model knows (default: the model's; data ids must be below it)")
+    run.add_argument("--eval-every", type=int,
+                     help=f"eval every K steps and at the end, 0 = end only (default {_D.train.eval_every})")
+    run.add_argument("--ckpt-every", type=int,
+                     help=f"checkpoint every K steps and at the end, 0 = end only (default {_D.train.ckpt_every})")
+    run.add_argument("--out", help="run directory (default runs/YYYYmmdd-HHMMSS; with --resume, "
+                                   "the resumed directory)")
+    run.add_argument("--resume", metavar="DIR",
+                     help="continue DIR's run from its latest checkpoint up to --steps; flags "
+                          "left out are taken from the checkpoint")
+    run.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
+    run.add_argument("--dtype", choices=DTYPES,
+                     help="auto: bf16 autocast on cuda, fp32 on cpu; bf16: autocast with fp32 "
+                          "weights and optimizer state (slow on cpu) (default auto)")
+    run.add_argument("--simulate", action="store_true", default=None,
+                     help="run the schedule's update rule in one process (delay simulator)")
+    run.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
+    run.add_argument("--timeout", type=float, metavar="SECONDS",
+                     help=f"abort every rank with a report when no pipeline instruction completes "
+                          f"for this long (default {_D.train.timeout_s:g}, or $ASYNCPP_TIMEOUT)")
+    run.add_argument("--threads", type=int, metavar="N",
+                     help="intra-op threads per process (default: cores / (stages x dp) for each rank "
+                          "of a multi-process run, torch's default for one process); runs match "
+                          "bitwise only at equal counts")
+    run.add_argument("--tensorboard", action="store_true", default=None,
+                     help="also write TensorBoard events to OUT/tensorboard (pip install "
+                          "'asyncpp_ext[tensorboard]')")
+    run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES,
+                     help="NaN/Inf loss or gradient: stop the run, or skip that step's update on "
+                          f"every stage (default {_D.train.on_nonfinite})")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None) -> RunConfig:
+    """``base`` (defaults, or a resumed run's config) with every flag the user gave applied."""
+    cfg = RunConfig.from_dict((base or RunConfig()).to_dict())  # a private copy
+    cfg.model = model_from_args(args, cfg.model)
+    sets = {
+        ("pipeline", "schedule"): args.schedule, ("pipeline", "stages"): args.stages,
+        ("pipeline", "delay"): args.delay,
+        ("pipeline", "microbatches"): args.microbatches,
+        ("pipeline", "micro_batch_size"): args.micro_batch_size, ("pipeline", "dp"): args.dp,
+        ("pipeline", "shard_muon"): None if args.no_shard_muon is None else not args.no_shard_muon,
+        ("pipeline", "recompute"): args.recompute, ("pipeline", "transport"): args.transport,
+        ("train", "dtype"): args.dtype,
+        ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
+        ("optim", "adamw_lr"): args.adamw_lr, ("optim", "weight_decay"): args.weight_decay,
+        ("optim", "ef_beta"): args.ef_beta, ("optim", "ns_dtype"): args.ns_dtype, ("train", "steps"): args.steps,
+        ("optim", "ef_source"): args.ef_source, ("optim", "mitigation"): args.mitigation,
+        ("optim", "dc_lambda"): args.dc_lambda, ("optim", "rescale_steps"): args.rescale_steps,
+        ("optim", "muon_momentum"): args.muon_momentum,
+        ("optim", "lr_schedule"): args.lr_schedule, ("optim", "warmup_steps"): args.warmup_steps,
+        ("optim", "decay_steps"): args.decay_steps, ("optim", "min_lr_ratio"): args.min_lr_ratio,
+        ("optim", "clip_grad_norm"): args.clip_grad_norm, ("train", "tensorboard"): args.tensorboard,
+        ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
+        ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
+        ("train", "out"): args.out, ("train", "device"): args.device,
+        ("train", "simulate"): args.simulate,
+        ("train", "progress"): None if args.no_progress is None else not args.no_progress,
+        ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
+        ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
+    }
+    for (section, name), value in sets.items():
+        if value is not None:
+            setattr(getattr(cfg, section), name, value)
+    cfg.train.resume = args.resume
+    return cfg
+
+
+def _env_timeout() -> Optional[float]:
+    """ASYNCPP_TIMEOUT when set (it overrides the default and a resumed run's saved value)."""
+    from ..pipeline.watchdog import TIMEOUT_ENV, default_timeout_s
+
+    if not os.environ.get(TIMEOUT_ENV, "").strip():
+        return None
+    try:
+        return default_timeout_s()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+# Config fields and the flag that sets each, so a config complaint can name what to type.
+FIELD_FLAGS = {
+    "pipeline.schedule": "--schedule", "pipeline.stages": "--stages",
+    "pipeline.microbatches": "--microbatches", "pipeline.micro_batch_size": "--micro-batch-size",
+    "pipeline.dp": "--dp", "pipeline.transport": "--transport", "train.dtype": "--dtype",
+    "pipeline.delay": "--delay", "model.tie_embeddings": "--model",
+    "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
+    "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta", "optim.ns_dtype": "--ns-dtype",
+    "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
+    "train.ckpt_every": "--ckpt-every", "train.device": "--device", "train.timeout_s": "--timeout",
+    "train.on_nonfinite": "--on-nonfinite", "train.threads": "--threads", "model.n_layer": "--n-layer",
+    "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
+    "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
+    "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",
+    "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
+    "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
+    "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
+}
+
+
+def name_flag(message: str) -> str:
+    """Prefix a config complaint with the flag that sets the field it starts with."""
+    for name in sorted(FIELD_FLAGS, key=len, reverse=True):  # optim.lr_schedule before optim.lr
+        if message.startswith(name):
+            return f"{FIELD_FLAGS[name]}: {message}"
+    return message
+
+
+__all__ = ["PROG", "UsageError", "build_parser", "config_from_args", "FIELD_FLAGS", "name_flag"]

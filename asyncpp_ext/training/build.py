@@ -1,0 +1,131 @@
+"""One place that builds a run: a validated ``RunConfig`` (and, in a pipeline, this rank) -> the
+data, the model, its optimizer, the step engine behind the ``StepEngine`` protocol (the
+``DelaySimulator`` in one process, a ``PipelineEngine`` on each rank), and the resumed state.
+
+The command line (cli.py) parses flags into a config and calls run.train, which builds through
+here; so do a pipeline rank (distributed.py), the bench studies, the demo and the GPU kit, so every
+way of starting a run builds it the same way. Nothing here parses arguments or prints usage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
+from ..models.registry import build_model
+from ..optim import build_optimizer
+from ..optim.registry import optimizer_spec
+from .checkpoint import CheckpointError, load_checkpoint, merge_engine_states
+from .config import RunConfig
+from .simulate import DelaySimulator, default_loss
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+# ---- data -----------------------------------------------------------------------------------
+def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
+    """The run's training stream and evaluation set. Every process of a run builds the same ones:
+    with --dp R each microbatch holds the global R*B sequences (a replica takes its rows), and a
+    simulation trains on exactly those."""
+    p = cfg.pipeline
+    batch = p.global_micro_batch_size
+    tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
+    if cfg.data.val_source is None:
+        train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch, cfg.model.seq_len,
+                                                 source=cfg.data.source)
+    else:  # a separate validation file: every token of --data trains
+        train_tokens, eval_tokens = tokens, load_tokens(cfg.data.val_source, cfg.model.vocab_size)
+        for what, part, need in (("--data", train_tokens, batch), ("--val-data", eval_tokens, 1)):
+            if len(part) < need * (cfg.model.seq_len + 1):
+                raise DataError(f"{what} holds {len(part)} tokens, fewer than {need} window(s) of "
+                                f"seq_len {cfg.model.seq_len} + 1; use more data or a smaller --seq-len")
+    stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed)
+    return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
+
+
+# ---- optimizer ------------------------------------------------------------------------------
+def optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
+    """``(module) -> optimizer`` for cfg.optim (a whole model or one pipeline stage's blocks)."""
+    o = cfg.optim
+    extra = {}
+    if optimizer_spec(o.name).family == "muon":
+        extra.update(adamw_lr=o.effective_adamw_lr(), ns_dtype=o.ns_torch_dtype(), momentum=o.muon_momentum)
+    return lambda module: build_optimizer(module, o.name, o.effective_lr(), weight_decay=o.weight_decay,
+                                          ef_beta=o.effective_ef_beta(), ef_source=o.ef_source, **extra)
+
+
+# ---- engines --------------------------------------------------------------------------------
+def simulator_loss(cfg: RunConfig):
+    """The simulator's loss function under the run's --dtype (bf16 autocast or plain fp32)."""
+    from ..pipeline.recompute import autocast_context, resolve_autocast
+
+    device = torch.device(cfg.train.device)
+    autocast_dtype = resolve_autocast(cfg.train.dtype, device)
+
+    def loss(model, inputs, targets):
+        with autocast_context(device, autocast_dtype):
+            return default_loss(model, inputs, targets)
+    return loss
+
+
+def build_simulator(cfg: RunConfig) -> DelaySimulator:
+    """The model (from the run's seed) on its device, its optimizer, and the DelaySimulator that
+    trains them under the run's schedule in this process."""
+    p = cfg.pipeline
+    model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
+    return DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule, loss_fn=simulator_loss(cfg),
+                          on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
+                          clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
+                          **cfg.mitigation_kwargs())
+
+
+def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
+    """This rank's stage of the run's pipeline (torch.distributed already initialised), as a
+    ``PipelineEngine``. Every rank builds the whole model from the seed and keeps its blocks."""
+    from ..pipeline import Pipeline
+    from .pipeline_engine import PipelineEngine
+
+    p = cfg.pipeline
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=optimizer_factory(cfg), schedule=p.schedule,
+                    microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
+                    recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
+                    timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
+                    lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
+                    **cfg.mitigation_kwargs())
+    return PipelineEngine(pipe)
+
+
+# ---- resume ---------------------------------------------------------------------------------
+@dataclass
+class Resumed:
+    """Where a resumed run continues."""
+    start_step: int = 0
+    elapsed_s: float = 0.0
+    rng: Optional[dict] = None
+    """The RNG state to restore once the run directory is ready (None: a fresh run)."""
+
+
+def resume(engine, stream: BatchStream, resume_dir: Optional[Path], stage: int = 0,
+           stages: int = 1) -> Resumed:
+    """Load ``resume_dir`` (a checkpoint written at any pipeline depth) into the engine and the
+    data stream; the RNG state of this stage's shard (shard 0 when the depth changed)."""
+    if resume_dir is None:
+        return Resumed()
+    meta, shards = load_checkpoint(resume_dir)
+    try:
+        engine.load_state_dict(merge_engine_states([s["engine"] for s in shards]))
+        stream.load_state_dict(meta["data"])
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint {resume_dir} does not fit this run "
+                              f"({str(exc).splitlines()[0]})") from None
+    rng = shards[stage if len(shards) == stages else 0]["rng"]
+    return Resumed(int(meta["step"]), float(meta.get("elapsed_s", 0.0)), rng)
+
+
+__all__ = ["build_data", "optimizer_factory", "simulator_loss", "build_simulator", "build_pipeline_engine",
+           "Resumed", "resume", "OptimizerFactory"]

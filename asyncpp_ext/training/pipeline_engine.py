@@ -1,0 +1,47 @@
+"""``PipelineEngine``: one rank's stage of a pipeline behind the ``StepEngine`` protocol the Trainer
+drives (trainer.py); each ``train_steps`` call is one continuous instruction stream."""
+from __future__ import annotations
+
+from ..data import BatchStream
+from ..pipeline import Pipeline
+from .trainer import StepOutcome
+
+
+class PipelineEngine:
+    """StepEngine over a Pipeline: each ``train_steps`` call is one continuous stream."""
+
+    def __init__(self, pipe: Pipeline):
+        self.pipe = pipe
+        self.stage, self.replica = pipe.stage, pipe.replica
+        self._shares_since_ns = 0  # trace entries that started before this are summarised
+
+    def time_shares(self):
+        """This stage's compute and wait shares since the last call (TensorBoard)."""
+        from .tensorboard_log import stage_time_shares
+
+        recent = []
+        for entry in reversed(self.pipe.trace):  # (op, step, mb, version, start_ns, end_ns)
+            if entry[4] < self._shares_since_ns:
+                break
+            recent.append(entry)
+        if not recent:
+            return None
+        self._shares_since_ns = max(e[5] for e in recent) + 1
+        return stage_time_shares(recent[::-1])
+
+    def train_steps(self, stream: BatchStream, steps: int):
+        minibatches = (stream.next() for _ in range(steps))
+        for stats in self.pipe.train(minibatches, steps):
+            yield StepOutcome(stats.loss, True) if stats.skipped else stats.loss
+
+    def eval_loss(self, batches):
+        return self.pipe.evaluate(batches)
+
+    def state_dict(self) -> dict:
+        return self.pipe.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pipe.load_state_dict(state)
+
+
+__all__ = ["PipelineEngine"]

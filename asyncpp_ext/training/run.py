@@ -1,0 +1,152 @@
+"""``train(cfg)``: a whole run from a validated config, in this process or over stage processes.
+
+What ``asyncpp-train`` does after parsing, and what a Python script calls to do the same. Parts
+come from build.py; multi-process runs go through distributed.py's launcher.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..models.registry import describe
+from ..optim._kernels import cpu_kernel_isa
+from ..optim.newton_schulz import bf16_matmul_choice
+from ..pipeline import under_launcher
+from .build import build_data, build_simulator, resume
+from .checkpoint import load_checkpoint, restore_rng_state
+from .config import ConfigError, RunConfig
+from .run_files import CONFIG_NAME, prepare_run_dir, read_metrics, truncate_metrics, write_text_atomic
+
+
+class RunSetupError(ValueError):
+    """The config is valid but this machine or environment cannot run it (a missing extra, a bad
+    environment variable, no GPU, a transport this device cannot use); the message says what to do."""
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Every check a run can fail before it writes anything or starts a process: the config
+    (ConfigError), then what this machine offers (RunSetupError). Pins the "auto" values."""
+    cfg.validate()
+    cfg.optim.pin_auto_values(cfg.train.steps)  # a resumed run reads the numbers back (older checkpoints: None)
+    if cfg.train.tensorboard:
+        from .tensorboard_log import TensorboardUnavailableError, require_tensorboard
+        try:
+            require_tensorboard()
+        except TensorboardUnavailableError as exc:
+            raise RunSetupError(str(exc)) from None
+    try:  # the CPU-path variables fail here, not inside a rank after the run has started
+        bf16_matmul_choice()
+        cpu_kernel_isa()  # spawned ranks read $ASYNCPP_CPU_ISA afresh; this process too, if no kernel ran yet
+    except ValueError as exc:
+        raise RunSetupError(str(exc)) from None
+    if cfg.runs_multi_process() and cfg.pipeline.schedule == "sync":
+        raise RunSetupError(f"--schedule sync is the one-process reference rule; a run with --stages "
+                            f"{cfg.pipeline.stages} --dp {cfg.pipeline.dp} needs a pipeline schedule: "
+                            "gpipe or 1f1b (the same update rule), or 2bw; or add --simulate")
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA GPU is visible; use --device cpu")
+    if cfg.runs_multi_process():
+        check_rank_devices(cfg)
+
+
+def check_rank_devices(cfg: RunConfig) -> None:
+    """Before any rank starts: this machine's ranks can each get the device and transport asked for."""
+    from ..pipeline.devices import DeviceError, check_local_world, choose_transport, local_world_size
+
+    try:
+        transport = choose_transport(cfg.pipeline.transport, cfg.train.device)
+        if cfg.train.device != "cuda":
+            return
+        launcher = "torchrun" if under_launcher() else "spawn"
+        local_world = local_world_size(launcher, cfg.pipeline.stages * cfg.pipeline.dp, os.environ)
+        check_local_world(local_world, torch.cuda.device_count(), transport, launcher)
+    except DeviceError as exc:
+        raise RunSetupError(str(exc)) from None
+    if transport == "nccl":
+        from ..pipeline.nccl import NcclUnavailableError, require_nccl
+        try:
+            require_nccl(need_gpu=True)
+        except NcclUnavailableError as exc:
+            via = "" if cfg.pipeline.transport == "nccl" else " (auto picks nccl on cuda; --transport gloo avoids it)"
+            raise RunSetupError(f"--transport nccl{via}: {exc}") from None
+    if transport == "torch":
+        import torch.distributed as dist
+        if not dist.is_nccl_available():
+            raise RunSetupError("--transport torch on cuda needs torch.distributed's NCCL backend, which this "
+                             "torch build lacks; use --transport nccl or gloo")
+
+
+def start_run_dir(cfg: RunConfig, resume_dir: Optional[Path], start_step: int) -> Path:
+    """The run directory, made (or checked) only after every other check passed, with its
+    config.json, and metrics rows past the checkpoint dropped on resume."""
+    out = prepare_run_dir(cfg.train.out, resuming=resume_dir is not None)
+    if resume_dir is not None:
+        truncate_metrics(out, start_step)
+    write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
+    return out
+
+
+def train(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
+    """Run ``cfg`` (validated) to the end: one process (the simulator, or a 1-stage 1-replica
+    run), or one process per stage and replica (spawned here, or torchrun's). Returns 0."""
+    if cfg.runs_multi_process():
+        return _train_pipeline(cfg, resume_dir)
+    threads = torch.get_num_threads()
+    if cfg.train.threads is not None:
+        torch.set_num_threads(cfg.train.threads)
+    try:
+        return _train_single_process(cfg, resume_dir)
+    finally:  # train() may be called as a library function: leave the caller's setting as it was
+        torch.set_num_threads(threads)
+
+
+def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
+    from .trainer import Trainer
+
+    stream, eval_set = build_data(cfg)  # --dp R simulates one replica on the global microbatches
+    engine = build_simulator(cfg)
+    resumed = resume(engine, stream, resume_dir)
+    out = start_run_dir(cfg, resume_dir, resumed.start_step)
+    if resumed.rng is not None:
+        restore_rng_state(resumed.rng)
+    Trainer(cfg, engine, stream, eval_set, out, start_step=resumed.start_step, elapsed_s=resumed.elapsed_s,
+            device=cfg.train.device).run()
+    print_summary(out, cfg, resumed.start_step)
+    return 0
+
+
+def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
+    from ..pipeline import under_launcher
+    from .distributed import launch
+
+    # Every check that can fail on bad input happens before any process starts.
+    build_data(cfg)
+    start_step = int(load_checkpoint(resume_dir)[0]["step"]) if resume_dir is not None else 0  # verifies shards
+    launch(cfg, resume_dir, lambda: start_run_dir(cfg, resume_dir, start_step))
+    if not under_launcher() or os.environ.get("RANK") == "0":
+        print_summary(Path(cfg.train.out), cfg, start_step)
+    return 0
+
+
+def print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
+    """One line: where the run ended, its last loss, time, and what it trained."""
+    rows = [r for r in read_metrics(out) if r["step"] > start_step]
+    if not rows:
+        print(f"{out}: already at step {start_step} of {cfg.train.steps}; nothing to do")
+        return
+    last = rows[-1]
+    shown = f" eval_loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
+    skipped = sum(1 for r in rows if r.get("skipped"))
+    shown += f" ({skipped} step{'s' if skipped != 1 else ''} skipped: non-finite values)" if skipped else ""
+    loss = "skipped" if last["loss"] is None else f"{last['loss']:.4f}"
+    print(f"{out}: step {last['step']} loss {loss}{shown} "
+          f"({last['elapsed_s']:.1f} s, {describe(cfg.model)}, {cfg.pipeline.schedule}, {cfg.optim.name}, "
+          f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''}"
+          f"{f' x {cfg.pipeline.dp} replicas' if cfg.pipeline.dp > 1 else ''})")
+
+
+__all__ = ["RunSetupError", "preflight", "check_rank_devices", "train", "start_run_dir", "print_summary"]

@@ -1,0 +1,98 @@
+"""The files of a run directory: metrics.jsonl, config.json, loss.png, and the directory itself.
+
+Checkpoints (ckpt-NNNNNN/) are checkpoint.py's. Everything here writes atomically (temporary file
++ rename), so a reader or a resumed run never sees a half-written file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+METRICS_NAME = "metrics.jsonl"
+CONFIG_NAME = "config.json"
+PLOT_NAME = "loss.png"
+
+
+
+class RunDirError(ValueError):
+    """--out cannot hold this run (it holds another run, or is not writable)."""
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file + rename, so readers never see a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    path = Path(run_dir) / METRICS_NAME
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
+    """Drop metrics rows after ``last_step`` (steps a resumed run will compute again)."""
+    path = Path(run_dir) / METRICS_NAME
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def plot_losses(run_dir: str | os.PathLike) -> Path:
+    """loss.png: training loss per step and eval loss at eval steps, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    trained = [r for r in rows if r["loss"] is not None]
+    ax.plot([r["step"] for r in trained], [r["loss"] for r in trained], label="train", linewidth=1)
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(run_dir) / PLOT_NAME
+    tmp = path.with_name(".loss.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def prepare_run_dir(out: str | os.PathLike, resuming: bool) -> Path:
+    """Create (or check) the run directory; callers do this only after every other check passed,
+    so a bad input leaves nothing behind."""
+    out = Path(out)
+    if not resuming and out.exists() and ((out / METRICS_NAME).exists() or any(out.glob("ckpt-*"))):
+        raise RunDirError(f"--out {out} already holds a run; continue it with --resume {out} or "
+                          "choose another --out")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        if created and out.is_dir():
+            out.rmdir()
+        raise RunDirError(f"cannot write to --out {out} ({exc.strerror or exc}); choose a "
+                          "writable directory") from None
+    return out
+
+
+__all__ = ["METRICS_NAME", "CONFIG_NAME", "PLOT_NAME", "RunDirError", "write_text_atomic", "read_metrics",
+           "truncate_metrics", "plot_losses", "prepare_run_dir"]
