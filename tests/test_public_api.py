@@ -24,6 +24,7 @@ PROMISED = {
     "asyncpp_ext.data": ["load_tokens", "builtin_corpus", "BatchStream", "DataError"],
     "asyncpp_ext.data.prepare": ["main"],
     "asyncpp_ext.optim.lr_schedule": ["LRSchedule", "LR_SCHEDULES", "apply_lr"],
+    "asyncpp_ext.optim.registry": ["OPTIMIZERS", "OptimizerSpec", "optimizer_spec", "muon_family"],
     "asyncpp_ext.training": ["DelaySimulator"],
     "asyncpp_ext.training.cli": ["main"],
     "asyncpp_ext.schedule.cli": ["main"],
