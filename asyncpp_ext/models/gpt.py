@@ -152,8 +152,22 @@ class Head(nn.Module):
         self.ln = nn.LayerNorm(cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """What goes into the projection (the final LayerNorm); head_loss.py's fused loss starts here."""
+        return self.ln(x)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (V, C) projection weight, read at call time."""
+        return self.proj.weight
+
+    @property
+    def output_bias(self) -> None:
+        """The projection has no bias."""
+        return self.proj.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.ln(x))
+        return self.proj(self.features(x))
 
 
 class GPT(BlockModel):

@@ -246,8 +246,22 @@ class LMHead(nn.Module):
         self.add_module(norm_name, norm)  # transformers' own name (norm / ln_f)
         self.lm_head = lm_head
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """What goes into lm_head (the final norm); head_loss.py's fused loss starts here."""
+        return getattr(self, self.norm_name)(x)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """lm_head's (V, C) weight -- the input embedding when tied -- read at call time."""
+        return self.lm_head.weight
+
+    @property
+    def output_bias(self) -> Optional[torch.Tensor]:
+        """lm_head's bias: None for Llama and GPT-2, a tensor where a model's lm_head has one."""
+        return self.lm_head.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(getattr(self, self.norm_name)(x))
+        return self.lm_head(self.features(x))
 
 
 # ---------------------------------------------------------------------------------------------

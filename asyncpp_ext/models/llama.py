@@ -260,8 +260,22 @@ class LlamaHead(nn.Module):
         # nn.Linear reads self.proj.weight at call time, so a replaced (untied) Parameter is used.
         self.proj = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """What goes into the projection (the final RMSNorm); head_loss.py's fused loss starts here."""
+        return self.norm(x)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (V, C) projection weight -- the embedding table when tied -- read at call time."""
+        return self.proj.weight
+
+    @property
+    def output_bias(self) -> None:
+        """The projection has no bias."""
+        return self.proj.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(x))
+        return self.proj(self.features(x))
 
 
 class Llama(BlockModel):

@@ -21,6 +21,7 @@ import torch.nn as nn
 from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
+from ..models.compile import compile_blocks
 from ..schedule.table import schedule_names, schedule_spec
 from .data_parallel import Layout, create_dp_group, replica_share
 from .partition import as_blocks, split
@@ -112,6 +113,11 @@ class Pipeline:
             gradient, strength ``dc_lambda``) or "lr-rescale" (the lr scaled by (1 + d) ** -p(t),
             fading out over ``rescale_steps`` steps, which it requires). "predict" needs one more
             weight version than a stage keeps and is refused: the simulator runs it.
+        compile: compile each of the stage's blocks with torch.compile (models/compile.py: regional,
+            shared by the weight versions' replicas, eager with one warning if compiling fails).
+        head_loss: "plain" (``loss_fn`` of the last block's logits) or "fused" (the last block's
+            matmul and cross entropy without whole logits, models/head_loss.py, by
+            ``head_loss_kernel``: "auto", "liger", "cce" or "chunked").
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).
@@ -124,7 +130,8 @@ class Pipeline:
                  track_memory: bool = False, dp: int = 1, shard_optimizer: bool = True,
                  recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop",
                  lr_schedule=None, clip_grad_norm: float | None = None, mitigation: str | None = None,
-                 dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None):
+                 dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None,
+                 compile: bool = False, head_loss: str = "plain", head_loss_kernel: str = "auto"):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
@@ -172,6 +179,7 @@ class Pipeline:
             check_ties_on_one_stage(ties, self.partition)
         self.block_indices = self.partition[self.stage]
         module = nn.Sequential(*[blocks[i] for i in self.block_indices]).to(self.device)
+        self.compile_report = compile_blocks(module, device=self.device) if compile else None
         prefixes = block_prefixes(model, blocks, self.block_indices)
         self.param_names = [n for n, _ in GlobalView(module, prefixes).named_parameters()]
         # A mirror of a tied weight is updated by its owner, never by this stage's optimizer.
@@ -196,7 +204,8 @@ class Pipeline:
                               on_nonfinite=on_nonfinite, param_names=self.param_names, lr_schedule=lr_schedule,
                               mitigation=mitigation_settings,
                               exchange=self.exchange if self.exchange.active else None,
-                              dp_group=self.dp_group, dp=dp, shard_optimizer=shard_optimizer)
+                              dp_group=self.dp_group, dp=dp, shard_optimizer=shard_optimizer,
+                              head_loss=head_loss, head_loss_kernel=head_loss_kernel)
         self.transport = None
         # Boundary tensors between the host and the transport; receive slots are reused.
         self.board = C.MessageBoard(self.host)
@@ -424,8 +433,8 @@ class Pipeline:
                     self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
                     a = a.to(self.device)
                 with h.autocast():
-                    out = model(a)
-                    loss = h.loss_fn(out, y.to(self.device)) if h.is_last else None
+                    loss = h.loss_of(model, a, y.to(self.device)) if h.is_last else None
+                    out = None if h.is_last else model(a)
                 if h.is_last:
                     losses.append(float(loss))
                 else:

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..models.head_loss import head_loss
 from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import MitigationSettings, delay_compensate_
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
@@ -113,13 +114,16 @@ class StageHost:
                  autocast_dtype: torch.dtype | None = None, on_nonfinite: str = "stop",
                  param_names: Sequence[str] = (), lr_schedule=None,
                  mitigation: MitigationSettings | None = None, exchange=None,
-                 dp_group=None, dp: int = 1, shard_optimizer: bool = False):
+                 dp_group=None, dp: int = 1, shard_optimizer: bool = False, head_loss: str = "plain",
+                 head_loss_kernel: str = "auto"):
         """``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
         ``lr_schedule`` (optim/lr_schedule.py) scales every group's lr at each step; ``mitigation``
         is the staleness mitigation this stage applies (optim/mitigations.py); ``exchange`` the
         tied-weight and clipping exchange (step_exchange.py; None when it has nothing to do);
         with ``dp`` > 1 the gradient is averaged over ``dp_group`` before each step and, with
-        ``shard_optimizer``, Muon's orthogonalisations are split among the replicas."""
+        ``shard_optimizer``, Muon's orthogonalisations are split among the replicas. On the last
+        stage ``head_loss`` "fused" computes the last block's loss without whole logits
+        (models/head_loss.py, with ``head_loss_kernel``); "plain" is ``loss_fn(blocks(x), targets)``."""
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
         self.recompute, self.autocast_dtype = recompute, autocast_dtype
         self.exchange, self.lr_schedule = exchange, lr_schedule
@@ -127,6 +131,9 @@ class StageHost:
         self._dc_workspace: torch.Tensor | None = None
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
+        if head_loss not in ("plain", "fused"):
+            raise ValueError(f"head_loss must be 'plain' or 'fused', got {head_loss!r}")
+        self.head_loss, self.head_loss_kernel = head_loss, head_loss_kernel
         self.num_versions = schedule_spec(schedule).stage_lags(stages)[stage].versions
         self.ring = self.num_versions > 1
 
@@ -314,8 +321,19 @@ class StageHost:
             return self._blocks_and_loss(replica, x, step, mb)
 
     def _blocks_and_loss(self, replica: nn.Module, x: torch.Tensor, step: int, mb: int):
+        if self.is_last and self.head_loss != "plain":
+            return self.loss_of(replica, x, self._batch(step)[1][mb])
         out = replica(x)
         return self.loss_fn(out, self._batch(step)[1][mb]) if self.is_last else out
+
+    def loss_of(self, replica: nn.Module, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of input ``x`` through ``replica`` (training and evaluation)."""
+        if self.head_loss == "plain":
+            return self.loss_fn(replica(x), targets)
+        *body, head = replica  # the stage's blocks; the last one is the model's head
+        for block in body:
+            x = block(x)
+        return head_loss(head, x, targets, "fused", kernel=self.head_loss_kernel)
 
     def _loss_gradient(self, loss: torch.Tensor) -> torch.Tensor:
         """d(step loss)/d(microbatch loss) = 1/m, computed once as ``ones / m`` in the loss's dtype:

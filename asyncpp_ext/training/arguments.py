@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Optional
 
-from .config import (DTYPES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
+from .config import (DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
                      SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
 from ..models.registry import MODEL_PRESETS
 from .model_source import model_from_args
@@ -141,6 +141,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--tensorboard", action="store_true", default=None,
                      help="also write TensorBoard events to OUT/tensorboard (pip install "
                           "'asyncpp_ext[tensorboard]')")
+    run.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="compile each block with torch.compile (--no-compile: eager); default auto: on "
+                          "for cuda where torch can compile, off on cpu")
+    run.add_argument("--head-loss", choices=HEAD_LOSSES,
+                     help="last block's loss: plain (whole logits), fused (chunked matmul + cross entropy, "
+                          "no logits in memory), liger / cce (fused with that CUDA kernel), auto (fused for "
+                          "vocabularies >= 8192) (default auto)")
     run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES,
                      help="NaN/Inf loss or gradient: stop the run, or skip that step's update on "
                           f"every stage (default {_D.train.on_nonfinite})")
@@ -175,6 +182,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "progress"): None if args.no_progress is None else not args.no_progress,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
+        ("train", "compile"): args.compile, ("train", "head_loss"): args.head_loss,
     }
     for (section, name), value in sets.items():
         if value is not None:
@@ -212,6 +220,7 @@ FIELD_FLAGS = {
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
+    "train.compile": "--compile", "train.head_loss": "--head-loss",
 }
 
 

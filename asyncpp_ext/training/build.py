@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
+from ..models.compile import compile_blocks, resolve_compile
+from ..models.head_loss import head_loss, require_kernel, resolve_head_loss
 from ..models.registry import build_model
 from ..optim import build_optimizer
 from ..optim.registry import optimizer_spec
@@ -58,17 +60,59 @@ def optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
                                           ef_beta=o.effective_ef_beta(), ef_source=o.ef_source, **extra)
 
 
+# ---- stage compute --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageCompute:
+    """How blocks compute on the run's device: compiled or not, and the last block's loss."""
+    compile: bool
+    head_loss: str
+    """"plain" or "fused"."""
+    kernel: str = "auto"
+    """The fused head loss's kernel: "auto" (models/head_loss.fused_kernel_name), "liger", "cce"."""
+
+
+def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
+    """--compile and --head-loss resolved for ``device`` (default: the run's). ValueError (one
+    line) where an explicit request cannot run here: --compile without a working torch.compile,
+    a head-loss kernel off CUDA or without its extra."""
+    device = torch.device(device or cfg.train.device)
+    mode = cfg.train.head_loss
+    kernel = mode if mode in ("liger", "cce") else "auto"
+    if kernel != "auto":
+        require_kernel(kernel, device)
+        mode = "fused"
+    return StageCompute(resolve_compile(cfg.train.compile, device),
+                        resolve_head_loss(mode, cfg.model.vocab_size, device), kernel)
+
+
+def model_loss(compute: StageCompute):
+    """``(model, inputs, targets) -> loss`` of a whole model with blocks(): the blocks in order and
+    the last one's loss by ``compute.head_loss`` (the plain path is default_loss, bit for bit)."""
+    if compute.head_loss == "plain":
+        return default_loss
+
+    def loss(model, inputs, targets):
+        *body, head = model.blocks()
+        x = inputs
+        for block in body:
+            x = block(x)
+        return head_loss(head, x, targets, "fused", kernel=compute.kernel)
+    return loss
+
+
 # ---- engines --------------------------------------------------------------------------------
-def simulator_loss(cfg: RunConfig):
-    """The simulator's loss function under the run's --dtype (bf16 autocast or plain fp32)."""
+def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None):
+    """The simulator's loss function under the run's --dtype (bf16 autocast or plain fp32) and
+    --head-loss."""
     from ..pipeline.recompute import autocast_context, resolve_autocast
 
     device = torch.device(cfg.train.device)
     autocast_dtype = resolve_autocast(cfg.train.dtype, device)
+    inner = model_loss(compute or stage_compute(cfg))
 
     def loss(model, inputs, targets):
         with autocast_context(device, autocast_dtype):
-            return default_loss(model, inputs, targets)
+            return inner(model, inputs, targets)
     return loss
 
 
@@ -76,8 +120,11 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     """The model (from the run's seed) on its device, its optimizer, and the DelaySimulator that
     trains them under the run's schedule in this process."""
     p = cfg.pipeline
+    compute = stage_compute(cfg)
     model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
-    return DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule, loss_fn=simulator_loss(cfg),
+    if compute.compile:
+        compile_blocks(model, device=cfg.train.device)
+    return DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule, loss_fn=simulator_loss(cfg, compute),
                           on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
                           clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
                           **cfg.mitigation_kwargs())
@@ -90,8 +137,10 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
     from .pipeline_engine import PipelineEngine
 
     p = cfg.pipeline
+    compute = stage_compute(cfg, device)
     model = build_model(cfg.model, seed=cfg.train.seed)
     pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=optimizer_factory(cfg), schedule=p.schedule,
+                    compile=compute.compile, head_loss=compute.head_loss, head_loss_kernel=compute.kernel,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
@@ -127,5 +176,5 @@ def resume(engine, stream: BatchStream, resume_dir: Optional[Path], stage: int =
     return Resumed(int(meta["step"]), float(meta.get("elapsed_s", 0.0)), rng)
 
 
-__all__ = ["build_data", "optimizer_factory", "simulator_loss", "build_simulator", "build_pipeline_engine",
+__all__ = ["build_data", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "build_simulator", "build_pipeline_engine",
            "Resumed", "resume", "OptimizerFactory"]

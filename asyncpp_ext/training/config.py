@@ -29,6 +29,7 @@ DTYPES = ("auto", "fp32", "bf16")
 NS_DTYPES = ("auto", "fp32", "bf16")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
+HEAD_LOSSES = ("auto", "fused", "plain", "liger", "cce")
 SYNC_SCHEDULES = tuple(n for n, spec in SCHEDULE_TABLE.items() if not spec.delayed())
 """Schedules without a weight delay (every computation on the newest weights)."""
 EF_BETA_MAX = 2.0
@@ -235,6 +236,16 @@ class TrainConfig:
     run takes the machine's cores divided by stages x dp, a one-process run keeps torch's default.
     Float summation order in a matrix product can depend on it, so a run reproduces another's
     numbers bitwise only at the same count (e.g. a pipeline and its ``--simulate`` run)."""
+    compile: Optional[bool] = None
+    """Compile each block with torch.compile (regional compilation, models/compile.py). None =
+    auto: on for CUDA where torch can compile, off on CPU (a first compile there costs ~25-60 s per
+    run start and the small CPU models gain little). Changes losses only at float rounding."""
+    head_loss: str = "auto"
+    """How the last block computes its loss: plain (logits, then cross entropy) | fused (the head's
+    matmul and cross entropy chunk by chunk, the logits never whole in memory; Liger-Kernel or
+    cut-cross-entropy on CUDA where installed, else the package's own chunked kernel) | liger | cce
+    (fused with that library kernel; CUDA, its extra installed) | auto (fused when the vocabulary
+    has >= 8192 ids, else plain; models/head_loss.py)."""
 
 
 @dataclass
@@ -405,6 +416,9 @@ class RunConfig:
             raise ConfigError(f"pipeline.transport='nccl' moves CUDA tensors but train.device="
                               f"{self.train.device!r}; use --device cuda, or --transport gloo (or torch) on cpu")
         choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
+        choice("train.head_loss", self.train.head_loss, HEAD_LOSSES)
+        if self.train.compile is not None and not isinstance(self.train.compile, bool):
+            raise ConfigError(f"train.compile must be true, false or null (auto), got {self.train.compile!r}")
         positive_number("train.timeout_s", self.train.timeout_s)
         if self.train.threads is not None:
             positive_int("train.threads", self.train.threads)

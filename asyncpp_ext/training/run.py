@@ -16,7 +16,7 @@ from ..models.registry import describe
 from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline import under_launcher
-from .build import build_data, build_simulator, resume
+from .build import build_data, build_simulator, resume, stage_compute
 from .checkpoint import load_checkpoint, restore_rng_state
 from .config import ConfigError, RunConfig
 from .run_files import CONFIG_NAME, prepare_run_dir, read_metrics, truncate_metrics, write_text_atomic
@@ -49,6 +49,11 @@ def preflight(cfg: RunConfig) -> None:
                             "gpipe or 1f1b (the same update rule), or 2bw; or add --simulate")
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA GPU is visible; use --device cpu")
+    try:
+        stage_compute(cfg)  # --compile where torch cannot, a head-loss kernel without its extra
+    except ValueError as exc:
+        flag = "--compile" if "compil" in str(exc) else "--head-loss"
+        raise RunSetupError(f"{flag}: {exc}") from None
     if cfg.runs_multi_process():
         check_rank_devices(cfg)
 

@@ -1,0 +1,354 @@
+"""The LM head's projection and its mean cross entropy without materialising the (N, V) logits.
+
+``loss = mean_i [logsumexp_j(h_i . w_j + b_j) - (h_i . w_{t_i} + b_{t_i})]`` over the rows i whose
+target is not ``ignore_index``. The plain path (``BlockModel.loss(head(x), t)``) builds the logits,
+their fp32 log-probabilities and the gradients of both: for SmolLM (V = 49152) at an 8 x 1024
+micro-batch that is 1.6 GB per copy. Here the rows are cut into chunks; forward keeps one float per
+row (the logsumexp) and backward recomputes each chunk's logits to form ``softmax - onehot``, so only
+one chunk's logits exist at a time.
+
+Which kernel runs ("fused" mode): Liger-Kernel's fused linear cross entropy on CUDA when the
+``fused-loss`` extra is installed, else cut-cross-entropy on CUDA when installed, else the chunked
+implementation below (any device). ``resolve_head_loss`` picks plain or fused for a run.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .base import BlockModel
+
+HEAD_LOSS_MODES = ("auto", "fused", "plain")
+KERNELS = ("liger", "cce", "chunked")
+# The only library kernel the ``fused-loss`` extra installs is Liger's (pyproject.toml says why).
+_INSTALL = {"liger": "pip install 'asyncpp_ext[fused-loss]' (liger-kernel)",
+            "cce": "pip install cut-cross-entropy"}
+
+FUSED_VOCAB_THRESHOLD = 8192
+"""``auto`` fuses from this vocabulary size on. At V = 8192 an 8 x 1024 micro-batch's fp32 logits
+are 268 MB and plain keeps about three such buffers (logits, log-probs, their gradient) at its peak,
+as much as the rest of a small model's activations; below it (the byte-level GPT at 256, llama-tiny)
+they are a few MB, so chunking would only add the recomputed matmul, and those runs keep their exact
+(golden) numbers."""
+
+CHUNK_BYTES = 128 * 2**20
+"""Default budget of one chunk's logits, counted in fp32. A chunk's transient is about three such
+buffers (logits, their fp32 softmax, the gradient in the compute dtype), ~0.4 GB, well under plain's
+3 x N x V x 4 bytes once N exceeds a few thousand rows; and a chunk of V * rows = 32 M elements
+(682 rows at V = 49152) keeps each matmul large enough to run near peak on a GPU and to hide the
+Python loop's per-chunk cost (a few kernel launches) behind the GPU's work."""
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk so that one chunk's fp32 logits take at most ``CHUNK_BYTES``."""
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype F.linear would compute in on ``device`` under the current autocast, else None."""
+    if device.type in ("cuda", "cpu") and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def _no_autocast(device: torch.device):
+    """A context with autocast off on ``device`` (our casts are explicit)."""
+    if device.type in ("cuda", "cpu"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+_ADDMM_OUT_DTYPE = [True]  # cleared once torch shows it lacks addmm(..., out_dtype=) on CUDA (< 2.8)
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b. For 16-bit a, b on CUDA the GEMM writes fp32 into acc itself: no
+    V x C temporary and no extra pass over acc per chunk (that pass cost as much as the matmul at
+    smollm's head). Elsewhere the product is rounded to a's dtype, then added in fp32."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda and _ADDMM_OUT_DTYPE[0]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (TypeError, RuntimeError):
+            _ADDMM_OUT_DTYPE[0] = False
+    acc.add_(a @ b)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy of ``hidden @ weight.T + bias`` row chunk by row chunk.
+
+    ``compute_dtype`` is the matmul dtype (autocast's, or the inputs'); the inputs are cast per call
+    here rather than by the caller so that backward holds only the original tensors (the fp32
+    weight is the parameter itself: no bf16 copy of V x C stays alive between forward and backward)
+    and grad_weight is accumulated in fp32 across chunks, rounded once to the weight's dtype.
+    Each chunk makes as few passes over its (rows, V) buffers as eager torch allows: on a GPU
+    those passes, not the matmuls, are most of the time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_rows, ignore_index, compute_dtype):
+        n = hidden.shape[0]
+        valid = targets != ignore_index
+        safe = targets.masked_fill(~valid, 0)  # an ignored row gathers column 0, then is masked out
+        w = weight.to(compute_dtype)
+        b = None if bias is None else bias.to(compute_dtype)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk_rows):
+            e = min(s + chunk_rows, n)
+            logits = F.linear(hidden[s:e].to(compute_dtype), w, b)
+            # fp32 log-probabilities in one kernel from the (bf16) logits: what F.cross_entropy
+            # computes after autocast's upcast. logsumexp = logit_t - log p_t needs no second pass.
+            logp = torch.log_softmax(logits, dim=1, dtype=torch.float32)
+            t = safe[s:e, None]
+            nll = logp.gather(1, t).squeeze(1).neg_()
+            del logp
+            lse[s:e] = logits.gather(1, t).squeeze(1).float() + nll
+            total += torch.where(valid[s:e], nll, 0.0).sum()
+            del logits
+        count = valid.sum()
+        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse, count)
+        ctx.chunk_rows, ctx.compute_dtype = chunk_rows, compute_dtype
+        return total / count  # 0/0 = nan with every target ignored, like F.cross_entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, bias, safe, valid, lse, count = ctx.saved_tensors
+        dtype, rows = ctx.compute_dtype, ctx.chunk_rows
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        # d loss / d logit_ij = g / count * (softmax_ij - [j == t_i]) on valid rows, 0 on ignored.
+        row_scale = valid.to(torch.float32) * (grad_loss.to(torch.float32) / count)
+        grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        # Backward may run inside the caller's autocast (same thread on CPU): keep our dtypes.
+        with _no_autocast(hidden.device):
+            for s in range(0, hidden.shape[0], rows):
+                e = min(s + rows, hidden.shape[0])
+                h = hidden[s:e].to(dtype)
+                logits = F.linear(h, w, b)
+                # softmax in fp32 from the saved logsumexp (bf16 - fp32 promotes to fp32; fp32
+                # logits are reused in place)
+                if logits.dtype == torch.float32:
+                    p = logits.sub_(lse[s:e, None])
+                else:
+                    p = logits - lse[s:e, None]
+                del logits
+                p.exp_()
+                p.scatter_add_(1, safe[s:e, None], p.new_full((e - s, 1), -1.0))
+                if dtype == torch.float32:
+                    g = p.mul_(row_scale[s:e, None])
+                else:  # scaled and rounded to the matmul dtype in one pass, as plain autocast has it
+                    g = torch.empty(p.shape, dtype=dtype, device=p.device)
+                    torch.mul(p, row_scale[s:e, None], out=g)
+                del p
+                if need_b:
+                    grad_b += g.sum(0, dtype=torch.float32)
+                if need_h:
+                    torch.mm(g, w, out=grad_h[s:e])
+                if need_w:
+                    _accumulate(grad_w, g.t(), h)
+        return (None if grad_h is None else grad_h.to(hidden.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype),
+                None, None, None, None)
+
+
+def _flatten(hidden, weight, targets, bias):
+    """(N, C) hidden, (N,) targets; raises ValueError on mismatched shapes or dtypes."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden (..., {hidden.shape[-1]}) does not fit weight {tuple(weight.shape)} (V, C)")
+    h2, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if t.shape[0] != h2.shape[0]:
+        raise ValueError(f"targets {tuple(targets.shape)} do not match hidden {tuple(hidden.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
+    return h2, t
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, chunked over rows
+    (the portable kernel; any device). hidden (N, C) or (B, T, C); weight (V, C); targets int64.
+
+    Under autocast the matmuls run in autocast's dtype and the softmax in fp32, as the plain path's
+    nn.Linear + F.cross_entropy do; gradients come back in the inputs' dtypes."""
+    h2, t = _flatten(hidden, weight, targets, bias)
+    dtype = _autocast_dtype(h2.device)
+    if dtype is None:
+        if h2.dtype != weight.dtype:  # what F.linear would refuse, said here
+            raise ValueError(f"hidden is {h2.dtype} but weight is {weight.dtype}; use autocast or one dtype")
+        dtype = weight.dtype
+    rows = default_chunk_rows(weight.shape[0]) if chunk_rows is None else int(chunk_rows)
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    with _no_autocast(h2.device):
+        return _ChunkedLinearCrossEntropy.apply(h2, weight, bias, t, rows, ignore_index, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _library(kernel: str):
+    """The library function for ``kernel``, or None when its package is missing or fails to load."""
+    module, name = {"liger": ("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy"),
+                    "cce": ("cut_cross_entropy", "linear_cross_entropy")}[kernel]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception:  # ImportError, or triton failing to initialise: the kernel is unavailable
+        return None
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def fused_kernel_name(device, dtype: Optional[torch.dtype] = None, bias: bool = False) -> str:
+    """The kernel "fused" mode runs on ``device`` for matmuls in ``dtype`` (None: not known yet,
+    taken as autocast's 16-bit): "liger" or else "cce" on CUDA where installed, else "chunked".
+    cut-cross-entropy is passed over for fp32 and for a bias (its released version has none)."""
+    if torch.device(device).type == "cuda":
+        if _library("liger") is not None:
+            return "liger"
+        if _library("cce") is not None and (dtype is None or dtype in _HALF) and not bias:
+            return "cce"
+    return "chunked"
+
+
+def require_kernel(kernel: str, device, dtype: Optional[torch.dtype] = None, bias: bool = False) -> str:
+    """``kernel`` ("auto" or one of KERNELS) checked against ``device``, the matmul ``dtype`` and
+    the installed extras; returns the kernel that will run, or raises ValueError (one line) when
+    an explicitly named kernel cannot run here."""
+    if kernel == "auto":
+        return fused_kernel_name(device, dtype, bias)
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown head-loss kernel {kernel!r}; choose auto, {', '.join(KERNELS)}")
+    if kernel != "chunked":
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"head-loss kernel {kernel!r} runs on CUDA only; use 'chunked' on {device}")
+        if _library(kernel) is None:
+            raise ValueError(f"head-loss kernel {kernel!r} is not installed: {_INSTALL[kernel]}")
+        if kernel == "cce" and (bias or (dtype is not None and dtype not in _HALF)):
+            raise ValueError("head-loss kernel 'cce' takes bf16/fp16 matmuls without a bias; use 'liger' or 'chunked'")
+    return kernel
+
+
+def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, kernel: str = "auto",
+                               chunk_rows: Optional[int] = None) -> torch.Tensor:
+    """Mean cross entropy of ``hidden @ weight.T (+ bias)`` by ``kernel`` (``require_kernel``);
+    ``chunk_rows`` applies to the chunked kernel only."""
+    dtype = _autocast_dtype(hidden.device) or weight.dtype  # what the matmul runs in
+    name = require_kernel(kernel, hidden.device, dtype, bias is not None)
+    if name == "chunked":
+        return linear_cross_entropy(hidden, weight, targets, bias=bias, chunk_rows=chunk_rows)
+    h2, t = _flatten(hidden, weight, targets, bias)
+    if name == "liger":
+        # Liger computes under the caller's autocast (bf16 matmul of the fp32 weight, fp32 softmax,
+        # fp32 grad_weight accumulator), so the tensors go in as they are. It forms the gradients
+        # already in forward and keeps them (V x C, N x C) until backward instead of the inputs.
+        return _library("liger")(h2, weight, t.contiguous(), bias=bias, reduction="mean")
+    # cut-cross-entropy wants one 16-bit dtype for both operands: cast as autocast would (the
+    # casts are autograd ops, so gradients return in the inputs' dtypes); filter_eps=None keeps
+    # every gradient entry (its default drops those under the dtype's resolution).
+    return _library("cce")(h2.to(dtype), weight.to(dtype), t, filter_eps=None, reduction="mean")
+
+
+def resolve_head_loss(mode: str, vocab_size: int, device=None) -> str:
+    """"plain" or "fused" for a run: ``mode`` "plain"/"fused" as given; "auto" fuses when
+    ``vocab_size >= FUSED_VOCAB_THRESHOLD``, on any device (the chunked kernel runs everywhere)."""
+    if mode not in HEAD_LOSS_MODES:
+        raise ValueError(f"head loss must be one of {', '.join(HEAD_LOSS_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "fused" if vocab_size >= FUSED_VOCAB_THRESHOLD else "plain"
+    return mode
+
+
+def head_loss(head, x: torch.Tensor, targets: torch.Tensor, mode: str = "plain", *,
+              kernel: str = "auto", chunk_rows: Optional[int] = None) -> torch.Tensor:
+    """The last block's mean cross entropy. "plain": ``BlockModel.loss(head(x), targets)``, the
+    historical path, bit for bit. "fused": ``head.features(x)`` into the fused kernel with the
+    head's ``output_weight``/``output_bias`` read now (a re-pointed or tied Parameter is used)."""
+    if mode == "plain":
+        return BlockModel.loss(head(x), targets)
+    if mode != "fused":
+        raise ValueError(f"head_loss mode must be 'plain' or 'fused' (resolve 'auto' first), got {mode!r}")
+    return fused_linear_cross_entropy(head.features(x), head.output_weight, targets,
+                                      bias=head.output_bias, kernel=kernel, chunk_rows=chunk_rows)
+
+
+def _cpu_peak_bytes(prof) -> int:
+    """Peak of the bytes torch's CPU allocator held above the start, from the profiler's
+    allocation (+) and free (-) events in time order (tracemalloc does not see torch's allocations,
+    and RSS would count the allocator's caching and every other thread's memory)."""
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == cpu)
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def measure_head_loss(mode: str, batch: int, seq: int, n_embd: int, vocab: int, device="cpu",
+                      dtype=torch.float32, *, kernel: str = "auto", chunk_rows: Optional[int] = None,
+                      seed: int = 0) -> dict:
+    """One forward + backward of a Llama head (RMSNorm + untied projection, fp32 weights) and its loss
+    on a (batch, seq, n_embd) activation, as the last pipeline stage runs it: ``dtype`` float32, or
+    bfloat16 = autocast with fp32 weights. Returns seconds (wall, synchronised), peak_bytes (bytes
+    allocated above the inputs at the peak: CUDA's allocator statistics, or on CPU the profiler's
+    allocation events) and loss (a float). ``mode`` "plain" | "fused" (``head_loss``)."""
+    from .llama import LlamaConfig, LlamaHead
+
+    device = torch.device(device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, seq_len=seq, n_layer=1, n_embd=n_embd, n_head=1, n_kv_head=1,
+                      intermediate_size=n_embd, tie_embeddings=False)
+    head = LlamaHead(cfg)
+    with torch.no_grad():
+        head.proj.weight.copy_(torch.randn(vocab, n_embd, generator=gen) * 0.02)
+    head.to(device)
+    x = torch.randn(batch, seq, n_embd, generator=gen).to(device).requires_grad_()
+    targets = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def step():
+        with autocast:
+            loss = head_loss(head, x, targets, mode, kernel=kernel, chunk_rows=chunk_rows)
+        loss.backward()
+        return loss.detach()
+
+    if device.type == "cuda":
+        step()  # warm-up: library kernels compile (Triton) on their first call
+        x.grad = head.proj.weight.grad = head.norm.weight.grad = None
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            start = time.perf_counter()
+            loss = step()
+            seconds = time.perf_counter() - start
+        peak = _cpu_peak_bytes(prof)
+    return {"seconds": seconds, "peak_bytes": int(peak), "loss": float(loss)}
+
+
+__all__ = ["HEAD_LOSS_MODES", "KERNELS", "FUSED_VOCAB_THRESHOLD", "CHUNK_BYTES", "default_chunk_rows",
+           "linear_cross_entropy", "fused_linear_cross_entropy", "fused_kernel_name", "require_kernel",
+           "resolve_head_loss", "head_loss", "measure_head_loss"]
