@@ -1,0 +1,465 @@
+"""Regional compilation of pipeline blocks: each block compiled in place with ``torch.compile``,
+identical blocks sharing one compiled graph (issue 33; docs/design.md §2.9).
+
+API (what the Pipeline, the simulator and the CLI call)::
+
+    compile_unavailable_reason(device, *, probe=False) -> str | None
+        Why torch cannot compile blocks for ``device`` here (one line), or None where it can.
+        Cheap by default (no compilation); ``probe=True`` also compiles and runs a one-op function.
+    resolve_compile(flag: bool | None, device) -> bool
+        ``--compile`` (True), ``--no-compile`` (False) or auto (None) -> whether to compile.
+        Auto = on for CUDA where torch can compile, off on CPU and elsewhere. True where torch
+        cannot compile raises CompileUnavailableError (a ValueError; its message is one line).
+    compile_blocks(blocks, *, device=None, backend="inductor", mode=None, options=None,
+                   fullgraph=True, dynamic=False) -> CompileReport
+        Compile every block of ``blocks`` (an nn.Sequential, a list of modules, or a model with
+        ``blocks()``) in place. Compilation is lazy: it happens at a block's first call.
+    uncompile(blocks) -> None          back to plain eager modules
+    is_compiled(module) -> bool
+    CompileReport                      .compiles / .fallbacks per block type, .summary()
+    CompileFallbackWarning-free: a compile failure is ONE logging.WARNING line on the logger
+        ``asyncpp_ext.models.compile`` (see "Fallback" below), never an exception.
+
+What "in place" means. Each block gets an instance attribute ``forward`` (a ``_CompiledForward``)
+that runs ``type(block).forward`` through one compiled function shared by every block of that
+type (and the same compile settings). Nothing else changes: parameter names, ``named_parameters()``
+order and ``state_dict()`` keys are those of the eager block (checkpoints and the optimizer key on
+them), hooks still run (outside the compiled region), ``block.to(...)`` works.
+``nn.Module.compile()`` is not used because ``nn.Module.__getstate__`` drops its
+``_compiled_call_impl``: the replicas the 2bw stage makes with ``copy.deepcopy`` (one per weight
+version, pipeline/stage.py) would silently run eagerly. Our ``forward`` attribute survives
+``deepcopy`` and pickling and re-binds to the copy (``__reduce__``), so a replica compiles nothing
+new: it shares the original's compiled code.
+
+Why one graph serves N blocks and every replica. Dynamo (torch >= 2.5,
+``inline_inbuilt_nn_modules``) traces a module passed as an argument without specialising on its
+identity: parameters become graph inputs, read from the module at every call, and the guards check
+their dtype, device, shape, stride and requires_grad, not their address. So block 3, block 7 and
+block 3 of a deep-copied replica pass the same guards and run the same code. The compiled
+function of each block type has a code object of its own, so each type gets its own dynamo cache
+(and its own ``recompile_limit`` of 8 variants) instead of all types competing for one.
+
+Why the 2bw weight swap is safe. The stage re-points ``p.data`` at a view into another flat
+buffer between versions. The Parameter object stays; the compiled code loads it from the module
+on each call and passes its current storage to the kernels, so the live buffer is read. Two
+inductor features would capture weights and are switched off here: freezing (constant-folds
+parameters in no_grad graphs; ``TORCHINDUCTOR_FREEZING=1`` would turn it on globally) and CUDA
+graphs (``mode="reduce-overhead"``, refused; ``max-autotune``'s cudagraphs are switched off):
+they would replay the address a parameter had when captured.
+
+Recompilation. ``dynamic=False``: shapes are specialised; a run has a fixed (B, T) per microbatch,
+so training compiles once per block type (forward and, in the same call, backward). A forward under
+``torch.no_grad`` (the pipeline's start-up probe, evaluation) is another graph, and an evaluation
+batch of another size one more: at most 3 graphs per block type in a run, counted in
+``CompileReport.compiles``.
+
+Fallback. A failure of dynamo, inductor or the C++/Triton toolchain shows at a block's first call
+(compilation is lazy). The call is then run eagerly: if eager fails too, the error is the model's
+own and is raised as eager raises it (never hidden by the fallback); if eager succeeds, the block
+type is marked failed, logs ONE warning line naming the cause, and runs eagerly from then on
+(every block and replica of that type). Backward graphs are compiled together with the forward
+(``torch._functorch.config.force_non_lazy_backward_lowering``, normally lazy at the first
+backward), so a backward compile failure also surfaces inside the forward call we guard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import shutil
+import subprocess
+import types
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+import torch._functorch.config  # noqa: F401 -- force_non_lazy_backward_lowering, patched per compile
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+_CUDAGRAPH_MODES = ("reduce-overhead",)
+
+
+class CompileUnavailableError(ValueError):
+    """Compilation was requested where torch cannot compile; the message is one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Can torch compile here?
+
+
+def _device(device) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def _first_line(text: str, limit: int = 240) -> str:
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def compile_unavailable_reason(device, *, probe: bool = False) -> str | None:
+    """Why ``torch.compile`` (inductor) cannot compile blocks for ``device`` here, as one line, or
+    None where it can.
+
+    Checks, cheapest first: the Python/torch combination (dynamo's own check), that this torch lifts
+    module parameters into graphs (``inline_inbuilt_nn_modules``, which the shared graphs and the
+    weight swap rely on), then per device: CPU needs a C++ compiler inductor finds (``CXX`` or
+    ``g++``) that runs; CUDA needs a visible GPU, the triton package and compute capability >= 7.0.
+    Other device types are not supported by this module. With ``probe`` a one-op function is also
+    compiled and run on ``device`` (seconds on a cold cache), which catches a compiler that is
+    present but broken (missing headers, ...)."""
+    try:
+        dev = _device(device)
+    except (RuntimeError, TypeError) as exc:
+        return f"{device!r} is not a torch device ({_first_line(exc)})"
+    try:
+        from torch._dynamo.eval_frame import check_if_dynamo_supported
+        check_if_dynamo_supported()
+    except ImportError:
+        return f"torch {torch.__version__} has no torch._dynamo"
+    except Exception as exc:  # it raises RuntimeError with the reason
+        return f"torch.compile is not supported here: {_first_line(exc)}"
+    import torch._dynamo.config as dynamo_config
+    with warnings.catch_warnings():  # torch 2.13 deprecates the flag (always on) with a FutureWarning
+        warnings.simplefilter("ignore")
+        inlined = getattr(dynamo_config, "inline_inbuilt_nn_modules", True)
+    if not inlined:
+        return (f"torch {torch.__version__} compiles modules with their parameters as constants "
+                "(torch._dynamo.config.inline_inbuilt_nn_modules is off); turn it on or upgrade torch")
+    if dev.type == "cpu":
+        reason = _cpu_compiler_reason()
+    elif dev.type == "cuda":
+        reason = _cuda_reason(dev)
+    else:
+        return f"compiled blocks are supported on cpu and cuda, not {dev.type}"
+    if reason is None and probe:
+        reason = _probe(dev)
+    return reason
+
+
+def _cpu_compiler_reason() -> str | None:
+    """Inductor's CPU code is C++ built at run time by the first of ``config.cpp.cxx`` that runs."""
+    try:
+        from torch._inductor import config as inductor_config
+    except Exception as exc:  # an incomplete install
+        return f"torch's inductor does not import ({_first_line(exc)})"
+    candidates = inductor_config.cpp.cxx
+    candidates = [c for c in (candidates if isinstance(candidates, (list, tuple)) else (candidates,)) if c]
+    for cxx in candidates:
+        if shutil.which(cxx) is None:
+            continue
+        try:  # what inductor itself runs to accept a compiler (cpp_builder.cpp_compiler_search)
+            subprocess.run([cxx, "--version"], check=True, capture_output=True, timeout=30)
+            return None
+        except (OSError, subprocess.SubprocessError):
+            continue
+    names = ", ".join(candidates) or "none configured"
+    return (f"no working C++ compiler for inductor's CPU code (tried: {names}); install g++ "
+            "or set CXX to a C++ compiler")
+
+
+def _cuda_reason(dev: torch.device) -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available to torch here (no GPU visible or a CPU build of torch)"
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        return f"{dev} does not exist: torch sees {torch.cuda.device_count()} GPU(s)"
+    try:
+        from torch.utils._triton import has_triton_package
+    except ImportError:
+        has_triton_package = None
+    if has_triton_package is not None and not has_triton_package():
+        return "the triton package is not installed (inductor generates Triton kernels for CUDA); pip install triton"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 7:
+        return (f"{torch.cuda.get_device_name(index)} has compute capability {major}.{minor}; "
+                "inductor's Triton kernels need 7.0 or newer")
+    return None
+
+
+def _probe(dev: torch.device) -> str | None:
+    """Compile and run ``x * 2 + 1`` on ``dev`` with inductor; the failure's first line, or None."""
+    def twice_plus_one(x):
+        return x * 2 + 1
+    try:
+        fn = torch.compile(twice_plus_one, backend="inductor", dynamic=False)
+        x = torch.arange(8, dtype=torch.float32, device=dev)
+        if not torch.equal(fn(x), x * 2 + 1):
+            return "a compiled probe function returned wrong values"
+    except Exception as exc:
+        return f"a compiled probe function failed: {_describe(exc)}"
+    return None
+
+
+def resolve_compile(flag: bool | None, device) -> bool:
+    """Whether blocks on ``device`` are compiled, from ``--compile`` (True), ``--no-compile`` (False)
+    or auto (None).
+
+    Auto compiles on CUDA where torch can, and stays eager on CPU: there the first compile costs
+    ~25-60 s per run start on 2 cores and the small models run on CPU gain little (a llama-tiny
+    step: see docs/design.md §2.9). Auto never raises; True where ``compile_unavailable_reason``
+    has a reason raises CompileUnavailableError naming it (the CLI turns it into one line, exit 2)."""
+    if flag is not None and not isinstance(flag, bool):
+        raise TypeError(f"compile must be True, False or None (auto), got {flag!r}")
+    if flag is False:
+        return False
+    reason = compile_unavailable_reason(device)
+    if flag is None:
+        return reason is None and _device(device).type == "cuda"
+    if reason is not None:
+        raise CompileUnavailableError(f"compiling was requested but torch cannot compile for {device} "
+                                      f"here: {reason}")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled forward, shared per block type
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The compile arguments; blocks of one type with equal settings share one compiled function."""
+    backend: Any
+    mode: str | None
+    options: tuple
+    fullgraph: bool
+    dynamic: bool | None
+
+
+def _call_forward(module, *args, **kwargs):
+    # The body every compiled function runs: the block's own forward, looked up on its class so
+    # that our instance attribute ``forward`` does not call itself.
+    return type(module).forward(module, *args, **kwargs)
+
+
+class _Group:
+    """One compiled function for every block of one type with one settings: its dynamo cache, the
+    number of graphs it compiled, and whether it failed (then it runs eagerly)."""
+
+    def __init__(self, cls: type, settings: _Settings):
+        self.cls, self.settings = cls, settings
+        self.name = cls.__qualname__
+        self.compiles = 0
+        self.failure: str | None = None
+        # A code object of its own (dynamo keys its cache on code objects): each block type gets
+        # its own cache and recompile limit, and profiles / TORCH_LOGS name the type.
+        name = f"compiled_{cls.__name__}"
+        code = _call_forward.__code__.replace(co_name=name, co_qualname=name) \
+            if hasattr(_call_forward.__code__, "co_qualname") else _call_forward.__code__.replace(co_name=name)
+        body = types.FunctionType(code, _call_forward.__globals__, name)
+        self.fn = torch.compile(body, backend=self._backend(), fullgraph=settings.fullgraph,
+                                dynamic=settings.dynamic)
+
+    def _backend(self) -> Callable:
+        settings = self.settings
+        inner = settings.backend
+        if inner == "inductor":
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
+            patches = dict(list_mode_options(settings.mode, settings.dynamic)) if settings.mode else {}
+            patches.update(dict(settings.options))
+            # Both would capture parameter values or addresses (see the module docstring).
+            patches.update({"freezing": False, "triton.cudagraphs": False})
+            inner = functools.partial(compile_fx, config_patches=patches)
+        elif isinstance(inner, str):
+            inner = torch._dynamo.lookup_backend(inner)
+
+        def backend(gm, example_inputs):
+            self.compiles += 1
+            # Compile the backward now, inside the forward call that fallback() guards, instead of
+            # lazily at the first backward (where a failure would escape as a training error).
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                return inner(gm, example_inputs)
+        return backend
+
+    def fail(self, exc: BaseException) -> None:
+        self.failure = _describe(exc)
+        log.warning("asyncpp: torch.compile failed for %s blocks (%s); they run eagerly from now on",
+                    self.name, self.failure)
+
+
+_GROUPS: dict[tuple, _Group] = {}
+
+
+def _group(cls: type, settings: _Settings) -> _Group:
+    key = (cls, settings)
+    group = _GROUPS.get(key)
+    if group is None:
+        group = _GROUPS[key] = _Group(cls, settings)
+    return group
+
+
+def _rebind(module: nn.Module, cls: type, settings: _Settings) -> "_CompiledForward":
+    return _CompiledForward(module, _group(cls, settings))
+
+
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+class _CompiledForward:
+    """A block's ``forward`` instance attribute: the block run through its type's compiled function,
+    or eagerly once that function failed to compile."""
+
+    __slots__ = ("module", "group")
+
+    def __init__(self, module: nn.Module, group: _Group):
+        self.module, self.group = module, group
+
+    def __call__(self, *args, **kwargs):
+        group, module = self.group, self.module
+        if group.failure is None:
+            try:
+                return group.fn(module, *args, **kwargs)
+            except _OOM:
+                raise  # memory, not compilation: eager would only fail later, or hide it
+            except Exception as exc:  # noqa: BLE001 -- told apart from the model's own errors below
+                failure = exc
+            # Outside the except block, so the model's own error (eager fails too) is raised alone,
+            # not chained to dynamo's report of the same error.
+            out = type(module).forward(module, *args, **kwargs)
+            group.fail(failure)
+            return out
+        return type(module).forward(module, *args, **kwargs)
+
+    def __reduce__(self):
+        # deepcopy (the stage's weight-version replicas) and pickling re-bind to the copied module
+        # and find the same group: the copy shares the compiled code and the failure state.
+        return _rebind, (self.module, self.group.cls, self.group.settings)
+
+    def __repr__(self) -> str:
+        state = f"eager after failure: {self.group.failure}" if self.group.failure else "compiled"
+        return f"<compiled forward of {self.group.name} ({state})>"
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, following dynamo's wrappers to the root cause
+    (BackendCompilerFailed's first line is only ``backend='...' raised:``)."""
+    names, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        names.append(type(exc).__name__)
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+        if inner is None:
+            break
+        exc = inner
+    message = _first_line(exc)
+    if message.startswith("backend=") and message.endswith("raised:"):
+        message = ""
+    chain = ": ".join(dict.fromkeys(names))
+    return f"{chain}: {message}" if message else chain
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def _as_blocks(blocks) -> list[nn.Module]:
+    if isinstance(blocks, nn.Sequential):
+        out = list(blocks)
+    elif hasattr(blocks, "blocks") and callable(blocks.blocks):
+        out = list(blocks.blocks())
+    elif isinstance(blocks, nn.Module):
+        out = [blocks]
+    elif isinstance(blocks, Iterable):
+        out = list(blocks)
+    else:
+        raise TypeError(f"cannot compile a {type(blocks).__name__}: pass an nn.Sequential, a list of "
+                        "nn.Module blocks, or a model with blocks()")
+    bad = [i for i, b in enumerate(out) if not isinstance(b, nn.Module)]
+    if bad:
+        raise TypeError(f"block {bad[0]} is a {type(out[bad[0]]).__name__}, not an nn.Module")
+    return out
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` was compiled in place by ``compile_blocks``."""
+    return isinstance(module.__dict__.get("forward"), _CompiledForward)
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What ``compile_blocks`` did. Compilation is lazy, so ``compiles`` and ``fallbacks`` are
+    live: read them after the first steps."""
+
+    device: str
+    blocks: list[str]
+    """The type of each compiled block, in order."""
+    groups: list[_Group] = dataclasses.field(repr=False)
+
+    @property
+    def compiles(self) -> dict[str, int]:
+        """Graphs compiled so far per block type (forward + backward count as one)."""
+        return {g.name: g.compiles for g in self.groups}
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Block types that failed to compile and run eagerly, with the cause."""
+        return {g.name: g.failure for g in self.groups if g.failure is not None}
+
+    def summary(self) -> str:
+        """One line for a run's log, e.g. ``compiled 4 blocks (3 types) on cuda: 3 graphs``."""
+        line = (f"compiled {len(self.blocks)} blocks ({len(self.groups)} types) on {self.device}: "
+                f"{sum(g.compiles for g in self.groups)} graphs")
+        if self.fallbacks:
+            line += "; eager after a failure: " + ", ".join(self.fallbacks)
+        return line
+
+
+def compile_blocks(blocks, *, device=None, backend: Any = "inductor", mode: str | None = None,
+                   options: dict | None = None, fullgraph: bool = True,
+                   dynamic: bool | None = False) -> CompileReport:
+    """Compile each block of ``blocks`` in place (regional compilation, see the module docstring);
+    returns a live ``CompileReport``.
+
+    ``blocks``: an nn.Sequential (a pipeline stage's module), a list of modules, or a model with
+    ``blocks()``. ``device``: where the blocks run (default: their first parameter's device); with
+    the inductor backend, a device where ``compile_unavailable_reason`` has a reason raises
+    CompileUnavailableError. ``backend``: any ``torch.compile`` backend (a name or a callable; tests
+    pass one that raises). ``mode`` / ``options``: inductor's (``mode="reduce-overhead"`` is refused:
+    CUDA graphs replay captured weight addresses, which the 2bw swap changes). ``fullgraph``: a graph
+    break is a compile failure (falls back with a warning) rather than a silently split block.
+    ``dynamic=False``: one graph per shape (see Recompilation). Compiling an already compiled block
+    again replaces its settings."""
+    mods = _as_blocks(blocks)
+    if mode in _CUDAGRAPH_MODES:
+        raise ValueError(f"mode={mode!r} captures CUDA graphs, which replay the weight addresses seen at "
+                         "capture; the 2bw stage swaps weight buffers between versions. Use mode=None "
+                         "or 'max-autotune' (compiled without CUDA graphs here)")
+    if options and backend != "inductor":
+        raise ValueError("options= are inductor options; pass them only with backend='inductor'")
+    if device is None:
+        first = next((p for m in mods for p in m.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = _device(device)
+    if backend == "inductor":
+        reason = compile_unavailable_reason(device)
+        if reason is not None:
+            raise CompileUnavailableError(f"cannot compile blocks for {device}: {reason}")
+    try:
+        frozen_options = tuple(sorted((options or {}).items()))
+        settings = _Settings(backend, mode, frozen_options, bool(fullgraph), dynamic)
+        hash(settings)
+    except TypeError as exc:
+        raise ValueError(f"compile options must be hashable values ({exc})") from None
+    groups: dict[int, _Group] = {}
+    for i, module in enumerate(mods):
+        own = module.__dict__.get("forward")
+        if own is not None and not isinstance(own, _CompiledForward):
+            raise ValueError(f"block {i} ({type(module).__name__}) has its own forward attribute "
+                             "(patched by other code); compiling would bypass it")
+        group = _group(type(module), settings)
+        module.forward = _CompiledForward(module, group)  # nn.Module.__setattr__: a plain attribute
+        groups[id(group)] = group
+    return CompileReport(str(device), [type(m).__qualname__ for m in mods], list(groups.values()))
+
+
+def uncompile(blocks) -> None:
+    """Undo ``compile_blocks``: the blocks run their eager forward again."""
+    for module in _as_blocks(blocks):
+        if is_compiled(module):
+            del module.__dict__["forward"]
+
+
+__all__ = ["CompileUnavailableError", "CompileReport", "compile_unavailable_reason", "resolve_compile",
+           "compile_blocks", "uncompile", "is_compiled"]
