@@ -1,0 +1,181 @@
+"""bench/gpu_throughput.py: its CPU smoke run (every row, finite positive numbers in the JSON), the
+FLOP formula and peak table, the plan, and bad inputs (one line, exit 2)."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_throughput as gt  # noqa: E402
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.multiproc
+def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--device", "cpu", "--smoke",
+                        "--threads", "1", "--peak-tflops", "0.5", "--json", str(out)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["info"]["device"] == "cpu" and rep["info"]["mode"] == "smoke"
+    assert rep["info"]["peak_tflops"] == 0.5
+    rows = {row["name"]: row for row in rep["rows"]}
+    train_rows = [row for row in rep["rows"] if row["impl"] != "head"]
+    assert {row["impl"] for row in train_rows} == {"ours", "hf"}
+    assert "ours 2bw 2st 1gpu adamw" in rows and "hf eager adamw" in rows
+    assert any(n.startswith("ours sync adamw") for n in rows)
+    shape = gt.model_shape("llama-tiny", 64)
+    for row in train_rows:
+        assert row["status"] == "ok" and row["check"] == "ok", row
+        assert row["tokens_per_step"] == 8 * 4 * 64
+        assert len(row["losses"]) == rep["info"]["warmup"] + rep["info"]["steps"]
+        assert all(math.isfinite(v) for v in row["losses"])
+        for key in ("tokens_per_s", "tflops", "mfu", "peak_bytes", "wall_s"):
+            assert _positive(row[key]), (row["name"], key, row[key])
+        assert row["flops_per_token"] == gt.flops_per_token(shape, 64)
+        assert row["mfu"] == pytest.approx(row["tflops"] / 0.5)
+        assert row["peak_kind"] == ("pss" if row["stages"] == 2 else "rss")
+    hf = rows["hf eager adamw"]
+    assert hf["params"] == gt.total_params(shape) and hf["info"]["attn_implementation"] == "sdpa"
+    heads = [row for row in rep["rows"] if row["impl"] == "head"]
+    if gt.head_loss_available():
+        assert [h["head_mode"] for h in heads] == ["plain", "fused"]
+        for h in heads:
+            assert h["status"] == "ok" and h["check"] == "ok", h
+            assert _positive(h["head_seconds"]) and _positive(h["peak_bytes"]) and math.isfinite(h["head_loss"])
+        assert _positive(heads[1]["peak_ratio_to_plain"])
+    else:
+        assert any(name.startswith("head-loss") for name, _ in rep["skipped"])
+    assert any(q["what"].endswith("/ hf eager adamw") and _positive(q["tokens_per_s"]) for q in rep["ratios"])
+    assert rep["summary"]["checks_failed"] == 0
+    assert "FLOPs/token = 6*N + 12*L*H*Q*T" in r.stdout and "tokens/s" in r.stdout
+    assert "not run: not installed" in r.stdout or gt.importlib.util.find_spec("torchtitan") is not None
+
+
+def test_flop_formula_counts_the_smollm_parameters_once():
+    s135, s360 = gt.model_shape("smollm-135m", 1024), gt.model_shape("smollm-360m", 2048)
+    # The published sizes with the tied table counted once (asyncpp_ext/models/llama.py).
+    assert gt.matmul_params(s135) == gt.total_params(s135) == 134_515_008
+    assert gt.matmul_params(s360) == gt.total_params(s360) == 361_821_120
+    assert gt.flops_per_token(s135, 1024) == 6 * 134_515_008 + 12 * 30 * 576 * 1024
+    assert gt.flops_per_token(s360, 2048) == 6 * 361_821_120 + 12 * 32 * 960 * 2048
+    # an untied table: the head's matmul counts, the input lookup does not
+    untied = dict(s135, tie_embeddings=False)
+    assert gt.total_params(untied) - gt.matmul_params(untied) == 49152 * 576
+
+
+def test_smollm_hf_dicts_are_the_asyncpp_presets_and_build_the_same_model():
+    for name in ("smollm-135m", "smollm-360m"):
+        cfg = gt.hf_config_dict(gt.model_shape(name, 2048), 2048)
+        assert {k: cfg[k] for k in gt.SMOLLM_HF[name]} == gt.SMOLLM_HF[name]
+    pytest.importorskip("transformers")
+    shape = gt.model_shape("llama-tiny-4x64", 128)
+    model, _, info = gt.build_hf_model(dict(hf_config=gt.hf_config_dict(shape, 128), shape=shape))
+    assert sum(p.numel() for p in model.parameters()) == gt.total_params(shape)
+    assert info["attn_implementation"] == "sdpa"
+
+
+def test_a_changed_smollm_dict_stops_the_bench(monkeypatch):
+    monkeypatch.setitem(gt.SMOLLM_HF, "smollm-135m", dict(gt.SMOLLM_HF["smollm-135m"], intermediate_size=1024))
+    with pytest.raises(RuntimeError, match="intermediate_size"):
+        gt.hf_config_dict(gt.model_shape("smollm-135m", 1024), 1024)
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0),
+                                        ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                        ("Tesla T4", None)])
+def test_peak_table_by_gpu_name(name, peak):
+    assert gt.peak_for_gpu(name)[0] == peak
+
+
+def test_steady_state_skips_the_warmup_steps_and_the_checks():
+    tokens, elapsed = [100, 200, 300, 400], [10.0, 10.5, 11.0, 11.5]  # step 1 holds a 10 s compile
+    assert gt.steady_tokens_per_s(tokens, elapsed, 1) == pytest.approx(300 / 1.5)
+    assert gt.steady_tokens_per_s(tokens, elapsed, 4) is None
+    assert gt.loss_check([10.9, 9.0, 8.0, 7.5], 49152) == "ok"
+    assert gt.loss_check([10.9, float("nan"), 8.0, 7.5], 49152).startswith("FAIL: non-finite")
+    assert gt.loss_check([3.0, 2.0, 1.0, 0.5], 49152).startswith("FAIL: first loss")
+    assert gt.loss_check([10.9, 11.0, 11.0, 11.2], 49152) == "FAIL: loss not decreasing"
+
+
+def _plan_args(device="cuda", mode="full", **kw):
+    d = gt.DEFAULTS[device]
+    return SimpleNamespace(device=device, mode=mode, models=d["models"], seq_lens=d["seq_lens"],
+                           micro_batch_size=8, microbatches=8, cpu_compile=False, only=None, **kw)
+
+
+def test_plan_rows_compile_flags_and_gpu_counts():
+    flags_on, flags_off = dict(compile=True, head_loss=True), dict(compile=False, head_loss=False)
+    rows, skipped = gt.build_plan(_plan_args(), flags_on, gpus=1)
+    names = {(r["name"], r["model"], r["seq_len"]) for r in rows}
+    for model in ("smollm-135m", "smollm-360m"):
+        for seq in (1024, 2048):
+            assert ("ours sync adamw", model, seq) in names and ("hf compile adamw", model, seq) in names
+    for model, seq in (("smollm-135m", 1024), ("smollm-360m", 2048)):
+        for name in ("ours sync adamw eager", "ours sync muon", "hf compile muon", "hf eager adamw",
+                     "ours 2bw 2st 1gpu adamw"):
+            assert (name, model, seq) in names
+    assert any("2gpu" in name and "needs 2 GPUs" in why for name, why in skipped)
+    # same tokens per microbatch: half the sequences at twice the length
+    assert {r["micro_batch_size"] for r in rows if r["seq_len"] == 2048 and r["impl"] != "head"} == {4}
+    two, _ = gt.build_plan(_plan_args(), flags_on, gpus=2)
+    assert any(r["name"] == "ours 2bw 2st 2gpu adamw" and r["transport"] == "nccl" for r in two)
+    quick, _ = gt.build_plan(_plan_args(mode="quick"), flags_off, gpus=1)
+    assert ("ours sync adamw", "smollm-360m", 2048) in {(r["name"], r["model"], r["seq_len"]) for r in quick}
+    assert all(r["compile"] is None and r["notes"] == ["flags absent"] for r in quick if r["impl"] == "ours")
+    assert not any(r["name"].endswith("eager") and r["impl"] == "ours" for r in quick)
+    assert [r["name"] for r in quick if r["impl"] == "hf"] == ["hf compile adamw"]
+    cpu, _ = gt.build_plan(_plan_args("cpu", "quick"), flags_on, gpus=0)
+    assert [r["name"] for r in cpu if r["impl"] == "hf"] == ["hf eager adamw"]  # no torch.compile on CPU
+    cpu_full, cpu_skipped = gt.build_plan(_plan_args("cpu"), flags_on, gpus=0)
+    assert not any(r["impl"] == "hf" and r["compile"] for r in cpu_full)
+    assert any(name.startswith("hf compile") and "--cpu-compile" in why for name, why in cpu_skipped)
+    # compiled vs eager for llama-tiny on CPU: the one compiled row that runs there by default
+    assert [r["compile"] for r in cpu if r["name"].startswith("ours sync adamw") and r["model"] == "llama-tiny"] \
+        == [False, True]
+
+
+def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
+    args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None)
+    r = gt.row("ours sync adamw", "ours", "smollm-360m", 2048, 4, 8, optimizer="adamw", compile=True, schedule="sync")
+    on = gt.ours_command(r, args, dict(compile=True, head_loss=True), tmp_path / "o", tmp_path / "p")
+    off = gt.ours_command(r, args, dict(compile=False, head_loss=False), tmp_path / "o", tmp_path / "p")
+    for cmd in (on, off):
+        assert cmd[cmd.index("--model") + 1] == "smollm-360m" and cmd[cmd.index("--seq-len") + 1] == "2048"
+        assert cmd[cmd.index("--steps") + 1] == "8" and cmd[cmd.index("--ef-beta") + 1] == "0"
+        assert cmd[cmd.index("--dtype") + 1] == "bf16" and cmd[cmd.index("--schedule") + 1] == "sync"
+    assert "--compile" in on and on[on.index("--head-loss") + 1] == "auto"
+    assert "--compile" not in off and "--head-loss" not in off
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--device", "cpu", "--models", "gpt-9000"], "unknown model"),
+    (["--device", "cpu", "--microbatches", "1"], "--microbatches must be >= 2"),
+    (["--device", "cpu", "--micro-batch-size", "0"], "--micro-batch-size must be >= 1"),
+    (["--device", "cpu", "--steps", "0"], "--steps must be >= 1"),
+    (["--device", "cpu", "--seq-lens", "64,x"], "--seq-lens must be a comma-separated list of int"),
+    (["--device", "cpu", "--peak-tflops", "-3"], "--peak-tflops must be a positive number"),
+    (["--device", "tpu"], "invalid choice"),
+    (["--quick", "--smoke"], "not allowed with"),
+    (["--device", "cuda"], "no CUDA GPU is visible"),
+])
+def test_bad_inputs_give_one_line_and_exit_2(argv, words, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine with a GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert gt.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpu_throughput.py: error: ") and words in err, err
