@@ -26,7 +26,7 @@ def test_without_a_gpu_it_says_what_it_would_run_writes_a_report_and_exits_0(tmp
     assert report["status"] == "not run" and report["gpus"] == 0
     assert {s["key"] for s in report["sections"]} == {"environment", "build_tests", "cuda_tests", "nccl_self_test", "train_one_gpu",
                                                       "train_two_gpus", "bench_optim", "bench_muon_widths",
-                                                      "bench_p2p"}
+                                                      "bench_p2p", "bench_gpu_throughput"}
     assert all(s["status"] == "not run" for s in report["sections"])
     md = (tmp_path / "gc" / "report.md").read_text()
     assert md.startswith("# asyncpp_ext GPU check: NOT RUN") and "nothing was run" in md

@@ -72,6 +72,8 @@ def plan(out: Path, gpus: int, quick: bool) -> list:
                                                "nccl", "--json"]],
          no_src or (None if gpus >= 2 else f"needs 2 GPUs ({gpus} visible): its nccl backend runs one rank per "
                     "GPU; see the NCCL self-test's loopback figures instead")),
+        ("bench_gpu_throughput", "bench/gpu_throughput.py --quick: asyncpp-train vs Hugging Face tokens/s, MFU, "
+         "peak memory", [gpu_throughput_command(out)], no_src),
     ]
 
 
@@ -241,6 +243,38 @@ RUNNERS = dict(build_tests=section_pytest("build_tests"), cuda_tests=section_pyt
                train_one_gpu=section_train_one_gpu, train_two_gpus=section_train_two_gpus,
                bench_optim=section_bench("bench_optim"),
                bench_muon_widths=section_bench("bench_muon_widths"), bench_p2p=section_bench("bench_p2p"))
+
+
+# --- bench/gpu_throughput.py (issue 33): tokens/s, TFLOP/s, MFU and peak memory of asyncpp-train against
+# Hugging Face eager / torch.compile, in its --quick form (< 3 min on one H100; the full bench, ~10 min,
+# is run by hand). Passes when every row ran and every row's correctness check held.
+TIMEOUTS["bench_gpu_throughput"] = 480
+
+
+def gpu_throughput_command(out: Path) -> list:
+    return [sys.executable, str(PKG_PARENT / "bench" / "gpu_throughput.py"), "--device", "cuda", "--quick",
+            "--json", str(out / "gpu_throughput.json")]
+
+
+def section_gpu_throughput(cmds, out, log) -> dict:
+    report = Path(cmds[0][cmds[0].index("--json") + 1])
+    report.unlink(missing_ok=True)
+    r = run(cmds[0], TIMEOUTS["bench_gpu_throughput"], log)
+    if r["rc"] != 0 or not report.exists():
+        return dict(status="fail", reason=_tail(r) if r["rc"] != 0 else "the bench wrote no report",
+                    seconds=r["seconds"])
+    data = json.loads(report.read_text())
+    bad = [f"{row['name']} {row['model']} T={row['seq_len']}: {row.get('error') or row.get('check')}"
+           for row in data["rows"] if row.get("status") != "ok" or row.get("check") != "ok"]
+    figures = dict(data["summary"], device=data["info"]["device_name"], peak_tflops=data["info"]["peak_tflops"],
+                   not_run=[f"{name}: {why}" for name, why in data["skipped"]])
+    figures.pop("failed", None)
+    return dict(status="fail" if bad else "pass", reason="; ".join(bad) or None, figures=figures,
+                seconds=r["seconds"])
+
+
+RUNNERS["bench_gpu_throughput"] = section_gpu_throughput
+# --- end of the bench/gpu_throughput.py section
 
 
 def count_gpus() -> int:
