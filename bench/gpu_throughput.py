@@ -32,15 +32,16 @@ data (the built-in corpus, byte ids < 256, the same windows in the same order) a
   what was in use before the run, so it includes each rank's CUDA context and allocator cache
   ("nvml"); on CPU the summed proportional set size of the process tree, sampled ("pss").
 
-Rows (names as printed):
+Rows (names as printed; " eager" marks --no-compile rows when asyncpp-train has --compile):
   ours sync <opt>        python -m asyncpp_ext.train --stages 1 --schedule sync (one process),
                          --ef-beta 0 (no delay to correct; the baselines have no EF), <opt> =
                          adamw (the project's fused AdamW) or muon (the project's Muon, bf16
                          Newton-Schulz on CUDA, AdamW for embeddings/head/norms)
-  ours sync <opt> eager  the same with --no-compile (only when asyncpp-train has --compile)
-  ours 2bw 2st 1gpu      --stages 2 --schedule 2bw --transport gloo: both ranks share one GPU
+  ours 2bw 2st 1gpu <opt>
+                         --stages 2 --schedule 2bw --transport gloo: both ranks share one GPU
                          (EF at its default 0.5, the configuration 2bw ships with)
-  ours 2bw 2st 2gpu      --stages 2 --schedule 2bw (NCCL), one GPU per stage; only with >= 2 GPUs
+  ours 2bw 2st 2gpu <opt>
+                         --stages 2 --schedule 2bw (NCCL), one GPU per stage; only with >= 2 GPUs
   hf eager|compile <opt> transformers.LlamaForCausalLM built from a config dict (no download),
                          attn_implementation="sdpa", use_cache=False, bf16 autocast, the loss
                          computed as cross_entropy(logits.float(), targets) on the T next-token
@@ -275,7 +276,7 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
             name = f"ours sync {opt}{suffix}"
             kw.setdefault("schedule", "sync")
         else:
-            name = f"ours 2bw 2st {kw['gpus']}gpu {opt}"
+            name = f"ours 2bw 2st {kw['gpus']}gpu {opt}{suffix}"
             kw.setdefault("schedule", "2bw")
         anyway = kw.pop("cpu_compile_anyway", False)
         if c is True and not compile_ok and not anyway:
@@ -872,8 +873,10 @@ def ratios(rows: list) -> list:
             out.append(dict(what=f"{r['name']} (compile) / {eager['name']}", model=r["model"], seq_len=r["seq_len"],
                             tokens_per_s=r["tokens_per_s"] / eager["tokens_per_s"], peak_memory=None))
     for r in ok:
-        if r["impl"] == "ours" and r["stages"] == 2:
-            base = find(f"ours sync {r['optimizer']}", r["model"], r["seq_len"])
+        if r["impl"] == "ours" and r["stages"] == 2:  # against the one-stage row compiled alike
+            base = next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
+                         and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
+                         and b["compile"] == r["compile"]), None)
             if base:
                 out.append(dict(what=f"{r['name']} / {base['name']}", model=r["model"], seq_len=r["seq_len"],
                                 tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"], peak_memory=None,
@@ -1088,6 +1091,9 @@ def run(args) -> dict:
             done.append(finish_row(r, args, peak))
             if r.get("status") != "ok":
                 print(f"    {r['status']}: {r.get('error')}", file=sys.stderr, flush=True)
+            if args.json:  # rows so far, in case the run is cut short; the full report replaces it
+                Path(args.json).write_text(json.dumps(dict(info=info, formula=formula, rows=done, skipped=skipped,
+                                                           partial=True), indent=1, default=str))
     finally:
         if work_ctx is not None:
             work_ctx.cleanup()

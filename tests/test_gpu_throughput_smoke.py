@@ -35,7 +35,7 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
     rows = {row["name"]: row for row in rep["rows"]}
     train_rows = [row for row in rep["rows"] if row["impl"] != "head"]
     assert {row["impl"] for row in train_rows} == {"ours", "hf"}
-    assert "ours 2bw 2st 1gpu adamw" in rows and "hf eager adamw" in rows
+    assert any(n.startswith("ours 2bw 2st 1gpu adamw") for n in rows) and "hf eager adamw" in rows
     assert any(n.startswith("ours sync adamw") for n in rows)
     shape = gt.model_shape("llama-tiny", 64)
     for row in train_rows:
@@ -60,6 +60,7 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
     else:
         assert any(name.startswith("head-loss") for name, _ in rep["skipped"])
     assert any(q["what"].endswith("/ hf eager adamw") and _positive(q["tokens_per_s"]) for q in rep["ratios"])
+    assert any(q["what"].startswith("ours 2bw") and _positive(q["tokens_per_s"]) for q in rep["ratios"])
     assert rep["summary"]["checks_failed"] == 0
     assert "FLOPs/token = 6*N + 12*L*H*Q*T" in r.stdout and "tokens/s" in r.stdout
     assert "not run: not installed" in r.stdout or gt.importlib.util.find_spec("torchtitan") is not None
@@ -127,7 +128,7 @@ def test_plan_rows_compile_flags_and_gpu_counts():
             assert ("ours sync adamw", model, seq) in names and ("hf compile adamw", model, seq) in names
     for model, seq in (("smollm-135m", 1024), ("smollm-360m", 2048)):
         for name in ("ours sync adamw eager", "ours sync muon", "hf compile muon", "hf eager adamw",
-                     "ours 2bw 2st 1gpu adamw"):
+                     "ours 2bw 2st 1gpu adamw"):  # compiled rows on the GPU carry no suffix
             assert (name, model, seq) in names
     assert any("2gpu" in name and "needs 2 GPUs" in why for name, why in skipped)
     # same tokens per microbatch: half the sequences at twice the length
