@@ -13,7 +13,9 @@ from asyncpp_ext.pipeline import launch, spawn
 def report_environment(out_dir: str) -> None:
     rank = os.environ["RANK"]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"value": os.environ.get("ASYNCPP_TEST_VALUE"), "parent": os.getppid()}, f)
+        json.dump({"value": os.environ.get("ASYNCPP_TEST_VALUE"), "parent": os.getppid(),
+                   "per_launch": os.environ.get("PYTEST_ASYNCPP_PROBE"), "cwd": os.getcwd(),
+                   "dynamo_loaded": "torch._dynamo" in sys.modules}, f)
 
 
 def say(word: str) -> None:
@@ -81,3 +83,29 @@ def test_ranks_write_to_the_launchers_current_stderr(tmp_path):
         os.close(saved)
     lines = sorted((tmp_path / "stderr.txt").read_text().splitlines())
     assert lines == ["rank 0 says after", "rank 1 says after"], lines
+
+
+def test_a_per_test_variable_keeps_the_forkserver_and_still_reaches_the_ranks(tmp_path, monkeypatch):
+    """pytest rewrites PYTEST_CURRENT_TEST before every test: the server (and its torch import)
+    is kept across such changes, while each rank still gets the launcher's environment and
+    working directory of the moment."""
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no forkserver on this platform")
+    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv("PYTEST_ASYNCPP_PROBE", "one")
+    first = _launch_and_read(tmp_path, "first")
+    server_pid = mp.forkserver._forkserver._forkserver_pid
+    monkeypatch.setenv("PYTEST_ASYNCPP_PROBE", "two")
+    monkeypatch.chdir(tmp_path / "first")
+    second = _launch_and_read(tmp_path, "second")
+    assert {r["parent"] for r in first + second} == {server_pid}
+    assert [r["per_launch"] for r in first + second] == ["one"] * 2 + ["two"] * 2
+    assert [r["cwd"] for r in second] == [str(tmp_path / "first")] * 2
+
+
+def test_forkserver_ranks_find_torch_dynamo_imported(tmp_path, monkeypatch):
+    """Creating any torch optimizer imports torch._dynamo (seconds); the server has done it."""
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no forkserver on this platform")
+    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    assert [r["dynamo_loaded"] for r in _launch_and_read(tmp_path, "ranks")] == [True, True]

@@ -7,9 +7,11 @@ and are then killed, so no orphan is ever left behind; children also die with th
 (PR_SET_PDEATHSIG). Each failing rank prints one line (a stalled one its watchdog report) and
 tells the launcher why it failed, so the launcher's error names the root cause.
 
-Ranks start from a forkserver with torch already imported where the platform has one (Linux), so
-a launch costs a fork instead of a fresh interpreter importing torch per rank (seconds each);
-``ASYNCPP_START_METHOD=spawn`` starts every rank from a fresh interpreter instead.
+Ranks start from a forkserver with torch (and torch._dynamo, which every optimizer's creation
+imports) already imported where the platform has one (Linux), so a launch costs a fork instead of a
+fresh interpreter importing torch per rank (seconds each); ``ASYNCPP_START_METHOD=spawn`` starts
+every rank from a fresh interpreter instead. The server is kept across launches while what its
+imports could have depended on stays the same (see ``_forkserver_for_this_environment``).
 """
 from __future__ import annotations
 
@@ -39,8 +41,14 @@ _failure_channel = None  # a spawned rank's line back to the launcher
 _store_listener = None  # rank 0 of a spawned run: the store's socket, bound by the launcher
 START_METHOD_ENV = "ASYNCPP_START_METHOD"
 START_METHODS = ("auto", "forkserver", "spawn")
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
-_forkserver_started_under: tuple | None = None  # (environment, stdio files) of the forkserver we use
+# torch._dynamo: torch.optim.Optimizer.add_param_group is wrapped by torch._disable_dynamo, which
+# imports torch._dynamo on its first call -- 1.9-2.2 s in every rank that builds an optimizer.
+_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# Variables that change from one launch to the next without meaning anything to a rank's imports:
+# pytest's per-test bookkeeping (PYTEST_CURRENT_TEST is rewritten for every test; xdist's worker
+# ids). A change of one does not restart the forkserver; the rank still sees the launcher's value.
+_PER_LAUNCH_ENV_PREFIXES = ("PYTEST_",)
+_forkserver_started_under: tuple | None = None  # what the forkserver we use started under (_server_key)
 
 
 class LaunchError(RuntimeError):
@@ -142,9 +150,12 @@ def _die_with_parent() -> None:
 
 
 def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel=None,
-           listener: socket.socket | None = None) -> None:
+           listener: socket.socket | None = None, environ: dict | None = None) -> None:
     global _failure_channel, _store_listener
     _die_with_parent()
+    if environ is not None and environ != dict(os.environ):  # the launcher's at launch time
+        os.environ.clear()
+        os.environ.update(environ)
     _failure_channel, _store_listener = channel, listener
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                       MASTER_PORT=str(port), **{_SPAWNED_ENV: "1"})
@@ -200,13 +211,26 @@ def _stdio_files() -> tuple:
     return tuple(identity(fd) for fd in range(3))
 
 
+def _server_key() -> tuple:
+    """What a forkserver's ranks get from the server rather than from the launcher at launch
+    time: the environment the server imported torch under (read at import by torch, OpenMP, MKL,
+    CUDA, the dynamic loader, and by any module a rank's function lives in, which the rank imports
+    before ``_child`` runs) and the standard streams. (multiprocessing hands each rank the
+    launcher's sys.path and working directory itself.) Per-launch bookkeeping variables
+    (_PER_LAUNCH_ENV_PREFIXES) are left out: no import reads them, and ``_child`` gives the rank
+    the launcher's environment of the moment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_PER_LAUNCH_ENV_PREFIXES)}
+    return env, _stdio_files()
+
+
 def _forkserver_for_this_environment() -> bool:
-    """A forkserver's ranks inherit the environment and standard streams the server started
-    with, not the launcher's at launch time; restart the server when they differ, so that ranks
-    see what a fresh interpreter would (and torch is imported under the same environment).
+    """A forkserver's ranks inherit what the server started with (``_server_key``), not the
+    launcher's at launch time; restart the server when that differs, so that ranks see what a
+    fresh interpreter would (and torch is imported under the same environment). A server is
+    reused across launches otherwise: starting one imports torch (seconds).
     False if it cannot be restarted."""
     global _forkserver_started_under
-    now = (dict(os.environ), _stdio_files())
+    now = _server_key()
     server = mp.forkserver._forkserver
     if getattr(server, "_forkserver_pid", None) is not None and now != _forkserver_started_under:
         stop = getattr(server, "_stop", None)
@@ -226,8 +250,9 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
     port = listener.getsockname()[1]
     channel = ctx.SimpleQueue()
     reasons: dict[int, str] = {}
-    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, channel, listener if r == 0 else None),
-                         daemon=False) for r in range(nprocs)]
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, channel, listener if r == 0 else None,
+                                              environ), daemon=False) for r in range(nprocs)]
     try:
         for p in procs:
             p.start()  # rank 0 gets its own duplicate of the listening socket
