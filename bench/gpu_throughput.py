@@ -116,7 +116,9 @@ SMOLLM_HF = {
 # Bench model name -> (asyncpp preset, CLI shape overrides).
 MODELS = {"smollm-135m": ("smollm-135m", {}), "smollm-360m": ("smollm-360m", {}),
           "llama-tiny": ("llama-tiny", {}), "llama-tiny-4x64": ("llama-tiny", {"n_layer": 4, "n_embd": 64})}
-DEFAULTS = {  # per device: models, sequence lengths, micro-batch at the shortest sequence, microbatches
+DEFAULTS = {  # per device: models, sequence lengths, micro-batch (at the first length), microbatches
+    # --micro-batch-size counts sequences of the first default length (1024 / 64); other lengths take
+    # as many sequences as hold the same tokens (4 at 2048), so every row trains the same tokens per step.
     "cuda": dict(models=["smollm-135m", "smollm-360m"], seq_lens=[1024, 2048], micro_batch_size=8, microbatches=8),
     "cpu": dict(models=["llama-tiny", "llama-tiny-4x64"], seq_lens=[64, 128], micro_batch_size=8, microbatches=4),
 }
@@ -262,8 +264,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
     """(rows to run, [(row name, why it is not run)])."""
     dev = args.device
     models, seqs = args.models, args.seq_lens
-    t_min = min(seqs)
-    mb_at = {t: max(1, args.micro_batch_size * t_min // t) for t in seqs}  # same tokens per microbatch
+    ref = DEFAULTS[dev]["seq_lens"][0]  # --micro-batch-size counts sequences of this length
+    mb_at = {t: max(1, args.micro_batch_size * ref // t) for t in seqs}  # same tokens per microbatch
     m = args.microbatches
     rows, skipped = [], []
     compile_ok = dev == "cuda" or args.cpu_compile
@@ -969,8 +971,8 @@ def parse_args(argv):
     ap.add_argument("--models", help="comma-separated bench models (default per device): " + ", ".join(MODELS))
     ap.add_argument("--seq-lens", help="comma-separated sequence lengths (default 1024,2048 on cuda, 64,128 on cpu)")
     ap.add_argument("--micro-batch-size", type=int,
-                    help="sequences per microbatch at the shortest sequence length; longer sequences take "
-                         "proportionally fewer (same tokens per microbatch) (default 8)")
+                    help="sequences per microbatch at sequence 1024 (cpu: 64); other lengths take as many as "
+                         "hold the same tokens, e.g. half at 2048 (default 8)")
     ap.add_argument("--microbatches", type=int, help="microbatches per optimizer step (default 8 cuda, 4 cpu)")
     ap.add_argument("--steps", type=int, help="measured steps per row (after the warm-up)")
     ap.add_argument("--warmup", type=int, help="warm-up steps per row, not measured (>= 1)")

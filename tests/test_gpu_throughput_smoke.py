@@ -133,6 +133,9 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     assert any("2gpu" in name and "needs 2 GPUs" in why for name, why in skipped)
     # same tokens per microbatch: half the sequences at twice the length
     assert {r["micro_batch_size"] for r in rows if r["seq_len"] == 2048 and r["impl"] != "head"} == {4}
+    alone = dict(vars(_plan_args()), models=["smollm-360m"], seq_lens=[2048])  # also when 2048 runs alone
+    assert {r["micro_batch_size"] for r in gt.build_plan(SimpleNamespace(**alone), flags_on, gpus=1)[0]
+            if r["impl"] != "head"} == {4}
     two, _ = gt.build_plan(_plan_args(), flags_on, gpus=2)
     assert any(r["name"] == "ours 2bw 2st 2gpu adamw" and r["transport"] == "nccl" for r in two)
     quick, _ = gt.build_plan(_plan_args(mode="quick"), flags_off, gpus=1)
