@@ -18,4 +18,8 @@ def test_every_golden_run_reproduces_its_recorded_losses_bitwise():
                           timeout=300)
     report = [line for line in done.stdout.splitlines() if not line.startswith("/")]
     assert done.returncode == 0, "\n".join(report) + done.stderr[-2000:]
-    assert "12 of 12 runs match" in done.stdout or "skipped" in done.stdout, done.stdout
+    if done.stdout.startswith("skipped: recorded under"):
+        pytest.skip(done.stdout.strip())
+    # every run, or all but those whose optional package is missing (each listed as skipped)
+    skipped = done.stdout.count(" is not installed)")
+    assert f"{12 - skipped} of {12 - skipped} runs match" in done.stdout, done.stdout

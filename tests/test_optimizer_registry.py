@@ -24,11 +24,9 @@ HAS_STUDY = importlib.util.find_spec("pytorch_optimizer") is not None
 
 
 def cli_optimizer_factory(cfg: RunConfig):
-    """The function the command line builds its optimizer with (moving to training/build.py)."""
-    try:
-        from asyncpp_ext.training.build import optimizer_factory
-    except ImportError:
-        from asyncpp_ext.training.cli import make_optimizer_factory as optimizer_factory
+    """The function the command line builds its optimizer with (training/build.py)."""
+    from asyncpp_ext.training.build import optimizer_factory
+
     return optimizer_factory(cfg)
 
 

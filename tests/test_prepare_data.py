@@ -266,7 +266,7 @@ def test_module_help_runs():
 
 
 def test_prepared_bpe_data_trains_and_eval_loss_falls(tmp_path, bpe_path, capsys, one_intra_op_thread):
-    from asyncpp_ext.training import cli
+    from asyncpp_ext.training.cli import main as train_main
     from asyncpp_ext.training.run_files import read_metrics
 
     source = tmp_path / "in.txt"
@@ -275,7 +275,7 @@ def test_prepared_bpe_data_trains_and_eval_loss_falls(tmp_path, bpe_path, capsys
     assert prep.main(["--tokenizer", str(bpe_path), "--input", str(source), "--out", str(train),
                       "--val-fraction", "0.1", "--val-out", str(val)]) == 0
     run_dir = tmp_path / "run"
-    rc = cli.main(["--data", str(train), "--val-data", str(val), "--vocab-size", str(BPE_VOCAB),
+    rc = train_main(["--data", str(train), "--val-data", str(val), "--vocab-size", str(BPE_VOCAB),
                    "--steps", "30", "--eval-every", "10", "--no-progress", "--out", str(run_dir)])
     assert rc == 0
     evals = {row["step"]: row["eval_loss"] for row in read_metrics(run_dir) if "eval_loss" in row}

@@ -33,13 +33,14 @@ PROMISED = {
 }
 
 # subpackage -> the other parts of asyncpp_ext it may import. Lower layers never import upward:
-# training drives pipelines; pipelines run optimizers; optim, models, data and schedule stand alone.
+# training drives pipelines; pipelines run optimizers, the models' compile and head-loss helpers and
+# the schedule table; optim, models, data and schedule stand alone.
 ALLOWED_IMPORTS = {
     "data": set(),
     "models": set(),
     "optim": {"_ext"},
     "schedule": {"_ext"},
-    "pipeline": {"_ext", "info", "optim"},
+    "pipeline": {"_ext", "optim", "models", "schedule"},
     "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule"},
     "gpu_check": {"info", "optim"},  # runs everything else in subprocesses
 }
@@ -96,3 +97,37 @@ def test_layers_import_one_way():
             if extra:
                 wrong.append(f"{path.relative_to(ROOT)} imports {sorted(extra)}")
     assert not wrong, "\n".join(wrong)
+
+
+def _cli_imports(path: Path) -> set[str]:
+    """Names a file imports from asyncpp_ext.training.cli ("*" for the module itself)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module.endswith("training.cli") or (module.endswith("training") and
+                                                   any(a.name == "cli" for a in node.names)):
+                names.update("*" if a.name == "cli" else a.name for a in node.names)
+            elif node.level == 1 and module == "cli" and path.parent.name == "training":
+                names.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update("*" for a in node.names if a.name.endswith("training.cli"))
+    return names
+
+
+def test_only_entry_points_and_cli_tests_import_the_command_line():
+    """The run is built by training/build.py and run.py; the CLI module only parses and
+    dispatches, so nothing but the entry point, and tests of the command itself (its ``main``),
+    imports it."""
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "train.py" and _cli_imports(path) and path != PACKAGE / "training" / "cli.py":
+            wrong.append(str(path.relative_to(ROOT)))
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        if _cli_imports(path):
+            wrong.append(str(path.relative_to(ROOT)))
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if _cli_imports(path) - {"main"}:
+            wrong.append(f"{path.relative_to(ROOT)} imports {sorted(_cli_imports(path) - {'main'})}")
+    assert not wrong, "\n".join(wrong)
+    assert len((PACKAGE / "training" / "cli.py").read_text().splitlines()) <= 250

@@ -83,6 +83,17 @@ def _run(name: str, flags: list, work: Path) -> list:
     return [[r["step"], r["loss"], r.get("eval_loss")] for r in rows]
 
 
+def environment() -> dict:
+    """What the record depends on besides the code: the built-in corpus is this Python's standard
+    library source, and initialisation and kernels are torch's (a Xeon with Python 3.12 and torch
+    2.11 gave other losses from step 1)."""
+    import platform
+
+    import torch
+
+    return {"python": ".".join(platform.python_version_tuple()[:2]), "torch": torch.__version__}
+
+
 def available(name: str) -> bool:
     import importlib.util
 
@@ -95,6 +106,10 @@ def main(argv=None) -> int:
     only = argv[1:]
     os.environ.update(PINNED_ENV)
     golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    recorded_env = golden.pop("_environment", None)
+    if mode == "--check" and recorded_env is not None and recorded_env != environment():
+        print(f"skipped: recorded under {recorded_env}, this is {environment()}")
+        return 0
     results, failures = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for name, flags in RUNS.items():
@@ -112,7 +127,9 @@ def main(argv=None) -> int:
                     failures.append(f"{name}: differs from the golden record (first: now {diff[0] if diff else '?'}"
                                     f", recorded {diff[1] if diff else '?'})")
     if mode == "--write":
-        GOLDEN.write_text(json.dumps({**golden, **results}, indent=1) + "\n")
+        merged = {"_environment": environment(), **golden, **results}
+        GOLDEN.write_text("{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in merged.items())
+                          + "\n}\n")
         print(f"wrote {len(results)} runs to {GOLDEN}")
         return 0
     for line in failures:
