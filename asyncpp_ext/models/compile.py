@@ -17,8 +17,22 @@ API (what the Pipeline, the simulator and the CLI call)::
     uncompile(blocks) -> None          back to plain eager modules
     is_compiled(module) -> bool
     CompileReport                      .compiles / .fallbacks per block type, .summary()
-    CompileFallbackWarning-free: a compile failure is ONE logging.WARNING line on the logger
-        ``asyncpp_ext.models.compile`` (see "Fallback" below), never an exception.
+
+A compile failure is not an exception: it is ONE ``logging.WARNING`` line on the logger
+``asyncpp_ext.models.compile`` per failing block type (see "Fallback" below). Without logging
+configured, Python prints such a record as the bare message on stderr (``logging.lastResort``).
+
+Typical use by a pipeline stage::
+
+    # CompileUnavailableError (one line) for --compile where torch cannot compile
+    if resolve_compile(cfg.compile, device):
+        report = compile_blocks(stage_module, device=device)
+    ...  # after the first steps: log report.summary()
+
+``compile_blocks`` may run before or after StageHost makes its replicas (deep copies stay
+compiled); the first call should come after the weights are flattened into their buffers, since on
+CUDA inductor takes the parameters' alignment from the call that compiles (StageHost flattens in
+its constructor, before any forward).
 
 What "in place" means. Each block gets an instance attribute ``forward`` (a ``_CompiledForward``)
 that runs ``type(block).forward`` through one compiled function shared by every block of that
@@ -265,11 +279,14 @@ class _Group:
         elif isinstance(inner, str):
             inner = torch._dynamo.lookup_backend(inner)
 
+        # Compile the backward now, inside the forward call that the fallback guards, instead of
+        # lazily at the first backward (where a failure would escape as a training error). Older
+        # torch releases without the switch keep the lazy backward.
+        eager_backward = _EAGER_BACKWARD
+
         def backend(gm, example_inputs):
             self.compiles += 1
-            # Compile the backward now, inside the forward call that fallback() guards, instead of
-            # lazily at the first backward (where a failure would escape as a training error).
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            with torch._functorch.config.patch(**eager_backward):
                 return inner(gm, example_inputs)
         return backend
 
@@ -280,6 +297,8 @@ class _Group:
 
 
 _GROUPS: dict[tuple, _Group] = {}
+_EAGER_BACKWARD = ({"force_non_lazy_backward_lowering": True}
+                   if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering") else {})
 
 
 def _group(cls: type, settings: _Settings) -> _Group:
