@@ -183,3 +183,10 @@ def test_bad_inputs_give_one_line_and_exit_2(argv, words, capsys, monkeypatch):
     assert gt.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("gpu_throughput.py: error: ") and words in err, err
+
+
+def test_an_unbuilt_extension_stops_the_bench_before_any_row(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "asyncpp_ext._ext", None)  # as if asyncpp_ext._C was never built
+    assert gt.main(["--device", "cpu", "--smoke"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpu_throughput.py: error: "), err
