@@ -126,9 +126,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        # d loss / d logit_ij = g / count * (softmax_ij - [j == t_i]) on valid rows, 0 on ignored.
-        row_scale = valid.to(torch.float32) * (grad_loss.to(torch.float32) / count)
-        grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+        # d loss / d logit_ij = scale * valid_i * (softmax_ij - [j == t_i]), scale = g / count. The
+        # (rows, V) buffer holds softmax - onehot unscaled; scale and mask go on the small sides
+        # (grad_hidden's rows, hidden's rows for grad_weight), saving a pass over the chunk.
+        scale = grad_loss.to(torch.float32) / count
+        row_scale = valid.to(torch.float32) * scale
+        mask = valid.to(dtype)  # 0/1: exact in any dtype
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         # Backward may run inside the caller's autocast (same thread on CPU): keep our dtypes.
@@ -137,28 +141,26 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 e = min(s + rows, hidden.shape[0])
                 h = hidden[s:e].to(dtype)
                 logits = F.linear(h, w, b)
-                # softmax in fp32 from the saved logsumexp (bf16 - fp32 promotes to fp32; fp32
-                # logits are reused in place)
-                if logits.dtype == torch.float32:
-                    p = logits.sub_(lse[s:e, None])
-                else:
-                    p = logits - lse[s:e, None]
+                t = safe[s:e, None]
+                # The target entry p_t - 1 in fp32 from the saved logsumexp: in bf16 it would
+                # lose its digits as p_t nears 1. Every other entry is the softmax, computed in
+                # fp32 and written in the matmul dtype (as plain autocast rounds its gradient).
+                target = torch.exp(logits.gather(1, t).float() - lse[s:e, None]) - 1.0
+                g = torch.softmax(logits, dim=1)
                 del logits
-                p.exp_()
-                p.scatter_add_(1, safe[s:e, None], p.new_full((e - s, 1), -1.0))
-                if dtype == torch.float32:
-                    g = p.mul_(row_scale[s:e, None])
-                else:  # scaled and rounded to the matmul dtype in one pass, as plain autocast has it
-                    g = torch.empty(p.shape, dtype=dtype, device=p.device)
-                    torch.mul(p, row_scale[s:e, None], out=g)
-                del p
-                if need_b:
-                    grad_b += g.sum(0, dtype=torch.float32)
+                g.scatter_(1, t, target.to(dtype))
                 if need_h:
-                    torch.mm(g, w, out=grad_h[s:e])
+                    torch.mul(g @ w, row_scale[s:e, None], out=grad_h[s:e])
                 if need_w:
-                    _accumulate(grad_w, g.t(), h)
-        return (None if grad_h is None else grad_h.to(hidden.dtype),
+                    _accumulate(grad_w, g.t(), h * mask[s:e, None])
+                if need_b:
+                    grad_b += torch.mv(g.t(), mask[s:e]).float()
+                del g
+        if need_w:
+            grad_w.mul_(scale)
+        if need_b:
+            grad_b.mul_(scale)
+        return (grad_h,
                 None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype),
                 None, None, None, None)
