@@ -952,7 +952,7 @@ def format_report(report: dict) -> str:
         lines.append("# ratios (same model, sequence, optimizer, tokens per step; measured in this run)")
         for q in report["ratios"]:
             mem = f", peak memory {q['peak_memory']:.2f}x" if q.get("peak_memory") else ""
-            lines.append(f"  {q['model']:<16} T={q['seq_len']:<5} {q['what']:<48} tokens/s {q['tokens_per_s']:.2f}x"
+            lines.append(f"  {q['model']:<16} T={q['seq_len']:<5} {q['what']:<56} tokens/s {q['tokens_per_s']:.2f}x"
                          f"{' per GPU' if q.get('note') else ''}{mem}")
     s = report["summary"]
     lines.append(f"# {s['rows_ok']} of {s['rows']} rows ran, {s['checks_failed']} check(s) failed; "
