@@ -49,13 +49,13 @@ def preflight(cfg: RunConfig) -> None:
                             "gpipe or 1f1b (the same update rule), or 2bw; or add --simulate")
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA GPU is visible; use --device cpu")
+    if cfg.runs_multi_process():
+        check_rank_devices(cfg)
     try:
         stage_compute(cfg)  # --compile where torch cannot, a head-loss kernel without its extra
     except ValueError as exc:
         flag = "--compile" if "compil" in str(exc) else "--head-loss"
         raise RunSetupError(f"{flag}: {exc}") from None
-    if cfg.runs_multi_process():
-        check_rank_devices(cfg)
 
 
 def check_rank_devices(cfg: RunConfig) -> None:
