@@ -1,7 +1,22 @@
-"""Shared pytest wiring: GPU auto-skip for `cuda` tests, and helpers for multi-process tests."""
+"""Shared pytest wiring: GPU auto-skip for `cuda` tests, helpers for multi-process tests, and
+`--hide-module NAME` to run the suite as if an optional package were not installed."""
 import socket
+import sys
 
 import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--hide-module", action="append", default=[], metavar="NAME",
+                     help="make `import NAME` (and its submodules) fail as if NAME were not installed, "
+                          "to check that the tests needing an optional extra skip without it")
+
+
+def pytest_configure(config):
+    for name in config.getoption("hide_module"):
+        for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[loaded]
+        sys.modules[name] = None  # import raises ModuleNotFoundError; importlib.util.find_spec gives None
 
 
 def _gpu_available() -> bool:
@@ -13,7 +28,18 @@ def _gpu_available() -> bool:
         return False
 
 
+# Under pytest-xdist (`make test`: -n auto --dist loadgroup) these files' tests run on one worker,
+# one after another: they share what one process keeps warm (test_compile.py: dynamo's and
+# inductor's in-process caches and the inductor cache directory it points TORCHINDUCTOR_CACHE_DIR
+# at), and two of them side by side would only compete for the cores.
+XDIST_GROUPS = {"test_compile.py": "inductor"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = XDIST_GROUPS.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     if _gpu_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none visible)")

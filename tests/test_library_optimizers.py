@@ -97,7 +97,8 @@ def test_build_optimizer_wraps_library_optimizers_in_error_feedback():
     assert type(opt.base).__name__ == "Lion"
 
 
-@pytest.mark.parametrize("name", ["muon", "normuon", "adamw", "sgd"] + LIBRARY)
+@pytest.mark.parametrize("name", ["muon", "normuon", "adamw", "sgd"] + [
+    pytest.param(name, marks=needs_study) for name in LIBRARY])
 def test_ef_source_reaches_the_optimizer_that_runs_error_feedback(name):
     from asyncpp_ext.optim.versioned import wants_previous_weights
 

@@ -360,6 +360,7 @@ def test_sim_result_json_round_trip():
 
 
 def test_dropping_any_single_instruction_is_always_caught():
+    pytest.importorskip("hypothesis", reason="needs hypothesis (the [test] extra)")
     from hypothesis import given, settings, strategies as st
 
     @settings(max_examples=150, deadline=None, derandomize=True)

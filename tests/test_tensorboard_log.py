@@ -1,6 +1,7 @@
 """TensorBoard logging (asyncpp_ext.training.tensorboard_log): scalars written and read back with
 TensorBoard's own EventAccumulator, purge_step on a resumed run, the missing-package error, and the
 compute/wait shares of a stage trace."""
+import importlib.util
 import sys
 
 import numpy as np
@@ -10,6 +11,10 @@ from asyncpp_ext._ext import C
 from asyncpp_ext.training.tensorboard_log import (INSTALL_HINT, StageTraceError, TensorboardLogError,
                                                   TensorboardLogger, TensorboardUnavailableError,
                                                   stage_time_shares)
+
+
+needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                                       reason="needs pip install 'asyncpp_ext[tensorboard]'")
 
 
 def read_scalars(log_dir) -> dict:
@@ -33,6 +38,7 @@ ROWS = [
 ]
 
 
+@needs_tensorboard
 def test_metrics_rows_read_back(tmp_path):
     with TensorboardLogger(tmp_path) as tb:
         for row in ROWS:
@@ -45,6 +51,7 @@ def test_metrics_rows_read_back(tmp_path):
     assert scalars["train/tokens_per_s"] == [(1, 1024.0), (3, 1280.0)]
 
 
+@needs_tensorboard
 def test_stage_shares_read_back(tmp_path):
     with TensorboardLogger(tmp_path / "tb") as tb:
         tb.log_stage_shares(0, 10, {"compute_share": 0.75, "wait_share": 0.25})
@@ -62,6 +69,7 @@ def log_losses(log_dir, steps, loss_of, purge_step=None):
             tb.log_metrics({"step": step, "loss": loss_of(step), "lr": 1e-3, "tokens": 0, "elapsed_s": 0.0})
 
 
+@needs_tensorboard
 def test_purge_step_drops_the_steps_a_resumed_run_recomputes(tmp_path):
     # First run reached step 6 but its last checkpoint was at step 3: the resumed run logs 4.. again.
     log_losses(tmp_path, range(1, 7), lambda s: 10.0 + s)
@@ -70,6 +78,7 @@ def test_purge_step_drops_the_steps_a_resumed_run_recomputes(tmp_path):
                                                     (6, 26.0), (7, 27.0), (8, 28.0)]
 
 
+@needs_tensorboard
 def test_without_purge_step_the_old_steps_stay(tmp_path):
     log_losses(tmp_path, range(1, 7), lambda s: 10.0 + s)
     log_losses(tmp_path, range(4, 6), lambda s: 20.0 + s)
@@ -89,6 +98,7 @@ def test_missing_tensorboard_names_the_extra(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+@needs_tensorboard
 def test_bad_rows_and_steps(tmp_path):
     with TensorboardLogger(tmp_path) as tb:
         with pytest.raises(TensorboardLogError, match="needs a 'step'"):
