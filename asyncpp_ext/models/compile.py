@@ -1,5 +1,5 @@
 """Regional compilation of pipeline blocks: each block compiled in place with ``torch.compile``,
-identical blocks sharing one compiled graph (issue 33; docs/design.md §2.9).
+identical blocks sharing one compiled graph (issue 33; docs/design.md §2.11).
 
 API (what the Pipeline, the simulator and the CLI call)::
 
@@ -210,9 +210,9 @@ def resolve_compile(flag: bool | None, device) -> bool:
     """Whether blocks on ``device`` are compiled, from ``--compile`` (True), ``--no-compile`` (False)
     or auto (None).
 
-    Auto compiles on CUDA where torch can, and stays eager on CPU: there the first compile costs
-    ~25-60 s per run start on 2 cores and the small models run on CPU gain little (a llama-tiny
-    step: see docs/design.md §2.9). Auto never raises; True where ``compile_unavailable_reason``
+    Auto compiles on CUDA where torch can, and stays eager on CPU: there the first compiled step
+    costs 28-50 s on 2 cores with a cold inductor cache (3-13 s warm) and a llama-tiny step gains
+    3-7 % (docs/design.md §2.11). Auto never raises; True where ``compile_unavailable_reason``
     has a reason raises CompileUnavailableError naming it (the CLI turns it into one line, exit 2)."""
     if flag is not None and not isinstance(flag, bool):
         raise TypeError(f"compile must be True, False or None (auto), got {flag!r}")
