@@ -19,7 +19,7 @@ API (what the Pipeline, the simulator and the CLI call)::
     CompileReport                      .compiles / .fallbacks per block type, .summary()
 
 A compile failure is not an exception: it is ONE ``logging.WARNING`` line on the logger
-``asyncpp_ext.models.compile`` per failing block type (see "Fallback" below). Without logging
+``asyncpp_ext.models.compile`` per cause and process (see "Fallback" below). Without logging
 configured, Python prints such a record as the bare message on stderr (``logging.lastResort``).
 
 Typical use by a pipeline stage::
@@ -70,8 +70,10 @@ batch of another size one more: at most 3 graphs per block type in a run, counte
 Fallback. A failure of dynamo, inductor or the C++/Triton toolchain shows at a block's first call
 (compilation is lazy). The call is then run eagerly: if eager fails too, the error is the model's
 own and is raised as eager raises it (never hidden by the fallback); if eager succeeds, the block
-type is marked failed, logs ONE warning line naming the cause, and runs eagerly from then on
-(every block and replica of that type). Backward graphs are compiled together with the forward
+type is marked failed and runs eagerly from then on (every block and replica of that type), and ONE
+warning line names the type and the cause (once per cause: when the embedding, the layers and the
+head fail alike, as with a missing compiler, one line says so; ``CompileReport.fallbacks`` lists
+every type). Backward graphs are compiled together with the forward
 (``torch._functorch.config.force_non_lazy_backward_lowering``, normally lazy at the first
 backward), so a backward compile failure also surfaces inside the forward call we guard.
 """
@@ -292,11 +294,19 @@ class _Group:
 
     def fail(self, exc: BaseException) -> None:
         self.failure = _describe(exc)
-        log.warning("asyncpp: torch.compile failed for %s blocks (%s); they run eagerly from now on",
-                    self.name, self.failure)
+        # One line per cause: a missing compiler fails every block type the same way, and three
+        # identical lines (embedding, layer, head) would say nothing more. CompileReport.fallbacks
+        # lists every type that fell back.
+        if self.failure in _WARNED:
+            log.debug("asyncpp: torch.compile failed for %s blocks too (%s)", self.name, self.failure)
+            return
+        _WARNED.add(self.failure)
+        log.warning("asyncpp: torch.compile failed for %s blocks (%s); they, and any block that fails "
+                    "the same way, run eagerly from now on", self.name, self.failure)
 
 
 _GROUPS: dict[tuple, _Group] = {}
+_WARNED: set[str] = set()  # causes already logged in this process
 _EAGER_BACKWARD = ({"force_non_lazy_backward_lowering": True}
                    if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering") else {})
 
@@ -399,7 +409,8 @@ def is_compiled(module: nn.Module) -> bool:
 @dataclasses.dataclass
 class CompileReport:
     """What ``compile_blocks`` did. Compilation is lazy, so ``compiles`` and ``fallbacks`` are
-    live: read them after the first steps."""
+    live: read them after the first steps. They are per block type and process: another model with
+    the same block type (a second ``compile_blocks`` call, a deep copy) shares and adds to them."""
 
     device: str
     blocks: list[str]
