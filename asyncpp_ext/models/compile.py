@@ -65,7 +65,13 @@ Recompilation. ``dynamic=False``: shapes are specialised; a run has a fixed (B, 
 so training compiles once per block type (forward and, in the same call, backward). A forward under
 ``torch.no_grad`` (the pipeline's start-up probe, evaluation) is another graph, and an evaluation
 batch of another size one more: at most 3 graphs per block type in a run, counted in
-``CompileReport.compiles``.
+``CompileReport.compiles``. Layers of one type that differ in a Python attribute their forward
+reads (an HF qwen2/qwen3 model mixing sliding-window and full-attention layers) get one graph per
+distinct value. Past torch's ``recompile_limit`` (8 variants of one type) dynamo runs the further
+variants eagerly, with its own warning.
+
+The same compiled code serves every model built from the same block type in a process (the HF
+adapter's layer type serves llama, mistral and qwen models alike; guards tell them apart).
 
 Fallback. A failure of dynamo, inductor or the C++/Triton toolchain shows at a block's first call
 (compilation is lazy). The call is then run eagerly: if eager fails too, the error is the model's
