@@ -35,19 +35,29 @@ BUILD_REQUIRES := 'setuptools>=77' 'pybind11>=2.12' 'cmake>=3.26' ninja
 .DELETE_ON_ERROR:
 
 # Prints those of the requirements given as arguments ("name" or "name>=version") that this
-# interpreter lacks: not installed, or older.
+# interpreter lacks: not installed, or older (cmake and ninja: nor a recent enough program on PATH).
 define REQ_MISSING
-import re, shutil, sys
+import re, shutil, subprocess, sys
 from importlib import metadata
 def numbers(version):
     return tuple(int(n) for n in re.findall(r"\d+", version)[:3])
+def program_version(name):
+    path = shutil.which(name)
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout if path else ""
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    found = re.search(r"\d+(\.\d+)+", out)
+    return found.group(0) if found else None
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return program_version(name) if name in ("cmake", "ninja") else None
 def present(spec):
     name, _, least = spec.partition(">=")
-    try:
-        have = metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return name in ("cmake", "ninja") and shutil.which(name) is not None
-    return not least or numbers(have) >= numbers(least)
+    have = version(name)
+    return have is not None and (not least or numbers(have) >= numbers(least))
 print(" ".join(s for s in sys.argv[1:] if not present(s)))
 endef
 export REQ_MISSING
