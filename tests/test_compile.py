@@ -111,10 +111,10 @@ def test_compiled_model_trains_like_eager(source):
     # difference of 1e-7 on a near-zero gradient into a step difference of up to lr).
     for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
         assert (p - q).abs().max() <= 2e-4, name
-    # The identical layers share one graph (forward and backward); the embedding and the head
-    # one each.
+    # The identical layers share one graph (forward and backward): two layers, at most one new
+    # graph (none if a test run before compiled this shape).
     layer_type = type(compiled.layers[0]).__qualname__
-    assert {k: report.compiles[k] - before[k] for k in before}[layer_type] == 1, report.compiles
+    assert {k: report.compiles[k] - before[k] for k in before}[layer_type] <= 1, report.compiles
     assert len(report.groups) == 3 and not report.fallbacks
 
 
