@@ -43,6 +43,18 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+def first_nonfinite_index(tensors: Sequence[torch.Tensor]) -> int:
+    """Index of the first tensor holding NaN/Inf, or -1: one fused scan (one host sync) when every
+    tensor is contiguous float32 on the first one's device, else a torch check per tensor."""
+    if not tensors:
+        return -1
+    first = tensors[0]
+    if (first.is_cuda or first.is_cpu) and all(
+            t.dtype == torch.float32 and t.is_contiguous() and t.device == first.device for t in tensors):
+        return K.first_nonfinite(list(tensors))
+    return next((i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())), -1)
+
+
 def first_nonfinite_name(flat: torch.Tensor, names: Sequence[str], sizes: Sequence[int]) -> str | None:
     """Name of the first parameter whose slice of the flat gradient holds NaN/Inf, else None."""
     if all_finite(flat):

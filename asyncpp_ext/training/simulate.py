@@ -38,6 +38,7 @@ an early stage only, as its later stages have applied the step by then).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -49,7 +50,7 @@ from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compe
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from ..optim.versioned import step_versioned, wants_previous_weights
 from ..pipeline.clipping import PreviousNormClipper
-from ..pipeline.nonfinite import POLICIES, NonFiniteError
+from ..pipeline.nonfinite import POLICIES, NonFiniteError, first_nonfinite_index
 from ..pipeline.partition import as_blocks, split
 from ..pipeline.ties import TieError, check_ties_on_one_stage, find_ties, sum_tied_gradients, untie
 from ..schedule.table import SCHEDULES, schedule_spec
@@ -246,23 +247,28 @@ class DelaySimulator:
         self.optimizer.zero_grad(set_to_none=True)
         if self.delayed:
             self._swap_compute_versions(entering=True)  # params <- W(t - d_p) or its prediction
-        total, bad = 0.0, None
+        # The losses stay on the device until the step's microbatches are queued: one host sync per
+        # step, not two per microbatch, so a GPU never waits for the host between microbatches.
+        losses = []
         try:
-            for i, (inputs, targets) in enumerate(minibatch):
+            for inputs, targets in minibatch:
                 loss = self.loss_fn(self.model, inputs, targets)
-                if bad is None and not torch.isfinite(loss).all():
-                    bad = f"non-finite loss ({loss.item():g}) in microbatch {i}"
-                    if self.on_nonfinite == "stop":
-                        break
                 (loss / m).backward()
-                total += loss.item()
+                losses.append(loss.detach())
         finally:
             if self.delayed:
                 self._swap_compute_versions(entering=False)  # params <- W(t)
+        values = torch.stack(losses).tolist()
+        total, bad = 0.0, None
+        for i, value in enumerate(values):  # the same float sum, in microbatch order
+            if bad is None and not math.isfinite(value):
+                bad = f"non-finite loss ({value:g}) in microbatch {i}"
+            total += value
         sum_tied_gradients(self.tied)
         if bad is None:
-            bad = next((f"non-finite gradient in {n}" for n, p in zip(self.names, self.params)
-                        if p.grad is not None and not torch.isfinite(p.grad).all()), None)
+            named = [(n, p.grad) for n, p in zip(self.names, self.params) if p.grad is not None]
+            index = first_nonfinite_index([g for _, g in named])
+            bad = f"non-finite gradient in {named[index][0]}" if index >= 0 else None
         if bad is not None and self.on_nonfinite == "stop":
             raise NonFiniteError(f"{bad} at step {self.steps_done + 1}; stopping (use --on-nonfinite "
                                  "skip to skip such steps)")
