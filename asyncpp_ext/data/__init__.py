@@ -4,9 +4,10 @@ the ``asyncpp-prepare-data`` tokenizer CLI (``prepare``).
 The batch names are imported on first use: they need torch, and ``asyncpp-prepare-data`` (which
 imports this package) should start without it.
 """
+from .shards import TokenShards, resolve_token_paths
 from .sources import (BUILTIN, BUILTIN_MAX_BYTES, TOKEN_DTYPES, TOKEN_FORMAT, TOKEN_FORMAT_VERSION,
-                      DataError, builtin_corpus, load_tokens, scan_max_token_id, sidecar_path,
-                      token_dtype_for_vocab, token_file_info)
+                      DataError, builtin_corpus, load_shards, load_tokens, scan_max_token_id,
+                      sidecar_path, token_dtype_for_vocab, token_file_info)
 
 _BATCH_NAMES = ("BatchStream", "Microbatch", "eval_batches", "min_tokens_needed", "split_tokens")
 
@@ -20,5 +21,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "DataError", "TOKEN_DTYPES", "TOKEN_FORMAT",
-           "TOKEN_FORMAT_VERSION", "builtin_corpus", "load_tokens", "scan_max_token_id",
-           "sidecar_path", "token_dtype_for_vocab", "token_file_info", *_BATCH_NAMES]
+           "TOKEN_FORMAT_VERSION", "TokenShards", "builtin_corpus", "load_shards", "load_tokens",
+           "resolve_token_paths", "scan_max_token_id", "sidecar_path", "token_dtype_for_vocab", "token_file_info", *_BATCH_NAMES]

@@ -4,6 +4,12 @@
 draws training windows; its whole state is ``(seed, position)``: the window offsets of minibatch
 ``position`` come from a generator seeded by ``(seed, position)``, so a stream rebuilt from a
 checkpoint's state yields exactly the batches the original would have.
+
+The tokens may be one array or several shards joined (``shards.TokenShards``): offsets index the
+concatenation, so a window may cross a shard boundary and resuming needs nothing per shard. Over
+shards the state also records ``num_tokens`` and ``shards``, and a resume over a different set
+(a glob that now matches more files) is refused; states without them (older checkpoints, single
+files) load as before.
 """
 from __future__ import annotations
 
@@ -12,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sources import DataError
+from .errors import DataError
+from .shards import TokenShards
 
 Microbatch = tuple  # (inputs int64 (B, T), targets int64 (B, T))
 
@@ -84,12 +91,22 @@ class BatchStream:
             yield self.next()
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "position": self.position}
+        state = {"seed": self.seed, "position": self.position}
+        if isinstance(self.tokens, TokenShards):
+            state.update(num_tokens=len(self.tokens), shards=self.tokens.num_shards)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed") != self.seed:
             raise DataError(f"batch stream state has seed {state.get('seed')!r} but this stream "
                             f"uses {self.seed}; resume with the seed the run started with")
+        if "num_tokens" in state:  # written over shards: the same shards must be there
+            shards = self.tokens.num_shards if isinstance(self.tokens, TokenShards) else 1
+            if (state["num_tokens"], state.get("shards")) != (len(self.tokens), shards):
+                raise DataError(f"the checkpoint's data stream ran over {state['num_tokens']} training "
+                                f"tokens in {state.get('shards')} shard(s) but the data now gives "
+                                f"{len(self.tokens)} in {shards}; resume with the shards the run "
+                                "started with (a glob may match files added since)")
         self.position = int(state["position"])
 
 

@@ -24,6 +24,22 @@ next to it, named ``<file>.bin.json`` (``asyncpp-prepare-data`` writes one)::
 Without a sidecar the file is read as uint16 (nanoGPT's format) and its largest id is found by
 scanning it in chunks. Every inconsistency (bad sidecar, size not matching the dtype or the sidecar,
 an id the model's vocabulary cannot embed) is a ``DataError`` naming the file and the fix.
+
+llm.c / modded-nanogpt shards
+-----------------------------
+A ``.bin`` without a sidecar whose first int32 is ``20240520`` is an llm.c shard (the FineWeb
+shards llm.c and modded-nanogpt publish): a header of 256 little-endian int32 -- magic 20240520,
+version 1, token count -- then that many uint16 ids. llm.c's LLaMA-3 variant (magic 20240801,
+version 7) holds uint32 ids. The header is checked (version, and the count against the file size);
+a file with a header of that shape but another magic, or another llm.c file (a model checkpoint,
+20240326; an eval file, 20240522), is refused with one line. Such a file is memory-mapped past its
+header.
+
+Several files
+-------------
+``load_tokens`` also takes a glob, a directory of ``.bin`` shards or a shard manifest
+(``shards.resolve_token_paths``); the shards, each checked as above, read as one sequence
+(``shards.TokenShards``), in sorted name order (manifest order for a manifest).
 """
 from __future__ import annotations
 
@@ -35,6 +51,8 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from .errors import DataError
 
 BUILTIN = "builtin"
 BUILTIN_MAX_BYTES = 4_000_000
@@ -48,10 +66,6 @@ TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 """Sidecar ``dtype`` names and the little-endian numpy types they stand for."""
 SCAN_CHUNK_TOKENS = 16 * 1024 * 1024
 """Tokens read at a time when a token file is scanned for its largest id (bounds the memory used)."""
-
-
-class DataError(ValueError):
-    """A data source that cannot feed training; the message names the file and the fix."""
 
 
 @lru_cache(maxsize=2)
@@ -137,9 +151,61 @@ def _read_sidecar(path: Path) -> Optional[dict]:
     return header
 
 
+LLMC_HEADER_INTS = 256
+"""An llm.c shard's header: 256 little-endian int32 (1024 bytes)."""
+LLMC_FORMATS = {20240520: (1, "uint16"), 20240801: (7, "uint32")}
+"""llm.c token-shard magic -> (version, dtype): GPT-2 tokens (also modded-nanogpt's), LLaMA-3 tokens."""
+LLMC_OTHER_FILES = {20240326: "an llm.c GPT-2 model checkpoint", 20240522: "an llm.c eval file "
+                    "(HellaSwag/MMLU examples)"}
+"""Magics of llm.c files that are not training tokens."""
+
+
+def _llmc_header(path: Path, size: int) -> Optional[tuple[str, int]]:
+    """(dtype name, token count) of an llm.c shard, None for a file without such a header; a
+    damaged or foreign header is a ``DataError``."""
+    header_bytes = LLMC_HEADER_INTS * 4
+    if size < header_bytes:
+        return None
+    with open(path, "rb") as f:
+        header = np.frombuffer(f.read(header_bytes), dtype="<i4")
+    magic, version, count = (int(v) for v in header[:3])
+    hint = ("re-download or regenerate the shard, or delete it from the set "
+            "(asyncpp-prepare-data writes shards that need no header)")
+    if magic in LLMC_OTHER_FILES:
+        raise DataError(f"data file {path} is {LLMC_OTHER_FILES[magic]} (magic {magic}), not "
+                        "training tokens; pass token shards (llm.c magic 20240520)")
+    if magic not in LLMC_FORMATS:
+        # A header of llm.c's shape (count at [2], zeros after it, the size it implies) with a
+        # magic nobody writes: a damaged or foreign shard, not raw tokens.
+        shaped = (not header[3:].any() and version in (1, 7) and count > 0
+                  and size - header_bytes in (count * 2, count * 4))
+        if shaped:
+            raise DataError(f"data file {path} has an llm.c-style header with magic {magic}, not "
+                            f"20240520 (GPT-2 tokens) or 20240801 (LLaMA-3 tokens); {hint}")
+        return None
+    want_version, dtype_name = LLMC_FORMATS[magic]
+    if version != want_version:
+        raise DataError(f"data file {path} is an llm.c token shard (magic {magic}) of version "
+                        f"{version}; this asyncpp reads version {want_version}; {hint}")
+    itemsize = TOKEN_DTYPES[dtype_name].itemsize
+    if count <= 0 or size != header_bytes + count * itemsize:
+        raise DataError(f"data file {path} is an llm.c token shard whose header says {count} "
+                        f"{dtype_name} tokens ({header_bytes + count * itemsize} bytes with the "
+                        f"header) but the file has {size} bytes: it is cut short or damaged; {hint}")
+    return dtype_name, count
+
+
 def _open_token_file(path: Path) -> tuple[np.memmap, Optional[dict]]:
-    """Memory-map a ``.bin`` token file after checking its size against its dtype and sidecar."""
+    """Memory-map a ``.bin`` token file after checking its size against its dtype and sidecar (or
+    its llm.c header)."""
     header = _read_sidecar(path)
+    if header is None:
+        llmc = _llmc_header(path, path.stat().st_size)
+        if llmc is not None:
+            dtype_name, count = llmc
+            tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype_name], mode="r",
+                               offset=LLMC_HEADER_INTS * 4, shape=(count,))
+            return tokens, {"dtype": dtype_name, "num_tokens": count, "format": "llm.c"}
     dtype_name = header["dtype"] if header else "uint16"
     dtype = TOKEN_DTYPES[dtype_name]
     size = path.stat().st_size
@@ -183,10 +249,68 @@ def token_file_info(path: str | os.PathLike) -> dict:
             "tokenizer": header.get("tokenizer")}
 
 
-def load_tokens(source: str, vocab_size: int = 256) -> np.ndarray:
-    """Token ids of ``source``: "builtin", a UTF-8 text file, or a ``.bin`` token file (returned
-    as a read-only ``np.memmap``). Raises ``DataError`` if an id is >= ``vocab_size``."""
+def _token_top(tokens, header: Optional[dict], vocab_size: int) -> int:
+    """Largest id of ``tokens``: the sidecar's max_token_id, else a scan; -1 without a scan when
+    the ids are uint16 and the vocabulary covers every uint16 (nothing to check)."""
+    known_top = header.get("max_token_id") if header else None
+    if known_top is None and tokens.dtype.itemsize == 2 and vocab_size >= 1 << 16:
+        return -1
+    return scan_max_token_id(tokens) if known_top is None else known_top
+
+
+def _vocab_error(source, top: int, vocab_size: int, header_vocab: int) -> DataError:
+    return DataError(f"data {source} holds token id {top} but the model's vocab_size is "
+                     f"{vocab_size}; train with --vocab-size {max(top + 1, header_vocab)} or use "
+                     f"data whose ids are < {vocab_size}")
+
+
+def _check_vocab(source, tokens, header: Optional[dict], vocab_size: int) -> None:
+    """``DataError`` if an id of ``tokens`` is >= vocab_size."""
+    top = _token_top(tokens, header, vocab_size)
+    if top >= vocab_size:
+        raise _vocab_error(source, top, vocab_size, (header or {}).get("vocab_size") or 0)
+
+
+def load_shards(spec: str, vocab_size: int = 256, flag: str = "--data"):
+    """The token files a glob, directory or manifest names, as one ``TokenShards`` (a single
+    match: that file's memmap). Every shard is checked like a single ``.bin``."""
+    from .shards import TokenShards, resolve_token_paths
+
+    paths, counts = resolve_token_paths(spec, flag)
+    parts, worst, header_vocab = [], (-1, None), 0
+    for i, path in enumerate(paths):
+        if not path.is_file():
+            raise DataError(f"{flag} {spec}: shard {path} does not exist (or is not a file); "
+                            "regenerate the shards or fix the manifest")
+        if path.suffix != ".bin":
+            raise DataError(f"{flag} {spec}: {path} is not a .bin token file")
+        tokens, header = _open_token_file(path)
+        if counts is not None and len(tokens) != counts[i]:
+            raise DataError(f"{flag} {spec}: shard {path} holds {len(tokens)} tokens but the "
+                            f"manifest says {counts[i]}; regenerate the shards")
+        top = _token_top(tokens, header, vocab_size)
+        if top >= vocab_size and top > worst[0]:
+            worst = (top, path)
+        header_vocab = max(header_vocab, (header or {}).get("vocab_size") or 0)
+        parts.append(tokens)
+    if worst[1] is not None:  # named once, with the vocabulary every shard needs
+        where = worst[1] if len(parts) == 1 else f"{spec} (shard {worst[1].name})"
+        raise _vocab_error(where, worst[0], vocab_size, header_vocab)
+    if len(parts) == 1:
+        return parts[0]
+    return TokenShards(parts, [str(p) for p in paths])
+
+
+def load_tokens(source: str, vocab_size: int = 256, flag: str = "--data") -> np.ndarray:
+    """Token ids of ``source``: "builtin", a UTF-8 text file, a ``.bin`` token file (returned
+    as a read-only ``np.memmap``), or a glob / directory / manifest of ``.bin`` shards (a
+    ``shards.TokenShards`` over their memmaps). Raises ``DataError`` if an id is >= ``vocab_size``;
+    ``flag`` names the option in messages about a glob, directory or manifest."""
+    from .shards import is_multi_spec
+
     header = None
+    if source != BUILTIN and is_multi_spec(source):
+        return load_shards(source, vocab_size, flag)
     if source == BUILTIN:
         tokens = builtin_corpus()
     else:
@@ -206,16 +330,11 @@ def load_tokens(source: str, vocab_size: int = 256) -> np.ndarray:
                 raise DataError(f"data file {source} is not UTF-8 text (byte {exc.start}); convert "
                                 "it to UTF-8 or give a pre-tokenized .bin file") from None
             tokens = np.frombuffer(raw, dtype=np.uint8)
-    known_top = header.get("max_token_id") if header else None
-    top = scan_max_token_id(tokens) if known_top is None else known_top
-    if top >= vocab_size:
-        needed = max(top + 1, header.get("vocab_size") or 0) if header else top + 1
-        raise DataError(f"data {source} holds token id {top} but the model's vocab_size is "
-                        f"{vocab_size}; train with --vocab-size {needed} or use data whose ids "
-                        f"are < {vocab_size}")
+    _check_vocab(source, tokens, header, vocab_size)
     return tokens
 
 
-__all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "DataError", "SCAN_CHUNK_TOKENS", "TOKEN_DTYPES",
-           "TOKEN_FORMAT", "TOKEN_FORMAT_VERSION", "builtin_corpus", "load_tokens",
+__all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "DataError", "LLMC_FORMATS", "LLMC_HEADER_INTS",
+           "SCAN_CHUNK_TOKENS", "TOKEN_DTYPES", "TOKEN_FORMAT", "TOKEN_FORMAT_VERSION",
+           "builtin_corpus", "load_shards", "load_tokens",
            "scan_max_token_id", "sidecar_path", "token_dtype_for_vocab", "token_file_info"]

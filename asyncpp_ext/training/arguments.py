@@ -23,6 +23,10 @@ class UsageError(ValueError):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump: the caller prints it
+        extra = message.partition("unrecognized arguments: ")[2].split()
+        if extra and all(a.endswith(".bin") for a in extra):  # an unquoted --data glob, expanded
+            message += (f" (the shell expanded a glob into {len(extra) + 1} files: quote it, "
+                        "e.g. --data 'data/train_*.bin')")
         raise UsageError(message)
 
 
@@ -98,10 +102,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "no stage waits for the others (default: no clipping)")
     model = p.add_argument_group("model and data")
     model.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
-                                      "file, or a .bin token file (uint16 nanoGPT format, or written by "
-                                      "asyncpp-prepare-data) (default builtin)")
+                                      "file, a .bin token file (uint16 nanoGPT format, an llm.c / "
+                                      "modded-nanogpt shard, or written by asyncpp-prepare-data), or "
+                                      "several: a quoted glob ('data/train_*.bin'), a directory of "
+                                      ".bin shards or a shard manifest (default builtin)")
     model.add_argument("--val-data", metavar="FILE",
-                       help="evaluate on this file (same formats as --data) instead of the end of --data")
+                       help="evaluate on this file, glob, directory or manifest (same formats as "
+                            "--data) instead of the end of --data")
     model.add_argument("--model", choices=sorted(MODEL_PRESETS),
                        help="preset: tiny (gpt, 2 layers, width 32), small (gpt, 4 x 128), llama-tiny, "
                             "smollm-135m, smollm-360m (default tiny)")

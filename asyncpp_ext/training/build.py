@@ -32,7 +32,9 @@ OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
     """The run's training stream and evaluation set. Every process of a run builds the same ones:
     with --dp R each microbatch holds the global R*B sequences (a replica takes its rows), and a
-    simulation trains on exactly those."""
+    simulation trains on exactly those. So data-parallel replicas read disjoint parts of the data
+    by construction (disjoint rows of one seeded draw), whether --data is one file or many shards
+    (a glob, directory or manifest, joined in sorted order: data/shards.py)."""
     p = cfg.pipeline
     batch = p.global_micro_batch_size
     tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
@@ -40,7 +42,8 @@ def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
         train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch, cfg.model.seq_len,
                                                  source=cfg.data.source)
     else:  # a separate validation file: every token of --data trains
-        train_tokens, eval_tokens = tokens, load_tokens(cfg.data.val_source, cfg.model.vocab_size)
+        train_tokens, eval_tokens = tokens, load_tokens(cfg.data.val_source, cfg.model.vocab_size,
+                                                     flag="--val-data")
         for what, part, need in (("--data", train_tokens, batch), ("--val-data", eval_tokens, 1)):
             if len(part) < need * (cfg.model.seq_len + 1):
                 raise DataError(f"{what} holds {len(part)} tokens, fewer than {need} window(s) of "

@@ -42,7 +42,9 @@ MUON_FAMILY = muon_family()
 class DataConfig:
     source: str = "builtin"
     """"builtin" (Python's standard library source), a UTF-8 text file, or a .bin token file
-    (uint16 nanoGPT format, or uint16/uint32 with the JSON sidecar asyncpp-prepare-data writes)."""
+    (uint16 nanoGPT format, an llm.c / modded-nanogpt headered shard, or uint16/uint32 with the
+    JSON sidecar asyncpp-prepare-data writes); or a glob, a directory of .bin shards or a shard
+    manifest, read as one sequence in sorted order (data/shards.py)."""
     eval_fraction: float = 0.1
     """Share of the tokens, taken from the end, held out for evaluation (when val_source is None)."""
     val_source: Optional[str] = None

@@ -1,0 +1,200 @@
+"""Reading several token files as one (--data/--val-data given a glob, a directory or a manifest),
+llm.c / modded-nanogpt headered shards, and resuming a run whose windows cross shard boundaries."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from asyncpp_ext.data import (BatchStream, DataError, TokenShards, eval_batches, load_tokens,
+                              sidecar_path, split_tokens, token_file_info)
+from asyncpp_ext.data.shards import resolve_token_paths
+
+
+def _ours(path, ids, vocab=512):
+    """Our token file: raw uint16 + sidecar."""
+    ids = np.asarray(ids, dtype="<u2")
+    ids.tofile(path)
+    sidecar_path(path).write_text(json.dumps({
+        "format": "asyncpp-tokens", "version": 1, "dtype": "uint16", "num_tokens": len(ids),
+        "vocab_size": vocab, "max_token_id": int(ids.max()), "tokenizer": "bytes"}))
+    return path
+
+
+def _llmc(path, ids, magic=20240520, version=1, count=None, dtype="<u2"):
+    """An llm.c shard: 256 int32 (magic, version, token count) then the ids."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = magic, version, len(ids) if count is None else count
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(ids, dtype=dtype).tobytes())
+    return path
+
+
+def test_llmc_shard_reads_past_its_header(tmp_path):
+    ids = np.arange(1000) % 300
+    tokens = load_tokens(str(_llmc(tmp_path / "fineweb_train_000001.bin", ids)), vocab_size=300)
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.dtype("<u2")
+    assert np.array_equal(tokens, ids)
+    info = token_file_info(tmp_path / "fineweb_train_000001.bin")
+    assert (info["dtype"], info["num_tokens"], info["max_token_id"]) == ("uint16", 1000, 299)
+    llama = load_tokens(str(_llmc(tmp_path / "l3.bin", [5, 70_000, 9], magic=20240801, version=7,
+                                  dtype="<u4")), vocab_size=128_256)
+    assert llama.dtype == np.dtype("<u4") and llama.tolist() == [5, 70_000, 9]
+    with pytest.raises(DataError, match="holds token id 299 .* vocab_size is 256"):
+        load_tokens(str(tmp_path / "fineweb_train_000001.bin"))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("bad version", "llm.c token shard \\(magic 20240520\\) of version 2; this asyncpp reads version 1"),
+    ("count above size", "header says 600 uint16 tokens .* file has 2024 bytes: it is cut short"),
+    ("count below size", "header says 100 uint16 tokens"),
+    ("truncated", "header says 500 uint16 tokens .* file has 1524 bytes"),
+    ("wrong magic", "llm.c-style header with magic 20240521, not 20240520"),
+    ("model checkpoint", "is an llm.c GPT-2 model checkpoint \\(magic 20240326\\)"),
+    ("eval file", "is an llm.c eval file"),
+])
+def test_bad_llmc_header_is_one_clear_line(tmp_path, case, match):
+    path = tmp_path / "shard.bin"
+    ids = np.arange(500)
+    if case == "bad version":
+        _llmc(path, ids, version=2)
+    elif case.startswith("count"):
+        _llmc(path, ids, count=600 if "above" in case else 100)
+    elif case == "truncated":
+        _llmc(path, ids)
+        with open(path, "r+b") as f:
+            f.truncate(1024 + 250 * 2)
+    elif case == "wrong magic":
+        _llmc(path, ids, magic=20240521)
+    else:
+        _llmc(path, ids, magic=20240326 if case == "model checkpoint" else 20240522)
+    with pytest.raises(DataError, match=match) as info:
+        load_tokens(str(path), vocab_size=1000)
+    assert "shard.bin" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_glob_directory_and_single_match(tmp_path):
+    a = _ours(tmp_path / "t_000000.bin", np.arange(0, 100))
+    b = _llmc(tmp_path / "t_000001.bin", np.arange(100, 250))
+    c = _ours(tmp_path / "t_000002.bin", np.arange(250, 260))
+    for spec in (str(tmp_path / "t_*.bin"), str(tmp_path)):
+        tokens = load_tokens(spec, vocab_size=512)
+        assert isinstance(tokens, TokenShards) and tokens.num_shards == 3 and len(tokens) == 260
+        assert np.array_equal(np.asarray(tokens), np.arange(260))
+    assert resolve_token_paths(str(tmp_path / "t_*.bin"))[0] == [a, b, c]  # sorted by name
+    one = load_tokens(str(tmp_path / "t_000002*"), vocab_size=512)
+    assert isinstance(one, np.memmap) and one.tolist() == list(range(250, 260))
+    with pytest.raises(DataError, match=r"t_\*\.bin \(shard t_000002\.bin\) holds token id 259 .* "
+                                        "vocab_size is 200; train with --vocab-size 512"):
+        load_tokens(str(tmp_path / "t_*.bin"), vocab_size=200)
+
+
+def test_shards_slice_like_one_array(tmp_path):
+    whole = np.arange(1000, dtype=np.int64) % 509
+    cuts = [0, 7, 300, 301, 999, 1000]
+    parts = [whole[a:b].astype("<u2") for a, b in zip(cuts, cuts[1:])]
+    shards = TokenShards(parts)
+    assert len(shards) == 1000 and shards.max() == whole.max() and shards[-1] == whole[-1]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lo, hi = sorted(rng.integers(0, 1001, size=2))
+        view = shards[lo:hi]
+        assert np.array_equal(np.asarray(view, dtype=np.int64), whole[lo:hi])
+        if hi - lo > 2:
+            inner = view[1:-1]
+            assert np.array_equal(np.asarray(inner), whole[lo + 1: hi - 1])
+    train, held = split_tokens(shards, 0.1, 2, 16)
+    assert np.array_equal(np.asarray(held), whole[900:]) and len(train) == 900
+    stream_a = BatchStream(shards, 3, 4, 16, seed=5)
+    stream_b = BatchStream(whole, 3, 4, 16, seed=5)
+    for _ in range(5):  # windows cross the shard boundaries: same batches as the joined array
+        for (xa, ya), (xb, yb) in zip(stream_a.next(), stream_b.next()):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    for (xa, _), (xb, _) in zip(eval_batches(held, 2, 16, 3), eval_batches(whole[900:], 2, 16, 3)):
+        assert torch.equal(xa, xb)
+
+
+def test_stream_state_over_shards_refuses_another_set(tmp_path):
+    parts = [np.arange(500, dtype="<u2"), np.arange(500, dtype="<u2")]
+    stream = BatchStream(TokenShards(parts), 2, 2, 8, seed=1)
+    stream.next()
+    state = stream.state_dict()
+    assert state == {"seed": 1, "position": 1, "num_tokens": 1000, "shards": 2}
+    same = BatchStream(TokenShards(parts), 2, 2, 8, seed=1)
+    same.load_state_dict(state)
+    assert same.position == 1
+    more = BatchStream(TokenShards(parts + [np.arange(10, dtype="<u2")]), 2, 2, 8, seed=1)
+    with pytest.raises(DataError, match="ran over 1000 training tokens in 2 shard\\(s\\) but the "
+                                        "data now gives 1010 in 3"):
+        more.load_state_dict(state)
+    old = BatchStream(TokenShards(parts), 2, 2, 8, seed=1)
+    old.load_state_dict({"seed": 1, "position": 4})  # an older checkpoint: no shard fields
+    assert old.position == 4
+
+
+@pytest.mark.parametrize("case, match", [
+    ("empty glob", "--data .*nothing_\\*.bin matches no file"),
+    ("empty directory", "is a directory without .bin token files"),
+    ("glob of text", "not a .bin token file"),
+    ("bad shard in glob", "t_000001.bin has an odd byte length"),
+    ("manifest count", "holds 100 tokens but the manifest says 99"),
+])
+def test_bad_shard_sets(tmp_path, case, match):
+    _ours(tmp_path / "t_000000.bin", np.arange(100))
+    spec = str(tmp_path / "t_*")
+    if case == "empty glob":
+        spec = str(tmp_path / "nothing_*.bin")
+    elif case == "empty directory":
+        (tmp_path / "empty").mkdir()
+        spec = str(tmp_path / "empty")
+    elif case == "glob of text":
+        (tmp_path / "t_notes.txt").write_text("x")
+    elif case == "bad shard in glob":
+        (tmp_path / "t_000001.bin").write_bytes(b"\x01\x00\x02")
+    else:
+        spec = str(tmp_path / "t.manifest.json")
+        (tmp_path / "t.manifest.json").write_text(json.dumps({
+            "format": "asyncpp-token-shards", "version": 1,
+            "shards": [{"file": "t_000000.bin", "num_tokens": 99}]}))
+    with pytest.raises(DataError, match=match) as info:
+        load_tokens(spec, vocab_size=512)
+    assert "\n" not in str(info.value)
+
+
+def _train(argv, capsys):
+    from asyncpp_ext.training.cli import main as train_main
+    from asyncpp_ext.training.run_files import read_metrics
+
+    rc = train_main([str(a) for a in argv])
+    assert rc == 0, capsys.readouterr().err
+    return read_metrics(argv[argv.index("--out") + 1])
+
+
+COMMON = ["--model", "tiny", "--vocab-size", "512", "--seq-len", "32", "--microbatches", "2",
+          "--micro-batch-size", "2", "--schedule", "2bw", "--stages", "2", "--simulate",
+          "--eval-every", "0", "--no-progress"]
+
+
+def test_llmc_shard_and_our_shard_train_bitwise_alike(tmp_path, capsys, one_intra_op_thread):
+    ids = (np.arange(6000) * 7919) % 512
+    ours, llmc = _ours(tmp_path / "ours.bin", ids), _llmc(tmp_path / "llmc.bin", ids)
+    runs = [_train(["--data", path, "--steps", "6", "--out", tmp_path / name] + COMMON, capsys)
+            for path, name in ((ours, "a"), (llmc, "b"))]
+    losses = [[row["loss"] for row in rows] for rows in runs]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
+
+
+def test_resume_over_shard_boundaries_matches_uninterrupted(tmp_path, capsys, one_intra_op_thread):
+    ids = (np.arange(3000) * 104729) % 512
+    for i, part in enumerate(np.array_split(ids, 12)):  # 250-token shards: windows cross them
+        (_ours if i % 2 else _llmc)(tmp_path / f"s_{i:06d}.bin", part)
+    glob = str(tmp_path / "s_*.bin")
+    whole = _train(["--data", glob, "--steps", "8", "--out", tmp_path / "whole"] + COMMON, capsys)
+    _train(["--data", glob, "--steps", "4", "--ckpt-every", "4", "--out", tmp_path / "cut"] + COMMON,
+           capsys)
+    resumed = _train(["--resume", tmp_path / "cut", "--steps", "8", "--no-progress", "--out",
+                      tmp_path / "cut"], capsys)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
+    meta = json.loads(next((tmp_path / "cut").glob("ckpt-000004/meta.json")).read_text())
+    assert meta["data"] == {"seed": 0, "position": 4, "num_tokens": 2700, "shards": 12}
