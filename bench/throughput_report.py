@@ -1,0 +1,176 @@
+"""The figures and the table of bench/gpu_throughput.py: a row's steady-state tokens/s, TFLOP/s and MFU,
+its correctness check (the losses; the fused head loss against the plain one), the ours / Hugging Face
+and 2bw / sync ratios, and the printed report."""
+from __future__ import annotations
+
+import math
+
+from throughput_model import flops_per_token, matmul_params, model_shape, total_params
+
+FIRST_LOSS_BAND = 0.10  # first-step loss within 10 % of ln V
+DECREASE_MIN_STEPS = 4  # the decrease is asked for from this many steps on
+HEAD_LOSS_REL_TOL = {"fp32": 1e-4, "bf16": 2e-2}
+
+
+def steady_tokens_per_s(tokens: list, elapsed: list, warmup: int):
+    """(tokens_K - tokens_W) / (t_K - t_W): the steps after ``warmup``; None if too few."""
+    if len(tokens) <= warmup or warmup < 1 or len(tokens) < 2:
+        return None
+    dt = elapsed[-1] - elapsed[warmup - 1]
+    return (tokens[-1] - tokens[warmup - 1]) / dt if dt > 0 else None
+
+
+def loss_check(losses: list, vocab: int) -> str:
+    if not losses or any(v is None or not math.isfinite(v) for v in losses):
+        return "FAIL: non-finite loss"
+    ln_v = math.log(vocab)
+    if abs(losses[0] - ln_v) > FIRST_LOSS_BAND * ln_v:
+        return f"FAIL: first loss {losses[0]:.3f}, ln V = {ln_v:.3f}"
+    if len(losses) < DECREASE_MIN_STEPS:
+        return "ok"  # too few steps to ask for a decrease (2bw's first update lands a step late)
+    tail = losses[-max(1, len(losses) // 3):]
+    if not sum(tail) / len(tail) < losses[0]:
+        return "FAIL: loss not decreasing"
+    return "ok"
+
+
+def finish_row(r: dict, args, peak_tflops) -> dict:
+    if r.get("status") != "ok":
+        r["check"] = r.get("status", "error")
+        return r
+    if r["impl"] == "head":
+        r["tokens_per_s"] = r["head_shape"]["batch"] * r["head_shape"]["seq"] / r["head_seconds"]
+        return r
+    shape = model_shape(r["model"], r["seq_len"])
+    r["tokens_per_step"] = r["micro_batch_size"] * r["microbatches"] * r["seq_len"]
+    r["flops_per_token"] = flops_per_token(shape, r["seq_len"])
+    r["params_matmul"] = matmul_params(shape)
+    r["tokens_per_s"] = steady_tokens_per_s(r["tokens"], r["elapsed_s"], args.warmup)
+    r["tflops"] = r["tokens_per_s"] * r["flops_per_token"] / 1e12 if r["tokens_per_s"] else None
+    gpus = r["gpus"] if args.device == "cuda" else 1
+    r["mfu"] = r["tflops"] / (peak_tflops * gpus) if (r["tflops"] and peak_tflops) else None
+    r["check"] = loss_check(r["losses"], shape["vocab_size"])
+    if r["impl"] == "hf" and r.get("params") not in (None, total_params(shape)):
+        r["check"] = f"FAIL: {r['params']} parameters, asyncpp's shape has {total_params(shape)}"
+    return r
+
+
+def head_checks(rows: list) -> None:
+    plain = next((r for r in rows if r["impl"] == "head" and r["head_mode"] == "plain" and r.get("status") == "ok"), None)
+    fused = next((r for r in rows if r["impl"] == "head" and r["head_mode"] == "fused" and r.get("status") == "ok"), None)
+    if plain:
+        plain["check"] = "ok" if math.isfinite(plain["head_loss"]) else "FAIL: non-finite loss"
+    if fused and plain:
+        tol = HEAD_LOSS_REL_TOL[fused["dtype"]]
+        rel = abs(fused["head_loss"] - plain["head_loss"]) / max(abs(plain["head_loss"]), 1e-12)
+        fused["loss_rel_diff"] = rel
+        fused["peak_ratio_to_plain"] = fused["peak_bytes"] / plain["peak_bytes"] if plain["peak_bytes"] else None
+        fused["time_ratio_to_plain"] = fused["head_seconds"] / plain["head_seconds"]
+        fused["check"] = "ok" if rel <= tol else f"FAIL: loss differs by {rel:.2e} (> {tol:g})"
+    elif fused:
+        fused["check"] = "ok" if math.isfinite(fused["head_loss"]) else "FAIL: non-finite loss"
+
+
+def ratios(rows: list) -> list:
+    """ours / Hugging Face compiled (and eager) per (model, seq, optimizer); 2bw / ours sync."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("tokens_per_s")]
+    out = []
+
+    def find(name, model, seq):
+        return next((r for r in ok if r["name"] == name and r["model"] == model and r["seq_len"] == seq), None)
+
+    for r in ok:
+        if r["impl"] != "ours" or r["stages"] != 1:
+            continue
+        for base_name in (f"hf compile {r['optimizer']}", f"hf eager {r['optimizer']}"):
+            base = find(base_name, r["model"], r["seq_len"])
+            if base:
+                out.append(dict(what=f"{r['name']} / {base_name}", model=r["model"], seq_len=r["seq_len"],
+                                tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"],
+                                peak_memory=(r["peak_bytes"] / base["peak_bytes"]
+                                             if r.get("peak_bytes") and base.get("peak_bytes") else None)))
+        eager = None if r["compile"] is False else find(f"{r['name']} eager", r["model"], r["seq_len"])
+        if eager:
+            out.append(dict(what=f"{r['name']} (compile) / {eager['name']}", model=r["model"], seq_len=r["seq_len"],
+                            tokens_per_s=r["tokens_per_s"] / eager["tokens_per_s"], peak_memory=None))
+    for r in ok:
+        if r["impl"] == "ours" and r["stages"] == 2:  # against the one-stage row compiled alike
+            base = next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
+                         and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
+                         and b["compile"] == r["compile"]), None)
+            if base:
+                out.append(dict(what=f"{r['name']} / {base['name']}", model=r["model"], seq_len=r["seq_len"],
+                                tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"], peak_memory=None,
+                                note="per GPU" if r["gpus"] == 2 else None))
+                if r["gpus"] == 2:
+                    out[-1]["tokens_per_s"] /= 2
+    return out
+
+
+def _gib(b) -> str:
+    return "n/a" if b is None else f"{b / 2**30:.2f}"
+
+
+def _f(v, fmt) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def format_report(report: dict) -> str:
+    info = report["info"]
+    lines = [f"# asyncpp bench/gpu_throughput.py: {info['device_name']} ({info['device']}), torch {info['torch']}, "
+             f"transformers {info['transformers'] or 'not installed'}, mode {info['mode']}",
+             f"# peak {_f(info['peak_tflops'], 'g')} TFLOP/s ({info['peak_source']}); dtype {info['dtype']}; "
+             f"{info['warmup']} warm-up + {info['steps']} measured steps per row; asyncpp-train flags: "
+             + ", ".join(f"--{k.replace('_', '-')} {'yes' if v else 'absent'}" for k, v in info["cli_flags"].items()),
+             f"# FLOPs/token = {report['formula']}",
+             "# tokens/s = (tokens_K - tokens_W) / (t_K - t_W) after W warm-up steps; MFU = TFLOP/s / (GPUs x peak)",
+             "# peak mem GiB: A = torch.cuda.max_memory_allocated (one process), R = peak RSS (one process, CPU), "
+             "N = NVML device memory in use, sampled, all ranks (incl. CUDA contexts and caches), "
+             "P = summed PSS of the process tree, sampled; H = measure_head_loss's own figure",
+             "# check: losses finite, first within 10% of ln V, last third's mean below the first "
+             "(ours and HF start from different weights: no step-by-step agreement expected)",
+             f"# {'row':<30}{'model':<19}{'seq':>5}{'mb x n':>9}{'tok/step':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
+             f"{'MFU':>7}{'peak mem':>10}  {'loss 1 -> K':<16}{'check':<8}notes"]
+    kinds = {"alloc": "A", "rss": "R", "nvml": "N", "pss": "P", "measure_head_loss": "H"}
+    for r in report["rows"]:
+        mem = f"{_gib(r.get('peak_bytes'))} {kinds.get(r.get('peak_kind'), '?')}" if r.get("peak_bytes") else "n/a"
+        notes = list(r.get("notes", []))
+        if r.get("status") != "ok":
+            lines.append(f"  {r['name']:<30}{r['model']:<19}{r['seq_len']:>5}"
+                         f"{r['micro_batch_size']:>4} x {r['microbatches']:<3}{'':>9}{'':>11}{'':>9}{'':>7}{'':>10}  "
+                         f"{'':<16}{r.get('status', 'error'):<8}{r.get('error', '')}")
+            continue
+        if r["impl"] == "head":
+            notes = [f"{r['head_seconds'] * 1e3:.1f} ms", f"loss {r['head_loss']:.4f}", r["dtype"]]
+            if "peak_ratio_to_plain" in r:
+                notes.append(f"peak {_f(r['peak_ratio_to_plain'], '.3f')}x plain, time "
+                             f"{r['time_ratio_to_plain']:.2f}x plain")
+            lines.append(f"  {r['name']:<30}{r['model']:<19}{r['seq_len']:>5}{r['micro_batch_size']:>4} x 1  "
+                         f"{r['micro_batch_size'] * r['seq_len']:>9}{_f(r['tokens_per_s'], '.0f'):>11}{'':>9}{'':>7}"
+                         f"{mem:>10}  {'':<16}{r.get('check', ''):<8}{', '.join(notes)}")
+            continue
+        if r["impl"] == "ours" and r["stages"] == 2:
+            notes.append(f"{r['transport']}, EF 0.5")
+        if r.get("info", {}).get("note"):
+            notes.append(r["info"]["note"])
+        loss = f"{r['losses'][0]:.2f} -> {r['losses'][-1]:.2f}" if r["losses"][0] is not None and \
+            r["losses"][-1] is not None else "n/a"
+        mfu = _f(r["mfu"] * 100 if r["mfu"] is not None else None, ".1f") + ("%" if r["mfu"] is not None else "")
+        check = r["check"] if r["check"] == "ok" else "FAIL"
+        if r["check"] != "ok":
+            notes.append(r["check"])
+        lines.append(f"  {r['name']:<30}{r['model']:<19}{r['seq_len']:>5}{r['micro_batch_size']:>4} x "
+                     f"{r['microbatches']:<3}{r['tokens_per_step']:>9}{_f(r['tokens_per_s'], '.0f'):>11}"
+                     f"{_f(r['tflops'], '.1f'):>9}{mfu:>7}{mem:>10}  {loss:<16}{check:<8}{', '.join(notes)}")
+    for name, why in report["skipped"]:
+        lines.append(f"  {name:<45}not run: {why}")
+    if report["ratios"]:
+        lines.append("# ratios (same model, sequence, optimizer, tokens per step; measured in this run)")
+        for q in report["ratios"]:
+            mem = f", peak memory {q['peak_memory']:.2f}x" if q.get("peak_memory") else ""
+            lines.append(f"  {q['model']:<16} T={q['seq_len']:<5} {q['what']:<56} tokens/s {q['tokens_per_s']:.2f}x"
+                         f"{' per GPU' if q.get('note') else ''}{mem}")
+    s = report["summary"]
+    lines.append(f"# {s['rows_ok']} of {s['rows']} rows ran, {s['checks_failed']} check(s) failed; "
+                 f"{report['seconds']:.0f} s in all")
+    return "\n".join(lines)

@@ -1,0 +1,473 @@
+"""One row of bench/gpu_throughput.py, start to finish: its process (its own process group and timeout;
+the peak memory of a multi-process run sampled), ours as ``python -m asyncpp_ext.train`` and the reading
+of its metrics.jsonl, and the rows measured in a worker process (``gpu_throughput.py --worker SPEC``,
+which prints one RESULT_TAG line): the Hugging Face training loop (torchtitan's Llama runs in the same
+loop) and the head-loss pair."""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from throughput_model import hf_config_dict, model_shape
+
+ROOT = Path(__file__).resolve().parents[1]
+PROG = "gpu_throughput.py"
+SCRIPT = Path(__file__).resolve().with_name(PROG)  # re-invoked per worker row: `gpu_throughput.py --worker SPEC`
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+RESULT_TAG = "GPU_THROUGHPUT_RESULT "
+# Runs `python -m asyncpp_ext.train ARGS` (asyncpp-train) in this process, then records the process's peak memory.
+OURS_DRIVER = r"""
+import json, resource, runpy, sys
+peak_file = sys.argv[1]
+sys.argv = ["asyncpp-train"] + sys.argv[2:]
+rc = 1
+try:
+    runpy.run_module("asyncpp_ext.train", run_name="__main__", alter_sys=True)
+    rc = 0
+except SystemExit as exc:
+    if isinstance(exc.code, str):
+        sys.stderr.write(exc.code + "\n")
+    rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+finally:
+    import torch
+    peak = {"rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["cuda_alloc_bytes"] = max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
+    with open(peak_file, "w") as f:
+        json.dump(peak, f)
+sys.exit(rc)
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# Running rows
+
+
+def child_env() -> dict:
+    return dict(os.environ, **OFFLINE_ENV,
+                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> list:
+    shape = model_shape(r["model"], r["seq_len"])
+    cmd = [sys.executable, "-c", OURS_DRIVER, str(peak_file), *shape["cli_flags"],
+           "--device", args.device, "--dtype", "bf16" if args.device == "cuda" else "fp32",
+           "--stages", str(r["stages"]), "--schedule", r["schedule"],
+           "--micro-batch-size", str(r["micro_batch_size"]), "--microbatches", str(r["microbatches"]),
+           "--optimizer", r["optimizer"], "--steps", str(args.warmup + args.steps), "--seed", "0",
+           "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--timeout", "900",
+           "--out", str(out_dir), "--data", "builtin"]
+    if r["stages"] == 1:
+        cmd += ["--ef-beta", "0"]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    if r["transport"]:
+        cmd += ["--transport", r["transport"]]
+    if flags["compile"] and r["compile"] is not None:
+        cmd += ["--compile" if r["compile"] else "--no-compile"]
+    if flags["head_loss"]:
+        cmd += ["--head-loss", "auto"]
+    return cmd
+
+
+def worker_command(spec: dict) -> list:
+    return [sys.executable, str(SCRIPT), "--worker", json.dumps(spec)]
+
+
+class MemorySampler:
+    """Peak memory of a multi-process run, sampled: on CUDA the device memory in use (NVML, or
+    nvidia-smi) minus what was in use before; on CPU the summed PSS (else RSS) of the process tree."""
+
+    def __init__(self, device: str, root_pid_fn, interval: float = 0.2):
+        self.device, self.root_pid_fn, self.interval = device, root_pid_fn, interval
+        self.peak, self.kind, self._stop = None, None, threading.Event()
+        self._read = self._gpu_reader() if device == "cuda" else self._tree_pss
+        self.base = self._read(None) if device == "cuda" else 0
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _gpu_reader(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self.kind = "nvml"
+            return lambda _: sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles)
+        except Exception:  # no pynvml: nvidia-smi, slower
+            if shutil.which("nvidia-smi") is None:
+                return lambda _: None
+            self.kind = "nvml"
+
+            def smi(_):
+                q = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True)
+                try:
+                    return sum(int(x) for x in q.stdout.split()) * 2 ** 20
+                except ValueError:
+                    return None
+            return smi
+
+    def _tree_pss(self, _):
+        root = self.root_pid_fn()
+        if root is None:
+            return None
+        children = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry))
+        total, todo = 0, [root]
+        self.kind = "pss"
+        while todo:
+            pid = todo.pop()
+            todo += children.get(pid, [])
+            total += _pss_bytes(pid)
+        return total
+
+    def _loop(self):
+        while not self._stop.is_set():
+            value = self._read(None)
+            if value is not None:
+                value -= self.base or 0
+                self.peak = value if self.peak is None else max(self.peak, value)
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.thread.join()
+
+
+def _pss_bytes(pid: int) -> int:
+    for name, key in (("smaps_rollup", "Pss:"), ("status", "VmRSS:")):
+        try:
+            with open(f"/proc/{pid}/{name}") as f:
+                for line in f:
+                    if line.startswith(key):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return 0
+
+
+def run_process(cmd: list, timeout: float, sampler_device: str | None = None) -> dict:
+    """Run ``cmd`` (its own process group, killed whole on timeout); stdout, stderr, rc, seconds and,
+    with ``sampler_device``, the sampled peak memory."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    sampler = MemorySampler(sampler_device, lambda: proc.pid) if sampler_device else None
+    timed_out = False
+    try:
+        if sampler:
+            sampler.__enter__()
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            stdout, stderr = proc.communicate()
+    finally:
+        if sampler:
+            sampler.__exit__(None, None, None)
+    return dict(rc=None if timed_out else proc.returncode, stdout=stdout or "", stderr=stderr or "",
+                seconds=time.monotonic() - start, sampled_peak=sampler.peak if sampler else None,
+                sampled_kind=sampler.kind if sampler else None)
+
+
+def _kill_group(proc):
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def failure_text(res: dict, timeout: float) -> tuple[str, str]:
+    """(status, one-line reason) of a failed process."""
+    if res["rc"] is None:
+        return "timeout", f"timed out after {timeout:g} s"
+    text = res["stderr"] + res["stdout"]
+    if re.search(r"out of memory|OutOfMemoryError", text, re.IGNORECASE):
+        return "oom", "out of memory"
+    lines = [ln for ln in res["stderr"].strip().splitlines() if ln.strip()] or \
+            [ln for ln in res["stdout"].strip().splitlines() if ln.strip()]
+    return "error", (lines[-1][:300] if lines else f"exit code {res['rc']}")
+
+
+def run_ours(r: dict, args, flags: dict, work: Path) -> dict:
+    out_dir = work / re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{r['name']}-{r['model']}-{r['seq_len']}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    peak_file = out_dir.with_suffix(".peak.json")
+    cmd = ours_command(r, args, flags, out_dir, peak_file)
+    r["command"] = " ".join(c if c != OURS_DRIVER else "<driver: python -m asyncpp_ext.train>" for c in cmd[1:])
+    multi = r["stages"] > 1
+    res = run_process(cmd, args.row_timeout, sampler_device=args.device if multi else None)
+    r["wall_s"] = round(res["seconds"], 1)
+    if res["rc"] != 0:
+        r["status"], r["error"] = failure_text(res, args.row_timeout)
+        return r
+    metrics = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    r["losses"] = [m.get("loss") for m in metrics]
+    r["elapsed_s"] = [m["elapsed_s"] for m in metrics]
+    r["tokens"] = [m["tokens"] for m in metrics]
+    peak = json.loads(peak_file.read_text()) if peak_file.exists() else {}
+    if multi:
+        r["peak_bytes"], r["peak_kind"] = res["sampled_peak"], res["sampled_kind"]
+    elif args.device == "cuda":
+        r["peak_bytes"], r["peak_kind"] = peak.get("cuda_alloc_bytes"), "alloc"
+    else:
+        r["peak_bytes"], r["peak_kind"] = peak.get("rss_bytes"), "rss"
+    r["status"] = "ok"
+    if not args.keep:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        peak_file.unlink(missing_ok=True)
+    return r
+
+
+def run_worker_row(r: dict, args) -> dict:
+    """A Hugging Face, torchtitan or head-loss row in its own process."""
+    if r["impl"] == "head":
+        spec = dict(kind="head", modes=r["head_modes"], device=args.device,
+                    dtype="bf16" if args.device == "cuda" else "fp32", **r["head_shape"])
+    else:
+        shape = model_shape(r["model"], r["seq_len"])
+        spec = dict(kind=r["impl"], hf_config=hf_config_dict(shape, r["seq_len"]), shape=shape,
+                    seq_len=r["seq_len"], micro_batch_size=r["micro_batch_size"], microbatches=r["microbatches"],
+                    steps=args.warmup + args.steps, optimizer=r["optimizer"], compile=r["compile"],
+                    device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", seed=0,
+                    threads=args.threads)  # the head-loss worker keeps torch's default threads: it is all matmul
+    cmd = worker_command(spec)
+    r["command"] = f"{PROG} --worker '<{spec['kind']} spec>'"
+    res = run_process(cmd, args.row_timeout)
+    r["wall_s"] = round(res["seconds"], 1)
+    found = [ln[len(RESULT_TAG):] for ln in res["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
+    if not found:
+        r["status"], r["error"] = failure_text(res, args.row_timeout)
+        return r
+    out = json.loads(found[-1])
+    r.update(out)
+    if out.get("status") != "ok":
+        r.setdefault("error", "failed")
+    return r
+
+
+def head_row(r: dict, worker: dict) -> dict:
+    """The head-loss row of one mode from the worker that measured every mode."""
+    r["wall_s"], r["command"] = worker.get("wall_s"), worker.get("command")
+    if worker.get("status") != "ok":
+        r["status"], r["error"] = worker.get("status", "error"), worker.get("error")
+        return r
+    r.update(worker["modes"].get(r["head_mode"], dict(status="error", error="not measured")))
+    return r
+
+
+# --------------------------------------------------------------------------------------------
+# Workers (run in a child process: `gpu_throughput.py --worker SPEC`)
+
+
+def _result(payload: dict) -> None:
+    print(RESULT_TAG + json.dumps(payload), flush=True)
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", RuntimeError)
+    return isinstance(exc, oom) or "out of memory" in str(exc).lower()
+
+
+def worker_main(spec: dict) -> int:
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+    if spec.get("threads"):
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    try:
+        payload = worker_head(spec) if spec["kind"] == "head" else worker_train(spec)
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes the row's status
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        status = "oom" if _is_oom(exc) else "error"
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        payload = dict(status=status, error=msg)
+    _result(payload)
+    return 0
+
+
+def _peak(device) -> tuple:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "alloc"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss"
+
+
+def build_hf_model(spec: dict):
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**spec["hf_config"])
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    if spec["shape"]["tie_embeddings"] and model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise RuntimeError("LlamaForCausalLM did not tie the head to the embedding")
+    info = dict(transformers=transformers.__version__, attn_implementation=model.config._attn_implementation)
+
+    def forward(x):
+        return model(input_ids=x, use_cache=False).logits
+    return model, forward, info
+
+
+def build_torchtitan_model(spec: dict):
+    """torchtitan's Llama (its own model code) at the bench's shape; best effort across releases."""
+    import torchtitan
+
+    s = spec["shape"]
+    candidates = [("torchtitan.models.llama3", "TransformerModelArgs", "Transformer"),
+                  ("torchtitan.models.llama3.model.args", "TransformerModelArgs", None),
+                  ("torchtitan.models.llama", "ModelArgs", "Transformer")]
+    args_cls = model_cls = None
+    for mod_name, args_name, cls_name in candidates:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        args_cls = getattr(mod, args_name, None) or args_cls
+        model_cls = getattr(mod, cls_name, None) if cls_name else model_cls
+        if model_cls is None and args_cls is not None:
+            try:
+                model_cls = importlib.import_module("torchtitan.models.llama3.model.model").Transformer
+            except (ImportError, AttributeError):
+                pass
+        if args_cls is not None and model_cls is not None:
+            break
+    if args_cls is None or model_cls is None:
+        raise RuntimeError("torchtitan is installed but its Llama model classes were not found")
+    # torchtitan's SwiGLU width: 2/3 * 4C rounded up to multiple_of (1536 for C=576, 2560 for C=960).
+    margs = args_cls(dim=s["n_embd"], n_layers=s["n_layer"], n_heads=s["n_head"], n_kv_heads=s["n_kv_head"],
+                     vocab_size=s["vocab_size"], multiple_of=256, norm_eps=s["norm_eps"], rope_theta=s["rope_theta"],
+                     max_seq_len=spec["seq_len"])
+    model = model_cls(margs)
+    if hasattr(model, "init_weights"):
+        model.init_weights()
+    ffn = [m for n, m in model.named_modules() if n.endswith("feed_forward")]
+    width = ffn[0].w1.out_features if ffn and hasattr(ffn[0], "w1") else None
+    info = dict(torchtitan=getattr(torchtitan, "__version__", "?"), ffn_width=width,
+                note="untied output layer" if hasattr(model, "output") else "")
+
+    def forward(x):
+        return model(x)
+    return model, forward, info
+
+
+def make_optimizer(model, name: str, device):
+    import torch
+
+    fused = dict(fused=True)
+    if name == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, **fused)]
+    if not hasattr(torch.optim, "Muon"):
+        raise RuntimeError(f"torch.optim.Muon needs torch >= 2.9 (this is {torch.__version__})")
+    embed_like = ("embed", "lm_head", "tok_embeddings", "output")
+    matrices, rest = [], []
+    for n, p in model.named_parameters():
+        (matrices if p.ndim == 2 and not any(k in n for k in embed_like) else rest).append(p)
+    return [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.0, momentum=0.95),
+            torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.0, **fused)]
+
+
+def worker_train(spec: dict) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from asyncpp_ext.data.batches import BatchStream, split_tokens
+    from asyncpp_ext.data.sources import builtin_corpus
+    from asyncpp_ext.training.config import RunConfig
+
+    device = torch.device(spec["device"])
+    torch.manual_seed(spec["seed"])
+    if spec["kind"] == "hf":
+        model, forward, info = build_hf_model(spec)
+    else:
+        model, forward, info = build_torchtitan_model(spec)
+    model.to(device).train()
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    opts = make_optimizer(model, spec["optimizer"], device)
+    vocab = spec["shape"]["vocab_size"]
+    amp = torch.bfloat16 if spec["dtype"] == "bf16" else None
+
+    def fwd_loss(x, y):
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            logits = forward(x)
+        return F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
+
+    step_fn = torch.compile(fwd_loss) if spec["compile"] else fwd_loss
+    # The same training windows as asyncpp-train --data builtin --seed 0 (its train split).
+    b, m, t = spec["micro_batch_size"], spec["microbatches"], spec["seq_len"]
+    train, _ = split_tokens(builtin_corpus(), RunConfig().data.eval_fraction, b, t, source="builtin")
+    stream = BatchStream(train, m, b, t, seed=spec["seed"])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(device)
+    losses, elapsed, tokens = [], [], []
+    start = time.perf_counter()
+    for step in range(spec["steps"]):
+        total = torch.zeros((), device=device)
+        for x, y in stream.next():
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = step_fn(x, y)
+            (loss / m).backward()
+            total += loss.detach()
+        for opt in opts:
+            opt.step()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        losses.append(total.item() / m)  # the host waits for the step here
+        elapsed.append(round(time.perf_counter() - start, 4))
+        tokens.append((step + 1) * b * m * t)
+    peak, kind = _peak(device)
+    return dict(status="ok", losses=[v if math.isfinite(v) else None for v in losses], elapsed_s=elapsed,
+                tokens=tokens, peak_bytes=peak, peak_kind=kind, params=params, info=info,
+                torch=torch.__version__)
+
+
+def worker_head(spec: dict) -> dict:
+    import torch
+
+    from asyncpp_ext.models.head_loss import measure_head_loss
+
+    device = torch.device(spec["device"])
+    dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    modes = {}
+    for mode in spec["modes"]:  # measure_head_loss measures each call's own peak
+        try:
+            out = measure_head_loss(mode, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype)
+            modes[mode] = dict(status="ok", head_seconds=float(out["seconds"]), peak_bytes=int(out["peak_bytes"]),
+                               head_loss=float(out["loss"]), peak_kind="measure_head_loss", dtype=spec["dtype"])
+        except Exception as exc:  # noqa: BLE001 - the mode's row fails, the other still runs
+            modes[mode] = dict(status="oom" if _is_oom(exc) else "error",
+                               error=" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return dict(status="ok", modes=modes)
