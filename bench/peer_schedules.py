@@ -1,0 +1,618 @@
+"""Against the best synchronous schedules: our gpipe/1f1b/2bw/pipedream vs torch's GPipe, 1F1B,
+Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV, side by side.
+
+    python bench/peer_schedules.py                     # S = 2, 4, 8 x m = S, 2S, 4S (~7 min on 2 cores)
+    python bench/peer_schedules.py --stages 4 --microbatches 8
+    python bench/peer_schedules.py --quick             # the smoke test's setting (S=2, m=2,4; seconds)
+    python bench/peer_schedules.py --json | --plot docs/peer_schedules.png
+
+**The model.** Every rank holds the same compute: two MLP blocks (Linear(64, 256), GELU,
+Linear(256, 64); micro-batches of 32 rows; mse loss on the last block; the project's fused
+AdamW), so the model has 2S blocks and every schedule runs the same split of the same model with
+the same total compute per step. Our schedules and torch's GPipe/1F1B put blocks 2r, 2r+1 on rank
+r as one stage. torch's multi-chunk schedules run **two chunks (one block each) per rank**: the
+looped ones (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) put stages r and r+S on rank r, the
+V-shaped ones (ZBVZeroBubble, DualPipeV) stages r and 2S-1-r.
+
+**Emulated compute (why 8 ranks on 2 cores are fair).** The blocks are real modules: real
+autograd, real activations saved (which is what the memory columns measure), and a real split of
+the backward into input- and weight-gradient parts for the zero-bubble schedules (torch computes
+them with separate autograd calls). But their arithmetic is tiny and each block *holds* for a
+fixed time in three places, as a GPU kernel looks to the host (the approach of
+bench/schedule_efficiency.py): its forward (``--fwd-ms``/2 per block), the gradient for its input
+(``--bwd-input-ms``/2, on the activation path only) and the gradient for its weights
+(``--bwd-weight-ms``/2, on the weight path only). A full backward pays both; torch's I and W
+actions pay one each. The holds sleep (spinning only the last 0.5 ms, and not at all when the
+ranks outnumber the cores), so eight ranks on two cores wait in parallel as eight accelerators
+would, and the CPU only carries the runtimes' host work. Defaults: F = B = W = 4 ms per rank, the
+zero-bubble paper's equal-cost assumption (backward = 2 x forward, as usual).
+
+**Columns.** steps/s in steady state (the step-to-step interval inside one timed stream; the
+slowest rank's; a continuous stream's fill and drain excluded, see ``stream``); ach/ideal = the
+bubble-free ideal step (m x the slowest rank's calibrated per-microbatch compute + one optimizer
+step, all measured alone in one process) over the measured step; model = the same ratio predicted
+by the analytical model (asyncpp_ext.schedule.analytic: closed forms for ours; for torch's, its own
+action order simulated with these costs); memory per rank in KiB, measured: weights (every version
+kept) + gradients + optimizer state + peak activations saved by autograd (one ActivationMeter for
+every runtime); loss gap: what the weight delay costs in final eval loss (nats/byte, gap to sync,
+mean over 3 seeds) from docs/results.md "Constant vs variable delay" (6-layer small GPT, 200
+steps): cited, not rerun. 2bw's delay is one step at every depth, so its gap does not depend on S;
+pipedream's grows with S; every synchronous schedule pays none.
+
+A torch schedule that cannot run a setting (not in this torch, or its shape rule) prints a one-line
+reason instead of a row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from asyncpp_ext.optim import build_optimizer  # noqa: E402
+from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
+from asyncpp_ext.pipeline.memory import ActivationMeter, optimizer_state_bytes, tensor_bytes  # noqa: E402
+from asyncpp_ext.schedule import analytic  # noqa: E402
+
+WIDTH, HIDDEN, MICRO_BATCH = 64, 256, 32
+BLOCKS_PER_RANK = 2
+SPIN_S = 5e-4
+RUN_TIMEOUT_S = 120
+OURS = ("gpipe", "1f1b", "2bw", "pipedream")
+# torch class name -> placement of its stages: "single" (one stage of two blocks per rank),
+# "loop" (stages r and r+S on rank r) or "v" (stages r and 2S-1-r)
+PEERS = {"GPipe": "single", "1F1B": "single", "Interleaved1F1B": "loop", "LoopedBFS": "loop",
+         "InterleavedZeroBubble": "loop", "ZBVZeroBubble": "v", "DualPipeV": "v"}
+DELAY_STUDY = "docs/results.md, Constant vs variable delay (6-layer small GPT, 200 steps, 3 seeds)"
+# Final eval loss gap to sync (nats/byte, mean over 3 seeds) from DELAY_STUDY; tests/test_peer_schedules.py
+# checks the numbers still stand in docs/results.md.
+LOSS_GAP = {"muon": {"2bw": 0.214, "pipedream": {2: 0.151, 4: 0.363, 8: 0.488}},
+            "adamw": {"2bw": 0.768, "pipedream": {2: 0.324, 4: 0.812, 8: 0.893}}}
+
+
+# ---- the emulated MLP block -------------------------------------------------------------------
+
+def hold(seconds: float, spin_s: float) -> None:
+    """Wait ``seconds``: sleep, then spin the last ``spin_s`` (a plain sleep overshoots by ~0.1 ms)."""
+    if seconds <= 0:
+        return
+    deadline = time.perf_counter() + seconds
+    if seconds > spin_s:
+        time.sleep(seconds - spin_s)
+    while time.perf_counter() < deadline:
+        pass
+
+
+class _Forward(torch.autograd.Function):
+    """At the block output: the forward holds; the backward passes the gradient through."""
+
+    @staticmethod
+    def forward(ctx, y, seconds, spin_s):
+        out = y.clone()
+        hold(seconds, spin_s)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _Gradient(torch.autograd.Function):
+    """Identity whose backward holds: on the block input it is part of the input gradient only, on
+    a weight part of the weight gradient only."""
+
+    @staticmethod
+    def forward(ctx, x, seconds, spin_s):
+        ctx.seconds, ctx.spin_s = seconds, spin_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hold(ctx.seconds, ctx.spin_s)
+        return grad, None, None
+
+
+class EmulatedMLP(nn.Module):
+    """Linear(64, 256) -> GELU -> Linear(256, 64) with fixed-time forward, input-gradient and
+    weight-gradient parts (seconds per block)."""
+
+    def __init__(self, fwd_s: float, bwd_input_s: float, bwd_weight_s: float, spin_s: float):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, WIDTH)
+        self.fwd_s, self.bwd_input_s, self.bwd_weight_s, self.spin_s = fwd_s, bwd_input_s, bwd_weight_s, spin_s
+
+    def forward(self, x):
+        if not x.requires_grad:  # the first block: give it an input gradient like every other block
+            x = x.detach().requires_grad_()
+        x = _Gradient.apply(x, self.bwd_input_s, self.spin_s)
+        w1 = _Gradient.apply(self.fc1.weight, self.bwd_weight_s, self.spin_s)
+        h = nn.functional.gelu(nn.functional.linear(x, w1, self.fc1.bias))
+        return _Forward.apply(self.fc2(h), self.fwd_s, self.spin_s)
+
+
+def make_blocks(stages: int, costs_ms: dict, spin_s: float) -> list[nn.Module]:
+    """The 2S blocks of the model, seeded (every rank builds the same weights)."""
+    torch.manual_seed(0)
+    per_block = {k: v / 1e3 / BLOCKS_PER_RANK for k, v in costs_ms.items()}
+    return [EmulatedMLP(per_block["fwd"], per_block["bwd_input"], per_block["bwd_weight"], spin_s)
+            for _ in range(BLOCKS_PER_RANK * stages)]
+
+
+def batches(m: int):
+    g = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randn(m * MICRO_BATCH, WIDTH, generator=g), torch.randn(m * MICRO_BATCH, WIDTH, generator=g)
+
+
+def adamw(module: nn.Module):
+    return build_optimizer(module, "adamw", lr=1e-3, weight_decay=0.0, ef_beta=0.0)
+
+
+def spin_for(stages: int) -> float:
+    """Spin the end of a hold only while every rank has a core of its own."""
+    return SPIN_S if stages <= (os.cpu_count() or 1) else 0.0
+
+
+# ---- torch's schedules: which run, their stage placement, their action orders ----------------
+
+def torch_stage_indices(name: str, stages: int, rank: int) -> list[int]:
+    place = PEERS[name]
+    if place == "single":
+        return [rank]
+    if place == "loop":
+        return [rank, rank + stages]
+    return [rank, 2 * stages - 1 - rank]
+
+
+def _torch_class(name: str):
+    from torch.distributed.pipelining import schedules
+
+    return getattr(schedules, "Schedule" + name, None)
+
+
+def torch_orders(name: str, stages: int, m: int):
+    """torch's own per-rank action order for ``name`` (built with stand-in stages, no process
+    group) as analytic.Action tuples, and its stage -> rank map. ValueError (torch's own message)
+    where the schedule refuses the shape."""
+    cls = _torch_class(name)
+    if PEERS[name] == "single":  # torch's single-stage schedules: the classic GPipe / 1F1B orders
+        if name == "GPipe":
+            order = {r: [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(stages)}
+        else:
+            order = {}
+            for r in range(stages):
+                warm = min(stages - 1 - r, m)
+                acts = [("F", r, i) for i in range(warm)]
+                for i in range(m - warm):
+                    acts += [("F", r, warm + i), ("B", r, i)]
+                acts += [("B", r, i) for i in range(m - warm, m)]
+                order[r] = acts
+        return order, {s: s for s in range(stages)}
+    stub = [types.SimpleNamespace(num_stages=2 * stages, group_size=stages, group_rank=0, submod=None,
+                                  stage_index=i) for i in range(2)]
+    sched = cls(stub, n_microbatches=m, loss_fn=lambda out, target: out)
+    orders = {}
+    for r, acts in sched.pipeline_order.items():
+        out = []
+        for a in acts:
+            if a is None:
+                continue
+            for sub in (a.sub_actions or (a,)):  # DualPipeV's OVERLAP_F_B runs its two parts in turn here
+                out.append((str(sub.computation_type.value), sub.stage_index, sub.microbatch_index))
+        orders[r] = out
+    return orders, dict(sched.stage_index_to_group_rank)
+
+
+def torch_refusal(name: str, stages: int, m: int) -> str | None:
+    """Why torch's ``name`` cannot run (S, m) here, in one line; None when it can."""
+    if _torch_class(name) is None:
+        return f"torch {name}: not in torch {torch.__version__}"
+    try:
+        torch_orders(name, stages, m)
+    except (ValueError, AssertionError, RuntimeError) as e:
+        return f"torch {name}: {' '.join(str(e).split())}"
+    return None
+
+
+# ---- one rank's runs -----------------------------------------------------------------------
+
+def _steady_step_s(ends_ns: list, per: int = 1) -> float:
+    """Seconds per step from a stream's step ends (ns): the median interval between consecutive
+    ends, the last one (the drain of a continuous stream) left out; ``per`` ends make one step
+    (pipedream: m). The median, because on a shared machine a burst of outside load only ever
+    lengthens some intervals."""
+    intervals = [(b - a) / 1e9 for a, b in zip(ends_ns, ends_ns[1:])]
+    if len(intervals) > 2:
+        intervals = intervals[:-1]
+    if per > 1:  # whole steps of m ends each
+        intervals = [sum(intervals[i:i + per]) for i in range(0, len(intervals) - per + 1, per)]
+    return statistics.median(intervals)
+
+
+def run_ours(schedule, stages, m, costs_ms, steps, warmup, spin_s) -> dict:
+    blocks = make_blocks(stages, costs_ms, spin_s)
+    modules = [nn.Sequential(*blocks[BLOCKS_PER_RANK * s:BLOCKS_PER_RANK * (s + 1)]) for s in range(stages)]
+    per = m if schedule == "pipedream" else 1  # pipedream: one microbatch per step, m of them count as one
+    mm = 1 if schedule == "pipedream" else m
+    pipe = Pipeline(modules, loss_fn=nn.functional.mse_loss, optimizer=adamw, schedule=schedule,
+                    microbatches=mm, track_memory=True, timeout_s=RUN_TIMEOUT_S)
+    data = batches(mm)
+    for _ in pipe.train(data, warmup * per):
+        pass
+    timed_from = len(pipe.trace)
+    dist.barrier()
+    start = time.monotonic_ns()
+    for _ in pipe.train(data, steps * per):
+        pass
+    wall = (time.monotonic_ns() - start) / 1e9
+    dist.barrier()
+    ends = sorted(e[5] for e in pipe.trace[timed_from:] if e[0] == "optimizer_step")
+    mem = pipe.host.memory_report()
+    return {"steady_step_s": _steady_step_s(ends, per), "stream_step_s": wall / steps,
+            "memory": {"weights": mem["weights"], "weight_versions": mem["weight_versions"], "grads": mem["grads"],
+                       "optimizer_state": mem["optimizer_state"], "activations": mem["peak_activations"]}}
+
+
+def run_torch(name, stages, m, costs_ms, steps, warmup, spin_s) -> dict:
+    from torch.distributed.pipelining import PipelineStage
+
+    rank = dist.get_rank()
+    blocks = make_blocks(stages, costs_ms, spin_s)
+    cls = _torch_class(name)
+    if PEERS[name] == "single":
+        module = nn.Sequential(*blocks[BLOCKS_PER_RANK * rank:BLOCKS_PER_RANK * (rank + 1)])
+        modules = [module]
+        stage = PipelineStage(module, rank, stages, torch.device("cpu"))
+        sched = cls(stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+        first, last = rank == 0, rank == stages - 1
+    else:
+        idx = torch_stage_indices(name, stages, rank)
+        modules = [blocks[i] for i in idx]
+        pstages = [PipelineStage(blocks[i], i, 2 * stages, torch.device("cpu")) for i in idx]
+        sched = cls(pstages, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+        first, last = 0 in idx, 2 * stages - 1 in idx
+    holder = nn.ModuleList(modules)
+    opt = adamw(holder)
+    params = list(holder.parameters())
+    meter = ActivationMeter(exclude=params)
+    data = batches(m)
+    grads_bytes = [0]
+
+    def one_step():
+        x, y = next(data)
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": []} if last else {}
+        with meter.track():
+            sched.step(*args, **kwargs)
+        grads_bytes[0] = tensor_bytes(p.grad for p in params if p.grad is not None)
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(warmup):
+        one_step()
+    ends = []
+    dist.barrier()
+    start = time.monotonic_ns()
+    for _ in range(steps):
+        one_step()
+        ends.append(time.monotonic_ns())
+    wall = (time.monotonic_ns() - start) / 1e9
+    dist.barrier()
+    # every step flushes, so every interval is a whole step
+    return {"steady_step_s": statistics.median((b - a) / 1e9 for a, b in zip(ends, ends[1:])), "stream_step_s": wall / steps,
+            "memory": {"weights": tensor_bytes(params), "weight_versions": 1, "grads": grads_bytes[0],
+                       "optimizer_state": optimizer_state_bytes(opt), "activations": meter.peak}}
+
+
+def worker(stages, plan, repeats, costs_ms, steps, warmup, out_prefix):
+    """Every (m, runtime, schedule) of ``plan`` in this one process group, ``repeats`` times
+    round-robin (so a burst of outside load hits every run alike)."""
+    torch.set_num_threads(1)
+    rank, _ = init_distributed(RUN_TIMEOUT_S)
+    spin_s = spin_for(stages)
+    results = []
+    for repeat in range(repeats):
+        for m, impl, name in plan:
+            fn = run_ours if impl == "ours" else run_torch
+            results.append({"m": m, "impl": impl, "schedule": name, "repeat": repeat,
+                            **fn(name, stages, m, costs_ms, steps, warmup, spin_s)})
+    with open(f"{out_prefix}-{rank}.json", "w") as fh:
+        json.dump(results, fh)
+
+
+# ---- calibration and the model -------------------------------------------------------------
+
+def calibrate(stages: int, costs_ms: dict, repeats: int = 15) -> dict:
+    """Per-microbatch compute of one rank's two blocks alone in this process (median of
+    ``repeats``): forward, full backward (inner rank, and the rank with the loss), the split
+    backward as torch's zero-bubble schedules run it (input part, weight part), and one AdamW step."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        spin_s = spin_for(stages)
+        module = nn.Sequential(*make_blocks(1, costs_ms, spin_s))
+        opt = adamw(module)
+        target = torch.randn(MICRO_BATCH, WIDTH)
+        grad_out = torch.randn(MICRO_BATCH, WIDTH)
+        samples = {k: [] for k in ("fwd", "bwd", "fwd_last", "bwd_last", "bwd_input", "bwd_weight", "opt")}
+        for _ in range(repeats):
+            x = torch.randn(MICRO_BATCH, WIDTH, requires_grad=True)
+            t0 = time.perf_counter()
+            y = module(x)
+            t1 = time.perf_counter()
+            y.backward(grad_out)
+            t2 = time.perf_counter()
+            samples["fwd"].append(t1 - t0)
+            samples["bwd"].append(t2 - t1)
+            t0 = time.perf_counter()
+            loss = nn.functional.mse_loss(module(x), target)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            samples["fwd_last"].append(t1 - t0)
+            samples["bwd_last"].append(t2 - t1)
+            y = module(x)
+            t0 = time.perf_counter()
+            _, groups = stage_backward_input([y], [grad_out], [x], module.parameters())
+            t1 = time.perf_counter()
+            stage_backward_weight(module.parameters(), groups)
+            t2 = time.perf_counter()
+            samples["bwd_input"].append(t1 - t0)
+            samples["bwd_weight"].append(t2 - t1)
+            t0 = time.perf_counter()
+            opt.step()
+            samples["opt"].append(time.perf_counter() - t0)
+            opt.zero_grad()
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        med["per_mb"] = max(med["fwd"] + med["bwd"], med["fwd_last"] + med["bwd_last"])
+        return med
+    finally:
+        torch.set_num_threads(threads)
+
+
+def model_step_s(impl: str, name: str, stages: int, m: int, cal: dict, costs_ms: dict) -> float:
+    """Predicted seconds per step: ours from the closed forms (steady state), torch's from its own
+    action order simulated with the calibrated costs; both plus the optimizer step."""
+    c, o = cal["per_mb"], cal["opt"]
+    if impl == "ours":
+        if name == "pipedream":
+            return m * (c + o)
+        frac = analytic.steady_bubble_fraction(name, stages, m)
+        return m * c / (1 - frac) + o
+    orders, stage_to_rank = torch_orders(name, stages, m)
+    chunks = 1 if PEERS[name] == "single" else BLOCKS_PER_RANK
+    total = sum(costs_ms.values())
+    share = {k: v / total for k, v in costs_ms.items()}
+    costs = {"F": c * share["fwd"] / chunks, "I": c * share["bwd_input"] / chunks,
+             "W": c * share["bwd_weight"] / chunks, "B": c * (share["bwd_input"] + share["bwd_weight"]) / chunks}
+    return analytic.simulate_actions(orders, stage_to_rank, costs, chunks=chunks).makespan + o
+
+
+def loss_gap(impl: str, name: str, stages: int) -> dict | None:
+    """{optimizer: gap} from the delay study, 0 for synchronous schedules, None where not studied."""
+    if impl == "torch" or name in ("gpipe", "1f1b"):
+        return {"muon": 0.0, "adamw": 0.0}
+    out = {}
+    for opt, gaps in LOSS_GAP.items():
+        g = gaps[name]
+        out[opt] = g if not isinstance(g, dict) else g.get(stages)
+    return out if all(v is not None for v in out.values()) else None
+
+
+# ---- the whole measurement -------------------------------------------------------------------
+
+def plan_for(stages: int, ms: list[int], peers: list[str]) -> tuple[list, list[str]]:
+    plan, skipped = [], []
+    for m in ms:
+        for name in OURS:
+            plan.append((m, "ours", name))
+        for name in peers:
+            why = torch_refusal(name, stages, m)
+            if why:
+                skipped.append(f"S={stages} m={m}: {why}")
+            else:
+                plan.append((m, "torch", name))
+    return plan, skipped
+
+
+def measure(stage_list: list[int], m_factors: list[int], costs_ms: dict, steps: int, warmup: int,
+            peers: list[str], microbatches: list[int] | None = None, repeats: int = 1) -> dict:
+    """Every row's figure is its fastest repeat (the slowest rank's steady step within a repeat)."""
+    started = time.monotonic()
+    load_before = os.getloadavg()[0]
+    rows, skipped, calibration = [], [], {}
+    for S in stage_list:
+        ms = microbatches or [f * S for f in m_factors]
+        cal = calibrate(S, costs_ms)
+        calibration[S] = cal
+        plan, skip = plan_for(S, ms, peers)
+        skipped += skip
+        with tempfile.TemporaryDirectory() as tmp:
+            prefix = os.path.join(tmp, "run")
+            spawn(worker, S, (S, plan, repeats, costs_ms, steps, warmup, prefix))
+            per_rank = []
+            for r in range(S):
+                with open(f"{prefix}-{r}.json") as fh:
+                    per_rank.append(json.load(fh))
+        for i, (m, impl, name) in enumerate(plan):
+            seen = [[ranks[j * len(plan) + i] for ranks in per_rank] for j in range(repeats)]
+            views = min(seen, key=lambda vs: max(v["steady_step_s"] for v in vs))
+            step_s = max(v["steady_step_s"] for v in views)
+            ideal = m * cal["per_mb"] + cal["opt"]
+            memory = [v["memory"] for v in views]
+            for mem in memory:
+                mem["total"] = mem["weights"] + mem["grads"] + mem["optimizer_state"] + (mem["activations"] or 0)
+            rows.append({"stages": S, "m": m, "impl": impl, "schedule": name,
+                         "chunks_per_rank": 1 if impl == "ours" or PEERS[name] == "single" else BLOCKS_PER_RANK,
+                         "placement": "stage" if impl == "ours" else PEERS[name],
+                         "steps_per_s": 1 / step_s, "step_ms": 1e3 * step_s,
+                         "stream_steps_per_s": 1 / max(v["stream_step_s"] for v in views),
+                         "all_steps_per_s": [1 / max(v["steady_step_s"] for v in vs) for vs in seen],
+                         "ideal_step_ms": 1e3 * ideal, "achieved_over_ideal": ideal / step_s,
+                         "model_over_ideal": ideal / model_step_s(impl, name, S, m, cal, costs_ms),
+                         "memory": memory, "loss_gap": loss_gap(impl, name, S)})
+    for S in stage_list:
+        for m in sorted({r["m"] for r in rows if r["stages"] == S}):
+            group = [r for r in rows if r["stages"] == S and r["m"] == m]
+            base = next((r for r in group if r["impl"] == "torch" and r["schedule"] == "1F1B"), None)
+            for r in group:
+                r["ratio_to_torch_1f1b"] = r["steps_per_s"] / base["steps_per_s"] if base else None
+    return {"costs_ms": costs_ms, "steps": steps, "warmup": warmup, "repeats": repeats, "micro_batch_rows": MICRO_BATCH,
+            "block": f"Linear({WIDTH},{HIDDEN})-GELU-Linear({HIDDEN},{WIDTH})", "blocks_per_rank": BLOCKS_PER_RANK,
+            "machine": _machine(), "torch": torch.__version__,
+            "loadavg_before_after": [load_before, os.getloadavg()[0]],
+            "calibration_ms": {S: {k: 1e3 * v for k, v in cal.items()} for S, cal in calibration.items()},
+            "rows": rows, "skipped": skipped, "seconds": time.monotonic() - started}
+
+
+def _machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def row_label(r: dict) -> str:
+    if r["impl"] == "ours":
+        return f"ours  {r['schedule']}"
+    tag = {"single": "", "loop": " (2 chunks, loop)", "v": " (2 chunks, V)"}[r["placement"]]
+    return f"torch {r['schedule']}{tag}"
+
+
+def _kib(b) -> str:
+    return "-" if b is None else f"{b / 1024:.0f}"
+
+
+def format_table(result: dict) -> str:
+    c = result["costs_ms"]
+    lines = [f"# per rank: 2 MLP blocks ({result['block']}, {result['micro_batch_rows']} rows per microbatch), "
+             f"emulated F {c['fwd']:g} / B {c['bwd_input']:g} / W {c['bwd_weight']:g} ms per microbatch "
+             f"(F: forward, B: input gradient, W: weight gradient); AdamW; {result['steps']} timed steps after "
+             f"{result['warmup']}, best of {result['repeats']}",
+             f"# {result['machine']}, torch {result['torch']}; 1-min load {result['loadavg_before_after'][0]:.1f} -> "
+             f"{result['loadavg_before_after'][1]:.1f}; ours over socket, torch over gloo; {result['seconds']:.0f} s",
+             "# steps/s: steady state; ach/ideal: measured vs bubble-free ideal (calibrated compute alone); "
+             "model: analytic prediction of the same ratio; mem KiB: measured per rank (weights+grads+optimizer+"
+             "activations), max and [per rank]; act: peak activations KiB, max rank; "
+             f"loss gap muon/adamw: {DELAY_STUDY}"]
+    for S, cal in result["calibration_ms"].items():
+        lines.append(f"# S={S} calibration (ms, one rank alone): fwd+bwd {cal['per_mb']:.2f} "
+                     f"(fwd {cal['fwd']:.2f}, bwd {cal['bwd']:.2f}; split: input {cal['bwd_input']:.2f} + weight "
+                     f"{cal['bwd_weight']:.2f}), AdamW step {cal['opt']:.2f}")
+    head = (f"  {'runtime schedule':<40}{'steps/s':>8}{'ach/ideal':>10}{'model':>7}{'x1F1B':>7}"
+            f"{'mem KiB':>9}{'act':>7}  {'loss gap':<12} per rank KiB")
+    last = None
+    for r in result["rows"]:
+        if (r["stages"], r["m"]) != last:
+            last = (r["stages"], r["m"])
+            lines.append(f"## S={r['stages']} m={r['m']}")
+            lines.append(head)
+        totals = [mem["total"] for mem in r["memory"]]
+        acts = [mem["activations"] or 0 for mem in r["memory"]]
+        gap = r["loss_gap"]
+        gap_s = "-" if gap is None else ("0" if not any(gap.values()) else f"{gap['muon']:.3f}/{gap['adamw']:.3f}")
+        ratio = "-" if r.get("ratio_to_torch_1f1b") is None else f"{r['ratio_to_torch_1f1b']:.2f}"
+        lines.append(f"  {row_label(r):<40}{r['steps_per_s']:>8.2f}{r['achieved_over_ideal']:>10.3f}"
+                     f"{r['model_over_ideal']:>7.3f}{ratio:>7}{_kib(max(totals)):>9}{_kib(max(acts)):>7}  "
+                     f"{gap_s:<12} [{' '.join(_kib(t) for t in totals)}]")
+    for line in result["skipped"]:
+        lines.append(f"  skipped: {line}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> str:
+    """Achieved (markers) and modelled (lines) fraction of the ideal against m/S, one panel per S."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stage_list = sorted({r["stages"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(stage_list), figsize=(5 * len(stage_list), 4.2), sharey=True, squeeze=False)
+    names = []
+    for r in result["rows"]:
+        if row_label(r) not in names:
+            names.append(row_label(r))
+    cmap = plt.get_cmap("tab20")
+    for ax, S in zip(axes[0], stage_list):
+        for k, label in enumerate(names):
+            rows = sorted((r for r in result["rows"] if r["stages"] == S and row_label(r) == label), key=lambda r: r["m"])
+            if not rows:
+                continue
+            x = [r["m"] / S for r in rows]
+            style = "-" if label.startswith("ours") else "--"
+            ax.plot(x, [r["model_over_ideal"] for r in rows], style, color=cmap(k), alpha=0.5)
+            ax.plot(x, [r["achieved_over_ideal"] for r in rows], "o" if label.startswith("ours") else "s",
+                    color=cmap(k), label=label)
+        ax.set_title(f"S = {S}")
+        ax.set_xlabel("microbatches per step / S")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("fraction of the bubble-free ideal")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("measured (markers) vs analytic model (lines)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stages", default="2,4,8", help="comma-separated depths S (default 2,4,8)")
+    p.add_argument("--microbatches", default=None,
+                   help="comma-separated m for every S (default: S, 2S, 4S)")
+    p.add_argument("--fwd-ms", type=float, default=4.0, help="emulated forward per rank and microbatch")
+    p.add_argument("--bwd-input-ms", type=float, default=4.0, help="emulated input-gradient part")
+    p.add_argument("--bwd-weight-ms", type=float, default=4.0, help="emulated weight-gradient part")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run (steady rate over the middle ones)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="round-robin repeats; each row keeps its fastest")
+    p.add_argument("--peers", default=",".join(PEERS), help="torch schedules to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="S=2, m=2,4, 2 ms costs, 3 steps: the smoke test")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", metavar="PATH", help="write the achieved/model figure")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.stages, a.microbatches, a.steps = "2", a.microbatches or "2,4", 3
+        a.fwd_ms = a.bwd_input_ms = a.bwd_weight_ms = 2.0
+    try:
+        stage_list = [int(s) for s in a.stages.split(",")]
+        ms = [int(s) for s in a.microbatches.split(",")] if a.microbatches else None
+    except ValueError:
+        p.error("--stages and --microbatches take comma-separated integers")
+    peers = [s for s in a.peers.split(",") if s]
+    unknown = [s for s in peers if s not in PEERS]
+    if unknown:
+        p.error(f"unknown torch schedule {unknown[0]!r}: choose from {', '.join(PEERS)}")
+    if any(s < 2 for s in stage_list) or (ms and any(m < max(stage_list) for m in ms)):
+        p.error("need S >= 2 and m >= S (2bw keeps at most two versions only with m >= S)")
+    if a.steps < 3 or a.warmup < 1 or a.repeats < 1:
+        p.error("--steps must be >= 3, --warmup and --repeats >= 1")
+    costs = {"fwd": a.fwd_ms, "bwd_input": a.bwd_input_ms, "bwd_weight": a.bwd_weight_ms}
+    if any(v < 0 for v in costs.values()) or sum(costs.values()) <= 0:
+        p.error("the emulated costs must be >= 0 and not all 0")
+    result = measure(stage_list, [1, 2, 4], costs, a.steps, a.warmup, peers, ms, a.repeats)
+    if a.plot:
+        result["plot"] = plot(result, a.plot)
+    print(json.dumps(result, indent=2) if a.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
