@@ -198,7 +198,8 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
     ("tokenizers not installed", r"pip install 'asyncpp_ext\[hf\]'"),
     ("not a tokenizer", "bad.json is not a tokenizers tokenizer.json"),
     ("missing input", "input .*gone.txt does not exist"),
-    ("input is a directory", "input .*dir does not exist \\(or is not a file\\)"),
+    # Directories are inputs (their data files, sorted); one without any is refused.
+    ("input is a directory", "input .*dir is a directory with no input files"),
     ("non-UTF-8 after good text", "latin1.txt is not UTF-8 text \\(byte 403\\)"),
     ("character split across blocks", "split.txt is not UTF-8 text \\(byte 6\\)"),
     ("truncated character at the end", "split.txt is not UTF-8 text \\(byte 10\\)"),

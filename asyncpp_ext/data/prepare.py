@@ -1,39 +1,66 @@
-"""``asyncpp-prepare-data``: tokenize UTF-8 text files into a ``.bin`` token file (+ sidecar) that
-``asyncpp-train --data`` reads; the format is described in ``sources``.
+"""``asyncpp-prepare-data``: tokenize a corpus -- text files, JSON lines (plain, ``.gz``,
+``.zst``), Parquet, or a ``datasets`` ``save_to_disk`` directory -- into ``.bin`` token files (+
+sidecars) that ``asyncpp-train --data`` reads; the formats are described in ``sources`` and
+``shards``.
 
 Usage::
 
-    asyncpp-prepare-data --tokenizer tokenizer.json|bytes --input FILE [FILE ...] --out train.bin
-                         [--val-fraction F] [--val-out PATH]
+    asyncpp-prepare-data --tokenizer tokenizer.json|bytes --input PATH|DIR|GLOB [...] --out train.bin
+                         [--text-field text] [--doc-separator SEP] [--doc-boundary auto|eos|bos|none]
+                         [--boundary-token TOKEN] [--val-fraction F] [--val-out PATH]
+                         [--shard-tokens N] [--workers N] [--skip-bad-records]
 
-The inputs are read in order, in blocks, and cut into pieces at line ends (a line longer than a
-block is cut at whitespace), so memory stays bounded whatever the input size. Pieces are encoded
-without special tokens; a tokenizer that splits text at whitespace therefore gives the same tokens
-as on the whole text except, at most, where a piece ends. Nothing is inserted between input files.
+Documents. A JSON line or a Parquet / Arrow row is one document (its ``--text-field``); a text file
+is one document, or several split at ``--doc-separator``. Each document is encoded on its own and
+marked with the tokenizer's end-of-text token after it (``eos``) or its beginning-of-text token
+before it (``bos``); ``auto`` takes the tokenizer family's convention (``HFTokenizer.
+boundary_tokens``: bos where the tokenizer's template puts one before every text, e.g. Llama;
+else eos where it has an end-of-text token, e.g. GPT-2, SmolLM, Qwen; else none). ``none`` marks
+nothing: the legacy behaviour, byte for byte (the bytes tokenizer and tokenizers without such a
+token). Documents without tokens are skipped and counted.
 
-With ``--val-fraction F`` the last F of the tokens go to a validation file. Outputs are written to
-temporary files that are renamed only once everything succeeded, so a failure or Ctrl-C leaves no
-partial file behind.
+Long text files are read in blocks and cut into pieces at line ends (a line longer than a block
+is cut at whitespace), so memory stays bounded whatever the input size; pieces are encoded without
+special tokens, so a tokenizer that splits text at whitespace gives the same tokens as on the whole
+text except, at most, where a piece ends. JSON and Parquet records are encoded whole.
+
+Validation: with ``--val-fraction F`` and document boundaries, F of the documents (every document
+k where floor((k+1)F) > floor(kF): evenly spread, whole documents) go to the validation file; with
+``--doc-boundary none``, the last F of the tokens (as before).
+
+Scale: ``--workers N`` (default: the cores, one process for inputs under 1 MiB or the bytes
+tokenizer) worker processes tokenize batches of records while this process reads the inputs and
+writes the results in input order, so the output is byte-identical whatever N is; at most 2N + 1
+batches are in flight, so memory stays bounded. ``--shard-tokens N`` writes shards of N ids,
+``<stem>_000000.bin`` ..., each with a sidecar, and ``<stem>.manifest.json``.
+
+Outputs are written to temporary files that are renamed only once everything succeeded, so a
+failure or Ctrl-C leaves no partial file behind. Bad input ends with one line naming the file (and
+line or row) and exit status 2; ``--skip-bad-records`` skips bad records (and damaged files) and
+counts them instead.
 """
 from __future__ import annotations
 
 import argparse
 import codecs
 import contextlib
-import json
+import math
 import os
+import re
 import sys
-import tempfile
+import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from .sources import (TOKEN_DTYPES, TOKEN_FORMAT, TOKEN_FORMAT_VERSION, DataError, scan_max_token_id,
-                      sidecar_path, token_dtype_for_vocab)
+from . import inputs as inp
+from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, Task,  # noqa: F401
+                     load_tokenizer, ordered_encode)
+from .sinks import TokenSink, base_header, commit_outputs
+from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
 
 PROG = "asyncpp-prepare-data"
-BYTES = "bytes"
 READ_BLOCK_BYTES = 1 << 20
 """Bytes read from an input at a time."""
 PIECE_CHARS = 64 * 1024
@@ -42,62 +69,10 @@ PIECES_PER_BATCH = 32
 """Pieces encoded per ``encode_batch`` call (the tokenizer runs them in parallel)."""
 MAX_CARRY_CHARS = 4 * PIECE_CHARS
 """Text kept waiting for a line end; beyond it a line is cut at whitespace (or anywhere)."""
-
-
-class PrepareError(DataError):
-    """Input that ``asyncpp-prepare-data`` cannot turn into a token file; the message says why and
-    what to do."""
-
-
-class ByteTokenizer:
-    """Ids are the UTF-8 bytes of the text (vocabulary 256)."""
-
-    name = BYTES
-    vocab_size = 256
-
-    def encode(self, pieces: list[str]) -> list[np.ndarray]:
-        """Token ids of each piece."""
-        return [np.frombuffer(p.encode("utf-8"), dtype=np.uint8) for p in pieces]
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer read from a local tokenizer.json (no network)."""
-
-    def __init__(self, path: Path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise PrepareError("the tokenizers package is not installed; "
-                               "pip install 'asyncpp_ext[hf]' (or use --tokenizer bytes)") from None
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust side raises plain Exception for malformed files
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-            raise PrepareError(f"tokenizer {path} is not a tokenizers tokenizer.json ({reason}); "
-                               "pass the tokenizer.json of a Hugging Face tokenizer") from None
-        self.name = os.path.abspath(path)
-        # Added tokens may sit above the base vocabulary; the id range is what a model must embed.
-        ids = self.tokenizer.get_vocab(with_added_tokens=True).values()
-        self.vocab_size = max(self.tokenizer.get_vocab_size(with_added_tokens=True),
-                              max(ids, default=-1) + 1)
-
-    def encode(self, pieces: list[str]) -> list[np.ndarray]:
-        """Token ids of each piece, without special tokens (they would repeat at every piece)."""
-        # encode_batch_fast (tokenizers >= 0.20.1) skips the character offsets, which go unused.
-        encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
-        encodings = encode(pieces, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
-
-
-def load_tokenizer(spec: str):
-    """``ByteTokenizer`` for "bytes", else an ``HFTokenizer`` from the tokenizer.json at ``spec``."""
-    if spec == BYTES:
-        return ByteTokenizer()
-    path = Path(spec)
-    if not path.is_file():
-        raise PrepareError(f"tokenizer file {spec} does not exist (or is not a file); pass a "
-                           "tokenizer.json or --tokenizer bytes")
-    return HFTokenizer(path)
+PARALLEL_MIN_BYTES = 1 << 20
+"""Inputs smaller than this are tokenized in this process whatever the cores (workers take
+longer to start than such an input takes to encode)."""
+BOUNDARIES = ("auto", "eos", "bos", "none")
 
 
 def _cut(text: str, final: bool) -> int:
@@ -113,14 +88,31 @@ def _cut(text: str, final: bool) -> int:
     return space if space > 0 else MAX_CARRY_CHARS
 
 
-def read_pieces(path: Path, on_bytes=lambda n: None) -> Iterator[str]:
-    """Text pieces of a UTF-8 file, each ending at a line end where possible; ``on_bytes(n)`` is
-    called after each block read. Raises ``PrepareError`` at the first non-UTF-8 byte."""
+def _split_closed(text: str) -> Iterator[str]:
+    """Pieces of a text known to be complete (a whole document)."""
+    while text:
+        cut = _cut(text, final=True)
+        yield text[:cut]
+        text = text[cut:]
+
+
+def read_text_pieces(path: Path, on_bytes=lambda n: None, separator: Optional[str] = None,
+                     compression: Optional[str] = None) -> Iterator[tuple[str, bool]]:
+    """(piece, ends a document) of a UTF-8 text file: the whole file is one document, or the
+    text between ``separator``s is (a trailing separator ends the last document). Pieces end at
+    a line end where possible. ``on_bytes(n)``: n more bytes of the file were read. Raises
+    ``PrepareError`` at the first non-UTF-8 byte."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    pending, offset = "", 0
-    with open(path, "rb") as f:
+    pending, offset, seen_separator = "", 0, False
+    keep = len(separator) - 1 if separator else 0  # a separator may straddle the block end
+    with inp.open_input(inp.Input(path, inp.TEXT, compression)) as opened:
+        last = 0
         while True:
-            block = f.read(READ_BLOCK_BYTES)
+            try:
+                block = opened.reader.read(READ_BLOCK_BYTES)
+            except inp.stream_errors() as exc:
+                raise PrepareError(f"input {path} is damaged or cut short ({exc}); download it "
+                                   "again") from None
             held = len(decoder.getstate()[0])  # bytes of a character split by the last block
             try:
                 pending += decoder.decode(block, final=not block)
@@ -129,18 +121,41 @@ def read_pieces(path: Path, on_bytes=lambda n: None) -> Iterator[str]:
                 raise PrepareError(f"input {path} is not UTF-8 text (byte {offset - held + exc.start}); "
                                    "convert it to UTF-8") from None
             offset += len(block)
-            on_bytes(len(block))
-            while pending and (len(pending) >= PIECE_CHARS or not block):
-                cut = _cut(pending, final=not block)
+            now = opened.position()
+            on_bytes(now - last)
+            last = now
+            if separator:
+                start = 0
+                while (found := pending.find(separator, start)) >= 0:
+                    pieces = list(_split_closed(pending[start:found])) or [""]
+                    for i, piece in enumerate(pieces):
+                        yield piece, i == len(pieces) - 1
+                    start, seen_separator = found + len(separator), True
+                pending = pending[start:]
+            if not block:
+                pieces = list(_split_closed(pending))
+                if pieces or not seen_separator:  # no empty document after a final separator
+                    pieces = pieces or [""]
+                    for i, piece in enumerate(pieces):
+                        yield piece, i == len(pieces) - 1
+                return
+            while len(pending) - keep >= PIECE_CHARS:
+                cut = _cut(pending[: len(pending) - keep], final=False)
                 if cut == 0:
                     break
-                yield pending[:cut]
+                yield pending[:cut], False
                 pending = pending[cut:]
-            if not block:
-                return
 
 
-def _batched(pieces: Iterator[str], size: int) -> Iterator[list[str]]:
+def read_pieces(path: Path, on_bytes=lambda n: None) -> Iterator[str]:
+    """Text pieces of a UTF-8 file, each ending at a line end where possible; ``on_bytes(n)`` is
+    called after each block read. Raises ``PrepareError`` at the first non-UTF-8 byte."""
+    for piece, _ in read_text_pieces(path, on_bytes):
+        if piece:
+            yield piece
+
+
+def _batched(pieces, size: int):
     batch = []
     for piece in pieces:
         batch.append(piece)
@@ -149,12 +164,6 @@ def _batched(pieces: Iterator[str], size: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
-
-
-def _temp_beside(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    return Path(name)
 
 
 def _check_output(path: Path, flag: str) -> None:
@@ -168,38 +177,184 @@ def _check_output(path: Path, flag: str) -> None:
                            "create it or choose another place")
 
 
-def _check_inputs(inputs: Sequence[str]) -> list[Path]:
-    paths = []
-    for name in inputs:
-        path = Path(name)
-        if not path.is_file():
-            raise PrepareError(f"input {name} does not exist (or is not a file); pass UTF-8 text "
-                               "files")
+def _unescape(separator: str) -> str:
+    """``--doc-separator`` with the escapes \\n, \\t, \\r and \\\\ turned into their characters."""
+    table = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
+    return re.sub(r"\\[ntr\\]", lambda m: table[m.group(0)], separator)
+
+
+def parse_token_count(text: str) -> int:
+    """``--shard-tokens``: an integer, optionally with K, M or G (10^3, 10^6, 10^9)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 100000000 or 100M)")
+    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2).lower()]
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of tokens")
+    return int(value)
+
+
+def resolve_boundary(tokenizer, mode: str, token: Optional[str]) -> tuple[str, Optional[int], Optional[str]]:
+    """(eos | bos | none, boundary token id, token) for --doc-boundary and --boundary-token."""
+    if mode not in BOUNDARIES:
+        raise PrepareError(f"--doc-boundary {mode} is not one of {', '.join(BOUNDARIES)}")
+    default, eos, bos = tokenizer.boundary_tokens()
+    if token is not None:
+        if mode == "none":
+            raise PrepareError("--boundary-token needs --doc-boundary eos or bos (or auto)")
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise PrepareError(f"--boundary-token {token!r} is not a token of tokenizer "
+                               f"{tokenizer.name}; name one of its special tokens")
+        return (default if mode == "auto" and default != "none" else
+                "eos" if mode == "auto" else mode), token_id, token
+    mode = default if mode == "auto" else mode
+    if mode == "none":
+        return "none", None, None
+    token = eos if mode == "eos" else bos
+    if token is None:
+        what = "end-of-text" if mode == "eos" else "beginning-of-text"
+        raise PrepareError(f"--doc-boundary {mode}: tokenizer {tokenizer.name} has no {what} token "
+                           "(looked for <|endoftext|>, </s>, <s>, ...); name one with "
+                           "--boundary-token or pass --doc-boundary none")
+    return mode, tokenizer.token_to_id(token), token
+
+
+class _Skips:
+    """Bad records and damaged files passed over with --skip-bad-records."""
+
+    def __init__(self, allowed: bool):
+        self.allowed, self.records, self.files, self.first = allowed, 0, 0, None
+
+    def record(self, where: str, reason: str) -> None:
+        if not self.allowed:
+            raise PrepareError(f"input {where} {reason}; fix or delete it, or pass "
+                               "--skip-bad-records to skip such records")
+        self.records += 1
+        self.first = self.first or f"{where}: {reason}"
+
+    def file(self, error: PrepareError) -> None:
+        if not self.allowed:
+            raise error
+        self.files += 1
+        self.first = self.first or str(error)
+
+
+def _tasks(items: list, separator: Optional[str], text_field: str, skips: _Skips,
+           on_bytes) -> Iterator[Task]:
+    """Every input cut into tasks, in order."""
+    for item in items:
         try:
-            with open(path, "rb"):
-                pass
-        except OSError as exc:
-            raise PrepareError(f"input {name} is not readable ({exc.strerror}); fix its "
-                               "permissions") from None
-        paths.append(path)
-    return paths
+            if item.kind == inp.TEXT:
+                pieces = read_text_pieces(item.path, on_bytes, separator, item.compression)
+                for batch in _batched(pieces, PIECES_PER_BATCH):
+                    yield Task("text", [p for p, _ in batch], str(item.path), 0, [e for _, e in batch])
+            elif item.kind == inp.JSONL:
+                try:
+                    yield from inp.read_jsonl_tasks(item, on_bytes)
+                except inp.stream_errors() as exc:
+                    reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+                    raise PrepareError(f"input {item.path} is damaged or cut short ({reason}); "
+                                       "download it again") from None
+            elif item.kind == inp.PARQUET:
+                yield from inp.read_parquet_tasks(item, text_field, on_bytes)
+            else:
+                yield from inp.read_arrow_tasks(item, text_field, on_bytes)
+        except PrepareError as exc:
+            if item.kind == inp.TEXT and "not UTF-8" in str(exc):
+                raise  # a text file's earlier pieces are already written: not skippable
+            skips.file(exc)
 
 
-def _copy_tokens(src: Path, start: int, dtype: np.dtype, dst: Path) -> None:
-    """Append tokens ``start:`` of ``src`` to ``dst`` in bounded chunks."""
-    tokens = np.memmap(src, dtype=dtype, mode="r")
-    with open(dst, "wb") as out:
-        step = 1 << 22
-        for i in range(start, len(tokens), step):
-            tokens[i: i + step].tofile(out)
-    del tokens
+class _Documents:
+    """Puts boundary tokens around documents and sends each to the training or validation sink,
+    from the encoded tasks in input order."""
+
+    def __init__(self, mode: str, token_id: Optional[int], val_fraction: float, train: TokenSink,
+                 val: Optional[TokenSink], skips: _Skips, dtype: np.dtype):
+        self.mode, self.train, self.val, self.skips = mode, train, val, skips
+        self.marker = np.array([token_id if token_id is not None else 0], dtype=dtype)
+        self.val_fraction = val_fraction if (val is not None and mode != "none") else 0.0
+        self.open, self.doc_tokens, self.to_val, self.started = False, 0, False, 0
+        self.documents, self.empty, self.tokens = 0, 0, 0
+
+    def feed(self, task: Task, ids: np.ndarray, lengths: np.ndarray, bad: list) -> None:
+        reasons = dict(bad)
+        parts = {False: [], True: []}
+        pos = 0
+        for i, n in enumerate(lengths.tolist()):
+            if n == BLANK:
+                continue
+            if n == BAD:
+                self.skips.record(task.where(i), reasons[i])
+                continue
+            if not self.open:
+                k, f = self.started, self.val_fraction
+                self.open, self.doc_tokens, self.started = True, 0, k + 1
+                self.to_val = f > 0 and math.floor((k + 1) * f) > math.floor(k * f)
+            out = parts[self.to_val]
+            if n:
+                if self.mode == "bos" and self.doc_tokens == 0:
+                    out.append(self.marker)
+                out.append(ids[pos: pos + n])
+                pos += n
+                self.doc_tokens += n
+            if task.ends is None or task.ends[i]:
+                self.open = False
+                if self.doc_tokens:
+                    if self.mode == "eos":
+                        out.append(self.marker)
+                    self.documents += 1
+                    (self.val if self.to_val else self.train).documents += 1
+                else:
+                    self.empty += 1
+        for to_val, chunks in parts.items():
+            if chunks:
+                block = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+                self.tokens += len(block)
+                (self.val if to_val else self.train).write(block)
+
+
+def _default_workers(tokenizer, items: list) -> int:
+    if isinstance(tokenizer, ByteTokenizer):
+        return 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    size = sum(i.path.stat().st_size for i in items)
+    return cores if size >= PARALLEL_MIN_BYTES else 1
+
+
+class PrepareResult(dict):
+    """{token file: its sidecar} of the files written, with what the run counted as attributes."""
+
+    inputs: int = 0
+    documents: int = 0
+    empty: int = 0
+    skipped_records: int = 0
+    skipped_files: int = 0
+    first_skip: Optional[str] = None
+    manifests: list = []
+    stale_removed: list = []
+    boundary: str = "none"
+    boundary_token: Optional[str] = None
+    boundary_token_id: Optional[int] = None
+    workers: int = 1
+    seconds: float = 0.0
 
 
 def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: float = 0.0,
-            val_out: Optional[str] = None, progress: Optional[bool] = None) -> dict:
+            val_out: Optional[str] = None, progress: Optional[bool] = None, *,
+            text_field: str = "text", doc_separator: Optional[str] = None,
+            doc_boundary: str = "auto", boundary_token: Optional[str] = None,
+            shard_tokens: Optional[int] = None, workers: Optional[int] = None,
+            skip_bad_records: bool = False) -> PrepareResult:
     """Tokenize ``inputs`` into ``out`` (and the validation file, if ``val_fraction`` > 0), with
-    sidecars. Returns {path: sidecar} of the files written. Raises ``PrepareError``; nothing is
-    left on disk unless it returns."""
+    sidecars (and manifests with ``shard_tokens``). Returns {path: sidecar} of the token files
+    written (a ``PrepareResult``). Raises ``PrepareError``; nothing is left on disk unless it
+    returns."""
+    began = time.perf_counter()
     if not 0.0 <= val_fraction < 1.0:
         raise PrepareError(f"--val-fraction {val_fraction} is outside [0, 1); use e.g. 0.1 or 0")
     out_path = Path(out)
@@ -212,74 +367,87 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         _check_output(val_path, "--val-out")
         if val_path.resolve() == out_path.resolve():
             raise PrepareError(f"--val-out {val_path} is the --out file; name another file")
-    paths = _check_inputs(inputs)
+    if shard_tokens is not None and shard_tokens < 1:
+        raise PrepareError(f"--shard-tokens {shard_tokens} is not positive; use e.g. 100M")
+    if workers is not None and workers < 1:
+        raise PrepareError(f"--workers {workers} is not positive; use 1 or more (default: the cores)")
+    if doc_separator == "":
+        raise PrepareError("--doc-separator is empty; give the text between documents, e.g. '\\n\\n'")
+    separator = _unescape(doc_separator) if doc_separator else None
+    items = inp.expand_inputs(inputs)
     tokenizer = load_tokenizer(tokenizer_spec)
+    mode, token_id, token = resolve_boundary(tokenizer, doc_boundary, boundary_token)
     dtype_name = token_dtype_for_vocab(tokenizer.vocab_size)
     dtype = TOKEN_DTYPES[dtype_name]
+    n_workers = workers if workers is not None else _default_workers(tokenizer, items)
+    if isinstance(tokenizer, ByteTokenizer):
+        n_workers = 1  # encoding bytes is a copy: nothing to share out
 
     show = sys.stderr.isatty() if progress is None else progress
-    temps: list[Path] = []
+    skips = _Skips(skip_bad_records)
+    train = TokenSink(out_path, dtype, shard_tokens)
+    val = TokenSink(val_path, dtype, shard_tokens) if val_path is not None else None
+    sinks = [train] + ([val] if val is not None else [])
+    temps: list = []
+    docs = _Documents(mode, token_id, val_fraction, train, val, skips, dtype)
     try:
-        whole = _temp_beside(out_path)
-        temps.append(whole)
         bar = None
         if show:
             from tqdm import tqdm
 
-            bar = tqdm(total=sum(p.stat().st_size for p in paths), desc="tokenize", unit="B",
+            bar = tqdm(total=sum(i.path.stat().st_size for i in items), desc="tokenize", unit="B",
                        unit_scale=True, file=sys.stderr)
-        with open(whole, "wb") as sink, (bar if bar is not None else contextlib.nullcontext()):
-            for path in paths:
-                pieces = read_pieces(path, bar.update if bar is not None else (lambda n: None))
-                for batch in _batched(pieces, PIECES_PER_BATCH):
-                    for ids in tokenizer.encode(batch):
-                        if len(ids) and int(ids.max()) >= tokenizer.vocab_size:
-                            raise PrepareError(f"tokenizer {tokenizer.name} produced id "
-                                               f"{int(ids.max())} >= its vocabulary size "
-                                               f"{tokenizer.vocab_size}; check the tokenizer.json")
-                        ids.astype(dtype).tofile(sink)
-        total = whole.stat().st_size // dtype.itemsize
-        held_out = int(total * val_fraction)
+        on_bytes = bar.update if bar is not None else (lambda n: None)
+        with (bar if bar is not None else contextlib.nullcontext()):
+            tasks = _tasks(items, separator, text_field, skips, on_bytes)
+            for task, (ids, lengths, bad) in ordered_encode(tasks, tokenizer, tokenizer_spec,
+                                                             text_field, n_workers):
+                docs.feed(task, ids, lengths, bad)
+                if bar is not None:
+                    rate = docs.tokens / max(time.perf_counter() - began, 1e-9)
+                    bar.set_postfix_str(f"{docs.documents + docs.empty:,} docs, {rate:,.0f} tok/s",
+                                        refresh=False)
+        for sink in sinks:
+            sink.close()
+        total = train.total + (val.total if val is not None else 0)
         if total == 0:
-            raise PrepareError(f"the inputs ({', '.join(map(str, paths))}) gave no tokens; pass "
+            raise PrepareError(f"the inputs ({', '.join(str(i.path) for i in items[:3])}"
+                               f"{', ...' if len(items) > 3 else ''}) gave no tokens; pass "
                                "files with text in them")
-        if val_path is not None and held_out == 0:
-            raise PrepareError(f"--val-fraction {val_fraction} of {total} tokens leaves the "
+        if val is not None and mode == "none":  # the last F of the tokens
+            held_out = int(total * val_fraction)
+            if held_out:
+                for chunk in train.take_tail(held_out):
+                    val.write(chunk)
+        if val is not None and val.total == 0:
+            what = "documents" if mode != "none" else "tokens"
+            count = docs.documents + docs.empty if mode != "none" else total
+            raise PrepareError(f"--val-fraction {val_fraction} of {count} {what} leaves the "
                                "validation file empty; use more text or a larger fraction")
-
-        outputs = [(out_path, whole)]
-        if val_path is not None:
-            val_tmp = _temp_beside(val_path)
-            temps.append(val_tmp)
-            _copy_tokens(whole, total - held_out, dtype, val_tmp)
-            os.truncate(whole, (total - held_out) * dtype.itemsize)
-            outputs.append((val_path, val_tmp))
-
-        headers, side_temps = {}, []
-        for final, tmp in outputs:
-            tokens = np.memmap(tmp, dtype=dtype, mode="r")
-            headers[final] = {"format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION,
-                              "dtype": dtype_name, "num_tokens": len(tokens),
-                              "vocab_size": tokenizer.vocab_size,
-                              "max_token_id": scan_max_token_id(tokens),
-                              "tokenizer": tokenizer.name}
-            del tokens
-            side_tmp = _temp_beside(sidecar_path(final))
-            temps.append(side_tmp)
-            side_tmp.write_text(json.dumps(headers[final], indent=1) + "\n", encoding="utf-8")
-            side_temps.append((sidecar_path(final), side_tmp))
-        # Nothing appears at the final paths before every file is complete.
-        umask = os.umask(0)
-        os.umask(umask)
-        for final, tmp in outputs + side_temps:
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files
-            os.replace(tmp, final)
-        temps.clear()
-        return headers
+        if train.total == 0:
+            raise PrepareError(f"--val-fraction {val_fraction} leaves no training tokens; use a "
+                               "smaller fraction")
+        temps.extend(t for sink in sinks for t in sink.temps())
+        doc_fields = None
+        if mode != "none":
+            doc_fields = {"doc_boundary": mode, "boundary_token": token, "boundary_token_id": token_id}
+        headers, manifests, stale = commit_outputs(
+            sinks, base_header(dtype_name, tokenizer.vocab_size, tokenizer.name), doc_fields, temps)
+        result = PrepareResult(headers)
+        result.inputs, result.documents, result.empty = len(items), docs.documents, docs.empty
+        result.skipped_records, result.skipped_files, result.first_skip = (skips.records, skips.files,
+                                                                           skips.first)
+        result.manifests, result.stale_removed = manifests, stale
+        result.boundary, result.boundary_token, result.boundary_token_id = mode, token, token_id
+        result.workers, result.seconds = n_workers, time.perf_counter() - began
+        return result
     except OSError as exc:
         raise PrepareError(f"could not read or write {exc.filename or out_path} ({exc.strerror}); "
                            "check the files, the output directory and free disk space") from None
     finally:
+        for sink in sinks:
+            sink.close()
+            temps.extend(sink.temps())
         for tmp in temps:
             tmp.unlink(missing_ok=True)
 
@@ -287,38 +455,93 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``asyncpp-prepare-data``."""
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Tokenize UTF-8 text files into a .bin token file (+ .bin.json "
-        "sidecar) for asyncpp-train --data.")
+        prog=PROG, description="Tokenize text, JSON lines (.gz/.zst), Parquet or a save_to_disk "
+        "dataset into .bin token files (+ .bin.json sidecars) for asyncpp-train --data.")
     parser.add_argument("--tokenizer", required=True, metavar="TOKENIZER",
                         help="path of a Hugging Face tokenizer.json, or 'bytes' (ids are the "
                              "UTF-8 bytes, vocabulary 256)")
-    parser.add_argument("--input", required=True, nargs="+", metavar="FILE",
-                        help="UTF-8 text files, tokenized in the order given")
+    parser.add_argument("--input", required=True, nargs="+", metavar="PATH",
+                        help="files, directories or globs, read in the order given (a directory or "
+                             "glob in sorted order): text (*.txt, or any other name), JSON lines "
+                             "(*.jsonl, *.json, *.ndjson, optionally .gz/.zst), Parquet (*.parquet), "
+                             "Arrow / a save_to_disk directory")
     parser.add_argument("--out", required=True, metavar="PATH", help="token file to write (.bin)")
+    parser.add_argument("--text-field", default="text", metavar="NAME",
+                        help="the JSON field / column holding each document's text (default text)")
+    parser.add_argument("--doc-separator", metavar="SEP",
+                        help="split text files into documents at SEP (escapes \\n \\t \\r \\\\; e.g. "
+                             "'\\n\\n' or '<|endoftext|>'; default: one document per file)")
+    parser.add_argument("--doc-boundary", choices=BOUNDARIES, default="auto",
+                        help="mark documents with the end-of-text token after each (eos), the "
+                             "beginning-of-text token before each (bos), or nothing (none); auto "
+                             "(default): as the tokenizer's family trains, none without such a token")
+    parser.add_argument("--boundary-token", metavar="TOKEN",
+                        help="the boundary token to use (default: the tokenizer's own, e.g. "
+                             "<|endoftext|>)")
     parser.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
-                        help="put the last F of the tokens (0 <= F < 1) in a validation file "
-                             "(default 0: none)")
+                        help="put F (0 <= F < 1) of the documents (with --doc-boundary none: the last "
+                             "F of the tokens) in a validation file (default 0: none)")
     parser.add_argument("--val-out", metavar="PATH",
                         help="validation token file (default: <stem of --out>.val.bin next to it)")
+    parser.add_argument("--shard-tokens", type=parse_token_count, metavar="N",
+                        help="write shards of N tokens (e.g. 100M): <stem>_000000.bin, ... each with "
+                             "its sidecar, and <stem>.manifest.json (default: one file)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="tokenizer processes (default: the cores; 1 for inputs under 1 MiB); "
+                             "the output is the same for every N")
+    parser.add_argument("--skip-bad-records", action="store_true",
+                        help="skip malformed records and damaged files, and count them, instead of "
+                             "stopping at the first")
     return parser
+
+
+def _summary(result: PrepareResult) -> str:
+    paths = list(result)
+    first = result[paths[0]]
+    total = sum(h["num_tokens"] for h in result.values())
+    if result.manifests:
+        groups = []
+        for manifest in result.manifests:
+            stem = manifest.name[: -len(".manifest.json")]
+            mine = [p for p in paths if p.name.rsplit("_", 1)[0] == stem]
+            count = sum(result[p]["num_tokens"] for p in mine)
+            groups.append(f"{len(mine)} shard(s) {mine[0]} ... {mine[-1].name} ({count:,}; "
+                          f"manifest {manifest.name})")
+        where = "; ".join(groups)
+    else:
+        where = ", ".join(f"{path} ({h['num_tokens']:,})" for path, h in result.items())
+    line = (f"{PROG}: wrote {total:,} tokens from {result.inputs} input file(s) to {where}; "
+            f"vocabulary {first['vocab_size']:,}, {first['dtype']}")
+    if result.boundary != "none":
+        side = "after" if result.boundary == "eos" else "before"
+        line += (f"; {result.documents:,} documents, {result.boundary_token} "
+                 f"(id {result.boundary_token_id}) {side} each")
+    if result.empty:
+        line += f"; {result.empty:,} empty document(s) skipped"
+    if result.skipped_records or result.skipped_files:
+        line += (f"; skipped {result.skipped_records:,} bad record(s) and {result.skipped_files:,} "
+                 f"damaged file(s) (first: {result.first_skip})")
+    if result.stale_removed:
+        line += f"; removed {len(result.stale_removed)} shard(s) of an earlier run"
+    return line
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``asyncpp-prepare-data``; returns the exit status (0 ok, 2 bad input)."""
     args = build_parser().parse_args(argv)
     try:
-        headers = prepare(args.tokenizer, args.input, args.out, args.val_fraction, args.val_out)
+        result = prepare(args.tokenizer, args.input, args.out, args.val_fraction, args.val_out,
+                         text_field=args.text_field, doc_separator=args.doc_separator,
+                         doc_boundary=args.doc_boundary, boundary_token=args.boundary_token,
+                         shard_tokens=args.shard_tokens, workers=args.workers,
+                         skip_bad_records=args.skip_bad_records)
     except DataError as exc:  # PrepareError, or a vocabulary no token dtype holds
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; no file written", file=sys.stderr)
         return 130
-    first = next(iter(headers.values()))
-    parts = ", ".join(f"{path} ({h['num_tokens']:,})" for path, h in headers.items())
-    total = sum(h["num_tokens"] for h in headers.values())
-    print(f"{PROG}: wrote {total:,} tokens from {len(args.input)} input file(s) to {parts}; "
-          f"vocabulary {first['vocab_size']:,}, {first['dtype']}")
+    print(_summary(result))
     return 0
 
 
