@@ -24,6 +24,7 @@ EXTRAS = {
     "tensorboard": (["tensorboard"], []),
     "study": (["pytorch_optimizer"], ["lion", "adan", "soap", "mars"]),
     "hypothesis (test)": (["hypothesis"], []),
+    "data": (["pyarrow", "zstandard", "datasets"], ["parquet", "zstd"]),
 }
 
 
