@@ -66,3 +66,20 @@ def test_compile_where_torch_cannot_is_one_line(tmp_path, capsys, monkeypatch):
                    "no working C++ compiler")
     # auto stays eager where torch cannot compile: no error
     assert main(COMMON + ["--simulate", "--steps", "1", "--out", str(tmp_path / "auto")]) == 0
+
+
+@pytest.mark.cuda
+def test_llama_attention_runs_on_the_flash_kernel_under_bf16_autocast():
+    """SmolLM's attention shapes (head width 64, grouped-query 9/3 heads) under the run's autocast:
+    restricted to the flash backend, SDPA raises if it would have fallen back to another kernel."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from asyncpp_ext.models.registry import build_model, model_config
+
+    model = build_model(model_config("smollm-135m", n_layer=1, seq_len=256), seed=0).cuda()
+    idx = torch.randint(0, 256, (2, 256), device="cuda")
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits, loss = model(idx, idx)
+        loss.backward()
+    assert torch.isfinite(loss)
