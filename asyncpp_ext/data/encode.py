@@ -217,7 +217,7 @@ def _texts_of(task: Task, text_field: str, lengths: np.ndarray, bad: list) -> tu
 
 
 def encode_task(tokenizer, task: Task, text_field: str = "text"):
-    """(ids int64, lengths int64 per item, bad [(index, reason)]) of one task."""
+    """(ids in the token file's dtype, lengths int64 per item, bad [(index, reason)]) of one task."""
     n = len(task.items)
     lengths = np.zeros(n, dtype=np.int64)
     bad: list = []
@@ -246,7 +246,14 @@ def encode_task(tokenizer, task: Task, text_field: str = "text"):
         raise PrepareError(f"tokenizer {tokenizer.name} produced id {int(ids.max())} >= its "
                            f"vocabulary size {tokenizer.vocab_size}; check the tokenizer.json")
     lengths[np.asarray(index, dtype=np.int64)] = counts
-    return ids, lengths, bad
+    # In the file's dtype already: a quarter of the int64 bytes cross from a worker.
+    return ids.astype(_token_dtype(tokenizer.vocab_size), copy=False), lengths, bad
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    from .sources import TOKEN_DTYPES, token_dtype_for_vocab
+
+    return TOKEN_DTYPES[token_dtype_for_vocab(vocab_size)]
 
 
 # ---- worker processes -----------------------------------------------------------------------
