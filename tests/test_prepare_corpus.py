@@ -396,3 +396,41 @@ def test_help_names_the_new_flags():
     for flag in ("--text-field", "--doc-boundary", "--shard-tokens", "--workers", "--skip-bad-records",
                  "--doc-separator"):
         assert flag in done.stdout
+
+
+def test_parquet_folder_to_a_2bw_run_through_the_manifests(tmp_path, eot_tok, capsys, one_intra_op_thread):
+    """The README's path: a folder of Parquet shards -> shards + manifests -> a 2-stage 2bw run."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from asyncpp_ext.training.cli import main as train_main
+    from asyncpp_ext.training.run_files import read_metrics
+
+    folder = tmp_path / "fineweb"
+    folder.mkdir()
+    docs = _docs(300, start=1_500_000)
+    for i in range(3):
+        pq.write_table(pa.table({"text": docs[i * 100: (i + 1) * 100]}), folder / f"{i:03d}_00000.parquet")
+    rc, lines, err = _run(["--tokenizer", eot_tok, "--input", folder, "--out", tmp_path / "fw.bin",
+                           "--shard-tokens", "5000", "--val-fraction", "0.05"], capsys)
+    assert rc == 0, err
+    run = tmp_path / "run"
+    rc = train_main(["--data", str(tmp_path / "fw.manifest.json"), "--val-data",
+                     str(tmp_path / "fw.val.manifest.json"), "--vocab-size", str(VOCAB),
+                     "--model", "tiny", "--seq-len", "32", "--stages", "2", "--schedule", "2bw",
+                     "--simulate", "--steps", "4", "--eval-every", "2", "--no-progress", "--out", str(run)])
+    assert rc == 0, capsys.readouterr().err
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and any("eval_loss" in r for r in rows)
+
+
+def test_rerun_with_fewer_shards_removes_the_earlier_runs_extra_shards(tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("some text to shard\n" * 50)
+    argv = ["--tokenizer", "bytes", "--input", tmp_path / "in.txt", "--out", tmp_path / "o.bin"]
+    assert _run(argv + ["--shard-tokens", "100"], capsys)[0] == 0
+    assert len(list(tmp_path.glob("o_*.bin"))) == 10
+    rc, lines, _ = _run(argv + ["--shard-tokens", "400"], capsys)
+    assert rc == 0 and "removed 7 shard(s) of an earlier run" in lines[0]
+    assert sorted(p.name for p in tmp_path.glob("o_*")) == [
+        f"o_00000{i}.bin{s}" for i in range(3) for s in ("", ".json")]
+    assert len(load_tokens(str(tmp_path / "o_*.bin"))) == 950
