@@ -71,8 +71,10 @@ def test_unknown_start_method_is_refused_before_any_rank_starts(monkeypatch, tmp
 
 def test_ranks_write_to_the_launchers_current_stderr(tmp_path):
     """A launcher that points its stderr elsewhere between launches gets its ranks' lines there,
-    as ranks started from fresh interpreters would (a forkserver is restarted for it)."""
+    as ranks started from fresh interpreters would (a forkserver hands them the launcher's
+    stderr of the moment, and is kept: pytest's capfd points stderr at a new file per test)."""
     spawn(say, 2, ("before",))
+    server_pid = mp.forkserver._forkserver._forkserver_pid
     saved = os.dup(2)
     try:
         with open(tmp_path / "stderr.txt", "w") as log:
@@ -83,6 +85,8 @@ def test_ranks_write_to_the_launchers_current_stderr(tmp_path):
         os.close(saved)
     lines = sorted((tmp_path / "stderr.txt").read_text().splitlines())
     assert lines == ["rank 0 says after", "rank 1 says after"], lines
+    if launch.start_method() == "forkserver":
+        assert mp.forkserver._forkserver._forkserver_pid == server_pid
 
 
 def test_a_per_test_variable_keeps_the_forkserver_and_still_reaches_the_ranks(tmp_path, monkeypatch):

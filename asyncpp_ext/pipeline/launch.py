@@ -149,13 +149,35 @@ def _die_with_parent() -> None:
             os._exit(EXIT_FAILED)
 
 
+class _LauncherStdio:
+    """The launcher's standard output and error as they are at launch time, handed to a
+    forkserver's rank, which would otherwise write where the server's went (multiprocessing
+    passes the file descriptors along with the rank, as it does sockets)."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _launcher_stdio_in_rank, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _launcher_stdio_in_rank(out, err) -> tuple:
+    return out.detach(), err.detach()
+
+
 def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel=None,
-           listener: socket.socket | None = None, environ: dict | None = None) -> None:
+           listener: socket.socket | None = None, environ: dict | None = None,
+           stdio: tuple | None = None) -> None:
     global _failure_channel, _store_listener
     _die_with_parent()
     if environ is not None and environ != dict(os.environ):  # the launcher's at launch time
         os.environ.clear()
         os.environ.update(environ)
+    if stdio is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, target in zip(stdio, (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
     _failure_channel, _store_listener = channel, listener
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                       MASTER_PORT=str(port), **{_SPAWNED_ENV: "1"})
@@ -200,27 +222,37 @@ def _context():
     return mp.get_context(method)
 
 
-def _stdio_files() -> tuple:
-    """What file descriptors 0-2 are open on (device, inode), None where one is closed."""
-    def identity(fd: int):
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
-    return tuple(identity(fd) for fd in range(3))
+def _stdout_and_stderr_open() -> bool:
+    try:
+        os.fstat(1), os.fstat(2)
+    except OSError:
+        return False
+    return True
 
 
 def _server_key() -> tuple:
     """What a forkserver's ranks get from the server rather than from the launcher at launch
     time: the environment the server imported torch under (read at import by torch, OpenMP, MKL,
     CUDA, the dynamic loader, and by any module a rank's function lives in, which the rank imports
-    before ``_child`` runs) and the standard streams. (multiprocessing hands each rank the
-    launcher's sys.path and working directory itself.) Per-launch bookkeeping variables
-    (_PER_LAUNCH_ENV_PREFIXES) are left out: no import reads them, and ``_child`` gives the rank
-    the launcher's environment of the moment."""
+    before ``_child`` runs). Per-launch bookkeeping variables (_PER_LAUNCH_ENV_PREFIXES) are left
+    out: no import reads them, and ``_child`` gives the rank the launcher's environment of the
+    moment. multiprocessing hands each rank the launcher's sys.path and working directory, and
+    ``spawn`` the launcher's stdout and stderr where both are open (pytest's capfd, for one,
+    points them at a new file per test); where one is closed, the server is restarted whenever
+    that changes and its ranks inherit the server's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PER_LAUNCH_ENV_PREFIXES)}
-    return env, _stdio_files()
+    if _stdout_and_stderr_open():
+        return env, None
+    return env, tuple(_stdio_identity(fd) for fd in range(3))
+
+
+def _stdio_identity(fd: int):
+    """What a file descriptor is open on (device, inode); None where it is closed."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _forkserver_for_this_environment() -> bool:
@@ -251,8 +283,9 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
     channel = ctx.SimpleQueue()
     reasons: dict[int, str] = {}
     environ = dict(os.environ)
+    stdio = _LauncherStdio() if ctx.get_start_method() == "forkserver" and _stdout_and_stderr_open() else None
     procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, channel, listener if r == 0 else None,
-                                              environ), daemon=False) for r in range(nprocs)]
+                                              environ, stdio), daemon=False) for r in range(nprocs)]
     try:
         for p in procs:
             p.start()  # rank 0 gets its own duplicate of the listening socket
