@@ -268,10 +268,17 @@ def test_text_files_split_at_a_separator_and_long_documents_get_one_marker(tmp_p
                     capsys)
     ids = load_tokens(str(tmp_path / "w.bin"), VOCAB).tolist()
     assert ids.count(0) == 1 and ids[-1] == 0  # pieces of one document: one marker, at its end
-    (tmp_path / "c.txt").write_text("para one\n\npara two\n\n", encoding="utf-8")
+    # A separator made of line ends, in documents longer than a piece: never cut in two.
+    # The first one ends exactly at the first block's end, its separator's second half in the next.
+    paragraphs = ["y" * 63 + "\n"] + [f"paragraph {k}\n" + f"more {k} text line\n" * (k % 4 + 2)
+                                      for k in range(11)]
+    (tmp_path / "c.txt").write_text("\n".join(paragraphs), encoding="utf-8")
     rc, lines, _ = _run(["--tokenizer", eot_tok, "--input", tmp_path / "c.txt", "--out",
                          tmp_path / "c.bin", "--doc-separator", "\\n\\n"], capsys)
-    assert rc == 0 and "2 documents" in lines[0]
+    assert rc == 0 and "12 documents" in lines[0]
+    decoded = [tokenizers.Tokenizer.from_file(str(eot_tok)).decode(d)
+               for d in _split_docs(load_tokens(str(tmp_path / "c.bin"), VOCAB).tolist())]
+    assert decoded == [p[:-1] for p in paragraphs[:-1]] + [paragraphs[-1]]
 
 
 def test_in_flight_tasks_are_bounded(tmp_path):
@@ -290,7 +297,7 @@ def test_in_flight_tasks_are_bounded(tmp_path):
     assert seen == [f"piece {i}\n" for i in range(40)]
 
 
-def _bad_case(tmp_path, case, tok):
+def _bad_case(tmp_path, case, tok, monkeypatch=None):
     good = [json.dumps({"text": "good text"}) + "\n"] * 3
     path = tmp_path / "in.jsonl"
     extra = []
@@ -327,6 +334,12 @@ def _bad_case(tmp_path, case, tok):
         path = tmp_path / "dd"
         path.mkdir()
         (path / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    elif case == "malformed JSON after written shards":
+        from asyncpp_ext.data import inputs as inp
+
+        monkeypatch.setattr(inp, "TASK_BYTES", 100)  # shards are written before the bad line
+        path.write_text("".join(good) * 40 + "{oops\n")
+        extra = ["--shard-tokens", "20"]
     elif case == "unknown boundary token":
         path.write_text("".join(good))
         extra = ["--boundary-token", "<|nope|>"]
@@ -339,6 +352,7 @@ def _bad_case(tmp_path, case, tok):
 
 BAD = [
     ("malformed JSON", "in.jsonl line 4 is not valid JSON .*pass --skip-bad-records"),
+    ("malformed JSON after written shards", "in.jsonl line 121 is not valid JSON"),
     ("missing text field", "in.jsonl line 4 has no 'text' field \\(fields: body\\); pass --text-field"),
     ("null text", "in.jsonl line 4 has 'text' = null, not a string"),
     ("non-UTF-8 record", "in.jsonl line 4 is not UTF-8 \\(byte 13 of the line\\)"),
@@ -355,8 +369,8 @@ BAD = [
 
 
 @pytest.mark.parametrize("case, match", BAD)
-def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, eot_tok, capsys, case, match):
-    argv = _bad_case(tmp_path, case, eot_tok)
+def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, eot_tok, capsys, monkeypatch, case, match):
+    argv = _bad_case(tmp_path, case, eot_tok, monkeypatch)
     before = sorted(p.name for p in tmp_path.rglob("*"))
     rc, out, err = _run(argv, capsys)
     assert rc == 2 and out == [] and len(err) == 1, err
