@@ -244,11 +244,14 @@ def run_ours(schedule, stages, m, costs_ms, steps, warmup, spin_s) -> dict:
     modules = [nn.Sequential(*blocks[BLOCKS_PER_RANK * s:BLOCKS_PER_RANK * (s + 1)]) for s in range(stages)]
     per = m if schedule == "pipedream" else 1  # pipedream: one microbatch per step, m of them count as one
     mm = 1 if schedule == "pipedream" else m
+    began = time.monotonic()
     pipe = Pipeline(modules, loss_fn=nn.functional.mse_loss, optimizer=adamw, schedule=schedule,
                     microbatches=mm, track_memory=True, timeout_s=RUN_TIMEOUT_S)
     data = batches(mm)
+    setup = time.monotonic() - began
     for _ in pipe.train(data, warmup * per):
         pass
+    warm = time.monotonic() - began - setup
     timed_from = len(pipe.trace)
     dist.barrier()
     start = time.monotonic_ns()
@@ -258,7 +261,7 @@ def run_ours(schedule, stages, m, costs_ms, steps, warmup, spin_s) -> dict:
     dist.barrier()
     ends = sorted(e[5] for e in pipe.trace[timed_from:] if e[0] == "optimizer_step")
     mem = pipe.host.memory_report()
-    return {"steady_step_s": _steady_step_s(ends, per), "stream_step_s": wall / steps,
+    return {"steady_step_s": _steady_step_s(ends, per), "stream_step_s": wall / steps, "setup_s": setup, "warmup_s": warm,
             "memory": {"weights": mem["weights"], "weight_versions": mem["weight_versions"], "grads": mem["grads"],
                        "optimizer_state": mem["optimizer_state"], "activations": mem["peak_activations"]}}
 
@@ -298,8 +301,10 @@ def run_torch(name, stages, m, costs_ms, steps, warmup, spin_s) -> dict:
         opt.step()
         opt.zero_grad()
 
+    began = time.monotonic()
     for _ in range(warmup):
         one_step()
+    warm = time.monotonic() - began
     ends = []
     dist.barrier()
     start = time.monotonic_ns()
@@ -309,7 +314,8 @@ def run_torch(name, stages, m, costs_ms, steps, warmup, spin_s) -> dict:
     wall = (time.monotonic_ns() - start) / 1e9
     dist.barrier()
     # every step flushes, so every interval is a whole step
-    return {"steady_step_s": statistics.median((b - a) / 1e9 for a, b in zip(ends, ends[1:])), "stream_step_s": wall / steps,
+    return {"steady_step_s": statistics.median((b - a) / 1e9 for a, b in zip(ends, ends[1:])),
+            "stream_step_s": wall / steps, "setup_s": 0.0, "warmup_s": warm,
             "memory": {"weights": tensor_bytes(params), "weight_versions": 1, "grads": grads_bytes[0],
                        "optimizer_state": optimizer_state_bytes(opt), "activations": meter.peak}}
 
@@ -324,8 +330,10 @@ def worker(stages, plan, repeats, costs_ms, steps, warmup, out_prefix):
     for repeat in range(repeats):
         for m, impl, name in plan:
             fn = run_ours if impl == "ours" else run_torch
+            began = time.monotonic()
             results.append({"m": m, "impl": impl, "schedule": name, "repeat": repeat,
                             **fn(name, stages, m, costs_ms, steps, warmup, spin_s)})
+            results[-1]["run_s"] = time.monotonic() - began
     with open(f"{out_prefix}-{rank}.json", "w") as fh:
         json.dump(results, fh)
 
@@ -432,6 +440,12 @@ def measure(stage_list: list[int], m_factors: list[int], costs_ms: dict, steps: 
     """Every row's figure is its fastest repeat (the slowest rank's steady step within a repeat)."""
     started = time.monotonic()
     load_before = os.getloadavg()[0]
+    # One thread per rank for every runtime. Through the environment, not only torch.set_num_threads:
+    # our executor runs the stage on a thread it starts per train() call, and without
+    # OMP_NUM_THREADS that thread's first step ran torch's ops on one OpenMP thread per core (with
+    # ranks > cores, S=2 m=32: 3.7 s instead of 0.1 s for two steps; see the report in docs/results.md).
+    omp_before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
     rows, skipped, calibration = [], [], {}
     for S in stage_list:
         ms = microbatches or [f * S for f in m_factors]
@@ -460,9 +474,15 @@ def measure(stage_list: list[int], m_factors: list[int], costs_ms: dict, steps: 
                          "steps_per_s": 1 / step_s, "step_ms": 1e3 * step_s,
                          "stream_steps_per_s": 1 / max(v["stream_step_s"] for v in views),
                          "all_steps_per_s": [1 / max(v["steady_step_s"] for v in vs) for vs in seen],
+                         "run_s": max(v["run_s"] for v in views), "setup_s": max(v["setup_s"] for v in views),
+                         "warmup_s": max(v["warmup_s"] for v in views),
                          "ideal_step_ms": 1e3 * ideal, "achieved_over_ideal": ideal / step_s,
                          "model_over_ideal": ideal / model_step_s(impl, name, S, m, cal, costs_ms),
                          "memory": memory, "loss_gap": loss_gap(impl, name, S)})
+    if omp_before is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp_before
     for S in stage_list:
         for m in sorted({r["m"] for r in rows if r["stages"] == S}):
             group = [r for r in rows if r["stages"] == S and r["m"] == m]
