@@ -497,6 +497,61 @@ def measure(stage_list: list[int], m_factors: list[int], costs_ms: dict, steps: 
             "rows": rows, "skipped": skipped, "seconds": time.monotonic() - started}
 
 
+def model_rows(stage_list: list[int], ms_for, costs_ms: dict, peers: list[str]) -> tuple[list, list]:
+    """The analytical model alone (no processes): per (S, m, schedule) the fraction of the ideal
+    with the nominal costs (no optimizer step, no host work) and the most microbatches' activations
+    a rank holds (units of a rank's activations for one microbatch)."""
+    cal = {"per_mb": sum(costs_ms.values()) / 1e3, "opt": 0.0}
+    rows, skipped = [], []
+    for S in stage_list:
+        for m in ms_for(S):
+            for name in OURS:
+                inflight = max(analytic.activations_in_flight(name, s, S, 1 if name == "pipedream" else m)
+                               for s in range(S))
+                rows.append({"stages": S, "m": m, "impl": "ours", "schedule": name, "placement": "stage",
+                             "model_over_ideal": m * cal["per_mb"] / model_step_s("ours", name, S, m, cal, costs_ms),
+                             "model_in_flight": inflight,
+                             "weight_versions": analytic.weight_versions(name, 0, S)})
+            for name in peers:
+                why = torch_refusal(name, S, m)
+                if why:
+                    skipped.append(f"S={S} m={m}: {why}")
+                    continue
+                orders, stage_to_rank = torch_orders(name, S, m)
+                chunks = 1 if PEERS[name] == "single" else BLOCKS_PER_RANK
+                total = sum(costs_ms.values())
+                c = {"F": costs_ms["fwd"] / chunks, "I": costs_ms["bwd_input"] / chunks,
+                     "W": costs_ms["bwd_weight"] / chunks, "B": (costs_ms["bwd_input"] + costs_ms["bwd_weight"]) / chunks}
+                res = analytic.simulate_actions(orders, stage_to_rank, c, chunks=chunks)
+                rows.append({"stages": S, "m": m, "impl": "torch", "schedule": name, "placement": PEERS[name],
+                             "model_over_ideal": m * total / res.makespan, "model_in_flight": max(res.peak_inflight),
+                             "weight_versions": 1})
+    return rows, skipped
+
+
+def format_model_table(rows: list, skipped: list, costs_ms: dict) -> str:
+    stage_list = sorted({r["stages"] for r in rows})
+    labels = []
+    for r in rows:
+        if row_label(r) not in labels:
+            labels.append(row_label(r))
+    lines = [f"# analytic model: F {costs_ms['fwd']:g} / B {costs_ms['bwd_input']:g} / W {costs_ms['bwd_weight']:g} per rank, "
+             "no optimizer step, no host work; fraction of the bubble-free ideal (steady state) / most microbatches' "
+             "activations on one rank / weight copies"]
+    cols = [(S, m) for S in stage_list for m in sorted({r["m"] for r in rows if r["stages"] == S})]
+    lines.append(f"  {'schedule':<40}" + "".join(f"{f'S={S} m={m}':>17}" for S, m in cols))
+    by = {(row_label(r), r["stages"], r["m"]): r for r in rows}
+    for label in labels:
+        cells = []
+        for S, m in cols:
+            r = by.get((label, S, m))
+            cells.append(f"{'-':>17}" if r is None else
+                         f"{r['model_over_ideal']:>7.3f} {r['model_in_flight']:>5.1f} {r['weight_versions']:>2d}x")
+        lines.append(f"  {label:<40}" + "".join(cells))
+    lines += [f"  skipped: {line}" for line in skipped]
+    return "\n".join(lines)
+
+
 def _machine() -> str:
     cpu = "unknown CPU"
     try:
@@ -605,6 +660,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="round-robin repeats; each row keeps its fastest")
     p.add_argument("--peers", default=",".join(PEERS), help="torch schedules to run (default: all)")
     p.add_argument("--quick", action="store_true", help="S=2, m=2,4, 2 ms costs, 3 steps: the smoke test")
+    p.add_argument("--model-only", action="store_true",
+                   help="print the analytical model's table (fraction of the ideal, activations, weight copies) and exit")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="PATH", help="write the achieved/model figure")
     a = p.parse_args(argv)
@@ -627,6 +684,11 @@ def main(argv=None) -> int:
     costs = {"fwd": a.fwd_ms, "bwd_input": a.bwd_input_ms, "bwd_weight": a.bwd_weight_ms}
     if any(v < 0 for v in costs.values()) or sum(costs.values()) <= 0:
         p.error("the emulated costs must be >= 0 and not all 0")
+    if a.model_only:
+        rows, skipped = model_rows(stage_list, lambda S: ms or [S, 2 * S, 4 * S], costs, peers)
+        print(json.dumps({"costs_ms": costs, "rows": rows, "skipped": skipped}, indent=2) if a.json
+              else format_model_table(rows, skipped, costs))
+        return 0
     result = measure(stage_list, [1, 2, 4], costs, a.steps, a.warmup, peers, ms, a.repeats)
     if a.plot:
         result["plot"] = plot(result, a.plot)

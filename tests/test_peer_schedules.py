@@ -100,3 +100,20 @@ def test_bad_settings_stop_with_one_line(capsys):
             ps.main(argv)
         assert exc.value.code == 2
         assert "error:" in capsys.readouterr().err
+
+
+def test_model_only_table_needs_no_processes(capsys):
+    assert ps.main(["--model-only", "--json", "--stages", "4", "--microbatches", "8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    model = {(r["impl"], r["schedule"]): r for r in result["rows"]}
+    assert model["ours", "2bw"]["model_over_ideal"] == 1.0 and model["ours", "2bw"]["weight_versions"] == 2
+    assert model["ours", "1f1b"]["model_over_ideal"] == pytest.approx(8 / 11)  # 1 - (S-1)/(m+S-1)
+    assert model["torch", "1F1B"]["model_over_ideal"] == pytest.approx(8 / 11)
+    assert model["torch", "Interleaved1F1B"]["model_over_ideal"] == pytest.approx(1 / (1 + 3 / 16))  # (p-1)/(2m)
+    assert model["torch", "ZBVZeroBubble"]["model_over_ideal"] == pytest.approx(1 / (1 + 3 / 48))  # (p-1)/(6m)
+    assert model["torch", "ZBVZeroBubble"]["model_in_flight"] == 4.0  # 1F1B's S on the first rank
+    assert model["ours", "gpipe"]["model_in_flight"] == 8 and model["ours", "pipedream"]["weight_versions"] == 4
+    assert result["skipped"] == []
+    assert ps.main(["--model-only", "--stages", "2", "--microbatches", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "skipped: S=2 m=2: torch DualPipeV:" in text and "ours  2bw" in text
