@@ -2,6 +2,8 @@
 the plain path ``BlockModel.loss(head(x), t)``: values and gradients in fp32 and under bf16
 autocast, every chunking, the three head classes (tied weights included), the auto rule, the
 kernel choice, and the memory it saves."""
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,7 +167,10 @@ def _input_embedding(model):
     return getattr(embed, "tok", None) or getattr(embed, "embed_tokens", None) or embed.wte
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama-tied", "hf-llama-tied", "hf-gpt2-tied"])
+@pytest.mark.parametrize("name", ["gpt", "llama-tied"] + [
+    pytest.param(name, marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                                reason="needs pip install 'asyncpp_ext[hf]'"))
+    for name in ("hf-llama-tied", "hf-gpt2-tied")])
 def test_each_head_class_plain_is_bitwise_the_old_path_and_fused_matches(name):
     model = _model(name)
     gen = torch.Generator().manual_seed(1)
