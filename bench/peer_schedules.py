@@ -403,8 +403,8 @@ def model_step_s(impl: str, name: str, stages: int, m: int, cal: dict, costs_ms:
         return m * c / (1 - frac) + o
     orders, stage_to_rank = torch_orders(name, stages, m)
     chunks = 1 if PEERS[name] == "single" else BLOCKS_PER_RANK
-    total = sum(costs_ms.values())
-    share = {k: v / total for k, v in costs_ms.items()}
+    total = sum(costs_ms.values())  # zero: the runtimes' host work alone; split it evenly
+    share = {k: v / total for k, v in costs_ms.items()} if total > 0 else {k: 1 / 3 for k in costs_ms}
     costs = {"F": c * share["fwd"] / chunks, "I": c * share["bwd_input"] / chunks,
              "W": c * share["bwd_weight"] / chunks, "B": c * (share["bwd_input"] + share["bwd_weight"]) / chunks}
     return analytic.simulate_actions(orders, stage_to_rank, costs, chunks=chunks).makespan + o
@@ -656,7 +656,8 @@ def main(argv=None) -> int:
                    help="comma-separated m for every S (default: S, 2S, 4S)")
     p.add_argument("--fwd-ms", type=float, default=4.0, help="emulated forward per rank and microbatch")
     p.add_argument("--bwd-input-ms", type=float, default=4.0, help="emulated input-gradient part")
-    p.add_argument("--bwd-weight-ms", type=float, default=4.0, help="emulated weight-gradient part")
+    p.add_argument("--bwd-weight-ms", type=float, default=4.0,
+                   help="emulated weight-gradient part (all three 0: the runtimes' own host work per step)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (steady rate over the middle ones)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="round-robin repeats; each row keeps its fastest")
@@ -684,8 +685,8 @@ def main(argv=None) -> int:
     if a.steps < 3 or a.warmup < 1 or a.repeats < 1:
         p.error("--steps must be >= 3, --warmup and --repeats >= 1")
     costs = {"fwd": a.fwd_ms, "bwd_input": a.bwd_input_ms, "bwd_weight": a.bwd_weight_ms}
-    if any(v < 0 for v in costs.values()) or sum(costs.values()) <= 0:
-        p.error("the emulated costs must be >= 0 and not all 0")
+    if any(v < 0 for v in costs.values()) or (a.model_only and sum(costs.values()) <= 0):
+        p.error("the emulated costs must be >= 0 (and not all 0 for --model-only)")
     if a.model_only:
         rows, skipped = model_rows(stage_list, lambda S: ms or [S, 2 * S, 4 * S], costs, peers)
         print(json.dumps({"costs_ms": costs, "rows": rows, "skipped": skipped}, indent=2) if a.json
