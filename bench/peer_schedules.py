@@ -620,7 +620,8 @@ def plot(result: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     stage_list = sorted({r["stages"] for r in result["rows"]})
-    fig, axes = plt.subplots(1, len(stage_list), figsize=(5 * len(stage_list), 4.2), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(stage_list), figsize=(4.2 * len(stage_list) + 3.2, 4.2), sharey=True,
+                             squeeze=False)
     names = []
     for r in result["rows"]:
         if row_label(r) not in names:
@@ -639,11 +640,13 @@ def plot(result: dict, path: str) -> str:
         ax.set_title(f"S = {S}")
         ax.set_xlabel("microbatches per step / S")
         ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 2, 4], ["1", "2", "4"])
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("fraction of the bubble-free ideal")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("measured (markers) vs analytic model (lines)")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")
+    fig.suptitle("measured (markers) vs analytic model (lines: ours solid, torch dashed)")
+    fig.tight_layout(rect=(0, 0, 1 - 3.0 / (4.2 * len(stage_list) + 3.2), 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
