@@ -27,11 +27,11 @@ ranks outnumber the cores), so eight ranks on two cores wait in parallel as eigh
 would, and the CPU only carries the runtimes' host work. Defaults: F = B = W = 4 ms per rank, the
 zero-bubble paper's equal-cost assumption (backward = 2 x forward, as usual).
 
-**Columns.** steps/s in steady state (the step-to-step interval inside one timed stream; the
-slowest rank's; a continuous stream's fill and drain excluded, see ``stream``); ach/ideal = the
-bubble-free ideal step (m x the slowest rank's calibrated per-microbatch compute + one optimizer
-step, all measured alone in one process, the fastest of 30) over the measured step; model = the same ratio predicted
-by the analytical model (asyncpp_ext.schedule.analytic: closed forms for ours; for torch's, its own
+**Columns.** steps/s in steady state (the median step-to-step interval inside one timed stream,
+the slowest rank's; a continuous stream's drain left out; the JSON's ``stream_steps_per_s``
+includes it); ach/ideal = the bubble-free ideal step (m x the slowest rank's calibrated
+per-microbatch compute + one optimizer step, measured alone in one process, the fastest of 30)
+over the measured step; model = the same ratio predicted by the analytical model (asyncpp_ext.schedule.analytic: closed forms for ours; for torch's, its own
 action order simulated with these costs); memory per rank in KiB, measured: weights (every version
 kept) + gradients + optimizer state + peak activations saved by autograd (one ActivationMeter for
 every runtime); loss gap: what the weight delay costs in final eval loss (nats/byte, gap to sync,
@@ -40,13 +40,14 @@ steps): cited, not rerun. 2bw's delay is one step at every depth, so its gap doe
 pipedream's grows with S; every synchronous schedule pays none.
 
 A torch schedule that cannot run a setting (not in this torch, or its shape rule) prints a one-line
-reason instead of a row.
+reason instead of a row. ``--model-only`` prints the analytical model's table without processes;
+all three costs 0 measure each runtime's own host work. Results and discussion: docs/results.md,
+"Against the best synchronous schedules".
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys

@@ -1,7 +1,6 @@
 """bench/peer_schedules.py: the smoke run (every schedule, a refusal line, measured memory that
 follows the schedules' rules), the cited loss gaps against docs/results.md, the table's text."""
 import json
-import os
 import re
 import sys
 from pathlib import Path
