@@ -95,7 +95,7 @@ def _torch_orders(name, S, m):
 @pytest.mark.parametrize("S,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
 def test_published_peer_formulas_against_torchs_own_orders(S, m):
     """At F = B = W, one step of torch's orders: 1F1B's (p-1)/m and interleaving's (p-1)/(2m) hold
-    exactly; torch's zero-bubble orders keep the fill of one chunk-forward per rank, (p-1)/(6m),
+    exactly; torch's zero-bubble orders (m >= 2S) keep p-1 chunk-forwards of fill per rank, (p-1)/(6m),
     not the papers' 0, which counts a step as the overlapping parallelogram of steady training."""
     pytest.importorskip("torch.distributed.pipelining")
     cost = {"F": 0.5, "I": 0.5, "W": 0.5, "B": 1.0}
