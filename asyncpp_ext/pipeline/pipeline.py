@@ -379,8 +379,14 @@ class Pipeline:
         # drain per MAX_SCHEDULE_WORK / (S*m) steps) to bound the program's memory.
         chunk = max(1, C.MAX_SCHEDULE_WORK // (self.stages * self.m))
 
+        # OpenMP's thread count is per thread: without this the executor thread would run its
+        # torch ops on one thread per core whatever the rank set (seconds per step when ranks
+        # share cores).
+        intra_op_threads = torch.get_num_threads()
+
         def worker() -> None:
             try:
+                torch.set_num_threads(intra_op_threads)
                 if self.device.type == "cuda":  # the current device is per thread
                     torch.cuda.set_device(self.device)
                 for stream_start in range(first_step, first_step + steps, chunk):
