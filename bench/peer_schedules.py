@@ -443,10 +443,9 @@ def measure(stage_list: list[int], m_factors: list[int], costs_ms: dict, steps: 
     """Every row's figure is its fastest repeat (the slowest rank's steady step within a repeat)."""
     started = time.monotonic()
     load_before = os.getloadavg()[0]
-    # One thread per rank for every runtime. Through the environment, not only torch.set_num_threads:
-    # our executor runs the stage on a thread it starts per train() call, which set_num_threads in
-    # the rank does not reach, and without OMP_NUM_THREADS that thread ran torch's ops as if on one
-    # OpenMP thread per core (S=2 m=32: 3.7 s instead of 0.1 s for two steps; docs/results.md).
+    # One thread per rank for every runtime, through the environment so that every thread of every
+    # runtime starts with it (OpenMP's count is per thread; our executor thread now copies the
+    # rank's, torch's schedules get the same from here; docs/results.md).
     omp_before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     rows, skipped, calibration = [], [], {}
