@@ -38,6 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_memory import tree_pss  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 BATCH = 512
@@ -126,32 +129,6 @@ def _baseline_child(tokenizer: str, folder: str) -> None:
                       "peak_bytes": peak}))
 
 
-def _tree_pss(root: int) -> int:
-    """Sum of PSS (bytes) of ``root`` and its descendants."""
-    children: dict = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, []))
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except OSError:
-            pass
-    return total
-
-
 def _measure(cmd: list, env: dict) -> tuple[float, float, int, str]:
     """(wall seconds, CPU seconds of the process and the children it waited for, peak PSS of the
     process tree, stdout) of a command."""
@@ -162,7 +139,7 @@ def _measure(cmd: list, env: dict) -> tuple[float, float, int, str]:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
-        peak = max(peak, _tree_pss(proc.pid))
+        peak = max(peak, tree_pss(proc.pid))
         time.sleep(0.05)
     seconds = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from proc_memory import tree_pss
 from throughput_model import hf_config_dict, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,22 +123,8 @@ class MemorySampler:
         root = self.root_pid_fn()
         if root is None:
             return None
-        children = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                children.setdefault(ppid, []).append(int(entry))
-        total, todo = 0, [root]
         self.kind = "pss"
-        while todo:
-            pid = todo.pop()
-            todo += children.get(pid, [])
-            total += _pss_bytes(pid)
-        return total
+        return tree_pss(root)
 
     def _loop(self):
         while not self._stop.is_set():
@@ -154,18 +141,6 @@ class MemorySampler:
     def __exit__(self, *exc):
         self._stop.set()
         self.thread.join()
-
-
-def _pss_bytes(pid: int) -> int:
-    for name, key in (("smaps_rollup", "Pss:"), ("status", "VmRSS:")):
-        try:
-            with open(f"/proc/{pid}/{name}") as f:
-                for line in f:
-                    if line.startswith(key):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return 0
 
 
 def run_process(cmd: list, timeout: float, sampler_device: str | None = None) -> dict:

@@ -36,6 +36,28 @@ class BlockModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+class ProjectionHead(nn.Module):
+    """A head that is a final norm then ``self.proj`` (an nn.Linear to the vocabulary): subclasses
+    set ``proj`` and define ``features`` (the norm), which head_loss.py's fused loss starts from."""
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (V, C) projection weight -- the embedding table when tied -- read at call time, so a
+        replaced or re-pointed Parameter is the one used."""
+        return self.proj.weight
+
+    @property
+    def output_bias(self):
+        """The projection's bias (None where it has none)."""
+        return self.proj.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.features(x))
+
+
 @torch.no_grad()
 def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
                  is_one: Callable[[str], bool], is_residual_out: Callable[[str], bool],
@@ -58,4 +80,4 @@ def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
             p.copy_(values)
 
 
-__all__ = ["BlockModel", "init_normal_"]
+__all__ = ["BlockModel", "ProjectionHead", "init_normal_"]

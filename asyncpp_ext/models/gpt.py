@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BlockModel, init_normal_
+from .base import BlockModel, ProjectionHead, init_normal_
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class Head(nn.Module):
+class Head(ProjectionHead):
     """Final LayerNorm + linear projection to vocabulary logits: (B, T, C) -> (B, T, V)."""
 
     def __init__(self, cfg: GPTConfig):
@@ -155,19 +155,6 @@ class Head(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """What goes into the projection (the final LayerNorm); head_loss.py's fused loss starts here."""
         return self.ln(x)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """The (V, C) projection weight, read at call time."""
-        return self.proj.weight
-
-    @property
-    def output_bias(self) -> None:
-        """The projection has no bias."""
-        return self.proj.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.features(x))
 
 
 class GPT(BlockModel):

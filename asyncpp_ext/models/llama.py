@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BlockModel, init_normal_
+from .base import BlockModel, ProjectionHead, init_normal_
 
 
 class LlamaConfigError(ValueError):
@@ -251,7 +251,7 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class LlamaHead(nn.Module):
+class LlamaHead(ProjectionHead):
     """Final RMSNorm + linear projection to vocabulary logits: (B, T, C) -> (B, T, V)."""
 
     def __init__(self, cfg: LlamaConfig):
@@ -263,19 +263,6 @@ class LlamaHead(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """What goes into the projection (the final RMSNorm); head_loss.py's fused loss starts here."""
         return self.norm(x)
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """The (V, C) projection weight -- the embedding table when tied -- read at call time."""
-        return self.proj.weight
-
-    @property
-    def output_bias(self) -> None:
-        """The projection has no bias."""
-        return self.proj.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.features(x))
 
 
 class Llama(BlockModel):
