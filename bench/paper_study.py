@@ -8,6 +8,14 @@ and how much of that cost a mitigation wins back, one command per table.
     python bench/paper_study.py sensitivity   # each optimizer's default lr x {0.5, 1, 2}: sync, 2bw
     python bench/paper_study.py ef --json     # one JSON object: settings, runs (losses, curves), summary
     python bench/paper_study.py momentum --plot momentum.png
+    python bench/paper_study.py ef --scale cpu-long  # 1200 steps: does EF's share grow with length?
+    python bench/paper_study.py ef --scale gpu --plot ef.png   # a 58M Llama on one GPU, loss vs tokens
+
+``--scale`` (bench/study_scales.py) sets the size of every run: ``cpu`` (the default, below),
+``cpu-long`` (the ef table, 10x the steps) and ``gpu`` (the optimizers, ef and mitigations tables
+on a Llama-family model over a BPE corpus of the machine's own text, bench/study_corpus.py, with
+warmup + cosine, epoch sampling and bf16, on CUDA only). Besides the final table, every run prints
+the sync curve's flattening and the trend: gap and recovered share at every evaluation point.
 
 Every run is built like ``asyncpp-train --simulate`` (bench/study_runs.py, shared with
 bench/delay_study.py): a RunConfig with the table's config overrides, the package's built-in corpus
@@ -55,6 +63,9 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the shared study cod
 from study_runs import (StudyError, build_config, build_engine, mean_std, paired_differences,  # noqa: E402
                         parse_value, plot_curve_panels, progress_reporter, recovered_fractions,
                         run_overrides, run_pool)
+from study_report import (_duration, check_settings, format_flattening, format_table, format_trend,  # noqa: E402
+                          plot_table, summarize, summarize_trend, sync_flattening)
+from study_scales import GPU_VOCAB, SCALES  # noqa: E402
 
 PAPER_OPTIMIZERS = ("adamw", "muon", "normuon", "adan", "soap", "lion", "mars")
 """The optimizers of the ``optimizers`` and ``sensitivity`` tables."""
@@ -70,6 +81,8 @@ LR_SCALES = (0.5, 1.0, 2.0)
 MOMENTUM_OPTIMIZERS = ("muon", "normuon")
 """The optimizers whose matrices use ``optim.muon_momentum``."""
 ROLES = ("sync", "delayed", "mitigated")
+ARCH_NAMES = {"gpt": "GPT", "llama": "Llama", "hf": "Hugging Face"}
+"""How the header names each model family."""
 
 SECONDS_PER_STEP = {"tiny": 0.024, "small": 0.2}
 """Measured seconds per training step (eval included) of one worker while two run at once on the
@@ -165,8 +178,11 @@ def auto_ef_beta(optimizer: str) -> float:
     return OptimConfig(name=optimizer).effective_ef_beta()
 
 
-def table_settings(table: str, optimizers: tuple[str, ...], full: bool) -> list[Setting]:
-    """Every row of ``table`` for ``optimizers``."""
+def table_settings(table: str, optimizers: tuple[str, ...], full: bool,
+                   ef_rows: tuple[tuple[float, str], ...] | None = None) -> list[Setting]:
+    """Every row of ``table`` for ``optimizers``; the ef table's (beta, source) rows are
+    ``ef_rows`` when given (a scale's), else every beta x source."""
+    ef_rows = ef_rows or tuple((b, src) for src in EF_SOURCES for b in EF_BETAS)
     rows = []
     for opt in optimizers:
         auto_ef = f"ef{auto_ef_beta(opt):g}"  # the rows leave ef_beta None: the optimizer's auto beta
@@ -174,7 +190,7 @@ def table_settings(table: str, optimizers: tuple[str, ...], full: bool) -> list[
             rows += _rows(opt, opt, {}, {f"2bw+{auto_ef}": {}})
         elif table == "ef":
             rows += _rows(opt, opt, {}, {f"2bw+ef{b:g} {src}": {"optim.ef_beta": b, "optim.ef_source": src}
-                                         for src in EF_SOURCES for b in EF_BETAS})
+                                         for b, src in ef_rows})
         elif table == "mitigations":
             rows += _rows(opt, opt, {}, {
                 f"2bw {auto_ef if m == 'ef' else m}":
@@ -190,18 +206,6 @@ def table_settings(table: str, optimizers: tuple[str, ...], full: bool) -> list[
         else:
             raise StudyError(f"unknown table {table!r}; choose one of {', '.join(TABLES)}")
     return rows
-
-
-def check_settings(settings: list[Setting]) -> None:
-    """Each group has one sync row, and one plain delayed row when it has mitigated rows."""
-    groups: dict[str, list[str]] = {}
-    for s in settings:
-        groups.setdefault(s.group, []).append(s.role)
-    for group, roles in groups.items():
-        if roles.count("sync") != 1 or roles.count("delayed") > 1 or (
-                "mitigated" in roles and roles.count("delayed") != 1):
-            raise StudyError(f"group {group!r} has rows {roles}; it needs one sync row, and one plain "
-                             "delayed row when any row is mitigated")
 
 
 # -- checks before any run ------------------------------------------------------------------------
@@ -233,69 +237,6 @@ def check_configs(settings: list[Setting], args: dict, extra: dict) -> None:
             raise StudyError(f"{s.label}: {' '.join(str(exc).split())}") from None
 
 
-# -- summary --------------------------------------------------------------------------------------
-def summarize(results: list[dict], settings: list[Setting]) -> dict:
-    """Per row (by label): final eval loss, gap to its group's sync run and, for mitigated rows,
-    the recovered share of the plain 2bw gap; each as [mean, std] over the seeds, computed per seed
-    (paired), with the per-seed values under ``per_seed``."""
-    check_settings(settings)
-    final = {(r["label"], r["seed"]): r["final_eval_loss"] for r in results}
-    seeds = sorted({r["seed"] for r in results})
-    evals = {s.label: {seed: final[(s.label, seed)] for seed in seeds} for s in settings}
-    sync = {s.group: evals[s.label] for s in settings if s.role == "sync"}
-    plain = {s.group: evals[s.label] for s in settings if s.role == "delayed"}
-    summary = {}
-    for s in settings:
-        per_seed = {"eval": [evals[s.label][seed] for seed in seeds]}
-        row = {"group": s.group, "variant": s.variant, "schedule": s.schedule, "role": s.role,
-               "eval": list(mean_std(per_seed["eval"])), "gap": None, "recovered": None}
-        if s.role != "sync":
-            per_seed["gap"] = paired_differences(evals[s.label], sync[s.group])
-            row["gap"] = list(mean_std(per_seed["gap"]))
-        if s.role == "mitigated":
-            per_seed["recovered"] = recovered_fractions(paired_differences(plain[s.group], sync[s.group]),
-                                                        per_seed["gap"])
-            row["recovered"] = list(mean_std(per_seed["recovered"]))
-        row["per_seed"] = per_seed
-        summary[s.label] = row
-    return summary
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
-
-
-def format_table(summary: dict, header: list[str], seeds: int) -> str:
-    """The table: one row per setting; eval, gap to sync, recovered share (mean ± std)."""
-    width = max(len(label) for label in summary) + 2
-    lines = header + [f"final eval loss (nats/token), mean ± std over {seeds} paired seed(s); gap = "
-                      "delayed - sync; recovered = (plain 2bw gap - gap) / plain 2bw gap, per seed"]
-    head = f"{'setting':<{width}}{'eval':>17} {'gap to sync':>17} {'recovered':>13}"
-    lines += [head, "-" * len(head)]
-    for label, row in summary.items():
-        cells = [f"{row['eval'][0]:.4f} ± {row['eval'][1]:.4f}",
-                 "" if row["gap"] is None else f"{row['gap'][0]:+.4f} ± {row['gap'][1]:.4f}",
-                 "" if row["recovered"] is None else f"{row['recovered'][0]:.0%} ± {row['recovered'][1]:.0%}"]
-        lines.append(f"{label:<{width}}{cells[0]:>17} {cells[1]:>17} {cells[2]:>13}")
-    return "\n".join(lines)
-
-
-MITIGATED_COLORS = ("tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
-                    "tab:cyan", "tab:gray")
-
-
-def plot_table(results: list[dict], settings: list[Setting], path: Path, title: str) -> None:
-    """One panel per group: mean eval loss vs step of each row, shaded ± std over seeds."""
-    panels = {}
-    for s in settings:
-        lines = panels.setdefault(s.group, [])
-        color = {"sync": "tab:blue", "delayed": "tab:red"}.get(
-            s.role, MITIGATED_COLORS[sum(1 for *_, role in lines if role == "mitigated") % len(MITIGATED_COLORS)])
-        lines.append((s.variant, color, [r["eval_curve"] for r in results if r["label"] == s.label], s.role))
-    plot_curve_panels([(group, [line[:3] for line in lines]) for group, lines in panels.items()], path, title,
-                      [r["final_eval_loss"] for r in results])
-
-
 # -- command line ---------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, through main's StudyError handling
@@ -306,50 +247,85 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (see the module docstring)."""
     p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("table", choices=tuple(TABLES), help="which table to run")
+    p.add_argument("--scale", choices=tuple(SCALES), default="cpu",
+                   help="run size (bench/study_scales.py): cpu (default), cpu-long (ef only), gpu (CUDA)")
     p.add_argument("--full", action="store_true", help="the longer setting: TABLES[table].full_steps steps "
-                   "and the extra rows (adamw in ef, momentum 0.8)")
+                   "and the extra rows (adamw in ef, momentum 0.8); --scale cpu only")
     p.add_argument("--steps", type=int, help="override the table's steps")
-    p.add_argument("--seeds", type=int, default=3, help="paired seeds 0..N-1 (default 3)")
-    p.add_argument("--model", choices=("tiny", "small"), help="override the table's GPT preset")
+    p.add_argument("--seeds", type=int, help="paired seeds 0..N-1 (default: the scale's, 3 on cpu)")
+    p.add_argument("--model", help="override the table's model preset (tiny, small, llama-tiny, ...)")
     p.add_argument("--n-layer", type=int, help="override the preset's layer count")
-    p.add_argument("--data", default="builtin",
-                   help="'builtin' (default: the package's built-in corpus) or a UTF-8 text / .bin file")
+    p.add_argument("--data", help="'builtin' (the package's built-in corpus; the cpu default), 'corpus' "
+                   "(the gpu default: build or reuse a BPE corpus of the text on this machine, "
+                   "bench/study_corpus.py) or a UTF-8 text / .bin file")
+    p.add_argument("--corpus-dir", default="runs/study_corpus",
+                   help="where --data corpus is built and found again (default runs/study_corpus)")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="where runs train (default: the scale's); cpu with --scale gpu is for tests only")
     p.add_argument("--optimizers", help="comma-separated, replacing the table's optimizers")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a config override for every run, e.g. optim.weight_decay=0.1 (repeatable)")
-    p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--eval-every", type=int, help="default: steps // 5")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--workers", type=int, default=2, help="worker processes")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--microbatches", type=int, help="microbatches per step (default: the scale's, 2 on cpu)")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per microbatch (the scale's, 8 on cpu)")
+    p.add_argument("--eval-every", type=int, help="default: the scale's, else steps // 5")
+    p.add_argument("--eval-batches", type=int, help="batches per evaluation (the scale's, 8 on cpu)")
+    p.add_argument("--workers", type=int, help="runs at once, in worker processes (the scale's, 2)")
+    p.add_argument("--threads", type=int, help="torch threads per worker (the scale's, 1 on cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="PNG", help="write eval-loss curves, one panel per group")
     return p
 
 
+def _scale_default(a: argparse.Namespace, scale, name: str, value) -> None:
+    if getattr(a, name) is None:
+        setattr(a, name, value)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    """Parsed and checked arguments; StudyError names a bad one."""
+    """Parsed and checked arguments, the scale's values filled in; StudyError names a bad one."""
     a = build_parser().parse_args(argv)
-    plan = TABLES[a.table]
-    a.model = a.model or plan.model
-    a.steps = a.steps if a.steps is not None else (plan.full_steps if a.full else plan.steps)
-    a.eval_every = a.eval_every if a.eval_every is not None else max(1, a.steps // 5)
-    for name in ("steps", "seeds", "workers", "threads", "microbatches", "micro_batch_size", "eval_batches"):
+    plan, scale = TABLES[a.table], SCALES[a.scale]
+    if a.table not in scale.tables:
+        raise StudyError(f"--scale {a.scale} defines the {', '.join(scale.tables)} table(s), not {a.table}; "
+                         "use --scale cpu, or --steps/--full for a longer cpu run")
+    if a.full and a.scale != "cpu":
+        raise StudyError(f"--full is the longer cpu setting; --scale {a.scale} sets its own length (use --steps)")
+    a.model = a.model or scale.model or plan.model
+    a.steps = a.steps if a.steps is not None else (
+        plan.full_steps if a.full else scale.steps.get(a.table, plan.steps))
+    for name in ("seeds", "microbatches", "micro_batch_size", "eval_batches", "workers", "threads", "data",
+                 "device"):
+        _scale_default(a, scale, name, getattr(scale, name))
+    a.eval_every = a.eval_every if a.eval_every is not None else min(a.steps, scale.eval_every or max(1, a.steps // 5))
+    for name in ("steps", "seeds", "workers", "threads", "microbatches", "micro_batch_size", "eval_batches",
+                 "eval_every"):
         if getattr(a, name) < 1:
             raise StudyError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.data != "builtin" and not Path(a.data).is_file():
-        raise StudyError(f"--data {a.data} does not exist; pass a UTF-8 text or .bin file, or --data builtin")
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise StudyError(f"--scale {a.scale} trains on a CUDA GPU and torch.cuda.is_available() is False "
+                             "here; run it on a GPU machine, or use --scale cpu / cpu-long")
+    if a.data not in ("builtin", "corpus") and not Path(a.data).is_file():
+        raise StudyError(f"--data {a.data} does not exist; pass a UTF-8 text or .bin file, --data builtin "
+                         "or --data corpus")
     if a.optimizers is not None:
         a.optimizers = tuple(x.strip() for x in a.optimizers.split(",") if x.strip())
         if not a.optimizers:
             raise StudyError("--optimizers is empty; name at least one, e.g. --optimizers adamw,muon")
     else:
-        a.optimizers = (plan.full_optimizers or plan.optimizers) if a.full else plan.optimizers
+        a.optimizers = (plan.full_optimizers or plan.optimizers) if a.full else scale.optimizers.get(
+            a.table, plan.optimizers)
     if a.table == "momentum" and not set(a.optimizers) <= set(MOMENTUM_OPTIMIZERS):
         raise StudyError(f"--optimizers {','.join(a.optimizers)}: the momentum table sweeps "
                          f"optim.muon_momentum, used by {' and '.join(MOMENTUM_OPTIMIZERS)} only")
-    a.overrides = {}
+    a.ef_rows = scale.ef_rows
+    a.overrides = dict(scale.overrides)
+    if scale.warmup_share:
+        a.overrides["optim.warmup_steps"] = max(1, round(a.steps * scale.warmup_share))
+    if a.device != "cpu":
+        a.overrides["train.device"] = a.device
     for item in a.set:
         field, sep, value = item.partition("=")
         if not sep or "." not in field:
@@ -368,19 +344,31 @@ def estimate_seconds(settings: list[Setting], seeds: int, steps: int, model: str
 
 def run_study(a: argparse.Namespace) -> tuple[dict, list[Setting]]:
     """Check everything, run every row x seed; the JSON object the script prints, and the rows."""
-    settings = table_settings(a.table, a.optimizers, a.full)
+    settings = table_settings(a.table, a.optimizers, a.full, a.ef_rows)
     check_settings(settings)
     check_extras(dict(s.overrides)["optim.name"] for s in settings)
+    corpus = None
+    if a.data == "corpus":  # after the cheap checks: building it takes minutes the first time
+        from study_corpus import ensure_corpus
+
+        corpus = ensure_corpus(Path(a.corpus_dir), int(a.overrides.get("model.vocab_size", GPU_VOCAB)))
+        a.data = corpus["path"]
     args = {"model": a.model, "n_layer": a.n_layer, "data": a.data, "steps": a.steps,
             "microbatches": a.microbatches, "micro_batch_size": a.micro_batch_size,
             "eval_every": a.eval_every, "eval_batches": a.eval_batches}
     check_configs(settings, args, a.overrides)
     import torch
 
+    cfg = build_config(args, "sync", 0, {**a.overrides, **dict(settings[0].overrides)})
+    tokens_per_step = a.microbatches * a.micro_batch_size * cfg.model.seq_len
     runs = len(settings) * a.seeds
     estimate = estimate_seconds(settings, a.seeds, a.steps, a.model, a.workers)
-    setup = {"table": a.table, "title": TABLES[a.table].title, "full": a.full, **args, "seeds": a.seeds,
-             "batch": a.microbatches * a.micro_batch_size, "optimizers": list(a.optimizers),
+    setup = {"table": a.table, "title": TABLES[a.table].title, "scale": a.scale, "full": a.full, **args,
+             "seeds": a.seeds, "batch": a.microbatches * a.micro_batch_size, "seq_len": cfg.model.seq_len,
+             "tokens_per_step": tokens_per_step, "tokens_per_run": tokens_per_step * a.steps,
+             "model_parameters": count_parameters(cfg), "arch": cfg.model.arch, "device": cfg.train.device,
+             "lr_schedule": cfg.optim.lr_schedule, "warmup_steps": cfg.optim.warmup_steps,
+             "corpus": corpus, "optimizers": list(a.optimizers),
              "overrides": a.overrides, "workers": a.workers, "threads": a.threads, "runs": runs,
              "estimated_seconds": None if estimate is None else round(estimate),
              "torch": torch.__version__, "cpus": os.cpu_count()}
@@ -394,7 +382,16 @@ def run_study(a: argparse.Namespace) -> tuple[dict, list[Setting]]:
     results = run_pool(run_overrides, jobs, a.workers, a.threads,
                        progress_reporter(len(jobs), lambda r: f"{r['label']} seed {r['seed']}"))
     return {"setup": setup, "settings": [s.as_dict() for s in settings], "runs": results,
-            "summary": summarize(results, settings), "seconds": round(time.perf_counter() - start, 1)}, settings
+            "summary": summarize(results, settings), "trend": summarize_trend(results, settings),
+            "flattening": sync_flattening(results, settings),
+            "seconds": round(time.perf_counter() - start, 1)}, settings
+
+
+def count_parameters(cfg) -> int:
+    """Trainable parameters of the run's model (a tied matrix counted once)."""
+    from asyncpp_ext.models.registry import build_model
+
+    return sum(p.numel() for p in build_model(cfg.model).parameters())
 
 
 def header_lines(out: dict) -> list[str]:
@@ -402,11 +399,25 @@ def header_lines(out: dict) -> list[str]:
     s = out["setup"]
     layers = "" if s["n_layer"] is None else f" ({s['n_layer']} layers)"
     estimate = "?" if s["estimated_seconds"] is None else _duration(s["estimated_seconds"])
+    schedule = "" if s["lr_schedule"] == "constant" else f", lr {s['lr_schedule']} after {s['warmup_steps']} warmup"
+    corpus = "" if not s["corpus"] else (f" ({s['corpus']['train_tokens']:,} training tokens; a run sees "
+                                         f"{s['tokens_per_run']:,})")
     return [f"{s['table']}: {s['title']}",
-            f"{s['model']} GPT{layers}, batch {s['batch']} ({s['microbatches']} x {s['micro_batch_size']}), "
-            f"{s['steps']} steps{' (--full)' if s['full'] else ''}, {s['seeds']} seeds, data {s['data']}; "
-            f"budget {s['runs']} runs, estimated {estimate}, took {_duration(out['seconds'])} "
-            f"({s['workers']} worker(s) x {s['threads']} thread(s), torch {s['torch']})"]
+            f"{s['model']} {ARCH_NAMES.get(s['arch'], s['arch'])}{layers} ({s['model_parameters']:,} parameters) on {s['device']}, batch "
+            f"{s['batch']} ({s['microbatches']} x {s['micro_batch_size']}) x {s['seq_len']} tokens, "
+            f"{s['steps']} steps{' (--full)' if s['full'] else ''}{schedule}, {s['seeds']} seeds, "
+            f"data {s['data']}{corpus}; scale {s['scale']}; budget {s['runs']} runs, estimated {estimate}, "
+            f"took {_duration(out['seconds'])} ({s['workers']} worker(s) x {s['threads']} thread(s), "
+            f"torch {s['torch']})"]
+
+
+def report(out: dict) -> str:
+    """The text the script prints: the table, the sync curves' flattening, and the trend."""
+    s = out["setup"]
+    parts = [format_table(out["summary"], header_lines(out), s["seeds"]), format_flattening(out["flattening"])]
+    if len(out["trend"]) > 1:
+        parts.append(format_trend(out["trend"], s["tokens_per_step"]))
+    return "\n\n".join(parts)
 
 
 def main(argv=None) -> int:
@@ -419,12 +430,12 @@ def main(argv=None) -> int:
         return 2
     if a.plot:
         s = out["setup"]
+        per_token = s["scale"] == "gpu"  # the paper-scale plots: loss vs tokens seen
         plot_table(out["runs"], settings, Path(a.plot),
-                   f"{a.table}: {s['model']} GPT, batch {s['batch']}, {s['steps']} steps, {s['seeds']} seeds")
-    if a.json:
-        print(json.dumps(out))
-    else:
-        print(format_table(out["summary"], header_lines(out), a.seeds))
+                   f"{a.table}: {s['model']} ({s['model_parameters'] / 1e6:.0f}M), batch {s['batch']} x "
+                   f"{s['seq_len']}, {s['steps']} steps, {s['seeds']} seeds",
+                   s["tokens_per_step"] if per_token else None)
+    print(json.dumps(out) if a.json else report(out))
     return 0
 
 

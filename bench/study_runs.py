@@ -104,7 +104,7 @@ def train_run(cfg, eval_micro_batch_size: int) -> dict:
     train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, eval_micro_batch_size,
                                              cfg.model.seq_len, source=cfg.data.source)
     stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
-                         seed=cfg.train.seed)
+                         seed=cfg.train.seed, sampling=cfg.data.sampling)
     eval_set = eval_batches(eval_tokens, eval_micro_batch_size, cfg.model.seq_len, cfg.data.eval_batches)
     engine = build_engine(cfg)
     start = time.perf_counter()
@@ -222,7 +222,7 @@ def mean_band(curves: Sequence[Sequence[tuple[int, float]]]) -> tuple[list, list
 
 
 def plot_curve_panels(panels: Sequence[tuple[str, Sequence[tuple[str, str | None, list]]]],
-                      path: Path, title: str, finals: Iterable[float]) -> None:
+                      path: Path, title: str, finals: Iterable[float], xlabel: str = "step") -> None:
     """One panel per ``(panel title, lines)``; each line ``(label, color, curves)`` is the mean
     eval loss over its curves (one per seed), shaded ± std. Lines without curves are left out; the
     shared y axis zooms on the range of the ``finals`` (final eval losses) where gaps show."""
@@ -243,7 +243,7 @@ def plot_curve_panels(panels: Sequence[tuple[str, Sequence[tuple[str, str | None
             ax.fill_between(steps, [m - s for m, s in zip(mean, std)],
                             [m + s for m, s in zip(mean, std)], color=color, alpha=0.2)
         ax.set_title(panel_title)
-        ax.set_xlabel("step")
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         crowded = len(lines) > 4  # many lines: a smaller two-column legend leaves the curves visible
         ax.legend(**(dict(fontsize=6, ncol=2) if crowded else {}))

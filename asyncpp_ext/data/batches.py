@@ -2,8 +2,12 @@
 
 ``split_tokens`` keeps the last ``eval_fraction`` of the tokens for evaluation. ``BatchStream``
 draws training windows; its whole state is ``(seed, position)``: the window offsets of minibatch
-``position`` come from a generator seeded by ``(seed, position)``, so a stream rebuilt from a
-checkpoint's state yields exactly the batches the original would have.
+``position`` are a pure function of the seed and the position, so a stream rebuilt from a
+checkpoint's state yields exactly the batches the original would have. Two orders
+(``SAMPLINGS``): "random" draws each window's start uniformly (windows may overlap and repeat,
+nanoGPT's way); "epoch" cuts the tokens into consecutive windows of ``seq_len`` inputs and visits
+them in a seeded permutation per epoch, so no token is an input twice before every token has
+been one (the order long pretraining runs use).
 
 The tokens may be one array or several shards joined (``shards.TokenShards``): offsets index the
 concatenation, so a window may cross a shard boundary and resuming needs nothing per shard. Over
@@ -22,6 +26,8 @@ from .errors import DataError
 from .shards import TokenShards
 
 Microbatch = tuple  # (inputs int64 (B, T), targets int64 (B, T))
+SAMPLINGS = ("random", "epoch")
+"""Window orders of BatchStream (DataConfig.sampling, --sampling)."""
 
 
 def min_tokens_needed(micro_batch_size: int, seq_len: int, eval_fraction: float) -> int:
@@ -67,19 +73,44 @@ class BatchStream:
     seed: int = 0
     position: int = 0
     """Index of the next minibatch to yield."""
+    sampling: str = "random"
+    """Window order, one of SAMPLINGS (see the module docstring)."""
 
     def __post_init__(self):
+        if self.sampling not in SAMPLINGS:
+            raise DataError(f"sampling {self.sampling!r} is not one of {', '.join(SAMPLINGS)}")
         self.max_start = len(self.tokens) - (self.seq_len + 1)
         if self.max_start < 0:
             raise DataError(f"training split has {len(self.tokens)} tokens, fewer than one window "
                             f"of {self.seq_len + 1}; use more data or a smaller seq_len")
+        # epoch: window k starts at k * seq_len (its last target is the next window's first input)
+        self.num_windows = (len(self.tokens) - 1) // self.seq_len
+        self._order = (None, None)  # (epoch, its permutation of the windows), the one in use
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._order[0] != epoch:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch, len(SAMPLINGS)]))
+            self._order = (epoch, rng.permutation(self.num_windows))
+        return self._order[1]
 
     def minibatch(self, position: int) -> list[Microbatch]:
         """The minibatch at ``position`` (pure function of seed and position)."""
-        rng = np.random.Generator(np.random.PCG64([self.seed, position]))
-        starts = rng.integers(0, self.max_start + 1,
-                              size=(self.microbatches, self.micro_batch_size))
+        shape = (self.microbatches, self.micro_batch_size)
+        if self.sampling == "random":
+            rng = np.random.Generator(np.random.PCG64([self.seed, position]))
+            starts = rng.integers(0, self.max_start + 1, size=shape)
+        else:
+            count = self.microbatches * self.micro_batch_size
+            visit = np.arange(position * count, (position + 1) * count, dtype=np.int64)
+            epochs, slots = np.divmod(visit, self.num_windows)
+            starts = np.concatenate([self._epoch_order(int(e))[slots[epochs == e]]
+                                     for e in np.unique(epochs)]) * self.seq_len
+            starts = starts.reshape(shape)
         return [_windows(self.tokens, row, self.seq_len) for row in starts]
+
+    def tokens_per_epoch(self) -> int:
+        """Input tokens an epoch of the "epoch" order covers (every training token but the last)."""
+        return self.num_windows * self.seq_len
 
     def next(self) -> list[Microbatch]:
         batch = self.minibatch(self.position)
@@ -92,6 +123,8 @@ class BatchStream:
 
     def state_dict(self) -> dict:
         state = {"seed": self.seed, "position": self.position}
+        if self.sampling != "random":  # older checkpoints, and random-order ones, carry no key
+            state["sampling"] = self.sampling
         if isinstance(self.tokens, TokenShards):
             state.update(num_tokens=len(self.tokens), shards=self.tokens.num_shards)
         return state
@@ -100,6 +133,10 @@ class BatchStream:
         if state.get("seed") != self.seed:
             raise DataError(f"batch stream state has seed {state.get('seed')!r} but this stream "
                             f"uses {self.seed}; resume with the seed the run started with")
+        if state.get("sampling", "random") != self.sampling:
+            raise DataError(f"batch stream state has sampling {state.get('sampling', 'random')!r} but "
+                            f"this stream uses {self.sampling!r}; resume with the --sampling the run "
+                            "started with")
         if "num_tokens" in state:  # written over shards: the same shards must be there
             shards = self.tokens.num_shards if isinstance(self.tokens, TokenShards) else 1
             if (state["num_tokens"], state.get("shards")) != (len(self.tokens), shards):
@@ -121,4 +158,4 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int) 
             for i in range(count)]
 
 
-__all__ = ["Microbatch", "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches"]
+__all__ = ["Microbatch", "SAMPLINGS", "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches"]

@@ -8,6 +8,7 @@ from typing import Optional
 
 from .config import (DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
                      SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
+from ..data.batches import SAMPLINGS
 from ..models.registry import MODEL_PRESETS
 from .model_source import model_from_args
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS
@@ -109,6 +110,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     model.add_argument("--val-data", metavar="FILE",
                        help="evaluate on this file, glob, directory or manifest (same formats as "
                             "--data) instead of the end of --data")
+    model.add_argument("--sampling", choices=SAMPLINGS,
+                       help="order of the training windows: random (uniform starts; default) or epoch "
+                            "(consecutive windows, a seeded permutation per epoch: no token trains twice "
+                            "before the corpus is used up)")
     model.add_argument("--model", choices=sorted(MODEL_PRESETS),
                        help="preset: tiny (gpt, 2 layers, width 32), small (gpt, 4 x 128), llama-tiny, "
                             "smollm-135m, smollm-360m (default tiny)")
@@ -183,6 +188,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("optim", "decay_steps"): args.decay_steps, ("optim", "min_lr_ratio"): args.min_lr_ratio,
         ("optim", "clip_grad_norm"): args.clip_grad_norm, ("train", "tensorboard"): args.tensorboard,
         ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
+        ("data", "sampling"): args.sampling,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
         ("train", "out"): args.out, ("train", "device"): args.device,
         ("train", "simulate"): args.simulate,
@@ -227,7 +233,7 @@ FIELD_FLAGS = {
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
-    "train.compile": "--compile", "train.head_loss": "--head-loss",
+    "train.compile": "--compile", "train.head_loss": "--head-loss", "data.sampling": "--sampling",
 }
 
 

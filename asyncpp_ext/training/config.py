@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
+from ..data.batches import SAMPLINGS
 from ..models.registry import ModelConfig, as_model_config
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_MITIGATIONS, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
@@ -51,6 +52,9 @@ class DataConfig:
     """A separate evaluation file (same formats as ``source``); then all of ``source`` trains."""
     eval_batches: int = 4
     """Number of evaluation batches (each of micro_batch_size windows) per evaluation."""
+    sampling: str = "random"
+    """Order of the training windows: random (uniform starts, nanoGPT's way) | epoch (consecutive
+    windows in a seeded permutation per epoch: no token trains twice within an epoch)."""
 
 
 LR_AUTO = DefaultsView("lr")
@@ -408,6 +412,7 @@ class RunConfig:
         choice("optim.name", self.optim.name, OPTIMIZERS)
         _check_optimizer_available(self.optim.name)
         choice("train.device", self.train.device, DEVICES)
+        choice("data.sampling", self.data.sampling, SAMPLINGS)
         choice("train.dtype", self.train.dtype, DTYPES)
         choice("optim.ns_dtype", self.optim.ns_dtype, NS_DTYPES)
         if self.optim.ns_dtype != "auto" and self.optim.name not in MUON_FAMILY:
