@@ -26,7 +26,7 @@ def test_without_a_gpu_it_says_what_it_would_run_writes_a_report_and_exits_0(tmp
     assert report["status"] == "not run" and report["gpus"] == 0
     assert {s["key"] for s in report["sections"]} == {"environment", "build_tests", "cuda_tests", "nccl_self_test", "train_one_gpu",
                                                       "train_two_gpus", "bench_optim", "bench_muon_widths",
-                                                      "bench_p2p", "bench_gpu_throughput"}
+                                                      "bench_p2p", "bench_gpu_throughput", "study"}
     assert all(s["status"] == "not run" for s in report["sections"])
     md = (tmp_path / "gc" / "report.md").read_text()
     assert md.startswith("# asyncpp_ext GPU check: NOT RUN") and "nothing was run" in md
@@ -53,7 +53,7 @@ def test_plan_runs_the_two_gpu_sections_only_with_two_gpus(tmp_path):
     one = {key: skip for key, _, _, skip in plan(tmp_path, 1, quick=True)}
     two = {key: skip for key, _, _, skip in plan(tmp_path, 2, quick=True)}
     assert "needs 2 GPUs" in one["train_two_gpus"] and "needs 2 GPUs" in one["bench_p2p"]
-    assert all(v is None for v in two.values())
+    assert all(v is None for key, v in two.items() if key != "study")
     cmds = {key: c for key, _, c, _ in plan(tmp_path, 2, quick=False)}
     sim, sim_cuda, gloo32, gloo16 = cmds["train_one_gpu"]
     assert "--simulate" in sim and "--device" not in sim
@@ -151,3 +151,29 @@ def test_a_crashing_test_run_is_a_failed_section_naming_the_signal(tmp_path):
     result = section_pytest("build_tests")([crash], tmp_path, tmp_path / "commands.log")
     assert result["status"] == "fail", result
     assert result["reason"].startswith("pytest wrote no report (killed by SIGSEGV)"), result
+
+
+def test_study_section_is_off_unless_asked_and_fails_on_a_diverged_run(tmp_path, monkeypatch):
+    from asyncpp_ext.gpu_check import runner
+
+    assert "--study runs it" in {k: skip for k, _, _, skip in plan(tmp_path, 1, quick=False)}["study"]
+    study = {k: (c, skip) for k, _, c, skip in plan(tmp_path, 1, quick=False, study=True)}["study"]
+    assert study[1] is None
+    assert [c[2:5] for c in study[0]] == [["optimizers", "--scale", "gpu"], ["ef", "--scale", "gpu"]]
+    losses = {"optimizers": 3.1, "ef": float("nan")}
+
+    def fake_run(cmd, timeout, log):
+        table = cmd[2]
+        out = {"runs": [{"label": "muon 2bw", "seed": 0, "final_eval_loss": losses[table]}],
+               "summary": {"muon 2bw": {"eval": [3.1, 0], "gap": [0.01, 0], "recovered": None,
+                                        "per_seed": {"gap": [0.01]}}},
+               "flattening": {"muon": {"flattened": True}}, "seconds": 1.0}
+        return {"rc": 0, "stdout": "progress\n" + json.dumps(out), "stderr": "", "seconds": 1.0}
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    result = runner.section_study(study[0], tmp_path, tmp_path / "log")
+    assert result["status"] == "fail" and "ef: muon 2bw seed 0" in result["reason"]
+    assert result["figures"]["optimizers"]["muon 2bw"]["gap"] == [0.01, 0]
+    losses["ef"] = 3.2
+    assert runner.section_study(study[0], tmp_path, tmp_path / "log")["status"] == "pass"
+    assert (tmp_path / "study_ef.json").is_file()

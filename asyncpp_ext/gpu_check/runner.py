@@ -33,7 +33,7 @@ def train_args(out: Path, name: str, steps: int, dtype: str, extra: list) -> lis
             "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--out", str(out / "runs" / name), *extra]
 
 
-def plan(out: Path, gpus: int, quick: bool) -> list:
+def plan(out: Path, gpus: int, quick: bool, study: bool = False) -> list:
     """[(key, title, [commands], reason it is skipped or None)] in running order."""
     steps = 20 if quick else 40
     has_tests = (PKG_PARENT / "tests").is_dir() and (PKG_PARENT / "bench").is_dir()
@@ -74,6 +74,8 @@ def plan(out: Path, gpus: int, quick: bool) -> list:
                     "GPU; see the NCCL self-test's loopback figures instead")),
         ("bench_gpu_throughput", "bench/gpu_throughput.py --quick: asyncpp-train vs Hugging Face tokens/s, MFU, "
          "peak memory", [gpu_throughput_command(out)], no_src),
+        ("study", "bench/paper_study.py --scale gpu: the optimizers and ef tables on a 58M Llama (<= 20 min each)",
+         study_commands(out), no_src or (None if study else "off by default (about 40 minutes): --study runs it")),
     ]
 
 
@@ -277,6 +279,41 @@ RUNNERS["bench_gpu_throughput"] = section_gpu_throughput
 # --- end of the bench/gpu_throughput.py section
 
 
+# --- bench/paper_study.py --scale gpu (issue 34): the paper's comparisons at model scale. Off unless
+# --study; each table is sized for <= 20 minutes on one H100. Passes when every run of both tables
+# finished with a finite loss; its figures are each row's gap and recovered share (mean, per seed).
+STUDY_TABLES = ("optimizers", "ef")
+TIMEOUTS["study"] = 2 * 30 * 60  # both tables, with room for the corpus build (~3 min) and compiles
+
+
+def study_commands(out: Path) -> list:
+    return [[sys.executable, str(PKG_PARENT / "bench" / "paper_study.py"), table, "--scale", "gpu", "--json",
+             "--plot", str(out / f"study_{table}.png"), "--corpus-dir", str(out / "study_corpus")]
+            for table in STUDY_TABLES]
+
+
+def section_study(cmds, out, log) -> dict:
+    figures, bad, seconds = {}, [], 0.0
+    for cmd, table in zip(cmds, STUDY_TABLES):
+        r = run(cmd, TIMEOUTS["study"] / len(STUDY_TABLES), log)
+        seconds += r["seconds"]
+        if r["rc"] != 0:
+            return dict(status="fail", reason=f"{table}: {_tail(r)}", figures=figures, seconds=seconds)
+        data = json.loads(r["stdout"][r["stdout"].index("{"):])
+        (out / f"study_{table}.json").write_text(json.dumps(data, indent=1))
+        bad += [f"{table}: {run_['label']} seed {run_['seed']}" for run_ in data["runs"]
+                if run_["final_eval_loss"] != run_["final_eval_loss"]]  # NaN: the run diverged
+        figures[table] = {label: {k: row[k] for k in ("eval", "gap", "recovered")} | {"per_seed": row["per_seed"]}
+                          for label, row in data["summary"].items()}
+        figures[table]["_flattening"] = data["flattening"]
+        figures[table]["_seconds"] = data["seconds"]
+    return dict(status="fail" if bad else "pass", reason=f"diverged: {bad}" if bad else None, figures=figures,
+                seconds=seconds)
+
+
+RUNNERS["study"] = section_study
+
+
 def count_gpus() -> int:
     try:
         import torch
@@ -290,6 +327,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m asyncpp_ext.gpu_check", description=__doc__)
     ap.add_argument("--out", default="gpu_check", help="report directory (default gpu_check/)")
     ap.add_argument("--quick", action="store_true", help="fewer training steps, one 64 MiB self-test case")
+    ap.add_argument("--study", action="store_true",
+                    help="also run the paper-scale study section (bench/paper_study.py --scale gpu, ~40 min)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -297,7 +336,7 @@ def main(argv=None) -> int:
     log.write_text("")
     gpus = count_gpus()
     sections = []
-    for key, title, cmds, skip in plan(out, gpus, args.quick):
+    for key, title, cmds, skip in plan(out, gpus, args.quick, args.study):
         sec = dict(key=key, title=title, commands=cmds, seconds=0.0)
         if gpus == 0:
             sec.update(status="not run", reason="no GPU visible: nothing was run")
