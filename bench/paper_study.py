@@ -55,7 +55,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the shared study code next to this script
@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizers", help="comma-separated, replacing the table's optimizers")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a config override for every run, e.g. optim.weight_decay=0.1 (repeatable)")
+    p.add_argument("--delay-only", choices=("matrices", "others"),
+                   help="attribution: the 2bw rows delay only the matrices Muon updates, or only the other "
+                        "parameters (pipeline.delay_only); the sync rows are unchanged")
     p.add_argument("--microbatches", type=int, help="microbatches per step (default: the scale's, 2 on cpu)")
     p.add_argument("--micro-batch-size", type=int, help="sequences per microbatch (the scale's, 8 on cpu)")
     p.add_argument("--eval-every", type=int, help="default: the scale's, else steps // 5")
@@ -356,6 +359,9 @@ def run_study(a: argparse.Namespace) -> tuple[dict, list[Setting]]:
     args = {"model": a.model, "n_layer": a.n_layer, "data": a.data, "steps": a.steps,
             "microbatches": a.microbatches, "micro_batch_size": a.micro_batch_size,
             "eval_every": a.eval_every, "eval_batches": a.eval_batches}
+    if a.delay_only:
+        settings = [replace(s, overrides=s.overrides + (("pipeline.delay_only", a.delay_only),))
+                    if s.schedule == "2bw" else s for s in settings]
     check_configs(settings, args, a.overrides)
     import torch
 
@@ -368,14 +374,14 @@ def run_study(a: argparse.Namespace) -> tuple[dict, list[Setting]]:
              "tokens_per_step": tokens_per_step, "tokens_per_run": tokens_per_step * a.steps,
              "model_parameters": count_parameters(cfg), "arch": cfg.model.arch, "device": cfg.train.device,
              "lr_schedule": cfg.optim.lr_schedule, "warmup_steps": cfg.optim.warmup_steps,
-             "corpus": corpus, "optimizers": list(a.optimizers),
+             "corpus": corpus, "optimizers": list(a.optimizers), "delay_only": a.delay_only,
              "overrides": a.overrides, "workers": a.workers, "threads": a.threads, "runs": runs,
              "estimated_seconds": None if estimate is None else round(estimate),
              "torch": torch.__version__, "cpus": os.cpu_count()}
     print(f"{a.table}: {runs} runs, estimated {'?' if estimate is None else _duration(estimate)} on "
           f"{a.workers} worker(s)", file=sys.stderr, flush=True)
     # Seed-major order: every row of a seed finishes close together, so a stopped study has whole seeds.
-    jobs = [(args, s.schedule, seed, {**a.overrides, **dict(s.overrides)}, None,
+    jobs = [(args, s.schedule, seed, run_fields(a, s), None,
              {"label": s.label, "group": s.group, "schedule": s.schedule, "seed": seed})
             for seed in range(a.seeds) for s in settings]
     start = time.perf_counter()
@@ -385,6 +391,11 @@ def run_study(a: argparse.Namespace) -> tuple[dict, list[Setting]]:
             "summary": summarize(results, settings), "trend": summarize_trend(results, settings),
             "flattening": sync_flattening(results, settings),
             "seconds": round(time.perf_counter() - start, 1)}, settings
+
+
+def run_fields(a: argparse.Namespace, s: Setting) -> dict:
+    """The config fields of one row's runs: the scale's and --set's, then the row's own."""
+    return {**a.overrides, **dict(s.overrides)}
 
 
 def count_parameters(cfg) -> int:

@@ -173,3 +173,17 @@ def test_the_other_tables_run_every_row(study, capsys, table, optimizers, varian
             # below float32 resolution for 4 steps of this model (tests/test_mitigations.py checks
             # its arithmetic at lambda 1)
             assert losses[s["label"], 0] != losses[plain[s["group"]], 0], s["label"]
+
+
+def test_delay_only_reaches_the_delayed_rows_only(study, capsys):
+    """--delay-only others: the 2bw rows delay only the AdamW part; the sync row runs as before."""
+    argv = ["optimizers", "--optimizers", "muon", *TINY, "--workers", "1", "--json"]
+    assert study.main(argv) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert study.main(argv + ["--delay-only", "others"]) == 0
+    others = json.loads(capsys.readouterr().out)
+    assert {s["label"]: s["overrides"].get("pipeline.delay_only") for s in others["settings"]} == {
+        "muon sync": None, "muon 2bw": "others", "muon 2bw+ef0.5": "others"}
+    losses = [{(r["label"], r["seed"]): r["train_losses"] for r in out["runs"]} for out in (every, others)]
+    assert losses[0]["muon sync", 0] == losses[1]["muon sync", 0]
+    assert losses[0]["muon 2bw", 0] != losses[1]["muon 2bw", 0]

@@ -293,3 +293,46 @@ def test_states_of_another_delay_or_split_are_refused():
     pd.step(batches[0])
     with pytest.raises(DelaySimulatorError, match="saved stash do not match"):
         _sim("pipedream", stages=2, split_points=[1]).load_state_dict(pd.state_dict())
+
+
+# -- delay only one part of the model (the attribution knob) -----------------------------------------
+def test_delay_only_matrices_or_others_splits_the_delays_by_muon_routing():
+    from asyncpp_ext.optim.routing import split_named_parameters
+
+    model = _gpt()
+    muon = {n for n, _ in split_named_parameters(model)[0]}
+    assert muon and len(muon) < len(list(model.parameters()))
+
+    def delays(only):
+        m = _gpt()
+        sim = DelaySimulator(m, _adamw(m), "2bw", delay_only=only)
+        return dict(zip(sim.names, sim.delays))
+
+    every, matrices, others = delays(None), delays("matrices"), delays("others")
+    assert set(every.values()) == {1}
+    assert {n for n, d in matrices.items() if d} == muon
+    assert {n for n, d in others.items() if d} == set(every) - muon
+    batches = [(torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(i)),) * 2
+               for i in range(4)]
+
+    def losses(schedule, only=None):
+        m = _gpt()
+        sim = DelaySimulator(m, _adamw(m), schedule, delay_only=only)
+        return [sim.step([b]) for b in batches]
+
+    runs = {k: losses("2bw", k) for k in (None, "matrices", "others")}
+    runs["sync"] = losses("sync")
+    assert len({tuple(v) for v in runs.values()}) == 4  # each set of delays is its own run
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--delay-only", "matrices"], ["--delay-only", "simulator knob", "--schedule 2bw --simulate"]),
+    (["--delay-only", "matrices", "--simulate", "--schedule", "sync"], ["--delay-only", "got sync"]),
+])
+def test_delay_only_outside_a_simulated_2bw_run_is_one_line(tmp_path, capsys, flags, words):
+    from asyncpp_ext.training.cli import main
+
+    assert main(flags + ["--steps", "2", "--no-progress", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and all(w in err for w in words), err
+    assert not (tmp_path / "run").exists()

@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Optional
 
-from .config import (DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
+from .config import (DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
                      SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
 from ..data.batches import SAMPLINGS
 from ..models.registry import MODEL_PRESETS
@@ -43,6 +43,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     pipe.add_argument("--delay", type=int, metavar="K",
                       help="with --schedule 2bw --simulate: a constant K-step weight delay instead of 2bw's one "
                            "(research knob)")
+    pipe.add_argument("--delay-only", choices=DELAY_ONLY,
+                      help="with --schedule 2bw --simulate: delay only the matrices Muon updates, or only the "
+                           "others (embeddings, head, norms, biases); the rest use the newest weights (research "
+                           "knob: which part's staleness costs what)")
     pipe.add_argument("--stages", type=int, help=f"pipeline stages (default {_D.pipeline.stages})")
     pipe.add_argument("--microbatches", type=int,
                       help=f"microbatches per step; 2bw needs >= stages (default {_D.pipeline.microbatches})")
@@ -172,7 +176,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
     cfg.model = model_from_args(args, cfg.model)
     sets = {
         ("pipeline", "schedule"): args.schedule, ("pipeline", "stages"): args.stages,
-        ("pipeline", "delay"): args.delay,
+        ("pipeline", "delay"): args.delay, ("pipeline", "delay_only"): args.delay_only,
         ("pipeline", "microbatches"): args.microbatches,
         ("pipeline", "micro_batch_size"): args.micro_batch_size, ("pipeline", "dp"): args.dp,
         ("pipeline", "shard_muon"): None if args.no_shard_muon is None else not args.no_shard_muon,
@@ -221,7 +225,7 @@ FIELD_FLAGS = {
     "pipeline.schedule": "--schedule", "pipeline.stages": "--stages",
     "pipeline.microbatches": "--microbatches", "pipeline.micro_batch_size": "--micro-batch-size",
     "pipeline.dp": "--dp", "pipeline.transport": "--transport", "train.dtype": "--dtype",
-    "pipeline.delay": "--delay", "model.tie_embeddings": "--model",
+    "pipeline.delay": "--delay", "pipeline.delay_only": "--delay-only", "model.tie_embeddings": "--model",
     "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
     "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta", "optim.ns_dtype": "--ns-dtype",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",

@@ -131,7 +131,7 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     return DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule, loss_fn=simulator_loss(cfg, compute),
                           on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
                           clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
-                          **cfg.mitigation_kwargs())
+                          delay_only=p.delay_only, **cfg.mitigation_kwargs())
 
 
 def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):

@@ -31,6 +31,8 @@ NS_DTYPES = ("auto", "fp32", "bf16")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
 HEAD_LOSSES = ("auto", "fused", "plain", "liger", "cce")
+DELAY_ONLY = ("matrices", "others")
+"""Values of PipelineConfig.delay_only: the parameter set a simulated 2bw run delays."""
 SYNC_SCHEDULES = tuple(n for n, spec in SCHEDULE_TABLE.items() if not spec.delayed())
 """Schedules without a weight delay (every computation on the newest weights)."""
 EF_BETA_MAX = 2.0
@@ -197,6 +199,10 @@ class PipelineConfig:
     delay: Optional[int] = None
     """Simulator research knob: a constant K-step delay for every parameter (2bw is K = 1); only
     with schedule 2bw under train.simulate. None = the schedule's own delay."""
+    delay_only: Optional[str] = None
+    """Simulator research knob: delay only "matrices" (the parameters Muon updates) or only
+    "others" (embeddings, head, norms, biases: the AdamW part), the rest computing on the newest
+    weights; only with schedule 2bw under train.simulate. None = every parameter delayed."""
 
     @property
     def global_micro_batch_size(self) -> int:
@@ -381,6 +387,12 @@ class RunConfig:
                 raise ConfigError(f"pipeline.delay={p.delay} is a simulator knob generalising 2bw's one-step "
                                   f"delay; use it with --schedule 2bw --simulate (got --schedule {p.schedule}"
                                   f"{'' if self.train.simulate else ' on a real multi-process run'})")
+        if p.delay_only is not None:
+            choice("pipeline.delay_only", p.delay_only, DELAY_ONLY)
+            if spec.lag_per_stage or not spec.delayed() or not self.train.simulate:
+                raise ConfigError(f"pipeline.delay_only={p.delay_only!r} is a simulator knob; use it with "
+                                  f"--schedule 2bw --simulate (got {p.schedule}"
+                                  f"{'' if self.train.simulate else ' on a real multi-process run'})")
         if not spec.lag_per_stage:
             return
         if self.optim.clip_grad_norm is not None:
@@ -481,7 +493,7 @@ RESUME_MUST_MATCH = (
     + [f"data.{f.name}" for f in fields(DataConfig)]
     + [f"optim.{f.name}" for f in fields(OptimConfig)]
     + ["pipeline.schedule", "pipeline.microbatches", "pipeline.global_micro_batch_size", "pipeline.delay",
-       "train.seed", "train.dtype"]
+       "pipeline.delay_only", "train.seed", "train.dtype"]
 )
 
 

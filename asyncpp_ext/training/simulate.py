@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..optim.lr_schedule import apply_lr
+from ..optim.routing import split_named_parameters
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compensate_, predicted_weights,
                                  resolve_mitigation)
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
@@ -62,6 +63,17 @@ SIMULATED_SCHEDULES = tuple(SCHEDULES)
 
 class DelaySimulatorError(ValueError):
     """A simulator argument, input or saved state that cannot run; the message says what to change."""
+
+
+def _only_some_delayed(model, named, delays: list, delay_only: str, per_stage: bool) -> list:
+    """``delays`` with every parameter outside the ``delay_only`` set ("matrices": those Muon
+    updates; "others": the rest) put back to 0 (the attribution knob, PipelineConfig.delay_only)."""
+    if per_stage or delay_only not in ("matrices", "others"):
+        raise DelaySimulatorError(f"delay_only={delay_only!r}: use 'matrices' or 'others', with a 2bw-like "
+                                  "schedule (one delay for every parameter)")
+    muon_ids = {id(p) for _, p in split_named_parameters(model)[0]}
+    keep = (lambda p: id(p) in muon_ids) if delay_only == "matrices" else (lambda p: id(p) not in muon_ids)
+    return [d if keep(p) else 0 for (_, p), d in zip(named, delays)]
 
 
 def stage_delay(schedule: str, stage: int, stages: int, delay: int | None = None) -> int:
@@ -105,7 +117,7 @@ class DelaySimulator:
                  on_nonfinite: str = "stop", lr_schedule=None, clip_grad_norm: float | None = None,
                  stages: int | None = None, split_points: Sequence[int] | None = None,
                  delay: int | None = None, mitigation: str | None = None, dc_lambda: float = DEFAULT_DC_LAMBDA,
-                 rescale_steps: int | None = None):
+                 rescale_steps: int | None = None, delay_only: str | None = None):
         if schedule not in SCHEDULES:
             raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
         per_stage = SCHEDULES[schedule].lag_per_stage
@@ -153,6 +165,8 @@ class DelaySimulator:
             self.delays = _per_stage_delays(schedule, named, blocks, partition)
         else:
             self.delays = [stage_delay(schedule, 0, 1, delay)] * len(self.params)
+        if delay_only is not None:
+            self.delays = _only_some_delayed(model, named, self.delays, delay_only, per_stage)
         self.delayed = any(d > 0 for d in self.delays)
         self.wants_previous = wants_previous_weights(optimizer)
         # Versions before 0 are W(0): the first d_p steps compute on the initial weights.
