@@ -9,7 +9,7 @@ and how much of that cost a mitigation wins back, one command per table.
     python bench/paper_study.py ef --json     # one JSON object: settings, runs (losses, curves), summary
     python bench/paper_study.py momentum --plot momentum.png
     python bench/paper_study.py ef --scale cpu-long  # 1200 steps: does EF's share grow with length?
-    python bench/paper_study.py ef --scale gpu --plot ef.png   # a 58M Llama on one GPU, loss vs tokens
+    python bench/paper_study.py ef --scale gpu --plot ef.png   # a 56M Llama on one GPU, loss vs tokens
 
 ``--scale`` (bench/study_scales.py) sets the size of every run: ``cpu`` (the default, below),
 ``cpu-long`` (the ef table, 10x the steps) and ``gpu`` (the optimizers, ef and mitigations tables

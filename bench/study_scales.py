@@ -4,7 +4,7 @@ how long, and which rows a table keeps there.
     cpu       the default: the 4-layer byte-level GPT on two CPU cores, 60-200 steps per table
     cpu-long  the ef table for Muon, 10x the default's steps (1200), eval every 100 steps: does
               EF's share of the gap grow as training goes on? (~35-60 min on two cores)
-    gpu       the optimizers, ef and mitigations tables on a ~60M-parameter Llama-family model over
+    gpu       the optimizers, ef and mitigations tables on a 56M-parameter Llama-family model over
               a BPE corpus built on the machine (bench/study_corpus.py), warmup + cosine, 2 seeds,
               sized for <= 20 minutes per table on one H100 (CUDA only)
 
@@ -20,9 +20,9 @@ from typing import Mapping, Optional
 GPU_MODEL = {"model.n_layer": 10, "model.n_embd": 640, "model.n_head": 10, "model.n_kv_head": 5,
              "model.intermediate_size": 1728, "model.seq_len": 512, "model.tie_embeddings": True}
 """The gpu scale's model, on the llama-tiny preset (Llama: RMSNorm, rotary, SwiGLU, grouped-query
-attention, tied embedding): 10 blocks of width 640; with the corpus's 16,384-id vocabulary 58M
-parameters (49M in the blocks), the smallest size the paper-scale question admits that still
-trains long enough to flatten in a 20-minute table."""
+attention, tied embedding): 10 blocks of width 640; with the corpus's 16,384-id vocabulary 56.0M
+parameters (45.5M besides the tied embedding), at the low end of the paper-scale range (50-360M)
+so that a run trains long enough to flatten within a 20-minute table."""
 GPU_VOCAB = 16384
 """BPE vocabulary of the corpus the gpu scale builds (bench/study_corpus.py)."""
 

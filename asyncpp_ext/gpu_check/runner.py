@@ -74,7 +74,7 @@ def plan(out: Path, gpus: int, quick: bool, study: bool = False) -> list:
                     "GPU; see the NCCL self-test's loopback figures instead")),
         ("bench_gpu_throughput", "bench/gpu_throughput.py --quick: asyncpp-train vs Hugging Face tokens/s, MFU, "
          "peak memory", [gpu_throughput_command(out)], no_src),
-        ("study", "bench/paper_study.py --scale gpu: the optimizers and ef tables on a 58M Llama (<= 20 min each)",
+        ("study", "bench/paper_study.py --scale gpu: the optimizers and ef tables on a 56M Llama (<= 20 min each)",
          study_commands(out), no_src or (None if study else "off by default (about 40 minutes): --study runs it")),
     ]
 
