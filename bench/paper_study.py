@@ -443,7 +443,7 @@ def main(argv=None) -> int:
         s = out["setup"]
         per_token = s["scale"] == "gpu"  # the paper-scale plots: loss vs tokens seen
         plot_table(out["runs"], settings, Path(a.plot),
-                   f"{a.table}: {s['model']} ({s['model_parameters'] / 1e6:.0f}M), batch {s['batch']} x "
+                   f"{a.table}: {s['model']} ({s['model_parameters'] / 1e6:.3g}M), batch {s['batch']} x "
                    f"{s['seq_len']}, {s['steps']} steps, {s['seeds']} seeds",
                    s["tokens_per_step"] if per_token else None)
     print(json.dumps(out) if a.json else report(out))

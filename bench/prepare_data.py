@@ -11,6 +11,9 @@ speeches; they are written, in a new seeded order per pass, as ``--files`` JSONL
     ``Tokenizer.encode_batch_fast`` 512 at a time with TOKENIZERS_PARALLELISM=false; only the calls
     are timed (reading and JSON parsing are free for it), and ``.ids`` is not even read;
   * encode_batch, all threads: the same with the tokenizer's own thread pool (every core);
+  * encode_batch, 1 thread x N copies: N such processes at once, each over its share of the files
+    (only the calls timed; the slowest copy's call time is the row's wall): what N cores give
+    independent tokenizers side by side, the ceiling of any N-worker run on this machine;
   * ours, --workers N for N in ``--workers`` (default: 1 and the cores): the whole command --
     start, reading, decompression-free JSON parsing, encoding, EOT insertion, shards, sidecars,
     manifest -- timed from launch to exit.
@@ -95,16 +98,18 @@ def _write_corpus(folder: Path, docs: list, mb: float, files: int) -> tuple[int,
     return written, count
 
 
-def _baseline_child(tokenizer: str, folder: str) -> None:
-    """One process: encode_batch_fast over the documents, 512 at a time; prints JSON."""
+def _baseline_child(tokenizer: str, folder: str, part: str = "0/1") -> None:
+    """One process: encode_batch_fast over the documents of files ``k::n`` (``part`` "k/n"), 512
+    at a time; prints JSON."""
     import resource
 
     from tokenizers import Tokenizer
 
+    k, n = map(int, part.split("/"))
     tok = Tokenizer.from_file(tokenizer)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     seconds, cpu, tokens, docs = 0.0, 0.0, 0, 0
-    for path in sorted(Path(folder).glob("*.jsonl")):
+    for path in sorted(Path(folder).glob("*.jsonl"))[k::n]:
         with open(path, encoding="utf-8") as f:
             batch = []
             for line in f:
@@ -149,6 +154,27 @@ def _measure(cmd: list, env: dict) -> tuple[float, float, int, str]:
     return seconds, usage.ru_utime + usage.ru_stime, peak, out
 
 
+def _measure_copies(cmds: list, env: dict) -> tuple[float, float, int, list]:
+    """(wall seconds until the last exits, CPU seconds of all, summed peak PSS, stdouts) of
+    commands started together (independent processes sharing the machine's cores)."""
+    start = time.perf_counter()
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in cmds]
+    peaks, cpu, waiting = [0] * len(procs), 0.0, set(range(len(procs)))
+    while waiting:
+        for i in list(waiting):
+            pid, status, usage = os.wait4(procs[i].pid, os.WNOHANG)
+            if pid:
+                waiting.discard(i)
+                cpu += usage.ru_utime + usage.ru_stime
+                if os.waitstatus_to_exitcode(status):
+                    raise SystemExit(f"a baseline copy failed: {procs[i].stderr.read().strip()[-500:]}")
+            else:
+                peaks[i] = max(peaks[i], tree_pss(procs[i].pid))
+        time.sleep(0.05)
+    return time.perf_counter() - start, cpu, sum(peaks), [p.stdout.read() for p in procs]
+
+
 def _digest(folder: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(folder.iterdir()):
@@ -170,7 +196,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every row (default 1)")
     parser.add_argument("--dir", help="work directory (default: a temporary one, removed after)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
-    parser.add_argument("--baseline-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline_child:
         _baseline_child(*args.baseline_child)
@@ -192,11 +218,24 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         configs = [("encode_batch, 1 thread", "base", "false", 1),
                    ("encode_batch, all threads", "base", "true", cores)]
+        # What the machine gives independent single-thread tokenizers at once (each its share of
+        # the files): the ceiling of any N-worker run, whatever it does besides encoding.
+        configs += [(f"encode_batch, 1 thread x {n} copies", "copies", n, min(n, cores)) for n in workers if n > 1]
         configs += [(f"asyncpp-prepare-data --workers {n}", "ours", n, min(n, cores)) for n in workers]
         samples = {label: [] for label, *_ in configs}
         digests, shards = {}, {}
         for r in range(args.repeats):  # rounds, each in a rotated order: load hits every row alike
             for label, kind, arg, used in configs[r % len(configs):] + configs[:r % len(configs)]:
+                if kind == "copies":
+                    wall, cpu, peak, outs = _measure_copies(
+                        [[sys.executable, __file__, "--baseline-child", str(tok), str(work / "corpus"), f"{k}/{arg}"]
+                         for k in range(arg)], dict(env, TOKENIZERS_PARALLELISM="false"))
+                    results = [json.loads(o) for o in outs]
+                    # As the 1-thread row: only the calls count (each copy's own timer); the
+                    # copies run side by side, so the slowest one's call time is the row's wall.
+                    samples[label].append((max(r["seconds"] for r in results), sum(r["cpu_seconds"] for r in results),
+                                           peak, sum(r["tokens"] for r in results)))
+                    continue
                 if kind == "base":
                     _, _, peak, out = _measure([sys.executable, __file__, "--baseline-child", str(tok),
                                                 str(work / "corpus")],
