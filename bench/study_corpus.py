@@ -44,8 +44,10 @@ TOKENIZER_SAMPLE = 4
 
 
 def default_roots() -> list[Path]:
-    """This interpreter's standard library and site-packages folders."""
+    """This interpreter's standard library, site-packages and user site-packages folders."""
     roots = {Path(sysconfig.get_paths()["stdlib"]), *map(Path, site.getsitepackages())}
+    if site.ENABLE_USER_SITE:
+        roots.add(Path(site.getusersitepackages()))
     return sorted(r for r in roots if r.is_dir())
 
 
