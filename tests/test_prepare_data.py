@@ -190,6 +190,16 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
         return base[:3] + [tmp_path / "empty.txt"] + base[4:]
     if case == "empty validation file":
         return base + ["--val-fraction", "0.0001"]
+    if case == "val-out is the out file":
+        return base + ["--val-fraction", "0.1", "--val-out", base[-1]]
+    if case == "shard tokens 0":
+        return base + ["--shard-tokens", "0"]
+    if case == "unknown flag":
+        return base + ["--no-such-flag"]
+    if case == "workers 0":
+        return base + ["--workers", "0"]
+    if case == "empty separator":
+        return base + ["--doc-separator", ""]
     raise AssertionError(case)
 
 
@@ -210,6 +220,11 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
     ("out directory missing", "directory .*no does not exist or is not writable"),
     ("empty result", "gave no tokens"),
     ("empty validation file", "leaves the validation file empty"),
+    ("val-out is the out file", "--val-out .*out.bin is the --out file"),
+    ("shard tokens 0", "argument --shard-tokens: '0' is not a positive whole number of tokens"),
+    ("unknown flag", "unrecognized arguments: --no-such-flag"),
+    ("workers 0", "--workers 0 is not positive"),
+    ("empty separator", "--doc-separator is empty"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, bpe_path, monkeypatch, capsys,
                                                             case, match):
@@ -282,3 +297,10 @@ def test_prepared_bpe_data_trains_and_eval_loss_falls(tmp_path, bpe_path, capsys
     evals = {row["step"]: row["eval_loss"] for row in read_metrics(run_dir) if "eval_loss" in row}
     assert set(evals) >= {10, 30}
     assert evals[30] < evals[10] and evals[30] < math.log(BPE_VOCAB)
+
+
+def test_the_python_api_checks_the_shard_size_too(tmp_path):
+    (tmp_path / "in.txt").write_text("text\n" * 10)
+    with pytest.raises(prep.PrepareError, match="--shard-tokens 0 is not positive"):
+        prep.prepare("bytes", [str(tmp_path / "in.txt")], str(tmp_path / "out.bin"), shard_tokens=0)
+    assert list(tmp_path.iterdir()) == [tmp_path / "in.txt"]

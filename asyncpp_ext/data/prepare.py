@@ -452,9 +452,18 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
             tmp.unlink(missing_ok=True)
 
 
+class _UsageError(Exception):
+    """A command-line mistake: main prints it as one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line (no usage block), like every other bad input
+        raise _UsageError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``asyncpp-prepare-data``."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG, description="Tokenize text, JSON lines (.gz/.zst), Parquet or a save_to_disk "
         "dataset into .bin token files (+ .bin.json sidecars) for asyncpp-train --data.")
     parser.add_argument("--tokenizer", required=True, metavar="TOKENIZER",
@@ -528,7 +537,11 @@ def _summary(result: PrepareResult) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``asyncpp-prepare-data``; returns the exit status (0 ok, 2 bad input)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as exc:
+        print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
+        return 2
     try:
         result = prepare(args.tokenizer, args.input, args.out, args.val_fraction, args.val_out,
                          text_field=args.text_field, doc_separator=args.doc_separator,
