@@ -31,7 +31,7 @@ SOURCES := $(shell find csrc cmake -type f 2>/dev/null) CMakeLists.txt setup.py 
 # on PATH (setup.py takes the PyPI package first, then PATH).
 BUILD_REQUIRES := 'setuptools>=77' 'pybind11>=2.12' 'cmake>=3.26' ninja
 
-.PHONY: demo test build clean gpu-check
+.PHONY: demo test build build-check clean gpu-check
 .DELETE_ON_ERROR:
 
 # Prints those of the requirements given as arguments ("name" or "name>=version") that this
@@ -94,6 +94,11 @@ test: $(BUILT)
 	$(PY) -m pytest $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadgroup") $(PYTEST_ARGS)
 
 build: $(BUILT)
+
+# Scratch builds of the extension in other configurations (CUDA off, baseline ISA only, static
+# libstdc++), each a full C++ build of its own: kept out of `make test`; CI runs both.
+build-check: $(BUILT)
+	$(PY) -m pytest -m buildcheck -p no:cacheprovider tests/test_build.py
 
 # The venv. Where $(PYTHON) imports torch, the venv sees $(PYTHON)'s site packages after its own
 # (site.addsitedir, so their .pth files work too): torch and the rest are not installed twice.

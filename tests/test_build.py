@@ -297,6 +297,7 @@ except ValueError as e:
 """
 
 
+@pytest.mark.buildcheck
 def test_cuda_off_build_skips_cuda_and_imports(tmp_path):
     """A full CPU-only, baseline-ISA-only build into a scratch copy of the package, then import it
     there. Its kernels must give the very bits the main build's ISA variant gives (cpu_isa.h), and

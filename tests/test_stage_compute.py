@@ -43,6 +43,7 @@ def test_fused_head_loss_real_pipeline_equals_the_simulation_bitwise(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.xdist_group("inductor")  # beside test_compile.py: one worker compiles, the other trains
 def test_compiled_real_pipeline_equals_the_compiled_simulation(tmp_path, request):
     # One inductor cache for the three processes (the ranks inherit it), kept between runs.
     cache = request.config.cache.mkdir("inductor") if request.config.cache else tmp_path / "inductor"
