@@ -30,6 +30,14 @@ needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers")
 LOGGER = "asyncpp_ext.models.compile"
 
 
+def inductor_cache_dir(request):
+    """pytest's cache folder (kept between runs), or a temporary one under -p no:cacheprovider."""
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        return cache.mkdir("inductor")
+    return request.getfixturevalue("tmp_path_factory").mktemp("inductor")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shared_inductor_cache(request):
     """One inductor cache for the file (kept between runs in .pytest_cache), one compile thread (no
@@ -37,7 +45,7 @@ def _shared_inductor_cache(request):
     import torch._inductor.config as inductor_config
     saved_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     saved = inductor_config.compile_threads, torch.get_num_threads()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(request.config.cache.mkdir("inductor"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir(request))
     inductor_config.compile_threads = 1
     torch.set_num_threads(1)
     yield

@@ -42,6 +42,7 @@ def _rel(a, b):
                                               "llama-gpipe", "llama-2bw-ppxdp"])
 def test_real_processes_equal_the_simulation(tmp_path, source, stages, layout):
     if source.startswith("hf-"):
+        pytest.importorskip("transformers")
         config = tmp_path / "config.json"
         config.write_text(json.dumps(LLAMA_HF if source == "hf-llama" else GPT2_HF))
         model = ["--hf-config", str(config)]

@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import peer_runs  # noqa: E402
 import peer_schedules as ps  # noqa: E402
 
 
@@ -72,8 +73,8 @@ def test_cited_loss_gaps_are_the_delay_studys():
 
 
 def test_a_schedule_missing_from_this_torch_is_one_line(monkeypatch):
-    monkeypatch.setattr(ps, "_torch_class", lambda name: None)
-    why = ps.torch_refusal("DualPipeV", 4, 8)
+    monkeypatch.setattr(peer_runs, "_torch_class", lambda name: None)
+    why = peer_runs.torch_refusal("DualPipeV", 4, 8)
     assert why.startswith("torch DualPipeV: not in torch ") and "\n" not in why
 
 
@@ -84,12 +85,12 @@ def test_torch_shape_rules_come_back_as_one_line():
 
 
 def test_stage_placement_is_stated_and_total_compute_equal():
-    assert ps.torch_stage_indices("1F1B", 4, 1) == [1]
-    assert ps.torch_stage_indices("Interleaved1F1B", 4, 1) == [1, 5]
-    assert ps.torch_stage_indices("ZBVZeroBubble", 4, 1) == [1, 6]
+    assert peer_runs.torch_stage_indices("1F1B", 4, 1) == [1]
+    assert peer_runs.torch_stage_indices("Interleaved1F1B", 4, 1) == [1, 5]
+    assert peer_runs.torch_stage_indices("ZBVZeroBubble", 4, 1) == [1, 6]
     # every layout covers the 2S blocks once: the same model and compute per step
     for name in ps.PEERS:
-        covered = sorted(i for r in range(4) for i in ps.torch_stage_indices(name, 4, r))
+        covered = sorted(i for r in range(4) for i in peer_runs.torch_stage_indices(name, 4, r))
         assert covered == (list(range(4)) if ps.PEERS[name] == "single" else list(range(8)))
 
 
