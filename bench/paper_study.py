@@ -60,8 +60,7 @@ from pathlib import Path
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the shared study code next to this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_runs import (StudyError, build_config, build_engine, mean_std, paired_differences,  # noqa: E402
-                        parse_value, plot_curve_panels, progress_reporter, recovered_fractions,
+from study_runs import (StudyError, build_config, build_engine, parse_value, progress_reporter,  # noqa: E402
                         run_overrides, run_pool)
 from study_report import (_duration, check_settings, format_flattening, format_table, format_trend,  # noqa: E402
                           plot_table, summarize, summarize_trend, sync_flattening)
@@ -279,11 +278,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _scale_default(a: argparse.Namespace, scale, name: str, value) -> None:
-    if getattr(a, name) is None:
-        setattr(a, name, value)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """Parsed and checked arguments, the scale's values filled in; StudyError names a bad one."""
     a = build_parser().parse_args(argv)
@@ -297,8 +291,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.steps = a.steps if a.steps is not None else (
         plan.full_steps if a.full else scale.steps.get(a.table, plan.steps))
     for name in ("seeds", "microbatches", "micro_batch_size", "eval_batches", "workers", "threads", "data",
-                 "device"):
-        _scale_default(a, scale, name, getattr(scale, name))
+                 "device"):  # what the command line left unset comes from the scale
+        if getattr(a, name) is None:
+            setattr(a, name, getattr(scale, name))
     a.eval_every = a.eval_every if a.eval_every is not None else min(a.steps, scale.eval_every or max(1, a.steps // 5))
     for name in ("steps", "seeds", "workers", "threads", "microbatches", "micro_batch_size", "eval_batches",
                  "eval_every"):
