@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from .errors import DataError
+from .errors import DataError, first_line
 
 BYTES = "bytes"
 BAD, BLANK = -1, -2
@@ -100,7 +100,7 @@ class HFTokenizer(_Encoder):
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises plain Exception for malformed files
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            reason = first_line(exc)
             raise PrepareError(f"tokenizer {path} is not a tokenizers tokenizer.json ({reason}); "
                                "pass the tokenizer.json of a Hugging Face tokenizer") from None
         self.name = os.path.abspath(path)

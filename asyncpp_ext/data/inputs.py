@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from .encode import PrepareError, Task
+from .errors import first_line
 
 TEXT, JSONL, PARQUET, ARROW = "text", "jsonl", "parquet", "arrow"
 COMPRESSION_SUFFIXES = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
@@ -257,7 +258,7 @@ def read_parquet_tasks(item: Input, text_field: str, on_bytes: Callable[[int], N
     try:
         pfile = pq.ParquetFile(item.path)
     except (pa.ArrowException, OSError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        reason = first_line(exc)
         raise PrepareError(f"input {item.path} is not a readable Parquet file ({reason}); it may be "
                            "cut short: download it again") from None
     _check_column(item, pfile.schema_arrow, text_field, pa)
@@ -271,7 +272,7 @@ def read_parquet_tasks(item: Input, text_field: str, on_bytes: Callable[[int], N
             on_bytes(now - reported)
             reported = now
     except (pa.ArrowException, OSError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        reason = first_line(exc)
         raise PrepareError(f"input {item.path} is damaged after row {done} ({reason}); download "
                            "it again") from None
     on_bytes(size - reported)
@@ -293,7 +294,7 @@ def read_arrow_tasks(item: Input, text_field: str, on_bytes: Callable[[int], Non
                 batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
                 schema = reader.schema
         except (pa.ArrowException, OSError) as exc:
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            reason = first_line(exc)
             raise PrepareError(f"input {item.path} is not a readable Arrow file ({reason}); save the "
                                "dataset again") from None
         _check_column(item, schema, text_field, pa)
@@ -309,7 +310,7 @@ def read_arrow_tasks(item: Input, text_field: str, on_bytes: Callable[[int], Non
                 on_bytes(now - reported)
                 reported = now
         except (pa.ArrowException, OSError) as exc:
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            reason = first_line(exc)
             raise PrepareError(f"input {item.path} is damaged after row {done} ({reason}); save the "
                                "dataset again") from None
         on_bytes(size - reported)

@@ -57,6 +57,7 @@ import numpy as np
 from . import inputs as inp
 from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, Task,  # noqa: F401
                      load_tokenizer, ordered_encode)
+from .errors import first_line
 from .sinks import TokenSink, base_header, commit_outputs
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
 
@@ -253,7 +254,7 @@ def _tasks(items: list, separator: Optional[str], text_field: str, skips: _Skips
                 try:
                     yield from inp.read_jsonl_tasks(item, on_bytes)
                 except inp.stream_errors() as exc:
-                    reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+                    reason = first_line(exc)
                     raise PrepareError(f"input {item.path} is damaged or cut short ({reason}); "
                                        "download it again") from None
             elif item.kind == inp.PARQUET:

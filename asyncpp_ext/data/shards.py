@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .errors import DataError
+from .errors import DataError, first_line
 
 MANIFEST_FORMAT = "asyncpp-token-shards"
 """The ``format`` field of a shard manifest."""
@@ -63,7 +63,7 @@ def _read_manifest(path: Path) -> list[tuple[Path, int]]:
         raise DataError(f"manifest {path} does not exist; pass an existing manifest, a directory "
                         "or a glob of .bin shards") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        reason = first_line(exc)
         raise DataError(f"manifest {path} is not readable JSON ({reason}); {regenerate}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise DataError(f"manifest {path} is not an {MANIFEST_FORMAT!r} manifest; {regenerate}")
