@@ -108,30 +108,28 @@ def _baseline_child(tokenizer: str, folder: str, part: str = "0/1") -> None:
     k, n = map(int, part.split("/"))
     tok = Tokenizer.from_file(tokenizer)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    seconds, cpu, tokens, docs = 0.0, 0.0, 0, 0
+    totals = {"seconds": 0.0, "cpu_seconds": 0.0, "tokens": 0, "docs": 0}
+
+    def timed_encode(batch: list) -> None:  # only the call is timed
+        start, start_cpu = time.perf_counter(), time.process_time()
+        out = encode(batch, add_special_tokens=False)
+        totals["seconds"] += time.perf_counter() - start
+        totals["cpu_seconds"] += time.process_time() - start_cpu
+        totals["tokens"] += sum(len(e) for e in out)
+        totals["docs"] += len(batch)
+
     for path in sorted(Path(folder).glob("*.jsonl"))[k::n]:
         with open(path, encoding="utf-8") as f:
             batch = []
             for line in f:
                 batch.append(json.loads(line)["text"])
                 if len(batch) == BATCH:
-                    start, start_cpu = time.perf_counter(), time.process_time()
-                    out = encode(batch, add_special_tokens=False)
-                    seconds += time.perf_counter() - start
-                    cpu += time.process_time() - start_cpu
-                    tokens += sum(len(e) for e in out)
-                    docs += len(batch)
+                    timed_encode(batch)
                     batch = []
             if batch:
-                start, start_cpu = time.perf_counter(), time.process_time()
-                out = encode(batch, add_special_tokens=False)
-                seconds += time.perf_counter() - start
-                cpu += time.process_time() - start_cpu
-                tokens += sum(len(e) for e in out)
-                docs += len(batch)
+                timed_encode(batch)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens, "docs": docs,
-                      "peak_bytes": peak}))
+    print(json.dumps({**totals, "peak_bytes": peak}))
 
 
 def _measure(cmd: list, env: dict) -> tuple[float, float, int, str]:
@@ -154,25 +152,23 @@ def _measure(cmd: list, env: dict) -> tuple[float, float, int, str]:
     return seconds, usage.ru_utime + usage.ru_stime, peak, out
 
 
-def _measure_copies(cmds: list, env: dict) -> tuple[float, float, int, list]:
-    """(wall seconds until the last exits, CPU seconds of all, summed peak PSS, stdouts) of
-    commands started together (independent processes sharing the machine's cores)."""
-    start = time.perf_counter()
+def _measure_copies(cmds: list, env: dict) -> tuple[int, list]:
+    """(summed peak PSS, stdouts) of commands started together (independent processes sharing
+    the machine's cores); each reports its own timings on stdout."""
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for c in cmds]
-    peaks, cpu, waiting = [0] * len(procs), 0.0, set(range(len(procs)))
+    peaks, waiting = [0] * len(procs), set(range(len(procs)))
     while waiting:
         for i in list(waiting):
-            pid, status, usage = os.wait4(procs[i].pid, os.WNOHANG)
+            pid, status, _ = os.wait4(procs[i].pid, os.WNOHANG)
             if pid:
                 waiting.discard(i)
-                cpu += usage.ru_utime + usage.ru_stime
                 if os.waitstatus_to_exitcode(status):
                     raise SystemExit(f"a baseline copy failed: {procs[i].stderr.read().strip()[-500:]}")
             else:
                 peaks[i] = max(peaks[i], tree_pss(procs[i].pid))
         time.sleep(0.05)
-    return time.perf_counter() - start, cpu, sum(peaks), [p.stdout.read() for p in procs]
+    return sum(peaks), [p.stdout.read() for p in procs]
 
 
 def _digest(folder: Path) -> str:
@@ -227,7 +223,7 @@ def main() -> None:
         for r in range(args.repeats):  # rounds, each in a rotated order: load hits every row alike
             for label, kind, arg, used in configs[r % len(configs):] + configs[:r % len(configs)]:
                 if kind == "copies":
-                    wall, cpu, peak, outs = _measure_copies(
+                    peak, outs = _measure_copies(
                         [[sys.executable, __file__, "--baseline-child", str(tok), str(work / "corpus"), f"{k}/{arg}"]
                          for k in range(arg)], dict(env, TOKENIZERS_PARALLELISM="false"))
                     results = [json.loads(o) for o in outs]
