@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_workload import cpu_model  # noqa: E402
 from schedule_efficiency import MICRO_BATCH, WIDTH, _batches, _sgd, torch_stepper  # noqa: E402
 from asyncpp_ext.pipeline import LaunchError, Pipeline, init_distributed, spawn  # noqa: E402
 from asyncpp_ext.pipeline.devices import TRANSPORTS  # noqa: E402
@@ -310,14 +311,7 @@ def measure(stages: int = 2, m: int = 8, steps: int = 50, warmup: int = 3, sched
 
 def cpu_name() -> str:
     """This machine's processor, as platform reports it or else /proc/cpuinfo's model name."""
-    name = platform.processor()
-    if name:
-        return name
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
+    return platform.processor() or cpu_model()
 
 
 def _cell(value, width: int, fmt: str = ".1f") -> str:

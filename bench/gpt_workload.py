@@ -87,11 +87,14 @@ def tokens_per_step(model, microbatches: int, micro_batch_size: int) -> int:
     return microbatches * micro_batch_size * _seq_len(model)
 
 
-def machine_description() -> str:
-    cpu = "unknown CPU"
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name ("unknown CPU" where there is none)."""
     try:
         with open("/proc/cpuinfo") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+        return "unknown CPU"
+
+
+def machine_description() -> str:
+    return f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}"

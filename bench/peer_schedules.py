@@ -59,6 +59,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from asyncpp_ext.pipeline import spawn  # noqa: E402
 from asyncpp_ext.schedule import analytic  # noqa: E402
+from gpt_workload import cpu_model  # noqa: E402
 from peer_runs import (BLOCKS_PER_RANK, HIDDEN, MICRO_BATCH, OURS, PEERS, WIDTH, adamw, make_blocks,  # noqa: E402
                        spin_for, torch_orders, torch_refusal, worker)
 
@@ -285,13 +286,7 @@ def format_model_table(rows: list, skipped: list, costs_ms: dict) -> str:
 
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def row_label(r: dict) -> str:
