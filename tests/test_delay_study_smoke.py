@@ -1,5 +1,4 @@
 """Smoke test of bench/delay_study.py: a few steps of the tiny model, one seed."""
-import importlib.util
 import json
 import math
 import re
@@ -11,17 +10,14 @@ import torch
 
 from asyncpp_ext.training.cli import main as train_main
 from asyncpp_ext.training.run_files import read_metrics
+from bench_loader import load_bench_script
 
 STUDY_PATH = Path(__file__).resolve().parent.parent / "bench" / "delay_study.py"
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("delay_study", STUDY_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["delay_study"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("delay_study")
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,14 @@
 length, the gpu scale refused without a GPU and run end to end at a tiny size on the CPU (the same
 code path: corpus built on the machine, Llama model, cosine schedule, epoch sampling, bf16), the
 trend over training length, and the corpus builder (bench/study_corpus.py)."""
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from bench_loader import load_bench_script
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 PACKAGE = Path(__file__).resolve().parent.parent / "asyncpp_ext"
@@ -20,11 +21,7 @@ pytest.importorskip("tokenizers")
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("paper_study", BENCH / "paper_study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["paper_study"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("paper_study")
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,18 @@
 """bench/paper_study.py: the summariser on hand-made numbers (paired gaps and recovered shares),
-a few-step smoke run of two tables (table, JSON and plot), and the checks that stop a study before
+a few-step run of every table (table, JSON and plot; --delay-only), and the checks that stop a study before
 its first run (a missing optional package, a config field that does not exist)."""
-import importlib.util
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_loader import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("paper_study", BENCH / "paper_study.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["paper_study"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("paper_study")
 
 
 TINY = ["--model", "tiny", "--steps", "4", "--seeds", "2", "--eval-every", "2", "--eval-batches", "1"]
