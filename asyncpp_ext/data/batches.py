@@ -28,6 +28,10 @@ from .shards import TokenShards
 Microbatch = tuple  # (inputs int64 (B, T), targets int64 (B, T))
 SAMPLINGS = ("random", "epoch")
 """Window orders of BatchStream (DataConfig.sampling, --sampling)."""
+EPOCH_STREAM = 2
+"""Third word of the "epoch" order's generator seed (seed, epoch, EPOCH_STREAM): keeps its
+permutations apart from the "random" order's (seed, position) draws. Fixed: changing it would
+reorder every epoch and break the resume of existing checkpoints."""
 
 
 def min_tokens_needed(micro_batch_size: int, seq_len: int, eval_fraction: float) -> int:
@@ -89,7 +93,7 @@ class BatchStream:
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if self._order[0] != epoch:
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch, len(SAMPLINGS)]))
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch, EPOCH_STREAM]))
             self._order = (epoch, rng.permutation(self.num_windows))
         return self._order[1]
 
