@@ -164,6 +164,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="last block's loss: plain (whole logits), fused (chunked matmul + cross entropy, "
                           "no logits in memory), liger / cce (fused with that CUDA kernel), auto (fused for "
                           "vocabularies >= 8192) (default auto)")
+    run.add_argument("--profile-steps", metavar="FIRST:LAST",
+                     help="trace those steps with torch.profiler into OUT/profile/: a Perfetto trace, the "
+                          "operator table and the device-busy share per process (off by default)")
     run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES,
                      help="NaN/Inf loss or gradient: stop the run, or skip that step's update on "
                           f"every stage (default {_D.train.on_nonfinite})")
@@ -200,6 +203,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
         ("train", "compile"): args.compile, ("train", "head_loss"): args.head_loss,
+        ("train", "profile_steps"): args.profile_steps,
     }
     for (section, name), value in sets.items():
         if value is not None:
@@ -237,7 +241,7 @@ FIELD_FLAGS = {
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
-    "train.compile": "--compile", "train.head_loss": "--head-loss", "data.sampling": "--sampling",
+    "train.compile": "--compile", "train.head_loss": "--head-loss", "train.profile_steps": "--profile-steps", "data.sampling": "--sampling",
 }
 
 

@@ -258,6 +258,9 @@ class TrainConfig:
     cut-cross-entropy on CUDA where installed, else the package's own chunked kernel) | liger | cce
     (fused with that library kernel; CUDA, its extra installed) | auto (fused when the vocabulary
     has >= 8192 ids, else plain; models/head_loss.py)."""
+    profile_steps: Optional[str] = None
+    """"FIRST:LAST": trace those steps with torch.profiler into OUT/profile/ (a trace, the operator
+    table, and the device-busy share and kernel time by kind; training/profiling.py). None = off."""
 
 
 @dataclass
@@ -436,6 +439,13 @@ class RunConfig:
                               f"{self.train.device!r}; use --device cuda, or --transport gloo (or torch) on cpu")
         choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
         choice("train.head_loss", self.train.head_loss, HEAD_LOSSES)
+        if self.train.profile_steps is not None:
+            from .profiling import ProfileSpecError, parse_profile_steps
+
+            try:
+                parse_profile_steps(self.train.profile_steps)
+            except ProfileSpecError as exc:
+                raise ConfigError(str(exc)) from None
         if self.train.compile is not None and not isinstance(self.train.compile, bool):
             raise ConfigError(f"train.compile must be true, false or null (auto), got {self.train.compile!r}")
         positive_number("train.timeout_s", self.train.timeout_s)

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, NamedTuple, Optional, Protocol, Sequence
 import torch
 
 from .checkpoint import save_checkpoint
+from .profiling import StepProfiler, parse_profile_steps
 from .config import RunConfig
 from ..data import BatchStream
 from .run_files import METRICS_NAME, plot_losses
@@ -86,6 +87,15 @@ class Trainer:
             if callable(getattr(engine, "time_shares", None)) and getattr(engine, "replica", 0) == 0:
                 self.tensorboard_stage = TensorboardLogger(root / f"stage{engine.stage}", purge_step=start_step + 1)
 
+    def _profiler(self) -> StepProfiler:
+        """``--profile-steps``: this process's tracer, its files named by stage (and replica)."""
+        spec = self.cfg.train.profile_steps
+        who = f"stage{getattr(self.engine, 'stage', 0)}"
+        if getattr(getattr(self.engine, "pipe", None), "dp", 1) > 1:
+            who += f"_dp{getattr(self.engine, 'replica', 0)}"
+        return StepProfiler(parse_profile_steps(spec) if spec else None, self.run_dir / "profile", who,
+                            self.device.type)
+
     def _save_single_process(self, step: int, meta: dict) -> Path:
         return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta)
 
@@ -127,10 +137,12 @@ class Trainer:
         start = time.perf_counter()
         metrics = open(self.run_dir / METRICS_NAME, "a") if self.writes_metrics else None
         last_elapsed = self.elapsed_before
+        profiler = self._profiler()
         try:
             while self.step < total:
                 end = self._segment_end()
                 pending = []
+                profiler.before_steps(self.step + 1)
                 for loss in self.engine.train_steps(self.stream, end - self.step):
                     skipped = isinstance(loss, StepOutcome) and loss.skipped
                     loss = loss.loss if isinstance(loss, StepOutcome) else loss
@@ -138,6 +150,7 @@ class Trainer:
                         loss = None  # JSON has no NaN; the row says why
                     lr = self.base_lr * self.lr_schedule.multiplier(self.step)  # the lr step t used
                     self.step += 1
+                    profiler.after_step(self.step)
                     elapsed = self.elapsed_before + time.perf_counter() - start
                     step_s = elapsed - last_elapsed
                     last_elapsed = elapsed
@@ -165,6 +178,7 @@ class Trainer:
                 if self._is_due(end, self.cfg.train.ckpt_every):
                     self.save(self.elapsed_before + time.perf_counter() - start)
         finally:
+            profiler.close()
             if metrics is not None:
                 metrics.close()
             for logger in (self.tensorboard, self.tensorboard_stage):

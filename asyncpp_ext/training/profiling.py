@@ -1,0 +1,173 @@
+"""``--profile-steps FIRST:LAST``: trace those optimizer steps with ``torch.profiler`` and say where
+the time went.
+
+Each process that trains writes, under ``OUT/profile/``:
+
+* ``trace_<who>.json.gz`` -- the Chrome/Perfetto trace of the window (open in ui.perfetto.dev);
+* ``summary_<who>.txt`` -- torch's operator table sorted by device time (CPU time on the CPU);
+* ``summary_<who>.json`` -- the figures a reader checks first: the window's wall time, the time
+  the GPU was busy (the union of every kernel and copy interval, so overlapping streams count
+  once) and its share of the wall time, the kernel time by kind (matrix products, attention,
+  Triton/compiled, other kernels, copies, collectives), the kernel count, and how often the host
+  waited on the device (``cudaStreamSynchronize``/``cudaDeviceSynchronize`` calls and
+  ``aten::_local_scalar_dense``, i.e. ``.item()``).
+
+``<who>`` is ``stage<S>`` (``stage<S>_dp<R>`` for data-parallel replicas). The window starts when
+step FIRST-1 has completed and ends when step LAST has: in a pipeline, neighbouring steps overlap,
+so the window holds the work the process did in that wall-time span. Tracing slows the traced
+steps a little (the profiler records every operator); the steps outside the window run as usual.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+
+class ProfileSpecError(ValueError):
+    """A ``--profile-steps`` value that names no window of steps."""
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """``"FIRST:LAST"`` (or ``"K"``, one step) -> (first, last), 1-based, first <= last."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", str(text))
+    if not match:
+        raise ProfileSpecError(f"train.profile_steps must look like FIRST:LAST (e.g. 6:8), got {text!r}")
+    first = int(match.group(1))
+    last = int(match.group(2)) if match.group(2) is not None else first
+    if first < 1 or last < first:
+        raise ProfileSpecError(f"train.profile_steps={text!r} needs 1 <= FIRST <= LAST (steps count from 1)")
+    return first, last
+
+
+# Kernel kinds by name. Matrix products: cuBLAS / cuBLASLt / CUTLASS names (sm90_xmma, nvjet,
+# cutlass, gemm); attention: the SDPA backends (flash, memory-efficient "fmha", cuDNN); Triton:
+# what torch.compile (inductor) and the Triton-based extras generate.
+_KINDS = (("matmul", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul", re.I)),
+          ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+          ("triton", re.compile(r"^triton|_kernel$|liger|cce_", re.I)),
+          ("collective", re.compile(r"nccl", re.I)))
+
+
+def kernel_kind(name: str, category: str) -> str:
+    """The kind a device event counts under in the summary."""
+    if category in ("gpu_memcpy", "gpu_memset"):
+        return "copy"
+    for kind, pattern in _KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+def summarize_trace(events: list[dict]) -> dict:
+    """The summary figures of a Chrome trace's events (see the module docstring)."""
+    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver",
+                                                                            "user_annotation", "python_function")]
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in device)
+    busy, end = 0.0, None
+    for start, stop in spans:  # the union of the intervals: overlapping streams count once
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    times = [float(e["ts"]) for e in host + device] + [float(e["ts"]) + float(e.get("dur", 0.0)) for e in host + device]
+    wall_us = (max(times) - min(times)) if times else 0.0
+    kinds: dict[str, float] = {}
+    for e in device:
+        kind = kernel_kind(str(e.get("name", "")), e.get("cat", ""))
+        kinds[kind] = kinds.get(kind, 0.0) + float(e.get("dur", 0.0)) / 1e3
+    names = [str(e.get("name", "")) for e in host]
+    return {
+        "window_ms": round(wall_us / 1e3, 3),
+        "device_busy_ms": round(busy / 1e3, 3),
+        "device_busy_share": round(busy / wall_us, 4) if wall_us > 0 and device else None,
+        "device_ms_by_kind": {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "kernels": sum(1 for e in device if e.get("cat") == "kernel"),
+        "host_syncs": sum(1 for n in names if n in ("cudaStreamSynchronize", "cudaDeviceSynchronize")),
+        "item_calls": sum(1 for n in names if n == "aten::_local_scalar_dense"),
+    }
+
+
+def _all_threads_config():
+    """Record the operators of every thread: a pipeline's executor runs its stage on a thread of its
+    own, started before the window. None where torch lacks the option (then only this thread's)."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        return None
+
+
+class StepProfiler:
+    """Starts ``torch.profiler`` once step FIRST-1 has completed and writes its files once step
+    LAST has (or when the run ends first). ``after_step(k)`` is called with each completed step."""
+
+    def __init__(self, window: Optional[tuple[int, int]], out_dir: Path, who: str, device: str):
+        self.window, self.out_dir, self.who, self.device = window, Path(out_dir), who, device
+        self._prof = None
+        self.written: Optional[Path] = None
+
+    def before_steps(self, next_step: int) -> None:
+        """Called with the number of the step about to run, before any of a segment's steps."""
+        if self.window is not None and self._prof is None and self.written is None and next_step == self.window[0]:
+            self._start()
+
+    def after_step(self, step: int) -> None:
+        if self.window is None or self.written is not None:
+            return
+        if self._prof is None and step == self.window[0] - 1:
+            self._start()
+        elif self._prof is not None and step >= self.window[1]:
+            self._finish()
+
+    def close(self) -> None:
+        """The run ended: write what was traced (a window past the last step is cut short)."""
+        if self._prof is not None:
+            self._finish()
+
+    def _start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device == "cuda" and torch.cuda.is_available():
+            activities.append(ProfilerActivity.CUDA)
+            torch.cuda.synchronize()  # the window starts with the device idle, not mid-step
+        self._prof = profile(activities=activities, record_shapes=False, with_stack=False,
+                             experimental_config=_all_threads_config())
+        self._prof.__enter__()
+
+    def _finish(self) -> None:
+        import torch
+
+        if self.device == "cuda" and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        raw = self.out_dir / f"trace_{self.who}.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        with open(raw) as f:
+            events = json.load(f).get("traceEvents", [])
+        raw.unlink()
+        summary = {"steps": list(self.window), **summarize_trace(events)}
+        (self.out_dir / f"summary_{self.who}.json").write_text(json.dumps(summary, indent=1) + "\n")
+        sort = "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
+        try:
+            table = prof.key_averages().table(sort_by=sort, row_limit=40)
+        except (KeyError, AttributeError, RuntimeError):  # an older torch names the column cuda_time
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        (self.out_dir / f"summary_{self.who}.txt").write_text(table + "\n")
+        self.written = self.out_dir
+
+
+__all__ = ["ProfileSpecError", "StepProfiler", "kernel_kind", "parse_profile_steps", "summarize_trace"]

@@ -1,0 +1,82 @@
+"""--profile-steps: the window parser, the trace summary's arithmetic, and the files a CPU run writes."""
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from asyncpp_ext.training.profiling import ProfileSpecError, kernel_kind, parse_profile_steps, summarize_trace
+
+
+def test_parse_profile_steps():
+    assert parse_profile_steps("6:8") == (6, 8)
+    assert parse_profile_steps(" 3 ") == (3, 3)
+    for bad in ("0:2", "5:4", "a:b", "3:", ""):
+        with pytest.raises(ProfileSpecError):
+            parse_profile_steps(bad)
+
+
+def _x(cat, name, ts, dur, **kw):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **kw}
+
+
+def test_summary_counts_overlapping_device_work_once():
+    events = [
+        _x("cpu_op", "aten::mm", 0, 100),
+        _x("cuda_runtime", "cudaStreamSynchronize", 90, 5),
+        _x("cpu_op", "aten::_local_scalar_dense", 95, 5),
+        _x("kernel", "nvjet_sm90_tst_128x128", 10, 30),          # matmul
+        _x("kernel", "triton_poi_fused_add_0", 30, 20),          # overlaps the matmul by 10
+        _x("kernel", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 60, 10),
+        _x("gpu_memcpy", "Memcpy DtoH", 190, 10),                 # ends the window at 200
+    ]
+    s = summarize_trace(events)
+    assert s["window_ms"] == pytest.approx(0.2)
+    assert s["device_busy_ms"] == pytest.approx((50 - 10 + 10 + 10) / 1e3)  # [10,50) + [60,70) + [190,200)
+    assert s["device_busy_share"] == pytest.approx(60 / 200)
+    assert s["device_ms_by_kind"] == {"matmul": 0.03, "triton": 0.02, "attention": 0.01, "copy": 0.01}
+    assert (s["kernels"], s["host_syncs"], s["item_calls"]) == (3, 1, 1)
+
+
+def test_kernel_kinds():
+    assert kernel_kind("ncclDevKernel_AllReduce_Sum_f32", "kernel") == "collective"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<4>", "kernel") == "other"
+    assert kernel_kind("Memset (Device)", "gpu_memset") == "copy"
+
+
+def test_cpu_run_writes_the_window(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncpp_ext.train", "--model", "llama-tiny", "--stages", "1",
+           "--schedule", "sync", "--steps", "4", "--eval-every", "0", "--ckpt-every", "0",
+           "--no-progress", "--profile-steps", "2:3", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    summary = json.loads((out / "profile" / "summary_stage0.json").read_text())
+    assert summary["steps"] == [2, 3] and summary["window_ms"] > 0
+    assert summary["device_busy_share"] is None  # no device on CPU
+    assert "aten::mm" in (out / "profile" / "summary_stage0.txt").read_text()
+    names = {e.get("name") for e in json.load(gzip.open(out / "profile" / "trace_stage0.json.gz"))["traceEvents"]}
+    assert "aten::mm" in names
+
+
+def test_pipeline_ranks_trace_their_executor_threads(tmp_path):
+    """Each stage runs on an executor thread started before the window: its operators are in."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncpp_ext.train", "--model", "llama-tiny", "--stages", "2",
+           "--schedule", "2bw", "--steps", "4", "--eval-every", "0", "--ckpt-every", "0",
+           "--no-progress", "--profile-steps", "3:4", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    for stage in (0, 1):
+        events = json.load(gzip.open(out / "profile" / f"trace_stage{stage}.json.gz"))["traceEvents"]
+        assert sum(e.get("name") == "aten::mm" for e in events) > 0, stage
+    last = json.loads((out / "profile" / "summary_stage1.json").read_text())
+    assert last["item_calls"] > 0  # the last stage reads each microbatch's loss
+
+
+def test_bad_window_is_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "asyncpp_ext.train", "--model", "llama-tiny", "--steps", "2",
+           "--profile-steps", "4:2", "--out", str(tmp_path / "r")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "--profile-steps" in p.stderr
+    assert not (tmp_path / "r").exists()
