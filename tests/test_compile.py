@@ -497,3 +497,55 @@ def test_cuda_misaligned_parameter_views_swap_correctly():
     _point_at(params, new)
     _point_at(list(reference.parameters()), new.clone())
     assert torch.allclose(block(x), reference(x), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused head loss's chunk passes (models/head_loss.py): compiled on CUDA, checked here on CPU.
+
+def test_head_loss_chunk_passes_compiled_match_eager_and_fall_back():
+    from asyncpp_ext.models import head_loss as hl
+
+    gen = torch.Generator().manual_seed(3)
+    passes = hl._ChunkPasses(True)
+    for rows in (6, 4):  # a full chunk and a shorter last one
+        logits = torch.randn(rows, 300, generator=gen).to(torch.bfloat16) * 4
+        t = torch.randint(0, 300, (rows, 1), generator=gen)
+        lse, nll = passes.stats(logits, t)
+        ref = torch.log_softmax(logits.double(), dim=1)
+        assert torch.allclose(nll.double(), -ref.gather(1, t).squeeze(1), atol=1e-5)
+        assert torch.allclose(lse.double(), torch.logsumexp(logits.double(), 1), atol=1e-5)
+        g = passes.grad(logits, t, lse[:, None], torch.bfloat16)
+        want = ref.exp().scatter_add(1, t, torch.full((rows, 1), -1.0, dtype=torch.float64))
+        assert g.dtype == torch.bfloat16 and torch.allclose(g.double(), want, atol=4e-3, rtol=1e-2)
+        assert torch.equal(g, hl._chunk_grad(logits, t, lse[:, None], torch.bfloat16))
+    assert passes.compiled
+
+    broken = hl._ChunkPasses(False)
+    broken.compiled = True
+    broken.stats = broken._guarded(lambda *a: (_ for _ in ()).throw(RuntimeError("no triton\nmore")), hl._chunk_stats)
+    with pytest.warns(UserWarning, match=r"chunk passes failed \(RuntimeError: no triton\); they run eagerly"):
+        lse2, _ = broken.stats(logits, t)
+    assert torch.equal(lse2, lse) and not broken.compiled
+
+
+def test_compiled_llama_block_stacks_its_projections():
+    """Under compile a Llama block runs q/k/v as one product and gate/up as one (llama.fused_linear):
+    4 linear calls instead of 7, with the same outputs up to float rounding."""
+    import torch._dynamo
+    from asyncpp_ext.models.llama import LlamaBlock, fused_linear, llama_preset_config
+
+    block = LlamaBlock(llama_preset_config("llama-tiny"))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(2, 8, 32)
+    torch._dynamo.reset()
+    got = torch.compile(block, backend=record, fullgraph=True)(x)
+    linears = [n for n in graphs[0].graph.nodes if n.target is torch._C._nn.linear]
+    assert len(linears) == 4
+    assert torch.allclose(got, block(x), atol=1e-6, rtol=1e-5)
+    q, k, v = fused_linear(x, block.attn.q_proj, block.attn.k_proj, block.attn.v_proj)
+    assert torch.allclose(q, block.attn.q_proj(x), atol=1e-6) and torch.allclose(v, block.attn.v_proj(x), atol=1e-6)

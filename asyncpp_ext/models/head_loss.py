@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -83,6 +84,64 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.add_(a @ b)
 
 
+def _chunk_stats(logits: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a chunk's logits (rows, V) and targets (rows, 1): the logsumexp and the negative
+    log-likelihood of the target, both in fp32 whatever the logits' dtype (what F.cross_entropy
+    computes after autocast's upcast)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=1)
+    return lse, lse - x.gather(1, t).squeeze(1)
+
+
+def _chunk_grad(logits: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """softmax - onehot(t) of a chunk, in ``dtype``: exp(logit - lse) from the saved logsumexp,
+    computed in fp32, 1 taken off at the target in fp32 (in bf16 p_t - 1 would lose its digits as
+    p_t nears 1), then rounded once to the matmul dtype, as plain autocast rounds its gradient."""
+    g = logits.float().sub_(lse).exp_()
+    g.scatter_add_(1, t, torch.full_like(lse, -1.0))
+    return g.to(dtype)
+
+
+class _ChunkPasses:
+    """The per-chunk passes over the (rows, V) logits. Eager torch makes several passes per chunk
+    (upcast copy, max, sum, write); on a GPU those passes, not the matmuls, were most of the
+    head's time (on an H200 at SmolLM's head: 63 ms of kernels for 16 forward chunks' worth of
+    work whose matmuls took 12). On CUDA they are therefore compiled (inductor: one reduction
+    kernel reading the 16-bit logits, one elementwise kernel writing the gradient), like a
+    library kernel's Triton code and whatever ``--compile`` says for the blocks; a compile failure
+    falls back to the eager passes with one warning."""
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+        self.stats = self._guarded(torch.compile(_chunk_stats, dynamic=False), _chunk_stats) if compiled else _chunk_stats
+        self.grad = self._guarded(torch.compile(_chunk_grad, dynamic=False), _chunk_grad) if compiled else _chunk_grad
+
+    def _guarded(self, fast, eager):
+        def call(*args):
+            if self.compiled:
+                try:
+                    return fast(*args)
+                except Exception as exc:  # inductor/Triton unavailable or broken here
+                    from .compile import _describe
+
+                    warnings.warn(f"asyncpp: compiling the fused head loss's chunk passes failed "
+                                  f"({_describe(exc)}); they run eagerly (slower on a GPU)", stacklevel=2)
+                    self.compiled = False
+            return eager(*args)
+        return call
+
+
+@functools.lru_cache(maxsize=None)
+def _chunk_passes(device: torch.device) -> _ChunkPasses:
+    """The passes for ``device``: compiled on CUDA where torch can compile, eager elsewhere (a
+    CPU compile would cost seconds per run start for passes that are not the CPU's bottleneck)."""
+    if device.type != "cuda":
+        return _ChunkPasses(False)
+    from .compile import compile_unavailable_reason
+
+    return _ChunkPasses(compile_unavailable_reason(device) is None)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross entropy of ``hidden @ weight.T + bias`` row chunk by row chunk.
 
@@ -102,16 +161,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         b = None if bias is None else bias.to(compute_dtype)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        passes = _chunk_passes(hidden.device)
         for s in range(0, n, chunk_rows):
             e = min(s + chunk_rows, n)
             logits = F.linear(hidden[s:e].to(compute_dtype), w, b)
-            # fp32 log-probabilities in one kernel from the (bf16) logits: what F.cross_entropy
-            # computes after autocast's upcast. logsumexp = logit_t - log p_t needs no second pass.
-            logp = torch.log_softmax(logits, dim=1, dtype=torch.float32)
-            t = safe[s:e, None]
-            nll = logp.gather(1, t).squeeze(1).neg_()
-            del logp
-            lse[s:e] = logits.gather(1, t).squeeze(1).float() + nll
+            lse[s:e], nll = passes.stats(logits, safe[s:e, None])
             total += torch.where(valid[s:e], nll, 0.0).sum()
             del logits
         count = valid.sum()
@@ -136,19 +190,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         # Backward may run inside the caller's autocast (same thread on CPU): keep our dtypes.
+        passes = _chunk_passes(hidden.device)
         with _no_autocast(hidden.device):
             for s in range(0, hidden.shape[0], rows):
                 e = min(s + rows, hidden.shape[0])
                 h = hidden[s:e].to(dtype)
                 logits = F.linear(h, w, b)
-                t = safe[s:e, None]
-                # The target entry p_t - 1 in fp32 from the saved logsumexp: in bf16 it would
-                # lose its digits as p_t nears 1. Every other entry is the softmax, computed in
-                # fp32 and written in the matmul dtype (as plain autocast rounds its gradient).
-                target = torch.exp(logits.gather(1, t).float() - lse[s:e, None]) - 1.0
-                g = torch.softmax(logits, dim=1)
+                g = passes.grad(logits, safe[s:e, None], lse[s:e, None], dtype)
                 del logits
-                g.scatter_(1, t, target.to(dtype))
                 if need_h:
                     torch.mul(g @ w, row_scale[s:e, None], out=grad_h[s:e])
                 if need_w:
