@@ -66,7 +66,8 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
            "--device", args.device, "--dtype", "bf16" if args.device == "cuda" else "fp32",
            "--stages", str(r["stages"]), "--schedule", r["schedule"],
            "--micro-batch-size", str(r["micro_batch_size"]), "--microbatches", str(r["microbatches"]),
-           "--optimizer", r["optimizer"], "--steps", str(args.warmup + args.steps), "--seed", "0",
+           "--optimizer", r["optimizer"], "--steps", str(args.warmup + args.steps + PROFILED_STEPS * bool(args.profile)),
+           "--seed", "0",
            "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--timeout", "900",
            "--out", str(out_dir), "--data", "builtin"]
     if r["stages"] == 1:
@@ -79,7 +80,28 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
         cmd += ["--compile" if r["compile"] else "--no-compile"]
     if flags["head_loss"]:
         cmd += ["--head-loss", "auto"]
+    if args.profile:  # traced after the measured steps, which the tracing therefore never slows
+        first = args.warmup + args.steps + 1
+        cmd += ["--profile-steps", f"{first}:{first + PROFILED_STEPS - 1}"]
     return cmd
+
+
+PROFILED_STEPS = 2
+"""Steps ``--profile`` traces in ours' rows, after the warm-up and the measured steps."""
+
+
+def read_profile(out_dir: Path) -> dict | None:
+    """``--profile``: each rank's device-busy share, and kernels and device time by kind per step,
+    from the run's profile/summary_*.json (training/profiling.py)."""
+    ranks = {}
+    for path in sorted((out_dir / "profile").glob("summary_*.json")):
+        s = json.loads(path.read_text())
+        steps = s["steps"][1] - s["steps"][0] + 1
+        ranks[path.stem.removeprefix("summary_")] = {
+            "device_busy_share": s["device_busy_share"], "kernels_per_step": round(s["kernels"] / steps),
+            "device_ms_per_step": {k: round(v / steps, 2) for k, v in s["device_ms_by_kind"].items()},
+            "window_ms_per_step": round(s["window_ms"] / steps, 2)}
+    return ranks or None
 
 
 def worker_command(spec: dict) -> list:
@@ -202,6 +224,9 @@ def run_ours(r: dict, args, flags: dict, work: Path) -> dict:
         r["status"], r["error"] = failure_text(res, args.row_timeout)
         return r
     metrics = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    metrics = metrics[:args.warmup + args.steps]  # not the traced steps --profile adds
+    if args.profile:
+        r["profile"] = read_profile(out_dir)
     r["losses"] = [m.get("loss") for m in metrics]
     r["elapsed_s"] = [m["elapsed_s"] for m in metrics]
     r["tokens"] = [m["tokens"] for m in metrics]

@@ -26,7 +26,7 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--device", "cpu", "--smoke",
-                        "--threads", "1", "--peak-tflops", "0.5", "--json", str(out)],
+                        "--threads", "1", "--peak-tflops", "0.5", "--profile", "--json", str(out)],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -48,6 +48,9 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
         assert row["flops_per_token"] == gt.flops_per_token(shape, 64)
         assert row["mfu"] == pytest.approx(row["tflops"] / 0.5)
         assert row["peak_kind"] == ("pss" if row["stages"] == 2 else "rss")
+        if row["impl"] == "ours":  # --profile traced 2 steps after the measured ones, on every rank
+            assert set(row["profile"]) == {f"stage{s}" for s in range(row["stages"])}
+            assert all(p["window_ms_per_step"] > 0 and p["kernels_per_step"] == 0 for p in row["profile"].values())
     hf = rows["hf eager adamw"]
     assert hf["params"] == gt.total_params(shape) and hf["info"]["attn_implementation"] == "sdpa"
     assert not [row for row in rep["rows"] if row["impl"] == "head"]  # measured in-process below
@@ -173,7 +176,7 @@ def test_plan_rows_compile_flags_and_gpu_counts():
 
 
 def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
-    args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None)
+    args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
     r = gt.row("ours sync adamw", "ours", "smollm-360m", 2048, 4, 8, optimizer="adamw", compile=True, schedule="sync")
     on = gt.ours_command(r, args, dict(compile=True, head_loss=True), tmp_path / "o", tmp_path / "p")
     off = gt.ours_command(r, args, dict(compile=False, head_loss=False), tmp_path / "o", tmp_path / "p")
@@ -182,7 +185,10 @@ def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
         assert cmd[cmd.index("--steps") + 1] == "8" and cmd[cmd.index("--ef-beta") + 1] == "0"
         assert cmd[cmd.index("--dtype") + 1] == "bf16" and cmd[cmd.index("--schedule") + 1] == "sync"
     assert "--compile" in on and on[on.index("--head-loss") + 1] == "auto"
-    assert "--compile" not in off and "--head-loss" not in off
+    assert "--compile" not in off and "--head-loss" not in off and "--profile-steps" not in on
+    args.profile = True  # two traced steps after the 3 + 5 measured ones
+    traced = gt.ours_command(r, args, dict(compile=True, head_loss=True), tmp_path / "o", tmp_path / "p")
+    assert traced[traced.index("--steps") + 1] == "10" and traced[traced.index("--profile-steps") + 1] == "9:10"
 
 
 @pytest.mark.parametrize("argv, words", [
