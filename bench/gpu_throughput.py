@@ -138,7 +138,7 @@ def detect_cli_flags() -> dict:
                        capture_output=True, text=True, timeout=120)
     text = r.stdout
     return {"compile": "--no-compile" in text and re.search(r"--compile\b", text) is not None,
-            "head_loss": "--head-loss" in text}
+            "head_loss": "--head-loss" in text, "cuda_graphs": "--cuda-graphs" in text}
 
 
 def row(name, impl, model, seq, mb, m, **kw) -> dict:
@@ -163,7 +163,7 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
 
     def ours(model, seq, opt, compile_=True, **kw):
         c = (compile_ if flags["compile"] else None)
-        suffix = " eager" if c is False else ""
+        suffix = (" eager" if c is False else "") + (" graphs" if kw.get("graphs") else "")
         if kw.get("stages", 1) == 1:
             name = f"ours sync {opt}{suffix}"
             kw.setdefault("schedule", "sync")
@@ -183,8 +183,12 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
             return
         rows.append(row(name, "hf", model, seq, mb_at[seq], m, optimizer=opt, compile=compile_))
 
+    # --cuda-graphs rows beside the plain ones where asyncpp-train has the flag (CUDA only)
+    graphs = [False, True] if dev == "cuda" and flags.get("cuda_graphs") else [False]
+
     def two_bw(model, seq, opt):
-        ours(model, seq, opt, compile_=main_compile, stages=2, gpus=1, transport="gloo")
+        for g in graphs:
+            ours(model, seq, opt, compile_=main_compile, stages=2, gpus=1, transport="gloo", graphs=g)
         if dev == "cuda":
             if gpus >= 2:
                 ours(model, seq, opt, compile_=main_compile, stages=2, gpus=2, transport="nccl")
@@ -201,7 +205,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
         hf(mdl, seq, "adamw", False)
     elif args.mode == "quick":
         mdl, seq = first
-        ours(mdl, seq, "adamw", compile_=main_compile)
+        for g in graphs:
+            ours(mdl, seq, "adamw", compile_=main_compile, graphs=g)
         if flags["compile"] and cpu_eager:
             # compiled vs eager llama-tiny: the one compiled row that runs on CPU without --cpu-compile
             ours(mdl, seq, "adamw", compile_=True, cpu_compile_anyway=True)
@@ -213,7 +218,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
         for mdl in models:
             for seq in seqs:
                 primary = (mdl, seq) in (first, last)
-                ours(mdl, seq, "adamw", compile_=main_compile)
+                for g in graphs if primary else [False]:
+                    ours(mdl, seq, "adamw", compile_=main_compile, graphs=g)
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

@@ -89,6 +89,12 @@ def ratios(rows: list) -> list:
                                 tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"],
                                 peak_memory=(r["peak_bytes"] / base["peak_bytes"]
                                              if r.get("peak_bytes") and base.get("peak_bytes") else None)))
+        plain = find(r["name"].removesuffix(" graphs"), r["model"], r["seq_len"]) if r.get("graphs") else None
+        if plain:
+            out.append(dict(what=f"{r['name']} / {plain['name']}", model=r["model"], seq_len=r["seq_len"],
+                            tokens_per_s=r["tokens_per_s"] / plain["tokens_per_s"],
+                            peak_memory=(r["peak_bytes"] / plain["peak_bytes"]
+                                         if r.get("peak_bytes") and plain.get("peak_bytes") else None)))
         eager = None if r["compile"] is False else find(f"{r['name']} eager", r["model"], r["seq_len"])
         if eager:
             out.append(dict(what=f"{r['name']} (compile) / {eager['name']}", model=r["model"], seq_len=r["seq_len"],
@@ -97,7 +103,7 @@ def ratios(rows: list) -> list:
         if r["impl"] == "ours" and r["stages"] == 2:  # against the one-stage row compiled alike
             base = next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
                          and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
-                         and b["compile"] == r["compile"]), None)
+                         and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))), None)
             if base:
                 out.append(dict(what=f"{r['name']} / {base['name']}", model=r["model"], seq_len=r["seq_len"],
                                 tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"], peak_memory=None,

@@ -80,6 +80,8 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
         cmd += ["--compile" if r["compile"] else "--no-compile"]
     if flags["head_loss"]:
         cmd += ["--head-loss", "auto"]
+    if r.get("graphs"):
+        cmd += ["--cuda-graphs"]
     if args.profile:  # traced after the measured steps, which the tracing therefore never slows
         first = args.warmup + args.steps + 1
         cmd += ["--profile-steps", f"{first}:{first + PROFILED_STEPS - 1}"]

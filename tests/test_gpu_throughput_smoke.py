@@ -173,6 +173,17 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     # compiled vs eager for llama-tiny on CPU: the one compiled row that runs there by default
     assert [r["compile"] for r in cpu if r["name"].startswith("ours sync adamw") and r["model"] == "llama-tiny"] \
         == [False, True]
+    # --cuda-graphs rows where the CLI has the flag: on CUDA beside the first point's sync and 2bw rows
+    with_graphs = dict(flags_on, cuda_graphs=True)
+    quick, _ = gt.build_plan(_plan_args(mode="quick"), with_graphs, gpus=1)
+    assert {(r["name"], r["model"]) for r in quick if r.get("graphs")} == {
+        ("ours sync adamw graphs", "smollm-135m"), ("ours 2bw 2st 1gpu adamw graphs", "smollm-135m")}
+    full, _ = gt.build_plan(_plan_args(), with_graphs, gpus=1)
+    assert ("ours sync adamw graphs", "smollm-360m", 2048) in {(r["name"], r["model"], r["seq_len"]) for r in full}
+    assert not any(r.get("graphs") for r in gt.build_plan(_plan_args("cpu", "quick"), with_graphs, gpus=0)[0])
+    args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
+    cmd = gt.ours_command(next(r for r in quick if r.get("graphs")), args, with_graphs, Path("o"), Path("p"))
+    assert "--cuda-graphs" in cmd
 
 
 def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):

@@ -118,6 +118,8 @@ class Pipeline:
         head_loss: "plain" (``loss_fn`` of the last block's logits) or "fused" (the last block's
             matmul and cross entropy without whole logits, models/head_loss.py, by
             ``head_loss_kernel``: "auto", "liger", "cce" or "chunked").
+        cuda_graphs: replay each microbatch's forward and backward from CUDA graphs (CUDA only, not
+            with recompute or track_memory; models/graphs.py).
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).
@@ -131,7 +133,8 @@ class Pipeline:
                  recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop",
                  lr_schedule=None, clip_grad_norm: float | None = None, mitigation: str | None = None,
                  dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None,
-                 compile: bool = False, head_loss: str = "plain", head_loss_kernel: str = "auto"):
+                 compile: bool = False, head_loss: str = "plain", head_loss_kernel: str = "auto",
+                 cuda_graphs: bool = False):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
@@ -167,6 +170,9 @@ class Pipeline:
                 raise ValueError(f"device {str(self.device)!r} but torch sees no CUDA device; use device='cpu'")
             if self.device.index is None:  # the worker thread needs the index (current device is per thread)
                 self.device = torch.device("cuda", torch.cuda.current_device())
+        if cuda_graphs and (self.device.type != "cuda" or recompute or track_memory):
+            raise ValueError("cuda_graphs needs a CUDA device and neither recompute nor track_memory "
+                             f"(device {self.device}, recompute={recompute}, track_memory={track_memory})")
         self.dp, self.layout = dp, Layout(self.stages, dp)
         self.replica, self.stage = self.layout.coords(self.rank)
         self.stage_ranks = self.layout.pipeline_ranks(self.replica)
@@ -205,7 +211,7 @@ class Pipeline:
                               mitigation=mitigation_settings,
                               exchange=self.exchange if self.exchange.active else None,
                               dp_group=self.dp_group, dp=dp, shard_optimizer=shard_optimizer,
-                              head_loss=head_loss, head_loss_kernel=head_loss_kernel)
+                              head_loss=head_loss, head_loss_kernel=head_loss_kernel, cuda_graphs=cuda_graphs)
         self.transport = None
         # Boundary tensors between the host and the transport; receive slots are reused.
         self.board = C.MessageBoard(self.host)

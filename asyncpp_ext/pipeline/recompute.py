@@ -15,12 +15,13 @@ import torch
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
-def autocast_context(device: torch.device, dtype: torch.dtype | None):
+def autocast_context(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
     """bf16 autocast on ``device`` (weights, gradients and optimizer state stay float32), or a
-    no-op for full float32."""
+    no-op for full float32. ``cache=False`` turns off autocast's cache of cast weights, which CUDA
+    graph capture refuses (models/graphs.py); the casts are the same, only not reused."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache)
 
 
 def resolve_autocast(dtype: str, device: torch.device) -> torch.dtype | None:

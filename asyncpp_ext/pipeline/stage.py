@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..models.graphs import GraphedCompute
 from ..models.head_loss import head_loss
 from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import MitigationSettings, delay_compensate_
@@ -115,7 +116,7 @@ class StageHost:
                  param_names: Sequence[str] = (), lr_schedule=None,
                  mitigation: MitigationSettings | None = None, exchange=None,
                  dp_group=None, dp: int = 1, shard_optimizer: bool = False, head_loss: str = "plain",
-                 head_loss_kernel: str = "auto"):
+                 head_loss_kernel: str = "auto", cuda_graphs: bool = False):
         """``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
         ``lr_schedule`` (optim/lr_schedule.py) scales every group's lr at each step; ``mitigation``
         is the staleness mitigation this stage applies (optim/mitigations.py); ``exchange`` the
@@ -123,7 +124,9 @@ class StageHost:
         with ``dp`` > 1 the gradient is averaged over ``dp_group`` before each step and, with
         ``shard_optimizer``, Muon's orthogonalisations are split among the replicas. On the last
         stage ``head_loss`` "fused" computes the last block's loss without whole logits
-        (models/head_loss.py, with ``head_loss_kernel``); "plain" is ``loss_fn(blocks(x), targets)``."""
+        (models/head_loss.py, with ``head_loss_kernel``); "plain" is ``loss_fn(blocks(x), targets)``.
+        ``cuda_graphs`` replays each microbatch's forward and backward from CUDA graphs, per
+        weight-version replica (models/graphs.py); not with ``recompute``."""
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
         self.recompute, self.autocast_dtype = recompute, autocast_dtype
         self.exchange, self.lr_schedule = exchange, lr_schedule
@@ -185,6 +188,11 @@ class StageHost:
                                           dp_group, dp) if dp > 1 else None
         if dp > 1 and shard_optimizer and hasattr(self.optimizer, "shard_across"):
             self.optimizer.shard_across(dp_group)
+        if cuda_graphs and recompute:
+            raise ValueError("cuda_graphs replays a forward together with its backward; it cannot run "
+                             "with recompute")
+        # Per replica (= weight buffer, whose address never changes): its graphed compute.
+        self.graphs = {id(r): GraphedCompute(r, self._compute) for r in replicas} if cuda_graphs else None
         self.in_sig: Signature | None = None   # set by the start-up handshake
         self.out_sig: Signature | None = None
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
@@ -310,7 +318,7 @@ class StageHost:
 
     # ---- executor callbacks ----------------------------------------------------------------
     def autocast(self):
-        return autocast_context(self.flat[0].device, self.autocast_dtype)
+        return autocast_context(self.flat[0].device, self.autocast_dtype, cache=self.graphs is None)
 
     def _run_blocks(self, replica: nn.Module, x: torch.Tensor, step: int, mb: int):
         """The stage output, or on the last stage its loss (backward starts there with the
@@ -321,10 +329,18 @@ class StageHost:
             return self._blocks_and_loss(replica, x, step, mb)
 
     def _blocks_and_loss(self, replica: nn.Module, x: torch.Tensor, step: int, mb: int):
-        if self.is_last and self.head_loss != "plain":
-            return self.loss_of(replica, x, self._batch(step)[1][mb])
-        out = replica(x)
-        return self.loss_fn(out, self._batch(step)[1][mb]) if self.is_last else out
+        args = (x, self._batch(step)[1][mb]) if self.is_last else (x,)
+        if self.graphs is not None:  # replayed while gradients are on, eager otherwise
+            return self.graphs[id(replica)](*args)
+        return self._compute(replica, *args)
+
+    def _compute(self, replica: nn.Module, x: torch.Tensor, targets: torch.Tensor | None = None):
+        """The stage's output of ``x``; on the last stage its loss against ``targets``."""
+        if not self.is_last:
+            return replica(x)
+        if self.head_loss != "plain":
+            return self.loss_of(replica, x, targets)
+        return self.loss_fn(replica(x), targets)
 
     def loss_of(self, replica: nn.Module, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of input ``x`` through ``replica`` (training and evaluation)."""

@@ -164,6 +164,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="last block's loss: plain (whole logits), fused (chunked matmul + cross entropy, "
                           "no logits in memory), liger / cce (fused with that CUDA kernel), auto (fused for "
                           "vocabularies >= 8192) (default auto)")
+    run.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                     help="replay each microbatch's forward and backward from CUDA graphs (one launch per "
+                          "graph: for small, host-bound models; cuda only, not with --recompute) (default off)")
     run.add_argument("--profile-steps", metavar="FIRST:LAST",
                      help="trace those steps with torch.profiler into OUT/profile/: a Perfetto trace, the "
                           "operator table and the device-busy share per process (off by default)")
@@ -203,7 +206,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
         ("train", "compile"): args.compile, ("train", "head_loss"): args.head_loss,
-        ("train", "profile_steps"): args.profile_steps,
+        ("train", "profile_steps"): args.profile_steps, ("train", "cuda_graphs"): args.cuda_graphs,
     }
     for (section, name), value in sets.items():
         if value is not None:
@@ -241,7 +244,8 @@ FIELD_FLAGS = {
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
-    "train.compile": "--compile", "train.head_loss": "--head-loss", "train.profile_steps": "--profile-steps", "data.sampling": "--sampling",
+    "train.compile": "--compile", "train.head_loss": "--head-loss", "train.profile_steps": "--profile-steps",
+    "train.cuda_graphs": "--cuda-graphs", "data.sampling": "--sampling",
 }
 
 

@@ -73,6 +73,8 @@ class StageCompute:
     """"plain" or "fused"."""
     kernel: str = "auto"
     """The fused head loss's kernel: "auto" (models/head_loss.fused_kernel_name), "liger", "cce"."""
+    cuda_graphs: bool = False
+    """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py)."""
 
 
 def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
@@ -86,7 +88,8 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
         require_kernel(kernel, device)
         mode = "fused"
     return StageCompute(resolve_compile(cfg.train.compile, device),
-                        resolve_head_loss(mode, cfg.model.vocab_size, device), kernel)
+                        resolve_head_loss(mode, cfg.model.vocab_size, device), kernel,
+                        cuda_graphs=cfg.train.cuda_graphs)
 
 
 def model_loss(compute: StageCompute):
@@ -112,11 +115,29 @@ def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None):
 
     device = torch.device(cfg.train.device)
     autocast_dtype = resolve_autocast(cfg.train.dtype, device)
-    inner = model_loss(compute or stage_compute(cfg))
+    compute = compute or stage_compute(cfg)
+    inner = model_loss(compute)
 
     def loss(model, inputs, targets):
-        with autocast_context(device, autocast_dtype):
+        with autocast_context(device, autocast_dtype, cache=not compute.cuda_graphs):
             return inner(model, inputs, targets)
+    return loss
+
+
+def graphed_simulator_loss(cfg: RunConfig, compute: StageCompute, model: nn.Module):
+    """``simulator_loss`` whose training calls on ``model`` replay CUDA graphs (models/graphs.py;
+    evaluation, under no_grad, runs eagerly)."""
+    from ..models.graphs import GraphedCompute
+    from ..pipeline.recompute import autocast_context, resolve_autocast
+
+    device = torch.device(cfg.train.device)
+    autocast_dtype = resolve_autocast(cfg.train.dtype, device)
+    inner = model_loss(compute)
+    graphed = GraphedCompute(model, inner)
+
+    def loss(model_, inputs, targets):
+        with autocast_context(device, autocast_dtype, cache=False):
+            return graphed(inputs, targets) if model_ is model else inner(model_, inputs, targets)
     return loss
 
 
@@ -128,10 +149,15 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     if compute.compile:
         compile_blocks(model, device=cfg.train.device)
-    return DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule, loss_fn=simulator_loss(cfg, compute),
-                          on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
-                          clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
-                          delay_only=p.delay_only, **cfg.mitigation_kwargs())
+    loss_fn = graphed_simulator_loss(cfg, compute, model) if compute.cuda_graphs else simulator_loss(cfg, compute)
+    simulator = DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule, loss_fn=loss_fn,
+                               on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
+                               clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
+                               delay_only=p.delay_only, **cfg.mitigation_kwargs())
+    if compute.cuda_graphs and simulator.delayed:  # it swaps weight versions in, which a graph cannot see
+        raise ValueError(f"--cuda-graphs cannot run the simulation of {p.schedule} (its delayed weight "
+                         "versions move the parameters a graph reads); run it as a pipeline or drop --cuda-graphs")
+    return simulator
 
 
 def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
@@ -147,6 +173,7 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
                     compile=compute.compile, head_loss=compute.head_loss, head_loss_kernel=compute.kernel,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
+                    cuda_graphs=compute.cuda_graphs,
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
                     lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
                     **cfg.mitigation_kwargs())
@@ -180,5 +207,5 @@ def resume(engine, stream: BatchStream, resume_dir: Optional[Path], stage: int =
     return Resumed(int(meta["step"]), float(meta.get("elapsed_s", 0.0)), rng)
 
 
-__all__ = ["build_data", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "build_simulator", "build_pipeline_engine",
+__all__ = ["build_data", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "graphed_simulator_loss", "build_simulator", "build_pipeline_engine",
            "Resumed", "resume", "OptimizerFactory"]

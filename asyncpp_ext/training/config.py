@@ -258,6 +258,10 @@ class TrainConfig:
     cut-cross-entropy on CUDA where installed, else the package's own chunked kernel) | liger | cce
     (fused with that library kernel; CUDA, its extra installed) | auto (fused when the vocabulary
     has >= 8192 ids, else plain; models/head_loss.py)."""
+    cuda_graphs: bool = False
+    """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py): one launch
+    per graph instead of one per kernel, for host-bound small models. CUDA only; not with
+    --recompute, nor with --simulate of a schedule with delays."""
     profile_steps: Optional[str] = None
     """"FIRST:LAST": trace those steps with torch.profiler into OUT/profile/ (a trace, the operator
     table, and the device-busy share and kernel time by kind; training/profiling.py). None = off."""
@@ -439,6 +443,14 @@ class RunConfig:
                               f"{self.train.device!r}; use --device cuda, or --transport gloo (or torch) on cpu")
         choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
         choice("train.head_loss", self.train.head_loss, HEAD_LOSSES)
+        if not isinstance(self.train.cuda_graphs, bool):
+            raise ConfigError(f"train.cuda_graphs must be true or false, got {self.train.cuda_graphs!r}")
+        if self.train.cuda_graphs and self.train.device != "cuda":
+            raise ConfigError("train.cuda_graphs replays CUDA graphs: it needs --device cuda, got "
+                              f"{self.train.device}")
+        if self.train.cuda_graphs and self.pipeline.recompute:
+            raise ConfigError("train.cuda_graphs cannot run with --recompute (a graph replays a forward "
+                              "together with its backward); drop one of them")
         if self.train.profile_steps is not None:
             from .profiling import ProfileSpecError, parse_profile_steps
 

@@ -51,11 +51,23 @@ def preflight(cfg: RunConfig) -> None:
         raise ConfigError("train.device=cuda but no CUDA GPU is visible; use --device cpu")
     if cfg.runs_multi_process():
         check_rank_devices(cfg)
+    if cfg.train.cuda_graphs and not cfg.runs_multi_process() and _simulation_is_delayed(cfg):
+        raise RunSetupError(f"--cuda-graphs cannot run the one-process simulation of {cfg.pipeline.schedule} "
+                            "(its delayed weight versions move the parameters a graph reads); run "
+                            "--stages >= 2 as a pipeline, --schedule sync, or drop --cuda-graphs")
     try:
         stage_compute(cfg)  # --compile where torch cannot, a head-loss kernel without its extra
     except ValueError as exc:
         flag = "--compile" if "compil" in str(exc) else "--head-loss"
         raise RunSetupError(f"{flag}: {exc}") from None
+
+
+def _simulation_is_delayed(cfg: RunConfig) -> bool:
+    """Whether the simulator runs any stage behind the newest weights (it then swaps versions in)."""
+    from .simulate import stage_delay
+
+    p = cfg.pipeline
+    return any(stage_delay(p.schedule, s, p.stages, p.delay) for s in range(p.stages))
 
 
 def check_rank_devices(cfg: RunConfig) -> None:

@@ -1,0 +1,110 @@
+"""CUDA-graph replay of a stage's microbatch: its forward and its backward as two graphs each
+(``--cuda-graphs``).
+
+Why: a small model's step on a GPU is bound by the host. smollm-135m at 8 x 1024 per microbatch
+launches about 14,000 kernels per step (about 60 per block per microbatch, forward and backward),
+each from Python (inductor's wrapper code, the autograd engine), and an H200 was busy 27 % of the
+step (docs/gpu.md). A CUDA graph replays a captured sequence of kernels with one launch.
+
+How: ``torch.cuda.make_graphed_callables`` captures ``fn(module, *args)`` -- the stage's blocks and,
+on the last stage, its loss -- as a forward graph and a backward graph, with the module's
+Parameters as inputs: every call copies its arguments into the graph's static inputs and replays;
+the backward replays the other graph and hands the Parameters' gradients to autograd, which
+accumulates them into ``.grad`` as usual. The weights are read where they live: a stage's weight
+buffers never move (each 2bw version has its own replica over its own buffer, the optimizer writes
+in place, tied values are copied in), so a graph replays the current values. A graph instance holds
+one microbatch at a time (its outputs and saved activations live in the graph's memory), so the
+module keeps a pool of instances ("slots"), takes a free one per forward and captures another when
+every slot is in flight (1F1B's warm-up keeps S - s microbatches in flight on stage s); a slot is
+free again once its microbatch's backward has started. Every output is returned as a clone, so
+nothing the caller keeps (a loss, an activation on its way to the next stage) is overwritten by a
+later replay.
+
+Limits: CUDA only; every microbatch has the shapes of the first (the pipeline already requires it);
+calls without gradients (evaluation, a recomputing stage's first forward) run eagerly; autocast
+must run without its cast cache (``autocast_context(..., cache=False)``; capture refuses the
+cache). A capture that fails runs ``fn`` eagerly from then on, with one warning naming the cause.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+
+class _Slot(nn.Module):
+    """One graph instance: ``fn(module, *args)`` with ``module``'s Parameters as its own (the same
+    objects, registered through the shared submodule, so their gradients accumulate as usual)."""
+
+    def __init__(self, module: nn.Module, fn: Callable):
+        super().__init__()
+        self.module = module
+        self.fn = fn
+        self.busy = False
+
+    def forward(self, *args):
+        return self.fn(self.module, *args)
+
+
+class _ReleaseOnBackward(torch.autograd.Function):
+    """Returns a clone of the slot's static output; its backward (which runs right before the
+    slot's backward graph replays) marks the slot free for the next forward."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, slot: _Slot):
+        ctx.slot = slot
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.slot.busy = False
+        return grad, None
+
+
+def _describe(exc: BaseException) -> str:
+    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+class GraphedCompute:
+    """``fn(module, *args)`` replayed from CUDA graphs while gradients are on; see the module
+    docstring. ``make`` captures a slot (default ``torch.cuda.make_graphed_callables``; tests pass
+    an eager stand-in to check the bookkeeping on CPU)."""
+
+    def __init__(self, module: nn.Module, fn: Callable, *, make: Optional[Callable] = None,
+                 warmup_iters: int = 3):
+        self.module, self.fn = module, fn
+        self.make = make if make is not None else torch.cuda.make_graphed_callables
+        self.warmup_iters = warmup_iters
+        self.slots: list[_Slot] = []
+        self.failure: Optional[str] = None  # why capture failed (then everything runs eagerly)
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.failure is not None or not torch.is_grad_enabled():
+            return self.fn(self.module, *args)
+        slot = next((s for s in self.slots if not s.busy), None) or self._capture(args)
+        if slot is None:
+            return self.fn(self.module, *args)
+        slot.busy = True
+        return _ReleaseOnBackward.apply(slot(*args), slot)
+
+    def _capture(self, args) -> Optional[_Slot]:
+        """A new slot captured on copies of ``args`` (the graph's static inputs are its own: the
+        caller's tensors, a receive buffer say, may be reused while the slot holds them)."""
+        slot = _Slot(self.module, self.fn)
+        slot.train(self.module.training)
+        sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        try:
+            self.make(slot, sample, num_warmup_iters=self.warmup_iters)
+        except Exception as exc:  # capture refused or failed: this module runs eagerly from now on
+            self.failure = _describe(exc)
+            warnings.warn(f"asyncpp: CUDA-graph capture failed ({self.failure}); this stage runs "
+                          "without graphs from now on", stacklevel=3)
+            return None
+        self.slots.append(slot)
+        return slot
+
+
+__all__ = ["GraphedCompute"]

@@ -1,0 +1,227 @@
+"""--cuda-graphs (models/graphs.py): the slot bookkeeping, clones, gradients and fallback, checked on
+CPU with an eager stand-in for torch.cuda.make_graphed_callables that keeps its contract (static
+inputs copied in, an output a later replay of the same slot overwrites); the stage host and the
+simulator wired through it; the refusals; and on a GPU the real capture against eager."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from asyncpp_ext.models.graphs import GraphedCompute
+from asyncpp_ext.pipeline.stage import StageHost
+
+M = 4
+
+
+class FakeGraphs:
+    """make_graphed_callables' contract, eagerly: the slot's forward is replaced by one that copies
+    the arguments into the sample (static) tensors, runs the function on them, and overwrites the
+    output it returned last time (as a replay of the same graph would)."""
+
+    def __init__(self):
+        self.captures = []
+
+    def __call__(self, slot, sample, num_warmup_iters=3):
+        assert all(isinstance(a, torch.Tensor) for a in sample)
+        self.captures.append(sample)
+        run, state = slot.forward, {"out": None}
+
+        def forward(*args):
+            if state["out"] is not None:
+                state["out"].detach().fill_(float("nan"))
+            static = []
+            for s, a in zip(sample, args):
+                with torch.no_grad():
+                    s.copy_(a)
+                # the graph's input is the static tensor; gradients reach the caller's argument
+                static.append(_Into.apply(a, s) if a.requires_grad else s)
+            state["out"] = run(*static)
+            return state["out"]
+        slot.forward = forward
+        return slot
+
+
+class _Into(torch.autograd.Function):
+    """``s`` (holding ``a``'s values) in the graph, the gradient handed to ``a``."""
+
+    @staticmethod
+    def forward(ctx, a, s):
+        return s.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+
+def _loss(module, x, y):
+    return nn.functional.mse_loss(module(x), y)
+
+
+def _data(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)) for _ in range(n)]
+
+
+def test_one_slot_per_microbatch_in_flight_and_outputs_survive_later_replays():
+    module, fake = _mlp(), FakeGraphs()
+    graphed = GraphedCompute(module, _loss, make=fake)
+    (x0, y0), (x1, y1), (x2, y2) = _data()
+    a = graphed(x0.requires_grad_(), y0)
+    b = graphed(x1.requires_grad_(), y1)         # a is still in flight: a second slot
+    assert len(fake.captures) == 2 and all(s.busy for s in graphed.slots)
+    assert fake.captures[0][0] is not x0 and torch.equal(fake.captures[0][0], x0)  # its own static copy
+    a.backward()
+    c = graphed(x2.requires_grad_(), y2)         # a's slot is free again: reused
+    assert len(fake.captures) == 2
+    assert math.isfinite(a.item()) and a.item() == _loss(module, x0, y0).item()  # a clone: not overwritten
+    b.backward()
+    c.backward()
+    reference = copy.deepcopy(module)
+    for p in reference.parameters():
+        p.grad = None
+    inputs = [x.detach().clone().requires_grad_() for x, _ in _data()]
+    for xr, (_, y) in zip(inputs, _data()):
+        _loss(reference, xr, y).backward()
+    for got, want in zip(module.parameters(), reference.parameters()):
+        assert torch.allclose(got.grad, want.grad, atol=1e-7)
+    for x, xr in zip((x0, x1, x2), inputs):  # the input gradients reach the caller's tensors
+        assert torch.allclose(x.grad, xr.grad, atol=1e-7)
+
+
+def test_no_grad_calls_run_eagerly_and_a_failed_capture_warns_once():
+    module, fake = _mlp(), FakeGraphs()
+    graphed = GraphedCompute(module, _loss, make=fake)
+    (x, y), = _data(1)
+    with torch.no_grad():
+        assert graphed(x, y).item() == _loss(module, x, y).item()
+    assert fake.captures == []
+
+    def refuse(slot, sample, num_warmup_iters=3):
+        raise RuntimeError("make_graphed_callables does not support the autocast caching.\nmore")
+    broken = GraphedCompute(module, _loss, make=refuse)
+    with pytest.warns(UserWarning, match=r"CUDA-graph capture failed \(RuntimeError: make_graphed_callables "
+                                         r"does not support the autocast caching\.\); this stage runs without"):
+        loss = broken(x, y)
+    assert loss.item() == _loss(module, x, y).item() and broken.failure.startswith("RuntimeError")
+    broken(x, y)  # no second attempt, no second warning (pytest's warning filter would raise)
+
+
+def _host(cuda_graphs, make, **kw):
+    torch.manual_seed(0)
+    data = _data(M)
+    batch = ([x for x, _ in data], [y for _, y in data])
+    host = StageHost(_mlp(), stage=1, stages=2, schedule="2bw", microbatches=M,
+                     optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                     loss_fn=nn.functional.mse_loss, batch_source=lambda step: batch, cuda_graphs=cuda_graphs, **kw)
+    if host.graphs is not None:
+        for g in host.graphs.values():
+            g.make = make
+    return host, batch
+
+
+def test_stage_host_replays_per_replica_and_matches_eager():
+    fake = FakeGraphs()
+    runs = []
+    for graphs in (False, True):
+        host, (inputs, _) = _host(graphs, fake)
+        seen = []
+        host.on_step = lambda step, loss, skipped: seen.append(loss)
+        for step in range(3):  # versions alternate between the two replicas (2bw keeps two)
+            version = max(step - 1, 0)
+            for mb in range(0, M, 2):  # two microbatches in flight at a time
+                host.forward(step, mb, version, inputs[mb])
+                host.forward(step, mb + 1, version, inputs[mb + 1])
+                host.backward(step, mb, version, None)
+                host.backward(step, mb + 1, version, None)
+            host.optimizer_step(step, step + 1)
+        runs.append((seen, [f.clone() for f in host.flat]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    # two replicas (W(0) in buffer 0 for steps 0 and 1, W(1) in buffer 1 for step 2) x two in flight
+    assert len(fake.captures) == 4
+
+
+def test_stage_host_refuses_graphs_with_recompute():
+    with pytest.raises(ValueError, match="cannot run with recompute"):
+        _host(True, FakeGraphs(), recompute=True)
+
+
+def _simulated_losses(cuda_graphs, monkeypatch, fake):
+    from asyncpp_ext.training.build import build_data, build_simulator
+    from asyncpp_ext.training.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.model.name = "llama-tiny"
+    cfg.pipeline.schedule, cfg.pipeline.stages, cfg.pipeline.microbatches = "sync", 1, 3
+    cfg.train.cuda_graphs = cuda_graphs  # on CPU only through the stand-in below (validate() refuses it)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake)
+    stream, eval_set = build_data(cfg)
+    engine = build_simulator(cfg)
+    losses = list(engine.train_steps(stream, 3))
+    return losses, engine.eval_loss(eval_set)
+
+
+def test_the_simulator_trains_through_the_graphs_as_eagerly(monkeypatch):
+    fake = FakeGraphs()
+    eager = _simulated_losses(False, monkeypatch, fake)
+    assert fake.captures == []
+    graphed = _simulated_losses(True, monkeypatch, fake)
+    assert graphed == eager and len(fake.captures) == 1  # one microbatch in flight at a time
+
+
+def test_refusals_name_the_flag(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.run import RunSetupError, preflight
+
+    for extra, words in ((["--cuda-graphs"], "--cuda-graphs: train.cuda_graphs replays CUDA graphs: it needs "
+                                             "--device cuda, got cpu"),
+                         (["--cuda-graphs", "--device", "cuda", "--recompute"], "cannot run with --recompute")):
+        p = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--model", "llama-tiny", "--steps", "2",
+                            "--out", str(tmp_path / "r"), *extra], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and words in p.stderr and p.stderr.strip().count("\n") == 0, p.stderr
+    assert not (tmp_path / "r").exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # pretend a GPU: the next check is reached
+    cfg = RunConfig()
+    cfg.model.name = "llama-tiny"
+    cfg.train.device, cfg.train.cuda_graphs, cfg.pipeline.schedule = "cuda", True, "2bw"
+    with pytest.raises(RunSetupError, match=r"--cuda-graphs cannot run the one-process simulation of 2bw"):
+        preflight(cfg)
+
+
+def _run_losses(tmp_path, name, *flags):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / name
+    subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--device", "cuda", "--model", "llama-tiny",
+                    "--steps", "4", "--microbatches", "4", "--eval-every", "0", "--ckpt-every", "0",
+                    "--no-progress", "--seed", "0", "--out", str(out), *flags],
+                   check=True, capture_output=True, text=True, timeout=600)
+    return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("flags, tol", [(("--dtype", "fp32", "--no-compile"), 1e-6),
+                                        (("--dtype", "bf16", "--compile", "--head-loss", "fused"), 1e-3)],
+                         ids=["fp32-eager", "bf16-compiled-fused-head"])
+def test_cuda_graphs_train_as_without_them(tmp_path, flags, tol):
+    """The same kernels replayed: one stage (the simulator) and a 2-stage 2bw pipeline sharing the
+    GPU against its --simulate run."""
+    sync = ("--stages", "1", "--schedule", "sync", *flags)
+    want, got = _run_losses(tmp_path, "eager", *sync), _run_losses(tmp_path, "graphs", *sync, "--cuda-graphs")
+    assert all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want)), (got, want)
+    pipe = ("--stages", "2", "--schedule", "2bw", "--transport", "gloo", *flags)
+    want = _run_losses(tmp_path, "sim", *pipe, "--simulate")
+    got = _run_losses(tmp_path, "pipe", *pipe, "--cuda-graphs")
+    assert all(abs(g - w) <= max(tol, 1e-5) * abs(w) for g, w in zip(got, want)), (got, want)
