@@ -16,9 +16,11 @@ M = 4
 
 
 class FakeGraphs:
-    """make_graphed_callables' contract, eagerly: the slot's forward is replaced by one that copies
-    the arguments into the sample (static) tensors, runs the function on them, and overwrites the
-    output it returned last time (as a replay of the same graph would)."""
+    """make_graphed_callables' contract, eagerly, static buffers included: the slot's forward
+    copies its arguments into the sample (static) tensors and returns its output in a buffer the
+    next call of the same slot overwrites; its backward returns the gradients of the arguments and
+    Parameters in buffers the next backward of the slot overwrites (torch returns ``.detach()``
+    views of the graph's static tensors), computed from the static inputs."""
 
     def __init__(self):
         self.captures = []
@@ -26,33 +28,35 @@ class FakeGraphs:
     def __call__(self, slot, sample, num_warmup_iters=3):
         assert all(isinstance(a, torch.Tensor) for a in sample)
         self.captures.append(sample)
-        run, state = slot.forward, {"out": None}
+        run, params, n = slot.forward, tuple(slot.parameters()), len(sample)
+        static = {"out": None, "grads": None}
 
-        def forward(*args):
-            if state["out"] is not None:
-                state["out"].detach().fill_(float("nan"))
-            static = []
-            for s, a in zip(sample, args):
-                with torch.no_grad():
+        class Replay(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                for s, a in zip(sample, inputs[:n]):
                     s.copy_(a)
-                # the graph's input is the static tensor; gradients reach the caller's argument
-                static.append(_Into.apply(a, s) if a.requires_grad else s)
-            state["out"] = run(*static)
-            return state["out"]
-        slot.forward = forward
+                with torch.enable_grad():
+                    ctx.xs = tuple(s.detach().requires_grad_(s.requires_grad) for s in sample)
+                    ctx.out = run(*ctx.xs)
+                if static["out"] is None:
+                    static["out"] = torch.empty_like(ctx.out)
+                static["out"].copy_(ctx.out.detach())
+                return static["out"].detach()
+
+            @staticmethod
+            def backward(ctx, grad):
+                wanted = [x for x in ctx.xs if x.requires_grad] + list(params)
+                got = torch.autograd.grad(ctx.out, wanted, grad)
+                if static["grads"] is None:
+                    static["grads"] = [torch.empty_like(g) for g in got]
+                for buf, g in zip(static["grads"], got):
+                    buf.copy_(g)
+                views = iter(buf.detach() for buf in static["grads"])
+                return tuple([next(views) if x.requires_grad else None for x in ctx.xs] + [next(views) for _ in params])
+
+        slot.forward = lambda *args: Replay.apply(*args, *params)
         return slot
-
-
-class _Into(torch.autograd.Function):
-    """``s`` (holding ``a``'s values) in the graph, the gradient handed to ``a``."""
-
-    @staticmethod
-    def forward(ctx, a, s):
-        return s.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def _mlp():

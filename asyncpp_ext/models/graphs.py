@@ -18,7 +18,8 @@ module keeps a pool of instances ("slots"), takes a free one per forward and cap
 every slot is in flight (1F1B's warm-up keeps S - s microbatches in flight on stage s); a slot is
 free again once its microbatch's backward has started. Every output is returned as a clone, so
 nothing the caller keeps (a loss, an activation on its way to the next stage) is overwritten by a
-later replay.
+later replay; and every Parameter and leaf argument has a ``.grad`` before a replay, so autograd
+adds the graph's gradients into it instead of adopting the graph's own buffer as ``.grad``.
 
 Limits: CUDA only; every microbatch has the shapes of the first (the pipeline already requires it);
 calls without gradients (evaluation, a recomputing stage's first forward) run eagerly; autocast
@@ -78,6 +79,7 @@ class GraphedCompute:
         self.module, self.fn = module, fn
         self.make = make if make is not None else torch.cuda.make_graphed_callables
         self.warmup_iters = warmup_iters
+        self.params = [p for p in module.parameters() if p.requires_grad]
         self.slots: list[_Slot] = []
         self.failure: Optional[str] = None  # why capture failed (then everything runs eagerly)
 
@@ -88,7 +90,18 @@ class GraphedCompute:
         if slot is None:
             return self.fn(self.module, *args)
         slot.busy = True
+        self._grads_in_place(args)
         return _ReleaseOnBackward.apply(slot(*args), slot)
+
+    def _grads_in_place(self, args) -> None:
+        """Give every Parameter and leaf argument a ``.grad`` before the replay. The backward graph
+        hands out its gradients as views of its own static buffers, which its next replay
+        overwrites; autograd adopts such a tensor as ``.grad`` when there is none yet (after
+        ``zero_grad(set_to_none=True)``), and later microbatches would then accumulate into the
+        graph's buffer. With a ``.grad`` present it adds in place (0 + g: the same bits)."""
+        for t in (*self.params, *(a for a in args if a.requires_grad and a.is_leaf)):
+            if t.grad is None:
+                t.grad = torch.zeros_like(t)
 
     def _capture(self, args) -> Optional[_Slot]:
         """A new slot captured on copies of ``args`` (the graph's static inputs are its own: the
