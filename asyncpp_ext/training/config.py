@@ -10,12 +10,11 @@ from typing import Optional
 
 from ..data.batches import SAMPLINGS
 from ..models.registry import ModelConfig, as_model_config
-from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_MITIGATIONS, default_rescale_steps
+from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
                               muon_family, optimizer_names, optimizer_spec)
-from ..optim.versioned import EF_SOURCES
 from ..pipeline.devices import TRANSPORTS
-from ..schedule.table import SCHEDULES as SCHEDULE_TABLE, schedule_names, schedule_spec
+from ..schedule.table import SCHEDULES as SCHEDULE_TABLE, schedule_names
 from .field_checks import (ConfigError, choice, non_negative_int, non_negative_number, positive_int,
                            positive_number)
 
@@ -327,91 +326,11 @@ class RunConfig:
         """A pipeline or data-parallel run that is not simulated: one process per stage and replica."""
         return (self.pipeline.stages > 1 or self.pipeline.dp > 1) and not self.train.simulate
 
-    def _validate_mitigation(self) -> None:
-        """ef_beta, ef_source, mitigation and their combinations with the schedule."""
-        o, schedule = self.optim, self.pipeline.schedule
-        if o.ef_beta is not None:
-            non_negative_number("optim.ef_beta", o.ef_beta)
-            if o.ef_beta > EF_BETA_MAX:
-                raise ConfigError(f"optim.ef_beta must be at most {EF_BETA_MAX:g} (0 = off, 0.5 is the default "
-                                  f"for muon and adamw), got {o.ef_beta!r}")
-        choice("optim.ef_source", o.ef_source, EF_SOURCES)
-        if o.mitigation is not None:
-            choice("optim.mitigation", o.mitigation, MITIGATIONS)
-        if o.mitigation not in (None, "ef") and o.ef_beta is not None and o.ef_beta > 0:
-            raise ConfigError(f"optim.mitigation={o.mitigation!r} replaces error feedback, but --ef-beta "
-                              f"{o.ef_beta:g} turns it on; drop --ef-beta (or pass 0), or use --mitigation ef")
-        if o.mitigation == "ef" and o.effective_ef_beta() == 0:
-            raise ConfigError(f"optim.mitigation='ef' needs error feedback on, but --ef-beta is 0 for "
-                              f"optimizer {o.name!r}; pass --ef-beta > 0 (e.g. 0.5)")
-        if o.ef_source == "weights":
-            if not schedule_spec(schedule).delayed(max(2, self.pipeline.stages)):
-                raise ConfigError(f"optim.ef_source='weights' reads the previous update from the weight versions "
-                                  f"of a delayed schedule, but --schedule {schedule} keeps one version; use "
-                                  "--schedule 2bw or pipedream, or --ef-source buffer")
-            if o.effective_ef_beta() == 0:
-                raise ConfigError(f"optim.ef_source='weights' chooses where error feedback reads its previous "
-                                  f"update, but EF is off (--ef-beta 0, --mitigation {o.effective_mitigation()}); "
-                                  "pass --ef-beta > 0 or drop --ef-source")
-        mitigation = o.effective_mitigation()
-        if mitigation in SIMULATOR_ONLY_MITIGATIONS and self.runs_multi_process():
-            raise ConfigError(f"optim.mitigation={mitigation!r} (weight prediction) needs one more weight version "
-                              "than a pipeline stage keeps; add --simulate (or run --stages 1 --dp 1)")
-        if mitigation == "lr-rescale" and schedule_spec(schedule).lag_per_stage and not self.runs_multi_process():
-            raise ConfigError(f"optim.mitigation='lr-rescale' scales each stage's lr by its own delay, but the "
-                              f"simulator steps every {schedule} stage with one optimizer; run the pipeline "
-                              "without --simulate, or simulate --schedule 2bw (--delay K)")
-        if isinstance(o.dc_lambda, bool) or not isinstance(o.dc_lambda, (int, float)) \
-                or not 0 <= o.dc_lambda < float("inf"):
-            raise ConfigError(f"optim.dc_lambda must be a finite number >= 0, got {o.dc_lambda!r}")
-        if o.dc_lambda != DEFAULT_DC_LAMBDA and mitigation != "dc":
-            raise ConfigError(f"optim.dc_lambda sets the strength of --mitigation dc, but the mitigation is "
-                              f"{mitigation!r}; add --mitigation dc or drop --dc-lambda")
-        if o.rescale_steps is not None:
-            positive_int("optim.rescale_steps", o.rescale_steps)
-            if mitigation != "lr-rescale":
-                raise ConfigError(f"optim.rescale_steps sets K of --mitigation lr-rescale, but the mitigation is "
-                                  f"{mitigation!r}; add --mitigation lr-rescale or drop --rescale-steps")
-        if isinstance(o.muon_momentum, bool) or not isinstance(o.muon_momentum, (int, float)) \
-                or not 0 <= o.muon_momentum < 1:
-            raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum!r}")
-        if o.muon_momentum != OptimConfig.muon_momentum and o.name not in MUON_FAMILY:
-            raise ConfigError(f"optim.muon_momentum sets the momentum of Muon's matrices, but the optimizer is "
-                              f"{o.name!r}; drop --muon-momentum or use --optimizer {' or '.join(MUON_FAMILY)}")
-
-    def _validate_delays(self) -> None:
-        """The schedule table's shape rule, --delay, and what stages lagging by different amounts
-        (pipedream) rule out (docs/design.md §1.16)."""
-        p = self.pipeline
-        spec = schedule_spec(p.schedule)
-        try:
-            spec.check(p.stages, p.microbatches)
-        except ValueError as exc:
-            raise ConfigError(f"pipeline.microbatches={p.microbatches}: {exc}") from None
-        if p.delay is not None:
-            positive_int("pipeline.delay", p.delay)
-            if spec.lag_per_stage or not spec.delayed() or not self.train.simulate:
-                raise ConfigError(f"pipeline.delay={p.delay} is a simulator knob generalising 2bw's one-step "
-                                  f"delay; use it with --schedule 2bw --simulate (got --schedule {p.schedule}"
-                                  f"{'' if self.train.simulate else ' on a real multi-process run'})")
-        if p.delay_only is not None:
-            choice("pipeline.delay_only", p.delay_only, DELAY_ONLY)
-            if spec.lag_per_stage or not spec.delayed() or not self.train.simulate:
-                raise ConfigError(f"pipeline.delay_only={p.delay_only!r} is a simulator knob; use it with "
-                                  f"--schedule 2bw --simulate (got {p.schedule}"
-                                  f"{'' if self.train.simulate else ' on a real multi-process run'})")
-        if not spec.lag_per_stage:
-            return
-        if self.optim.clip_grad_norm is not None:
-            raise ConfigError(f"optim.clip_grad_norm is not supported with {p.schedule} (its stages finish a step "
-                              "S-1 steps apart, so a global norm would stall them); use 2bw to clip")
-        if self.model.tie_embeddings and p.stages > 1:
-            raise ConfigError(f"model.tie_embeddings: {p.schedule} runs each stage on a different weight version, "
-                              f"so the embedding (stage 0) and the tied head (stage {p.stages - 1}) cannot share "
-                              "one tensor; use 2bw, --stages 1, or an untied model")
-
     def validate(self) -> None:
-        """Raise ConfigError naming the first field that cannot run."""
+        """Raise ConfigError naming the first field that cannot run (the rules that join several
+        fields: config_rules.py)."""
+        from .config_rules import check_compute, check_delays, check_mitigation
+
         try:
             self.model = as_model_config(self.model)
             self.model.validate()
@@ -442,24 +361,7 @@ class RunConfig:
             raise ConfigError(f"pipeline.transport='nccl' moves CUDA tensors but train.device="
                               f"{self.train.device!r}; use --device cuda, or --transport gloo (or torch) on cpu")
         choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
-        choice("train.head_loss", self.train.head_loss, HEAD_LOSSES)
-        if not isinstance(self.train.cuda_graphs, bool):
-            raise ConfigError(f"train.cuda_graphs must be true or false, got {self.train.cuda_graphs!r}")
-        if self.train.cuda_graphs and self.train.device != "cuda":
-            raise ConfigError("train.cuda_graphs replays CUDA graphs: it needs --device cuda, got "
-                              f"{self.train.device}")
-        if self.train.cuda_graphs and self.pipeline.recompute:
-            raise ConfigError("train.cuda_graphs cannot run with --recompute (a graph replays a forward "
-                              "together with its backward); drop one of them")
-        if self.train.profile_steps is not None:
-            from .profiling import ProfileSpecError, parse_profile_steps
-
-            try:
-                parse_profile_steps(self.train.profile_steps)
-            except ProfileSpecError as exc:
-                raise ConfigError(str(exc)) from None
-        if self.train.compile is not None and not isinstance(self.train.compile, bool):
-            raise ConfigError(f"train.compile must be true, false or null (auto), got {self.train.compile!r}")
+        check_compute(self)
         positive_number("train.timeout_s", self.train.timeout_s)
         if self.train.threads is not None:
             positive_int("train.threads", self.train.threads)
@@ -473,7 +375,7 @@ class RunConfig:
                 raise ConfigError(f"optim.adamw_lr is the learning rate of muon's AdamW part; it "
                                   f"does not apply to optim.name={self.optim.name!r} (use --lr)")
         non_negative_number("optim.weight_decay", self.optim.weight_decay)
-        self._validate_mitigation()
+        check_mitigation(self)
         non_negative_number("optim.momentum", self.optim.momentum)
         if self.optim.clip_grad_norm is not None:
             positive_number("optim.clip_grad_norm", self.optim.clip_grad_norm)
@@ -491,7 +393,7 @@ class RunConfig:
             raise ConfigError(f"pipeline.stages={self.pipeline.stages} exceeds the model's {blocks} "
                               f"blocks (n_layer {self.model.n_layer} + embedding + head); use "
                               f"--stages <= {blocks} or a deeper model (--n-layer)")
-        self._validate_delays()
+        check_delays(self)
 
 
 def _check_optimizer_available(name: str) -> None:
