@@ -108,36 +108,24 @@ def model_loss(compute: StageCompute):
 
 
 # ---- engines --------------------------------------------------------------------------------
-def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None):
+def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None, model: Optional[nn.Module] = None):
     """The simulator's loss function under the run's --dtype (bf16 autocast or plain fp32) and
-    --head-loss."""
+    --head-loss; with --cuda-graphs its training calls on ``model`` replay CUDA graphs
+    (models/graphs.py; evaluation, under no_grad, runs eagerly)."""
+    from ..models.graphs import GraphedCompute
     from ..pipeline.recompute import autocast_context, resolve_autocast
 
     device = torch.device(cfg.train.device)
     autocast_dtype = resolve_autocast(cfg.train.dtype, device)
     compute = compute or stage_compute(cfg)
     inner = model_loss(compute)
-
-    def loss(model, inputs, targets):
-        with autocast_context(device, autocast_dtype, cache=not compute.cuda_graphs):
-            return inner(model, inputs, targets)
-    return loss
-
-
-def graphed_simulator_loss(cfg: RunConfig, compute: StageCompute, model: nn.Module):
-    """``simulator_loss`` whose training calls on ``model`` replay CUDA graphs (models/graphs.py;
-    evaluation, under no_grad, runs eagerly)."""
-    from ..models.graphs import GraphedCompute
-    from ..pipeline.recompute import autocast_context, resolve_autocast
-
-    device = torch.device(cfg.train.device)
-    autocast_dtype = resolve_autocast(cfg.train.dtype, device)
-    inner = model_loss(compute)
-    graphed = GraphedCompute(model, inner)
+    graphed = GraphedCompute(model, inner) if compute.cuda_graphs and model is not None else None
 
     def loss(model_, inputs, targets):
-        with autocast_context(device, autocast_dtype, cache=False):
-            return graphed(inputs, targets) if model_ is model else inner(model_, inputs, targets)
+        with autocast_context(device, autocast_dtype, cache=graphed is None):  # capture refuses the cache
+            if graphed is not None and model_ is model:
+                return graphed(inputs, targets)
+            return inner(model_, inputs, targets)
     return loss
 
 
@@ -149,8 +137,8 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     if compute.compile:
         compile_blocks(model, device=cfg.train.device)
-    loss_fn = graphed_simulator_loss(cfg, compute, model) if compute.cuda_graphs else simulator_loss(cfg, compute)
-    simulator = DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule, loss_fn=loss_fn,
+    simulator = DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule,
+                               loss_fn=simulator_loss(cfg, compute, model),
                                on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
                                clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
                                delay_only=p.delay_only, **cfg.mitigation_kwargs())
@@ -207,5 +195,5 @@ def resume(engine, stream: BatchStream, resume_dir: Optional[Path], stage: int =
     return Resumed(int(meta["step"]), float(meta.get("elapsed_s", 0.0)), rng)
 
 
-__all__ = ["build_data", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "graphed_simulator_loss", "build_simulator", "build_pipeline_engine",
+__all__ = ["build_data", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "build_simulator", "build_pipeline_engine",
            "Resumed", "resume", "OptimizerFactory"]
