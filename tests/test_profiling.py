@@ -1,11 +1,10 @@
 """--profile-steps: the window parser, the trace summary's arithmetic, and the files a CPU run writes."""
 import gzip
 import json
-import subprocess
-import sys
 
 import pytest
 
+from asyncpp_ext.training.cli import main
 from asyncpp_ext.training.profiling import ProfileSpecError, kernel_kind, parse_profile_steps, summarize_trace
 
 
@@ -47,10 +46,9 @@ def test_kernel_kinds():
 
 def test_cpu_run_writes_the_window(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "asyncpp_ext.train", "--model", "llama-tiny", "--stages", "1",
-           "--schedule", "sync", "--steps", "4", "--eval-every", "0", "--ckpt-every", "0",
-           "--no-progress", "--profile-steps", "2:3", "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    assert main(["--model", "llama-tiny", "--stages", "1", "--schedule", "sync", "--steps", "4",
+                 "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--profile-steps", "2:3",
+                 "--out", str(out)]) == 0
     summary = json.loads((out / "profile" / "summary_stage0.json").read_text())
     assert summary["steps"] == [2, 3] and summary["window_ms"] > 0
     assert summary["device_busy_share"] is None  # no device on CPU
@@ -62,10 +60,9 @@ def test_cpu_run_writes_the_window(tmp_path):
 def test_pipeline_ranks_trace_their_executor_threads(tmp_path):
     """Each stage runs on an executor thread started before the window: its operators are in."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "asyncpp_ext.train", "--model", "llama-tiny", "--stages", "2",
-           "--schedule", "2bw", "--steps", "4", "--eval-every", "0", "--ckpt-every", "0",
-           "--no-progress", "--profile-steps", "3:4", "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+    assert main(["--model", "llama-tiny", "--stages", "2", "--schedule", "2bw", "--steps", "4",
+                 "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--profile-steps", "3:4",
+                 "--out", str(out)]) == 0
     for stage in (0, 1):
         events = json.load(gzip.open(out / "profile" / f"trace_stage{stage}.json.gz"))["traceEvents"]
         assert sum(e.get("name") == "aten::mm" for e in events) > 0, stage
@@ -73,10 +70,9 @@ def test_pipeline_ranks_trace_their_executor_threads(tmp_path):
     assert last["item_calls"] > 0  # the last stage reads each microbatch's loss
 
 
-def test_bad_window_is_one_line(tmp_path):
-    cmd = [sys.executable, "-m", "asyncpp_ext.train", "--model", "llama-tiny", "--steps", "2",
-           "--profile-steps", "4:2", "--out", str(tmp_path / "r")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2
-    assert p.stderr.strip().count("\n") == 0 and "--profile-steps" in p.stderr
+def test_bad_window_is_one_line(tmp_path, capsys):
+    assert main(["--model", "llama-tiny", "--steps", "2", "--profile-steps", "4:2",
+                 "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "--profile-steps" in err
     assert not (tmp_path / "r").exists()
