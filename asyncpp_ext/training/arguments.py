@@ -12,6 +12,7 @@ from ..data.batches import SAMPLINGS
 from ..models.registry import MODEL_PRESETS
 from .model_source import model_from_args
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS
+from ..optim.registry import MUON_ADAMW_LR
 from ..optim.versioned import EF_SOURCES
 
 PROG = "asyncpp-train"
@@ -72,7 +73,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     opt.add_argument("--lr", type=float, help="learning rate (default per optimizer: " + ", ".join(
         f"{k} {v:g}" for k, v in LR_AUTO.items()) + ")")
     opt.add_argument("--adamw-lr", type=float,
-                     help="lr of muon's AdamW part (embeddings, head, norms, biases); default 3e-3")
+                     help=f"lr of muon's AdamW part (embeddings, head, norms, biases); default {MUON_ADAMW_LR:g}")
     opt.add_argument("--weight-decay", type=float, help=f"default {_D.optim.weight_decay}")
     opt.add_argument("--ef-beta", type=float,
                      help="error-feedback delay correction strength, 0 = off (default auto: "
