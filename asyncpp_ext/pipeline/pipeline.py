@@ -232,9 +232,6 @@ class Pipeline:
         # bounded so that long runs do not grow without limit.
         self.trace: list[tuple] = []
         self.trace_limit = 200_000
-        # Called on the executor thread with the number of completed steps: at the start of each
-        # train() call and after every step (the Trainer's --profile-steps tracer runs there).
-        self.step_hook: Callable[[int], None] | None = None
         self.tokens_per_microbatch = 0
         self.next_step = 0
         self._batches: Iterator | None = None
@@ -376,12 +373,8 @@ class Pipeline:
         start = time.monotonic()
         tokens_per_step = self.m * self.tokens_per_microbatch * self.dp
 
-        step_hook = self.step_hook
-
         def on_step(step: int, loss: float | None, skipped: bool = False) -> None:
             feed.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage, skipped))
-            if step_hook is not None:
-                step_hook(step + 1)
 
         self.host.on_step = on_step
         done = object()
@@ -402,8 +395,6 @@ class Pipeline:
                 torch.set_num_threads(intra_op_threads)
                 if self.device.type == "cuda":  # the current device is per thread
                     torch.cuda.set_device(self.device)
-                if step_hook is not None:
-                    step_hook(first_step)
                 for stream_start in range(first_step, first_step + steps, chunk):
                     n = min(chunk, first_step + steps - stream_start)
                     trace = self.transport.run_stage(self.core_schedule, self.stages, self.m, n, self.stage,

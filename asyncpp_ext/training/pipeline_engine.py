@@ -34,10 +34,6 @@ class PipelineEngine:
         for stats in self.pipe.train(minibatches, steps):
             yield StepOutcome(stats.loss, True) if stats.skipped else stats.loss
 
-    def set_step_hook(self, hook) -> None:
-        """Call ``hook(completed_steps)`` on the executor thread, where this rank computes."""
-        self.pipe.step_hook = hook
-
     def eval_loss(self, batches):
         return self.pipe.evaluate(batches)
 

@@ -14,11 +14,7 @@ Each process that trains writes, under ``OUT/profile/``:
 
 ``<who>`` is ``stage<S>`` (``stage<S>_dp<R>`` for data-parallel replicas). The window starts when
 step FIRST-1 has completed and ends when step LAST has: in a pipeline, neighbouring steps overlap,
-so the window holds the work the process did in that wall-time span. A pipeline rank traces from
-its executor thread, where it computes (the engine calls the tracer there), so any torch version
-sees its operators and kernels; a window should then lie between two evaluations or checkpoints
-(each such segment runs on an executor thread of its own). One process (the simulator) traces
-every thread where torch offers it (``profile_all_threads``). Tracing slows the traced
+so the window holds the work the process did in that wall-time span. Tracing slows the traced
 steps a little (the profiler records every operator); the steps outside the window run as usual.
 """
 from __future__ import annotations
@@ -113,11 +109,8 @@ class StepProfiler:
     """Starts ``torch.profiler`` once step FIRST-1 has completed and writes its files once step
     LAST has (or when the run ends first). ``after_step(k)`` is called with each completed step."""
 
-    def __init__(self, window: Optional[tuple[int, int]], out_dir: Path, who: str, device: str,
-                 all_threads: bool = True):
+    def __init__(self, window: Optional[tuple[int, int]], out_dir: Path, who: str, device: str):
         self.window, self.out_dir, self.who, self.device = window, Path(out_dir), who, device
-        self.all_threads = all_threads  # False: the thread that starts the window (and autograd's)
-        self.driven_by_engine = False   # the engine calls after_step on its own thread
         self._prof = None
         self.written: Optional[Path] = None
 
@@ -148,7 +141,7 @@ class StepProfiler:
             activities.append(ProfilerActivity.CUDA)
             torch.cuda.synchronize()  # the window starts with the device idle, not mid-step
         self._prof = profile(activities=activities, record_shapes=False, with_stack=False,
-                             experimental_config=_all_threads_config() if self.all_threads else None)
+                             experimental_config=_all_threads_config())
         self._prof.__enter__()
 
     def _finish(self) -> None:

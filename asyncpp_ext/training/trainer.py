@@ -93,15 +93,8 @@ class Trainer:
         who = f"stage{getattr(self.engine, 'stage', 0)}"
         if getattr(getattr(self.engine, "pipe", None), "dp", 1) > 1:
             who += f"_dp{getattr(self.engine, 'replica', 0)}"
-        window = parse_profile_steps(spec) if spec else None
-        if window is not None and callable(getattr(self.engine, "set_step_hook", None)):
-            # A pipeline rank computes on its executor thread: trace from there (no need for
-            # torch's all-threads option, which older torch lacks).
-            profiler = StepProfiler(window, self.run_dir / "profile", who, self.device.type, all_threads=False)
-            self.engine.set_step_hook(profiler.after_step)
-            profiler.driven_by_engine = True
-            return profiler
-        return StepProfiler(window, self.run_dir / "profile", who, self.device.type)
+        return StepProfiler(parse_profile_steps(spec) if spec else None, self.run_dir / "profile", who,
+                            self.device.type)
 
     def _save_single_process(self, step: int, meta: dict) -> Path:
         return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta)
@@ -149,8 +142,7 @@ class Trainer:
             while self.step < total:
                 end = self._segment_end()
                 pending = []
-                if not profiler.driven_by_engine:
-                    profiler.before_steps(self.step + 1)
+                profiler.before_steps(self.step + 1)
                 for loss in self.engine.train_steps(self.stream, end - self.step):
                     skipped = isinstance(loss, StepOutcome) and loss.skipped
                     loss = loss.loss if isinstance(loss, StepOutcome) else loss
@@ -158,8 +150,7 @@ class Trainer:
                         loss = None  # JSON has no NaN; the row says why
                     lr = self.base_lr * self.lr_schedule.multiplier(self.step)  # the lr step t used
                     self.step += 1
-                    if not profiler.driven_by_engine:
-                        profiler.after_step(self.step)
+                    profiler.after_step(self.step)
                     elapsed = self.elapsed_before + time.perf_counter() - start
                     step_s = elapsed - last_elapsed
                     last_elapsed = elapsed
