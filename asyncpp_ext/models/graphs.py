@@ -34,6 +34,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from .compile import _describe
+
 
 class _Slot(nn.Module):
     """One graph instance: ``fn(module, *args)`` with ``module``'s Parameters as its own (the same
@@ -62,11 +64,6 @@ class _ReleaseOnBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         ctx.slot.busy = False
         return grad, None
-
-
-def _describe(exc: BaseException) -> str:
-    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 class GraphedCompute:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import gzip
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -153,12 +152,12 @@ class StepProfiler:
         prof.__exit__(None, None, None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         raw = self.out_dir / f"trace_{self.who}.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        with open(raw) as f:
-            events = json.load(f).get("traceEvents", [])
+        prof.export_chrome_trace(str(raw))  # torch writes the trace to a file only
+        data = raw.read_bytes()
         raw.unlink()
+        with gzip.open(f"{raw}.gz", "wb") as dst:
+            dst.write(data)
+        events = json.loads(data).get("traceEvents", [])
         summary = {"steps": list(self.window), **summarize_trace(events)}
         (self.out_dir / f"summary_{self.who}.json").write_text(json.dumps(summary, indent=1) + "\n")
         sort = "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
