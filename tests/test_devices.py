@@ -56,8 +56,8 @@ def test_cpu_ranks_stay_on_cpu_whatever_the_gpu_count(transport):
 @pytest.mark.parametrize("transport", ["nccl", "torch", "auto"])
 def test_more_ranks_than_gpus_is_refused_for_nccl_transports(transport):
     with pytest.raises(DeviceError, match=r"^4 ranks on this machine but 2 GPUs visible; transport '(nccl|torch)' "
-                                          r"needs one GPU per rank: lower --stages x --dp, or use --transport gloo "
-                                          r"to share GPUs$"):
+                                          r"needs one GPU per rank: lower --stages x --dp, or use --transport ipc "
+                                          r"\(or gloo\) to share GPUs$"):
         rank_device("cuda", 0, 4, 2, transport, "spawn")
     with pytest.raises(DeviceError, match=r"^2 ranks on this machine but 1 GPU visible; .*--nproc-per-node"):
         check_local_world(2, 1, transport, "torchrun")

@@ -11,13 +11,16 @@ Transports (``transport=`` / ``--transport``):
   groups on CPU.
 - ``gloo``: torch.distributed ``isend``/``irecv`` over gloo on the default group. On CUDA the
   tensors are staged through host memory, so several ranks may share one GPU.
-- ``auto``: ``nccl`` on CUDA, ``gloo`` on CPU.
+- ``ipc``: stages on one host hand tensors over through shared memory (pipeline/ipc.py): CUDA
+  IPC on a GPU, so several ranks may share one GPU without host copies; POSIX shared memory on
+  CPU. Small notices travel over gloo on the default group.
+- ``auto``: ``nccl`` on CUDA, ``socket`` on CPU.
 """
 from __future__ import annotations
 
 import torch
 
-TRANSPORTS = ("auto", "nccl", "torch", "gloo", "socket")
+TRANSPORTS = ("auto", "nccl", "torch", "gloo", "socket", "ipc")
 LAUNCHERS = ("spawn", "torchrun")
 
 
@@ -38,7 +41,7 @@ def choose_transport(requested: str, device) -> str:
         return "nccl" if kind == "cuda" else "socket"
     if requested == "socket" and kind != "cpu":
         raise DeviceError(f"transport 'socket' moves CPU tensors but device is {str(device)!r}; use transport "
-                          "'nccl' (one GPU per rank) or 'gloo' (ranks may share a GPU) on CUDA")
+                          "'nccl' (one GPU per rank), or 'ipc' or 'gloo' (ranks may share a GPU) on CUDA")
     if requested == "nccl" and kind != "cuda":
         raise DeviceError(f"transport 'nccl' moves CUDA tensors but device is {str(device)!r}; pass "
                           "device='cuda:<index>' (--device cuda) or use transport 'gloo' or 'torch' on CPU")
@@ -46,7 +49,8 @@ def choose_transport(requested: str, device) -> str:
 
 
 def needs_own_gpu(transport: str) -> bool:
-    """NCCL (ours or torch's) refuses two ranks on one GPU; gloo stages through the host."""
+    """NCCL (ours or torch's) refuses two ranks on one GPU; gloo stages through the host, ipc maps
+    the peer's device memory."""
     return transport in ("nccl", "torch")
 
 
@@ -79,7 +83,7 @@ def check_local_world(local_world: int, visible_gpus: int, transport: str, launc
                  else "lower --stages x --dp")
         raise DeviceError(f"{local_world} ranks on this machine but {visible_gpus} GPU"
                           f"{'s' if visible_gpus != 1 else ''} visible; transport {transport!r} needs one "
-                          f"GPU per rank: {fewer}, or use --transport gloo to share GPUs")
+                          f"GPU per rank: {fewer}, or use --transport ipc (or gloo) to share GPUs")
 
 
 def rank_device(device: str, local_rank: int, local_world: int, visible_gpus: int, transport: str,
@@ -88,7 +92,7 @@ def rank_device(device: str, local_rank: int, local_world: int, visible_gpus: in
 
     ``device`` is "cpu" or "cuda" (``--device``); ``transport`` one of TRANSPORTS.
     CPU ranks train on "cpu". On CUDA a rank takes ``cuda:<local_rank>`` (torchrun's LOCAL_RANK,
-    or the spawn index); with the gloo transport ranks may share GPUs: ``cuda:<local_rank %
+    or the spawn index); with the ipc and gloo transports ranks may share GPUs: ``cuda:<local_rank %
     visible_gpus>``. Refusals raise DeviceError (see check_local_world)."""
     if device not in ("cpu", "cuda"):
         raise DeviceError(f"device must be 'cpu' or 'cuda', got {device!r}")

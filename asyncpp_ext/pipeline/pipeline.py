@@ -87,7 +87,9 @@ class Pipeline:
         transport: "gloo" (torch.distributed over gloo; on CUDA staged through host memory, so
             ranks may share a GPU), "nccl" (the C++ NCCL transport, CUDA only), "torch"
             (torch.distributed isend/irecv on a group per link and direction: NCCL on CUDA, gloo
-            on CPU), or "auto": nccl on CUDA, else gloo (see devices.py). On CUDA the default
+            on CPU), "socket" (the C++ TCP transport, CPU), "ipc" (shared memory between stages
+            on one host: CUDA IPC, so ranks may share a GPU without host copies; ipc.py), or
+            "auto": nccl on CUDA, else socket (see devices.py). On CUDA the default
             process group must still carry CPU tensors, i.e. be "gloo" or "cpu:gloo,cuda:nccl",
             for the start-up handshake and evaluation.
         run_id: names this pipeline's NCCL rendezvous keys; equal on every rank (see nccl.py).

@@ -59,6 +59,13 @@ def _torch(ctx: TransportContext):
     return TorchTransport(ctx.host, ctx.stage_ranks, groups, nccl=ctx.device.type == "cuda", watchdog=ctx.watchdog)
 
 
+def _ipc(ctx: TransportContext):
+    from .ipc import IpcTransport
+
+    return IpcTransport(ctx.host, ctx.stage_ranks, run_id=_replica_run_id(ctx), watchdog=ctx.watchdog,
+                        timeout_s=ctx.timeout_s)
+
+
 def _replica_run_id(ctx: TransportContext) -> str:
     """Each replica's pipeline rendezvouses under keys of its own."""
     return f"{ctx.run_id or next_run_id()}-replica{ctx.replica}"
@@ -85,7 +92,7 @@ def _nccl(ctx: TransportContext):
 
 
 TRANSPORT_FACTORIES: dict[str, Callable[[TransportContext], object]] = {
-    "gloo": _gloo, "torch": _torch, "socket": _socket, "nccl": _nccl,
+    "gloo": _gloo, "torch": _torch, "socket": _socket, "nccl": _nccl, "ipc": _ipc,
 }
 """Every concrete transport by name ("auto" is resolved by devices.choose_transport first)."""
 

@@ -61,9 +61,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                            "(default: each runs a share and they are gathered)")
     pipe.add_argument("--transport", choices=TRANSPORTS,
                       help="how stage processes exchange activations and gradients: auto (nccl on "
-                           "cuda, gloo on cpu), nccl (C++ NCCL, one GPU per rank), torch "
+                           "cuda, socket on cpu), nccl (C++ NCCL, one GPU per rank), torch "
                            "(torch.distributed p2p: NCCL on cuda, one GPU per rank; gloo on cpu), "
-                           "gloo (on cuda via host copies: ranks may share a GPU) (default auto)")
+                           "gloo (on cuda via host copies: ranks may share a GPU), socket (C++ TCP, "
+                           "cpu), ipc (shared memory between stages on one host: CUDA IPC, so ranks "
+                           "may share a GPU without host copies) (default auto)")
     pipe.add_argument("--recompute", action="store_true", default=None,
                       help="recompute each stage's forward before its backward: same losses, less "
                            "activation memory")

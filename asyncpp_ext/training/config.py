@@ -190,10 +190,12 @@ class PipelineConfig:
     recompute: bool = False
     """Recompute each stage's forward right before its backward instead of keeping activations."""
     transport: str = "auto"
-    """How pipeline messages travel between the stage processes: auto (nccl on cuda, gloo on cpu)
-    | nccl (the C++ NCCL transport; cuda, one GPU per rank) | torch (torch.distributed isend/irecv
-    on a group per link and direction: NCCL on cuda, one GPU per rank; gloo on cpu) | gloo (on
-    cuda staged through host memory, so ranks may share a GPU). All give the same numbers."""
+    """How pipeline messages travel between the stage processes: auto (nccl on cuda, socket on
+    cpu) | nccl (the C++ NCCL transport; cuda, one GPU per rank) | torch (torch.distributed
+    isend/irecv on a group per link and direction: NCCL on cuda, one GPU per rank; gloo on cpu) |
+    gloo (on cuda staged through host memory, so ranks may share a GPU) | socket (the C++ TCP
+    transport; cpu) | ipc (stages on one host share memory: CUDA IPC, so ranks may share a GPU
+    without host copies; POSIX shared memory on cpu). All give the same numbers."""
 
     delay: Optional[int] = None
     """Simulator research knob: a constant K-step delay for every parameter (2bw is K = 1); only

@@ -9,4 +9,5 @@ void bind_optim(pybind11::module_& m);       // optim_bindings.cpp
 void bind_runtime(pybind11::module_& m);     // runtime_bindings.cpp
 void bind_nccl(pybind11::module_& m);        // nccl_bindings.cpp
 void bind_socket(pybind11::module_& m);      // socket_bindings.cpp
+void bind_shared_counters(pybind11::module_& m);  // shared_counter_bindings.cpp
 }  // namespace asyncpp::bindings

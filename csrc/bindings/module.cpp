@@ -21,4 +21,5 @@ PYBIND11_MODULE(_C, m) {
   bind_runtime(m);
   bind_nccl(m);
   bind_socket(m);
+  bind_shared_counters(m);
 }

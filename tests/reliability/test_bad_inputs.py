@@ -153,7 +153,7 @@ BAD_INPUTS = [
     ("pipe --transport bogus", "argument --transport: invalid choice: 'bogus'"),
     ("gpus 1 --device cuda --transport nccl",
      "2 ranks on this machine but 1 GPU visible; transport 'nccl' needs one GPU per rank: lower --stages x --dp, "
-     "or use --transport gloo to share GPUs"),
+     "or use --transport ipc (or gloo) to share GPUs"),
     ("gpus 2 --device cuda --transport torch --dp 2", "4 ranks on this machine but 2 GPUs visible; transport 'torch'"),
     ("gpus 1 --device cuda", "2 ranks on this machine but 1 GPU visible; transport 'nccl'"),
     ("gpus 2 nonccl --device cuda --transport nccl",
