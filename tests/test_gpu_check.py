@@ -55,13 +55,14 @@ def test_plan_runs_the_two_gpu_sections_only_with_two_gpus(tmp_path):
     assert "needs 2 GPUs" in one["train_two_gpus"] and "needs 2 GPUs" in one["bench_p2p"]
     assert all(v is None for key, v in two.items() if key != "study")
     cmds = {key: c for key, _, c, _ in plan(tmp_path, 2, quick=False)}
-    sim, sim_cuda, gloo32, gloo16 = cmds["train_one_gpu"]
+    sim, sim_cuda, gloo32, gloo16, ipc32 = cmds["train_one_gpu"]
     assert "--simulate" in sim and "--device" not in sim
     assert "--simulate" in sim_cuda and sim_cuda[sim_cuda.index("--device") + 1] == "cuda"
     for c in (gloo32, gloo16):
         assert c[c.index("--transport") + 1] == "gloo" and c[c.index("--device") + 1] == "cuda"
     # fp32 GPU runs pin Newton-Schulz to fp32, as the CPU run has it
-    for c in [sim_cuda, gloo32] + cmds["train_two_gpus"]:
+    assert ipc32[ipc32.index("--transport") + 1] == "ipc" and ipc32[ipc32.index("--device") + 1] == "cuda"
+    for c in [sim_cuda, gloo32, ipc32] + cmds["train_two_gpus"]:
         assert c[c.index("--ns-dtype") + 1] == "fp32"
 
     def config(c):  # the run's settings without where and how it runs
@@ -76,7 +77,7 @@ def test_plan_runs_the_two_gpu_sections_only_with_two_gpus(tmp_path):
                 continue
             kept.append(a)
         return kept
-    assert config(sim) == config(sim_cuda) == config(gloo32) == config(cmds["train_two_gpus"][0]) \
+    assert config(sim) == config(sim_cuda) == config(gloo32) == config(ipc32) == config(cmds["train_two_gpus"][0]) \
         == config(cmds["train_two_gpus"][1])
     assert gloo16[gloo16.index("--dtype") + 1] == "bf16" and sim[sim.index("--dtype") + 1] == "fp32"
     assert sim[sim.index("--schedule") + 1] == "2bw" and "--ef-beta" in sim and "muon" in sim

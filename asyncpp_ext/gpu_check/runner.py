@@ -19,7 +19,7 @@ PKG_PARENT = Path(__file__).resolve().parents[2]  # the directory holding asyncp
 # this machine's compiler shows (one did: a refusal in the NCCL bindings) must surface here.
 BUILD_TESTS = ["tests/test_nccl_transport.py", "tests/test_optim_api.py", "tests/test_devices.py",
                "tests/test_transports.py"]
-TIMEOUTS = dict(build_tests=300, cuda_tests=420, nccl_self_test=120, train_one_gpu=320, train_two_gpus=300, bench_optim=240,
+TIMEOUTS = dict(build_tests=300, cuda_tests=420, nccl_self_test=120, train_one_gpu=400, train_two_gpus=300, bench_optim=240,
                 bench_muon_widths=240, bench_p2p=180)
 TRAIN_CLI = ["-m", "asyncpp_ext.train"]  # asyncpp-train, as the installed command runs it
 SELF_TEST = ("import json, sys; from asyncpp_ext.pipeline.nccl import self_test; "
@@ -44,7 +44,8 @@ def plan(out: Path, gpus: int, quick: bool, study: bool = False) -> list:
     one_gpu = [train_args(out, "simulate-fp32", steps, "fp32", ["--simulate"]),
                train_args(out, "simulate-cuda-fp32", steps, "fp32", fp32_gpu + ["--simulate"]),
                train_args(out, "gloo-fp32", steps, "fp32", fp32_gpu + ["--transport", "gloo"]),
-               train_args(out, "gloo-bf16", steps, "bf16", ["--device", "cuda", "--transport", "gloo"])]
+               train_args(out, "gloo-bf16", steps, "bf16", ["--device", "cuda", "--transport", "gloo"]),
+               train_args(out, "ipc-fp32", steps, "fp32", fp32_gpu + ["--transport", "ipc"])]
     two_gpus = [train_args(out, f"{t}-fp32", steps, "fp32", fp32_gpu + ["--transport", t])
                 for t in ("nccl", "torch")]
     two_reason = None if gpus >= 2 else (f"needs 2 GPUs ({gpus} visible): NCCL refuses two ranks on one device; "
@@ -59,7 +60,7 @@ def plan(out: Path, gpus: int, quick: bool, study: bool = False) -> list:
          no_src),
         ("nccl_self_test", "NCCL self-test (one GPU)", [[sys.executable, "-c", SELF_TEST, "1" if quick else "0"]],
          None),
-        ("train_one_gpu", "2-stage 2bw Muon+EF, both ranks on one GPU (gloo) vs --simulate (GPU and CPU)",
+        ("train_one_gpu", "2-stage 2bw Muon+EF, both ranks on one GPU (gloo, ipc) vs --simulate (GPU and CPU)",
          one_gpu, None),
         ("train_two_gpus", "2-stage 2bw Muon+EF on 2 GPUs: nccl vs torch transports vs --simulate", two_gpus,
          two_reason),
@@ -205,7 +206,9 @@ def section_train_one_gpu(cmds, out, log) -> dict:
                "gloo fp32 vs simulate fp32 on CPU (per-step rel <= %g)" % FP32_REL_TOL:
                compare_losses(sim, losses["gloo-fp32"], rel_tol=FP32_REL_TOL),
                "gloo bf16 vs simulate fp32 (per-step rel <= %g, last-10 mean rel <= %g)" % (BF16_STEP_BAND, BF16_TAIL_BAND):
-               compare_losses(sim, losses["gloo-bf16"], step_band=BF16_STEP_BAND, tail_band=BF16_TAIL_BAND)}
+               compare_losses(sim, losses["gloo-bf16"], step_band=BF16_STEP_BAND, tail_band=BF16_TAIL_BAND),
+               # the same bytes through another transport: the same numbers
+               "ipc fp32 vs gloo fp32 (bitwise)": compare_losses(losses["gloo-fp32"], losses["ipc-fp32"], bitwise=True)}
     problems = [p for c in figures.values() for p in c["problems"]]
     return dict(status="fail" if problems else "pass", reason="; ".join(problems) or None, figures=figures,
                 seconds=seconds)
