@@ -37,9 +37,10 @@ Rows (names as printed; " eager" marks --no-compile rows when asyncpp-train has 
                          --ef-beta 0 (no delay to correct; the baselines have no EF), <opt> =
                          adamw (the project's fused AdamW) or muon (the project's Muon, bf16
                          Newton-Schulz on CUDA, AdamW for embeddings/head/norms)
-  ours 2bw 2st 1gpu <opt>
-                         --stages 2 --schedule 2bw --transport gloo: both ranks share one GPU
-                         (EF at its default 0.5, the configuration 2bw ships with)
+  ours 2bw 2st 1gpu <opt>[ ipc]
+                         --stages 2 --schedule 2bw --transport gloo (" ipc": --transport ipc,
+                         CUDA only): both ranks share one GPU (EF at its default 0.5, the
+                         configuration 2bw ships with)
   ours 2bw 2st 2gpu <opt>
                          --stages 2 --schedule 2bw (NCCL), one GPU per stage; only with >= 2 GPUs
   hf eager|compile <opt> transformers.LlamaForCausalLM built from a config dict (no download),
@@ -138,7 +139,8 @@ def detect_cli_flags() -> dict:
                        capture_output=True, text=True, timeout=120)
     text = r.stdout
     return {"compile": "--no-compile" in text and re.search(r"--compile\b", text) is not None,
-            "head_loss": "--head-loss" in text, "cuda_graphs": "--cuda-graphs" in text}
+            "head_loss": "--head-loss" in text, "cuda_graphs": "--cuda-graphs" in text,
+            "ipc": ",ipc" in text}
 
 
 def row(name, impl, model, seq, mb, m, **kw) -> dict:
@@ -163,7 +165,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
 
     def ours(model, seq, opt, compile_=True, **kw):
         c = (compile_ if flags["compile"] else None)
-        suffix = (" eager" if c is False else "") + (" graphs" if kw.get("graphs") else "")
+        suffix = ((" eager" if c is False else "") + (" ipc" if kw.get("transport") == "ipc" else "")
+                  + (" graphs" if kw.get("graphs") else ""))
         if kw.get("stages", 1) == 1:
             name = f"ours sync {opt}{suffix}"
             kw.setdefault("schedule", "sync")
@@ -187,8 +190,13 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
     graphs = [False, True] if dev == "cuda" and flags.get("cuda_graphs") else [False]
 
     def two_bw(model, seq, opt):
-        for g in graphs:
+        # Two ranks on one GPU: gloo (through host memory); on CUDA also ipc (CUDA IPC, no host
+        # copies), where --cuda-graphs goes (the configuration the one-GPU target is measured on).
+        ipc = dev == "cuda" and flags.get("ipc")
+        for g in [False] if ipc else graphs:
             ours(model, seq, opt, compile_=main_compile, stages=2, gpus=1, transport="gloo", graphs=g)
+        for g in graphs if ipc else []:
+            ours(model, seq, opt, compile_=main_compile, stages=2, gpus=1, transport="ipc", graphs=g)
         if dev == "cuda":
             if gpus >= 2:
                 ours(model, seq, opt, compile_=main_compile, stages=2, gpus=2, transport="nccl")

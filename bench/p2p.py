@@ -7,10 +7,13 @@ nccl-tests reports it. After timing, every received buffer is compared with what
   socket  CPU tensors: asyncpp's C++ socket transport (the CPU default) vs dist.isend/irecv over gloo.
   gloo    CPU tensors: asyncpp's Python GlooTransport vs dist.isend/irecv on the same process group.
   nccl    CUDA tensors (needs 2 GPUs): the C++ NCCL transport vs dist.isend/irecv on an NCCL group.
+  ipc     CPU tensors: asyncpp's shared-memory transport vs dist.isend/irecv over gloo.
+  ipc-cuda  both ranks on GPU 0: the ipc transport through CUDA IPC vs what gloo needs for CUDA
+          tensors (a copy to the host, isend/irecv, a copy back to the GPU).
 Our side is driven the way the executor drives it: payloads through the stage's MessageBoard (a
 send's tensor handed over, receives into reused slots), post, then wait.
 
-    python bench/p2p.py [--backend socket|gloo|nccl] [--max-mib 64] [--json]
+    python bench/p2p.py [--backend socket|gloo|nccl|ipc|ipc-cuda] [--max-mib 64] [--json]
 """
 from __future__ import annotations
 
@@ -45,6 +48,11 @@ class PingPong:
             from asyncpp_ext.pipeline.transport import GlooTransport
 
             self.transport, self.python = GlooTransport(self, [0, 1]), True
+            self.slot = torch.empty_like(payload)
+        elif backend.startswith("ipc"):
+            from asyncpp_ext.pipeline.ipc import IpcTransport
+
+            self.transport, self.python = IpcTransport(self, [0, 1], run_id=f"p2p{payload.numel()}"), True
             self.slot = torch.empty_like(payload)
         else:
             run_id = f"p2p{payload.numel()}"
@@ -82,8 +90,9 @@ class PingPong:
             self.board.release(kind, step, 0)
 
     def close(self) -> None:
-        if not self.python:
-            self.transport.close(30.0)
+        close = getattr(self.transport, "close", None)
+        if callable(close):
+            close(30.0)
 
 
 def pattern(count: int, rank: int, device) -> torch.Tensor:
@@ -130,19 +139,31 @@ def time_ours(ours: PingPong, rank: int, iters: int, device) -> tuple[float, boo
     return elapsed / iters / 2, ok
 
 
-def time_torch(payload: torch.Tensor, rank: int, iters: int, device, group) -> tuple[float, bool]:
+def time_torch(payload: torch.Tensor, rank: int, iters: int, device, group, via_host: bool = False) -> tuple[float, bool]:
+    """dist.isend/irecv ping-pong; ``via_host``: CUDA tensors over gloo, copied to the host and back."""
     peer = 1 - rank
     received = torch.empty_like(payload)
+    wire_out = payload.cpu() if via_host else payload
+    wire_in = torch.empty_like(wire_out) if via_host else received
+
+    def send():
+        if via_host:
+            wire_out.copy_(payload)  # waits for the GPU, as .cpu() does
+        return dist.isend(wire_out, dst=peer, group=group)
+
+    def recv():
+        dist.irecv(wire_in, src=peer, group=group).wait()
+        if via_host:
+            received.copy_(wire_in)
 
     def one() -> None:
         if rank == 0:
-            s = dist.isend(payload, dst=peer, group=group)
-            r = dist.irecv(received, src=peer, group=group)
-            r.wait()
+            s = send()
+            recv()
             s.wait()
         else:
-            dist.irecv(received, src=peer, group=group).wait()
-            dist.isend(payload, dst=peer, group=group).wait()
+            recv()
+            send().wait()
 
     for _ in range(2):
         one()
@@ -158,7 +179,8 @@ def time_torch(payload: torch.Tensor, rank: int, iters: int, device, group) -> t
 
 def worker(backend: str, sizes: list, out_path: str) -> None:
     rank, _ = init_distributed(120)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = (torch.device("cuda", rank) if backend == "nccl" else torch.device("cuda", 0) if backend == "ipc-cuda"
+              else torch.device("cpu"))
     group = dist.new_group(backend="nccl") if backend == "nccl" else None
     rows = []
     for nbytes in sizes:
@@ -169,7 +191,7 @@ def worker(backend: str, sizes: list, out_path: str) -> None:
         ours_s, ours_ok = time_ours(ours, rank, iters, device)
         ours.close()
         dist.barrier()
-        torch_s, torch_ok = time_torch(payload, rank, iters, device, group)
+        torch_s, torch_ok = time_torch(payload, rank, iters, device, group, via_host=backend == "ipc-cuda")
         flags = torch.tensor([ours_ok, torch_ok], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # both ranks' checks must pass
         rows.append({"bytes": nbytes, "count": count, "type": "float32", "iters": iters,
@@ -196,7 +218,8 @@ def default_backend() -> str:
 def print_table(backend: str, rows: list, spin_us: int, spin_setting: str) -> None:
     spin = f", receive spin {spin_us} us ({RECV_SPIN_ENV}={spin_setting})" if backend == "socket" else ""
     print(f"# asyncpp p2p ping-pong, 2 local ranks, backend {backend}{spin}; time = one-way (round trip / 2)")
-    print(f"# {'':>28}{'asyncpp transport':^30}{'torch.distributed isend/irecv':^30}")
+    theirs = "gloo isend/irecv via host" if backend == "ipc-cuda" else "torch.distributed isend/irecv"
+    print(f"# {'':>28}{'asyncpp transport':^30}{theirs:^30}")
     print(f"# {'size(B)':>10} {'count':>10} {'type':>6} {'time(us)':>10} {'algbw(GB/s)':>12} {'check':>6} "
           f"{'time(us)':>10} {'algbw(GB/s)':>12} {'check':>6}")
     for r in rows:
@@ -207,7 +230,7 @@ def print_table(backend: str, rows: list, spin_us: int, spin_setting: str) -> No
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("socket", "gloo", "nccl"), default=None,
+    parser.add_argument("--backend", choices=("socket", "gloo", "nccl", "ipc", "ipc-cuda"), default=None,
                         help="default: nccl with 2 GPUs and NCCL loadable, else socket")
     parser.add_argument("--min-kib", type=int, default=1, help="smallest message (KiB, default 1)")
     parser.add_argument("--max-mib", type=int, default=64, help="largest message (MiB, default 64)")

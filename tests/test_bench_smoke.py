@@ -218,7 +218,7 @@ def test_optim_step_bench_flop_count_matches_torchs_flop_counter():
     assert optim_step.ns_flops(shapes) == counted
 
 
-@pytest.mark.parametrize("backend", ["socket", "gloo"])
+@pytest.mark.parametrize("backend", ["socket", "gloo", "ipc"])
 def test_p2p_moves_every_size_intact_through_our_transports(capsys, monkeypatch, backend):
     import p2p
 

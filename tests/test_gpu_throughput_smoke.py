@@ -178,6 +178,14 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     quick, _ = gt.build_plan(_plan_args(mode="quick"), with_graphs, gpus=1)
     assert {(r["name"], r["model"]) for r in quick if r.get("graphs")} == {
         ("ours sync adamw graphs", "smollm-135m"), ("ours 2bw 2st 1gpu adamw graphs", "smollm-135m")}
+    # where the CLI has the ipc transport, the one-GPU 2bw rows are gloo, ipc and ipc with graphs
+    with_ipc = dict(with_graphs, ipc=True)
+    quick, _ = gt.build_plan(_plan_args(mode="quick"), with_ipc, gpus=1)
+    assert [(r["name"], r["transport"], bool(r.get("graphs"))) for r in quick if r["stages"] == 2] == [
+        ("ours 2bw 2st 1gpu adamw", "gloo", False), ("ours 2bw 2st 1gpu adamw ipc", "ipc", False),
+        ("ours 2bw 2st 1gpu adamw ipc graphs", "ipc", True)]
+    assert all(r["transport"] == "gloo" for r in gt.build_plan(_plan_args("cpu", "quick"), with_ipc, gpus=0)[0]
+               if r["stages"] == 2)
     full, _ = gt.build_plan(_plan_args(), with_graphs, gpus=1)
     assert ("ours sync adamw graphs", "smollm-360m", 2048) in {(r["name"], r["model"], r["seq_len"]) for r in full}
     assert not any(r.get("graphs") for r in gt.build_plan(_plan_args("cpu", "quick"), with_graphs, gpus=0)[0])
