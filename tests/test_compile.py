@@ -21,6 +21,7 @@ from asyncpp_ext.models import compile as compile_mod
 from asyncpp_ext.models.compile import (CompileUnavailableError, compile_blocks, compile_unavailable_reason,
                                         is_compiled, resolve_compile, uncompile)
 from asyncpp_ext.models.registry import ModelConfig, build_model, model_config
+from asyncpp_ext.pipeline.flat_buffers import flatten_into, point_at
 
 LLAMA_HF = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -130,25 +131,6 @@ def test_compiled_model_trains_like_eager(source):
 # One graph per block type across blocks, microbatches, versions and replicas
 
 
-def _flatten_into(params, flat):
-    """pipeline/stage.py's _flatten_into: copy each parameter into its slice, point p.data there."""
-    offset = 0
-    for p in params:
-        n = p.numel()
-        flat[offset:offset + n].copy_(p.detach().reshape(-1))
-        p.data = flat[offset:offset + n].view_as(p)
-        offset += n
-
-
-def _point_at(params, flat):
-    """pipeline/stage.py's _point_at (attr="data"): the 2bw switch to another weight version."""
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.data = flat[offset:offset + n].view(p.shape)
-        offset += n
-
-
 def test_no_recompilation_across_blocks_microbatches_versions_and_replicas():
     from torch._dynamo.utils import counters
     model = _model("llama-tiny", n_layer=3)
@@ -179,11 +161,11 @@ def test_no_recompilation_across_blocks_microbatches_versions_and_replicas():
     params = [list(model.parameters()), list(replica.parameters())]
     flats = [torch.empty(sum(p.numel() for p in params[0])) for _ in range(3)]
     for ps, flat in zip(params, flats):
-        _flatten_into(ps, flat)
+        flatten_into(ps, flat)
     flats[2].copy_(flats[0] * 0.5)
     for version in range(4):
         m = (model, replica)[version % 2]
-        _point_at(params[version % 2], flats[version % 3])
+        point_at(params[version % 2], flats[version % 3])
         for mb in range(3):
             microbatch(m, seed=10 * version + mb)
     assert added() == {"LlamaEmbedding": 1, "LlamaBlock": 1, "LlamaHead": 1}
@@ -199,7 +181,7 @@ def test_no_recompilation_across_blocks_microbatches_versions_and_replicas():
     assert added() == {"LlamaEmbedding": 3, "LlamaBlock": 3, "LlamaHead": 3}
     # Each replica computed with its own, current weights (the version its buffer holds).
     for m, flat in ((model, flats[0]), (replica, flats[2])):
-        _point_at(list(m.parameters()), flat)
+        point_at(list(m.parameters()), flat)
         eager = copy.deepcopy(m)
         uncompile(eager)
         idx = _tokens(*train_shape, seed=6)[:, :-1]  # the training shape: no new graph
@@ -237,12 +219,12 @@ def _swap_error(backend, grad: bool, device="cpu", autocast: bool = False) -> fl
     # then serves here too (one compile less); the no_grad graph is compiled here.
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_(grad)
     flat = torch.empty(sum(p.numel() for p in params), device=device)
-    _flatten_into(params, flat)
+    flatten_into(params, flat)
     with torch.set_grad_enabled(grad), torch.autocast(torch.device(device).type, torch.bfloat16, enabled=autocast):
         block(x)  # compiled against the first buffer
         new = (torch.randn(flat.shape, generator=torch.Generator().manual_seed(1)) * 0.1).to(device)
-        _point_at(params, new)
-        _point_at(list(reference.parameters()), new.clone())
+        point_at(params, new)
+        point_at(list(reference.parameters()), new.clone())
         got, want = block(x).float(), reference(x).float()
     err = (got - want).abs().max().item()
     if grad:
@@ -489,13 +471,13 @@ def test_cuda_misaligned_parameter_views_swap_correctly():
     reference = copy.deepcopy(block)
     params = list(block.parameters())
     flat = torch.empty(sum(p.numel() for p in params), device="cuda")
-    _flatten_into(params, flat)
+    flatten_into(params, flat)
     compile_blocks([block], device="cuda")
     x = torch.randn(32, 64, device="cuda")
     block(x)
     new = torch.randn_like(flat)
-    _point_at(params, new)
-    _point_at(list(reference.parameters()), new.clone())
+    point_at(params, new)
+    point_at(list(reference.parameters()), new.clone())
     assert torch.allclose(block(x), reference(x), rtol=1e-4, atol=1e-4)
 
 

@@ -51,6 +51,7 @@ IPC_SLOTS_ENV = "ASYNCPP_IPC_SLOTS"
 DEFAULT_SLOTS = 3
 _FULL, _FREE = 0, 8  # int64 offsets of the two counters: a cache line apart (two writers)
 _CONTROL_BYTES = 128
+_SPIN_S, _MAX_PAUSE_S = 200e-6, 250e-6  # how a wait polls (see IpcTransport.wait)
 _STORE_POLL_S = 0.005  # how often a channel still waiting for its peer's handles asks the store
 
 
@@ -193,17 +194,25 @@ class IpcTransport(GlooTransport):
         return False
 
     def wait(self, request: int, timeout_s: float) -> None:
-        deadline, pause = time.monotonic() + timeout_s, 10e-6
+        """Poll every channel until ``request`` is done: yielding the core for the first
+        ``_SPIN_S`` (a message due now arrives within microseconds), then sleeping ever longer,
+        up to ``_MAX_PAUSE_S`` (a stage waiting on its peer's compute)."""
+        start = time.monotonic()
+        deadline, pause = start + timeout_s, 10e-6
         while True:
             self._progress()
             if self._requests[request].done:
                 del self._requests[request]
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TransportError(f"{self._requests[request].desc}: no progress for {timeout_s:g} s "
                                      "(the peer is stalled or has failed)")
+            if now - start < _SPIN_S:
+                time.sleep(0)
+                continue
             time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+            pause = min(2 * pause, _MAX_PAUSE_S)
 
     def describe_request(self, request: int) -> str:
         return self._requests[request].desc

@@ -34,6 +34,7 @@ from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name,
 from ..optim.versioned import step_versioned, wants_previous_weights
 from ..schedule.table import schedule_spec
 from .data_parallel import GradientAverager
+from .flat_buffers import flatten_into, point_at, views_of
 from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
 from .nonfinite import NonFiniteGuard
@@ -72,37 +73,6 @@ def run_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
 def _mean_loss(losses: list[float]) -> float:
     """The step loss: the mean of its microbatches' losses."""
     return sum(losses) / len(losses)
-
-
-def _flatten_into(params: Sequence[nn.Parameter], flat: torch.Tensor) -> None:
-    """Copy ``params`` into ``flat`` and make each parameter a view of its slice."""
-    offset = 0
-    for p in params:
-        n = p.numel()
-        flat[offset:offset + n].copy_(p.detach().reshape(-1))
-        p.data = flat[offset:offset + n].view_as(p)
-        offset += n
-
-
-def _views(params: Sequence[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
-    """One view of ``flat`` per parameter, shaped like it, in the flattening order."""
-    views, offset = [], 0
-    for p in params:
-        views.append(flat[offset:offset + p.numel()].view(p.shape))
-        offset += p.numel()
-    return views
-
-
-def _point_at(params: Sequence[torch.Tensor], flat: torch.Tensor, attr: str = "data") -> None:
-    offset = 0
-    for p in params:
-        n = p.numel()
-        view = flat[offset:offset + n].view(p.shape)
-        if attr == "data":
-            p.data = view
-        else:
-            p.grad = view
-        offset += n
 
 
 class StageHost:
@@ -148,17 +118,17 @@ class StageHost:
         ref = params[0][0] if params[0] else torch.empty(0)
         self.flat = [torch.empty(numel, dtype=ref.dtype, device=ref.device) for _ in replicas]
         for ps, flat in zip(params, self.flat):
-            _flatten_into(ps, flat)
+            flatten_into(ps, flat)
         self.grad_flat = torch.zeros_like(self.flat[0])
         for ps in params:
-            _point_at(ps, self.grad_flat, attr="grad")
+            point_at(ps, self.grad_flat, attr="grad")
         self.replicas = replicas
         # version_in[k]: the weight version buffer k holds (W(0) in buffer 0 only at the start).
         self.version_in = [0] + [-1] * (self.num_versions - 1)
         if self.ring:
             self.opt_params = list(handles_module.parameters())
-            _point_at(self.opt_params, self.flat[1])
-            _point_at(self.opt_params, self.grad_flat, attr="grad")
+            point_at(self.opt_params, self.flat[1])
+            point_at(self.opt_params, self.grad_flat, attr="grad")
             self.optimizer = optimizer_factory(handles_module) if numel else None
         else:
             self.opt_params = params[0]
@@ -169,7 +139,7 @@ class StageHost:
         # Per buffer, made once: the optimizer's parameter -> its view there (sources / previous
         # of a versioned step), and the views of the parameters the optimizer does not update
         # (tied mirrors, frozen tensors), which the step copies from W(t) itself.
-        views = [_views(self.opt_params, flat) for flat in self.flat] if self.ring else []
+        views = [views_of(self.opt_params, flat) for flat in self.flat] if self.ring else []
         self._buffer_views = views  # per buffer, every handle's view: pointing them costs no view op
         self._held_views = [{p: v for p, v in zip(self.opt_params, vs) if id(p) in held} for vs in views]
         self._other_views = [[v for p, v in zip(self.opt_params, vs) if id(p) not in held] for vs in views]
