@@ -189,14 +189,18 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
     # --cuda-graphs rows beside the plain ones where asyncpp-train has the flag (CUDA only)
     graphs = [False, True] if dev == "cuda" and flags.get("cuda_graphs") else [False]
 
-    def two_bw(model, seq, opt):
-        # Two ranks on one GPU: gloo (through host memory); on CUDA also ipc (CUDA IPC, no host
-        # copies), where --cuda-graphs goes (the configuration the one-GPU target is measured on).
+    def two_bw(model, seq, opt, variants=True):
+        # Two ranks on one GPU: gloo (through host memory); on CUDA where the CLI has it also ipc
+        # (CUDA IPC, no host copies), where --cuda-graphs goes. Without ``variants`` only the
+        # transport a one-GPU user would pick (ipc where available), without graphs.
         ipc = dev == "cuda" and flags.get("ipc")
-        for g in [False] if ipc else graphs:
-            ours(model, seq, opt, compile_=main_compile, stages=2, gpus=1, transport="gloo", graphs=g)
-        for g in graphs if ipc else []:
-            ours(model, seq, opt, compile_=main_compile, stages=2, gpus=1, transport="ipc", graphs=g)
+        if not variants:
+            ours(model, seq, opt, compile_=main_compile, stages=2, gpus=1, transport="ipc" if ipc else "gloo")
+        else:
+            for g in [False] if ipc else graphs:
+                ours(model, seq, opt, compile_=main_compile, stages=2, gpus=1, transport="gloo", graphs=g)
+            for g in graphs if ipc else []:
+                ours(model, seq, opt, compile_=main_compile, stages=2, gpus=1, transport="ipc", graphs=g)
         if dev == "cuda":
             if gpus >= 2:
                 ours(model, seq, opt, compile_=main_compile, stages=2, gpus=2, transport="nccl")
@@ -212,16 +216,17 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
         two_bw(mdl, seq, "adamw")
         hf(mdl, seq, "adamw", False)
     elif args.mode == "quick":
+        # The default configurations at the first point, within 3 minutes on one GPU: ours, the
+        # compiled Hugging Face model (its whole-model compile is about 60 s of it), 2bw on one
+        # GPU, the head pair. Variants (--cuda-graphs, gloo beside ipc) and the other points are
+        # the full mode's.
         mdl, seq = first
-        for g in graphs:
-            ours(mdl, seq, "adamw", compile_=main_compile, graphs=g)
+        ours(mdl, seq, "adamw", compile_=main_compile)
         if flags["compile"] and cpu_eager:
             # compiled vs eager llama-tiny: the one compiled row that runs on CPU without --cpu-compile
             ours(mdl, seq, "adamw", compile_=True, cpu_compile_anyway=True)
         hf(mdl, seq, "adamw", compile_ok)  # compiled on the GPU, eager on CPU
-        two_bw(mdl, seq, "adamw")
-        if last != first:
-            ours(last[0], last[1], "adamw", compile_=main_compile)
+        two_bw(mdl, seq, "adamw", variants=False)
     else:
         for mdl in models:
             for seq in seqs:
@@ -282,7 +287,7 @@ def parse_args(argv):
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cuda (default): SmolLM shapes; cpu: the same rows at CPU sizes")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="fewer rows and steps (< 3 min on one H100)")
+    mode.add_argument("--quick", action="store_true", help="the default configurations at the first point, fewer steps (about 3 min on one GPU)")
     mode.add_argument("--smoke", action="store_true", help="the fewest rows and steps (tests)")
     ap.add_argument("--models", help="comma-separated bench models (default per device): " + ", ".join(MODELS))
     ap.add_argument("--seq-lens", help="comma-separated sequence lengths (default 1024,2048 on cuda, 64,128 on cpu)")

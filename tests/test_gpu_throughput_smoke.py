@@ -161,7 +161,9 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     two, _ = gt.build_plan(_plan_args(), flags_on, gpus=2)
     assert any(r["name"] == "ours 2bw 2st 2gpu adamw" and r["transport"] == "nccl" for r in two)
     quick, _ = gt.build_plan(_plan_args(mode="quick"), flags_off, gpus=1)
-    assert ("ours sync adamw", "smollm-360m", 2048) in {(r["name"], r["model"], r["seq_len"]) for r in quick}
+    # quick: the default configurations at the first point only (under 3 minutes on one GPU)
+    assert {(r["model"], r["seq_len"]) for r in quick if r["impl"] != "head"} == {("smollm-135m", 1024)}
+    assert [r["name"] for r in quick if r["impl"] == "ours"] == ["ours sync adamw", "ours 2bw 2st 1gpu adamw"]
     assert all(r["compile"] is None and r["notes"] == ["flags absent"] for r in quick if r["impl"] == "ours")
     assert not any(r["name"].endswith("eager") and r["impl"] == "ours" for r in quick)
     assert [r["name"] for r in quick if r["impl"] == "hf"] == ["hf compile adamw"]
@@ -173,24 +175,29 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     # compiled vs eager for llama-tiny on CPU: the one compiled row that runs there by default
     assert [r["compile"] for r in cpu if r["name"].startswith("ours sync adamw") and r["model"] == "llama-tiny"] \
         == [False, True]
-    # --cuda-graphs rows where the CLI has the flag: on CUDA beside the first point's sync and 2bw rows
+    # --cuda-graphs rows where the CLI has the flag: in the full mode, on CUDA, beside the primary
+    # points' sync and 2bw rows; --quick keeps the default configurations
     with_graphs = dict(flags_on, cuda_graphs=True)
-    quick, _ = gt.build_plan(_plan_args(mode="quick"), with_graphs, gpus=1)
-    assert {(r["name"], r["model"]) for r in quick if r.get("graphs")} == {
-        ("ours sync adamw graphs", "smollm-135m"), ("ours 2bw 2st 1gpu adamw graphs", "smollm-135m")}
-    # where the CLI has the ipc transport, the one-GPU 2bw rows are gloo, ipc and ipc with graphs
+    full, _ = gt.build_plan(_plan_args(), with_graphs, gpus=1)
+    assert {(r["name"], r["model"], r["seq_len"]) for r in full if r.get("graphs")} == {
+        ("ours sync adamw graphs", "smollm-135m", 1024), ("ours 2bw 2st 1gpu adamw graphs", "smollm-135m", 1024),
+        ("ours sync adamw graphs", "smollm-360m", 2048), ("ours 2bw 2st 1gpu adamw graphs", "smollm-360m", 2048)}
+    assert not any(r.get("graphs") for r in gt.build_plan(_plan_args(mode="quick"), with_graphs, gpus=1)[0])
+    # where the CLI has the ipc transport, the full mode's one-GPU 2bw rows are gloo, ipc and ipc
+    # with graphs; --quick runs ipc alone
     with_ipc = dict(with_graphs, ipc=True)
-    quick, _ = gt.build_plan(_plan_args(mode="quick"), with_ipc, gpus=1)
-    assert [(r["name"], r["transport"], bool(r.get("graphs"))) for r in quick if r["stages"] == 2] == [
+    full, _ = gt.build_plan(_plan_args(), with_ipc, gpus=1)
+    assert [(r["name"], r["transport"], bool(r.get("graphs"))) for r in full
+            if r["stages"] == 2 and r["model"] == "smollm-135m"] == [
         ("ours 2bw 2st 1gpu adamw", "gloo", False), ("ours 2bw 2st 1gpu adamw ipc", "ipc", False),
         ("ours 2bw 2st 1gpu adamw ipc graphs", "ipc", True)]
+    quick, _ = gt.build_plan(_plan_args(mode="quick"), with_ipc, gpus=1)
+    assert [(r["name"], r["transport"]) for r in quick if r["stages"] == 2] == [("ours 2bw 2st 1gpu adamw ipc", "ipc")]
     assert all(r["transport"] == "gloo" for r in gt.build_plan(_plan_args("cpu", "quick"), with_ipc, gpus=0)[0]
                if r["stages"] == 2)
-    full, _ = gt.build_plan(_plan_args(), with_graphs, gpus=1)
-    assert ("ours sync adamw graphs", "smollm-360m", 2048) in {(r["name"], r["model"], r["seq_len"]) for r in full}
     assert not any(r.get("graphs") for r in gt.build_plan(_plan_args("cpu", "quick"), with_graphs, gpus=0)[0])
     args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
-    cmd = gt.ours_command(next(r for r in quick if r.get("graphs")), args, with_graphs, Path("o"), Path("p"))
+    cmd = gt.ours_command(next(r for r in full if r.get("graphs")), args, with_graphs, Path("o"), Path("p"))
     assert "--cuda-graphs" in cmd
 
 
