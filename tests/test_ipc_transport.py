@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import sys
 
 import pytest
 import torch
@@ -126,11 +128,29 @@ def test_a_silent_peer_times_out_naming_the_message():
     assert b.pending() == [b.describe_request(r)]
 
 
+def test_a_dead_peer_process_ends_the_wait_within_a_moment():
+    import subprocess
+    import time
+    (a, b), store = _pair(2)
+    a.wait(a.post_send(ACTIVATION, 3, 0, 1, torch.zeros(3, 5)), 5.0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # exited and reaped: its pid names no process now
+    key = next(k for k in store.data if k.endswith("/offer"))
+    store.data[key] = pickle.dumps({**pickle.loads(store.data[key]), "pid": dead.pid})  # as if stage 0 were it
+    b.wait(b.post_recv(ACTIVATION, 3, 0, 0, torch.zeros(3, 5)), 5.0)
+    r = b.post_recv(ACTIVATION, 3, 1, 0, torch.zeros(3, 5))
+    begin = time.monotonic()
+    with pytest.raises(TransportError, match=rf"stage 1: activation recv from stage 0 .*step 3, microbatch 1.* "
+                                             rf"failed -- the peer has probably exited \(rank 0, process {dead.pid}, "
+                                             r"is gone\)"):
+        b.wait(r, 30.0)
+    assert time.monotonic() - begin < 2.0
+
+
 def test_a_peer_on_another_host_is_refused(monkeypatch):
     (a, b), store = _pair(2)
     a.post_send(ACTIVATION, 0, 0, 1, torch.zeros(3, 5))
     key = next(k for k in store.data if k.endswith("/offer"))
-    import pickle
     offer = pickle.loads(store.data[key])
     store.data[key] = pickle.dumps({**offer, "host": "elsewhere"})
     with pytest.raises(TransportError, match="transport 'ipc' needs its peer on this host .* runs on elsewhere; "

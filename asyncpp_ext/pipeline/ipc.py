@@ -53,6 +53,7 @@ _FULL, _FREE = 0, 8  # int64 offsets of the two counters: a cache line apart (tw
 _CONTROL_BYTES = 128
 _SPIN_S, _MAX_PAUSE_S = 200e-6, 250e-6  # how a wait polls (see IpcTransport.wait)
 _STORE_POLL_S = 0.005  # how often a channel still waiting for its peer's handles asks the store
+_LIVENESS_S = 0.2  # how often a waiting stage checks that its peers' processes still exist
 
 
 def slots_from_env(environ=os.environ) -> int:
@@ -131,6 +132,21 @@ def _open_events(device: torch.device, handles: list) -> list:
     return [torch.cuda.Event.from_ipc_handle(device, h) for h in handles]
 
 
+def _process_gone(pid: int) -> bool:
+    """Whether process ``pid`` (on this host) has exited: no such process, or a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists (another user's; not ours to signal)
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except OSError:  # no /proc (not Linux): os.kill's answer stands
+        return False
+
+
 def _stream(device: torch.device):
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
@@ -155,6 +171,8 @@ class _Channel:
     own_events: list = field(default_factory=list)   # W on the sender, R on the receiver
     peer_events: list = field(default_factory=list)
     segments: list = field(default_factory=list)     # shared memory to release at close
+    peer_pid: int | None = None  # the peer's process (from its handles)
+    accepted: bool = False    # sender: the receiver's handles (its R events, its pid) are here
     count: int = 0            # messages written (sender) / read (receiver)
     queue: deque = field(default_factory=deque)      # requests waiting, oldest first
     next_look: float = 0.0    # when to ask the store again for the peer's handles
@@ -198,7 +216,7 @@ class IpcTransport(GlooTransport):
         ``_SPIN_S`` (a message due now arrives within microseconds), then sleeping ever longer,
         up to ``_MAX_PAUSE_S`` (a stage waiting on its peer's compute)."""
         start = time.monotonic()
-        deadline, pause = start + timeout_s, 10e-6
+        deadline, pause, look = start + timeout_s, 10e-6, start + _LIVENESS_S
         while True:
             self._progress()
             if self._requests[request].done:
@@ -208,11 +226,23 @@ class IpcTransport(GlooTransport):
             if now > deadline:
                 raise TransportError(f"{self._requests[request].desc}: no progress for {timeout_s:g} s "
                                      "(the peer is stalled or has failed)")
+            if now > look:
+                self._check_peers(self._requests[request].desc)
+                look = now + _LIVENESS_S
             if now - start < _SPIN_S:
                 time.sleep(0)
                 continue
             time.sleep(pause)
             pause = min(2 * pause, _MAX_PAUSE_S)
+
+    def _check_peers(self, desc: str) -> None:
+        """Raise if the process of a peer some request waits on has exited (shared memory says
+        nothing when a peer dies; the pids come with the handles, so this needs no store, which
+        may have died with its host rank)."""
+        for channel in self._channels.values():
+            if channel.queue and channel.peer_pid is not None and _process_gone(channel.peer_pid):
+                raise TransportError(f"{desc} failed -- the peer has probably exited (rank {channel.peer_rank}, "
+                                     f"process {channel.peer_pid}, is gone)")
 
     def describe_request(self, request: int) -> str:
         return self._requests[request].desc
@@ -271,7 +301,7 @@ class IpcTransport(GlooTransport):
                                                "events": _event_handles(channel.own_events, like.device)})
 
     def _publish(self, key: str, offer: dict) -> None:
-        self.store.set(key, pickle.dumps({"host": socket.gethostname(), **offer}))
+        self.store.set(key, pickle.dumps({"host": socket.gethostname(), "pid": os.getpid(), **offer}))
 
     def _peer_offer(self, channel: _Channel, suffix: str) -> dict | None:
         """The peer's published handles, once there (the store is asked every few ms at most)."""
@@ -308,6 +338,7 @@ class IpcTransport(GlooTransport):
             channel.segments.append(segment)
             slots = segment.view(dtype, shape)
         channel.peer_events = _open_events(channel.device, offer["events"])
+        channel.peer_pid = offer["pid"]
         channel.own_events = _events(channel.device, slots.shape[0])
         self._publish(channel.key + "/accept", {"events": _event_handles(channel.own_events, channel.device)})
         channel.full, channel.free = counters[_FULL:].data_ptr(), counters[_FREE:].data_ptr()
@@ -329,19 +360,28 @@ class IpcTransport(GlooTransport):
             else:
                 self._read(channel)
 
+    def _accepted(self, channel: _Channel) -> bool:
+        """Sender: the receiver's handles, once published (its R events on CUDA, its pid)."""
+        if not channel.accepted:
+            accept = self._peer_offer(channel, "/accept")
+            if accept is None:
+                return False
+            channel.peer_events = _open_events(channel.device, accept["events"])
+            channel.peer_pid, channel.accepted = accept["pid"], True
+        return True
+
     def _write(self, channel: _Channel) -> None:
         """Sender: write queued messages while slots are free."""
         slots = channel.slots.shape[0]
+        if channel.count and not channel.accepted:  # learn the receiver's pid early (liveness)
+            self._accepted(channel)
         while channel.queue:
             n, i = channel.count, channel.count % slots
             if n >= slots:
                 if C.counter_load(channel.free) <= n - slots:
                     return
-                if channel.own_events and not channel.peer_events:  # CUDA: the receiver's R events
-                    accepted = self._peer_offer(channel, "/accept")
-                    if accepted is None:
-                        return
-                    channel.peer_events = _open_events(channel.device, accepted["events"])
+                if channel.own_events and not self._accepted(channel):  # CUDA: R events needed
+                    return
                 if channel.peer_events:
                     _stream(channel.device).wait_event(channel.peer_events[i])
             request = channel.queue.popleft()
