@@ -45,7 +45,7 @@ import torch
 
 from .._ext import C
 from .rendezvous import default_store
-from .transport import KIND_NAMES, GlooTransport, TransportError
+from .transport import KIND_NAMES, GlooTransport, TransportError, peer_failure_reason
 
 IPC_SLOTS_ENV = "ASYNCPP_IPC_SLOTS"
 DEFAULT_SLOTS = 3
@@ -290,7 +290,12 @@ class IpcTransport(GlooTransport):
             from torch.multiprocessing.reductions import reduce_tensor
 
             channel.slots = torch.empty(shape, dtype=like.dtype, device=like.device)
-            slots = ("cuda", reduce_tensor(channel.slots))
+            try:
+                slots = ("cuda", reduce_tensor(channel.slots))
+            except RuntimeError as e:  # e.g. an allocator configuration without IPC handles
+                raise TransportError(f"stage {self.host.stage}: the ipc transport cannot share CUDA memory here "
+                                     f"({peer_failure_reason(e)}); check PYTORCH_CUDA_ALLOC_CONF (expandable_segments) "
+                                     "or use --transport gloo") from None
         else:
             segment = _Segment(like.element_size() * like.numel() * self.slots)
             channel.segments.append(segment)
@@ -331,7 +336,11 @@ class IpcTransport(GlooTransport):
         channel.segments.append(control)
         if offer["slots"][0] == "cuda":
             rebuild, args = offer["slots"][1]
-            slots = rebuild(*args)
+            try:
+                slots = rebuild(*args)
+            except RuntimeError as e:
+                raise TransportError(f"stage {self.host.stage}: the ipc transport cannot map the CUDA memory of "
+                                     f"rank {channel.peer_rank} ({peer_failure_reason(e)}); use --transport gloo") from None
         else:
             _, name, shape, dtype = offer["slots"]
             segment = _Segment(name=name)
