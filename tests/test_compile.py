@@ -492,9 +492,10 @@ def test_head_loss_chunk_passes_compiled_match_eager_and_fall_back():
     for rows in (6, 4):  # a full chunk and a shorter last one
         logits = torch.randn(rows, 300, generator=gen).to(torch.bfloat16) * 4
         t = torch.randint(0, 300, (rows, 1), generator=gen)
-        lse, nll = passes.stats(logits, t)
+        valid = torch.arange(rows) != 1  # row 1's target is ignored
+        lse, nll_sum = passes.stats(logits, t, valid)
         ref = torch.log_softmax(logits.double(), dim=1)
-        assert torch.allclose(nll.double(), -ref.gather(1, t).squeeze(1), atol=1e-5)
+        assert torch.allclose(nll_sum.double(), -ref.gather(1, t).squeeze(1)[valid].sum(), atol=1e-5 * rows)
         assert torch.allclose(lse.double(), torch.logsumexp(logits.double(), 1), atol=1e-5)
         g = passes.grad(logits, t, lse[:, None], torch.bfloat16)
         want = ref.exp().scatter_add(1, t, torch.full((rows, 1), -1.0, dtype=torch.float64))
@@ -506,7 +507,7 @@ def test_head_loss_chunk_passes_compiled_match_eager_and_fall_back():
     broken.compiled = True
     broken.stats = broken._guarded(lambda *a: (_ for _ in ()).throw(RuntimeError("no triton\nmore")), hl._chunk_stats)
     with pytest.warns(UserWarning, match=r"chunk passes failed \(RuntimeError: no triton\); they run eagerly"):
-        lse2, _ = broken.stats(logits, t)
+        lse2, _ = broken.stats(logits, t, valid)
     assert torch.equal(lse2, lse) and not broken.compiled
 
 

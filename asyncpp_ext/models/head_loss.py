@@ -84,13 +84,13 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.add_(a @ b)
 
 
-def _chunk_stats(logits: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of a chunk's logits (rows, V) and targets (rows, 1): the logsumexp and the negative
-    log-likelihood of the target, both in fp32 whatever the logits' dtype (what F.cross_entropy
-    computes after autocast's upcast)."""
+def _chunk_stats(logits: torch.Tensor, t: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a chunk's logits (rows, V) and targets (rows, 1): the logsumexp, and the sum over
+    the valid rows of the target's negative log-likelihood, both in fp32 whatever the logits' dtype
+    (what F.cross_entropy computes after autocast's upcast)."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=1)
-    return lse, lse - x.gather(1, t).squeeze(1)
+    return lse, torch.where(valid, lse - x.gather(1, t).squeeze(1), 0.0).sum()
 
 
 def _chunk_grad(logits: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -159,15 +159,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         safe = targets.masked_fill(~valid, 0)  # an ignored row gathers column 0, then is masked out
         w = weight.to(compute_dtype)
         b = None if bias is None else bias.to(compute_dtype)
+        h = hidden.to(compute_dtype)  # once, not per chunk: a launch less per chunk, N x C more bytes
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         passes = _chunk_passes(hidden.device)
         for s in range(0, n, chunk_rows):
             e = min(s + chunk_rows, n)
-            logits = F.linear(hidden[s:e].to(compute_dtype), w, b)
-            lse[s:e], nll = passes.stats(logits, safe[s:e, None])
-            total += torch.where(valid[s:e], nll, 0.0).sum()
+            logits = F.linear(h[s:e], w, b)
+            lse[s:e], nll = passes.stats(logits, safe[s:e, None], valid[s:e])
+            total += nll
             del logits
+        del h
         count = valid.sum()
         ctx.save_for_backward(hidden, weight, bias, safe, valid, lse, count)
         ctx.chunk_rows, ctx.compute_dtype = chunk_rows, compute_dtype
@@ -192,16 +194,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Backward may run inside the caller's autocast (same thread on CPU): keep our dtypes.
         passes = _chunk_passes(hidden.device)
         with _no_autocast(hidden.device):
+            # Cast and mask the (N, C) inputs once rather than per chunk (fewer launches).
+            h = hidden.to(dtype)
+            h_masked = h * mask[:, None] if need_w else None
             for s in range(0, hidden.shape[0], rows):
                 e = min(s + rows, hidden.shape[0])
-                h = hidden[s:e].to(dtype)
-                logits = F.linear(h, w, b)
+                logits = F.linear(h[s:e], w, b)
                 g = passes.grad(logits, safe[s:e, None], lse[s:e, None], dtype)
                 del logits
                 if need_h:
                     torch.mul(g @ w, row_scale[s:e, None], out=grad_h[s:e])
                 if need_w:
-                    _accumulate(grad_w, g.t(), h * mask[s:e, None])
+                    _accumulate(grad_w, g.t(), h_masked[s:e])
                 if need_b:
                     grad_b += torch.mv(g.t(), mask[s:e]).float()
                 del g
