@@ -52,7 +52,9 @@ def test_make_gpu_check_never_downloads():
 def test_plan_runs_the_two_gpu_sections_only_with_two_gpus(tmp_path):
     one = {key: skip for key, _, _, skip in plan(tmp_path, 1, quick=True)}
     two = {key: skip for key, _, _, skip in plan(tmp_path, 2, quick=True)}
-    assert "needs 2 GPUs" in one["train_two_gpus"] and "needs 2 GPUs" in one["bench_p2p"]
+    assert "needs 2 GPUs" in one["train_two_gpus"] and one["bench_p2p"] is None
+    p2p = {g: c for g in (1, 2) for key, _, c, _ in plan(tmp_path, g, quick=True) if key == "bench_p2p"}
+    assert p2p[1][0][-3:] == ["--backend", "ipc-cuda", "--json"] and p2p[2][0][-3:] == ["--backend", "nccl", "--json"]
     assert all(v is None for key, v in two.items() if key != "study")
     cmds = {key: c for key, _, c, _ in plan(tmp_path, 2, quick=False)}
     sim, sim_cuda, gloo32, gloo16, ipc32 = cmds["train_one_gpu"]

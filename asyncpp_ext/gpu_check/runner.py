@@ -69,10 +69,11 @@ def plan(out: Path, gpus: int, quick: bool, study: bool = False) -> list:
         ("bench_muon_widths", "bench/optim_step.py: bf16 Muon vs torch.optim.Muon at widths 256, 1024, 2048 on GPU",
          [[sys.executable, str(PKG_PARENT / "bench" / "optim_step.py"), "--device", "cuda", "--muon-widths",
            "256,1024,2048", "--layers", "2", "--repeats", "10", "--json"]], no_src),
-        ("bench_p2p", "bench/p2p.py on GPU", [[sys.executable, str(PKG_PARENT / "bench" / "p2p.py"), "--backend",
-                                               "nccl", "--json"]],
-         no_src or (None if gpus >= 2 else f"needs 2 GPUs ({gpus} visible): its nccl backend runs one rank per "
-                    "GPU; see the NCCL self-test's loopback figures instead")),
+        # two GPUs: the NCCL transport, one rank per GPU; one GPU: the ipc transport with both ranks
+        # on it, against gloo through the host (what sharing a GPU cost before)
+        ("bench_p2p", "bench/p2p.py on GPU (nccl with 2 GPUs, else ipc-cuda)",
+         [[sys.executable, str(PKG_PARENT / "bench" / "p2p.py"), "--backend", "nccl" if gpus >= 2 else "ipc-cuda",
+           "--json"]], no_src),
         ("bench_gpu_throughput", "bench/gpu_throughput.py --quick: asyncpp-train vs Hugging Face tokens/s, MFU, "
          "peak memory", [gpu_throughput_command(out)], no_src),
         ("study", "bench/paper_study.py --scale gpu: the optimizers and ef tables on a 56M Llama (<= 20 min each)",
