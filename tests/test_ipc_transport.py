@@ -147,6 +147,16 @@ def test_a_dead_peer_process_ends_the_wait_within_a_moment():
     assert time.monotonic() - begin < 2.0
 
 
+def test_a_store_that_has_gone_is_one_line():
+    class GoneStore(DictStore):
+        def check(self, keys):
+            raise RuntimeError("Connection reset by peer\nmore")
+    (_, b), _ = _pair(2, store=GoneStore())
+    with pytest.raises(TransportError, match=r"^stage 1: waiting for the handles of rank 0 failed -- a peer has "
+                                             r"probably exited \(the rendezvous store is gone: Connection reset"):
+        b.wait(b.post_recv(ACTIVATION, 0, 0, 0, torch.zeros(3, 5)), 1.0)
+
+
 def test_a_peer_on_another_host_is_refused(monkeypatch):
     (a, b), store = _pair(2)
     a.post_send(ACTIVATION, 0, 0, 1, torch.zeros(3, 5))

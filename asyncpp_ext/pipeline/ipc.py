@@ -315,9 +315,14 @@ class IpcTransport(GlooTransport):
             return None
         channel.next_look = now + _STORE_POLL_S
         key = channel.key + suffix
-        if not self.store.check([key]):
-            return None
-        offer = pickle.loads(self.store.get(key))
+        try:
+            if not self.store.check([key]):
+                return None
+            offer = pickle.loads(self.store.get(key))
+        except RuntimeError as e:  # the store lives in a rank (or launcher) that has gone
+            raise TransportError(f"stage {self.host.stage}: waiting for the handles of rank {channel.peer_rank} "
+                                 "failed -- a peer has probably exited (the rendezvous store is gone: "
+                                 f"{peer_failure_reason(e)})") from None
         if offer["host"] != socket.gethostname():
             raise TransportError(f"stage {self.host.stage}: transport 'ipc' needs its peer on this host "
                                  f"({socket.gethostname()}), but rank {channel.peer_rank} runs on "
