@@ -44,27 +44,27 @@ class PingPong:
         self.stage = rank  # GlooTransport names its stage in messages
         self.board = C.MessageBoard(self)
         self.last_received = None
+        run_id = f"p2p{payload.numel()}"
+        # The Python transports (gloo, ipc) receive into a tensor of ours; the C++ ones into board slots.
+        self.python = backend == "gloo" or backend.startswith("ipc")
         if backend == "gloo":
             from asyncpp_ext.pipeline.transport import GlooTransport
 
-            self.transport, self.python = GlooTransport(self, [0, 1]), True
-            self.slot = torch.empty_like(payload)
+            self.transport = GlooTransport(self, [0, 1])
         elif backend.startswith("ipc"):
             from asyncpp_ext.pipeline.ipc import IpcTransport
 
-            self.transport, self.python = IpcTransport(self, [0, 1], run_id=f"p2p{payload.numel()}"), True
-            self.slot = torch.empty_like(payload)
+            self.transport = IpcTransport(self, [0, 1], run_id=run_id)
+        elif backend == "socket":
+            from asyncpp_ext.pipeline.sockets import create_socket_transport
+
+            self.transport = create_socket_transport(self.board, rank, 2, [0, 1], run_id=run_id)
         else:
-            run_id = f"p2p{payload.numel()}"
-            if backend == "socket":
-                from asyncpp_ext.pipeline.sockets import create_socket_transport
+            from asyncpp_ext.pipeline.nccl import create_nccl_transport
 
-                self.transport = create_socket_transport(self.board, rank, 2, [0, 1], run_id=run_id)
-            else:
-                from asyncpp_ext.pipeline.nccl import create_nccl_transport
-
-                self.transport = create_nccl_transport(self.board, rank, 2, [0, 1], payload.device, run_id=run_id)
-            self.python = False
+            self.transport = create_nccl_transport(self.board, rank, 2, [0, 1], payload.device, run_id=run_id)
+        if self.python:
+            self.slot = torch.empty_like(payload)
         self.impl = self.transport if self.python else self.transport.impl
 
     def new_recv_buffer(self, kind: int) -> torch.Tensor:
