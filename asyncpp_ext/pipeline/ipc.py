@@ -178,6 +178,15 @@ class _Channel:
     next_look: float = 0.0    # when to ask the store again for the peer's handles
 
 
+def _use_control(channel: _Channel, control: _Segment) -> None:
+    """Point the channel's counters into the control block (its owner starts them at 0)."""
+    counters = control.view(torch.int64, (_CONTROL_BYTES // 8,))
+    if control.owner:
+        counters.zero_()
+    channel.segments.append(control)
+    channel.full, channel.free = counters[_FULL:].data_ptr(), counters[_FREE:].data_ptr()
+
+
 class IpcTransport(GlooTransport):
     """See the module docstring. ``run_id`` names this pipeline's store keys (equal on every
     rank); ``store`` defaults to the default process group's."""
@@ -281,10 +290,7 @@ class IpcTransport(GlooTransport):
     def _offer(self, channel: _Channel, like: torch.Tensor) -> None:
         """Sender: make the control block, the slots and the W events; publish their handles."""
         control = _Segment(_CONTROL_BYTES)
-        counters = control.view(torch.int64, (_CONTROL_BYTES // 8,))
-        counters.zero_()
-        channel.segments.append(control)
-        channel.full, channel.free = counters[_FULL:].data_ptr(), counters[_FREE:].data_ptr()
+        _use_control(channel, control)
         shape = (self.slots, *like.shape)
         if like.is_cuda:
             from torch.multiprocessing.reductions import reduce_tensor
@@ -336,9 +342,7 @@ class IpcTransport(GlooTransport):
         offer = self._peer_offer(channel, "/offer")
         if offer is None:
             return False
-        control = _Segment(name=offer["control"])
-        counters = control.view(torch.int64, (_CONTROL_BYTES // 8,))
-        channel.segments.append(control)
+        _use_control(channel, _Segment(name=offer["control"]))
         if offer["slots"][0] == "cuda":
             rebuild, args = offer["slots"][1]
             try:
@@ -355,7 +359,6 @@ class IpcTransport(GlooTransport):
         channel.peer_pid = offer["pid"]
         channel.own_events = _events(channel.device, slots.shape[0])
         self._publish(channel.key + "/accept", {"events": _event_handles(channel.own_events, channel.device)})
-        channel.full, channel.free = counters[_FULL:].data_ptr(), counters[_FREE:].data_ptr()
         channel.slots = slots
         return True
 
