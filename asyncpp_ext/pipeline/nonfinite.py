@@ -8,7 +8,9 @@ own stream. How the stages agree: non-finite values reach every earlier stage th
 gradients it receives, and a stage that marks a step bad makes sure of that by *poisoning* (filling
 with NaN) the input gradient it sends for the step's last microbatch. A stage marks step t bad when
 its loss (last stage), a gradient it received, or its own accumulated parameter gradient (checked
-after the step's last backward, on the last stage) is non-finite. Every stage then skips t at its
+after the step's last backward, on the last stage) is non-finite. All three are read from the
+device at the step's last backward, so a stage on a GPU waits for its device once per step rather
+than once per microbatch (a wait per microbatch would keep the host from queueing work ahead). Every stage then skips t at its
 optimizer step: the optimizer does not run, and for 2bw the new version W(t+1) is a copy of W(t).
 
 The one case that cannot be skipped consistently: a non-finite parameter gradient that *arises* on
@@ -21,6 +23,7 @@ Step numbers in messages count minibatches from 1, like the metrics rows (``step
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -68,6 +71,15 @@ def first_nonfinite_name(flat: torch.Tensor, names: Sequence[str], sizes: Sequen
     return names[-1] if names else "?"
 
 
+def _host_flags(flags: list) -> list:
+    """The (mb, finite) pairs' flags as host values: device flags are stacked and read in one
+    transfer (one sync), host flags (bools) taken as they are."""
+    values = [f for _, f in flags]
+    if isinstance(values[0], torch.Tensor):
+        return torch.stack(values).tolist()
+    return values
+
+
 class NonFiniteGuard:
     """One stage's checks; the stage host calls it at the points marked in stage.py."""
 
@@ -79,23 +91,43 @@ class NonFiniteGuard:
         self.names: list[str] = []   # parameter names in flat-buffer order (set by the Pipeline)
         self.sizes: list[int] = []
         self._bad: dict[int, str] = {}  # step -> why it is skipped
+        self._received: dict[int, list] = {}  # step -> [(mb, received gradient finite?)], read at its last backward
         self.skipped: list[int] = []    # steps this stage skipped (0-based)
 
     def _stop(self, what: str, step: int) -> None:
         raise NonFiniteError(f"stage {self.stage}: {what} at step {step + 1}; stopping ({_ADVICE})")
 
-    def check_loss(self, step: int, mb: int, loss: torch.Tensor) -> None:
-        if all_finite(loss):
+    def check_losses(self, step: int, losses: Sequence[float]) -> None:
+        """The step's microbatch losses (floats, read from the device once, at the step's last
+        backward): the first non-finite one stops the run or marks the step bad."""
+        bad = next(((mb, v) for mb, v in enumerate(losses) if not math.isfinite(v)), None)
+        if bad is None:
             return
-        what = f"non-finite loss ({float(loss):g}) in microbatch {mb}"
+        what = f"non-finite loss ({bad[1]:g}) in microbatch {bad[0]}"
         if self.policy == "stop":
             self._stop(what, step)
         self._bad.setdefault(step, what)
 
-    def check_received_gradient(self, step: int, mb: int, grad: torch.Tensor) -> None:
-        if step in self._bad or all_finite(grad):
+    def note_received_gradient(self, step: int, mb: int, grad: torch.Tensor) -> None:
+        """Remember whether the gradient received for microbatch ``mb`` is finite. On a GPU this
+        queues a check (no host sync): a sync per microbatch would stop the host from queueing
+        work ahead of the device. The flags are read at the step's last backward (after_backward),
+        before this stage's own gradient is judged: a non-finite received gradient has reached it."""
+        if step in self._bad:
             return
-        what = f"non-finite gradient received from stage {self.stage + 1} in microbatch {mb}"
+        finite = all_finite(grad) if grad.is_cpu else torch.isfinite(grad).all()
+        self._received.setdefault(step, []).append((mb, finite))
+
+    def _check_received(self, step: int) -> None:
+        """Read the step's received-gradient flags (one host sync on a GPU)."""
+        flags = self._received.pop(step, [])
+        if step in self._bad or not flags:
+            return
+        values = [bool(f) for f in _host_flags(flags)]
+        bad = next((mb for (mb, _), ok in zip(flags, values) if not ok), None)
+        if bad is None:
+            return
+        what = f"non-finite gradient received from stage {self.stage + 1} in microbatch {bad}"
         if self.policy == "stop":
             self._stop(what, step)
         self._bad[step] = what
@@ -105,6 +137,7 @@ class NonFiniteGuard:
         arose here, and poison the gradient sent upstream when the step is bad."""
         if mb != self.m - 1:
             return
+        self._check_received(step)
         if step not in self._bad:
             name = first_nonfinite_name(grad_flat, self.names, self.sizes)
             if name is not None:

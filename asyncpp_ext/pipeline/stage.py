@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -167,7 +166,7 @@ class StageHost:
         self.out_sig: Signature | None = None
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
         self._saved: dict[tuple, tuple] = {}    # (step, mb) -> (input, output or scaled loss)
-        self._losses: dict[int, list] = {}     # step -> its microbatches' losses (floats)
+        self._losses: dict[int, list] = {}     # step -> its microbatches' losses (tensors, floats once read)
         self._loss_grad: torch.Tensor | None = None  # 1/m, made at the first backward
 
     # ---- weights ---------------------------------------------------------------------------
@@ -363,16 +362,22 @@ class StageHost:
         return out.detach().contiguous()
 
     def _record_loss(self, step: int, mb: int, loss: torch.Tensor) -> None:
-        """Keep the microbatch's loss as a float (one read of a scalar; the step loss is their
-        mean) and stop or mark the step on a NaN/Inf."""
+        """Keep the microbatch's loss on its device; the step's losses are read together at its
+        last backward (``_read_losses``), one host sync per step instead of one per microbatch."""
         if loss.numel() != 1:
             raise StageError(f"stage {self.stage}: loss_fn returned a tensor of shape {tuple(loss.shape)} "
                              f"for microbatch {mb} of step {step}; it must return a scalar (reduce it, e.g. "
                              "with .mean())")
-        value = loss.item()
-        self._losses.setdefault(step, []).append(value)
-        if not math.isfinite(value):
-            self.nonfinite.check_loss(step, mb, loss.detach())
+        self._losses.setdefault(step, []).append(loss.detach().reshape(()))
+
+    def _read_losses(self, step: int) -> list[float]:
+        """The step's microbatch losses as floats (read once; a non-finite one stops the run or
+        marks the step, see NonFiniteGuard.check_losses)."""
+        losses = self._losses[step]
+        if losses and isinstance(losses[0], torch.Tensor):
+            losses = self._losses[step] = torch.stack(losses).tolist()
+            self.nonfinite.check_losses(step, losses)
+        return losses
 
     def backward(self, step: int, mb: int, version: int, received: torch.Tensor | None = None) -> torch.Tensor | None:
         """Backward of microbatch ``mb`` of ``step``; ``received`` is the gradient of this stage's
@@ -385,13 +390,14 @@ class StageHost:
                 out = self._run_blocks(self.replica_for(version), x, step, mb)
             del held  # the graph now holds what the input kept alive
         last = mb == self.m - 1
+        if last and self.is_last:  # every loss of the step is computed: read them (one sync)
+            self._read_losses(step)
         if last and self.grad_sync is not None:  # gradient all-reduce overlaps this backward
-            losses = self._losses.get(step)
-            self.grad_sync.arm(_mean_loss(losses) if self.is_last else None)
+            self.grad_sync.arm(_mean_loss(self._losses[step]) if self.is_last else None)
         if self.is_last:
             run_backward(out, self._loss_gradient(out))
         else:
-            self.nonfinite.check_received_gradient(step, mb, received)
+            self.nonfinite.note_received_gradient(step, mb, received)
             run_backward(out, received)
         self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)
         if last and self.grad_sync is not None:
@@ -427,7 +433,8 @@ class StageHost:
         self.grad_flat.zero_()
         loss = None
         if self.is_last:
-            losses = self._losses.pop(step)
+            losses = self._read_losses(step)
+            del self._losses[step]
             loss = _mean_loss(losses) if global_loss is None else global_loss
         if self.on_step is not None:
             self.on_step(step, loss, skip)
