@@ -36,7 +36,9 @@ Rows (names as printed; " eager" marks --no-compile rows when asyncpp-train has 
   ours sync <opt>        python -m asyncpp_ext.train --stages 1 --schedule sync (one process),
                          --ef-beta 0 (no delay to correct; the baselines have no EF), <opt> =
                          adamw (the project's fused AdamW) or muon (the project's Muon, bf16
-                         Newton-Schulz on CUDA, AdamW for embeddings/head/norms)
+                         Newton-Schulz on CUDA, AdamW for embeddings/head/norms); " no-copies":
+                         --no-compute-copies (autocast casts each weight per microbatch instead of
+                         bf16 copies made once per step; CUDA, full run)
   ours 2bw 2st 1gpu <opt>[ ipc]
                          --stages 2 --schedule 2bw --transport gloo (" ipc": --transport ipc,
                          CUDA only): both ranks share one GPU (EF at its default 0.5, the
@@ -140,7 +142,7 @@ def detect_cli_flags() -> dict:
     text = r.stdout
     return {"compile": "--no-compile" in text and re.search(r"--compile\b", text) is not None,
             "head_loss": "--head-loss" in text, "cuda_graphs": "--cuda-graphs" in text,
-            "ipc": ",ipc" in text}
+            "ipc": ",ipc" in text, "compute_copies": "--no-compute-copies" in text}
 
 
 def row(name, impl, model, seq, mb, m, **kw) -> dict:
@@ -166,7 +168,7 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
     def ours(model, seq, opt, compile_=True, **kw):
         c = (compile_ if flags["compile"] else None)
         suffix = ((" eager" if c is False else "") + (" ipc" if kw.get("transport") == "ipc" else "")
-                  + (" graphs" if kw.get("graphs") else ""))
+                  + (" graphs" if kw.get("graphs") else "") + (" no-copies" if kw.get("copies") is False else ""))
         if kw.get("stages", 1) == 1:
             name = f"ours sync {opt}{suffix}"
             kw.setdefault("schedule", "sync")
@@ -233,6 +235,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                 primary = (mdl, seq) in (first, last)
                 for g in graphs if primary else [False]:
                     ours(mdl, seq, "adamw", compile_=main_compile, graphs=g)
+                if primary and dev == "cuda" and flags.get("compute_copies"):  # bf16 weight copies off
+                    ours(mdl, seq, "adamw", compile_=main_compile, copies=False)
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

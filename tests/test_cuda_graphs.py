@@ -157,14 +157,16 @@ def test_stage_host_refuses_graphs_with_recompute():
         _host(True, FakeGraphs(), recompute=True)
 
 
-def _simulated_losses(cuda_graphs, monkeypatch, fake):
+def _simulated_losses(cuda_graphs, monkeypatch, fake, dtype="fp32", compute_copies=True):
+    from asyncpp_ext.models.registry import model_config
     from asyncpp_ext.training.build import build_data, build_simulator
     from asyncpp_ext.training.config import RunConfig
 
     cfg = RunConfig()
-    cfg.model.name = "llama-tiny"
+    cfg.model = model_config("llama-tiny")
     cfg.pipeline.schedule, cfg.pipeline.stages, cfg.pipeline.microbatches = "sync", 1, 3
     cfg.train.cuda_graphs = cuda_graphs  # on CPU only through the stand-in below (validate() refuses it)
+    cfg.train.dtype, cfg.train.compute_copies = dtype, compute_copies
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake)
     stream, eval_set = build_data(cfg)
     engine = build_simulator(cfg)
@@ -178,6 +180,15 @@ def test_the_simulator_trains_through_the_graphs_as_eagerly(monkeypatch):
     assert fake.captures == []
     graphed = _simulated_losses(True, monkeypatch, fake)
     assert graphed == eager and len(fake.captures) == 1  # one microbatch in flight at a time
+
+
+def test_the_simulator_graphs_its_bf16_compute_copies_as_autocast_computes(monkeypatch):
+    """With compute copies the graphed module is the copies' one: their gradients adopt the graph's
+    buffers (taken after every backward), the model's float32 gradients accumulate as eagerly."""
+    fake = FakeGraphs()
+    eager = _simulated_losses(False, monkeypatch, fake, "bf16", compute_copies=False)
+    graphed = _simulated_losses(True, monkeypatch, fake, "bf16", compute_copies=True)
+    assert graphed == eager and len(fake.captures) == 1
 
 
 def test_refusals_name_the_flag(monkeypatch, tmp_path, capsys):

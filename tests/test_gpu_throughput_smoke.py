@@ -199,6 +199,16 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
     cmd = gt.ours_command(next(r for r in full if r.get("graphs")), args, with_graphs, Path("o"), Path("p"))
     assert "--cuda-graphs" in cmd
+    # --no-compute-copies rows where the CLI has the flag: full mode, CUDA, the primary points
+    with_copies = dict(with_ipc, compute_copies=True)
+    full, _ = gt.build_plan(_plan_args(), with_copies, gpus=1)
+    no_copies = [r for r in full if r.get("copies") is False]
+    assert {(r["name"], r["model"], r["seq_len"]) for r in no_copies} == {
+        ("ours sync adamw no-copies", "smollm-135m", 1024), ("ours sync adamw no-copies", "smollm-360m", 2048)}
+    assert "--no-compute-copies" in gt.ours_command(no_copies[0], args, with_copies, Path("o"), Path("p"))
+    assert "--no-compute-copies" not in gt.ours_command(full[0], args, with_copies, Path("o"), Path("p"))
+    assert not any(r.get("copies") is False for r in gt.build_plan(_plan_args(mode="quick"), with_copies, gpus=1)[0])
+    assert not any(r.get("copies") is False for r in gt.build_plan(_plan_args("cpu"), with_copies, gpus=0)[0])
 
 
 def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
@@ -241,3 +251,19 @@ def test_an_unbuilt_extension_stops_the_bench_before_any_row(capsys, monkeypatch
     assert gt.main(["--device", "cpu", "--smoke"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("gpu_throughput.py: error: "), err
+
+
+def test_ratios_pair_ours_with_its_no_copies_and_graphs_rows():
+    from throughput_report import ratios
+
+    def ours(name, tps, **kw):
+        return dict(gt.row(name, "ours", "m", 1024, 8, 8, optimizer="adamw", compile=True, **kw),
+                    status="ok", tokens_per_s=tps, peak_bytes=100)
+    rows = [ours("ours sync adamw", 120.0), ours("ours sync adamw no-copies", 100.0, copies=False),
+            ours("ours sync adamw graphs", 180.0, graphs=True),
+            ours("ours 2bw 2st 1gpu adamw", 90.0, stages=2)]
+    got = {q["what"]: q["tokens_per_s"] for q in ratios(rows)}
+    assert got["ours sync adamw / ours sync adamw no-copies"] == pytest.approx(1.2)
+    assert got["ours sync adamw graphs / ours sync adamw"] == pytest.approx(1.5)
+    assert got["ours 2bw 2st 1gpu adamw / ours sync adamw"] == pytest.approx(0.75)  # not against no-copies
+    assert not any(w.startswith("ours sync adamw no-copies /") for w in got)

@@ -36,6 +36,10 @@ from torch import nn
 
 from .compile import _describe
 
+GRADS_TAKEN = "_asyncpp_grads_taken"
+"""Attribute a module may carry: ids of its parameters whose ``.grad`` the owner takes and clears
+after every backward (pipeline/compute_copies.py); those may adopt a graph's gradient buffer."""
+
 
 class _Slot(nn.Module):
     """One graph instance: ``fn(module, *args)`` with ``module``'s Parameters as its own (the same
@@ -76,7 +80,8 @@ class GraphedCompute:
         self.module, self.fn = module, fn
         self.make = make if make is not None else torch.cuda.make_graphed_callables
         self.warmup_iters = warmup_iters
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        taken = getattr(module, GRADS_TAKEN, frozenset())
+        self.params = [p for p in module.parameters() if p.requires_grad and id(p) not in taken]
         self.slots: list[_Slot] = []
         self.failure: Optional[str] = None  # why capture failed (then everything runs eagerly)
 
@@ -95,7 +100,8 @@ class GraphedCompute:
         hands out its gradients as views of its own static buffers, which its next replay
         overwrites; autograd adopts such a tensor as ``.grad`` when there is none yet (after
         ``zero_grad(set_to_none=True)``), and later microbatches would then accumulate into the
-        graph's buffer. With a ``.grad`` present it adds in place (0 + g: the same bits)."""
+        graph's buffer. With a ``.grad`` present it adds in place (0 + g: the same bits). (Compute
+        copies are left out: their gradient is taken right after the backward, before any replay.)"""
         for t in (*self.params, *(a for a in args if a.requires_grad and a.is_leaf)):
             if t.grad is None:
                 t.grad = torch.zeros_like(t)
@@ -117,4 +123,4 @@ class GraphedCompute:
         return slot
 
 
-__all__ = ["GraphedCompute"]
+__all__ = ["GraphedCompute", "GRADS_TAKEN"]

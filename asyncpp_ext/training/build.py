@@ -75,6 +75,9 @@ class StageCompute:
     """The fused head loss's kernel: "auto" (models/head_loss.fused_kernel_name), "liger", "cce"."""
     cuda_graphs: bool = False
     """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py)."""
+    compute_copies: bool = False
+    """Under bf16, run the in-process engine's linear layers on bf16 weight copies
+    (pipeline/compute_copies.py)."""
 
 
 def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
@@ -89,7 +92,7 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
         mode = "fused"
     return StageCompute(resolve_compile(cfg.train.compile, device),
                         resolve_head_loss(mode, cfg.model.vocab_size, device), kernel,
-                        cuda_graphs=cfg.train.cuda_graphs)
+                        cuda_graphs=cfg.train.cuda_graphs, compute_copies=cfg.train.compute_copies)
 
 
 def model_loss(compute: StageCompute):
@@ -110,8 +113,9 @@ def model_loss(compute: StageCompute):
 # ---- engines --------------------------------------------------------------------------------
 def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None, model: Optional[nn.Module] = None):
     """The simulator's loss function under the run's --dtype (bf16 autocast or plain fp32) and
-    --head-loss; with --cuda-graphs its training calls on ``model`` replay CUDA graphs
-    (models/graphs.py; evaluation, under no_grad, runs eagerly)."""
+    --head-loss; with --cuda-graphs its training calls replay CUDA graphs, one GraphedCompute per
+    module it is called with (the model, or its compute copies' module; models/graphs.py;
+    evaluation, under no_grad, runs eagerly). ``model`` is accepted for the callers that pass it."""
     from ..models.graphs import GraphedCompute
     from ..pipeline.recompute import autocast_context, resolve_autocast
 
@@ -119,12 +123,18 @@ def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None, model
     autocast_dtype = resolve_autocast(cfg.train.dtype, device)
     compute = compute or stage_compute(cfg)
     inner = model_loss(compute)
-    graphed = GraphedCompute(model, inner) if compute.cuda_graphs and model is not None else None
+    graphs: dict[int, tuple] = {}  # id(module) -> (module, its GraphedCompute)
+
+    def graphed(model_):
+        entry = graphs.get(id(model_))
+        if entry is None or entry[0] is not model_:
+            entry = graphs[id(model_)] = (model_, GraphedCompute(model_, inner))
+        return entry[1]
 
     def loss(model_, inputs, targets):
-        with autocast_context(device, autocast_dtype, cache=graphed is None):  # capture refuses the cache
-            if graphed is not None and model_ is model:
-                return graphed(inputs, targets)
+        with autocast_context(device, autocast_dtype, cache=not compute.cuda_graphs):  # capture refuses the cache
+            if compute.cuda_graphs and torch.is_grad_enabled():
+                return graphed(model_)(inputs, targets)
             return inner(model_, inputs, targets)
     return loss
 
@@ -137,8 +147,17 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     if compute.compile:
         compile_blocks(model, device=cfg.train.device)
+    from ..pipeline.compute_copies import maybe_compute_copies
+    from ..pipeline.recompute import resolve_autocast
+
+    dtype = resolve_autocast(cfg.train.dtype, torch.device(cfg.train.device))
+
+    def copies(module: nn.Module):  # made by the simulator once it has untied the model's ties
+        # The fused head loss reads its projection weight itself (and keeps a float32 gradient).
+        head = [module.blocks()[-1]] if compute.head_loss == "fused" else []
+        return maybe_compute_copies(module, dtype, compute.compute_copies, exclude=head)
     simulator = DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule,
-                               loss_fn=simulator_loss(cfg, compute, model),
+                               loss_fn=simulator_loss(cfg, compute, model), compute_copies=copies,
                                on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
                                clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
                                delay_only=p.delay_only, **cfg.mitigation_kwargs())

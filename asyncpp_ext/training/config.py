@@ -263,6 +263,12 @@ class TrainConfig:
     """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py): one launch
     per graph instead of one per kernel, for host-bound small models. CUDA only; not with
     --recompute, nor with --simulate of a schedule with delays."""
+    compute_copies: bool = True
+    """Under bf16: keep a bf16 copy of every nn.Linear weight per weight version, refreshed when the
+    weights change, and run the blocks on it (pipeline/compute_copies.py), instead of autocast
+    casting each weight every microbatch and widening its gradient back. The same numbers bit for
+    bit; fewer kernels, and 2 bytes per copied parameter per held version. Used by the in-process
+    engine (--stages 1, --simulate); a pipeline stage casts as before."""
     profile_steps: Optional[str] = None
     """"FIRST:LAST": trace those steps with torch.profiler into OUT/profile/ (a trace, the operator
     table, and the device-busy share and kernel time by kind; training/profiling.py). None = off."""

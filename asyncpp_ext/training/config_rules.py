@@ -96,11 +96,13 @@ def check_delays(cfg: RunConfig) -> None:
 
 
 def check_compute(cfg: RunConfig) -> None:
-    """How the stages compute: --head-loss, --compile, --cuda-graphs, --profile-steps."""
+    """How the stages compute: --head-loss, --compile, --cuda-graphs, --compute-copies, --profile-steps."""
     t = cfg.train
     choice("train.head_loss", t.head_loss, HEAD_LOSSES)
     if t.compile is not None and not isinstance(t.compile, bool):
         raise ConfigError(f"train.compile must be true, false or null (auto), got {t.compile!r}")
+    if not isinstance(t.compute_copies, bool):
+        raise ConfigError(f"train.compute_copies must be true or false, got {t.compute_copies!r}")
     if not isinstance(t.cuda_graphs, bool):
         raise ConfigError(f"train.cuda_graphs must be true or false, got {t.cuda_graphs!r}")
     if t.cuda_graphs and t.device != "cuda":

@@ -39,7 +39,7 @@ an early stage only, as its later stages have applied the step by then).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compe
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from ..optim.versioned import step_versioned, wants_previous_weights
 from ..pipeline.clipping import PreviousNormClipper
+from ..pipeline.compute_copies import ComputeCopies
 from ..pipeline.nonfinite import POLICIES, NonFiniteError, first_nonfinite_index
 from ..pipeline.partition import as_blocks, split
 from ..pipeline.ties import TieError, check_ties_on_one_stage, find_ties, sum_tied_gradients, untie
@@ -109,7 +110,10 @@ class DelaySimulator:
     so there they are ignored. ``delay`` (2bw only) is the constant K-step delay; 1 is plain 2bw.
     ``mitigation`` ("none", "ef", "predict", "dc", "lr-rescale"; None = "none"), ``dc_lambda`` and
     ``rescale_steps`` (K, required for "lr-rescale") select a staleness mitigation
-    (optim/mitigations.py).
+    (optim/mitigations.py). ``compute_copies`` makes the 16-bit compute copies the training
+    microbatches run on (pipeline/compute_copies.py; called with the untied model, may return
+    None): refreshed at each step's start (after the delayed versions are swapped in), their
+    gradients added into the parameters' after each microbatch's backward.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: str,
@@ -117,7 +121,8 @@ class DelaySimulator:
                  on_nonfinite: str = "stop", lr_schedule=None, clip_grad_norm: float | None = None,
                  stages: int | None = None, split_points: Sequence[int] | None = None,
                  delay: int | None = None, mitigation: str | None = None, dc_lambda: float = DEFAULT_DC_LAMBDA,
-                 rescale_steps: int | None = None, delay_only: str | None = None):
+                 rescale_steps: int | None = None, delay_only: str | None = None,
+                 compute_copies: Callable[[nn.Module], Optional[ComputeCopies]] | None = None):
         if schedule not in SCHEDULES:
             raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
         per_stage = SCHEDULES[schedule].lag_per_stage
@@ -168,6 +173,7 @@ class DelaySimulator:
         if delay_only is not None:
             self.delays = _only_some_delayed(model, named, self.delays, delay_only, per_stage)
         self.delayed = any(d > 0 for d in self.delays)
+        self.copies = compute_copies(model) if compute_copies is not None else None
         self.wants_previous = wants_previous_weights(optimizer)
         # Versions before 0 are W(0): the first d_p steps compute on the initial weights.
         self.history = [[p.detach().clone() for _ in range(self._versions_kept(d))] for p, d in
@@ -261,13 +267,19 @@ class DelaySimulator:
         self.optimizer.zero_grad(set_to_none=True)
         if self.delayed:
             self._swap_compute_versions(entering=True)  # params <- W(t - d_p) or its prediction
+        compute = self.model
+        if self.copies is not None:  # the weights this step computes on, rounded once
+            self.copies.refresh()
+            compute = self.copies.module.train()
         # The losses stay on the device until the step's microbatches are queued: one host sync per
         # step, not two per microbatch, so a GPU never waits for the host between microbatches.
         losses = []
         try:
             for inputs, targets in minibatch:
-                loss = self.loss_fn(self.model, inputs, targets)
+                loss = self.loss_fn(compute, inputs, targets)
                 (loss / m).backward()
+                if self.copies is not None:
+                    self.copies.accumulate()
                 losses.append(loss.detach())
         finally:
             if self.delayed:

@@ -1,0 +1,125 @@
+"""16-bit compute copies of a module's linear weights, made once per weight version instead of
+cast by autocast in every microbatch (issue 33's "bf16 compute copies").
+
+Under bf16 autocast every ``nn.Linear`` call casts its float32 weight (and bias) to bf16, and its
+backward casts the bf16 weight gradient back to float32 before autograd adds it into ``.grad``: per
+weight and microbatch a cast kernel forward, a cast kernel backward and an add. A small model on a
+GPU is bound by such launches (docs/gpu.md: smollm-135m launches ~60 kernels per block and
+microbatch). ``ComputeCopies`` keeps one bf16 copy of those weights per weight version,
+refreshed once when the version's float32 values change, and a *compute module* that runs on
+them: a structural copy of the module whose ``nn.Linear`` weights and biases are the bf16 copies
+and whose every other parameter and buffer is the module's own object (shared, not copied). After
+each backward the copies' bf16 gradients are added into the float32 ``.grad`` of the weights they
+copy, in one ``torch._foreach_add_`` call.
+
+Exact: the values are those autocast gives. Autocast rounds the float32 weight to bf16 for the
+matrix product (the copy holds that rounding), its product yields the bf16 weight gradient, which
+the cast's backward widens to float32 exactly and autograd adds into ``.grad`` in float32; here the
+same bf16 gradient is added into the same float32 ``.grad`` (a mixed add computes in float32:
+the same sum, bit for bit; tests/test_compute_copies.py checks it against autocast).
+
+What is copied: parameters owned only by modules of type exactly ``nn.Linear`` (a subclass may use
+its weight otherwise), float32, trainable, outside ``exclude`` (the fused head loss reads its
+projection weight itself and keeps a float32 gradient). A parameter also used by another kind of
+module (an embedding table tied to an output projection) stays float32: an embedding lookup of a
+bf16 table would change the activations.
+
+Use (one engine step)::
+
+    copies.refresh()                     # after the weights changed (optimizer step, version swap)
+    for x, y in microbatches:
+        loss_fn(copies.module, x, y).backward()   # under bf16 autocast
+        copies.accumulate()              # copies' gradients -> the float32 .grad
+"""
+from __future__ import annotations
+
+import copy
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..models.graphs import GRADS_TAKEN  # the copies' ids, set on the compute module
+
+
+def copied_parameters(module: nn.Module, exclude: Iterable[nn.Module] = ()) -> list[nn.Parameter]:
+    """The parameters of ``module`` a compute copy replaces (see the module docstring), in
+    ``module.parameters()`` order."""
+    owners: dict[int, list[nn.Module]] = {}
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(sub)
+    excluded = {id(p) for m in exclude for p in m.parameters()}
+    return [p for p in module.parameters()
+            if p.requires_grad and p.dtype == torch.float32 and id(p) not in excluded
+            and all(type(m) is nn.Linear for m in owners[id(p)])]
+
+
+class ComputeCopies:
+    """A compute module over ``dtype`` copies of ``module``'s linear weights; see the module
+    docstring. ``module`` keeps its float32 parameters (the optimizer's, the checkpoint's)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype = torch.bfloat16,
+                 exclude: Iterable[nn.Module] = ()):
+        self.masters = copied_parameters(module, exclude)
+        numel = sum(p.numel() for p in self.masters)
+        device = self.masters[0].device if self.masters else torch.device("cpu")
+        self.flat = torch.empty(numel, dtype=dtype, device=device)  # every copy views it
+        memo: dict[int, object] = {}
+        for p in module.parameters():  # shared: the same objects (their grads accumulate as before)
+            memo[id(p)] = p
+        for b in module.buffers():
+            memo[id(b)] = b
+        self.copies: list[nn.Parameter] = []
+        offset = 0
+        for p in self.masters:
+            view = self.flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            c = nn.Parameter(view, requires_grad=True)
+            memo[id(p)] = c
+            self.copies.append(c)
+        self.module = copy.deepcopy(module, memo)
+        setattr(self.module, GRADS_TAKEN, frozenset(id(c) for c in self.copies))
+        self.fresh = False
+
+    def __len__(self) -> int:
+        return len(self.copies)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Round the masters' current values into the copies (once per weight change)."""
+        if self.copies:
+            torch._foreach_copy_(self.copies, self.masters)
+        self.fresh = True
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Add the copies' gradients of the last backward into the masters' float32 ``.grad``
+        (a master without one gets the widened gradient), and clear the copies' ``.grad``."""
+        into, grads = [], []
+        for c, p in zip(self.copies, self.masters):
+            g = c.grad
+            if g is None:
+                continue
+            c.grad = None
+            if p.grad is None:
+                p.grad = g.to(p.dtype)
+            else:
+                into.append(p.grad)
+                grads.append(g)
+        if into:
+            torch._foreach_add_(into, grads)
+
+
+def maybe_compute_copies(module: nn.Module, dtype: Optional[torch.dtype], enabled: bool,
+                         exclude: Iterable[nn.Module] = ()) -> Optional[ComputeCopies]:
+    """Compute copies for a run in ``dtype`` (autocast's; None = float32: nothing to copy), or
+    None when off or when ``module`` has no linear weight to copy."""
+    if not enabled or dtype is None:
+        return None
+    copies = ComputeCopies(module, dtype, exclude)
+    return copies if len(copies) else None
+
+
+__all__ = ["ComputeCopies", "copied_parameters", "maybe_compute_copies"]

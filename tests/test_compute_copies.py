@@ -1,0 +1,129 @@
+"""bf16 compute copies (pipeline/compute_copies.py): which weights are copied, training on them is
+bit for bit training under autocast (losses and float32 gradients, over several microbatches), and
+the in-process engine runs on them with the same losses as without, delayed schedules included."""
+import copy
+import importlib.util
+
+import pytest
+import torch
+import torch.nn as nn
+
+from asyncpp_ext.models.head_loss import head_loss
+from asyncpp_ext.models.registry import ModelConfig, build_model
+from asyncpp_ext.pipeline.compute_copies import ComputeCopies, copied_parameters, maybe_compute_copies
+
+M = 3
+
+
+def _llama(tie: bool):
+    return ModelConfig(arch="llama", vocab_size=256, seq_len=16, n_layer=2, n_embd=32, n_head=2, n_kv_head=1,
+                       intermediate_size=64, tie_embeddings=tie, rope_theta=10000.0, norm_eps=1e-5)
+
+
+MODELS = {
+    "llama-tied-plain": (_llama(True), "plain"),
+    "llama-untied-fused": (_llama(False), "fused"),
+    "gpt": (ModelConfig(arch="gpt", vocab_size=256, seq_len=16, n_layer=2, n_embd=32, n_head=2), "plain"),
+    "hf-qwen2": (ModelConfig(arch="hf", seq_len=16, hf_config=dict(
+        model_type="qwen2", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)),
+        "plain"),
+}
+
+
+def _loss(mode):
+    def loss(model, x, y):
+        *body, head = model.blocks()
+        for block in body:
+            x = block(x)
+        return head_loss(head, x, y, mode)
+    return loss
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_training_on_the_copies_is_bitwise_training_under_autocast(name):
+    cfg, mode = MODELS[name]
+    if cfg.arch == "hf" and importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs pip install 'asyncpp_ext[hf]'")
+    reference = build_model(cfg, seed=0)
+    model = copy.deepcopy(reference)
+    copies = ComputeCopies(model, torch.bfloat16, exclude=[model.blocks()[-1]] if mode == "fused" else [])
+    assert len(copies) >= 2 * 4  # at least the blocks' projections
+    copies.refresh()
+    loss_fn, g = _loss(mode), torch.Generator().manual_seed(1)
+    for _ in range(M):
+        x, y = (torch.randint(0, 256, (2, 16), generator=g) for _ in range(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = loss_fn(reference, x, y)
+            got = loss_fn(copies.module, x, y)
+        (want / M).backward()
+        (got / M).backward()
+        copies.accumulate()
+        assert torch.equal(got, want)
+        assert all(c.grad is None for c in copies.copies)
+    for (n, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert a.grad is not None and torch.equal(a.grad, b.grad), n
+        assert b.dtype == torch.float32  # the model keeps its float32 weights
+    # and the copies are live: a weight change reaches the compute module only through refresh()
+    with torch.no_grad():
+        copies.masters[0].add_(1.0)
+    assert not torch.equal(copies.copies[0], copies.masters[0].to(torch.bfloat16))
+    copies.refresh()
+    assert torch.equal(copies.copies[0], copies.masters[0].to(torch.bfloat16))
+
+
+class _Scaled(nn.Linear):
+    """A Linear subclass: its forward may use the weight otherwise, so it is not copied."""
+
+
+def test_only_weights_owned_by_plain_linears_are_copied():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), _Scaled(4, 4), nn.LayerNorm(4),
+                          nn.Linear(4, 10, bias=False), nn.Linear(4, 4))
+    model[4].weight = model[0].weight  # tied to the embedding table: stays float32
+    model[5].weight.requires_grad_(False)  # frozen: nothing to train
+    chosen = copied_parameters(model, exclude=[])
+    assert [id(p) for p in chosen] == [id(model[1].weight), id(model[1].bias), id(model[5].bias)]
+    assert copied_parameters(model, exclude=[model[1]]) == [model[5].bias]
+    copies = ComputeCopies(model, torch.bfloat16)
+    shared = [m for m in copies.module.modules() if isinstance(m, (nn.Embedding, nn.LayerNorm))]
+    assert shared[0].weight is model[0].weight and shared[1].weight is model[3].weight
+    assert copies.module[1].weight.dtype == torch.bfloat16 and copies.module[2].weight is model[2].weight
+    assert maybe_compute_copies(model, None, True) is None  # float32 runs: nothing to copy
+    assert maybe_compute_copies(model, torch.bfloat16, False) is None
+    assert maybe_compute_copies(nn.Sequential(nn.LayerNorm(4)), torch.bfloat16, True) is None
+
+
+def _simulated(schedule, copies_on, steps=3):
+    from asyncpp_ext.models.registry import model_config
+    from asyncpp_ext.training.build import build_data, build_simulator
+    from asyncpp_ext.training.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.model = model_config("llama-tiny")
+    cfg.pipeline.schedule, cfg.pipeline.microbatches = schedule, 3
+    cfg.train.dtype, cfg.train.compute_copies = "bf16", copies_on
+    stream, eval_set = build_data(cfg)
+    engine = build_simulator(cfg)
+    losses = list(engine.train_steps(stream, steps))
+    return engine, losses, [p.detach().clone() for p in engine.model.parameters()]
+
+
+@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+def test_the_simulator_on_copies_trains_bitwise_as_with_autocast_casts(schedule):
+    engine, losses, weights = _simulated(schedule, True)
+    # llama-tiny: 2 blocks x 7 projections, and the head's own Parameter once the simulator untied it
+    # from the embedding table (its gradient is summed into the table's after the microbatches)
+    assert engine.copies is not None and len(engine.copies) == 2 * 7 + 1
+    reference, ref_losses, ref_weights = _simulated(schedule, False)
+    assert reference.copies is None
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
+
+
+def test_the_cli_switches_copies_off_by_flag(tmp_path):
+    from asyncpp_ext.training.arguments import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--model", "llama-tiny", "--no-compute-copies", "--out", str(tmp_path)])
+    assert config_from_args(args).train.compute_copies is False
+    args = build_parser().parse_args(["--model", "llama-tiny", "--out", str(tmp_path)])
+    assert config_from_args(args).train.compute_copies is True
