@@ -127,3 +127,59 @@ def test_the_cli_switches_copies_off_by_flag(tmp_path):
     assert config_from_args(args).train.compute_copies is False
     args = build_parser().parse_args(["--model", "llama-tiny", "--out", str(tmp_path)])
     assert config_from_args(args).train.compute_copies is True
+
+
+def _stage_run(copies_on, stage, stages=2):
+    """A 2bw stage in one process, 3 steps of M microbatches, bf16 autocast: its losses (last stage)
+    and every weight buffer after the steps."""
+    from asyncpp_ext.pipeline.stage import StageHost
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    g = torch.Generator().manual_seed(1)
+    batch = ([torch.randn(3, 8, generator=g) for _ in range(M)], [torch.randn(3, 8, generator=g) for _ in range(M)])
+    last = stage == stages - 1
+    host = StageHost(module, stage=stage, stages=stages, schedule="2bw", microbatches=M,
+                     optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                     loss_fn=nn.functional.mse_loss if last else None, batch_source=lambda step: batch,
+                     autocast_dtype=torch.bfloat16, compute_copies=copies_on)
+    losses, refreshes = [], []
+    host.on_step = lambda step, loss, skipped: losses.append(loss)
+    if host.copies:
+        for c in host.copies.sets:
+            c.refresh = (lambda f: lambda: (refreshes.append(1), f())[1])(c.refresh)
+    for step in range(3):
+        for mb in range(M):
+            host.forward(step, mb, step, batch[0][mb])
+            host.backward(step, mb, step, None if last else batch[1][mb])
+        host.optimizer_step(step, step + 1)
+    return host, losses, [f.clone() for f in host.flat], len(refreshes)
+
+
+@pytest.mark.parametrize("stage", [0, 1], ids=["first-stage", "last-stage"])
+def test_a_2bw_stage_on_copies_trains_bitwise_as_with_autocast_casts(stage):
+    host, losses, buffers, refreshes = _stage_run(True, stage)
+    assert host.copies is not None and len(host.copies.sets) == 2  # one set per weight version (2bw)
+    assert refreshes == 3  # once per version used (W(0), W(1), W(2)), not per microbatch
+    assert host.memory_report()["compute_copies"] == 2 * (8 * 16 + 16 + 16 * 8 + 8) * 2
+    reference, ref_losses, ref_buffers, _ = _stage_run(False, stage)
+    assert reference.copies is None and reference.memory_report()["compute_copies"] == 0
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(buffers, ref_buffers))
+
+
+@pytest.mark.multiproc
+def test_a_bf16_pipeline_on_copies_equals_its_simulation_and_the_run_without(tmp_path):
+    import json
+
+    from asyncpp_ext.training.cli import main
+
+    flags = ["--model", "llama-tiny", "--dtype", "bf16", "--stages", "2", "--schedule", "2bw", "--microbatches",
+             "2", "--micro-batch-size", "2", "--seq-len", "16", "--steps", "4", "--threads", "1",
+             "--eval-every", "0", "--ckpt-every", "0", "--no-progress"]
+    runs = {"real": [], "sim": ["--simulate"], "real-no-copies": ["--no-compute-copies"]}
+    for name, extra in runs.items():
+        assert main(flags + extra + ["--out", str(tmp_path / name)]) == 0
+    losses = {name: [json.loads(ln)["loss"] for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+              for name in runs}
+    assert losses["real"] == losses["sim"] == losses["real-no-copies"], losses

@@ -130,11 +130,15 @@ def _host(cuda_graphs, make, **kw):
     return host, batch
 
 
-def test_stage_host_replays_per_replica_and_matches_eager():
+@pytest.mark.parametrize("kw", [{}, {"autocast_dtype": torch.bfloat16}], ids=["fp32", "bf16-compute-copies"])
+def test_stage_host_replays_per_replica_and_matches_eager(kw):
+    """Graphed (on the replicas, or in bf16 on their compute copies) against eager (autocast's casts)."""
     fake = FakeGraphs()
     runs = []
     for graphs in (False, True):
-        host, (inputs, _) = _host(graphs, fake)
+        copies = graphs and bool(kw)
+        host, (inputs, _) = _host(graphs, fake, compute_copies=copies, **kw)
+        assert (host.copies is not None) == copies
         seen = []
         host.on_step = lambda step, loss, skipped: seen.append(loss)
         for step in range(3):  # versions alternate between the two replicas (2bw keeps two)

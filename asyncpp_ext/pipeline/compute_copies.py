@@ -112,6 +112,41 @@ class ComputeCopies:
             torch._foreach_add_(into, grads)
 
 
+class ReplicaCopies:
+    """A pipeline stage's compute copies: one set per weight-version replica (= flat buffer), each
+    refreshed at the first use of the version its replica holds (the buffer is final by then: the
+    optimizer step that wrote it and the tied values' install come first)."""
+
+    def __init__(self, sets: list[ComputeCopies]):
+        self.sets = sets
+        self.hold: list[Optional[int]] = [None] * len(sets)  # the version each set was refreshed for
+
+    @classmethod
+    def build(cls, replicas, dtype: Optional[torch.dtype], enabled: bool,
+              exclude_last: bool) -> Optional["ReplicaCopies"]:
+        """Copies of every replica, or None (off, float32, nothing to copy). ``exclude_last``
+        leaves the replicas' last block (the fused head loss's) as it is."""
+        sets = [maybe_compute_copies(r, dtype, enabled, exclude=[list(r.children())[-1]] if exclude_last else [])
+                for r in replicas]
+        return cls(sets) if sets and all(s is not None for s in sets) else None
+
+    def module_for(self, k: int, version: int, replica: nn.Module) -> nn.Module:
+        """The compute module of replica ``k``, which holds ``version``."""
+        copies = self.sets[k]
+        if self.hold[k] != version:
+            copies.refresh()
+            copies.module.train(replica.training)
+            self.hold[k] = version
+        return copies.module
+
+    def invalidate(self) -> None:
+        """The buffers changed under the copies (a checkpoint was loaded)."""
+        self.hold = [None] * len(self.sets)
+
+    def nbytes(self) -> int:
+        return sum(s.flat.numel() * s.flat.element_size() for s in self.sets)
+
+
 def maybe_compute_copies(module: nn.Module, dtype: Optional[torch.dtype], enabled: bool,
                          exclude: Iterable[nn.Module] = ()) -> Optional[ComputeCopies]:
     """Compute copies for a run in ``dtype`` (autocast's; None = float32: nothing to copy), or
@@ -122,4 +157,4 @@ def maybe_compute_copies(module: nn.Module, dtype: Optional[torch.dtype], enable
     return copies if len(copies) else None
 
 
-__all__ = ["ComputeCopies", "copied_parameters", "maybe_compute_copies"]
+__all__ = ["ComputeCopies", "ReplicaCopies", "copied_parameters", "maybe_compute_copies"]

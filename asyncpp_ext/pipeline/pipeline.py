@@ -122,6 +122,9 @@ class Pipeline:
             ``head_loss_kernel``: "auto", "liger", "cce" or "chunked").
         cuda_graphs: replay each microbatch's forward and backward from CUDA graphs (CUDA only, not
             with recompute or track_memory; models/graphs.py).
+        compute_copies: under bf16, run the stage's linear layers on bf16 copies of their weights
+            made once per weight version instead of autocast casting them every microbatch (the
+            same numbers; compute_copies.py). Not with dp > 1 (then autocast casts as before).
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).
@@ -136,7 +139,7 @@ class Pipeline:
                  lr_schedule=None, clip_grad_norm: float | None = None, mitigation: str | None = None,
                  dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None,
                  compile: bool = False, head_loss: str = "plain", head_loss_kernel: str = "auto",
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, compute_copies: bool = True):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
@@ -213,7 +216,8 @@ class Pipeline:
                               mitigation=mitigation_settings,
                               exchange=self.exchange if self.exchange.active else None,
                               dp_group=self.dp_group, dp=dp, shard_optimizer=shard_optimizer,
-                              head_loss=head_loss, head_loss_kernel=head_loss_kernel, cuda_graphs=cuda_graphs)
+                              head_loss=head_loss, head_loss_kernel=head_loss_kernel, cuda_graphs=cuda_graphs,
+                              compute_copies=compute_copies)
         self.transport = None
         # Boundary tensors between the host and the transport; receive slots are reused.
         self.board = C.MessageBoard(self.host)

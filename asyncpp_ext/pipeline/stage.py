@@ -33,6 +33,7 @@ from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name,
 from ..optim.versioned import step_versioned, wants_previous_weights
 from ..schedule.table import schedule_spec
 from .data_parallel import GradientAverager
+from .compute_copies import ReplicaCopies
 from .flat_buffers import flatten_into, point_at, views_of
 from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
@@ -85,7 +86,7 @@ class StageHost:
                  param_names: Sequence[str] = (), lr_schedule=None,
                  mitigation: MitigationSettings | None = None, exchange=None,
                  dp_group=None, dp: int = 1, shard_optimizer: bool = False, head_loss: str = "plain",
-                 head_loss_kernel: str = "auto", cuda_graphs: bool = False):
+                 head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = False):
         """``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
         ``lr_schedule`` (optim/lr_schedule.py) scales every group's lr at each step; ``mitigation``
         is the staleness mitigation this stage applies (optim/mitigations.py); ``exchange`` the
@@ -95,7 +96,10 @@ class StageHost:
         stage ``head_loss`` "fused" computes the last block's loss without whole logits
         (models/head_loss.py, with ``head_loss_kernel``); "plain" is ``loss_fn(blocks(x), targets)``.
         ``cuda_graphs`` replays each microbatch's forward and backward from CUDA graphs, per
-        weight-version replica (models/graphs.py); not with ``recompute``."""
+        weight-version replica (models/graphs.py); not with ``recompute``. ``compute_copies`` (under
+        bf16 autocast, without data parallelism) runs each replica's microbatches on bf16 copies of
+        its linear weights, refreshed when the replica's buffer takes a new version
+        (compute_copies.py; the same numbers as autocast's casts)."""
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
         self.recompute, self.autocast_dtype = recompute, autocast_dtype
         self.exchange, self.lr_schedule = exchange, lr_schedule
@@ -143,8 +147,14 @@ class StageHost:
         self._held_views = [{p: v for p, v in zip(self.opt_params, vs) if id(p) in held} for vs in views]
         self._other_views = [[v for p, v in zip(self.opt_params, vs) if id(p) not in held] for vs in views]
 
+        # bf16 compute copies, one set per replica (= weight buffer). Not with data parallelism: its
+        # bucket hooks fire on the replicas' own gradients, which the copies' bypass.
+        self.copies = ReplicaCopies.build(replicas, autocast_dtype, compute_copies and dp == 1,
+                                          exclude_last=self.is_last and head_loss == "fused")  # its own cast
+
         # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
-        self.activation_meter = ActivationMeter(exclude=self.flat) if track_memory else None
+        held = list(self.flat) + ([c.flat for c in self.copies.sets] if self.copies else [])
+        self.activation_meter = ActivationMeter(exclude=held) if track_memory else None
         self.nonfinite = NonFiniteGuard(stage, stages, microbatches, on_nonfinite)
         self.nonfinite.names = list(param_names)
         self.nonfinite.sizes = [p.numel() for p in self.opt_params]
@@ -160,8 +170,10 @@ class StageHost:
         if cuda_graphs and recompute:
             raise ValueError("cuda_graphs replays a forward together with its backward; it cannot run "
                              "with recompute")
-        # Per replica (= weight buffer, whose address never changes): its graphed compute.
-        self.graphs = {id(r): GraphedCompute(r, self._compute) for r in replicas} if cuda_graphs else None
+        # Per replica (= weight buffer, whose address never changes): its graphed compute (on the
+        # replica's compute copies where it has them: they never move either).
+        computed = [c.module for c in self.copies.sets] if self.copies else replicas
+        self.graphs = {id(r): GraphedCompute(r, self._compute) for r in computed} if cuda_graphs else None
         self.in_sig: Signature | None = None   # set by the start-up handshake
         self.out_sig: Signature | None = None
         self._batches: dict[int, tuple] = {}    # step -> (inputs[m], targets[m]) while in use
@@ -187,6 +199,13 @@ class StageHost:
     def newest_replica(self) -> nn.Module:
         return self.replica_for(self.newest_version())
 
+    def compute_module(self, version: int) -> nn.Module:
+        """What a training microbatch on ``version`` runs: its replica, or its bf16 compute copies."""
+        replica = self.replica_for(version)
+        if self.copies is None:
+            return replica
+        return self.copies.module_for(version % len(self.replicas), version, replica)
+
     def memory_report(self) -> dict:
         """Bytes held by this stage: weight versions, gradient buffer, optimizer state (incl. EF
         buffers), the fused optimizers' Newton-Schulz workspace (Muon: about two ns_dtype copies
@@ -199,6 +218,7 @@ class StageHost:
                 "grads": self.grad_flat.numel() * self.grad_flat.element_size(),
                 "optimizer_state": optimizer_state_bytes(self.optimizer),
                 "optimizer_workspace": workspace.nbytes() if workspace is not None else 0,
+                "compute_copies": self.copies.nbytes() if self.copies else 0,
                 "peak_activations": self.activation_meter.peak if self.activation_meter else None}
 
     # ---- state (keyed by global parameter names, the same layout as DelaySimulator) ---------
@@ -253,6 +273,8 @@ class StageHost:
                 flat[offset:offset + p.numel()].copy_(tensors[name].reshape(-1))
                 offset += p.numel()
 
+        if self.copies is not None:
+            self.copies.invalidate()
         fill(self.flat[newest], state["params"])
         self.version_in[newest] = k
         for lag in range(1, self.num_versions):
@@ -335,7 +357,7 @@ class StageHost:
         returned; None on the first stage). Returns the activation to send (None on the last)."""
         if self.exchange is not None:  # tied values of this version, from their owner stage
             self.exchange.install(version, self.buffer_for(version))
-        replica = self.replica_for(version)
+        replica = self.compute_module(version)
         if self.is_first:
             x = self._batch(step)[0][mb]
             self._check(x, self.in_sig, "input microbatch", step, mb)
@@ -387,7 +409,7 @@ class StageHost:
             rng, held = out
             tracking = self.activation_meter.track() if self.activation_meter else contextlib.nullcontext()
             with rng.replay(), torch.enable_grad(), tracking:
-                out = self._run_blocks(self.replica_for(version), x, step, mb)
+                out = self._run_blocks(self.compute_module(version), x, step, mb)
             del held  # the graph now holds what the input kept alive
         last = mb == self.m - 1
         if last and self.is_last:  # every loss of the step is computed: read them (one sync)
@@ -399,6 +421,8 @@ class StageHost:
         else:
             self.nonfinite.note_received_gradient(step, mb, received)
             run_backward(out, received)
+        if self.copies is not None:  # the copies' bf16 gradients into the float32 buffer
+            self.copies.sets[version % len(self.replicas)].accumulate()
         self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)
         if last and self.grad_sync is not None:
             self.grad_sync.launch_rest()

@@ -76,7 +76,7 @@ class StageCompute:
     cuda_graphs: bool = False
     """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py)."""
     compute_copies: bool = False
-    """Under bf16, run the in-process engine's linear layers on bf16 weight copies
+    """Under bf16, run the linear layers on bf16 weight copies made once per weight version
     (pipeline/compute_copies.py)."""
 
 
@@ -180,7 +180,7 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
                     compile=compute.compile, head_loss=compute.head_loss, head_loss_kernel=compute.kernel,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
-                    cuda_graphs=compute.cuda_graphs,
+                    cuda_graphs=compute.cuda_graphs, compute_copies=compute.compute_copies,
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
                     lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
                     **cfg.mitigation_kwargs())

@@ -267,8 +267,8 @@ class TrainConfig:
     """Under bf16: keep a bf16 copy of every nn.Linear weight per weight version, refreshed when the
     weights change, and run the blocks on it (pipeline/compute_copies.py), instead of autocast
     casting each weight every microbatch and widening its gradient back. The same numbers bit for
-    bit; fewer kernels, and 2 bytes per copied parameter per held version. Used by the in-process
-    engine (--stages 1, --simulate); a pipeline stage casts as before."""
+    bit; fewer kernels, and 2 bytes per copied parameter per held version. Pipeline stages with
+    --dp > 1 cast as before (their gradient buckets hook the weights' own gradients)."""
     profile_steps: Optional[str] = None
     """"FIRST:LAST": trace those steps with torch.profiler into OUT/profile/ (a trace, the operator
     table, and the device-busy share and kernel time by kind; training/profiling.py). None = off."""
