@@ -29,6 +29,13 @@ from torch import nn
 
 from .base import BlockModel, ProjectionHead, init_normal_
 
+NATIVE_GQA_DEVICES = ("cuda",) if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5) else ()
+"""Devices where attention hands grouped-query key/value heads to SDPA as they are
+(``enable_gqa=True``, torch >= 2.5; its flash and cuDNN kernels read each shared head in place)
+instead of repeating them per query head first: on a GPU the repeat wrote, and its backward summed,
+a copy of k and v ``n_head / n_kv_head`` times their size in every layer and microbatch. The CPU
+keeps the repeat (its numbers stay those of earlier runs)."""
+
 
 class LlamaConfigError(ValueError):
     """A Llama shape or preset that cannot build a model; the message names the field."""
@@ -210,11 +217,14 @@ class Attention(nn.Module):
         k = k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        group = self.n_head // self.n_kv_head
-        if group > 1:  # query head h reads key/value head h // group
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        group = self.n_head // self.n_kv_head  # query head h reads key/value head h // group
+        if group > 1 and q.device.type in NATIVE_GQA_DEVICES:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            if group > 1:
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
 
 
