@@ -67,7 +67,9 @@ def test_pipeline_ranks_trace_their_executor_threads(tmp_path):
         events = json.load(gzip.open(out / "profile" / f"trace_stage{stage}.json.gz"))["traceEvents"]
         assert sum(e.get("name") == "aten::mm" for e in events) > 0, stage
     last = json.loads((out / "profile" / "summary_stage1.json").read_text())
-    assert last["item_calls"] > 0  # the last stage reads each microbatch's loss
+    # the last stage reads no microbatch's loss on its own: the step's losses come to the host
+    # together at its last backward (one .tolist(), not an .item() per microbatch)
+    assert last["item_calls"] == 0
 
 
 def test_bad_window_is_one_line(tmp_path, capsys):
