@@ -183,3 +183,61 @@ def test_a_bf16_pipeline_on_copies_equals_its_simulation_and_the_run_without(tmp
     losses = {name: [json.loads(ln)["loss"] for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
               for name in runs}
     assert losses["real"] == losses["sim"] == losses["real-no-copies"], losses
+
+
+def _lists(device, dtype, sizes=(7, 1 << 15, (1 << 16) + 3, 3 * 577)):
+    g = torch.Generator().manual_seed(2)
+    dsts = [torch.randn(n, generator=g).to(device) for n in sizes]
+    srcs = [(torch.randn(n, generator=g) * 1e-3).to(device=device, dtype=dtype) for n in sizes]
+    return dsts, srcs
+
+
+def _check_fused_accumulate(device):
+    from asyncpp_ext.optim import _kernels as K
+
+    for dtype in (torch.bfloat16, torch.float32):
+        dsts, srcs = _lists(device, dtype)
+        want = [d.clone() for d in dsts]
+        torch._foreach_add_(want, srcs)  # torch's mixed add: the reference the copies replace
+        K.accumulate(dsts, srcs)
+        assert all(torch.equal(a, b) for a, b in zip(dsts, want)), dtype
+
+
+def test_the_fused_accumulate_adds_exactly_as_torch_and_names_a_bad_argument():
+    from asyncpp_ext.optim import _kernels as K
+
+    _check_fused_accumulate("cpu")
+    dsts, srcs = _lists("cpu", torch.bfloat16)
+    for bad_dsts, bad_srcs, words in (
+            (dsts, srcs[:-1], "srcs: expected 4 tensors"),
+            (dsts, [s.half() for s in srcs], "srcs[0]: expected float32 or bfloat16"),
+            (dsts, srcs[:1] + [s.float() for s in srcs[1:]], "srcs[1]"),
+            (dsts, [srcs[0][:-1]] + srcs[1:], "srcs[0]"),
+            ([d.bfloat16() for d in dsts], srcs, "dsts[0]"),
+            ([dsts[0].view(7, 1).expand(7, 2)] + dsts[1:], [srcs[0].view(7, 1).expand(7, 2)] + srcs[1:], "dsts[0]")):
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            K.accumulate(bad_dsts, bad_srcs)
+
+
+def test_the_copies_add_their_gradients_in_one_fused_call(monkeypatch):
+    from asyncpp_ext.optim import _kernels as K
+
+    calls = []
+    real = K.accumulate
+    monkeypatch.setattr(K, "accumulate", lambda dsts, srcs: (calls.append(len(dsts)), real(dsts, srcs))[1])
+    cfg, _ = MODELS["llama-tied-plain"]
+    model = build_model(cfg, seed=0)
+    copies = ComputeCopies(model, torch.bfloat16)
+    copies.refresh()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randint(0, 256, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _loss("plain")(copies.module, x, x).backward()
+    copies.accumulate()
+    assert calls == [len(copies)]
+
+
+@pytest.mark.cuda
+def test_the_fused_accumulate_on_a_gpu_adds_exactly_as_torch():
+    _check_fused_accumulate("cuda")

@@ -152,6 +152,15 @@ def apply_update(params, updates, ef_bufs, update_scales, ef_first, *, lr, weigh
                         optional_capsules(previous))
 
 
+def accumulate(dsts, srcs) -> None:
+    """dsts[i] += srcs[i] for every i in one kernel launch: float32 dsts, srcs all float32 or all
+    bfloat16 (widened exactly; the sum torch's mixed ``add_`` gives), contiguous, on one device."""
+    if not dsts:
+        return
+    with on_device_of(dsts[0]):
+        _K.accumulate(capsules(dsts), capsules(srcs), stream_of(dsts[0]))
+
+
 def first_nonfinite(tensors) -> int:
     """Index of the first tensor holding NaN/Inf, or -1 (one read pass; syncs on CUDA)."""
     if not tensors:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..models.graphs import GRADS_TAKEN  # the copies' ids, set on the compute module
+from ..optim import _kernels as K
 
 
 def copied_parameters(module: nn.Module, exclude: Iterable[nn.Module] = ()) -> list[nn.Parameter]:
@@ -96,8 +97,11 @@ class ComputeCopies:
     @torch.no_grad()
     def accumulate(self) -> None:
         """Add the copies' gradients of the last backward into the masters' float32 ``.grad``
-        (a master without one gets the widened gradient), and clear the copies' ``.grad``."""
-        into, grads = [], []
+        (a master without one gets the widened gradient), and clear the copies' ``.grad``. One
+        fused kernel adds them all (``optim._kernels.accumulate``: torch's mixed-dtype
+        ``_foreach_add_`` would launch one kernel per tensor on a GPU); tensors it does not take
+        (not contiguous, another dtype) go through torch, which gives the same sums."""
+        fused_into, fused, into, grads = [], [], [], []
         for c, p in zip(self.copies, self.masters):
             g = c.grad
             if g is None:
@@ -105,9 +109,16 @@ class ComputeCopies:
             c.grad = None
             if p.grad is None:
                 p.grad = g.to(p.dtype)
+            elif g.dtype == self.flat.dtype and g.is_contiguous() and p.grad.is_contiguous():
+                fused_into.append(p.grad)
+                fused.append(g)
             else:
                 into.append(p.grad)
                 grads.append(g)
+        if fused and self.flat.dtype == torch.bfloat16 and self.flat.device.type in ("cpu", "cuda"):
+            K.accumulate(fused_into, fused)
+        else:
+            into, grads = into + fused_into, grads + fused
         if into:
             torch._foreach_add_(into, grads)
 

@@ -309,6 +309,31 @@ int64_t first_nonfinite(const py::sequence& tensors_c, intptr_t stream) {
 #endif
 }
 
+void accumulate(const py::sequence& dsts_c, const py::sequence& srcs_c, intptr_t stream) {
+  const auto dsts = borrow_tensors(dsts_c, "dsts");
+  const auto srcs = borrow_tensors(srcs_c, "srcs");
+  const size_t n = dsts.size();
+  expect_len(srcs.size(), n, "srcs", "dsts");
+  if (n == 0) return;
+  const Storage storage = storage_of(srcs[0], "srcs[0]");
+  std::vector<AccumulateTensor> work(n);
+  for (size_t i = 0; i < n; ++i) {
+    expect_like(dsts[i], dsts[0], DType::f32, item("dsts", i));
+    expect_like(srcs[i], dsts[0], srcs[0].dtype, item("srcs", i));
+    expect_same_shape(dsts[i], srcs[i], item("dsts", i), item("srcs", i));
+    work[i] = AccumulateTensor{dsts[i].ptr<float>(), srcs[i].data, dsts[i].numel()};
+  }
+  const bool cuda = dsts[0].device == DeviceKind::cuda;
+  py::gil_scoped_release release;
+  if (!cuda) return accumulate_cpu(work, storage);
+#ifdef ASYNCPP_WITH_CUDA
+  accumulate_cuda(work, storage, stream);
+#else
+  (void)stream;
+  no_cuda_kernels("dsts");
+#endif
+}
+
 }  // namespace
 
 void bind_optim(py::module_& m) {
@@ -335,6 +360,9 @@ void bind_optim(py::module_& m) {
         "(sources=[]: in place) and W(t+1) written to params[i], as in adamw_step.");
   o.def("first_nonfinite", &first_nonfinite, py::arg("tensors"), py::arg("stream") = 0,
         "Index of the first float32 tensor holding a NaN or Inf, or -1.");
+  o.def("accumulate", &accumulate, py::arg("dsts"), py::arg("srcs"), py::arg("stream") = 0,
+        "dsts[i] += srcs[i] over every tensor in one call: float32 dsts, srcs all float32 or all bfloat16 "
+        "(widened exactly), each shaped like its dst.");
 }
 
 }  // namespace asyncpp::bindings

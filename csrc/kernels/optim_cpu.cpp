@@ -102,4 +102,27 @@ int64_t first_nonfinite_cpu(const std::vector<ConstTensor>& tensors) {
   return -1;
 }
 
+namespace {
+template <Storage kIn>
+void accumulate_range(const AccumulateTensor& t, int64_t begin, int64_t end) {
+  float* dst = t.dst;
+  for (int64_t i = begin; i < end; ++i) {
+    if constexpr (kIn == Storage::f32) {
+      dst[i] += static_cast<const float*>(t.src)[i];
+    } else {
+      dst[i] += bf16_to_float(static_cast<const uint16_t*>(t.src)[i]);
+    }
+  }
+}
+}  // namespace
+
+void accumulate_cpu(const std::vector<AccumulateTensor>& tensors, Storage src_storage) {
+  const auto range = src_storage == Storage::f32 ? accumulate_range<Storage::f32> : accumulate_range<Storage::bf16>;
+  const auto items = split_work(tensors.size(), [&](size_t t) { return tensors[t].numel; });
+  parallel_items(int64_t(items.size()), kMinParallelChunks, [&](int64_t k) {
+    const WorkItem& w = items[k];
+    range(tensors[w.tensor], w.begin, w.end);
+  });
+}
+
 }  // namespace asyncpp::kernels::optim

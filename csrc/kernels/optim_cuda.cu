@@ -231,6 +231,21 @@ __global__ void apply_kernel(const ApplyTensor* tensors, const Chunk* chunks, in
   }
 }
 
+template <Storage kIn>
+__global__ void accumulate_kernel(const AccumulateTensor* tensors, const Chunk* chunks, int64_t n_chunks) {
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    const Chunk ch = chunks[c];
+    const AccumulateTensor t = tensors[ch.tensor];
+    for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += blockDim.x) {
+      if constexpr (kIn == Storage::f32) {
+        t.dst[i] += static_cast<const float*>(t.src)[i];
+      } else {
+        t.dst[i] += bf16_to_float(static_cast<const uint16_t*>(t.src)[i]);
+      }
+    }
+  }
+}
+
 __global__ void nonfinite_kernel(const ConstTensor* tensors, const Chunk* chunks, int64_t n_chunks,
                                  int* flags) {
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
@@ -284,6 +299,19 @@ void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_s
   } else {
     apply_kernel<Storage::bf16><<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
                                                                              table.n_chunks);
+  }
+  ASYNCPP_CUDA_OK(cudaGetLastError());
+}
+
+void accumulate_cuda(const std::vector<AccumulateTensor>& tensors, Storage src_storage, intptr_t stream) {
+  DeviceTable<AccumulateTensor> table(tensors, as_stream(stream));
+  if (table.n_chunks == 0) return;
+  if (src_storage == Storage::f32) {
+    accumulate_kernel<Storage::f32><<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
+                                                                                 table.n_chunks);
+  } else {
+    accumulate_kernel<Storage::bf16><<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
+                                                                                  table.n_chunks);
   }
   ASYNCPP_CUDA_OK(cudaGetLastError());
 }

@@ -59,6 +59,14 @@ struct ConstTensor {
   int64_t numel;
 };
 
+// dst += src, src in `Storage` widened exactly to float32 (a bf16 compute copy's gradient added into
+// its float32 weight's gradient): the float32 sum torch's mixed add_ gives, rounded once.
+struct AccumulateTensor {
+  float* dst;
+  const void* src;
+  int64_t numel;
+};
+
 // ---- CPU --------------------------------------------------------------------------------------
 void adamw_step_cpu(const std::vector<AdamWTensor>& tensors);
 // Writes V for every tensor and, when sumsq != nullptr, sumsq[i] = sum of V_i^2 as stored
@@ -67,6 +75,7 @@ void muon_momentum_cpu(const std::vector<MomentumTensor>& tensors, Storage out_s
 void apply_update_cpu(const std::vector<ApplyTensor>& tensors, Storage update_storage);
 // Index of the first tensor holding a NaN or Inf, or -1.
 int64_t first_nonfinite_cpu(const std::vector<ConstTensor>& tensors);
+void accumulate_cpu(const std::vector<AccumulateTensor>& tensors, Storage src_storage);
 
 #ifdef ASYNCPP_WITH_CUDA
 // ---- CUDA (stream = cudaStream_t as an integer, 0 = legacy default stream) ---------------------
@@ -78,6 +87,7 @@ void muon_momentum_cuda(const std::vector<MomentumTensor>& tensors, Storage out_
 void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_storage, intptr_t stream);
 // Synchronises `stream` to read the answer back.
 int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t stream);
+void accumulate_cuda(const std::vector<AccumulateTensor>& tensors, Storage src_storage, intptr_t stream);
 #endif
 
 }  // namespace asyncpp::kernels::optim
