@@ -104,7 +104,11 @@ def read_profile(out_dir: Path) -> dict | None:
         ranks[path.stem.removeprefix("summary_")] = {
             "device_busy_share": s["device_busy_share"], "kernels_per_step": round(s["kernels"] / steps),
             "device_ms_per_step": {k: round(v / steps, 2) for k, v in s["device_ms_by_kind"].items()},
-            "window_ms_per_step": round(s["window_ms"] / steps, 2)}
+            "window_ms_per_step": round(s["window_ms"] / steps, 2),
+            # the costliest kernels by name (which attention kernel ran, which fusions cost most)
+            "top_kernels_ms_per_step": [{"name": k["name"], "kind": k["kind"], "ms": round(k["ms"] / steps, 2),
+                                         "launches": round(k["launches"] / steps)}
+                                        for k in s.get("top_kernels", [])]}
     return ranks or None
 
 

@@ -51,6 +51,7 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
         if row["impl"] == "ours":  # --profile traced 2 steps after the measured ones, on every rank
             assert set(row["profile"]) == {f"stage{s}" for s in range(row["stages"])}
             assert all(p["window_ms_per_step"] > 0 and p["kernels_per_step"] == 0 for p in row["profile"].values())
+            assert all(p["top_kernels_ms_per_step"] == [] for p in row["profile"].values())  # no kernels on CPU
     hf = rows["hf eager adamw"]
     assert hf["params"] == gt.total_params(shape) and hf["info"]["attn_implementation"] == "sdpa"
     assert not [row for row in rep["rows"] if row["impl"] == "head"]  # measured in-process below

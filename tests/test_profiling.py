@@ -36,6 +36,13 @@ def test_summary_counts_overlapping_device_work_once():
     assert s["device_busy_share"] == pytest.approx(60 / 200)
     assert s["device_ms_by_kind"] == {"matmul": 0.03, "triton": 0.02, "attention": 0.01, "copy": 0.01}
     assert (s["kernels"], s["host_syncs"], s["item_calls"]) == (3, 1, 1)
+    assert [(k["name"], k["kind"], k["ms"], k["launches"]) for k in s["top_kernels"]] == [
+        ("nvjet_sm90_tst_128x128", "matmul", 0.03, 1), ("triton_poi_fused_add_0", "triton", 0.02, 1),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention", 0.01, 1)]
+    many = [_x("kernel", f"k{i % 20}", i, 1 + i % 20) for i in range(200)]  # 20 names, 10 launches each
+    top = summarize_trace(many)["top_kernels"]
+    assert len(top) == 15 and top[0]["name"] == "k19" and top[0]["launches"] == 10
+    assert [k["ms"] for k in top] == sorted((k["ms"] for k in top), reverse=True)
 
 
 def test_kernel_kinds():

@@ -10,7 +10,8 @@ Each process that trains writes, under ``OUT/profile/``:
   once) and its share of the wall time, the kernel time by kind (matrix products, attention,
   Triton/compiled, other kernels, copies, collectives), the kernel count, and how often the host
   waited on the device (``cudaStreamSynchronize``/``cudaDeviceSynchronize`` calls and
-  ``aten::_local_scalar_dense``, i.e. ``.item()``).
+  ``aten::_local_scalar_dense``, i.e. ``.item()``), and the costliest kernels by name with their
+  time and launches (``top_kernels``: which attention kernel ran, which fusions cost most).
 
 ``<who>`` is ``stage<S>`` (``stage<S>_dp<R>`` for data-parallel replicas). The window starts when
 step FIRST-1 has completed and ends when step LAST has: in a pipeline, neighbouring steps overlap,
@@ -51,6 +52,10 @@ _KINDS = (("matmul", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul", re.I))
           ("collective", re.compile(r"nccl", re.I)))
 
 
+TOP_KERNELS = 15
+"""Kernels listed by name in a summary (``top_kernels``), the costliest first."""
+
+
 def kernel_kind(name: str, category: str) -> str:
     """The kind a device event counts under in the summary."""
     if category in ("gpu_memcpy", "gpu_memset"):
@@ -78,9 +83,16 @@ def summarize_trace(events: list[dict]) -> dict:
     times = [float(e["ts"]) for e in host + device] + [float(e["ts"]) + float(e.get("dur", 0.0)) for e in host + device]
     wall_us = (max(times) - min(times)) if times else 0.0
     kinds: dict[str, float] = {}
+    by_name: dict[str, list] = {}  # kernel name -> [ms, launches]
     for e in device:
-        kind = kernel_kind(str(e.get("name", "")), e.get("cat", ""))
+        name = str(e.get("name", ""))
+        kind = kernel_kind(name, e.get("cat", ""))
         kinds[kind] = kinds.get(kind, 0.0) + float(e.get("dur", 0.0)) / 1e3
+        if e.get("cat") == "kernel":
+            entry = by_name.setdefault(name, [0.0, 0])
+            entry[0] += float(e.get("dur", 0.0)) / 1e3
+            entry[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     names = [str(e.get("name", "")) for e in host]
     return {
         "window_ms": round(wall_us / 1e3, 3),
@@ -90,6 +102,9 @@ def summarize_trace(events: list[dict]) -> dict:
         "kernels": sum(1 for e in device if e.get("cat") == "kernel"),
         "host_syncs": sum(1 for n in names if n in ("cudaStreamSynchronize", "cudaDeviceSynchronize")),
         "item_calls": sum(1 for n in names if n == "aten::_local_scalar_dense"),
+        # which kernels the time went to (which attention kernel ran, the costliest fusions)
+        "top_kernels": [{"name": n[:160], "kind": kernel_kind(n, "kernel"), "ms": round(ms, 3), "launches": k}
+                        for n, (ms, k) in top],
     }
 
 
