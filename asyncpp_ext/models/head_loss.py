@@ -146,15 +146,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross entropy of ``hidden @ weight.T + bias`` row chunk by row chunk.
 
     ``compute_dtype`` is the matmul dtype (autocast's, or the inputs'); the inputs are cast per call
-    here rather than by the caller so that backward holds only the original tensors (the fp32
-    weight is the parameter itself: no bf16 copy of V x C stays alive between forward and backward)
-    and grad_weight is accumulated in fp32 across chunks, rounded once to the weight's dtype.
-    Each chunk makes as few passes over its (rows, V) buffers as eager torch allows: on a GPU
-    those passes, not the matmuls, are most of the time."""
+    here rather than by the caller, and grad_weight is accumulated in fp32 across chunks, rounded
+    once to the weight's dtype. Each chunk makes as few passes over its (rows, V) buffers as eager
+    torch allows: on a GPU those passes, not the matmuls, are most of the time.
+
+    When gradients will be wanted (``grads``: grad mode was on at the call and an input needs one)
+    the forward forms them from each chunk's logits while they are at hand -- the loss is the end
+    of the graph, so d loss / d logits is known up to the scalar the backward brings -- and keeps
+    them (``g @ W`` as (N, C) in the matmul dtype, grad_weight and grad_bias in fp32) until the
+    backward, which only scales them. A backward that recomputed the logits would cost one
+    (N x C x V) matmul more per call, a quarter of the head's matmul work. The numbers are those of
+    the recomputing form bit for bit: the same products of the same logits, scaled by the same
+    factors in the same order. Without ``grads`` (evaluation) only the loss is computed."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_rows, ignore_index, compute_dtype):
+    def forward(ctx, hidden, weight, bias, targets, chunk_rows, ignore_index, compute_dtype, grads):
         n = hidden.shape[0]
+        need_h, need_w, need_b = (grads and flag for flag in ctx.needs_input_grad[:3])
         valid = targets != ignore_index
         safe = targets.masked_fill(~valid, 0)  # an ignored row gathers column 0, then is masked out
         w = weight.to(compute_dtype)
@@ -162,61 +170,51 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         h = hidden.to(compute_dtype)  # once, not per chunk: a launch less per chunk, N x C more bytes
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # d loss / d logit_ij = scale * valid_i * (softmax_ij - [j == t_i]), scale = grad / count. The
+        # (rows, V) buffer holds softmax - onehot unscaled; scale and mask go on the small sides
+        # (g @ W's rows in backward, hidden's rows for grad_weight here), saving a pass over the chunk.
+        mask = valid.to(compute_dtype)  # 0/1: exact in any dtype
+        g_w = torch.empty((n, weight.shape[1]), dtype=compute_dtype, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        h_masked = h * mask[:, None] if need_w else None  # cast and masked once rather than per chunk
         passes = _chunk_passes(hidden.device)
         for s in range(0, n, chunk_rows):
             e = min(s + chunk_rows, n)
             logits = F.linear(h[s:e], w, b)
             lse[s:e], nll = passes.stats(logits, safe[s:e, None], valid[s:e])
             total += nll
-            del logits
-        del h
+            if not (need_h or need_w or need_b):
+                continue
+            g = passes.grad(logits, safe[s:e, None], lse[s:e, None], compute_dtype)
+            del logits  # one (rows, V) buffer alive at a time
+            if need_h:
+                torch.matmul(g, w, out=g_w[s:e])
+            if need_w:
+                _accumulate(grad_w, g.t(), h_masked[s:e])
+            if need_b:
+                grad_b += torch.mv(g.t(), mask[s:e]).float()
+            del g
+        del h, h_masked
         count = valid.sum()
-        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse, count)
-        ctx.chunk_rows, ctx.compute_dtype = chunk_rows, compute_dtype
+        ctx.save_for_backward(valid, count, g_w, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total / count  # 0/0 = nan with every target ignored, like F.cross_entropy
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, bias, safe, valid, lse, count = ctx.saved_tensors
-        dtype, rows = ctx.compute_dtype, ctx.chunk_rows
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        w = weight.to(dtype)
-        b = None if bias is None else bias.to(dtype)
-        # d loss / d logit_ij = scale * valid_i * (softmax_ij - [j == t_i]), scale = g / count. The
-        # (rows, V) buffer holds softmax - onehot unscaled; scale and mask go on the small sides
-        # (grad_hidden's rows, hidden's rows for grad_weight), saving a pass over the chunk.
+        valid, count, g_w, grad_w, grad_b = ctx.saved_tensors
+        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
         scale = grad_loss.to(torch.float32) / count
-        row_scale = valid.to(torch.float32) * scale
-        mask = valid.to(dtype)  # 0/1: exact in any dtype
-        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        # Backward may run inside the caller's autocast (same thread on CPU): keep our dtypes.
-        passes = _chunk_passes(hidden.device)
-        with _no_autocast(hidden.device):
-            # Cast and mask the (N, C) inputs once rather than per chunk (fewer launches).
-            h = hidden.to(dtype)
-            h_masked = h * mask[:, None] if need_w else None
-            for s in range(0, hidden.shape[0], rows):
-                e = min(s + rows, hidden.shape[0])
-                logits = F.linear(h[s:e], w, b)
-                g = passes.grad(logits, safe[s:e, None], lse[s:e, None], dtype)
-                del logits
-                if need_h:
-                    torch.mul(g @ w, row_scale[s:e, None], out=grad_h[s:e])
-                if need_w:
-                    _accumulate(grad_w, g.t(), h_masked[s:e])
-                if need_b:
-                    grad_b += torch.mv(g.t(), mask[s:e]).float()
-                del g
-        if need_w:
-            grad_w.mul_(scale)
-        if need_b:
-            grad_b.mul_(scale)
-        return (grad_h,
-                None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype),
-                None, None, None, None)
+        grad_h = None
+        if g_w is not None:
+            grad_h = torch.empty(g_w.shape, dtype=hidden_dtype, device=g_w.device)
+            torch.mul(g_w, (valid.to(torch.float32) * scale)[:, None], out=grad_h)
+        if grad_w is not None:
+            grad_w = grad_w.mul_(scale).to(weight_dtype)
+        if grad_b is not None:
+            grad_b = grad_b.mul_(scale).to(bias_dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def _flatten(hidden, weight, targets, bias):
@@ -249,7 +247,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if rows < 1:
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     with _no_autocast(h2.device):
-        return _ChunkedLinearCrossEntropy.apply(h2, weight, bias, t, rows, ignore_index, dtype)
+        return _ChunkedLinearCrossEntropy.apply(h2, weight, bias, t, rows, ignore_index, dtype,
+                                                torch.is_grad_enabled())
 
 
 @functools.lru_cache(maxsize=None)
