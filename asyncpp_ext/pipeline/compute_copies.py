@@ -82,7 +82,6 @@ class ComputeCopies:
             self.copies.append(c)
         self.module = copy.deepcopy(module, memo)
         setattr(self.module, GRADS_TAKEN, frozenset(id(c) for c in self.copies))
-        self.fresh = False
 
     def __len__(self) -> int:
         return len(self.copies)
@@ -92,7 +91,6 @@ class ComputeCopies:
         """Round the masters' current values into the copies (once per weight change)."""
         if self.copies:
             torch._foreach_copy_(self.copies, self.masters)
-        self.fresh = True
 
     @torch.no_grad()
     def accumulate(self) -> None:
