@@ -92,6 +92,8 @@ def ratios(rows: list) -> list:
         plain = find(r["name"].removesuffix(" graphs"), r["model"], r["seq_len"]) if r.get("graphs") else None
         if plain is None and r.get("copies") is not False:  # bf16 compute copies against the row without
             plain = find(f"{r['name']} no-copies", r["model"], r["seq_len"])
+        if r.get("dtype") == "bf16-params":  # bf16 activations against autocast's
+            plain = find(r["name"].removesuffix(" bf16-params"), r["model"], r["seq_len"])
         if plain:
             out.append(dict(what=f"{r['name']} / {plain['name']}", model=r["model"], seq_len=r["seq_len"],
                             tokens_per_s=r["tokens_per_s"] / plain["tokens_per_s"],
@@ -106,7 +108,7 @@ def ratios(rows: list) -> list:
             base = next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
                          and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
                          and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
-                         and b.get("copies") is not False), None)
+                         and b.get("copies") is not False and b.get("dtype") is None), None)
             if base:
                 out.append(dict(what=f"{r['name']} / {base['name']}", model=r["model"], seq_len=r["seq_len"],
                                 tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"], peak_memory=None,

@@ -63,7 +63,7 @@ def child_env() -> dict:
 def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> list:
     shape = model_shape(r["model"], r["seq_len"])
     cmd = [sys.executable, "-c", OURS_DRIVER, str(peak_file), *shape["cli_flags"],
-           "--device", args.device, "--dtype", "bf16" if args.device == "cuda" else "fp32",
+           "--device", args.device, "--dtype", r.get("dtype") or ("bf16" if args.device == "cuda" else "fp32"),
            "--stages", str(r["stages"]), "--schedule", r["schedule"],
            "--micro-batch-size", str(r["micro_batch_size"]), "--microbatches", str(r["microbatches"]),
            "--optimizer", r["optimizer"], "--steps", str(args.warmup + args.steps + PROFILED_STEPS * bool(args.profile)),

@@ -170,19 +170,58 @@ def test_a_2bw_stage_on_copies_trains_bitwise_as_with_autocast_casts(stage):
 
 @pytest.mark.multiproc
 def test_a_bf16_pipeline_on_copies_equals_its_simulation_and_the_run_without(tmp_path):
+    """--dtype bf16: real == --simulate == real without copies (the copies change no number).
+    --dtype bf16-params: real == --simulate (evaluation included), and a computation of its own."""
     import json
 
     from asyncpp_ext.training.cli import main
 
-    flags = ["--model", "llama-tiny", "--dtype", "bf16", "--stages", "2", "--schedule", "2bw", "--microbatches",
-             "2", "--micro-batch-size", "2", "--seq-len", "16", "--steps", "4", "--threads", "1",
-             "--eval-every", "0", "--ckpt-every", "0", "--no-progress"]
-    runs = {"real": [], "sim": ["--simulate"], "real-no-copies": ["--no-compute-copies"]}
+    flags = ["--model", "llama-tiny", "--stages", "2", "--schedule", "2bw", "--microbatches", "2",
+             "--micro-batch-size", "2", "--seq-len", "16", "--steps", "4", "--threads", "1",
+             "--eval-every", "4", "--ckpt-every", "0", "--no-progress"]
+    runs = {"real": ["--dtype", "bf16"], "sim": ["--dtype", "bf16", "--simulate"],
+            "real-no-copies": ["--dtype", "bf16", "--no-compute-copies"],
+            "params-real": ["--dtype", "bf16-params"], "params-sim": ["--dtype", "bf16-params", "--simulate"]}
+    rows = {}
     for name, extra in runs.items():
         assert main(flags + extra + ["--out", str(tmp_path / name)]) == 0
-    losses = {name: [json.loads(ln)["loss"] for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-              for name in runs}
+        rows[name] = [json.loads(ln) for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    losses = {name: [(r["loss"], r.get("eval_loss")) for r in rs] for name, rs in rows.items()}
     assert losses["real"] == losses["sim"] == losses["real-no-copies"], losses
+    assert losses["params-real"] == losses["params-sim"], losses
+    assert losses["params-real"] != losses["real"]  # bf16 activations: another rounding of the same model
+    assert abs(losses["params-real"][-1][0] - losses["real"][-1][0]) < 0.01 * losses["real"][-1][0]
+
+
+def test_bf16_params_computes_every_activation_in_bf16_from_fp32_masters():
+    from asyncpp_ext.models.registry import model_config
+    from asyncpp_ext.training.build import build_data, build_simulator
+    from asyncpp_ext.training.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.model = model_config("llama-tiny")
+    cfg.pipeline.schedule, cfg.pipeline.microbatches, cfg.train.dtype = "sync", 2, "bf16-params"
+    cfg.train.compute_copies = False  # bf16-params copies every parameter whatever this says
+    stream, eval_set = build_data(cfg)
+    engine = build_simulator(cfg)
+    masters = list(engine.model.parameters())
+    assert engine.copies is not None and len(engine.copies) == len(masters)  # every parameter
+    outputs = []
+    hooks = [b.register_forward_hook(lambda m, i, o: outputs.append(o.dtype)) for b in engine.copies.module.blocks()[:-1]]
+    losses = list(engine.train_steps(stream, 6))
+    for h in hooks:
+        h.remove()
+    assert set(outputs) == {torch.bfloat16}  # embedding and blocks: the residual stream is bf16
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+    assert all(c.dtype == torch.bfloat16 for c in engine.copies.copies)
+    assert losses[-1] < losses[0]
+    # evaluation computes as training does: on the copies, refreshed from the newest weights
+    batch = eval_set[:2]
+    got = engine.eval_loss(batch)
+    with torch.no_grad():
+        on_copies = sum(engine.loss_fn(engine.copies.module, x, y).item() for x, y in batch) / len(batch)
+        on_masters = sum(engine.loss_fn(engine.model, x, y).item() for x, y in batch) / len(batch)
+    assert got == on_copies and got != on_masters
 
 
 def _lists(device, dtype, sizes=(7, 1 << 15, (1 << 16) + 3, 3 * 577)):

@@ -210,6 +210,14 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     assert "--no-compute-copies" not in gt.ours_command(full[0], args, with_copies, Path("o"), Path("p"))
     assert not any(r.get("copies") is False for r in gt.build_plan(_plan_args(mode="quick"), with_copies, gpus=1)[0])
     assert not any(r.get("copies") is False for r in gt.build_plan(_plan_args("cpu"), with_copies, gpus=0)[0])
+    with_params = dict(with_copies, bf16_params=True)  # --dtype bf16-params rows beside them
+    full, _ = gt.build_plan(_plan_args(), with_params, gpus=1)
+    params = [r for r in full if r.get("dtype") == "bf16-params"]
+    assert {(r["name"], r["model"], r["seq_len"]) for r in params} == {
+        ("ours sync adamw bf16-params", "smollm-135m", 1024), ("ours sync adamw bf16-params", "smollm-360m", 2048)}
+    cmd = gt.ours_command(params[0], args, with_params, Path("o"), Path("p"))
+    assert cmd[cmd.index("--dtype") + 1] == "bf16-params"
+    assert not any(r.get("dtype") for r in gt.build_plan(_plan_args(mode="quick"), with_params, gpus=1)[0])
 
 
 def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
@@ -254,7 +262,7 @@ def test_an_unbuilt_extension_stops_the_bench_before_any_row(capsys, monkeypatch
     assert err.count("\n") == 1 and err.startswith("gpu_throughput.py: error: "), err
 
 
-def test_ratios_pair_ours_with_its_no_copies_and_graphs_rows():
+def test_ratios_pair_ours_with_its_no_copies_graphs_and_bf16_params_rows():
     from throughput_report import ratios
 
     def ours(name, tps, **kw):
@@ -262,8 +270,10 @@ def test_ratios_pair_ours_with_its_no_copies_and_graphs_rows():
                     status="ok", tokens_per_s=tps, peak_bytes=100)
     rows = [ours("ours sync adamw", 120.0), ours("ours sync adamw no-copies", 100.0, copies=False),
             ours("ours sync adamw graphs", 180.0, graphs=True),
+            ours("ours sync adamw bf16-params", 150.0, dtype="bf16-params"),
             ours("ours 2bw 2st 1gpu adamw", 90.0, stages=2)]
     got = {q["what"]: q["tokens_per_s"] for q in ratios(rows)}
+    assert got["ours sync adamw bf16-params / ours sync adamw"] == pytest.approx(1.25)
     assert got["ours sync adamw / ours sync adamw no-copies"] == pytest.approx(1.2)
     assert got["ours sync adamw graphs / ours sync adamw"] == pytest.approx(1.5)
     assert got["ours 2bw 2st 1gpu adamw / ours sync adamw"] == pytest.approx(0.75)  # not against no-copies

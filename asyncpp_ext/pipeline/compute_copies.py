@@ -43,9 +43,13 @@ from ..models.graphs import GRADS_TAKEN  # the copies' ids, set on the compute m
 from ..optim import _kernels as K
 
 
-def copied_parameters(module: nn.Module, exclude: Iterable[nn.Module] = ()) -> list[nn.Parameter]:
+def copied_parameters(module: nn.Module, exclude: Iterable[nn.Module] = (),
+                      every: bool = False) -> list[nn.Parameter]:
     """The parameters of ``module`` a compute copy replaces (see the module docstring), in
-    ``module.parameters()`` order."""
+    ``module.parameters()`` order. ``every``: all float32 trainable parameters (``--dtype
+    bf16-params``: the whole computation in 16 bits), ``exclude`` then ignored."""
+    if every:
+        return [p for p in module.parameters() if p.requires_grad and p.dtype == torch.float32]
     owners: dict[int, list[nn.Module]] = {}
     for sub in module.modules():
         for p in sub._parameters.values():
@@ -62,8 +66,8 @@ class ComputeCopies:
     docstring. ``module`` keeps its float32 parameters (the optimizer's, the checkpoint's)."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype = torch.bfloat16,
-                 exclude: Iterable[nn.Module] = ()):
-        self.masters = copied_parameters(module, exclude)
+                 exclude: Iterable[nn.Module] = (), every: bool = False):
+        self.masters = copied_parameters(module, exclude, every)
         numel = sum(p.numel() for p in self.masters)
         device = self.masters[0].device if self.masters else torch.device("cpu")
         self.flat = torch.empty(numel, dtype=dtype, device=device)  # every copy views it
@@ -131,11 +135,13 @@ class ReplicaCopies:
         self.hold: list[Optional[int]] = [None] * len(sets)  # the version each set was refreshed for
 
     @classmethod
-    def build(cls, replicas, dtype: Optional[torch.dtype], enabled: bool,
-              exclude_last: bool) -> Optional["ReplicaCopies"]:
+    def build(cls, replicas, dtype: Optional[torch.dtype], enabled: bool, exclude_last: bool,
+              every: bool = False) -> Optional["ReplicaCopies"]:
         """Copies of every replica, or None (off, float32, nothing to copy). ``exclude_last``
-        leaves the replicas' last block (the fused head loss's) as it is."""
-        sets = [maybe_compute_copies(r, dtype, enabled, exclude=[list(r.children())[-1]] if exclude_last else [])
+        leaves the replicas' last block (the fused head loss's) as it is; ``every`` copies every
+        parameter (``--dtype bf16-params``)."""
+        sets = [maybe_compute_copies(r, dtype, enabled,
+                                     exclude=[list(r.children())[-1]] if exclude_last else [], every=every)
                 for r in replicas]
         return cls(sets) if sets and all(s is not None for s in sets) else None
 
@@ -157,12 +163,12 @@ class ReplicaCopies:
 
 
 def maybe_compute_copies(module: nn.Module, dtype: Optional[torch.dtype], enabled: bool,
-                         exclude: Iterable[nn.Module] = ()) -> Optional[ComputeCopies]:
+                         exclude: Iterable[nn.Module] = (), every: bool = False) -> Optional[ComputeCopies]:
     """Compute copies for a run in ``dtype`` (autocast's; None = float32: nothing to copy), or
-    None when off or when ``module`` has no linear weight to copy."""
+    None when off or when ``module`` has nothing to copy."""
     if not enabled or dtype is None:
         return None
-    copies = ComputeCopies(module, dtype, exclude)
+    copies = ComputeCopies(module, dtype, exclude, every)
     return copies if len(copies) else None
 
 

@@ -25,7 +25,7 @@ from ..models.compile import compile_blocks
 from ..schedule.table import schedule_names, schedule_spec
 from .data_parallel import Layout, create_dp_group, replica_share
 from .partition import as_blocks, split
-from .recompute import resolve_autocast
+from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .stage import Signature, StageError, StageHost
 from .step_feed import StepFeed
 from .step_exchange import StepExchange
@@ -102,8 +102,10 @@ class Pipeline:
             (asyncpp Muon / MuonHybrid only; the result equals the unsharded step).
         recompute: keep only each microbatch's stage input and re-run the forward right before its
             backward (same numbers, less in-flight activation memory).
-        dtype: "auto" (bf16 autocast on CUDA, float32 on CPU), "fp32", or "bf16" (autocast; weights,
-            gradients and optimizer state stay float32).
+        dtype: "auto" (bf16 autocast on CUDA, float32 on CPU), "fp32", "bf16" (autocast; weights,
+            gradients and optimizer state stay float32) or "bf16-params" (every parameter copied to
+            bf16 per weight version: activations and residual stream in bf16; float32 master
+            weights, gradient accumulation and optimizer state).
         on_nonfinite: "stop" (a NaN/Inf loss or gradient ends the run, naming stage and step) or
             "skip" (that step's update is skipped on every stage); see nonfinite.py.
         lr_schedule: an object with ``multiplier(step)`` (optim/lr_schedule.py): every parameter
@@ -166,6 +168,7 @@ class Pipeline:
         timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, f"timeout_s={timeout_s!r}")
         self.device = torch.device("cpu" if device is None else device)
         self.autocast_dtype = resolve_autocast(dtype, self.device)
+        every_param = dtype in PARAMS_IN_COMPUTE_DTYPE  # every parameter computes in bf16 (bf16-params)
         transport = _choose_transport(transport, self.device)
         if transport == "nccl":  # before touching the device: say what to install or rebuild
             from .nccl import require_nccl
@@ -217,7 +220,7 @@ class Pipeline:
                               exchange=self.exchange if self.exchange.active else None,
                               dp_group=self.dp_group, dp=dp, shard_optimizer=shard_optimizer,
                               head_loss=head_loss, head_loss_kernel=head_loss_kernel, cuda_graphs=cuda_graphs,
-                              compute_copies=compute_copies)
+                              compute_copies=compute_copies, params_in_compute_dtype=every_param)
         self.transport = None
         # Boundary tensors between the host and the transport; receive slots are reused.
         self.board = C.MessageBoard(self.host)
@@ -312,7 +315,8 @@ class Pipeline:
             return
         try:
             with torch.no_grad(), h.autocast():
-                probe = h.newest_replica()(torch.zeros(h.in_sig.shape, dtype=h.in_sig.dtype, device=self.device))
+                probe = h.compute_module(h.newest_version())(
+                    torch.zeros(h.in_sig.shape, dtype=h.in_sig.dtype, device=self.device))
         except Exception as e:  # the blocks cannot consume what the previous stage sends
             raise StageError(f"stage {self.stage} cannot run its blocks on input {h.in_sig.describe()}: "
                              f"{str(e).splitlines()[0]}; the stages disagree about the model") from None
@@ -438,7 +442,8 @@ class Pipeline:
         """Mean loss of the newest weights over ``batches`` (microbatch-sized (x, y) pairs, of R*B
         sequences with dp = R: each replica evaluates its rows), run forward-only through the
         pipeline. Returns the loss on the last stages, None elsewhere."""
-        h, model = self.host, self.host.newest_replica()
+        h = self.host
+        model = h.compute_module(h.newest_version())  # what training computes with (its copies)
         losses = []
         with self.watchdog.armed("evaluation"):
             for i, (x, y) in enumerate(batches):

@@ -12,7 +12,12 @@ import contextlib
 
 import torch
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "bf16-params": torch.bfloat16}
+PARAMS_IN_COMPUTE_DTYPE = ("bf16-params",)
+"""The dtypes that compute from 16-bit copies of *every* parameter (activations, the residual stream
+and the per-microbatch gradients 16-bit; float32 master weights, gradient accumulation and
+optimizer state): the mixed precision of FSDP's ``param_dtype=bfloat16``. Plain "bf16" is autocast,
+which keeps the residual stream and the norms in float32 (pipeline/compute_copies.py)."""
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None, cache: bool = True):
@@ -25,12 +30,12 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None, cache: boo
 
 
 def resolve_autocast(dtype: str, device: torch.device) -> torch.dtype | None:
-    """"auto" -> bf16 on CUDA, float32 on CPU; "fp32" / "bf16" as asked (bf16 on CPU is allowed
-    when asked for explicitly, but bf16 matrix products are very slow on most CPUs)."""
+    """"auto" -> bf16 on CUDA, float32 on CPU; "fp32" / "bf16" / "bf16-params" as asked (bf16 on
+    CPU is allowed when asked for explicitly, but bf16 matrix products are very slow on most CPUs)."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     if dtype not in AUTOCAST_DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, fp32 or bf16")
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, fp32, bf16 or bf16-params")
     return AUTOCAST_DTYPES[dtype]
 
 
@@ -53,4 +58,4 @@ class RngState:
             yield
 
 
-__all__ = ["AUTOCAST_DTYPES", "autocast_context", "resolve_autocast", "RngState"]
+__all__ = ["AUTOCAST_DTYPES", "PARAMS_IN_COMPUTE_DTYPE", "autocast_context", "resolve_autocast", "RngState"]

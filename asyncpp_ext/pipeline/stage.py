@@ -86,7 +86,8 @@ class StageHost:
                  param_names: Sequence[str] = (), lr_schedule=None,
                  mitigation: MitigationSettings | None = None, exchange=None,
                  dp_group=None, dp: int = 1, shard_optimizer: bool = False, head_loss: str = "plain",
-                 head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = False):
+                 head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = False,
+                 params_in_compute_dtype: bool = False):
         """``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
         ``lr_schedule`` (optim/lr_schedule.py) scales every group's lr at each step; ``mitigation``
         is the staleness mitigation this stage applies (optim/mitigations.py); ``exchange`` the
@@ -99,7 +100,8 @@ class StageHost:
         weight-version replica (models/graphs.py); not with ``recompute``. ``compute_copies`` (under
         bf16 autocast, without data parallelism) runs each replica's microbatches on bf16 copies of
         its linear weights, refreshed when the replica's buffer takes a new version
-        (compute_copies.py; the same numbers as autocast's casts)."""
+        (compute_copies.py; the same numbers as autocast's casts); ``params_in_compute_dtype``
+        (``--dtype bf16-params``) copies every parameter, with or without data parallelism."""
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
         self.recompute, self.autocast_dtype = recompute, autocast_dtype
         self.exchange, self.lr_schedule = exchange, lr_schedule
@@ -149,8 +151,10 @@ class StageHost:
 
         # bf16 compute copies, one set per replica (= weight buffer). Not with data parallelism: its
         # bucket hooks fire on the replicas' own gradients, which the copies' bypass.
-        self.copies = ReplicaCopies.build(replicas, autocast_dtype, compute_copies and dp == 1,
-                                          exclude_last=self.is_last and head_loss == "fused")  # its own cast
+        every = params_in_compute_dtype
+        self.copies = ReplicaCopies.build(replicas, autocast_dtype, (compute_copies and dp == 1) or every,
+                                          exclude_last=self.is_last and head_loss == "fused" and not every,
+                                          every=every)  # the fused head casts its own weight
 
         # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
         held = list(self.flat) + ([c.flat for c in self.copies.sets] if self.copies else [])

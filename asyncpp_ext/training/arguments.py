@@ -146,7 +146,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
     run.add_argument("--dtype", choices=DTYPES,
                      help="auto: bf16 autocast on cuda, fp32 on cpu; bf16: autocast with fp32 "
-                          "weights and optimizer state (slow on cpu) (default auto)")
+                          "weights and optimizer state (slow on cpu); bf16-params: every parameter copied to "
+                          "bf16 per weight version, activations and residual stream bf16, fp32 master weights "
+                          "and optimizer state (default auto)")
     run.add_argument("--simulate", action="store_true", default=None,
                      help="run the schedule's update rule in one process (delay simulator)")
     run.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")

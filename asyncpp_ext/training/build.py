@@ -148,14 +148,15 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     if compute.compile:
         compile_blocks(model, device=cfg.train.device)
     from ..pipeline.compute_copies import maybe_compute_copies
-    from ..pipeline.recompute import resolve_autocast
+    from ..pipeline.recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 
     dtype = resolve_autocast(cfg.train.dtype, torch.device(cfg.train.device))
+    every = cfg.train.dtype in PARAMS_IN_COMPUTE_DTYPE  # bf16-params: every parameter, always
 
     def copies(module: nn.Module):  # made by the simulator once it has untied the model's ties
         # The fused head loss reads its projection weight itself (and keeps a float32 gradient).
-        head = [module.blocks()[-1]] if compute.head_loss == "fused" else []
-        return maybe_compute_copies(module, dtype, compute.compute_copies, exclude=head)
+        head = [module.blocks()[-1]] if compute.head_loss == "fused" and not every else []
+        return maybe_compute_copies(module, dtype, compute.compute_copies or every, exclude=head, every=every)
     simulator = DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule,
                                loss_fn=simulator_loss(cfg, compute, model), compute_copies=copies,
                                on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),

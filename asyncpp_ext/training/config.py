@@ -25,7 +25,7 @@ NONFINITE_POLICIES = ("stop", "skip")
 OPTIMIZERS = optimizer_names()
 """Every optimizer name, in display order (the registry's, optim/registry.py)."""
 DEVICES = ("cpu", "cuda")
-DTYPES = ("auto", "fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16", "bf16-params")
 NS_DTYPES = ("auto", "fp32", "bf16")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
@@ -229,7 +229,10 @@ class TrainConfig:
     """cpu | cuda."""
     dtype: str = "auto"
     """auto (bf16 autocast on cuda, fp32 on cpu) | fp32 | bf16 (autocast; weights, gradients and
-    optimizer state stay fp32; allowed on cpu when asked for, but slow there)."""
+    optimizer state stay fp32; allowed on cpu when asked for, but slow there) | bf16-params (every
+    parameter copied to bf16 once per weight version and the whole forward and backward computed in
+    bf16 -- activations, residual stream, per-microbatch gradients -- with fp32 master weights,
+    gradient accumulation and optimizer state: FSDP's param_dtype=bf16; pipeline/compute_copies.py)."""
     simulate: bool = False
     """Run the single-process delay simulator instead of the multi-process pipeline."""
     progress: bool = True

@@ -326,12 +326,16 @@ class DelaySimulator:
         """Mean loss of the newest weights over ``batches`` (in eval mode, no gradients)."""
         if not batches:
             raise ValueError("eval_loss needs at least one batch")
-        was_training = self.model.training
-        self.model.eval()
+        model = self.model
+        if self.copies is not None:  # what training computes with (bf16-params: every weight in bf16)
+            self.copies.refresh()
+            model = self.copies.module
+        was_training = model.training
+        model.eval()
         try:
-            total = sum(self.loss_fn(self.model, x, y).item() for x, y in batches)
+            total = sum(self.loss_fn(model, x, y).item() for x, y in batches)
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
         return total / len(batches)
 
     # -- state: keyed by global parameter names so a checkpoint can be re-split later ------------
