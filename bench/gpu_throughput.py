@@ -274,9 +274,14 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
     else:
         skipped.append(("head-loss plain/fused", "not available: asyncpp_ext.models.head_loss.measure_head_loss "
                                                  "not found"))
+    def named(r):
+        return f"{r['name']} {r['model']} T={r['seq_len']}"
     if args.only:
         keep = [s.strip() for s in args.only.split(",") if s.strip()]
-        rows = [r for r in rows if any(k in f"{r['name']} {r['model']} T={r['seq_len']}" for k in keep)]
+        rows = [r for r in rows if any(k in named(r) for k in keep)]
+    if args.skip:
+        drop = [s.strip() for s in args.skip.split(",") if s.strip()]
+        rows = [r for r in rows if not any(k in named(r) for k in drop)]
     return rows, skipped
 
 
@@ -309,6 +314,8 @@ def parse_args(argv):
     ap.add_argument("--warmup", type=int, help="warm-up steps per row, not measured (>= 1)")
     ap.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device for MFU (default: by GPU name)")
     ap.add_argument("--only", help="comma-separated substrings: run only rows whose 'name model T=seq' holds one")
+    ap.add_argument("--skip", help="comma-separated substrings: leave out rows whose 'name model T=seq' holds one "
+                                   "(after --only)")
     ap.add_argument("--cpu-compile", action="store_true", help="on CPU also run the torch.compile rows (slow)")
     ap.add_argument("--row-timeout", type=float, help="seconds per row (default 600, --quick 240, --smoke 120)")
     ap.add_argument("--threads", type=int, metavar="N",

@@ -137,8 +137,9 @@ def test_steady_state_skips_the_warmup_steps_and_the_checks():
 
 def _plan_args(device="cuda", mode="full", **kw):
     d = gt.DEFAULTS[device]
+    kw = {"only": None, "skip": None, **kw}
     return SimpleNamespace(device=device, mode=mode, models=d["models"], seq_lens=d["seq_lens"],
-                           micro_batch_size=8, microbatches=8, cpu_compile=False, only=None, **kw)
+                           micro_batch_size=8, microbatches=8, cpu_compile=False, **kw)
 
 
 def test_plan_rows_compile_flags_and_gpu_counts():
@@ -218,6 +219,11 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     cmd = gt.ours_command(params[0], args, with_params, Path("o"), Path("p"))
     assert cmd[cmd.index("--dtype") + 1] == "bf16-params"
     assert not any(r.get("dtype") for r in gt.build_plan(_plan_args(mode="quick"), with_params, gpus=1)[0])
+    # --only keeps rows holding a substring, --skip then leaves out those holding another
+    picked, _ = gt.build_plan(_plan_args(only="ours sync adamw,hf compile adamw smollm-135m", skip="eager,360m,T=2048"),
+                              with_params, gpus=1)
+    assert [r["name"] for r in picked] == ["ours sync adamw", "ours sync adamw graphs", "ours sync adamw no-copies",
+                                           "ours sync adamw bf16-params", "hf compile adamw"]
 
 
 def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
