@@ -74,6 +74,7 @@ step by step: they start from different random weights. head-loss rows: the fuse
     python bench/gpu_throughput.py [--quick] [--json PATH]          # one GPU, ~10 min (--quick < 3)
     python bench/gpu_throughput.py --device cpu [--quick|--smoke]   # the same rows at CPU sizes
     python bench/gpu_throughput.py --only "135m,head" --micro-batch-size 16 --microbatches 4
+    python bench/gpu_throughput.py --only "ours sync adamw" --skip "eager,graphs"
     python bench/gpu_throughput.py --dry-run                        # the rows and commands only
 
 On CPU the models are llama-tiny (2 layers, width 32) and llama-tiny-4x64 (4 layers, width 64) at
