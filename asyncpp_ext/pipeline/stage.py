@@ -29,7 +29,6 @@ from ..models.graphs import GraphedCompute
 from ..models.head_loss import head_loss
 from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import MitigationSettings, delay_compensate_
-from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from ..optim.versioned import step_versioned, wants_previous_weights
 from ..schedule.table import schedule_spec
 from .data_parallel import GradientAverager
@@ -37,6 +36,7 @@ from .compute_copies import ReplicaCopies
 from .flat_buffers import flatten_into, point_at, views_of
 from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
+from .stage_state import load_stage_state, stage_state_dict
 from .nonfinite import NonFiniteGuard
 
 ACTIVATION, GRADIENT = 0, 1
@@ -226,84 +226,14 @@ class StageHost:
                 "peak_activations": self.activation_meter.peak if self.activation_meter else None}
 
     # ---- state (keyed by global parameter names, the same layout as DelaySimulator) ---------
-    def _named_opt_params(self, names: Sequence[str]):
-        pairs = list(zip(names, self.opt_params))
-
-        class _Named:
-            @staticmethod
-            def named_parameters():
-                return iter(pairs)
-        return _Named()
-
-    def _unflatten(self, flat: torch.Tensor, names: Sequence[str]) -> dict:
-        out, offset = {}, 0
-        for name, p in zip(names, self.opt_params):
-            out[name] = flat[offset:offset + p.numel()].view(p.shape).clone()
-            offset += p.numel()
-        return out
-
-    def _version(self, version: int, names: Sequence[str]) -> dict:
-        """The weights of ``version`` by name; versions before 0 are W(0)."""
-        return self._unflatten(self._held_buffer(version), names)
-
     def state_dict(self, names: Sequence[str]) -> dict:
         """Newest weights W(k) (``params``), W(k-1) (``stash``) and W(k-2)..W(k-n+1) (``older``, as
         lists by name) for the versions this stage keeps, optimizer state, step count."""
-        k = self.newest_version()
-        params = self._unflatten(self.buffer_for(k), names)
-        lags = [self._version(k - lag, names) for lag in range(1, self.num_versions)]
-        stash = lags[0] if lags else {}
-        older = {n: [lag[n] for lag in lags[1:]] for n in names} if len(lags) > 1 else {}
-        optimizer = (optimizer_state_by_name(self.optimizer, self._named_opt_params(names))
-                     if self.optimizer is not None else {"state": {}, "param_groups": []})
-        state = {"schedule": self.schedule,
-                 "steps_done": k, "params": params, "stash": stash, "optimizer": optimizer}
-        if older:
-            state["older"] = older
-        return state
+        return stage_state_dict(self, names)
 
     def load_state_dict(self, state: dict, names: Sequence[str]) -> None:
         """Load a state written at any pipeline depth (only this stage's names are taken)."""
-        missing = [n for n in names if n not in state["params"]]
-        if missing:
-            raise ValueError(f"the checkpoint has no weights for {missing[0]!r}; it was written for "
-                             "another model")
-        k = int(state["steps_done"])
-        newest = k % len(self.flat)
-
-        def fill(flat: torch.Tensor, tensors: dict) -> None:
-            offset = 0
-            for name, p in zip(names, self.opt_params):
-                flat[offset:offset + p.numel()].copy_(tensors[name].reshape(-1))
-                offset += p.numel()
-
-        if self.copies is not None:
-            self.copies.invalidate()
-        fill(self.flat[newest], state["params"])
-        self.version_in[newest] = k
-        for lag in range(1, self.num_versions):
-            buffer = (k - lag) % self.num_versions
-            if k - lag < 0:  # not created yet; W(0) (buffer 0) stands for it
-                self.version_in[buffer] = -1
-                continue
-            if lag == 1:
-                if any(n not in state.get("stash", {}) for n in names):
-                    raise ValueError("the checkpoint holds no older weight version W(k-1); it was "
-                                     f"not written by a {self.schedule} run")
-                fill(self.flat[buffer], state["stash"])
-            else:
-                older = state.get("older", {})
-                if any(len(older.get(n, [])) < lag - 1 for n in names):
-                    raise ValueError(f"the checkpoint holds no weight version W(k-{lag}); it was not "
-                                     f"written by a {self.schedule} run of this depth")
-                fill(self.flat[buffer], {n: older[n][lag - 2] for n in names})
-            self.version_in[buffer] = k - lag
-        if self.optimizer is not None:
-            named = self._named_opt_params(names)
-            if self.ring:
-                self._point_handles(newest)
-            load_optimizer_state_by_name(self.optimizer, named,
-                                         regroup_optimizer_state(state["optimizer"], self.optimizer, named))
+        load_stage_state(self, state, names)
 
     # ---- data ------------------------------------------------------------------------------
     def _batch(self, step: int) -> tuple:
