@@ -231,17 +231,29 @@ __global__ void apply_kernel(const ApplyTensor* tensors, const Chunk* chunks, in
   }
 }
 
+// The accumulate kernel runs once per microbatch, so its tensor list travels as a kernel argument
+// (batches of kAccumulateBatch, 2.3 KB, under the 4 KB argument limit) rather than through the
+// arena's upload: no host-to-device copy of pageable memory, which may wait for the stream, and
+// nothing to order between calls. Block row y walks tensor y of the batch.
+constexpr int kAccumulateBatch = 96;
+constexpr int kAccumulateBlocksX = 128;
+
+struct AccumulateBatch {
+  float* dst[kAccumulateBatch];
+  const void* src[kAccumulateBatch];
+  int64_t numel[kAccumulateBatch];
+};
+
 template <Storage kIn>
-__global__ void accumulate_kernel(const AccumulateTensor* tensors, const Chunk* chunks, int64_t n_chunks) {
-  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    const Chunk ch = chunks[c];
-    const AccumulateTensor t = tensors[ch.tensor];
-    for (int64_t i = ch.begin + threadIdx.x; i < ch.end; i += blockDim.x) {
-      if constexpr (kIn == Storage::f32) {
-        t.dst[i] += static_cast<const float*>(t.src)[i];
-      } else {
-        t.dst[i] += bf16_to_float(static_cast<const uint16_t*>(t.src)[i]);
-      }
+__global__ void accumulate_kernel(const AccumulateBatch batch) {
+  float* dst = batch.dst[blockIdx.y];
+  const int64_t n = batch.numel[blockIdx.y];
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    if constexpr (kIn == Storage::f32) {
+      dst[i] += static_cast<const float*>(batch.src[blockIdx.y])[i];
+    } else {
+      dst[i] += bf16_to_float(static_cast<const uint16_t*>(batch.src[blockIdx.y])[i]);
     }
   }
 }
@@ -304,16 +316,28 @@ void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_s
 }
 
 void accumulate_cuda(const std::vector<AccumulateTensor>& tensors, Storage src_storage, intptr_t stream) {
-  DeviceTable<AccumulateTensor> table(tensors, as_stream(stream));
-  if (table.n_chunks == 0) return;
-  if (src_storage == Storage::f32) {
-    accumulate_kernel<Storage::f32><<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
-                                                                                 table.n_chunks);
-  } else {
-    accumulate_kernel<Storage::bf16><<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
-                                                                                  table.n_chunks);
+  static_assert(sizeof(AccumulateBatch) <= 4000, "kernel arguments are limited to 4 KB");
+  for (size_t first = 0; first < tensors.size(); first += kAccumulateBatch) {
+    const size_t count = std::min<size_t>(kAccumulateBatch, tensors.size() - first);
+    AccumulateBatch batch{};
+    int64_t largest = 0;
+    for (size_t k = 0; k < count; ++k) {
+      const AccumulateTensor& t = tensors[first + k];
+      batch.dst[k] = t.dst;
+      batch.src[k] = t.src;
+      batch.numel[k] = t.numel;
+      largest = std::max(largest, t.numel);
+    }
+    if (largest == 0) continue;
+    const int64_t wanted = (largest + kThreads - 1) / kThreads;
+    const dim3 grid(unsigned(std::min<int64_t>(wanted, kAccumulateBlocksX)), unsigned(count));
+    if (src_storage == Storage::f32) {
+      accumulate_kernel<Storage::f32><<<grid, kThreads, 0, as_stream(stream)>>>(batch);
+    } else {
+      accumulate_kernel<Storage::bf16><<<grid, kThreads, 0, as_stream(stream)>>>(batch);
+    }
+    ASYNCPP_CUDA_OK(cudaGetLastError());
   }
-  ASYNCPP_CUDA_OK(cudaGetLastError());
 }
 
 int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t stream) {
