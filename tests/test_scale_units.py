@@ -53,7 +53,8 @@ def test_autocast_choice():
     assert resolve_autocast("auto", torch.device("cuda")) is torch.bfloat16
     assert resolve_autocast("bf16", torch.device("cpu")) is torch.bfloat16
     assert resolve_autocast("fp32", torch.device("cuda")) is None
-    with pytest.raises(ValueError, match="choose auto, fp32 or bf16"):
+    assert resolve_autocast("bf16-params", torch.device("cpu")) is torch.bfloat16  # autocast stays on
+    with pytest.raises(ValueError, match="choose auto, fp32, bf16 or bf16-params"):
         resolve_autocast("fp16", torch.device("cpu"))
 
 
