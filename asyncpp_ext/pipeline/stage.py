@@ -149,8 +149,9 @@ class StageHost:
         self._held_views = [{p: v for p, v in zip(self.opt_params, vs) if id(p) in held} for vs in views]
         self._other_views = [[v for p, v in zip(self.opt_params, vs) if id(p) not in held] for vs in views]
 
-        # bf16 compute copies, one set per replica (= weight buffer). Not with data parallelism: its
-        # bucket hooks fire on the replicas' own gradients, which the copies' bypass.
+        # bf16 compute copies, one set per replica (= weight buffer). Under plain bf16 not with data
+        # parallelism: its buckets start from hooks on the replicas' own gradients, which the copies
+        # bypass (bf16-params needs them anyway; its buckets then start after the backward).
         every = params_in_compute_dtype
         self.copies = ReplicaCopies.build(replicas, autocast_dtype, (compute_copies and dp == 1) or every,
                                           exclude_last=self.is_last and head_loss == "fused" and not every,
