@@ -298,3 +298,15 @@ def test_compiled_blocks_on_copies_train_bitwise_as_compiled_autocast(tmp_path):
         assert main(flags + extra + ["--out", str(tmp_path / name)]) == 0
         losses.append([json.loads(ln)["loss"] for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
     assert losses[0] == losses[1]
+
+
+def test_without_usable_kernels_the_copies_add_through_torch(monkeypatch):
+    """A build whose kernels cannot run on the device (a CPU-only build on a GPU machine) still
+    trains on the copies: torch adds the gradients, the same sums."""
+    from asyncpp_ext.optim import _kernels as K
+
+    monkeypatch.setattr(K, "kernels_usable", lambda t: False)
+    monkeypatch.setattr(K, "accumulate", lambda *a: pytest.fail("the kernel was called"))
+    _, losses, weights = _simulated("sync", True)
+    _, ref_losses, ref_weights = _simulated("sync", False)
+    assert losses == ref_losses and all(torch.equal(a, b) for a, b in zip(weights, ref_weights))

@@ -106,6 +106,20 @@ def _check_cuda_kernels(device: torch.device | None = None) -> None:
         _arch_checked.add(index)
 
 
+def kernels_usable(t: torch.Tensor) -> bool:
+    """Whether our kernels can run on ``t``'s device (always on CPU; on CUDA when this build has
+    kernels that run there), for callers that have a torch path to fall back on."""
+    if t.device.type == "cpu":
+        return True
+    if t.device.type != "cuda":
+        return False
+    try:
+        _check_cuda_kernels(t.device)
+    except RuntimeError:
+        return False
+    return True
+
+
 def cpu_kernel_isa() -> str:
     """The ISA the CPU kernels run with in this process ("baseline", "avx2", "avx512f"), chosen once
     from $ASYNCPP_CPU_ISA and the CPU; ValueError naming the variable when the setting cannot be

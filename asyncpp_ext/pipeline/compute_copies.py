@@ -102,7 +102,8 @@ class ComputeCopies:
         (a master without one gets the widened gradient), and clear the copies' ``.grad``. One
         fused kernel adds them all (``optim._kernels.accumulate``: torch's mixed-dtype
         ``_foreach_add_`` would launch one kernel per tensor on a GPU); tensors it does not take
-        (not contiguous, another dtype) go through torch, which gives the same sums."""
+        (not contiguous, another dtype), or all of them where a build has no kernels for the
+        device, go through torch, which gives the same sums."""
         fused_into, fused, into, grads = [], [], [], []
         for c, p in zip(self.copies, self.masters):
             g = c.grad
@@ -117,7 +118,7 @@ class ComputeCopies:
             else:
                 into.append(p.grad)
                 grads.append(g)
-        if fused and self.flat.dtype == torch.bfloat16 and self.flat.device.type in ("cpu", "cuda"):
+        if fused and self.flat.dtype == torch.bfloat16 and K.kernels_usable(self.flat):
             K.accumulate(fused_into, fused)
         else:
             into, grads = into + fused_into, grads + fused
