@@ -256,7 +256,8 @@ def run_worker_row(r: dict, args) -> dict:
     """A Hugging Face, torchtitan or head-loss row in its own process."""
     if r["impl"] == "head":
         spec = dict(kind="head", modes=r["head_modes"], device=args.device,
-                    dtype="bf16" if args.device == "cuda" else "fp32", **r["head_shape"])
+                    dtype="bf16" if args.device == "cuda" else "fp32", profile=bool(args.profile),
+                    **r["head_shape"])
     else:
         shape = model_shape(r["model"], r["seq_len"])
         spec = dict(kind=r["impl"], hf_config=hf_config_dict(shape, r["seq_len"]), shape=shape,
@@ -460,6 +461,34 @@ def worker_train(spec: dict) -> dict:
                 torch=torch.__version__)
 
 
+def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
+    """Kernel time by kind, kernel count and the costliest kernels of the head's forward + backward
+    on a GPU (asyncpp_ext.training.profiling's summary of a torch.profiler trace). The traced
+    ``measure_head_loss`` call runs the head twice (warm-up, timed): figures per call are halves.
+    (On CPU ``measure_head_loss`` runs a profiler of its own for the peak memory: not traced.)"""
+    import tempfile
+
+    import torch
+
+    from asyncpp_ext.models.head_loss import measure_head_loss
+    from asyncpp_ext.training.profiling import summarize_trace
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        measure_head_loss(mode, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    s = summarize_trace(events)
+    return {"kernels_per_call": s["kernels"] // 2,
+            "device_ms_per_call": {k: round(v / 2, 3) for k, v in s["device_ms_by_kind"].items()},
+            "top_kernels_per_call": [dict(k, ms=round(k["ms"] / 2, 3), launches=k["launches"] // 2)
+                                     for k in s["top_kernels"][:8]]}
+
+
 def worker_head(spec: dict) -> dict:
     import torch
 
@@ -473,6 +502,8 @@ def worker_head(spec: dict) -> dict:
             out = measure_head_loss(mode, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype)
             modes[mode] = dict(status="ok", head_seconds=float(out["seconds"]), peak_bytes=int(out["peak_bytes"]),
                                head_loss=float(out["loss"]), peak_kind="measure_head_loss", dtype=spec["dtype"])
+            if spec.get("profile") and device.type == "cuda":  # where the head's GPU time goes, by kernel
+                modes[mode]["profile"] = _profile_head(mode, spec, device, dtype)
         except Exception as exc:  # noqa: BLE001 - the mode's row fails, the other still runs
             modes[mode] = dict(status="oom" if _is_oom(exc) else "error",
                                error=" ".join(f"{type(exc).__name__}: {exc}".split())[:300])

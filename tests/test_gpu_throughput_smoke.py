@@ -284,3 +284,19 @@ def test_ratios_pair_ours_with_its_no_copies_graphs_and_bf16_params_rows():
     assert got["ours sync adamw graphs / ours sync adamw"] == pytest.approx(1.5)
     assert got["ours 2bw 2st 1gpu adamw / ours sync adamw"] == pytest.approx(0.75)  # not against no-copies
     assert not any(w.startswith("ours sync adamw no-copies /") for w in got)
+
+
+def test_head_profile_summarises_a_traced_call_per_call(monkeypatch):
+    """--profile on a GPU traces one more measure_head_loss call (warm-up + timed: two runs of the
+    head) and keeps the kernel summary per call; here a CPU stand-in (no kernels) checks the wiring."""
+    import torch
+    import throughput_rows as tr
+
+    from asyncpp_ext.models import head_loss
+
+    calls = []
+    monkeypatch.setattr(head_loss, "measure_head_loss", lambda *a, **k: calls.append(a) or torch.ones(4) @ torch.ones(4))
+    spec = dict(batch=1, seq=4, n_embd=4, vocab=8)
+    got = tr._profile_head("fused", spec, torch.device("cpu"), torch.float32)
+    assert calls == [("fused", 1, 4, 4, 8, torch.device("cpu"), torch.float32)]
+    assert got == {"kernels_per_call": 0, "device_ms_per_call": {}, "top_kernels_per_call": []}
