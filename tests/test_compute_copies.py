@@ -62,7 +62,7 @@ def test_training_on_the_copies_is_bitwise_training_under_autocast(name):
         assert torch.equal(got, want)
         assert all(c.grad is None for c in copies.copies)
     for (n, a), b in zip(reference.named_parameters(), model.parameters()):
-        assert a.grad is not None and torch.equal(a.grad, b.grad), n
+        assert a.grad is not None and torch.equal(a.grad.view(torch.int32), b.grad.view(torch.int32)), n  # bits
         assert b.dtype == torch.float32  # the model keeps its float32 weights
     # and the copies are live: a weight change reaches the compute module only through refresh()
     with torch.no_grad():
@@ -74,6 +74,24 @@ def test_training_on_the_copies_is_bitwise_training_under_autocast(name):
 
 class _Scaled(nn.Linear):
     """A Linear subclass: its forward may use the weight otherwise, so it is not copied."""
+
+
+def test_the_first_backward_widens_into_one_new_gradient_buffer():
+    """After zero_grad(set_to_none=True) the masters get their copies' gradients widened, -0.0
+    kept, as views of one buffer filled by one multi-tensor copy."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    copies = ComputeCopies(model, torch.bfloat16)
+    copies.refresh()
+    x = torch.randn(5, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        copies.module(x).sum().backward()
+    copies.copies[1].grad[0] = -0.0  # a negative zero must come through as one
+    wanted = [c.grad.float() for c in copies.copies]
+    copies.accumulate()
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == 1
+    for p, w in zip(model.parameters(), wanted):
+        assert torch.equal(p.grad.view(torch.int32), w.view(torch.int32))
 
 
 def test_only_weights_owned_by_plain_linears_are_copied():

@@ -104,14 +104,14 @@ class ComputeCopies:
         ``_foreach_add_`` would launch one kernel per tensor on a GPU); tensors it does not take
         (not contiguous, another dtype), or all of them where a build has no kernels for the
         device, go through torch, which gives the same sums."""
-        fused_into, fused, into, grads = [], [], [], []
+        fused_into, fused, into, grads, fresh = [], [], [], [], []
         for c, p in zip(self.copies, self.masters):
             g = c.grad
             if g is None:
                 continue
             c.grad = None
             if p.grad is None:
-                p.grad = g.to(p.dtype)
+                fresh.append((p, g))
             elif g.dtype == self.flat.dtype and g.is_contiguous() and p.grad.is_contiguous():
                 fused_into.append(p.grad)
                 fused.append(g)
@@ -124,6 +124,24 @@ class ComputeCopies:
             into, grads = into + fused_into, grads + fused
         if into:
             torch._foreach_add_(into, grads)
+        if fresh:  # the first backward after zero_grad(set_to_none=True): the widened gradients
+            self._widen_into_new_grads(fresh)
+
+    @staticmethod
+    def _widen_into_new_grads(fresh: list) -> None:
+        """Give each master a ``.grad`` holding its copy's gradient widened (exactly, -0.0 kept,
+        as autograd's widening cast would): views of one new buffer, filled by one multi-tensor
+        copy (a single launch on a GPU) instead of a cast and an allocation per tensor."""
+        total = sum(p.numel() for p, _ in fresh)
+        first = fresh[0][0]
+        buffer = torch.empty(total, dtype=first.dtype, device=first.device)
+        views, offset = [], 0
+        for p, _ in fresh:
+            views.append(buffer[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        torch._foreach_copy_(views, [g for _, g in fresh])
+        for (p, _), view in zip(fresh, views):
+            p.grad = view
 
 
 class ReplicaCopies:
