@@ -10,7 +10,7 @@ refreshed once when the version's float32 values change, and a *compute module* 
 them: a structural copy of the module whose ``nn.Linear`` weights and biases are the bf16 copies
 and whose every other parameter and buffer is the module's own object (shared, not copied). After
 each backward the copies' bf16 gradients are added into the float32 ``.grad`` of the weights they
-copy, in one ``torch._foreach_add_`` call.
+copy by one multi-tensor kernel (``optim._kernels.accumulate``).
 
 Exact: the values are those autocast gives. Autocast rounds the float32 weight to bf16 for the
 matrix product (the copy holds that rounding), its product yields the bf16 weight gradient, which
@@ -41,6 +41,7 @@ from torch import nn
 
 from ..models.graphs import GRADS_TAKEN  # the copies' ids, set on the compute module
 from ..optim import _kernels as K
+from .flat_buffers import views_of
 
 
 def copied_parameters(module: nn.Module, exclude: Iterable[nn.Module] = (),
@@ -77,10 +78,7 @@ class ComputeCopies:
         for b in module.buffers():
             memo[id(b)] = b
         self.copies: list[nn.Parameter] = []
-        offset = 0
-        for p in self.masters:
-            view = self.flat[offset:offset + p.numel()].view(p.shape)
-            offset += p.numel()
+        for p, view in zip(self.masters, views_of(self.masters, self.flat)):
             c = nn.Parameter(view, requires_grad=True)
             memo[id(p)] = c
             self.copies.append(c)
@@ -132,13 +130,9 @@ class ComputeCopies:
         """Give each master a ``.grad`` holding its copy's gradient widened (exactly, -0.0 kept,
         as autograd's widening cast would): views of one new buffer, filled by one multi-tensor
         copy (a single launch on a GPU) instead of a cast and an allocation per tensor."""
-        total = sum(p.numel() for p, _ in fresh)
-        first = fresh[0][0]
-        buffer = torch.empty(total, dtype=first.dtype, device=first.device)
-        views, offset = [], 0
-        for p, _ in fresh:
-            views.append(buffer[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        masters = [p for p, _ in fresh]
+        buffer = torch.empty(sum(p.numel() for p in masters), dtype=masters[0].dtype, device=masters[0].device)
+        views = views_of(masters, buffer)
         torch._foreach_copy_(views, [g for _, g in fresh])
         for (p, _), view in zip(fresh, views):
             p.grad = view
