@@ -111,11 +111,11 @@ def model_loss(compute: StageCompute):
 
 
 # ---- engines --------------------------------------------------------------------------------
-def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None, model: Optional[nn.Module] = None):
+def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None):
     """The simulator's loss function under the run's --dtype (bf16 autocast or plain fp32) and
     --head-loss; with --cuda-graphs its training calls replay CUDA graphs, one GraphedCompute per
     module it is called with (the model, or its compute copies' module; models/graphs.py;
-    evaluation, under no_grad, runs eagerly). ``model`` is accepted for the callers that pass it."""
+    evaluation, under no_grad, runs eagerly)."""
     from ..models.graphs import GraphedCompute
     from ..pipeline.recompute import autocast_context, resolve_autocast
 
@@ -158,7 +158,7 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
         head = [module.blocks()[-1]] if compute.head_loss == "fused" and not every else []
         return maybe_compute_copies(module, dtype, compute.compute_copies or every, exclude=head, every=every)
     simulator = DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule,
-                               loss_fn=simulator_loss(cfg, compute, model), compute_copies=copies,
+                               loss_fn=simulator_loss(cfg, compute), compute_copies=copies,
                                on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
                                clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
                                delay_only=p.delay_only, **cfg.mitigation_kwargs())
