@@ -89,11 +89,16 @@ def ratios(rows: list) -> list:
                                 tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"],
                                 peak_memory=(r["peak_bytes"] / base["peak_bytes"]
                                              if r.get("peak_bytes") and base.get("peak_bytes") else None)))
-        plain = find(r["name"].removesuffix(" graphs"), r["model"], r["seq_len"]) if r.get("graphs") else None
-        if plain is None and r.get("copies") is not False:  # bf16 compute copies against the row without
-            plain = find(f"{r['name']} no-copies", r["model"], r["seq_len"])
-        if r.get("dtype") == "bf16-params":  # bf16 activations against autocast's
+        # the row its variant is set against: graphs against none, bf16 activations against
+        # autocast's, the compute copies against the row without them
+        if r.get("graphs"):
+            plain = find(r["name"].removesuffix(" graphs"), r["model"], r["seq_len"])
+        elif r.get("dtype") == "bf16-params":
             plain = find(r["name"].removesuffix(" bf16-params"), r["model"], r["seq_len"])
+        elif r.get("copies") is not False:
+            plain = find(f"{r['name']} no-copies", r["model"], r["seq_len"])
+        else:
+            plain = None
         if plain:
             out.append(dict(what=f"{r['name']} / {plain['name']}", model=r["model"], seq_len=r["seq_len"],
                             tokens_per_s=r["tokens_per_s"] / plain["tokens_per_s"],
