@@ -10,8 +10,9 @@ with NaN) the input gradient it sends for the step's last microbatch. A stage ma
 its loss (last stage), a gradient it received, or its own accumulated parameter gradient (checked
 after the step's last backward, on the last stage) is non-finite. All three are read from the
 device at the step's last backward, so a stage on a GPU waits for its device once per step rather
-than once per microbatch (a wait per microbatch would keep the host from queueing work ahead). Every stage then skips t at its
-optimizer step: the optimizer does not run, and for 2bw the new version W(t+1) is a copy of W(t).
+than once per microbatch (a wait per microbatch would keep the host from queueing work ahead).
+Every stage then skips t at its optimizer step: the optimizer does not run, and for 2bw the new
+version W(t+1) is a copy of W(t).
 
 The one case that cannot be skipped consistently: a non-finite parameter gradient that *arises* on
 stage s < S-1 while every gradient it received was finite. The later stages finished step t (and
