@@ -84,6 +84,8 @@ class ComputeCopies:
             self.copies.append(c)
         self.module = copy.deepcopy(module, memo)
         setattr(self.module, GRADS_TAKEN, frozenset(id(c) for c in self.copies))
+        # whether our kernel adds the gradients (decided once: the device does not change)
+        self.fused = dtype == torch.bfloat16 and K.kernels_usable(self.flat)
 
     def __len__(self) -> int:
         return len(self.copies)
@@ -116,7 +118,7 @@ class ComputeCopies:
             else:
                 into.append(p.grad)
                 grads.append(g)
-        if fused and self.flat.dtype == torch.bfloat16 and K.kernels_usable(self.flat):
+        if fused and self.fused:
             K.accumulate(fused_into, fused)
         else:
             into, grads = into + fused_into, grads + fused
