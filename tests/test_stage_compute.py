@@ -56,6 +56,28 @@ def test_compiled_real_pipeline_equals_the_compiled_simulation(tmp_path, request
     assert max(abs(a - b) / b for a, b in zip(real[0], eager[0])) < 1e-5  # measured <= 5e-8
 
 
+@pytest.mark.multiproc
+@pytest.mark.xdist_group("inductor")
+def test_stage_scope_real_pipeline_equals_its_simulation(tmp_path, request):
+    # 6 blocks on 2 stages, each stage's blocks but the head one region: the simulator compiles
+    # the regions of the same split, so the two must agree bit for bit.
+    cache = request.config.cache.mkdir("inductor") if getattr(request.config, "cache", None) else tmp_path / "inductor"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    flags = COMMON + ["--n-layer", "4", "--compile", "--compile-scope", "stage"]
+    assert main(flags + ["--out", str(tmp_path / "real")]) == 0
+    assert main(flags + ["--simulate", "--out", str(tmp_path / "sim")]) == 0
+    assert _losses(tmp_path / "real") == _losses(tmp_path / "sim")  # (vs eager: test_compile_regions.py)
+    cfg = json.loads((tmp_path / "real" / "config.json").read_text())
+    assert cfg["train"]["compile_scope"] == "stage"
+
+
+def test_a_compile_scope_without_compiling_is_one_line(tmp_path, capsys):
+    _fails_cleanly(capsys, COMMON + ["--simulate", "--compile-scope", "stage"], tmp_path / "a",
+                   "--compile-scope stage", "off by default on cpu", "add --compile")
+    _fails_cleanly(capsys, COMMON + ["--simulate", "--compile-scope", "stage", "--no-compile"], tmp_path / "b",
+                   "--compile-scope stage", "--no-compile")
+
+
 def test_a_head_loss_kernel_that_cannot_run_here_is_one_line(tmp_path, capsys):
     _fails_cleanly(capsys, COMMON + ["--simulate", "--head-loss", "liger"], tmp_path / "out",
                    "--head-loss", "CUDA")

@@ -11,6 +11,35 @@ import torch.nn.functional as F
 from torch import nn
 
 
+REGION_MARK = "_asyncpp_region"
+"""Instance attribute on the first block of a compiled region (models/regions.py): an object with
+``length`` and ``run(blocks, x)``, which runs that many consecutive blocks as one compiled call."""
+
+
+def forward_through(blocks, x: torch.Tensor) -> torch.Tensor:
+    """Run ``blocks`` in order on ``x``. Where a block starts a compiled region (``REGION_MARK``)
+    and the region's blocks follow it here, they run as the region's one compiled call; every other
+    block is called as usual."""
+    i, n = 0, len(blocks)
+    while i < n:
+        mark = blocks[i].__dict__.get(REGION_MARK)
+        if mark is not None and i + mark.length <= n:
+            x = mark.run(blocks[i:i + mark.length], x)
+            i += mark.length
+        else:
+            x = blocks[i](x)
+            i += 1
+    return x
+
+
+class BlockSequence(nn.Sequential):
+    """A pipeline stage's blocks: an nn.Sequential (same names, same state_dict) whose forward runs
+    them through ``forward_through``, so a compiled region among them is one call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return forward_through(list(self), x)
+
+
 class BlockModel(nn.Module):
     """A causal LM held as ``embed``, ``layers`` (nn.ModuleList) and ``head``; subclasses build them
     in that order, so parameter names and order follow the blocks."""
@@ -21,9 +50,7 @@ class BlockModel(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Run the blocks in order. Returns ``(logits, loss)``; ``loss`` is None without targets."""
-        x = idx
-        for block in self.blocks():
-            x = block(x)
+        x = forward_through(self.blocks(), idx)
         return x, (None if targets is None else self.loss(x, targets))
 
     @staticmethod
@@ -80,4 +107,4 @@ def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
             p.copy_(values)
 
 
-__all__ = ["BlockModel", "ProjectionHead", "init_normal_"]
+__all__ = ["REGION_MARK", "forward_through", "BlockSequence", "BlockModel", "ProjectionHead", "init_normal_"]

@@ -98,6 +98,8 @@ import torch
 import torch._functorch.config  # noqa: F401 -- force_non_lazy_backward_lowering, patched per compile
 from torch import nn
 
+from .base import REGION_MARK
+
 log = logging.getLogger(__name__)
 
 _CUDAGRAPH_MODES = ("reduce-overhead",)
@@ -249,6 +251,9 @@ class _Settings:
     dynamic: bool | None
 
 
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
 def _call_forward(module, *args, **kwargs):
     # The body every compiled function runs: the block's own forward, looked up on its class so
     # that our instance attribute ``forward`` does not call itself.
@@ -256,22 +261,40 @@ def _call_forward(module, *args, **kwargs):
 
 
 class _Group:
-    """One compiled function for every block of one type with one settings: its dynamo cache, the
-    number of graphs it compiled, and whether it failed (then it runs eagerly)."""
+    """One compiled function for every block of one type (or every region of one sequence of block
+    types, models/regions.py) with one settings: its dynamo cache, the number of graphs it
+    compiled, and whether it failed (then it runs eagerly)."""
 
-    def __init__(self, cls: type, settings: _Settings):
-        self.cls, self.settings = cls, settings
-        self.name = cls.__qualname__
+    def __init__(self, key, settings: _Settings, *, name: str, code_name: str,
+                 body: Callable = _call_forward):
+        self.cls, self.settings = key, settings  # the block type, or the region's tuple of types
+        self.name = name
         self.compiles = 0
         self.failure: str | None = None
         # A code object of its own (dynamo keys its cache on code objects): each block type gets
         # its own cache and recompile limit, and profiles / TORCH_LOGS name the type.
-        name = f"compiled_{cls.__name__}"
-        code = _call_forward.__code__.replace(co_name=name, co_qualname=name) \
-            if hasattr(_call_forward.__code__, "co_qualname") else _call_forward.__code__.replace(co_name=name)
-        body = types.FunctionType(code, _call_forward.__globals__, name)
-        self.fn = torch.compile(body, backend=self._backend(), fullgraph=settings.fullgraph,
+        code = body.__code__.replace(co_name=code_name, co_qualname=code_name) \
+            if hasattr(body.__code__, "co_qualname") else body.__code__.replace(co_name=code_name)
+        fn = types.FunctionType(code, body.__globals__, code_name)
+        self.fn = torch.compile(fn, backend=self._backend(), fullgraph=settings.fullgraph,
                                 dynamic=settings.dynamic)
+
+    def call(self, eager: Callable, *args, **kwargs):
+        """``self.fn(*args)``, or ``eager(*args)`` once compiling failed (the first failure is
+        re-run eagerly and logged; a failure of eager too is the model's own error, raised)."""
+        if self.failure is None:
+            try:
+                return self.fn(*args, **kwargs)
+            except _OOM:
+                raise  # memory, not compilation: eager would only fail later, or hide it
+            except Exception as exc:  # noqa: BLE001 -- told apart from the model's own errors below
+                failure = exc
+            # Outside the except block, so the model's own error (eager fails too) is raised alone,
+            # not chained to dynamo's report of the same error.
+            out = eager(*args, **kwargs)
+            self.fail(failure)
+            return out
+        return eager(*args, **kwargs)
 
     def _backend(self) -> Callable:
         settings = self.settings
@@ -321,15 +344,13 @@ def _group(cls: type, settings: _Settings) -> _Group:
     key = (cls, settings)
     group = _GROUPS.get(key)
     if group is None:
-        group = _GROUPS[key] = _Group(cls, settings)
+        group = _GROUPS[key] = _Group(cls, settings, name=cls.__qualname__,
+                                      code_name=f"compiled_{cls.__name__}")
     return group
 
 
 def _rebind(module: nn.Module, cls: type, settings: _Settings) -> "_CompiledForward":
     return _CompiledForward(module, _group(cls, settings))
-
-
-_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class _CompiledForward:
@@ -342,20 +363,7 @@ class _CompiledForward:
         self.module, self.group = module, group
 
     def __call__(self, *args, **kwargs):
-        group, module = self.group, self.module
-        if group.failure is None:
-            try:
-                return group.fn(module, *args, **kwargs)
-            except _OOM:
-                raise  # memory, not compilation: eager would only fail later, or hide it
-            except Exception as exc:  # noqa: BLE001 -- told apart from the model's own errors below
-                failure = exc
-            # Outside the except block, so the model's own error (eager fails too) is raised alone,
-            # not chained to dynamo's report of the same error.
-            out = type(module).forward(module, *args, **kwargs)
-            group.fail(failure)
-            return out
-        return type(module).forward(module, *args, **kwargs)
+        return self.group.call(_call_forward, self.module, *args, **kwargs)
 
     def __reduce__(self):
         # deepcopy (the stage's weight-version replicas) and pickling re-bind to the copied module
@@ -442,6 +450,15 @@ class CompileReport:
         return line
 
 
+def _make_settings(backend, mode, options, fullgraph, dynamic) -> _Settings:
+    try:
+        settings = _Settings(backend, mode, tuple(sorted((options or {}).items())), bool(fullgraph), dynamic)
+        hash(settings)
+    except TypeError as exc:
+        raise ValueError(f"compile options must be hashable values ({exc})") from None
+    return settings
+
+
 def compile_blocks(blocks, *, device=None, backend: Any = "inductor", mode: str | None = None,
                    options: dict | None = None, fullgraph: bool = True,
                    dynamic: bool | None = False) -> CompileReport:
@@ -472,12 +489,7 @@ def compile_blocks(blocks, *, device=None, backend: Any = "inductor", mode: str 
         reason = compile_unavailable_reason(device)
         if reason is not None:
             raise CompileUnavailableError(f"cannot compile blocks for {device}: {reason}")
-    try:
-        frozen_options = tuple(sorted((options or {}).items()))
-        settings = _Settings(backend, mode, frozen_options, bool(fullgraph), dynamic)
-        hash(settings)
-    except TypeError as exc:
-        raise ValueError(f"compile options must be hashable values ({exc})") from None
+    settings = _make_settings(backend, mode, options, fullgraph, dynamic)
     groups: dict[int, _Group] = {}
     for i, module in enumerate(mods):
         own = module.__dict__.get("forward")
@@ -491,10 +503,12 @@ def compile_blocks(blocks, *, device=None, backend: Any = "inductor", mode: str 
 
 
 def uncompile(blocks) -> None:
-    """Undo ``compile_blocks``: the blocks run their eager forward again."""
+    """Undo ``compile_blocks`` (and ``regions.compile_regions``): the blocks run their eager
+    forward again."""
     for module in _as_blocks(blocks):
         if is_compiled(module):
             del module.__dict__["forward"]
+        module.__dict__.pop(REGION_MARK, None)
 
 
 __all__ = ["CompileUnavailableError", "CompileReport", "compile_unavailable_reason", "resolve_compile",

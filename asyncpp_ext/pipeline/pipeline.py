@@ -21,7 +21,8 @@ import torch.nn as nn
 from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
-from ..models.compile import compile_blocks
+from ..models.base import BlockSequence
+from ..models.regions import compile_regions, scope_regions
 from ..schedule.table import schedule_names, schedule_spec
 from .data_parallel import Layout, create_dp_group, replica_share
 from .partition import as_blocks, split
@@ -119,6 +120,8 @@ class Pipeline:
             weight version than a stage keeps and is refused: the simulator runs it.
         compile: compile each of the stage's blocks with torch.compile (models/compile.py: regional,
             shared by the weight versions' replicas, eager with one warning if compiling fails).
+        compile_scope: with ``compile``, "block" (each block alone) or "stage" (the stage's blocks
+            but the model's head as one region, models/regions.py).
         head_loss: "plain" (``loss_fn`` of the last block's logits) or "fused" (the last block's
             matmul and cross entropy without whole logits, models/head_loss.py, by
             ``head_loss_kernel``: "auto", "liger", "cce" or "chunked").
@@ -140,7 +143,7 @@ class Pipeline:
                  recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop",
                  lr_schedule=None, clip_grad_norm: float | None = None, mitigation: str | None = None,
                  dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None,
-                 compile: bool = False, head_loss: str = "plain", head_loss_kernel: str = "auto",
+                 compile: bool = False, compile_scope: str = "block", head_loss: str = "plain", head_loss_kernel: str = "auto",
                  cuda_graphs: bool = False, compute_copies: bool = True):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
@@ -192,8 +195,9 @@ class Pipeline:
         if spec.lag_per_stage:  # a tie across stages would join two weight versions
             check_ties_on_one_stage(ties, self.partition)
         self.block_indices = self.partition[self.stage]
-        module = nn.Sequential(*[blocks[i] for i in self.block_indices]).to(self.device)
-        self.compile_report = compile_blocks(module, device=self.device) if compile else None
+        module = BlockSequence(*[blocks[i] for i in self.block_indices]).to(self.device)
+        regions = scope_regions(compile_scope, [self.block_indices], len(blocks), first=self.block_indices[0])
+        self.compile_report = compile_regions(module, regions, device=self.device) if compile else None
         prefixes = block_prefixes(model, blocks, self.block_indices)
         self.param_names = [n for n, _ in GlobalView(module, prefixes).named_parameters()]
         # A mirror of a tied weight is updated by its owner, never by this stage's optimizer.

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from ..models.base import forward_through
 from ..models.graphs import GraphedCompute
 from ..models.head_loss import head_loss
 from ..optim.lr_schedule import apply_lr
@@ -273,9 +274,7 @@ class StageHost:
         if self.head_loss == "plain":
             return self.loss_fn(replica(x), targets)
         *body, head = replica  # the stage's blocks; the last one is the model's head
-        for block in body:
-            x = block(x)
-        return head_loss(head, x, targets, "fused", kernel=self.head_loss_kernel)
+        return head_loss(head, forward_through(body, x), targets, "fused", kernel=self.head_loss_kernel)
 
     def _loss_gradient(self, loss: torch.Tensor) -> torch.Tensor:
         """d(step loss)/d(microbatch loss) = 1/m, computed once as ``ones / m`` in the loss's dtype:

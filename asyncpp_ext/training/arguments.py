@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Optional
 
-from .config import (DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
+from .config import (COMPILE_SCOPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
                      SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
 from ..data.batches import SAMPLINGS
 from ..models.registry import MODEL_PRESETS
@@ -165,6 +165,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="compile each block with torch.compile (--no-compile: eager); default auto: on "
                           "for cuda where torch can compile, off on cpu")
+    run.add_argument("--compile-scope", choices=COMPILE_SCOPES,
+                     help="what one compiled region covers: block (each block alone: the shortest compile) or "
+                          "stage (a stage's blocks but the head as one region: fewer host calls per "
+                          "microbatch, a longer compile) (default block)")
     run.add_argument("--head-loss", choices=HEAD_LOSSES,
                      help="last block's loss: plain (whole logits), fused (chunked matmul + cross entropy, "
                           "no logits in memory), liger / cce (fused with that CUDA kernel), auto (fused for "
@@ -213,7 +217,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "progress"): None if args.no_progress is None else not args.no_progress,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
-        ("train", "compile"): args.compile, ("train", "head_loss"): args.head_loss,
+        ("train", "compile"): args.compile, ("train", "compile_scope"): args.compile_scope,
+        ("train", "head_loss"): args.head_loss,
         ("train", "profile_steps"): args.profile_steps, ("train", "cuda_graphs"): args.cuda_graphs,
         ("train", "compute_copies"): args.compute_copies,
     }
@@ -253,7 +258,7 @@ FIELD_FLAGS = {
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
-    "train.compile": "--compile", "train.head_loss": "--head-loss", "train.profile_steps": "--profile-steps",
+    "train.compile_scope": "--compile-scope", "train.compile": "--compile", "train.head_loss": "--head-loss", "train.profile_steps": "--profile-steps",
     "train.cuda_graphs": "--cuda-graphs", "train.compute_copies": "--compute-copies",
     "data.sampling": "--sampling",
 }

@@ -16,11 +16,14 @@ import torch
 from torch import nn
 
 from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
-from ..models.compile import compile_blocks, resolve_compile
+from ..models.base import forward_through
+from ..models.compile import resolve_compile
 from ..models.head_loss import head_loss, require_kernel, resolve_head_loss
+from ..models.regions import compile_regions, scope_regions
 from ..models.registry import build_model
 from ..optim import build_optimizer
 from ..optim.registry import optimizer_spec
+from ..pipeline.partition import as_blocks, split
 from .checkpoint import CheckpointError, load_checkpoint, merge_engine_states
 from .config import RunConfig
 from .simulate import DelaySimulator, default_loss
@@ -78,6 +81,9 @@ class StageCompute:
     compute_copies: bool = False
     """Under bf16, run the linear layers on bf16 weight copies made once per weight version
     (pipeline/compute_copies.py)."""
+    compile_scope: str = "block"
+    """With ``compile``: each block alone, or a stage's blocks but the head as one region
+    (models/regions.py)."""
 
 
 def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
@@ -90,9 +96,15 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
     if kernel != "auto":
         require_kernel(kernel, device)
         mode = "fused"
-    return StageCompute(resolve_compile(cfg.train.compile, device),
-                        resolve_head_loss(mode, cfg.model.vocab_size, device), kernel,
-                        cuda_graphs=cfg.train.cuda_graphs, compute_copies=cfg.train.compute_copies)
+    compile_ = resolve_compile(cfg.train.compile, device)
+    scope = cfg.train.compile_scope
+    if scope != "block" and not compile_:
+        why = "--no-compile" if cfg.train.compile is False else f"compiling is off by default on {device.type}"
+        raise ValueError(f"--compile-scope {scope} says what is compiled together, but {why}; "
+                         "add --compile or drop --compile-scope")
+    return StageCompute(compile_, resolve_head_loss(mode, cfg.model.vocab_size, device), kernel,
+                        cuda_graphs=cfg.train.cuda_graphs, compute_copies=cfg.train.compute_copies,
+                        compile_scope=scope)
 
 
 def model_loss(compute: StageCompute):
@@ -103,10 +115,7 @@ def model_loss(compute: StageCompute):
 
     def loss(model, inputs, targets):
         *body, head = model.blocks()
-        x = inputs
-        for block in body:
-            x = block(x)
-        return head_loss(head, x, targets, "fused", kernel=compute.kernel)
+        return head_loss(head, forward_through(body, inputs), targets, "fused", kernel=compute.kernel)
     return loss
 
 
@@ -146,7 +155,7 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     compute = stage_compute(cfg)
     model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     if compute.compile:
-        compile_blocks(model, device=cfg.train.device)
+        compile_stages(model, cfg.train.device, compute.compile_scope, p.stages)
     from ..pipeline.compute_copies import maybe_compute_copies
     from ..pipeline.recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 
@@ -168,6 +177,14 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     return simulator
 
 
+def compile_stages(model: nn.Module, device, scope: str, stages: int):
+    """Compile ``model``'s blocks for the simulator by ``--compile-scope``: with "stage", one region
+    per stage of the split a Pipeline of ``stages`` stages makes, so that the simulator compiles
+    the graphs the pipeline's stages compile and real == --simulate stays exact."""
+    blocks = as_blocks(model)
+    return compile_regions(model, scope_regions(scope, split(blocks, stages), len(blocks)), device=device)
+
+
 def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
     """This rank's stage of the run's pipeline (torch.distributed already initialised), as a
     ``PipelineEngine``. Every rank builds the whole model from the seed and keeps its blocks."""
@@ -178,7 +195,7 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
     compute = stage_compute(cfg, device)
     model = build_model(cfg.model, seed=cfg.train.seed)
     pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=optimizer_factory(cfg), schedule=p.schedule,
-                    compile=compute.compile, head_loss=compute.head_loss, head_loss_kernel=compute.kernel,
+                    compile=compute.compile, compile_scope=compute.compile_scope, head_loss=compute.head_loss, head_loss_kernel=compute.kernel,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
                     cuda_graphs=compute.cuda_graphs, compute_copies=compute.compute_copies,
@@ -215,5 +232,5 @@ def resume(engine, stream: BatchStream, resume_dir: Optional[Path], stage: int =
     return Resumed(int(meta["step"]), float(meta.get("elapsed_s", 0.0)), rng)
 
 
-__all__ = ["build_data", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "build_simulator", "build_pipeline_engine",
+__all__ = ["build_data", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "build_simulator", "compile_stages", "build_pipeline_engine",
            "Resumed", "resume", "OptimizerFactory"]

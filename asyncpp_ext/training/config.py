@@ -30,6 +30,7 @@ NS_DTYPES = ("auto", "fp32", "bf16")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
 HEAD_LOSSES = ("auto", "fused", "plain", "liger", "cce")
+COMPILE_SCOPES = ("block", "stage")
 DELAY_ONLY = ("matrices", "others")
 """Values of PipelineConfig.delay_only: the parameter set a simulated 2bw run delays."""
 SYNC_SCHEDULES = tuple(n for n, spec in SCHEDULE_TABLE.items() if not spec.delayed())
@@ -256,6 +257,11 @@ class TrainConfig:
     """Compile each block with torch.compile (regional compilation, models/compile.py). None =
     auto: on for CUDA where torch can compile, off on CPU (a first compile there costs ~25-60 s per
     run start and the small CPU models gain little). Changes losses only at float rounding."""
+    compile_scope: str = "block"
+    """What one compiled region covers: block (each block alone, one graph per block type: the
+    shortest compile) | stage (a stage's blocks but the head as one region: one compiled call per
+    microbatch and stage, fusion across block boundaries, a longer compile; models/regions.py).
+    Takes effect where blocks are compiled."""
     head_loss: str = "auto"
     """How the last block computes its loss: plain (logits, then cross entropy) | fused (the head's
     matmul and cross entropy chunk by chunk, the logits never whole in memory; Liger-Kernel or
