@@ -40,7 +40,9 @@ Rows (names as printed; " eager" marks --no-compile rows when asyncpp-train has 
                          --no-compute-copies (autocast casts each weight per microbatch instead of
                          bf16 copies made once per step; CUDA, full run); " bf16-params":
                          --dtype bf16-params (every parameter copied to bf16, activations and
-                         residual stream bf16; CUDA, full run)
+                         residual stream bf16; CUDA, full run); " stage-compile":
+                         --compile-scope stage (a stage's blocks but the head compiled as one
+                         region; full run, on CPU at the first point only)
   ours 2bw 2st 1gpu <opt>[ ipc]
                          --stages 2 --schedule 2bw --transport gloo (" ipc": --transport ipc,
                          CUDA only): both ranks share one GPU (EF at its default 0.5, the
@@ -146,7 +148,7 @@ def detect_cli_flags() -> dict:
     return {"compile": "--no-compile" in text and re.search(r"--compile\b", text) is not None,
             "head_loss": "--head-loss" in text, "cuda_graphs": "--cuda-graphs" in text,
             "ipc": ",ipc" in text, "compute_copies": "--no-compute-copies" in text,
-            "bf16_params": "bf16-params" in text}
+            "bf16_params": "bf16-params" in text, "compile_scope": "--compile-scope" in text}
 
 
 def row(name, impl, model, seq, mb, m, **kw) -> dict:
@@ -173,7 +175,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
         c = (compile_ if flags["compile"] else None)
         suffix = ((" eager" if c is False else "") + (" ipc" if kw.get("transport") == "ipc" else "")
                   + (" graphs" if kw.get("graphs") else "") + (" no-copies" if kw.get("copies") is False else "")
-                  + (" bf16-params" if kw.get("dtype") == "bf16-params" else ""))
+                  + (" bf16-params" if kw.get("dtype") == "bf16-params" else "")
+                  + (" stage-compile" if kw.get("scope") == "stage" else ""))
         if kw.get("stages", 1) == 1:
             name = f"ours sync {opt}{suffix}"
             kw.setdefault("schedule", "sync")
@@ -244,6 +247,9 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     ours(mdl, seq, "adamw", compile_=main_compile, copies=False)
                 if primary and dev == "cuda" and flags.get("bf16_params"):  # activations in bf16 too
                     ours(mdl, seq, "adamw", compile_=main_compile, dtype="bf16-params")
+                if primary and flags.get("compile_scope") and (dev == "cuda" or (mdl, seq) == first):
+                    # the stage's blocks as one compiled region (on CPU: one point, host work only)
+                    ours(mdl, seq, "adamw", compile_=True, scope="stage", cpu_compile_anyway=True)
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

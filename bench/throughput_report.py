@@ -90,8 +90,10 @@ def ratios(rows: list) -> list:
                                 peak_memory=(r["peak_bytes"] / base["peak_bytes"]
                                              if r.get("peak_bytes") and base.get("peak_bytes") else None)))
         # the row its variant is set against: graphs against none, bf16 activations against
-        # autocast's, the compute copies against the row without them
-        if r.get("graphs"):
+        # autocast's, a stage region against blocks, the compute copies against the row without them
+        if r.get("scope") == "stage":
+            plain = find(r["name"].removesuffix(" stage-compile"), r["model"], r["seq_len"])
+        elif r.get("graphs"):
             plain = find(r["name"].removesuffix(" graphs"), r["model"], r["seq_len"])
         elif r.get("dtype") == "bf16-params":
             plain = find(r["name"].removesuffix(" bf16-params"), r["model"], r["seq_len"])
@@ -113,7 +115,8 @@ def ratios(rows: list) -> list:
             base = next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
                          and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
                          and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
-                         and b.get("copies") is not False and b.get("dtype") is None), None)
+                         and b.get("copies") is not False and b.get("dtype") is None
+                         and b.get("scope") == r.get("scope")), None)
             if base:
                 out.append(dict(what=f"{r['name']} / {base['name']}", model=r["model"], seq_len=r["seq_len"],
                                 tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"], peak_memory=None,

@@ -219,6 +219,21 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     cmd = gt.ours_command(params[0], args, with_params, Path("o"), Path("p"))
     assert cmd[cmd.index("--dtype") + 1] == "bf16-params"
     assert not any(r.get("dtype") for r in gt.build_plan(_plan_args(mode="quick"), with_params, gpus=1)[0])
+    # --compile-scope stage rows where the CLI has the flag: full mode, the primary points on CUDA,
+    # the first (compiled, against ours' compiled row) on CPU; never in --quick
+    with_scope = dict(with_params, compile_scope=True)
+    full, _ = gt.build_plan(_plan_args(), with_scope, gpus=1)
+    staged = [r for r in full if r.get("scope") == "stage"]
+    assert {(r["name"], r["model"], r["seq_len"], r["compile"]) for r in staged} == {
+        ("ours sync adamw stage-compile", "smollm-135m", 1024, True),
+        ("ours sync adamw stage-compile", "smollm-360m", 2048, True)}
+    cmd = gt.ours_command(staged[0], args, with_scope, Path("o"), Path("p"))
+    assert cmd[cmd.index("--compile-scope") + 1] == "stage" and "--compile" in cmd
+    assert "--compile-scope" not in gt.ours_command(full[0], args, with_scope, Path("o"), Path("p"))
+    assert not any(r.get("scope") for r in gt.build_plan(_plan_args(mode="quick"), with_scope, gpus=1)[0])
+    cpu_staged = [(r["name"], r["model"], r["seq_len"], r["compile"])
+                  for r in gt.build_plan(_plan_args("cpu"), with_scope, gpus=0)[0] if r.get("scope")]
+    assert cpu_staged == [("ours sync adamw stage-compile", "llama-tiny", 64, True)]
     # --only keeps rows holding a substring, --skip then leaves out those holding another
     picked, _ = gt.build_plan(_plan_args(only="ours sync adamw,hf compile adamw smollm-135m", skip="eager,360m,T=2048"),
                               with_params, gpus=1)
@@ -268,7 +283,7 @@ def test_an_unbuilt_extension_stops_the_bench_before_any_row(capsys, monkeypatch
     assert err.count("\n") == 1 and err.startswith("gpu_throughput.py: error: "), err
 
 
-def test_ratios_pair_ours_with_its_no_copies_graphs_and_bf16_params_rows():
+def test_ratios_pair_ours_with_its_no_copies_graphs_bf16_params_and_stage_compile_rows():
     from throughput_report import ratios
 
     def ours(name, tps, **kw):
@@ -277,11 +292,13 @@ def test_ratios_pair_ours_with_its_no_copies_graphs_and_bf16_params_rows():
     rows = [ours("ours sync adamw", 120.0), ours("ours sync adamw no-copies", 100.0, copies=False),
             ours("ours sync adamw graphs", 180.0, graphs=True),
             ours("ours sync adamw bf16-params", 150.0, dtype="bf16-params"),
+            ours("ours sync adamw stage-compile", 132.0, scope="stage"),
             ours("ours 2bw 2st 1gpu adamw", 90.0, stages=2)]
     got = {q["what"]: q["tokens_per_s"] for q in ratios(rows)}
     assert got["ours sync adamw bf16-params / ours sync adamw"] == pytest.approx(1.25)
     assert got["ours sync adamw / ours sync adamw no-copies"] == pytest.approx(1.2)
     assert got["ours sync adamw graphs / ours sync adamw"] == pytest.approx(1.5)
+    assert got["ours sync adamw stage-compile / ours sync adamw"] == pytest.approx(1.1)
     assert got["ours 2bw 2st 1gpu adamw / ours sync adamw"] == pytest.approx(0.75)  # not against no-copies
     assert not any(w.startswith("ours sync adamw no-copies /") for w in got)
 
