@@ -59,11 +59,12 @@ def test_compiled_real_pipeline_equals_the_compiled_simulation(tmp_path, request
 @pytest.mark.multiproc
 @pytest.mark.xdist_group("inductor")
 def test_stage_scope_real_pipeline_equals_its_simulation(tmp_path, request):
-    # 6 blocks on 2 stages, each stage's blocks but the head one region: the simulator compiles
-    # the regions of the same split, so the two must agree bit for bit.
+    # [embedding, layer 0] | [layer 1, head]: stage 0's blocks are one region (stage 1 keeps its
+    # blocks alone: a one-block region is none); the simulator compiles the regions of the same
+    # split, so the two must agree bit for bit. (More regions and stages: test_compile_regions.py.)
     cache = request.config.cache.mkdir("inductor") if getattr(request.config, "cache", None) else tmp_path / "inductor"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
-    flags = COMMON + ["--n-layer", "4", "--compile", "--compile-scope", "stage"]
+    flags = COMMON + ["--compile", "--compile-scope", "stage"]
     assert main(flags + ["--out", str(tmp_path / "real")]) == 0
     assert main(flags + ["--simulate", "--out", str(tmp_path / "sim")]) == 0
     assert _losses(tmp_path / "real") == _losses(tmp_path / "sim")  # (vs eager: test_compile_regions.py)
