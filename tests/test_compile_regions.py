@@ -209,3 +209,30 @@ def test_region_marks_survive_pickling_and_uncompile_removes_them():
     assert torch.equal(clone(idx)[0], model(idx)[0])
     uncompile(model.blocks())
     assert region_of(model.embed) is None and not is_compiled(model.head)
+
+
+def test_a_pipeline_stage_compiles_its_blocks_but_the_head_as_one_region():
+    # Pipeline(compile_scope="stage") on a one-rank world (compiling is lazy: no graph is built
+    # here); with the default scope the blocks are compiled alone.
+    import torch.distributed as dist
+    from asyncpp_ext.pipeline import Pipeline
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for scope, lengths in (("stage", [4, None, None, None, None]), ("block", [None] * 5)):
+            model = _llama(n_layer=3)
+            pipe = Pipeline(model, loss_fn=type(model).loss, schedule="1f1b", microbatches=2, stages=1,
+                            optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                            compile=True, compile_scope=scope)
+            try:
+                for replica in pipe.host.replicas:
+                    assert [getattr(region_of(b), "length", None) for b in replica] == lengths, scope
+                    assert isinstance(replica, BlockSequence) and is_compiled(replica[-1])
+            finally:
+                pipe.close()
+        with pytest.raises(ValueError, match="compile scope must be one of block, stage"):
+            Pipeline(_llama(), loss_fn=type(model).loss, schedule="1f1b", microbatches=2, stages=1,
+                     optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), compile=True,
+                     compile_scope="model")
+    finally:
+        dist.destroy_process_group()

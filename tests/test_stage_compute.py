@@ -56,6 +56,7 @@ def test_compiled_real_pipeline_equals_the_compiled_simulation(tmp_path, request
     assert max(abs(a - b) / b for a, b in zip(real[0], eager[0])) < 1e-5  # measured <= 5e-8
 
 
+@pytest.mark.slow  # 17-47 s of inductor compiles on 2 cores; in-process checks: test_compile_regions.py
 @pytest.mark.multiproc
 @pytest.mark.xdist_group("inductor")
 def test_stage_scope_real_pipeline_equals_its_simulation(tmp_path, request):
