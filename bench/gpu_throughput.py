@@ -111,7 +111,7 @@ from throughput_model import (MODELS, SMOLLM_HF, BenchError, flops_per_token, hf
                               matmul_params, model_shape, peak_for_gpu, total_params)
 from throughput_report import (HEAD_LOSS_REL_TOL, finish_row, format_report, head_checks,  # noqa: E402,F401
                                loss_check, ratios, steady_tokens_per_s)
-from throughput_rows import (PROG, RESULT_TAG, ROOT, build_hf_model, child_env, head_row,  # noqa: E402,F401
+from throughput_rows import (PROG, RESULT_TAG, ROOT, build_hf_model, child_env, head_mode, head_row,  # noqa: E402,F401
                              ours_command, run_ours, run_worker_row, worker_main)
 
 if str(ROOT) not in sys.path:
@@ -275,9 +275,12 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
     if args.mode == "smoke" and not args.smoke_head:
         pass  # the test suite measures the head-loss rows in-process (one process start less)
     elif head_loss_available():
-        for mode in ("plain", "fused"):
-            rows.append(row(f"head-loss {mode}", "head", "head C={n_embd} V={vocab}".format(**head), head["seq"],
-                            head["batch"], 1, head_mode=mode, head_modes=["plain", "fused"], head_shape=head))
+        # "fused@N": the fused head with N rows per chunk (--head-chunk-rows), named "fused N rows"
+        modes = ["plain", "fused", *(f"fused@{n}" for n in getattr(args, "head_chunk_rows", []))]
+        for mode in modes:
+            name = f"head-loss {mode.replace('@', ' ')}" + (" rows" if "@" in mode else "")
+            rows.append(row(name, "head", "head C={n_embd} V={vocab}".format(**head), head["seq"],
+                            head["batch"], 1, head_mode=mode, head_modes=modes, head_shape=head))
     else:
         skipped.append(("head-loss plain/fused", "not available: asyncpp_ext.models.head_loss.measure_head_loss "
                                                  "not found"))
@@ -323,6 +326,9 @@ def parse_args(argv):
     ap.add_argument("--only", help="comma-separated substrings: run only rows whose 'name model T=seq' holds one")
     ap.add_argument("--skip", help="comma-separated substrings: leave out rows whose 'name model T=seq' holds one "
                                    "(after --only)")
+    ap.add_argument("--head-chunk-rows", metavar="N[,N...]",
+                    help="also measure the fused head with these rows per chunk (one row each, beside the "
+                         "default chunk): how the chunk size trades launches for memory")
     ap.add_argument("--cpu-compile", action="store_true", help="on CPU also run the torch.compile rows (slow)")
     ap.add_argument("--row-timeout", type=float, help="seconds per row (default 600, --quick 240, --smoke 120)")
     ap.add_argument("--threads", type=int, metavar="N",
@@ -371,6 +377,9 @@ def parse_args(argv):
         raise BenchError(f"--peak-tflops must be a positive number, got {args.peak_tflops}")
     if args.row_timeout <= 0:
         raise BenchError(f"--row-timeout must be positive, got {args.row_timeout}")
+    args.head_chunk_rows = _list(args.head_chunk_rows, int, "--head-chunk-rows") if args.head_chunk_rows else []
+    if any(n < 1 for n in args.head_chunk_rows):
+        raise BenchError(f"--head-chunk-rows: every chunk must hold >= 1 row, got {args.head_chunk_rows}")
     return args
 
 

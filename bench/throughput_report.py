@@ -57,17 +57,23 @@ def finish_row(r: dict, args, peak_tflops) -> dict:
 
 def head_checks(rows: list) -> None:
     plain = next((r for r in rows if r["impl"] == "head" and r["head_mode"] == "plain" and r.get("status") == "ok"), None)
-    fused = next((r for r in rows if r["impl"] == "head" and r["head_mode"] == "fused" and r.get("status") == "ok"), None)
     if plain:
         plain["check"] = "ok" if math.isfinite(plain["head_loss"]) else "FAIL: non-finite loss"
-    if fused and plain:
+    for fused in (r for r in rows if r["impl"] == "head" and r["head_mode"].startswith("fused") and r.get("status") == "ok"):
+        _check_fused(fused, plain)
+
+
+def _check_fused(fused: dict, plain) -> None:
+    """A fused head row (any chunk size) against the plain one: loss within the dtype's bound,
+    its time and peak memory as ratios."""
+    if plain:
         tol = HEAD_LOSS_REL_TOL[fused["dtype"]]
         rel = abs(fused["head_loss"] - plain["head_loss"]) / max(abs(plain["head_loss"]), 1e-12)
         fused["loss_rel_diff"] = rel
         fused["peak_ratio_to_plain"] = fused["peak_bytes"] / plain["peak_bytes"] if plain["peak_bytes"] else None
         fused["time_ratio_to_plain"] = fused["head_seconds"] / plain["head_seconds"]
         fused["check"] = "ok" if rel <= tol else f"FAIL: loss differs by {rel:.2e} (> {tol:g})"
-    elif fused:
+    else:
         fused["check"] = "ok" if math.isfinite(fused["head_loss"]) else "FAIL: non-finite loss"
 
 

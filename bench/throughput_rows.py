@@ -478,8 +478,9 @@ def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    name, kw = head_mode(mode)
     with torch.profiler.profile(activities=activities) as prof:
-        measure_head_loss(mode, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype)
+        measure_head_loss(name, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype, **kw)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -489,6 +490,13 @@ def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
             "device_ms_per_call": {k: round(v / 2, 3) for k, v in s["device_ms_by_kind"].items()},
             "top_kernels_per_call": [dict(k, ms=round(k["ms"] / 2, 3), launches=k["launches"] // 2)
                                      for k in s["top_kernels"][:8]]}
+
+
+def head_mode(mode: str) -> tuple:
+    """A head row's mode -> (measure_head_loss's mode, its chunk_rows keyword): "fused@N" is the
+    fused head with N rows per chunk."""
+    name, _, rows = mode.partition("@")
+    return (name, {"chunk_rows": int(rows)} if rows else {})
 
 
 def worker_head(spec: dict) -> dict:
@@ -501,7 +509,8 @@ def worker_head(spec: dict) -> dict:
     modes = {}
     for mode in spec["modes"]:  # measure_head_loss measures each call's own peak
         try:
-            out = measure_head_loss(mode, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype)
+            name, kw = head_mode(mode)
+            out = measure_head_loss(name, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype, **kw)
             modes[mode] = dict(status="ok", head_seconds=float(out["seconds"]), peak_bytes=int(out["peak_bytes"]),
                                head_loss=float(out["loss"]), peak_kind="measure_head_loss", dtype=spec["dtype"])
             if spec.get("profile") and device.type == "cuda":  # where the head's GPU time goes, by kernel

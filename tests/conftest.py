@@ -32,7 +32,8 @@ def _gpu_available() -> bool:
 # one after another: they share what one process keeps warm (test_compile.py: dynamo's and
 # inductor's in-process caches and the inductor cache directory it points TORCHINDUCTOR_CACHE_DIR
 # at), and two of them side by side would only compete for the cores.
-XDIST_GROUPS = {"test_compile.py": "inductor", "test_compile_regions.py": "inductor"}
+XDIST_GROUPS = {"test_compile.py": "inductor", "test_compile_regions.py": "inductor",
+                "test_bad_inputs.py": "bad_inputs"}  # its module fixture trains two runs: set up once
 
 
 def pytest_collection_modifyitems(config, items):

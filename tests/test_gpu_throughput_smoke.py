@@ -65,21 +65,24 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
 def test_head_loss_rows_from_measure_head_loss(capsys):
     if not gt.head_loss_available():
         pytest.skip("asyncpp_ext.models.head_loss.measure_head_loss not there yet")
-    spec = dict(kind="head", modes=["plain", "fused"], device="cpu", dtype="fp32", threads=None,
-                **gt.SMOKE_HEAD_SHAPE)
+    modes = ["plain", "fused", "fused@5"]  # and the fused head at 5 rows per chunk (--head-chunk-rows 5)
+    spec = dict(kind="head", modes=modes, device="cpu", dtype="fp32", threads=None, **gt.SMOKE_HEAD_SHAPE)
     assert gt.worker_main(spec) == 0
     out = capsys.readouterr().out
     worker = dict(json.loads(out.split(gt.RESULT_TAG)[1]), wall_s=1.0, command="c")
     shape = gt.SMOKE_HEAD_SHAPE
     rows = [gt.head_row(gt.row(f"head-loss {m}", "head", "head", shape["seq"], shape["batch"], 1, head_mode=m,
-                               head_shape=shape, status=None), worker) for m in ("plain", "fused")]
+                               head_shape=shape, status=None), worker) for m in modes]
     args = SimpleNamespace(device="cpu", warmup=1)
     rows = [gt.finish_row(r, args, None) for r in rows]
     gt.head_checks(rows)
     for r in rows:
         assert r["status"] == "ok" and r["check"] == "ok", r
         assert _positive(r["head_seconds"]) and _positive(r["peak_bytes"]) and _positive(r["tokens_per_s"])
-    assert rows[1]["loss_rel_diff"] <= gt.HEAD_LOSS_REL_TOL["fp32"] and _positive(rows[1]["peak_ratio_to_plain"])
+    for fused in rows[1:]:
+        assert fused["loss_rel_diff"] <= gt.HEAD_LOSS_REL_TOL["fp32"] and _positive(fused["peak_ratio_to_plain"])
+    assert rows[1]["head_loss"] != rows[2]["head_loss"]  # another chunking really ran (sums in another order)
+    assert gt.head_mode("fused@5") == ("fused", {"chunk_rows": 5}) and gt.head_mode("plain") == ("plain", {})
     report = dict(info=dict(device_name="cpu", device="cpu", torch="t", transformers=None, mode="smoke",
                             peak_tflops=None, peak_source="-", dtype="fp32", warmup=1, steps=1, cli_flags={}),
                   formula="f", rows=rows, skipped=[], ratios=[],
@@ -234,6 +237,11 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     cpu_staged = [(r["name"], r["model"], r["seq_len"], r["compile"])
                   for r in gt.build_plan(_plan_args("cpu"), with_scope, gpus=0)[0] if r.get("scope")]
     assert cpu_staged == [("ours sync adamw stage-compile", "llama-tiny", 64, True)]
+    # --head-chunk-rows: one more fused head row per chunk size
+    heads = [(r["name"], r["head_mode"]) for r in gt.build_plan(_plan_args(head_chunk_rows=[1365, 2730]), flags_on,
+                                                                 gpus=1)[0] if r["impl"] == "head"]
+    assert heads == [("head-loss plain", "plain"), ("head-loss fused", "fused"),
+                     ("head-loss fused 1365 rows", "fused@1365"), ("head-loss fused 2730 rows", "fused@2730")]
     # --only keeps rows holding a substring, --skip then leaves out those holding another
     picked, _ = gt.build_plan(_plan_args(only="ours sync adamw,hf compile adamw smollm-135m", skip="eager,360m,T=2048"),
                               with_params, gpus=1)
