@@ -25,10 +25,15 @@ class FakeGraphs:
     def __init__(self):
         self.captures = []
 
-    def __call__(self, slot, sample, num_warmup_iters=3):
+    def __call__(self, slot, sample, num_warmup_iters=3, allow_unused_input=False):
         assert all(isinstance(a, torch.Tensor) for a in sample)
-        self.captures.append(sample)
         run, params, n = slot.forward, tuple(slot.parameters()), len(sample)
+        # torch's warm-up: forward and gradients of every grad-requiring input, where a Parameter
+        # the call does not use fails the capture unless allow_unused_input
+        out = run(*sample)
+        torch.autograd.grad(out, [x for x in (*sample, *params) if x.requires_grad], torch.ones_like(out),
+                            allow_unused=allow_unused_input)
+        self.captures.append(sample)
         static = {"out": None, "grads": None}
 
         class Replay(torch.autograd.Function):
@@ -47,12 +52,13 @@ class FakeGraphs:
             @staticmethod
             def backward(ctx, grad):
                 wanted = [x for x in ctx.xs if x.requires_grad] + list(params)
-                got = torch.autograd.grad(ctx.out, wanted, grad)
+                got = torch.autograd.grad(ctx.out, wanted, grad, allow_unused=allow_unused_input)
                 if static["grads"] is None:
-                    static["grads"] = [torch.empty_like(g) for g in got]
+                    static["grads"] = [None if g is None else torch.empty_like(g) for g in got]
                 for buf, g in zip(static["grads"], got):
-                    buf.copy_(g)
-                views = iter(buf.detach() for buf in static["grads"])
+                    if g is not None:
+                        buf.copy_(g)
+                views = iter(None if buf is None else buf.detach() for buf in static["grads"])
                 return tuple([next(views) if x.requires_grad else None for x in ctx.xs] + [next(views) for _ in params])
 
         slot.forward = lambda *args: Replay.apply(*args, *params)
@@ -99,6 +105,24 @@ def test_one_slot_per_microbatch_in_flight_and_outputs_survive_later_replays():
         assert torch.allclose(x.grad, xr.grad, atol=1e-7)
 
 
+def test_a_parameter_the_stage_does_not_use_is_captured_and_gets_no_gradient():
+    # torch's capture refuses a Parameter without a gradient unless allow_unused_input; a stage
+    # may hold one (a spare bias, a table only evaluation reads), and eager simply leaves it be.
+    module = _mlp()
+    module.spare = nn.Parameter(torch.ones(3))
+    fake = FakeGraphs()
+    graphed = GraphedCompute(module, _loss, make=fake)
+    (x, y), = _data(1)
+    graphed(x, y).backward()
+    assert graphed.failure is None and len(fake.captures) == 1
+    assert torch.equal(module.spare.grad, torch.zeros(3))  # the zero .grad set before the replay
+    reference = copy.deepcopy(module)
+    for p in reference.parameters():
+        p.grad = None
+    _loss(reference, x, y).backward()
+    assert torch.allclose(module[0].weight.grad, reference[0].weight.grad, atol=1e-7)
+
+
 def test_no_grad_calls_run_eagerly_and_a_failed_capture_warns_once():
     module, fake = _mlp(), FakeGraphs()
     graphed = GraphedCompute(module, _loss, make=fake)
@@ -107,7 +131,7 @@ def test_no_grad_calls_run_eagerly_and_a_failed_capture_warns_once():
         assert graphed(x, y).item() == _loss(module, x, y).item()
     assert fake.captures == []
 
-    def refuse(slot, sample, num_warmup_iters=3):
+    def refuse(slot, sample, num_warmup_iters=3, allow_unused_input=False):
         raise RuntimeError("make_graphed_callables does not support the autocast caching.\nmore")
     broken = GraphedCompute(module, _loss, make=refuse)
     with pytest.warns(UserWarning, match=r"CUDA-graph capture failed \(RuntimeError: make_graphed_callables "
@@ -230,8 +254,10 @@ def _run_losses(tmp_path, name, *flags):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("flags, tol", [(("--dtype", "fp32", "--no-compile"), 1e-6),
-                                        (("--dtype", "bf16", "--compile", "--head-loss", "fused"), 1e-3)],
-                         ids=["fp32-eager", "bf16-compiled-fused-head"])
+                                        (("--dtype", "bf16", "--compile", "--head-loss", "fused"), 1e-3),
+                                        (("--dtype", "bf16", "--compile", "--compile-scope", "stage",
+                                          "--head-loss", "fused"), 1e-3)],
+                         ids=["fp32-eager", "bf16-compiled-fused-head", "bf16-stage-region"])
 def test_cuda_graphs_train_as_without_them(tmp_path, flags, tol):
     """The same kernels replayed: one stage (the simulator) and a 2-stage 2bw pipeline sharing the
     GPU against its --simulate run."""

@@ -113,7 +113,9 @@ class GraphedCompute:
         slot.train(self.module.training)
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
         try:
-            self.make(slot, sample, num_warmup_iters=self.warmup_iters)
+            # allow_unused_input: a Parameter the stage does not use this call (a model's spare
+            # bias, say) gets no gradient, as in eager, instead of failing the capture.
+            self.make(slot, sample, num_warmup_iters=self.warmup_iters, allow_unused_input=True)
         except Exception as exc:  # capture refused or failed: this module runs eagerly from now on
             self.failure = _describe(exc)
             warnings.warn(f"asyncpp: CUDA-graph capture failed ({self.failure}); this stage runs "
