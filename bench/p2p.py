@@ -236,9 +236,18 @@ def main(argv=None) -> int:
     parser.add_argument("--max-mib", type=int, default=64, help="largest message (MiB, default 64)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args(argv)
-    if args.min_kib < 1 or args.max_mib * 1024 < args.min_kib:
-        parser.error("need 1 <= --min-kib <= --max-mib * 1024")
     backend = args.backend or default_backend()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problem = None
+    if args.min_kib < 1 or args.max_mib * 1024 < args.min_kib:
+        problem = "need 1 <= --min-kib <= --max-mib * 1024"
+    elif backend == "ipc-cuda" and gpus < 1:
+        problem = "--backend ipc-cuda puts both ranks on one GPU, but torch sees none; use --backend ipc"
+    elif backend == "nccl" and gpus < 2:
+        problem = f"--backend nccl needs two GPUs (one per rank), torch sees {gpus}; use socket, gloo or ipc"
+    if problem:
+        print(f"p2p.py: error: {problem}", file=sys.stderr)
+        return 2
     sizes, n = [], args.min_kib * KIB
     while n <= args.max_mib * KIB * KIB:  # powers of 4
         sizes.append(n)

@@ -1,12 +1,15 @@
 """Smoke tests of the pipeline benchmarks (tiny settings) so they keep running."""
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 
 import memory as memory_bench  # noqa: E402
 import real_compute  # noqa: E402
@@ -228,3 +231,29 @@ def test_p2p_moves_every_size_intact_through_our_transports(capsys, monkeypatch,
     assert result["backend"] == backend and result["recv_spin_us"] == 250
     assert [r["bytes"] for r in result["rows"]] == [256 << 10, 1 << 20]
     assert all(r["asyncpp_check"] and r["torch_check"] and r["asyncpp_us"] > 0 for r in result["rows"])
+
+
+@pytest.mark.parametrize("argv, words", [(["--min-kib", "0"], "--min-kib"),
+                                         (["--backend", "ipc-cuda"], "torch sees none"),
+                                         (["--backend", "nccl"], "needs two GPUs")])
+def test_p2p_bad_inputs_are_one_line_and_exit_2(capsys, monkeypatch, argv, words):
+    import p2p
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine with GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert p2p.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("p2p.py: error: ") and words in err, err
+
+
+def test_gpu_runbook_notes_a_failed_step_and_goes_on(tmp_path):
+    # Without a GPU the head step fails at once (gpu_throughput.py: no CUDA GPU); an unknown step is
+    # named; the exit status counts both, and each step left its log.
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_runbook.sh"), "nosuch", "head"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    steps = (tmp_path / "steps.txt").read_text()
+    assert "unknown step nosuch" in steps and "== head (limit 150 s)" in steps
+    if not torch.cuda.is_available():
+        assert r.returncode == 2 and "no CUDA GPU is visible" in (tmp_path / "head.log").read_text()
+    assert "step(s) failed; logs and JSON in" in r.stdout
