@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from asyncpp_ext.models import compile as compile_mod
+from asyncpp_ext.models import compile_support
 from asyncpp_ext.models.compile import (CompileUnavailableError, compile_blocks, compile_unavailable_reason,
                                         is_compiled, resolve_compile, uncompile)
 from asyncpp_ext.models.registry import ModelConfig, build_model, model_config
@@ -389,7 +389,7 @@ def test_compile_unavailable_reason_and_resolve_compile(monkeypatch):
         assert resolve_compile(None, "cuda") is False
         with pytest.raises(CompileUnavailableError, match="CUDA is not available"):
             resolve_compile(True, "cuda:0")
-    monkeypatch.setattr(compile_mod, "_cuda_reason", lambda dev: None)
+    monkeypatch.setattr(compile_support, "_cuda_reason", lambda dev: None)
     assert resolve_compile(None, "cuda") is True  # auto = on where CUDA can compile
     with inductor_config.patch({"cpp.cxx": (None, "asyncpp-no-such-c++")}):
         reason = compile_unavailable_reason("cpu")

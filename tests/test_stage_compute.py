@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from asyncpp_ext.models import compile as compile_mod
+from asyncpp_ext.models import compile_support
 from asyncpp_ext.training.cli import main
 
 COMMON = ["--model", "llama-tiny", "--seq-len", "16", "--micro-batch-size", "2", "--microbatches", "2",
@@ -86,7 +86,7 @@ def test_a_head_loss_kernel_that_cannot_run_here_is_one_line(tmp_path, capsys):
 
 
 def test_compile_where_torch_cannot_is_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(compile_mod, "compile_unavailable_reason", lambda device, **kw: "no working C++ compiler")
+    monkeypatch.setattr(compile_support, "compile_unavailable_reason", lambda device, **kw: "no working C++ compiler")
     _fails_cleanly(capsys, COMMON + ["--simulate", "--compile"], tmp_path / "out", "--compile",
                    "no working C++ compiler")
     # auto stays eager where torch cannot compile: no error

@@ -40,12 +40,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
 from torch import nn
 
 from .base import REGION_MARK
 from .compile import (_GROUPS, CompileReport, _as_blocks, _Group, _make_settings, _Settings,
-                      compile_blocks, uncompile)
+                      blocks_device, compile_blocks, uncompile)
 
 
 def _run_region(blocks, x):
@@ -132,13 +131,13 @@ def compile_regions(blocks, regions: Sequence[Sequence[int]], *, device=None, ba
                     mode: str | None = None, options: dict | None = None, fullgraph: bool = True,
                     dynamic: bool | None = False) -> CompileReport:
     """Compile each run of consecutive block indices in ``regions`` as one region and every other
-    block of ``blocks`` on its own (``compile_blocks``, same settings); returns one live report. ``compile.uncompile`` undoes it.
+    block of ``blocks`` on its own (``compile_blocks``, same settings); returns one live report.
 
     ``blocks``: as for ``compile_blocks`` (a stage's BlockSequence, a model with ``blocks()``, a
     list). A region must list consecutive indices, at least two, in no other region (no regions:
-    every block compiled alone, as by ``compile_blocks``). Callers run
-    the blocks through ``models.base.forward_through`` (``BlockModel.forward`` and
-    ``BlockSequence`` do). Compiling again replaces earlier regions and block compilation."""
+    every block compiled alone, as by ``compile_blocks``). Callers run the blocks through
+    ``models.base.forward_through`` (``BlockModel.forward`` and ``BlockSequence`` do). Compiling
+    again replaces earlier regions and block compilation; ``compile.uncompile`` undoes it."""
     mods = _as_blocks(blocks)
     regions = [list(r) for r in regions]
     seen: set[int] = set()
@@ -151,7 +150,7 @@ def compile_regions(blocks, regions: Sequence[Sequence[int]], *, device=None, ba
         seen |= set(r)
     uncompile(mods)  # earlier regions and blocks; a region's blocks run inside the region's code
     rest = [m for i, m in enumerate(mods) if i not in seen]
-    report = compile_blocks(rest, device=device if device is not None else _first_device(mods),
+    report = compile_blocks(rest, device=device if device is not None else blocks_device(mods),
                             backend=backend, mode=mode, options=options, fullgraph=fullgraph,
                             dynamic=dynamic)
     settings = _make_settings(backend, mode, options, fullgraph, dynamic)
@@ -163,11 +162,6 @@ def compile_regions(blocks, regions: Sequence[Sequence[int]], *, device=None, ba
         groups[id(group)] = group
     names = [type(m).__qualname__ for m in mods]
     return CompileReport(report.device, names, list(groups.values()))
-
-
-def _first_device(mods) -> torch.device:
-    first = next((p for m in mods for p in m.parameters()), None)
-    return first.device if first is not None else torch.device("cpu")
 
 
 __all__ = ["SCOPES", "compile_regions", "scope_regions", "region_of"]

@@ -1,0 +1,168 @@
+"""Can torch compile blocks here, and should it: the checks behind ``--compile`` (docs/design.md
+§2.11), apart from the compiling itself (models/compile.py).
+
+    compile_unavailable_reason(device, *, probe=False) -> str | None
+    resolve_compile(flag, device) -> bool
+    CompileUnavailableError   (a ValueError whose message is one line)
+    _describe(exc) -> str     ``Type: first line`` of an exception, through dynamo's wrappers
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import warnings
+
+import torch
+
+
+class CompileUnavailableError(ValueError):
+    """Compilation was requested where torch cannot compile; the message is one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Can torch compile here?
+
+
+def _device(device) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def _first_line(text: str, limit: int = 240) -> str:
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def compile_unavailable_reason(device, *, probe: bool = False) -> str | None:
+    """Why ``torch.compile`` (inductor) cannot compile blocks for ``device`` here, as one line, or
+    None where it can.
+
+    Checks, cheapest first: the Python/torch combination (dynamo's own check), that this torch lifts
+    module parameters into graphs (``inline_inbuilt_nn_modules``, which the shared graphs and the
+    weight swap rely on), then per device: CPU needs a C++ compiler inductor finds (``CXX`` or
+    ``g++``) that runs; CUDA needs a visible GPU, the triton package and compute capability >= 7.0.
+    Other device types are not supported by this module. With ``probe`` a one-op function is also
+    compiled and run on ``device`` (seconds on a cold cache), which catches a compiler that is
+    present but broken (missing headers, ...)."""
+    try:
+        dev = _device(device)
+    except (RuntimeError, TypeError) as exc:
+        return f"{device!r} is not a torch device ({_first_line(exc)})"
+    try:
+        from torch._dynamo.eval_frame import check_if_dynamo_supported
+        check_if_dynamo_supported()
+    except ImportError:
+        return f"torch {torch.__version__} has no torch._dynamo"
+    except Exception as exc:  # it raises RuntimeError with the reason
+        return f"torch.compile is not supported here: {_first_line(exc)}"
+    import torch._dynamo.config as dynamo_config
+    with warnings.catch_warnings():  # torch 2.13 deprecates the flag (always on) with a FutureWarning
+        warnings.simplefilter("ignore")
+        inlined = getattr(dynamo_config, "inline_inbuilt_nn_modules", True)
+    if not inlined:
+        return (f"torch {torch.__version__} compiles modules with their parameters as constants "
+                "(torch._dynamo.config.inline_inbuilt_nn_modules is off); turn it on or upgrade torch")
+    if dev.type == "cpu":
+        reason = _cpu_compiler_reason()
+    elif dev.type == "cuda":
+        reason = _cuda_reason(dev)
+    else:
+        return f"compiled blocks are supported on cpu and cuda, not {dev.type}"
+    if reason is None and probe:
+        reason = _probe(dev)
+    return reason
+
+
+def _cpu_compiler_reason() -> str | None:
+    """Inductor's CPU code is C++ built at run time by the first of ``config.cpp.cxx`` that runs."""
+    try:
+        from torch._inductor import config as inductor_config
+    except Exception as exc:  # an incomplete install
+        return f"torch's inductor does not import ({_first_line(exc)})"
+    candidates = inductor_config.cpp.cxx
+    candidates = [c for c in (candidates if isinstance(candidates, (list, tuple)) else (candidates,)) if c]
+    for cxx in candidates:
+        if shutil.which(cxx) is None:
+            continue
+        try:  # what inductor itself runs to accept a compiler (cpp_builder.cpp_compiler_search)
+            subprocess.run([cxx, "--version"], check=True, capture_output=True, timeout=30)
+            return None
+        except (OSError, subprocess.SubprocessError):
+            continue
+    names = ", ".join(candidates) or "none configured"
+    return (f"no working C++ compiler for inductor's CPU code (tried: {names}); install g++ "
+            "or set CXX to a C++ compiler")
+
+
+def _cuda_reason(dev: torch.device) -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available to torch here (no GPU visible or a CPU build of torch)"
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        return f"{dev} does not exist: torch sees {torch.cuda.device_count()} GPU(s)"
+    try:
+        from torch.utils._triton import has_triton_package
+    except ImportError:
+        has_triton_package = None
+    if has_triton_package is not None and not has_triton_package():
+        return "the triton package is not installed (inductor generates Triton kernels for CUDA); pip install triton"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 7:
+        return (f"{torch.cuda.get_device_name(index)} has compute capability {major}.{minor}; "
+                "inductor's Triton kernels need 7.0 or newer")
+    return None
+
+
+def _probe(dev: torch.device) -> str | None:
+    """Compile and run ``x * 2 + 1`` on ``dev`` with inductor; the failure's first line, or None."""
+    def twice_plus_one(x):
+        return x * 2 + 1
+    try:
+        fn = torch.compile(twice_plus_one, backend="inductor", dynamic=False)
+        x = torch.arange(8, dtype=torch.float32, device=dev)
+        if not torch.equal(fn(x), x * 2 + 1):
+            return "a compiled probe function returned wrong values"
+    except Exception as exc:
+        return f"a compiled probe function failed: {_describe(exc)}"
+    return None
+
+
+def resolve_compile(flag: bool | None, device) -> bool:
+    """Whether blocks on ``device`` are compiled, from ``--compile`` (True), ``--no-compile`` (False)
+    or auto (None).
+
+    Auto compiles on CUDA where torch can, and stays eager on CPU: there the first compiled step
+    costs 28-50 s on 2 cores with a cold inductor cache (3-13 s warm) and a llama-tiny step gains
+    3-7 % (docs/design.md §2.11). Auto never raises; True where ``compile_unavailable_reason``
+    has a reason raises CompileUnavailableError naming it (the CLI turns it into one line, exit 2)."""
+    if flag is not None and not isinstance(flag, bool):
+        raise TypeError(f"compile must be True, False or None (auto), got {flag!r}")
+    if flag is False:
+        return False
+    reason = compile_unavailable_reason(device)
+    if flag is None:
+        return reason is None and _device(device).type == "cuda"
+    if reason is not None:
+        raise CompileUnavailableError(f"compiling was requested but torch cannot compile for {device} "
+                                      f"here: {reason}")
+    return True
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, following dynamo's wrappers to the root cause
+    (BackendCompilerFailed's first line is only ``backend='...' raised:``)."""
+    names, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        names.append(type(exc).__name__)
+        inner = getattr(exc, "inner_exception", None) or exc.__cause__
+        if inner is None:
+            break
+        exc = inner
+    message = _first_line(exc)
+    if message.startswith("backend=") and message.endswith("raised:"):
+        message = ""
+    chain = ": ".join(dict.fromkeys(names))
+    return f"{chain}: {message}" if message else chain
+
+
+__all__ = ["CompileUnavailableError", "compile_unavailable_reason", "resolve_compile"]
