@@ -15,9 +15,9 @@ autograd node forward and backward, and the graph ends at the block's output, so
 of one block and the norm of the next cannot fuse. A small model on a fast GPU waits on the host
 (docs/gpu.md); one region per stage pays those costs once. Measured on CPU, where the same host
 work is visible (llama 30 layers x 32 wide, 8 microbatches of 1 x 32, one thread, asyncpp-train
---schedule sync --compile): 115 ms per step with blocks, 79 ms as one region. The price is compile
-time: one graph of the whole stage instead of one per block type (the first 20 steps there took
-41 s instead of 11 s).
+--schedule sync --compile): 1.24-1.46x the steps per second of blocks over three runs. The price
+is compile time: one graph of the whole stage instead of one per block type (the first 20 steps
+there took 41 s instead of 11 s on a cold inductor cache).
 
 How: the region's first block carries a mark (``models.base.REGION_MARK``) that
 ``models.base.forward_through`` -- the loop of ``BlockModel.forward``, of a stage's
