@@ -32,37 +32,11 @@ data (the built-in corpus, byte ids < 256, the same windows in the same order) a
   what was in use before the run, so it includes each rank's CUDA context and allocator cache
   ("nvml"); on CPU the summed proportional set size of the process tree, sampled ("pss").
 
-Rows (names as printed; " eager" marks --no-compile rows when asyncpp-train has --compile):
-  ours sync <opt>        python -m asyncpp_ext.train --stages 1 --schedule sync (one process),
-                         --ef-beta 0 (no delay to correct; the baselines have no EF), <opt> =
-                         adamw (the project's fused AdamW) or muon (the project's Muon, bf16
-                         Newton-Schulz on CUDA, AdamW for embeddings/head/norms); " no-copies":
-                         --no-compute-copies (autocast casts each weight per microbatch instead of
-                         bf16 copies made once per step; CUDA, full run); " bf16-params":
-                         --dtype bf16-params (every parameter copied to bf16, activations and
-                         residual stream bf16; CUDA, full run); " stage-compile":
-                         --compile-scope stage (a stage's blocks but the head compiled as one
-                         region; full run, on CPU at the first point only)
-  ours 2bw 2st 1gpu <opt>[ ipc]
-                         --stages 2 --schedule 2bw --transport gloo (" ipc": --transport ipc,
-                         CUDA only): both ranks share one GPU (EF at its default 0.5, the
-                         configuration 2bw ships with)
-  ours 2bw 2st 2gpu <opt>
-                         --stages 2 --schedule 2bw (NCCL), one GPU per stage; only with >= 2 GPUs
-  hf eager|compile <opt> transformers.LlamaForCausalLM built from a config dict (no download),
-                         attn_implementation="sdpa", use_cache=False, bf16 autocast, the loss
-                         computed as cross_entropy(logits.float(), targets) on the T next-token
-                         targets of each T+1-token window (the same computation as HF's
-                         ForCausalLMLoss, but every row predicts exactly T tokens per sequence);
-                         "compile" = torch.compile (default mode) of forward + loss;
-                         <opt> = torch.optim.AdamW(fused=True), or torch.optim.Muon (torch >= 2.9)
-                         for the 2-D matrices of the blocks + fused AdamW for the rest.
-                         Gradient accumulation over the same microbatches.
-  torchtitan             a row only when `import torchtitan` works (its Llama model in this
-                         bench's loop); otherwise listed as not installed. Nothing is installed.
-  head-loss plain|fused  asyncpp_ext.models.head_loss.measure_head_loss at smollm-135m's head
-                         (C=576, V=49152), micro-batch 8 x 1024: time, peak memory, loss; listed
-                         as not available while that function does not exist.
+Rows (names as printed; " eager" marks --no-compile rows when asyncpp-train has --compile): ours
+(`asyncpp-train --stages 1 --schedule sync`, and 2bw with two stages on one or two GPUs) with its
+variants (graphs, no-copies, bf16-params, stage-compile, ipc), Hugging Face eager and compiled,
+torchtitan where installed, and the head-loss rows; docs/gpu.md's table says what each runs, and
+`--dry-run` lists a plan's rows.
 When asyncpp-train lists --compile/--no-compile and --head-loss (detected once from --help), ours
 rows pass --compile (--no-compile for the eager rows) and --head-loss auto; otherwise they run
 without and their notes say "flags absent".
