@@ -131,6 +131,18 @@ def test_compiled_model_trains_like_eager(source):
 # One graph per block type across blocks, microbatches, versions and replicas
 
 
+def version_buffers(model: nn.Module, replica: nn.Module) -> tuple[list, list]:
+    """The 2bw stage's layout: the parameters of ``model`` and ``replica`` flattened into three
+    per-version buffers (the third holding other values); version v is ``point_at(params[v % 2],
+    flats[v % 3])``."""
+    params = [list(model.parameters()), list(replica.parameters())]
+    flats = [torch.empty(sum(p.numel() for p in params[0])) for _ in range(3)]
+    for ps, flat in zip(params, flats):
+        flatten_into(ps, flat)
+    flats[2].copy_(flats[0] * 0.5)
+    return params, flats
+
+
 def test_no_recompilation_across_blocks_microbatches_versions_and_replicas():
     from torch._dynamo.utils import counters
     model = _model("llama-tiny", n_layer=3)
@@ -158,11 +170,7 @@ def test_no_recompilation_across_blocks_microbatches_versions_and_replicas():
     replica = copy.deepcopy(model)
     assert all(is_compiled(b) for b in replica.blocks())
     assert replica.layers[0].forward.module is replica.layers[0]  # re-bound to the copy
-    params = [list(model.parameters()), list(replica.parameters())]
-    flats = [torch.empty(sum(p.numel() for p in params[0])) for _ in range(3)]
-    for ps, flat in zip(params, flats):
-        flatten_into(ps, flat)
-    flats[2].copy_(flats[0] * 0.5)
+    params, flats = version_buffers(model, replica)
     for version in range(4):
         m = (model, replica)[version % 2]
         point_at(params[version % 2], flats[version % 3])

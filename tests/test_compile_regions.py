@@ -22,7 +22,7 @@ from asyncpp_ext.pipeline.flat_buffers import flatten_into, point_at
 from asyncpp_ext.pipeline.partition import split
 from asyncpp_ext.training.build import compile_stages
 
-from test_compile import _shared_inductor_cache, _stale_backend, _tokens  # noqa: F401 (a fixture)
+from test_compile import _shared_inductor_cache, _stale_backend, _tokens, version_buffers  # noqa: F401 (a fixture)
 
 LOGGER = "asyncpp_ext.models.compile"
 
@@ -131,11 +131,7 @@ def test_a_region_compiles_once_across_replicas_versions_and_microbatches():
     assert report.compiles[region] - before == 1
     replica = copy.deepcopy(model)  # the 2bw stage's replica per weight version
     assert region_of(replica.embed) is region_of(model.embed)  # the same compiled code
-    params = [list(model.parameters()), list(replica.parameters())]
-    flats = [torch.empty(sum(p.numel() for p in params[0])) for _ in range(3)]
-    for ps, flat in zip(params, flats):
-        flatten_into(ps, flat)
-    flats[2].copy_(flats[0] * 0.5)
+    params, flats = version_buffers(model, replica)
     for version in range(4):
         point_at(params[version % 2], flats[version % 3])
         for mb in range(2):
