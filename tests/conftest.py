@@ -28,19 +28,40 @@ def _gpu_available() -> bool:
         return False
 
 
-# Under pytest-xdist (`make test`: -n auto --dist loadgroup) these files' tests run on one worker,
-# one after another: they share what one process keeps warm (test_compile.py: dynamo's and
-# inductor's in-process caches and the inductor cache directory it points TORCHINDUCTOR_CACHE_DIR
-# at), and two of them side by side would only compete for the cores.
+# Under pytest-xdist (`make test`: -n auto --dist loadgroup) the tests of these files (or single
+# tests, "file::name") run on one worker, one after another: they share what one process keeps warm
+# (test_compile*.py: dynamo's and inductor's in-process caches and the inductor cache directory they
+# point TORCHINDUCTOR_CACHE_DIR at; test_bad_inputs.py: its module fixture's two training runs),
+# and side by side they would only compete for the cores.
 XDIST_GROUPS = {"test_compile.py": "inductor", "test_compile_regions.py": "inductor",
-                "test_bad_inputs.py": "bad_inputs"}  # its module fixture trains two runs: set up once
+                "test_stage_compute.py::test_compiled_real_pipeline_equals_the_compiled_simulation": "inductor",
+                "test_stage_compute.py::test_stage_scope_real_pipeline_equals_its_simulation": "inductor",
+                "test_bad_inputs.py": "bad_inputs"}
+
+
+def xdist_group(nodeid: str):
+    """The XDIST_GROUPS group of a test's node id, or None."""
+    path, _, name = nodeid.partition("::")
+    file = path.rsplit("/", 1)[-1]
+    return XDIST_GROUPS.get(f"{file}::{name.split('[')[0]}") or XDIST_GROUPS.get(file)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which the suite runs without too
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup by XDIST_GROUPS, read from the node ids the controller schedules. (xdist's
+    own xdist_group marks append the group to a test's node id on the worker, which pytest 9.2's
+    computed node ids no longer take: those marks group nothing there.)"""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Groups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid) or super()._split_scope(nodeid)
+    return Groups(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = XDIST_GROUPS.get(item.path.name)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
     if _gpu_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none visible)")

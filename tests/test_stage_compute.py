@@ -42,8 +42,7 @@ def test_fused_head_loss_real_pipeline_equals_the_simulation_bitwise(tmp_path):
     assert cfg["train"]["head_loss"] == "auto"
 
 
-@pytest.mark.multiproc
-@pytest.mark.xdist_group("inductor")  # beside test_compile.py: one worker compiles, the other trains
+@pytest.mark.multiproc  # with test_compile.py on one worker (conftest.XDIST_GROUPS)
 def test_compiled_real_pipeline_equals_the_compiled_simulation(tmp_path, request):
     # One inductor cache for the three processes (the ranks inherit it), kept between runs.
     cache = request.config.cache.mkdir("inductor") if getattr(request.config, "cache", None) else tmp_path / "inductor"
@@ -58,7 +57,6 @@ def test_compiled_real_pipeline_equals_the_compiled_simulation(tmp_path, request
 
 @pytest.mark.slow  # 17-47 s of inductor compiles on 2 cores; in-process checks: test_compile_regions.py
 @pytest.mark.multiproc
-@pytest.mark.xdist_group("inductor")
 def test_stage_scope_real_pipeline_equals_its_simulation(tmp_path, request):
     # [embedding, layer 0] | [layer 1, head]: stage 0's blocks are one region (stage 1 keeps its
     # blocks alone: a one-block region is none); the simulator compiles the regions of the same
