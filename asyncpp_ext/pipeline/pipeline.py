@@ -143,8 +143,8 @@ class Pipeline:
                  recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop",
                  lr_schedule=None, clip_grad_norm: float | None = None, mitigation: str | None = None,
                  dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None,
-                 compile: bool = False, compile_scope: str = "block", head_loss: str = "plain", head_loss_kernel: str = "auto",
-                 cuda_graphs: bool = False, compute_copies: bool = True):
+                 compile: bool = False, compile_scope: str = "block", head_loss: str = "plain",
+                 head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = True):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")

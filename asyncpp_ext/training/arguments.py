@@ -258,7 +258,8 @@ FIELD_FLAGS = {
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
-    "train.compile_scope": "--compile-scope", "train.compile": "--compile", "train.head_loss": "--head-loss", "train.profile_steps": "--profile-steps",
+    "train.compile_scope": "--compile-scope", "train.compile": "--compile", "train.head_loss": "--head-loss",
+    "train.profile_steps": "--profile-steps",
     "train.cuda_graphs": "--cuda-graphs", "train.compute_copies": "--compute-copies",
     "data.sampling": "--sampling",
 }
