@@ -222,8 +222,10 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                 if primary and dev == "cuda" and flags.get("bf16_params"):  # activations in bf16 too
                     ours(mdl, seq, "adamw", compile_=main_compile, dtype="bf16-params")
                 if primary and flags.get("compile_scope") and (dev == "cuda" or (mdl, seq) == first):
-                    # the stage's blocks as one compiled region (on CPU: one point, host work only)
-                    ours(mdl, seq, "adamw", compile_=True, scope="stage", cpu_compile_anyway=True)
+                    # the stage's blocks as one compiled region (on CPU: one point, host work only),
+                    # and on CUDA also with graphs: the two host-side remedies together
+                    for g in graphs:
+                        ours(mdl, seq, "adamw", compile_=True, scope="stage", graphs=g, cpu_compile_anyway=True)
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

@@ -229,7 +229,9 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     staged = [r for r in full if r.get("scope") == "stage"]
     assert {(r["name"], r["model"], r["seq_len"], r["compile"]) for r in staged} == {
         ("ours sync adamw stage-compile", "smollm-135m", 1024, True),
-        ("ours sync adamw stage-compile", "smollm-360m", 2048, True)}
+        ("ours sync adamw stage-compile", "smollm-360m", 2048, True),
+        ("ours sync adamw graphs stage-compile", "smollm-135m", 1024, True),
+        ("ours sync adamw graphs stage-compile", "smollm-360m", 2048, True)}
     cmd = gt.ours_command(staged[0], args, with_scope, Path("o"), Path("p"))
     assert cmd[cmd.index("--compile-scope") + 1] == "stage" and "--compile" in cmd
     assert "--compile-scope" not in gt.ours_command(full[0], args, with_scope, Path("o"), Path("p"))
@@ -301,12 +303,14 @@ def test_ratios_pair_ours_with_its_no_copies_graphs_bf16_params_and_stage_compil
             ours("ours sync adamw graphs", 180.0, graphs=True),
             ours("ours sync adamw bf16-params", 150.0, dtype="bf16-params"),
             ours("ours sync adamw stage-compile", 132.0, scope="stage"),
+            ours("ours sync adamw graphs stage-compile", 198.0, scope="stage", graphs=True),
             ours("ours 2bw 2st 1gpu adamw", 90.0, stages=2)]
     got = {q["what"]: q["tokens_per_s"] for q in ratios(rows)}
     assert got["ours sync adamw bf16-params / ours sync adamw"] == pytest.approx(1.25)
     assert got["ours sync adamw / ours sync adamw no-copies"] == pytest.approx(1.2)
     assert got["ours sync adamw graphs / ours sync adamw"] == pytest.approx(1.5)
     assert got["ours sync adamw stage-compile / ours sync adamw"] == pytest.approx(1.1)
+    assert got["ours sync adamw graphs stage-compile / ours sync adamw graphs"] == pytest.approx(1.1)
     assert got["ours 2bw 2st 1gpu adamw / ours sync adamw"] == pytest.approx(0.75)  # not against no-copies
     assert not any(w.startswith("ours sync adamw no-copies /") for w in got)
 
