@@ -232,3 +232,26 @@ def test_a_pipeline_stage_compiles_its_blocks_but_the_head_as_one_region():
                      compile_scope="model")
     finally:
         dist.destroy_process_group()
+
+
+def _run_eagerly(blocks, x):
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def test_blocks_of_a_region_called_without_the_rest_run_eagerly(monkeypatch):
+    # forward_through runs a region only when all its blocks follow its first one in the list it
+    # is given; a part of a region (here its first two of three blocks) runs block by block.
+    model = _llama(n_layer=2)
+    eager = copy.deepcopy(model)
+    report = compile_regions(model, [[0, 1, 2]], backend="eager")
+    region = region_of(model.embed)
+    calls = []
+    # count the region's calls (the group is shared by the process: restored after the test)
+    monkeypatch.setattr(region.group, "fn", lambda *args: calls.append(len(args[0])) or _run_eagerly(*args))
+    idx = _tokens(2, 9, seed=2)
+    part, want = forward_through(model.blocks()[:2], idx), forward_through(eager.blocks()[:2], idx)
+    assert torch.equal(part, want) and calls == []  # block by block: the region never ran
+    forward_through(model.blocks()[:3], idx)
+    assert calls == [3] and not report.fallbacks
