@@ -182,7 +182,7 @@ def compile_stages(model: nn.Module, device, scope: str, stages: int):
     per stage of the split a Pipeline of ``stages`` stages makes, so that the simulator compiles
     the graphs the pipeline's stages compile and real == --simulate stays exact."""
     blocks = as_blocks(model)
-    return compile_regions(model, scope_regions(scope, split(blocks, stages), len(blocks)), device=device)
+    return compile_regions(blocks, scope_regions(scope, split(blocks, stages), len(blocks)), device=device)
 
 
 def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
