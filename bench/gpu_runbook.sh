@@ -22,6 +22,8 @@
 #   quick   bench/gpu_throughput.py --quick, timed (its target: under 3 minutes)
 #   cudnn   the attention kernel at 360m: TORCH_CUDNN_SDPA_PREFERRED=1, then =0, profiled
 #   head    the fused head alone against plain, at the default and 2x / 4x chunks, profiled
+#   autotune  ours at 360m with --compile-mode max-autotune against the default mode (its compile
+#           benchmarks kernel configurations: minutes)
 # PYTHON picks the interpreter (default python3). A step that fails or runs out of time is noted
 # and the next one runs; the exit status is the number of failed steps.
 set -uo pipefail
@@ -52,7 +54,7 @@ bench() {  # bench NAME SECONDS [ENV=VALUE ...] -- ARGS...: gpu_throughput.py, i
     step "$name" "$limit" env "${envs[@]}" "$PY" bench/gpu_throughput.py --json "$OUT/$name.json" "$@"
 }
 
-ROWS_135M=(--models smollm-135m --seq-lens 1024 --skip "eager,bf16-params,graphs stage-compile"
+ROWS_135M=(--models smollm-135m --seq-lens 1024 --skip "eager,bf16-params,graphs stage-compile,max-autotune"
            --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw")
 ONLY_OURS=(--models smollm-360m --seq-lens 2048 --only "ours sync adamw"
            --skip "eager,no-copies,graphs,bf16-params,stage-compile" --profile)
@@ -67,13 +69,16 @@ run_step() {
                    tests/test_stage_compute.py tests/test_compile.py ;;
         135m) bench 135m 400 -- "${ROWS_135M[@]}" --profile ;;
         p2p) step p2p 90 "$PY" bench/p2p.py --backend ipc-cuda ;;
-        360m) bench 360m 480 -- --models smollm-360m --seq-lens 2048 --skip "eager,no-copies" \
+        360m) bench 360m 480 -- --models smollm-360m --seq-lens 2048 --skip "eager,no-copies,max-autotune" \
                   --only "ours sync adamw,hf compile adamw" ;;
         quick) bench quick 300 -- --quick ;;
         cudnn) bench cudnn-1 240 TORCH_CUDNN_SDPA_PREFERRED=1 -- "${ONLY_OURS[@]}"
                bench cudnn-0 240 TORCH_CUDNN_SDPA_PREFERRED=0 -- "${ONLY_OURS[@]}" ;;
         head) bench head 150 -- --only head --profile --head-chunk-rows 1365,2730 ;;
-        *) echo "unknown step $1: choose build, tests, 135m, p2p, 360m, quick, cudnn, head" | tee -a "$OUT/steps.txt"
+        autotune) bench autotune 540 -- --models smollm-360m --seq-lens 2048 --only "ours sync adamw" \
+                      --skip "eager,no-copies,graphs,bf16-params,stage-compile" ;;
+        *) echo "unknown step $1: choose build, tests, 135m, p2p, 360m, quick, cudnn, head, autotune" \
+               | tee -a "$OUT/steps.txt"
            failed=$((failed + 1)) ;;
     esac
 }

@@ -96,8 +96,11 @@ def ratios(rows: list) -> list:
                                 peak_memory=(r["peak_bytes"] / base["peak_bytes"]
                                              if r.get("peak_bytes") and base.get("peak_bytes") else None)))
         # the row its variant is set against: graphs against none, bf16 activations against
-        # autocast's, a stage region against blocks, the compute copies against the row without them
-        if r.get("scope") == "stage":
+        # autocast's, a stage region against blocks, max-autotune against inductor's default mode,
+        # the compute copies against the row without them
+        if r.get("compile_mode"):
+            plain = find(r["name"].removesuffix(f" {r['compile_mode']}"), r["model"], r["seq_len"])
+        elif r.get("scope") == "stage":
             plain = find(r["name"].removesuffix(" stage-compile"), r["model"], r["seq_len"])
         elif r.get("graphs"):
             plain = find(r["name"].removesuffix(" graphs"), r["model"], r["seq_len"])
@@ -122,7 +125,7 @@ def ratios(rows: list) -> list:
                          and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
                          and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
                          and b.get("copies") is not False and b.get("dtype") is None
-                         and b.get("scope") == r.get("scope")), None)
+                         and b.get("scope") == r.get("scope") and not b.get("compile_mode")), None)
             if base:
                 out.append(dict(what=f"{r['name']} / {base['name']}", model=r["model"], seq_len=r["seq_len"],
                                 tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"], peak_memory=None,

@@ -255,3 +255,46 @@ def test_blocks_of_a_region_called_without_the_rest_run_eagerly(monkeypatch):
     assert torch.equal(part, want) and calls == []  # block by block: the region never ran
     forward_through(model.blocks()[:3], idx)
     assert calls == [3] and not report.fallbacks
+
+
+def test_compile_mode_reaches_inductor_with_its_cuda_graphs_off(monkeypatch):
+    # --compile-mode max-autotune: the pipeline's stage and the simulator's regions hand inductor
+    # max-autotune's options (CUDA graphs switched off: they would replay captured weight
+    # addresses); the default mode adds none. inductor's compile_fx is replaced by a recorder that
+    # runs the graph as traced, so only what inductor is asked is tested.
+    import torch.distributed as dist
+    import torch._inductor.compile_fx as compile_fx_module
+    from asyncpp_ext.pipeline import Pipeline
+
+    seen = []
+
+    def record(gm, example_inputs, config_patches=None):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+    monkeypatch.setattr(compile_fx_module, "compile_fx", record)
+    idx = _tokens(2, 9, seed=3)
+    for mode in ("max-autotune", "default"):
+        seen.clear()
+        model = _llama(n_layer=2)
+        compile_stages(model, "cpu", "stage", 2, mode)
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+        assert seen, mode
+        for patches in seen:
+            assert patches.get("triton.cudagraphs") is False and patches.get("freezing") is False
+            assert patches.get("max_autotune", False) is (mode == "max-autotune"), (mode, patches)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _llama(n_layer=2)
+        pipe = Pipeline(model, loss_fn=type(model).loss, schedule="1f1b", microbatches=2, stages=1,
+                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        compile=True, compile_mode="max-autotune")
+        try:
+            assert {g.settings.mode for g in pipe.compile_report.groups} == {"max-autotune"}
+        finally:
+            pipe.close()
+        with pytest.raises(ValueError, match="compile mode 'reduce-overhead' is not one of default, max-autotune"):
+            Pipeline(_llama(), loss_fn=type(model).loss, schedule="1f1b", microbatches=2, stages=1,
+                     optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), compile=True,
+                     compile_mode="reduce-overhead")
+    finally:
+        dist.destroy_process_group()

@@ -239,6 +239,16 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     cpu_staged = [(r["name"], r["model"], r["seq_len"], r["compile"])
                   for r in gt.build_plan(_plan_args("cpu"), with_scope, gpus=0)[0] if r.get("scope")]
     assert cpu_staged == [("ours sync adamw stage-compile", "llama-tiny", 64, True)]
+    # --compile-mode max-autotune: one row, at the last (GPU-bound) point of a full CUDA run
+    with_mode = dict(with_scope, compile_mode=True)
+    tuned = [r for r in gt.build_plan(_plan_args(), with_mode, gpus=1)[0] if r.get("compile_mode")]
+    assert [(r["name"], r["model"], r["seq_len"]) for r in tuned] == [
+        ("ours sync adamw max-autotune", "smollm-360m", 2048)]
+    cmd = gt.ours_command(tuned[0], args, with_mode, Path("o"), Path("p"))
+    assert cmd[cmd.index("--compile-mode") + 1] == "max-autotune" and "--compile" in cmd
+    assert "--compile-mode" not in gt.ours_command(full[0], args, with_mode, Path("o"), Path("p"))
+    for mode_args, gpus in ((_plan_args(mode="quick"), 1), (_plan_args("cpu"), 0)):
+        assert not any(r.get("compile_mode") for r in gt.build_plan(mode_args, with_mode, gpus=gpus)[0])
     # --head-chunk-rows: one more fused head row per chunk size
     heads = [(r["name"], r["head_mode"]) for r in gt.build_plan(_plan_args(head_chunk_rows=[1365, 2730]), flags_on,
                                                                  gpus=1)[0] if r["impl"] == "head"]
@@ -293,7 +303,7 @@ def test_an_unbuilt_extension_stops_the_bench_before_any_row(capsys, monkeypatch
     assert err.count("\n") == 1 and err.startswith("gpu_throughput.py: error: "), err
 
 
-def test_ratios_pair_ours_with_its_no_copies_graphs_bf16_params_and_stage_compile_rows():
+def test_ratios_pair_ours_with_its_variant_rows():
     from throughput_report import ratios
 
     def ours(name, tps, **kw):
@@ -304,6 +314,7 @@ def test_ratios_pair_ours_with_its_no_copies_graphs_bf16_params_and_stage_compil
             ours("ours sync adamw bf16-params", 150.0, dtype="bf16-params"),
             ours("ours sync adamw stage-compile", 132.0, scope="stage"),
             ours("ours sync adamw graphs stage-compile", 198.0, scope="stage", graphs=True),
+            ours("ours sync adamw max-autotune", 126.0, compile_mode="max-autotune"),
             ours("ours 2bw 2st 1gpu adamw", 90.0, stages=2)]
     got = {q["what"]: q["tokens_per_s"] for q in ratios(rows)}
     assert got["ours sync adamw bf16-params / ours sync adamw"] == pytest.approx(1.25)
@@ -311,6 +322,7 @@ def test_ratios_pair_ours_with_its_no_copies_graphs_bf16_params_and_stage_compil
     assert got["ours sync adamw graphs / ours sync adamw"] == pytest.approx(1.5)
     assert got["ours sync adamw stage-compile / ours sync adamw"] == pytest.approx(1.1)
     assert got["ours sync adamw graphs stage-compile / ours sync adamw graphs"] == pytest.approx(1.1)
+    assert got["ours sync adamw max-autotune / ours sync adamw"] == pytest.approx(1.05)
     assert got["ours 2bw 2st 1gpu adamw / ours sync adamw"] == pytest.approx(0.75)  # not against no-copies
     assert not any(w.startswith("ours sync adamw no-copies /") for w in got)
 

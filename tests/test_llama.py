@@ -11,7 +11,7 @@ from torch import nn
 from asyncpp_ext.models import GPT, LLAMA_PRESETS, Llama, LlamaConfig, llama_preset_config
 from asyncpp_ext.models.llama import LlamaConfigError, LlamaInputError, RMSNorm
 from asyncpp_ext.optim import split_named_parameters
-from asyncpp_ext.pipeline.pipeline import GlobalView
+from asyncpp_ext.pipeline.partition import GlobalView
 
 TINY = llama_preset_config("llama-tiny")
 UNTIED_MHA = llama_preset_config("llama-tiny", tie_embeddings=False, n_kv_head=TINY.n_head)

@@ -5,7 +5,7 @@ import torch.nn as nn
 from asyncpp_ext.models import GPT, preset_config
 from asyncpp_ext.optim.routing import split_named_parameters
 from asyncpp_ext.pipeline import PartitionError, balanced_split_points, split
-from asyncpp_ext.pipeline.pipeline import GlobalView
+from asyncpp_ext.pipeline.partition import GlobalView
 from asyncpp_ext.pipeline.ties import block_prefixes as _block_prefixes
 
 

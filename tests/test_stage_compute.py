@@ -71,11 +71,13 @@ def test_stage_scope_real_pipeline_equals_its_simulation(tmp_path, request):
     assert cfg["train"]["compile_scope"] == "stage"
 
 
-def test_a_compile_scope_without_compiling_is_one_line(tmp_path, capsys):
+def test_a_compile_scope_or_mode_without_compiling_is_one_line(tmp_path, capsys):
     _fails_cleanly(capsys, COMMON + ["--simulate", "--compile-scope", "stage"], tmp_path / "a",
                    "--compile-scope stage", "off by default on cpu", "add --compile")
     _fails_cleanly(capsys, COMMON + ["--simulate", "--compile-scope", "stage", "--no-compile"], tmp_path / "b",
                    "--compile-scope stage", "--no-compile")
+    _fails_cleanly(capsys, COMMON + ["--compile-mode", "max-autotune"], tmp_path / "c",
+                   "--compile-mode max-autotune", "off by default on cpu", "add --compile")
 
 
 def test_a_head_loss_kernel_that_cannot_run_here_is_one_line(tmp_path, capsys):

@@ -94,8 +94,8 @@ import torch._functorch.config  # noqa: F401 -- force_non_lazy_backward_lowering
 from torch import nn
 
 from .base import REGION_MARK
-from .compile_support import (CompileUnavailableError, _describe, _device,  # noqa: F401 -- re-exported
-                              compile_unavailable_reason, resolve_compile)
+from .compile_support import (MODES, CompileUnavailableError, _describe, _device,  # noqa: F401 -- re-exported
+                              compile_unavailable_reason, inductor_mode, resolve_compile)
 
 log = logging.getLogger(__name__)
 
@@ -361,5 +361,5 @@ def uncompile(blocks) -> None:
         module.__dict__.pop(REGION_MARK, None)
 
 
-__all__ = ["CompileUnavailableError", "CompileReport", "compile_unavailable_reason", "resolve_compile",
-           "compile_blocks", "uncompile", "is_compiled"]
+__all__ = ["MODES", "CompileUnavailableError", "CompileReport", "compile_unavailable_reason", "resolve_compile",
+           "inductor_mode", "compile_blocks", "uncompile", "is_compiled"]

@@ -3,6 +3,7 @@
 
     compile_unavailable_reason(device, *, probe=False) -> str | None
     resolve_compile(flag, device) -> bool
+    MODES, inductor_mode(name) -> str | None   ``--compile-mode`` and the mode it gives torch
     CompileUnavailableError   (a ValueError whose message is one line)
     _describe(exc) -> str     ``Type: first line`` of an exception, through dynamo's wrappers
 """
@@ -17,6 +18,18 @@ import torch
 
 class CompileUnavailableError(ValueError):
     """Compilation was requested where torch cannot compile; the message is one line."""
+
+
+MODES = ("default", "max-autotune")
+"""``--compile-mode`` values: inductor's modes but those that capture CUDA graphs (reduce-overhead;
+max-autotune's graphs are switched off where it compiles, models/compile.py)."""
+
+
+def inductor_mode(name: str) -> str | None:
+    """The ``mode`` torch.compile gets for ``--compile-mode name`` (None: torch's default)."""
+    if name not in MODES:
+        raise ValueError(f"compile mode {name!r} is not one of {', '.join(MODES)}")
+    return None if name == "default" else name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,4 +178,4 @@ def _describe(exc: BaseException) -> str:
     return f"{chain}: {message}" if message else chain
 
 
-__all__ = ["CompileUnavailableError", "compile_unavailable_reason", "resolve_compile"]
+__all__ = ["MODES", "CompileUnavailableError", "compile_unavailable_reason", "inductor_mode", "resolve_compile"]

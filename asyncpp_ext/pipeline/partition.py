@@ -79,3 +79,28 @@ def split(blocks: Sequence[nn.Module], stages: int, split_points: Sequence[int] 
         raise PartitionError(f"split points {points} must be strictly increasing within 1..{n - 1} so "
                              "that every stage gets at least one block")
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+class GlobalView(nn.Module):
+    """A stage's blocks registered under their names in the whole model, sharing parameters.
+
+    Optimizers that route parameters by name or by module (the Muon hybrid sends embeddings and
+    the output head to AdamW) see a stage exactly as they would see the whole model, and
+    checkpoints name parameters the same way at every pipeline depth."""
+
+    def __init__(self, stage_module: nn.Module, prefixes: Sequence[str], hidden=()):
+        super().__init__()
+        self._hidden = frozenset(hidden)  # names left out of named_parameters (tied mirrors)
+        for block, prefix in zip(stage_module, prefixes):
+            parent = self
+            *path, leaf = prefix.split(".")
+            for part in path:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]
+            parent.add_module(leaf, block)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if name not in self._hidden:
+                yield name, p

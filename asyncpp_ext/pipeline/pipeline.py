@@ -22,10 +22,11 @@ from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
 from ..models.base import BlockSequence
+from ..models.compile_support import inductor_mode
 from ..models.regions import compile_regions, scope_regions
 from ..schedule.table import schedule_names, schedule_spec
 from .data_parallel import Layout, create_dp_group, replica_share
-from .partition import as_blocks, split
+from .partition import GlobalView, as_blocks, split
 from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .stage import Signature, StageError, StageHost
 from .step_feed import StepFeed
@@ -122,6 +123,8 @@ class Pipeline:
             shared by the weight versions' replicas, eager with one warning if compiling fails).
         compile_scope: with ``compile``, "block" (each block alone) or "stage" (the stage's blocks
             but the model's head as one region, models/regions.py).
+        compile_mode: with ``compile``, inductor's mode: "default" or "max-autotune" (kernel
+            configurations benchmarked at compile time; no CUDA graphs).
         head_loss: "plain" (``loss_fn`` of the last block's logits) or "fused" (the last block's
             matmul and cross entropy without whole logits, models/head_loss.py, by
             ``head_loss_kernel``: "auto", "liger", "cce" or "chunked").
@@ -143,7 +146,7 @@ class Pipeline:
                  recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop",
                  lr_schedule=None, clip_grad_norm: float | None = None, mitigation: str | None = None,
                  dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None,
-                 compile: bool = False, compile_scope: str = "block", head_loss: str = "plain",
+                 compile: bool = False, compile_scope: str = "block", compile_mode: str = "default", head_loss: str = "plain",
                  head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = True):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
@@ -197,7 +200,8 @@ class Pipeline:
         self.block_indices = self.partition[self.stage]
         module = BlockSequence(*[blocks[i] for i in self.block_indices]).to(self.device)
         regions = scope_regions(compile_scope, [self.block_indices], len(blocks), first=self.block_indices[0])
-        self.compile_report = compile_regions(module, regions, device=self.device) if compile else None
+        mode = inductor_mode(compile_mode)  # a bad value is refused whether or not compile is on
+        self.compile_report = compile_regions(module, regions, device=self.device, mode=mode) if compile else None
         prefixes = block_prefixes(model, blocks, self.block_indices)
         self.param_names = [n for n, _ in GlobalView(module, prefixes).named_parameters()]
         # A mirror of a tied weight is updated by its owner, never by this stage's optimizer.
@@ -483,28 +487,3 @@ def _choose_transport(transport: str, device: torch.device) -> str:
         raise ValueError(f"the default process group uses backend {dist.get_backend()!r}, but the start-up "
                          "handshake sends CPU tensors: initialise it with 'gloo' or 'cpu:gloo,cuda:nccl'")
     return transport
-
-
-class GlobalView(nn.Module):
-    """A stage's blocks registered under their names in the whole model, sharing parameters.
-
-    Optimizers that route parameters by name or by module (the Muon hybrid sends embeddings and
-    the output head to AdamW) see a stage exactly as they would see the whole model, and
-    checkpoints name parameters the same way at every pipeline depth."""
-
-    def __init__(self, stage_module: nn.Module, prefixes: Sequence[str], hidden=()):
-        super().__init__()
-        self._hidden = frozenset(hidden)  # names left out of named_parameters (tied mirrors)
-        for block, prefix in zip(stage_module, prefixes):
-            parent = self
-            *path, leaf = prefix.split(".")
-            for part in path:
-                if part not in parent._modules:
-                    parent.add_module(part, nn.Module())
-                parent = parent._modules[part]
-            parent.add_module(leaf, block)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            if name not in self._hidden:
-                yield name, p

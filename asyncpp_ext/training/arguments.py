@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Optional
 
-from .config import (COMPILE_SCOPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
+from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
                      SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
 from ..data.batches import SAMPLINGS
 from ..models.registry import MODEL_PRESETS
@@ -169,6 +169,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="what one compiled region covers: block (each block alone: the shortest compile) or "
                           "stage (a stage's blocks but the head as one region: fewer host calls per "
                           "microbatch, a longer compile) (default block)")
+    run.add_argument("--compile-mode", choices=COMPILE_MODES,
+                     help="inductor's mode for the compiled blocks: default, or max-autotune (kernel "
+                          "configurations benchmarked at compile time: minutes more compile for a few "
+                          "percent on large GPU-bound stages; no CUDA graphs) (default default)")
     run.add_argument("--head-loss", choices=HEAD_LOSSES,
                      help="last block's loss: plain (whole logits), fused (chunked matmul + cross entropy, "
                           "no logits in memory), liger / cce (fused with that CUDA kernel), auto (fused for "
@@ -218,6 +222,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
         ("train", "compile"): args.compile, ("train", "compile_scope"): args.compile_scope,
+        ("train", "compile_mode"): args.compile_mode,
         ("train", "head_loss"): args.head_loss,
         ("train", "profile_steps"): args.profile_steps, ("train", "cuda_graphs"): args.cuda_graphs,
         ("train", "compute_copies"): args.compute_copies,
@@ -258,7 +263,7 @@ FIELD_FLAGS = {
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
-    "train.compile_scope": "--compile-scope", "train.compile": "--compile", "train.head_loss": "--head-loss",
+    "train.compile_scope": "--compile-scope", "train.compile_mode": "--compile-mode", "train.compile": "--compile", "train.head_loss": "--head-loss",
     "train.profile_steps": "--profile-steps",
     "train.cuda_graphs": "--cuda-graphs", "train.compute_copies": "--compute-copies",
     "data.sampling": "--sampling",

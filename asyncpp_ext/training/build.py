@@ -17,7 +17,7 @@ from torch import nn
 
 from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from ..models.base import forward_through
-from ..models.compile import resolve_compile
+from ..models.compile import inductor_mode, resolve_compile
 from ..models.head_loss import head_loss, require_kernel, resolve_head_loss
 from ..models.regions import compile_regions, scope_regions
 from ..models.registry import build_model
@@ -84,6 +84,8 @@ class StageCompute:
     compile_scope: str = "block"
     """With ``compile``: each block alone, or a stage's blocks but the head as one region
     (models/regions.py)."""
+    compile_mode: str = "default"
+    """With ``compile``: inductor's mode, "default" or "max-autotune" (models/compile.py)."""
 
 
 def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
@@ -97,14 +99,14 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
         require_kernel(kernel, device)
         mode = "fused"
     compile_ = resolve_compile(cfg.train.compile, device)
-    scope = cfg.train.compile_scope
-    if scope != "block" and not compile_:
+    scope, compile_mode = cfg.train.compile_scope, cfg.train.compile_mode
+    if (scope != "block" or compile_mode != "default") and not compile_:
         why = "--no-compile" if cfg.train.compile is False else f"compiling is off by default on {device.type}"
-        raise ValueError(f"--compile-scope {scope} says what is compiled together, but {why}; "
-                         "add --compile or drop --compile-scope")
+        flag, value = ("--compile-scope", scope) if scope != "block" else ("--compile-mode", compile_mode)
+        raise ValueError(f"{flag} {value} says how blocks are compiled, but {why}; add --compile or drop {flag}")
     return StageCompute(compile_, resolve_head_loss(mode, cfg.model.vocab_size, device), kernel,
                         cuda_graphs=cfg.train.cuda_graphs, compute_copies=cfg.train.compute_copies,
-                        compile_scope=scope)
+                        compile_scope=scope, compile_mode=compile_mode)
 
 
 def model_loss(compute: StageCompute):
@@ -155,7 +157,7 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     compute = stage_compute(cfg)
     model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     if compute.compile:
-        compile_stages(model, cfg.train.device, compute.compile_scope, p.stages)
+        compile_stages(model, cfg.train.device, compute.compile_scope, p.stages, compute.compile_mode)
     from ..pipeline.compute_copies import maybe_compute_copies
     from ..pipeline.recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 
@@ -177,12 +179,14 @@ def build_simulator(cfg: RunConfig) -> DelaySimulator:
     return simulator
 
 
-def compile_stages(model: nn.Module, device, scope: str, stages: int):
-    """Compile ``model``'s blocks for the simulator by ``--compile-scope``: with "stage", one region
-    per stage of the split a Pipeline of ``stages`` stages makes, so that the simulator compiles
-    the graphs the pipeline's stages compile and real == --simulate stays exact."""
+def compile_stages(model: nn.Module, device, scope: str, stages: int, mode: str = "default"):
+    """Compile ``model``'s blocks for the simulator by ``--compile-scope`` and ``--compile-mode``:
+    with scope "stage", one region per stage of the split a Pipeline of ``stages`` stages makes, so
+    that the simulator compiles the graphs the pipeline's stages compile and real == --simulate
+    stays exact."""
     blocks = as_blocks(model)
-    return compile_regions(blocks, scope_regions(scope, split(blocks, stages), len(blocks)), device=device)
+    return compile_regions(blocks, scope_regions(scope, split(blocks, stages), len(blocks)), device=device,
+                           mode=inductor_mode(mode))
 
 
 def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
@@ -195,7 +199,8 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
     compute = stage_compute(cfg, device)
     model = build_model(cfg.model, seed=cfg.train.seed)
     pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=optimizer_factory(cfg), schedule=p.schedule,
-                    compile=compute.compile, compile_scope=compute.compile_scope, head_loss=compute.head_loss, head_loss_kernel=compute.kernel,
+                    compile=compute.compile, compile_scope=compute.compile_scope, compile_mode=compute.compile_mode,
+                    head_loss=compute.head_loss, head_loss_kernel=compute.kernel,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
                     cuda_graphs=compute.cuda_graphs, compute_copies=compute.compute_copies,

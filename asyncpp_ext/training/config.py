@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from ..data.batches import SAMPLINGS
+from ..models.compile_support import MODES as COMPILE_MODE_NAMES
 from ..models.registry import ModelConfig, as_model_config
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
@@ -31,6 +32,8 @@ NS_DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine", "wsd")
 HEAD_LOSSES = ("auto", "fused", "plain", "liger", "cce")
 COMPILE_SCOPES = ("block", "stage")
+COMPILE_MODES = COMPILE_MODE_NAMES
+"""Values of TrainConfig.compile_mode (inductor's modes without CUDA-graph capture)."""
 DELAY_ONLY = ("matrices", "others")
 """Values of PipelineConfig.delay_only: the parameter set a simulated 2bw run delays."""
 SYNC_SCHEDULES = tuple(n for n, spec in SCHEDULE_TABLE.items() if not spec.delayed())
@@ -262,6 +265,11 @@ class TrainConfig:
     shortest compile) | stage (a stage's blocks but the head as one region: one compiled call per
     microbatch and stage, fusion across block boundaries, a longer compile; models/regions.py).
     Takes effect where blocks are compiled."""
+    compile_mode: str = "default"
+    """Inductor's mode for the compiled regions: default | max-autotune (GEMM templates and
+    kernel configurations benchmarked on the device at compile time, coordinate-descent tuning;
+    minutes more compile for a few percent on large GPU-bound stages; its CUDA graphs stay off,
+    models/compile.py). Takes effect where blocks are compiled."""
     head_loss: str = "auto"
     """How the last block computes its loss: plain (logits, then cross entropy) | fused (the head's
     matmul and cross entropy chunk by chunk, the logits never whole in memory; Liger-Kernel or

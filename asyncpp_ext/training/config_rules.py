@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_MITIGATIONS
 from ..optim.versioned import EF_SOURCES
 from ..schedule.table import schedule_spec
-from .config import COMPILE_SCOPES, DELAY_ONLY, EF_BETA_MAX, HEAD_LOSSES, MUON_FAMILY, OptimConfig, RunConfig
+from .config import COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, EF_BETA_MAX, HEAD_LOSSES, MUON_FAMILY, OptimConfig, RunConfig
 from .field_checks import ConfigError, choice, non_negative_number, positive_int
 from .profiling import ProfileSpecError, parse_profile_steps
 
@@ -102,6 +102,7 @@ def check_compute(cfg: RunConfig) -> None:
     if t.compile is not None and not isinstance(t.compile, bool):
         raise ConfigError(f"train.compile must be true, false or null (auto), got {t.compile!r}")
     choice("train.compile_scope", t.compile_scope, COMPILE_SCOPES)
+    choice("train.compile_mode", t.compile_mode, COMPILE_MODES)
     if not isinstance(t.compute_copies, bool):
         raise ConfigError(f"train.compute_copies must be true or false, got {t.compute_copies!r}")
     if not isinstance(t.cuda_graphs, bool):
