@@ -60,8 +60,9 @@ asyncpp-train has --compile. Each row runs in its own process with its own timeo
 error or any other failure ends that row only. Bad inputs: one line on stderr, exit 2.
 
 This file holds the flags, the plan and the run; beside it: throughput_model.py (the models, FLOPs,
-peaks), throughput_rows.py (one row: its process, ours' run, the worker rows) and throughput_report.py
-(the figures, checks, ratios and table).
+peaks), throughput_rows.py (one row: its process, ours' run, a worker row's start),
+throughput_workers.py (the rows measured in a worker process) and throughput_report.py (the
+figures, checks, ratios and table).
 """
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ from throughput_model import (MODELS, SMOLLM_HF, BenchError, flops_per_token, hf
                               matmul_params, model_shape, peak_for_gpu, total_params)
 from throughput_report import (HEAD_LOSS_REL_TOL, finish_row, format_report, head_checks,  # noqa: E402,F401
                                loss_check, ratios, steady_tokens_per_s)
-from throughput_rows import (PROG, RESULT_TAG, ROOT, build_hf_model, child_env, head_mode, head_row,  # noqa: E402,F401
-                             ours_command, run_ours, run_worker_row, worker_main)
+from throughput_rows import (PROG, RESULT_TAG, ROOT, child_env, head_row, ours_command,  # noqa: E402,F401
+                             run_ours, run_worker_row)
+from throughput_workers import build_hf_model, head_mode, worker_main  # noqa: E402,F401
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

@@ -331,7 +331,7 @@ def test_head_profile_summarises_a_traced_call_per_call(monkeypatch):
     """--profile on a GPU traces one more measure_head_loss call (warm-up + timed: two runs of the
     head) and keeps the kernel summary per call; here a CPU stand-in (no kernels) checks the wiring."""
     import torch
-    import throughput_rows as tr
+    import throughput_workers as tr
 
     from asyncpp_ext.models import head_loss
 
