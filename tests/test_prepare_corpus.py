@@ -13,6 +13,7 @@ import pytest
 
 from asyncpp_ext.data import builtin_corpus, load_tokens, sidecar_path
 from asyncpp_ext.data import prepare as prep
+from asyncpp_ext.data import text_pieces
 from asyncpp_ext.data.encode import Task, ordered_encode
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -252,9 +253,9 @@ def test_bos_tokenizer_marks_the_start_and_none_keeps_the_old_stream(tmp_path, b
 
 def test_text_files_split_at_a_separator_and_long_documents_get_one_marker(tmp_path, eot_tok, capsys,
                                                                              monkeypatch):
-    monkeypatch.setattr(prep, "READ_BLOCK_BYTES", 64)  # separators straddle blocks
-    monkeypatch.setattr(prep, "PIECE_CHARS", 50)  # long documents are encoded in pieces
-    monkeypatch.setattr(prep, "MAX_CARRY_CHARS", 200)
+    monkeypatch.setattr(text_pieces, "READ_BLOCK_BYTES", 64)  # separators straddle blocks
+    monkeypatch.setattr(text_pieces, "PIECE_CHARS", 50)  # long documents are encoded in pieces
+    monkeypatch.setattr(text_pieces, "MAX_CARRY_CHARS", 200)
     docs = ["first document\nwith two lines\n", "", "second ☃\n" * 30, "third"]
     (tmp_path / "a.txt").write_text("<|endoftext|>".join(docs) + "<|endoftext|>", encoding="utf-8")
     (tmp_path / "b.txt").write_text("a whole file is one document\n" * 20, encoding="utf-8")

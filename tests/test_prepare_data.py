@@ -13,6 +13,7 @@ import pytest
 
 from asyncpp_ext.data import builtin_corpus, load_tokens, sidecar_path
 from asyncpp_ext.data import prepare as prep
+from asyncpp_ext.data import text_pieces
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -88,9 +89,9 @@ def test_bpe_train_and_val_round_trip_with_sidecars(tmp_path, bpe_path, capsys):
 def test_long_input_is_read_in_pieces_that_rejoin_exactly(tmp_path, bpe_path, monkeypatch, capsys):
     # Tiny blocks and pieces: multi-byte characters straddle blocks, lines straddle pieces, and
     # one line is longer than MAX_CARRY_CHARS (cut at a space) or has no space at all.
-    monkeypatch.setattr(prep, "READ_BLOCK_BYTES", 7)
-    monkeypatch.setattr(prep, "PIECE_CHARS", 50)
-    monkeypatch.setattr(prep, "MAX_CARRY_CHARS", 200)
+    monkeypatch.setattr(text_pieces, "READ_BLOCK_BYTES", 7)
+    monkeypatch.setattr(text_pieces, "PIECE_CHARS", 50)
+    monkeypatch.setattr(text_pieces, "MAX_CARRY_CHARS", 200)
     text = ("ünï ☃ 日本語 line\n" * 40 + "word " * 120 + "\n" + "x" * 450 + "\n"
             + _corpus_text(2_000_000, 3_000) + "tail without newline ☃")
     source = tmp_path / "long.txt"
@@ -166,12 +167,12 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
         return base[:3] + [tmp_path / "dir"] + base[4:]
     if case == "non-UTF-8 after good text":
         # Blocks of good text are tokenized and written before the bad byte is met.
-        monkeypatch.setattr(prep, "READ_BLOCK_BYTES", 64)
+        monkeypatch.setattr(text_pieces, "READ_BLOCK_BYTES", 64)
         (tmp_path / "latin1.txt").write_bytes(b"abc\n" * 100 + "caf\xe9\n".encode("latin-1"))
         return base[:3] + [good, tmp_path / "latin1.txt"] + base[4:]
     if case in ("character split across blocks", "truncated character at the end"):
         # The reported offset counts the bytes the decoder held back from the previous block.
-        monkeypatch.setattr(prep, "READ_BLOCK_BYTES", 7)
+        monkeypatch.setattr(text_pieces, "READ_BLOCK_BYTES", 7)
         bad = b"abcdef\xe2\x82X\n" if case.startswith("character") else b"abcdefghij\xe2\x82"
         (tmp_path / "split.txt").write_bytes(bad)
         return base[:3] + [tmp_path / "split.txt"] + base[4:]
@@ -249,8 +250,8 @@ def test_unwritable_directory_is_refused(tmp_path, capsys):
 
 
 def test_ctrl_c_midway_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(prep, "READ_BLOCK_BYTES", 32)
-    monkeypatch.setattr(prep, "PIECE_CHARS", 16)
+    monkeypatch.setattr(text_pieces, "READ_BLOCK_BYTES", 32)
+    monkeypatch.setattr(text_pieces, "PIECE_CHARS", 16)
     monkeypatch.setattr(prep, "PIECES_PER_BATCH", 1)
     calls = []
 

@@ -1,7 +1,7 @@
 """What ``asyncpp-prepare-data --input`` reads: input specs expanded to files, and the readers of
 JSON lines (plain, ``.gz``, ``.zst``), Parquet and Arrow (a ``datasets`` ``save_to_disk``
 directory) that cut them into ``Task``s of consecutive records. Text files are read by
-``prepare.read_text_pieces``.
+``text_pieces.read_text_pieces``.
 
 Expansion (``expand_inputs``): each ``--input`` is a file, a directory or a glob, in the order
 given; a directory expands to its data files (``DATA_SUFFIXES``, hidden entries skipped), a glob

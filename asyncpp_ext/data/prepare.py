@@ -42,7 +42,6 @@ counts them instead.
 from __future__ import annotations
 
 import argparse
-import codecs
 import contextlib
 import math
 import os
@@ -60,100 +59,15 @@ from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError
 from .errors import first_line
 from .sinks import TokenSink, base_header, commit_outputs
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
+from .text_pieces import read_pieces, read_text_pieces  # noqa: F401 (read_pieces: public here too)
 
 PROG = "asyncpp-prepare-data"
-READ_BLOCK_BYTES = 1 << 20
-"""Bytes read from an input at a time."""
-PIECE_CHARS = 64 * 1024
-"""Target length of one piece handed to the tokenizer; pieces end at a line end."""
 PIECES_PER_BATCH = 32
 """Pieces encoded per ``encode_batch`` call (the tokenizer runs them in parallel)."""
-MAX_CARRY_CHARS = 4 * PIECE_CHARS
-"""Text kept waiting for a line end; beyond it a line is cut at whitespace (or anywhere)."""
 PARALLEL_MIN_BYTES = 1 << 20
 """Inputs smaller than this are tokenized in this process whatever the cores (workers take
 longer to start than such an input takes to encode)."""
 BOUNDARIES = ("auto", "eos", "bos", "none")
-
-
-def _cut(text: str, final: bool) -> int:
-    """Length of the next piece of ``text``: up to the last line end within PIECE_CHARS, else to
-    the first line end after it; a line longer than MAX_CARRY_CHARS is cut before a space (or
-    anywhere). 0 means: wait for more text."""
-    end = text.rfind("\n", 0, PIECE_CHARS) + 1 or text.find("\n", PIECE_CHARS, MAX_CARRY_CHARS) + 1
-    if end:
-        return end
-    if len(text) < MAX_CARRY_CHARS:
-        return len(text) if final else 0
-    space = max(text.rfind(" ", 0, MAX_CARRY_CHARS), text.rfind("\t", 0, MAX_CARRY_CHARS))
-    return space if space > 0 else MAX_CARRY_CHARS
-
-
-def _split_closed(text: str) -> Iterator[str]:
-    """Pieces of a text known to be complete (a whole document)."""
-    while text:
-        cut = _cut(text, final=True)
-        yield text[:cut]
-        text = text[cut:]
-
-
-def read_text_pieces(path: Path, on_bytes=lambda n: None, separator: Optional[str] = None,
-                     compression: Optional[str] = None) -> Iterator[tuple[str, bool]]:
-    """(piece, ends a document) of a UTF-8 text file: the whole file is one document, or the
-    text between ``separator``s is (a trailing separator ends the last document). Pieces end at
-    a line end where possible. ``on_bytes(n)``: n more bytes of the file were read. Raises
-    ``PrepareError`` at the first non-UTF-8 byte."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    pending, offset, seen_separator = "", 0, False
-    keep = len(separator) - 1 if separator else 0  # a separator may straddle the block end
-    with inp.open_input(inp.Input(path, inp.TEXT, compression)) as opened:
-        last = 0
-        while True:
-            try:
-                block = opened.reader.read(READ_BLOCK_BYTES)
-            except inp.stream_errors() as exc:
-                raise PrepareError(f"input {path} is damaged or cut short ({exc}); download it "
-                                   "again") from None
-            held = len(decoder.getstate()[0])  # bytes of a character split by the last block
-            try:
-                pending += decoder.decode(block, final=not block)
-            except UnicodeDecodeError as exc:
-                # exc.start counts from the held-back bytes, which precede this block.
-                raise PrepareError(f"input {path} is not UTF-8 text (byte {offset - held + exc.start}); "
-                                   "convert it to UTF-8") from None
-            offset += len(block)
-            now = opened.position()
-            on_bytes(now - last)
-            last = now
-            if separator:
-                start = 0
-                while (found := pending.find(separator, start)) >= 0:
-                    pieces = list(_split_closed(pending[start:found])) or [""]
-                    for i, piece in enumerate(pieces):
-                        yield piece, i == len(pieces) - 1
-                    start, seen_separator = found + len(separator), True
-                pending = pending[start:]
-            if not block:
-                pieces = list(_split_closed(pending))
-                if pieces or not seen_separator:  # no empty document after a final separator
-                    pieces = pieces or [""]
-                    for i, piece in enumerate(pieces):
-                        yield piece, i == len(pieces) - 1
-                return
-            while len(pending) - keep >= PIECE_CHARS:
-                cut = _cut(pending[: len(pending) - keep], final=False)
-                if cut == 0:
-                    break
-                yield pending[:cut], False
-                pending = pending[cut:]
-
-
-def read_pieces(path: Path, on_bytes=lambda n: None) -> Iterator[str]:
-    """Text pieces of a UTF-8 file, each ending at a line end where possible; ``on_bytes(n)`` is
-    called after each block read. Raises ``PrepareError`` at the first non-UTF-8 byte."""
-    for piece, _ in read_text_pieces(path, on_bytes):
-        if piece:
-            yield piece
 
 
 def _batched(pieces, size: int):
