@@ -6,6 +6,7 @@ runs of consecutive blocks.
 
 Like test_compile.py (same xdist group, same inductor cache under pytest's cache directory): one
 intra-op thread, tiny shapes, and the aot_eager backend where only dynamo's decisions are tested."""
+import contextlib
 import copy
 import logging
 import pickle
@@ -207,31 +208,37 @@ def test_region_marks_survive_pickling_and_uncompile_removes_them():
     assert region_of(model.embed) is None and not is_compiled(model.head)
 
 
-def test_a_pipeline_stage_compiles_its_blocks_but_the_head_as_one_region():
-    # Pipeline(compile_scope="stage") on a one-rank world (compiling is lazy: no graph is built
-    # here); with the default scope the blocks are compiled alone.
+@contextlib.contextmanager
+def _one_stage_pipeline(n_layer=3, **compile_kw):
+    """A compiled one-stage Pipeline of llama-tiny on a one-rank world (compiling is lazy: no graph
+    is built until a forward), closed on exit."""
     import torch.distributed as dist
     from asyncpp_ext.pipeline import Pipeline
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        for scope, lengths in (("stage", [4, None, None, None, None]), ("block", [None] * 5)):
-            model = _llama(n_layer=3)
-            pipe = Pipeline(model, loss_fn=type(model).loss, schedule="1f1b", microbatches=2, stages=1,
-                            optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                            compile=True, compile_scope=scope)
-            try:
-                for replica in pipe.host.replicas:
-                    assert [getattr(region_of(b), "length", None) for b in replica] == lengths, scope
-                    assert isinstance(replica, BlockSequence) and is_compiled(replica[-1])
-            finally:
-                pipe.close()
-        with pytest.raises(ValueError, match="compile scope must be one of block, stage"):
-            Pipeline(_llama(), loss_fn=type(model).loss, schedule="1f1b", microbatches=2, stages=1,
-                     optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), compile=True,
-                     compile_scope="model")
+        model = _llama(n_layer=n_layer)
+        pipe = Pipeline(model, loss_fn=type(model).loss, schedule="1f1b", microbatches=2, stages=1,
+                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), compile=True, **compile_kw)
+        try:
+            yield pipe
+        finally:
+            pipe.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_pipeline_stage_compiles_its_blocks_but_the_head_as_one_region():
+    # Pipeline(compile_scope="stage"): the blocks but the head form one region; with the default
+    # scope the blocks are compiled alone.
+    for scope, lengths in (("stage", [4, None, None, None, None]), ("block", [None] * 5)):
+        with _one_stage_pipeline(compile_scope=scope) as pipe:
+            for replica in pipe.host.replicas:
+                assert [getattr(region_of(b), "length", None) for b in replica] == lengths, scope
+                assert isinstance(replica, BlockSequence) and is_compiled(replica[-1])
+    with pytest.raises(ValueError, match="compile scope must be one of block, stage"):
+        with _one_stage_pipeline(compile_scope="model"):
+            pass
 
 
 def _run_eagerly(blocks, x):
@@ -262,9 +269,7 @@ def test_compile_mode_reaches_inductor_with_its_cuda_graphs_off(monkeypatch):
     # max-autotune's options (CUDA graphs switched off: they would replay captured weight
     # addresses); the default mode adds none. inductor's compile_fx is replaced by a recorder that
     # runs the graph as traced, so only what inductor is asked is tested.
-    import torch.distributed as dist
     import torch._inductor.compile_fx as compile_fx_module
-    from asyncpp_ext.pipeline import Pipeline
 
     seen = []
 
@@ -282,19 +287,8 @@ def test_compile_mode_reaches_inductor_with_its_cuda_graphs_off(monkeypatch):
         for patches in seen:
             assert patches.get("triton.cudagraphs") is False and patches.get("freezing") is False
             assert patches.get("max_autotune", False) is (mode == "max-autotune"), (mode, patches)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model = _llama(n_layer=2)
-        pipe = Pipeline(model, loss_fn=type(model).loss, schedule="1f1b", microbatches=2, stages=1,
-                        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                        compile=True, compile_mode="max-autotune")
-        try:
-            assert {g.settings.mode for g in pipe.compile_report.groups} == {"max-autotune"}
-        finally:
-            pipe.close()
-        with pytest.raises(ValueError, match="compile mode 'reduce-overhead' is not one of default, max-autotune"):
-            Pipeline(_llama(), loss_fn=type(model).loss, schedule="1f1b", microbatches=2, stages=1,
-                     optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), compile=True,
-                     compile_mode="reduce-overhead")
-    finally:
-        dist.destroy_process_group()
+    with _one_stage_pipeline(compile_mode="max-autotune") as pipe:
+        assert {g.settings.mode for g in pipe.compile_report.groups} == {"max-autotune"}
+    with pytest.raises(ValueError, match="compile mode 'reduce-overhead' is not one of default, max-autotune"):
+        with _one_stage_pipeline(compile_mode="reduce-overhead"):
+            pass
