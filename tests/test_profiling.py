@@ -79,6 +79,24 @@ def test_pipeline_ranks_trace_their_executor_threads(tmp_path):
     assert last["item_calls"] == 0
 
 
+def test_a_pipeline_rank_traces_its_stage_device_not_the_trainers():
+    # A pipeline rank's Trainer holds its data on the CPU while its stage computes on a GPU: the
+    # profiler must record that GPU's kernels (CUDA activity), which it asks the engine for.
+    from types import SimpleNamespace
+
+    import torch
+    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.trainer import Trainer
+
+    cfg = RunConfig.from_dict({"train": {"profile_steps": "2:3"}})
+    engine = SimpleNamespace(stage=1, replica=0, device=torch.device("cuda", 0))
+    trainer = Trainer(cfg, engine, stream=None, eval_set=[], run_dir="unused", device="cpu")
+    profiler = trainer._profiler()
+    assert (profiler.device, profiler.who, profiler.window) == ("cuda", "stage1", (2, 3))
+    trainer.engine = SimpleNamespace(stage=0)  # an engine without a device of its own: the Trainer's
+    assert trainer._profiler().device == "cpu"
+
+
 def test_bad_window_is_one_line(tmp_path, capsys):
     assert main(["--model", "llama-tiny", "--steps", "2", "--profile-steps", "4:2",
                  "--out", str(tmp_path / "r")]) == 2

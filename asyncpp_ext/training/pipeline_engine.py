@@ -13,6 +13,9 @@ class PipelineEngine:
     def __init__(self, pipe: Pipeline):
         self.pipe = pipe
         self.stage, self.replica = pipe.stage, pipe.replica
+        # Where the stage computes. The rank's Trainer keeps its data on the CPU (the pipeline
+        # moves each microbatch itself), so its profiler asks the engine which device to trace.
+        self.device = pipe.device
         self._shares_since_ns = 0  # trace entries that started before this are summarised
 
     def time_shares(self):

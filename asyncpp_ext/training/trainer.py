@@ -93,8 +93,11 @@ class Trainer:
         who = f"stage{getattr(self.engine, 'stage', 0)}"
         if getattr(getattr(self.engine, "pipe", None), "dp", 1) > 1:
             who += f"_dp{getattr(self.engine, 'replica', 0)}"
+        # The engine's compute device where it has one (a pipeline rank's Trainer holds its data
+        # on the CPU while the stage runs on a GPU, whose kernels are what the trace is for).
+        device = torch.device(getattr(self.engine, "device", None) or self.device)
         return StepProfiler(parse_profile_steps(spec) if spec else None, self.run_dir / "profile", who,
-                            self.device.type)
+                            device.type)
 
     def _save_single_process(self, step: int, meta: dict) -> Path:
         return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta)
