@@ -141,6 +141,48 @@ def test_no_grad_calls_run_eagerly_and_a_failed_capture_warns_once():
     broken(x, y)  # no second attempt, no second warning (pytest's warning filter would raise)
 
 
+def test_a_failed_capture_puts_the_thread_back_on_the_callers_stream(monkeypatch):
+    # torch.cuda.graph leaves a failed capture on its side stream; the capture's guard restores the
+    # caller's (after the side stream's work), and only on CUDA. torch.cuda's stream calls recorded.
+    from asyncpp_ext.models import graphs
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "caller")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: calls.append(("set_stream", s)))
+    with pytest.raises(RuntimeError, match="capture invalidated"):
+        with graphs._callers_stream_kept(True):
+            raise RuntimeError("capture invalidated")
+    assert calls == ["synchronize", ("set_stream", "caller")]
+    calls.clear()
+    with graphs._callers_stream_kept(True):  # a capture that succeeds: torch restored the stream
+        pass
+    with pytest.raises(RuntimeError):
+        with graphs._callers_stream_kept(False):  # CPU: no stream to restore
+            raise RuntimeError("refused")
+    assert calls == []
+
+
+def test_the_fused_head_under_graphs_runs_the_kernel_that_captures():
+    # Liger's forward reads a count to the host (.item()), which capture refuses: under --cuda-graphs
+    # "auto" means the package's chunked kernel and a library kernel by name is refused.
+    from asyncpp_ext.models.head_loss import kernel_for_graphs
+
+    assert [kernel_for_graphs(k, True) for k in ("auto", "chunked")] == ["chunked", "chunked"]
+    assert [kernel_for_graphs(k, False) for k in ("auto", "liger", "cce")] == ["auto", "liger", "cce"]
+    for kernel in ("liger", "cce"):
+        with pytest.raises(ValueError, match=f"head-loss kernel '{kernel}' cannot be captured in a CUDA graph"):
+            kernel_for_graphs(kernel, True)
+    host, _ = _host(True, FakeGraphs(), head_loss="fused")
+    assert host.head_loss_kernel == "chunked"
+    assert _host(False, None, head_loss="fused")[0].head_loss_kernel == "auto"
+    from asyncpp_ext.training.build import stage_compute  # the simulator's and the CLI's choice
+    from asyncpp_ext.training.config import RunConfig
+
+    cfg = RunConfig.from_dict({"model": {"vocab_size": 49152}, "train": {"cuda_graphs": True, "compile": False}})
+    assert (stage_compute(cfg, "cpu").head_loss, stage_compute(cfg, "cpu").kernel) == ("fused", "chunked")
+
+
 def _host(cuda_graphs, make, **kw):
     torch.manual_seed(0)
     data = _data(M)

@@ -25,9 +25,11 @@ Limits: CUDA only; every microbatch has the shapes of the first (the pipeline al
 calls without gradients (evaluation, a recomputing stage's first forward) run eagerly; autocast
 must run without its cast cache (``autocast_context(..., cache=False)``; capture refuses the
 cache). A capture that fails runs ``fn`` eagerly from then on, with one warning naming the cause.
+The fused head loss under graphs is the package's chunked kernel (models/head_loss.kernel_for_graphs).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable, Optional
 
@@ -68,6 +70,22 @@ class _ReleaseOnBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         ctx.slot.busy = False
         return grad, None
+
+
+@contextlib.contextmanager
+def _callers_stream_kept(on_cuda: bool):
+    """Leave a failed capture on the caller's CUDA stream. torch.cuda.graph ends a capture before it
+    restores the caller's stream, so a capture that fails leaves the thread on the capture's side
+    stream, which no other stream waits for (the eager fallback, the transport and the optimizer
+    would run there unordered with the rest): back to the caller's, once that work is done."""
+    caller = torch.cuda.current_stream() if on_cuda else None
+    try:
+        yield
+    except BaseException:
+        if caller is not None:
+            torch.cuda.synchronize()
+            torch.cuda.set_stream(caller)
+        raise
 
 
 class GraphedCompute:
@@ -113,9 +131,10 @@ class GraphedCompute:
         slot.train(self.module.training)
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
         try:
-            # allow_unused_input: a Parameter the stage does not use this call (a model's spare
-            # bias, say) gets no gradient, as in eager, instead of failing the capture.
-            self.make(slot, sample, num_warmup_iters=self.warmup_iters, allow_unused_input=True)
+            with _callers_stream_kept(any(t.is_cuda for t in (*self.params, *sample))):
+                # allow_unused_input: a Parameter the stage does not use this call (a model's spare
+                # bias, say) gets no gradient, as in eager, instead of failing the capture.
+                self.make(slot, sample, num_warmup_iters=self.warmup_iters, allow_unused_input=True)
         except Exception as exc:  # capture refused or failed: this module runs eagerly from now on
             self.failure = _describe(exc)
             warnings.warn(f"asyncpp: CUDA-graph capture failed ({self.failure}); this stage runs "

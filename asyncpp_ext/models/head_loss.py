@@ -295,6 +295,20 @@ def require_kernel(kernel: str, device, dtype: Optional[torch.dtype] = None, bia
     return kernel
 
 
+def kernel_for_graphs(kernel: str, cuda_graphs: bool) -> str:
+    """The fused head's ``kernel`` setting where ``cuda_graphs`` may capture it: the package's
+    chunked kernel, which reads nothing back to the host. Liger-Kernel's forward reads a count
+    with ``.item()`` and cut-cross-entropy's is not checked for capture, so "auto" means "chunked"
+    under graphs and naming either is refused (ValueError, one line)."""
+    if not cuda_graphs or kernel == "chunked":
+        return kernel
+    if kernel == "auto":
+        return "chunked"
+    raise ValueError(f"head-loss kernel {kernel!r} cannot be captured in a CUDA graph (liger reads a value "
+                     "back to the host in its forward; cce is not checked for capture): use the fused "
+                     "head's own kernel (--head-loss fused) or drop --cuda-graphs")
+
+
 def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, kernel: str = "auto",
                                chunk_rows: Optional[int] = None) -> torch.Tensor:
     """Mean cross entropy of ``hidden @ weight.T (+ bias)`` by ``kernel`` (``require_kernel``);
@@ -405,4 +419,4 @@ def measure_head_loss(mode: str, batch: int, seq: int, n_embd: int, vocab: int, 
 
 __all__ = ["HEAD_LOSS_MODES", "KERNELS", "FUSED_VOCAB_THRESHOLD", "CHUNK_BYTES", "default_chunk_rows",
            "linear_cross_entropy", "fused_linear_cross_entropy", "fused_kernel_name", "require_kernel",
-           "resolve_head_loss", "head_loss", "measure_head_loss"]
+           "kernel_for_graphs", "resolve_head_loss", "head_loss", "measure_head_loss"]

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ..models.base import forward_through
 from ..models.graphs import GraphedCompute
-from ..models.head_loss import head_loss
+from ..models.head_loss import head_loss, kernel_for_graphs
 from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import MitigationSettings, delay_compensate_
 from ..optim.versioned import step_versioned, wants_previous_weights
@@ -112,7 +112,7 @@ class StageHost:
         self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
         if head_loss not in ("plain", "fused"):
             raise ValueError(f"head_loss must be 'plain' or 'fused', got {head_loss!r}")
-        self.head_loss, self.head_loss_kernel = head_loss, head_loss_kernel
+        self.head_loss, self.head_loss_kernel = head_loss, kernel_for_graphs(head_loss_kernel, cuda_graphs)
         self.num_versions = schedule_spec(schedule).stage_lags(stages)[stage].versions
         self.ring = self.num_versions > 1
 

@@ -18,7 +18,7 @@ from torch import nn
 from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from ..models.base import forward_through
 from ..models.compile import inductor_mode, resolve_compile
-from ..models.head_loss import head_loss, require_kernel, resolve_head_loss
+from ..models.head_loss import head_loss, kernel_for_graphs, require_kernel, resolve_head_loss
 from ..models.regions import compile_regions, scope_regions
 from ..models.registry import build_model
 from ..optim import build_optimizer
@@ -98,6 +98,7 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
     if kernel != "auto":
         require_kernel(kernel, device)
         mode = "fused"
+    kernel = kernel_for_graphs(kernel, cfg.train.cuda_graphs)  # "auto": the chunked kernel under graphs
     compile_ = resolve_compile(cfg.train.compile, device)
     scope, compile_mode = cfg.train.compile_scope, cfg.train.compile_mode
     if (scope != "block" or compile_mode != "default") and not compile_:
