@@ -145,3 +145,39 @@ def test_on_a_gpu_a_stage_waits_for_its_device_only_at_the_steps_last_backward()
     last.backward(0, M - 1, 0, None)
     middle.forward(0, M - 1, 0, batch[0][M - 1])
     middle.backward(0, M - 1, 0, grad)
+
+
+def test_a_stage_without_parameters_computes_on_the_device_it_is_given():
+    # Its flat buffers (which autocast and the receive buffers take their device from) cannot
+    # follow a first parameter; the pipeline passes its device ("meta" stands in for a GPU here).
+    host = StageHost(nn.Sequential(nn.Tanh()), stage=1, stages=3, schedule="gpipe", microbatches=M,
+                     optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), loss_fn=None,
+                     batch_source=lambda step: _batch(), device="meta")
+    assert host.flat[0].device.type == "meta" and host.flat[0].numel() == 0
+
+
+def test_a_batch_reaches_its_device_unchanged():
+    from asyncpp_ext.data.batches import to_device
+
+    x = torch.arange(12).view(3, 4)
+    assert to_device(x, "cpu") is x  # already there: no copy
+    assert to_device(x, torch.device("cpu")).equal(x)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_batch_is_copied_in_without_a_device_wait():
+    """A pageable host-to-device copy waits for the device's queue (the previous step's optimizer):
+    the batch goes through pinned memory, asynchronously, so sync debug mode stays silent."""
+    from asyncpp_ext.data.batches import to_device
+
+    x = torch.randint(0, 1000, (8, 1024))
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):  # work queued ahead of the copy
+            busy = busy @ busy / 64
+        y = to_device(x, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert y.device.type == "cuda" and torch.equal(y.cpu(), x)

@@ -65,23 +65,32 @@ def _no_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-_ADDMM_OUT_DTYPE = [True]  # cleared once torch shows it lacks addmm(..., out_dtype=) on CUDA (< 2.8)
+@functools.lru_cache(maxsize=None)
+def _addmm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch's ``addmm(acc, a, b, out_dtype=float32, out=acc)`` takes ``dtype``
+    operands with an fp32 accumulator on ``device`` (newer releases; older ones refuse the
+    argument or the mixed dtypes). Asked once, on tiny tensors, so that an error in training (out
+    of memory, say) is never taken for a missing feature and a run never switches paths midway."""
+    acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (TypeError, RuntimeError):
+        return False
+    return True  # (no read of the result: the first call may come in a CUDA graph's warm-up)
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b. For 16-bit a, b on CUDA the GEMM writes fp32 into acc itself: no
-    V x C temporary and no extra pass over acc per chunk (that pass cost as much as the matmul at
-    smollm's head). Elsewhere the product is rounded to a's dtype, then added in fp32."""
+    """acc (fp32) += a @ b. For 16-bit a, b on CUDA the GEMM writes fp32 into acc itself where
+    torch can: no V x C temporary and no extra pass over acc per chunk (that pass cost as much as
+    the matmul at smollm's head). Elsewhere the product is rounded to a's dtype, then added in
+    fp32."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-        return
-    if acc.is_cuda and _ADDMM_OUT_DTYPE[0]:
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            return
-        except (TypeError, RuntimeError):
-            _ADDMM_OUT_DTYPE[0] = False
-    acc.add_(a @ b)
+    elif acc.is_cuda and _addmm_writes_fp32(acc.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(a @ b)
 
 
 def _chunk_stats(logits: torch.Tensor, t: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

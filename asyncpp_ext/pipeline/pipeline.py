@@ -21,6 +21,7 @@ import torch.nn as nn
 from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
+from ..data.batches import to_device
 from ..models.base import BlockSequence
 from ..models.compile_support import inductor_mode
 from ..models.regions import compile_regions, scope_regions
@@ -228,7 +229,8 @@ class Pipeline:
                               exchange=self.exchange if self.exchange.active else None,
                               dp_group=self.dp_group, dp=dp, shard_optimizer=shard_optimizer,
                               head_loss=head_loss, head_loss_kernel=head_loss_kernel, cuda_graphs=cuda_graphs,
-                              compute_copies=compute_copies, params_in_compute_dtype=every_param)
+                              compute_copies=compute_copies, params_in_compute_dtype=every_param,
+                              device=self.device)
         self.transport = None
         # Boundary tensors between the host and the transport; receive slots are reused.
         self.board = C.MessageBoard(self.host)
@@ -362,7 +364,8 @@ class Pipeline:
                 inputs = [replica_share(x, self.replica, self.dp) for x in inputs]
                 targets = [replica_share(y, self.replica, self.dp) for y in targets]
             if self.device.type != "cpu":
-                inputs, targets = [x.to(self.device) for x in inputs], [y.to(self.device) for y in targets]
+                inputs = [to_device(x, self.device) for x in inputs]
+                targets = [to_device(y, self.device) for y in targets]
             self._pulled[self._pull_step] = inputs, targets
             self._pull_step += 1
         return self._pulled.pop(step)

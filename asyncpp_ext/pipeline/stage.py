@@ -88,8 +88,10 @@ class StageHost:
                  mitigation: MitigationSettings | None = None, exchange=None,
                  dp_group=None, dp: int = 1, shard_optimizer: bool = False, head_loss: str = "plain",
                  head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = False,
-                 params_in_compute_dtype: bool = False):
-        """``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
+                 params_in_compute_dtype: bool = False, device: torch.device | str | None = None):
+        """``device``: where the stage computes (default: where its first parameter lives; a stage
+        without parameters needs it to set up autocast and its receive buffers there).
+        ``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
         ``lr_schedule`` (optim/lr_schedule.py) scales every group's lr at each step; ``mitigation``
         is the staleness mitigation this stage applies (optim/mitigations.py); ``exchange`` the
         tied-weight and clipping exchange (step_exchange.py; None when it has nothing to do);
@@ -121,7 +123,7 @@ class StageHost:
             handles_module = copy.deepcopy(module)
         params = [list(r.parameters()) for r in replicas]
         numel = sum(p.numel() for p in params[0])
-        ref = params[0][0] if params[0] else torch.empty(0)
+        ref = params[0][0] if params[0] else torch.empty(0, device=device)
         self.flat = [torch.empty(numel, dtype=ref.dtype, device=ref.device) for _ in replicas]
         for ps, flat in zip(params, self.flat):
             flatten_into(ps, flat)

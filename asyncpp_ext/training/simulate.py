@@ -44,6 +44,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..data.batches import to_device
 from ..optim.lr_schedule import apply_lr
 from ..optim.routing import split_named_parameters
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compensate_, predicted_weights,
@@ -318,7 +319,7 @@ class DelaySimulator:
         """``steps`` steps on the stream's next minibatches, yielding each loss (StepEngine)."""
         device = self.params[0].device if self.params else torch.device("cpu")
         for _ in range(steps):
-            loss = self.step([(x.to(device), y.to(device)) for x, y in stream.next()])
+            loss = self.step([(to_device(x, device), to_device(y, device)) for x, y in stream.next()])
             yield StepOutcome(loss, True) if self.last_skipped else loss
 
     @torch.no_grad()
