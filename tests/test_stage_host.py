@@ -157,7 +157,7 @@ def test_a_stage_without_parameters_computes_on_the_device_it_is_given():
 
 
 def test_a_batch_reaches_its_device_unchanged():
-    from asyncpp_ext.data.batches import to_device
+    from asyncpp_ext.pipeline.devices import to_device
 
     x = torch.arange(12).view(3, 4)
     assert to_device(x, "cpu") is x  # already there: no copy
@@ -168,7 +168,7 @@ def test_a_batch_reaches_its_device_unchanged():
 def test_on_a_gpu_a_batch_is_copied_in_without_a_device_wait():
     """A pageable host-to-device copy waits for the device's queue (the previous step's optimizer):
     the batch goes through pinned memory, asynchronously, so sync debug mode stays silent."""
-    from asyncpp_ext.data.batches import to_device
+    from asyncpp_ext.pipeline.devices import to_device
 
     x = torch.randint(0, 1000, (8, 1024))
     busy = torch.randn(4096, 4096, device="cuda")

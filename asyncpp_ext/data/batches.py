@@ -162,15 +162,4 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int) 
             for i in range(count)]
 
 
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A batch tensor on its compute device without making the host wait: to a GPU from pinned
-    memory, asynchronously. A pageable source would make the copy wait for everything queued on
-    the device before it (the previous step's optimizer, say), emptying the GPU's queue at every
-    step start while the host then launches the next kernels one by one."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-__all__ = ["Microbatch", "SAMPLINGS", "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches", "to_device"]
+__all__ = ["Microbatch", "SAMPLINGS", "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches"]

@@ -1,7 +1,8 @@
 """Which device each rank trains on and which transport carries its pipeline messages.
 
-Pure functions of their arguments (no CUDA call), so the rules are unit-tested on machines
-without a GPU with made-up GPU counts; callers pass ``torch.cuda.device_count()``.
+The rules are pure functions of their arguments (no CUDA call), so they are unit-tested on
+machines without a GPU with made-up GPU counts; callers pass ``torch.cuda.device_count()``.
+``to_device`` moves a step's batch onto the device a stage computes on.
 
 Transports (``transport=`` / ``--transport``):
 
@@ -113,6 +114,17 @@ def process_group_backend(transport: str, device) -> str:
     return "gloo"
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A batch tensor on its compute device without making the host wait: to a GPU from pinned
+    memory, asynchronously. A pageable source would make the copy wait for everything queued on
+    the device before it (the previous step's optimizer, say), emptying the GPU's queue at every
+    step start while the host then launches the next kernels one by one."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 __all__ = ["TRANSPORTS", "LAUNCHERS", "DeviceError", "choose_transport", "needs_own_gpu", "local_world_size",
            "check_local_world",
-           "rank_device", "process_group_backend"]
+           "rank_device", "process_group_backend", "to_device"]

@@ -21,7 +21,6 @@ import torch.nn as nn
 from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
-from ..data.batches import to_device
 from ..models.base import BlockSequence
 from ..models.compile_support import inductor_mode
 from ..models.regions import compile_regions, scope_regions
@@ -33,7 +32,7 @@ from .stage import Signature, StageError, StageHost
 from .step_feed import StepFeed
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
-from .devices import TRANSPORTS, choose_transport  # noqa: F401 (TRANSPORTS: public name kept here)
+from .devices import TRANSPORTS, choose_transport, to_device  # noqa: F401 (TRANSPORTS: public name kept here)
 from .transport import TransportError, peer_failure_reason
 from .transports import TransportContext, create_transport
 from .watchdog import Watchdog, check_timeout, default_timeout_s

@@ -44,7 +44,6 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..data.batches import to_device
 from ..optim.lr_schedule import apply_lr
 from ..optim.routing import split_named_parameters
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compensate_, predicted_weights,
@@ -53,6 +52,7 @@ from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name,
 from ..optim.versioned import step_versioned, wants_previous_weights
 from ..pipeline.clipping import PreviousNormClipper
 from ..pipeline.compute_copies import ComputeCopies
+from ..pipeline.devices import to_device
 from ..pipeline.nonfinite import POLICIES, NonFiniteError, first_nonfinite_index
 from ..pipeline.partition import as_blocks, split
 from ..pipeline.ties import TieError, check_ties_on_one_stage, find_ties, sum_tied_gradients, untie
