@@ -1,29 +1,36 @@
 #!/usr/bin/env bash
 # The GPU measurements docs/gpu.md lists under "The next GPU run", as named steps, each with its
 # own time limit, its output in OUT/<step>.log and the bench's numbers in OUT/<step>.json (written
-# after every row), so that a machine lent for a few minutes keeps whatever it measured.
+# after every row), so that a machine lent for a few minutes keeps whatever it measured. A stopped
+# step (its time limit, the caller's) takes its running row with it (gpu_throughput.py kills the
+# row's process group on SIGTERM), and each row has a time limit below its step's.
 #
-#   bench/gpu_runbook.sh [STEP ...]     default: build 135m tests p2p (about 10 minutes on one H100,
-#                                       in the order of what they tell; a machine lent for less keeps
-#                                       the steps and rows that finished)
-#   OUT=dir bench/gpu_runbook.sh 360m quick
+#   bench/gpu_runbook.sh [STEP ...]     default: build 135m (at most 570 s: one call of a machine lent
+#                                       for 10 minutes; the later calls, each <= 570 s, start with
+#                                       build again on a fresh machine:
+#                                         build tests p2p | build 360m | build quick head
+#                                         build profile | build cudnn | build autotune)
+#   OUT=dir bench/gpu_runbook.sh build 360m
 #
-# Steps:
-#   build   the extension for this GPU (TORCH_CUDA_ARCH_LIST, default 9.0), then asyncpp_ext.info
-#   tests   cuda-marked tests of the paths not yet run on a GPU: CUDA-graph capture, ipc vs gloo
-#           with two ranks on one GPU, one device wait per step, the gradient accumulate kernel,
-#           flash attention with in-place grouped-query heads, compiled blocks and regions
-#   135m    bench/gpu_throughput.py at smollm-135m / 1024, profiled: ours and its variants (graphs,
-#           no-copies, stage-compile; bf16-params and graphs with stage-compile are left to the 360m
-#           step), 2bw on one GPU over ipc (with and without graphs), the compiled Hugging Face model
-#   p2p     bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
-#   360m    ours (plain, graphs, bf16-params, stage-compile with and without graphs) and the
-#           compiled Hugging Face model at smollm-360m / 2048, not profiled
-#   quick   bench/gpu_throughput.py --quick, timed (its target: under 3 minutes)
-#   cudnn   the attention kernel at 360m: TORCH_CUDNN_SDPA_PREFERRED=1, then =0, profiled
-#   head    the fused head alone against plain, at the default and 2x / 4x chunks, profiled
-#   autotune  ours at 360m with --compile-mode max-autotune against the default mode (its compile
-#           benchmarks kernel configurations: minutes)
+# Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
+#   build   (150 + 30) the extension for this GPU (TORCH_CUDA_ARCH_LIST, default 9.0), then
+#           asyncpp_ext.info
+#   135m    (390) bench/gpu_throughput.py at smollm-135m / 1024: ours, with --cuda-graphs, and with
+#           graphs and --compile-scope stage together; the compiled Hugging Face model; 2bw on one
+#           GPU over ipc with and without graphs (~5 min)
+#   tests   (420) cuda-marked tests of the paths not yet run on a GPU: CUDA-graph capture, ipc vs
+#           gloo with two ranks on one GPU, one device wait per step, the gradient accumulate
+#           kernel, flash attention with in-place grouped-query heads, compiled blocks and regions
+#   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
+#   360m    (540) ours (plain, bf16-params, graphs with stage scope) and the compiled Hugging Face
+#           model at smollm-360m / 2048 (~6 min; the Hugging Face compile is about 2 of them)
+#   quick   (300) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min)
+#   head    (150) the fused head alone against plain, at the default and 2x / 4x chunks, profiled
+#   profile (240) ours and ours with graphs and stage scope at 135m, profiled: kernels per step,
+#           device busy share, the costliest kernels by name
+#   cudnn   (2 x 240) the attention kernel at 360m, profiled: TORCH_CUDNN_SDPA_PREFERRED=1, then =0,
+#           each on an inductor cache of its own (a cached graph keeps the kernel it was traced with)
+#   autotune  (540) ours at 360m with --compile-mode max-autotune against the default mode
 # PYTHON picks the interpreter (default python3). A step that fails or runs out of time is noted
 # and the next one runs; the exit status is the number of failed steps.
 set -uo pipefail
@@ -54,36 +61,40 @@ bench() {  # bench NAME SECONDS [ENV=VALUE ...] -- ARGS...: gpu_throughput.py, i
     step "$name" "$limit" env "${envs[@]}" "$PY" bench/gpu_throughput.py --json "$OUT/$name.json" "$@"
 }
 
-ROWS_135M=(--models smollm-135m --seq-lens 1024 --skip "eager,bf16-params,graphs stage-compile,max-autotune"
-           --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw")
-ONLY_OURS=(--models smollm-360m --seq-lens 2048 --only "ours sync adamw"
-           --skip "eager,no-copies,graphs,bf16-params,stage-compile" --profile)
+ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
+           --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw"
+           --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile")
+ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 300 --only "ours sync adamw,hf compile adamw"
+           --skip "eager,no-copies,max-autotune,adamw graphs smollm,adamw stage-compile")
+ONLY_OURS=(--models smollm-360m --seq-lens 2048 --row-timeout 200 --only "ours sync adamw"
+           --skip "eager,no-copies,graphs,bf16-params,stage-compile,max-autotune" --profile)
 
 run_step() {
     case $1 in
-        build) step build 240 env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+        build) step build 150 env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
                    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-build-isolation --no-deps -e .
-               step info 60 "$PY" -m asyncpp_ext.info ;;
-        tests) step tests 240 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda_graphs.py \
-                   tests/test_ipc_transport.py tests/test_stage_host.py tests/test_compute_copies.py \
-                   tests/test_stage_compute.py tests/test_compile.py ;;
-        135m) bench 135m 400 -- "${ROWS_135M[@]}" --profile ;;
-        p2p) step p2p 90 "$PY" bench/p2p.py --backend ipc-cuda ;;
-        360m) bench 360m 480 -- --models smollm-360m --seq-lens 2048 --skip "eager,no-copies,max-autotune" \
-                  --only "ours sync adamw,hf compile adamw" ;;
-        quick) bench quick 300 -- --quick ;;
-        cudnn) bench cudnn-1 240 TORCH_CUDNN_SDPA_PREFERRED=1 -- "${ONLY_OURS[@]}"
-               bench cudnn-0 240 TORCH_CUDNN_SDPA_PREFERRED=0 -- "${ONLY_OURS[@]}" ;;
+               step info 30 "$PY" -m asyncpp_ext.info ;;
+        135m) bench 135m 390 -- "${ROWS_135M[@]}" ;;
+        tests) step tests 420 "$PY" -m pytest -v -rA --durations=15 -m cuda -p no:cacheprovider \
+                   tests/test_cuda_graphs.py tests/test_ipc_transport.py tests/test_stage_host.py \
+                   tests/test_compute_copies.py tests/test_stage_compute.py tests/test_compile.py ;;
+        p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
+        360m) bench 360m 540 -- "${ROWS_360M[@]}" ;;
+        quick) bench quick 300 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- --quick ;;
         head) bench head 150 -- --only head --profile --head-chunk-rows 1365,2730 ;;
-        autotune) bench autotune 540 -- --models smollm-360m --seq-lens 2048 --only "ours sync adamw" \
+        profile) bench profile 240 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
+                     --only "ours sync adamw" --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile,adamw graphs smollm" ;;
+        cudnn) bench cudnn-1 240 TORCH_CUDNN_SDPA_PREFERRED=1 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}"
+               bench cudnn-0 240 TORCH_CUDNN_SDPA_PREFERRED=0 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}" ;;
+        autotune) bench autotune 540 -- --models smollm-360m --seq-lens 2048 --row-timeout 420 --only "ours sync adamw" \
                       --skip "eager,no-copies,graphs,bf16-params,stage-compile" ;;
-        *) echo "unknown step $1: choose build, tests, 135m, p2p, 360m, quick, cudnn, head, autotune" \
+        *) echo "unknown step $1: choose build, 135m, tests, p2p, 360m, quick, head, profile, cudnn, autotune" \
                | tee -a "$OUT/steps.txt"
            failed=$((failed + 1)) ;;
     esac
 }
 
-[ $# -gt 0 ] || set -- build 135m tests p2p
+[ $# -gt 0 ] || set -- build 135m
 for s in "$@"; do
     run_step "$s"
 done

@@ -489,5 +489,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through the running row, which kills its process group
+
+
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sys.exit(main())

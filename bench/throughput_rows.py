@@ -175,8 +175,10 @@ class MemorySampler:
 
 
 def run_process(cmd: list, timeout: float, sampler_device: str | None = None) -> dict:
-    """Run ``cmd`` (its own process group, killed whole on timeout); stdout, stderr, rc, seconds and,
-    with ``sampler_device``, the sampled peak memory."""
+    """Run ``cmd`` (its own process group, killed whole on timeout, and when this process is stopped:
+    SIGTERM, Ctrl-C); stdout, stderr, rc, seconds and, with ``sampler_device``, the sampled peak
+    memory. (A process group of its own keeps a row's ranks together; nothing else would stop them
+    with the bench, and an orphaned row would go on using the GPU the next rows measure.)"""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -191,6 +193,10 @@ def run_process(cmd: list, timeout: float, sampler_device: str | None = None) ->
             timed_out = True
             _kill_group(proc)
             stdout, stderr = proc.communicate()
+        except BaseException:  # the bench is stopping (SystemExit from SIGTERM, KeyboardInterrupt)
+            _kill_group(proc)
+            proc.wait()
+            raise
     finally:
         if sampler:
             sampler.__exit__(None, None, None)
@@ -229,11 +235,17 @@ def run_ours(r: dict, args, flags: dict, work: Path) -> dict:
     multi = r["stages"] > 1
     res = run_process(cmd, args.row_timeout, sampler_device=args.device if multi else None)
     r["wall_s"] = round(res["seconds"], 1)
+    measured = args.warmup + args.steps
+    path = out_dir / "metrics.jsonl"
+    metrics = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
     if res["rc"] != 0:
-        r["status"], r["error"] = failure_text(res, args.row_timeout)
-        return r
-    metrics = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    metrics = metrics[:args.warmup + args.steps]  # not the traced steps --profile adds
+        status, reason = failure_text(res, args.row_timeout)
+        if len(metrics) < measured:
+            r["status"], r["error"] = status, reason
+            return r
+        # it ended badly after its measured steps (while tracing them, say): their figures stand
+        r["notes"] = [*r.get("notes", []), f"exited after its measured steps ({status}: {reason})"]
+    metrics = metrics[:measured]  # not the traced steps --profile adds
     if args.profile:
         r["profile"] = read_profile(out_dir)
     r["losses"] = [m.get("loss") for m in metrics]

@@ -287,10 +287,11 @@ def _run_losses(tmp_path, name, *flags):
     import sys
 
     out = tmp_path / name
-    subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--device", "cuda", "--model", "llama-tiny",
-                    "--steps", "4", "--microbatches", "4", "--eval-every", "0", "--ckpt-every", "0",
-                    "--no-progress", "--seed", "0", "--out", str(out), *flags],
-                   check=True, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--device", "cuda", "--model", "llama-tiny",
+                        "--steps", "4", "--microbatches", "4", "--eval-every", "0", "--ckpt-every", "0",
+                        "--no-progress", "--seed", "0", "--out", str(out), *flags],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{name} {' '.join(flags)}: exit {r.returncode}\n{r.stderr[-3000:]}"
     return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
 
 

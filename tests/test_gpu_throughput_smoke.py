@@ -261,6 +261,74 @@ def test_plan_rows_compile_flags_and_gpu_counts():
                                            "ours sync adamw bf16-params", "hf compile adamw"]
 
 
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:  # the process ended meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.multiproc
+def test_a_stopped_bench_takes_its_running_row_with_it(tmp_path):
+    # The runbook's `timeout` sends SIGTERM to the bench only: a row runs in a process group of its
+    # own (its ranks stay together), which the bench must kill on the way out, or the orphaned row
+    # goes on using the device the next runs measure.
+    import signal
+    import time
+
+    work = tmp_path / "work"
+    bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--device", "cpu",
+                              "--smoke", "--threads", "1", "--only", "ours 2bw", "--workdir", str(work)],
+                             cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def row_processes():  # the row's driver names its run directory under the workdir
+        return [pid for pid in _processes_mentioning(str(work)) if pid != bench.pid]
+
+    try:
+        deadline = time.monotonic() + 120
+        while not row_processes() and time.monotonic() < deadline:  # the row started
+            time.sleep(0.2)
+        time.sleep(2.0)  # its ranks are starting
+        assert row_processes(), "the row never started"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        time.sleep(1.0)  # SIGKILLed processes are gone by now; an orphaned row would still run
+        assert row_processes() == []
+    finally:
+        bench.kill()
+        for pid in row_processes():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_row_that_fails_after_its_measured_steps_keeps_them(tmp_path, monkeypatch):
+    # e.g. the profiler failing in the traced steps that come after the measured ones: the row's
+    # figures stand, with a note; a row that fails before the last measured step is an error.
+    import throughput_rows as tr
+
+    def fake_run(steps_written):
+        def run_process(cmd, timeout, sampler_device=None):
+            out = Path(cmd[cmd.index("--out") + 1])
+            out.mkdir(parents=True)
+            rows = [dict(step=k + 1, loss=5.0 - k / 10, elapsed_s=1.0 + k, tokens=64 * (k + 1)) for k in range(steps_written)]
+            (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+            return dict(rc=1, stdout="", stderr="RuntimeError: CUPTI failed\n", seconds=3.0, sampled_peak=None,
+                        sampled_kind=None)
+        return run_process
+    args = SimpleNamespace(device="cpu", warmup=2, steps=3, threads=None, profile=True, row_timeout=60, keep=False)
+    r = gt.row("ours sync adamw", "ours", "llama-tiny", 64, 2, 4, optimizer="adamw", compile=False, schedule="sync")
+    monkeypatch.setattr(tr, "run_process", fake_run(5))
+    kept = tr.run_ours(dict(r, notes=[]), args, dict(compile=True, head_loss=True), tmp_path / "a")
+    assert kept["status"] == "ok" and kept["losses"] == [5.0, 4.9, 4.8, 4.7, 4.6]
+    assert kept["notes"] == ["exited after its measured steps (error: RuntimeError: CUPTI failed)"]
+    monkeypatch.setattr(tr, "run_process", fake_run(4))
+    lost = tr.run_ours(dict(r, notes=[]), args, dict(compile=True, head_loss=True), tmp_path / "b")
+    assert (lost["status"], lost["error"]) == ("error", "RuntimeError: CUPTI failed") and "losses" not in lost
+
+
 def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
     args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
     r = gt.row("ours sync adamw", "ours", "smollm-360m", 2048, 4, 8, optimizer="adamw", compile=True, schedule="sync")

@@ -97,6 +97,28 @@ def test_a_pipeline_rank_traces_its_stage_device_not_the_trainers():
     assert trainer._profiler().device == "cpu"
 
 
+def test_a_cuda_window_initialises_the_tracer_before_any_graph_is_captured(monkeypatch, tmp_path):
+    # --cuda-graphs captures at the first step and the window opens later: the tracer must have
+    # started once before the capture (an empty profile when the profiler is made), on CUDA only.
+    import contextlib
+
+    import torch.autograd.profiler as autograd_profiler
+    from asyncpp_ext.training.profiling import StepProfiler
+
+    started = []
+
+    @contextlib.contextmanager
+    def recorder(*args, **kwargs):
+        started.append(1)
+        yield
+    monkeypatch.setattr(autograd_profiler, "profile", recorder)
+    StepProfiler((2, 3), tmp_path, "stage0", "cuda")
+    assert started == [1]
+    StepProfiler((2, 3), tmp_path, "stage0", "cpu")
+    StepProfiler(None, tmp_path, "stage0", "cuda")
+    assert started == [1]
+
+
 def test_bad_window_is_one_line(tmp_path, capsys):
     assert main(["--model", "llama-tiny", "--steps", "2", "--profile-steps", "4:2",
                  "--out", str(tmp_path / "r")]) == 2

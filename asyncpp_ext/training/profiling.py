@@ -119,6 +119,17 @@ def _all_threads_config():
         return None
 
 
+def _init_before_cuda_graphs() -> None:
+    """Start and stop the profiler once, before any training: CUDA graphs captured before the
+    profiler's first start (``--cuda-graphs`` captures at the first step, the window comes later)
+    would make that start fail or lose the graphs' kernels; torch's remedy is an early empty
+    profile, which initialises the device tracing before the capture."""
+    from torch.autograd.profiler import profile
+
+    with profile():
+        pass
+
+
 class StepProfiler:
     """Starts ``torch.profiler`` once step FIRST-1 has completed and writes its files once step
     LAST has (or when the run ends first). ``after_step(k)`` is called with each completed step."""
@@ -127,6 +138,8 @@ class StepProfiler:
         self.window, self.out_dir, self.who, self.device = window, Path(out_dir), who, device
         self._prof = None
         self.written: Optional[Path] = None
+        if window is not None and device == "cuda":
+            _init_before_cuda_graphs()
 
     def before_steps(self, next_step: int) -> None:
         """Called with the number of the step about to run, before any of a segment's steps."""
