@@ -85,7 +85,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the model, row and r
 from throughput_model import (MODELS, SMOLLM_HF, BenchError, flops_per_token, hf_config_dict,  # noqa: E402,F401
                               matmul_params, model_shape, peak_for_gpu, total_params)
 from throughput_report import (HEAD_LOSS_REL_TOL, finish_row, format_report, head_checks,  # noqa: E402,F401
-                               loss_check, ratios, steady_tokens_per_s)
+                               loss_check, ratios, steady_tokens_per_s, variant_checks)
 from throughput_rows import (PROG, RESULT_TAG, ROOT, child_env, head_row, ours_command,  # noqa: E402,F401
                              run_ours, run_worker_row)
 from throughput_workers import build_hf_model, head_mode, worker_main  # noqa: E402,F401
@@ -458,6 +458,7 @@ def run(args) -> dict:
         if work_ctx is not None:
             work_ctx.cleanup()
     head_checks(done)
+    variant_checks(done)
     checks_failed = [r["name"] for r in done if r.get("check") not in (None, "ok")]
     summary = dict(rows=len(done), rows_ok=sum(r.get("status") == "ok" for r in done),
                    checks_failed=len(checks_failed), failed=checks_failed,

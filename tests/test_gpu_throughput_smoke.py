@@ -3,6 +3,7 @@ FLOP formula and peak table, the plan, and bad inputs (one line, exit 2)."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -393,6 +394,37 @@ def test_ratios_pair_ours_with_its_variant_rows():
     assert got["ours sync adamw max-autotune / ours sync adamw"] == pytest.approx(1.05)
     assert got["ours 2bw 2st 1gpu adamw / ours sync adamw"] == pytest.approx(0.75)  # not against no-copies
     assert not any(w.startswith("ours sync adamw no-copies /") for w in got)
+
+
+def test_variant_rows_are_checked_against_the_row_they_vary():
+    # Same seed, data and update rule: graphs, a stage region, ipc compute the same losses up to
+    # float order; a variant off by more than VARIANT_LOSS_TOL at some step fails its check;
+    # bf16-params (another rounding by design) gets its difference reported only.
+    from throughput_report import VARIANT_LOSS_TOL, variant_checks
+
+    base = [10.6, 9.8, 7.6, 6.9, 6.4]
+
+    def ours(name, losses, **kw):
+        return dict(gt.row(name, "ours", "m", 1024, 8, 8, optimizer="adamw", compile=True, **kw),
+                    status="ok", losses=list(losses), check="ok")
+    off = [base[0], base[1], base[2] * 1.1, base[3], base[4]]  # one step 10 % off
+    rows = [ours("ours sync adamw", base), ours("ours sync adamw graphs", [v * (1 + 1e-3) for v in base], graphs=True),
+            ours("ours sync adamw graphs stage-compile", off, graphs=True, scope="stage"),
+            ours("ours sync adamw bf16-params", off, dtype="bf16-params"),
+            ours("ours 2bw 2st 1gpu adamw", base, stages=2, transport="gloo"),
+            ours("ours 2bw 2st 1gpu adamw ipc", base, stages=2, transport="ipc"),
+            ours("ours 2bw 2st 1gpu adamw ipc graphs", off, stages=2, transport="ipc", graphs=True)]
+    variant_checks(rows)
+    got = {r["name"]: (r["check"], r.get("loss_vs")) for r in rows}
+    assert got["ours sync adamw"] == ("ok", None) and got["ours 2bw 2st 1gpu adamw"] == ("ok", None)
+    assert got["ours sync adamw graphs"][0] == "ok"
+    assert got["ours sync adamw graphs"][1] == dict(row="ours sync adamw", max_rel_diff=pytest.approx(1e-3))
+    assert got["ours 2bw 2st 1gpu adamw ipc"] == ("ok", dict(row="ours 2bw 2st 1gpu adamw", max_rel_diff=0.0))
+    for name, against in (("ours sync adamw graphs stage-compile", "ours sync adamw graphs"),
+                          ("ours 2bw 2st 1gpu adamw ipc graphs", "ours 2bw 2st 1gpu adamw ipc")):
+        assert re.fullmatch(rf"FAIL: losses differ from {against}'s by up to (9\.9e-02|1\.0e-01) "
+                            rf"\(> {VARIANT_LOSS_TOL:g}\)", got[name][0]), got[name]
+    assert got["ours sync adamw bf16-params"] == ("ok", dict(row="ours sync adamw", max_rel_diff=pytest.approx(0.1)))
 
 
 def test_head_profile_summarises_a_traced_call_per_call(monkeypatch):
