@@ -66,12 +66,15 @@ def test_plan_runs_the_two_gpu_sections_only_with_two_gpus(tmp_path):
     assert ipc32[ipc32.index("--transport") + 1] == "ipc" and ipc32[ipc32.index("--device") + 1] == "cuda"
     for c in [sim_cuda, gloo32, ipc32] + cmds["train_two_gpus"]:
         assert c[c.index("--ns-dtype") + 1] == "fp32"
+        # eager: compiled blocks' embedding gradient is summed by atomic adds on CUDA, in no fixed order
+        assert "--no-compile" in c
+    assert "--no-compile" not in gloo16  # the bf16 run keeps compiled blocks, the CUDA default
 
     def config(c):  # the run's settings without where and how it runs
         placement = {"--device", "--transport", "--ns-dtype", "--out"}
         kept, skip = [], False
         for a in c:
-            if skip or a == "--simulate":
+            if skip or a in ("--simulate", "--no-compile"):
                 skip = False
                 continue
             if a in placement:
