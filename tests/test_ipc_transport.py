@@ -217,9 +217,11 @@ def test_real_stage_processes_over_ipc_equal_the_simulation(tmp_path, monkeypatc
 @pytest.mark.cuda
 @pytest.mark.multiproc
 def test_two_stages_sharing_one_gpu_over_ipc_equal_gloo_bitwise(tmp_path):
+    # eager: compiled blocks (the CUDA default) sum the embedding's gradient with atomic adds, in no
+    # fixed order, so two compiled runs need not agree bit for bit whatever the transport
     flags = ["--model", "tiny", "--micro-batch-size", "2", "--seq-len", "32", "--no-progress", "--optimizer",
              "muon", "--ns-dtype", "fp32", "--dtype", "fp32", "--eval-every", "0", "--stages", "2", "--steps", "6",
-             "--device", "cuda"]
+             "--device", "cuda", "--no-compile"]
     for transport in ("ipc", "gloo"):
         assert main(flags + ["--transport", transport, "--out", str(tmp_path / transport)]) == 0
     ipc, gloo = ([json.loads(line)["loss"] for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
