@@ -5,32 +5,32 @@
 # step (its time limit, the caller's) takes its running row with it (gpu_throughput.py kills the
 # row's process group on SIGTERM), and each row has a time limit below its step's.
 #
-#   bench/gpu_runbook.sh [STEP ...]     default: build 135m (at most 570 s: one call of a machine lent
+#   bench/gpu_runbook.sh [STEP ...]     default: build 135m (at most 540 s: one call of a machine lent
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
-#                                         build tests p2p | build 360m | build quick head
+#                                         build 360m | build tests p2p | build quick head
 #                                         build profile | build cudnn | build autotune)
 #   OUT=dir bench/gpu_runbook.sh build 360m
 #
 # Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
-#   build   (150 + 30) the extension for this GPU (TORCH_CUDA_ARCH_LIST, default 9.0), then
+#   build   (120 + 30) the extension for this GPU (TORCH_CUDA_ARCH_LIST, default 9.0), then
 #           asyncpp_ext.info
 #   135m    (390) bench/gpu_throughput.py at smollm-135m / 1024: ours, with --cuda-graphs, and with
 #           graphs and --compile-scope stage together; the compiled Hugging Face model; 2bw on one
 #           GPU over ipc with and without graphs (~5 min)
-#   tests   (420) cuda-marked tests of the paths not yet run on a GPU: CUDA-graph capture, ipc vs
+#   tests   (360) cuda-marked tests of the paths not yet run on a GPU: CUDA-graph capture, ipc vs
 #           gloo with two ranks on one GPU, one device wait per step, the gradient accumulate
 #           kernel, flash attention with in-place grouped-query heads, compiled blocks and regions
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
-#   360m    (540) ours (plain, bf16-params, graphs with stage scope) and the compiled Hugging Face
-#           model at smollm-360m / 2048 (~6 min; the Hugging Face compile is about 2 of them)
-#   quick   (300) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min)
-#   head    (150) the fused head alone against plain, at the default and 2x / 4x chunks, profiled
+#   360m    (420) ours (plain, and graphs with stage scope) and the compiled Hugging Face model at
+#           smollm-360m / 2048 (~6 min; the Hugging Face compile is about 2 of them)
+#   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min)
+#   head    (120) the fused head alone against plain, at the default and 2x / 4x chunks, profiled
 #   profile (240) ours and ours with graphs and stage scope at 135m, profiled: kernels per step,
 #           device busy share, the costliest kernels by name
-#   cudnn   (2 x 240) the attention kernel at 360m, profiled: TORCH_CUDNN_SDPA_PREFERRED=1, then =0,
+#   cudnn   (2 x 210) the attention kernel at 360m, profiled: TORCH_CUDNN_SDPA_PREFERRED=1, then =0,
 #           each on an inductor cache of its own (a cached graph keeps the kernel it was traced with)
-#   autotune  (540) ours at 360m with --compile-mode max-autotune against the default mode
+#   autotune  (420) ours at 360m with --compile-mode max-autotune against the default mode
 # PYTHON picks the interpreter (default python3). A step that fails or runs out of time is noted
 # and the next one runs; the exit status is the number of failed steps.
 set -uo pipefail
@@ -64,29 +64,29 @@ bench() {  # bench NAME SECONDS [ENV=VALUE ...] -- ARGS...: gpu_throughput.py, i
 ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
            --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw"
            --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile")
-ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 300 --only "ours sync adamw,hf compile adamw"
-           --skip "eager,no-copies,max-autotune,adamw graphs smollm,adamw stage-compile")
-ONLY_OURS=(--models smollm-360m --seq-lens 2048 --row-timeout 200 --only "ours sync adamw"
+ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --only "ours sync adamw,hf compile adamw"
+           --skip "eager,no-copies,bf16-params,max-autotune,adamw graphs smollm,adamw stage-compile")
+ONLY_OURS=(--models smollm-360m --seq-lens 2048 --row-timeout 180 --only "ours sync adamw"
            --skip "eager,no-copies,graphs,bf16-params,stage-compile,max-autotune" --profile)
 
 run_step() {
     case $1 in
-        build) step build 150 env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+        build) step build 120 env TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
                    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-build-isolation --no-deps -e .
                step info 30 "$PY" -m asyncpp_ext.info ;;
         135m) bench 135m 390 -- "${ROWS_135M[@]}" ;;
-        tests) step tests 420 "$PY" -m pytest -v -rA --durations=15 -m cuda -p no:cacheprovider \
+        tests) step tests 360 "$PY" -m pytest -v -rA --durations=15 -m cuda -p no:cacheprovider \
                    tests/test_cuda_graphs.py tests/test_ipc_transport.py tests/test_stage_host.py \
                    tests/test_compute_copies.py tests/test_stage_compute.py tests/test_compile.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
-        360m) bench 360m 540 -- "${ROWS_360M[@]}" ;;
-        quick) bench quick 300 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- --quick ;;
-        head) bench head 150 -- --only head --profile --head-chunk-rows 1365,2730 ;;
+        360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
+        quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- --quick ;;
+        head) bench head 120 -- --only head --profile --head-chunk-rows 1365,2730 ;;
         profile) bench profile 240 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
                      --only "ours sync adamw" --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile,adamw graphs smollm" ;;
-        cudnn) bench cudnn-1 240 TORCH_CUDNN_SDPA_PREFERRED=1 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}"
-               bench cudnn-0 240 TORCH_CUDNN_SDPA_PREFERRED=0 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}" ;;
-        autotune) bench autotune 540 -- --models smollm-360m --seq-lens 2048 --row-timeout 420 --only "ours sync adamw" \
+        cudnn) bench cudnn-1 210 TORCH_CUDNN_SDPA_PREFERRED=1 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}"
+               bench cudnn-0 210 TORCH_CUDNN_SDPA_PREFERRED=0 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}" ;;
+        autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 360 --only "ours sync adamw" \
                       --skip "eager,no-copies,graphs,bf16-params,stage-compile" ;;
         *) echo "unknown step $1: choose build, 135m, tests, p2p, 360m, quick, head, profile, cudnn, autotune" \
                | tee -a "$OUT/steps.txt"

@@ -253,7 +253,7 @@ def test_gpu_runbook_notes_a_failed_step_and_goes_on(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_runbook.sh"), "nosuch", "head"], env=env,
                        capture_output=True, text=True, timeout=120)
     steps = (tmp_path / "steps.txt").read_text()
-    assert "unknown step nosuch" in steps and "== head (limit 150 s)" in steps
+    assert "unknown step nosuch" in steps and "== head (limit 120 s)" in steps
     if not torch.cuda.is_available():
         assert r.returncode == 2 and "no CUDA GPU is visible" in (tmp_path / "head.log").read_text()
     assert "step(s) failed; logs and JSON in" in r.stdout
