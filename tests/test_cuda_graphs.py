@@ -281,18 +281,32 @@ def test_refusals_name_the_flag(monkeypatch, tmp_path, capsys):
         preflight(cfg)
 
 
-def _run_losses(tmp_path, name, *flags):
+def _run_losses(tmp_path, runs: dict) -> dict:
+    """{name: losses} of CLI runs {name: flags}, run side by side (small models: the GPU and the
+    host's cores have room for all of them, and the step takes a quarter of the time)."""
     import json
     import subprocess
     import sys
 
-    out = tmp_path / name
-    r = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--device", "cuda", "--model", "llama-tiny",
-                        "--steps", "4", "--microbatches", "4", "--eval-every", "0", "--ckpt-every", "0",
-                        "--no-progress", "--seed", "0", "--out", str(out), *flags],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"{name} {' '.join(flags)}: exit {r.returncode}\n{r.stderr[-3000:]}"
-    return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    procs = {name: subprocess.Popen([sys.executable, "-m", "asyncpp_ext.train", "--device", "cuda", "--model",
+                                     "llama-tiny", "--steps", "4", "--microbatches", "4", "--eval-every", "0",
+                                     "--ckpt-every", "0", "--no-progress", "--seed", "0", "--out",
+                                     str(tmp_path / name), *flags],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, flags in runs.items()}
+    losses = {}
+    try:
+        for name, proc in procs.items():
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, f"{name} {' '.join(runs[name])}: exit {proc.returncode}\n{err[-3000:]}"
+            losses[name] = [json.loads(ln)["loss"]
+                            for ln in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    finally:  # a failed run: the others are not left running into the next test
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return losses
 
 
 @pytest.mark.cuda
@@ -305,9 +319,10 @@ def test_cuda_graphs_train_as_without_them(tmp_path, flags, tol):
     """The same kernels replayed: one stage (the simulator) and a 2-stage 2bw pipeline sharing the
     GPU against its --simulate run."""
     sync = ("--stages", "1", "--schedule", "sync", *flags)
-    want, got = _run_losses(tmp_path, "eager", *sync), _run_losses(tmp_path, "graphs", *sync, "--cuda-graphs")
-    assert all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want)), (got, want)
     pipe = ("--stages", "2", "--schedule", "2bw", "--transport", "gloo", *flags)
-    want = _run_losses(tmp_path, "sim", *pipe, "--simulate")
-    got = _run_losses(tmp_path, "pipe", *pipe, "--cuda-graphs")
+    losses = _run_losses(tmp_path, {"eager": sync, "graphs": (*sync, "--cuda-graphs"),
+                                    "sim": (*pipe, "--simulate"), "pipe": (*pipe, "--cuda-graphs")})
+    want, got = losses["eager"], losses["graphs"]
+    assert all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want)), (got, want)
+    want, got = losses["sim"], losses["pipe"]
     assert all(abs(g - w) <= max(tol, 1e-5) * abs(w) for g, w in zip(got, want)), (got, want)
