@@ -85,7 +85,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # the model, row and r
 from throughput_model import (MODELS, SMOLLM_HF, BenchError, flops_per_token, hf_config_dict,  # noqa: E402,F401
                               matmul_params, model_shape, peak_for_gpu, total_params)
 from throughput_report import (HEAD_LOSS_REL_TOL, finish_row, format_report, head_checks,  # noqa: E402,F401
-                               loss_check, ratios, steady_tokens_per_s, variant_checks)
+                               loss_check, ratios, steady_tokens_per_s, targets, variant_checks)
 from throughput_rows import (PROG, RESULT_TAG, ROOT, child_env, head_row, ours_command,  # noqa: E402,F401
                              run_ours, run_worker_row)
 from throughput_workers import build_hf_model, head_mode, worker_main  # noqa: E402,F401
@@ -468,8 +468,9 @@ def run(args) -> dict:
                                  for r in done if r.get("tokens_per_s")},
                    mfu={f"{r['name']} {r['model']} T={r['seq_len']}": round(r["mfu"], 4)
                         for r in done if r.get("mfu") is not None})
+    seconds = time.monotonic() - start
     return dict(info=info, formula=formula, rows=done, skipped=skipped, ratios=ratios(done), summary=summary,
-                seconds=time.monotonic() - start)
+                targets=targets(done, seconds, args.mode), seconds=seconds)
 
 
 def main(argv=None) -> int:

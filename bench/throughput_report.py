@@ -181,6 +181,50 @@ def ratios(rows: list) -> list:
     return out
 
 
+TARGETS = dict(mfu=0.40, vs_hf_compile=1.5, two_stages_one_gpu=0.90, quick_seconds=180.0)
+"""What the GPU figures are measured against (docs/gpu.md): one stage's MFU at smollm-360m / 2048,
+its tokens/s against the compiled Hugging Face model's (and peak memory at or below it), 2bw with
+two stages sharing one GPU against one stage, and a --quick run's wall time."""
+
+
+def targets(rows: list, seconds: float, mode: str) -> list:
+    """Each target this run measured: (what, the figure, the bound, met?), for ours' default row
+    (``ours sync adamw``) and, where a variant row does better, for the best one too."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("tokens_per_s")]
+    out = []
+
+    def add(what, value, bound, met):
+        out.append(dict(what=what, value=value, bound=bound, met=bool(met)))
+    for hf in (r for r in ok if r["name"] == "hf compile adamw"):
+        same = [r for r in ok if r["impl"] == "ours" and r["stages"] == 1 and r["optimizer"] == "adamw"
+                and r["model"] == hf["model"] and r["seq_len"] == hf["seq_len"] and r.get("dtype") is None]
+        default = next((r for r in same if r["name"] == "ours sync adamw"), None)
+        best = max(same, key=lambda r: r["tokens_per_s"], default=None)
+        for r in [default] + ([best] if best is not None and best is not default else []):
+            if r is None:
+                continue
+            at = f"{r['name']} {r['model']} T={r['seq_len']}"
+            add(f"{at}: tokens/s / hf compile adamw's", r["tokens_per_s"] / hf["tokens_per_s"],
+                f">= {TARGETS['vs_hf_compile']:g}", r["tokens_per_s"] >= TARGETS["vs_hf_compile"] * hf["tokens_per_s"])
+            if r.get("peak_bytes") and hf.get("peak_bytes"):
+                add(f"{at}: peak memory / hf compile adamw's", r["peak_bytes"] / hf["peak_bytes"], "<= 1",
+                    r["peak_bytes"] <= hf["peak_bytes"])
+            if r["model"] == "smollm-360m" and r["seq_len"] == 2048 and r.get("mfu") is not None:
+                add(f"{at}: MFU", r["mfu"], f">= {TARGETS['mfu']:g}", r["mfu"] >= TARGETS["mfu"])
+    for r in (r for r in ok if r["impl"] == "ours" and r["stages"] == 2 and r["gpus"] == 1):
+        base = next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
+                     and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
+                     and b["compile"] == r["compile"] and _variant_suffix(b) == (" graphs" if r.get("graphs") else "")),
+                    None)
+        if base is not None:
+            add(f"{r['name']} {r['model']} T={r['seq_len']}: tokens/s / {base['name']}'s",
+                r["tokens_per_s"] / base["tokens_per_s"], f">= {TARGETS['two_stages_one_gpu']:g}",
+                r["tokens_per_s"] >= TARGETS["two_stages_one_gpu"] * base["tokens_per_s"])
+    if mode == "quick":
+        add("--quick wall time, s", seconds, f"< {TARGETS['quick_seconds']:g}", seconds < TARGETS["quick_seconds"])
+    return out
+
+
 def _gib(b) -> str:
     return "n/a" if b is None else f"{b / 2**30:.2f}"
 
@@ -251,6 +295,10 @@ def format_report(report: dict) -> str:
             mem = f", peak memory {q['peak_memory']:.2f}x" if q.get("peak_memory") else ""
             lines.append(f"  {q['model']:<16} T={q['seq_len']:<5} {q['what']:<56} tokens/s {q['tokens_per_s']:.2f}x"
                          f"{' per GPU' if q.get('note') else ''}{mem}")
+    if report.get("targets"):
+        lines.append("# targets (docs/gpu.md; measured in this run)")
+        for t in report["targets"]:
+            lines.append(f"  {t['what']:<78} {t['value']:.3f} {t['bound']:<7} {'met' if t['met'] else 'NOT MET'}")
     s = report["summary"]
     lines.append(f"# {s['rows_ok']} of {s['rows']} rows ran, {s['checks_failed']} check(s) failed; "
                  f"{report['seconds']:.0f} s in all")

@@ -427,6 +427,41 @@ def test_variant_rows_are_checked_against_the_row_they_vary():
     assert got["ours sync adamw bf16-params"] == ("ok", dict(row="ours sync adamw", max_rel_diff=pytest.approx(0.1)))
 
 
+def test_targets_say_what_this_run_measured_against_its_bounds():
+    from throughput_report import targets
+
+    def row(name, impl, model, seq, tps, peak_bytes=None, mfu=None, compile=True, **kw):
+        return dict(gt.row(name, impl, model, seq, 8, 8, optimizer="adamw", compile=compile, **kw),
+                    status="ok", tokens_per_s=tps, peak_bytes=peak_bytes, mfu=mfu)
+    rows = [row("ours sync adamw", "ours", "smollm-360m", 2048, 160.0, peak_bytes=9, mfu=0.42),
+            row("ours sync adamw graphs stage-compile", "ours", "smollm-360m", 2048, 170.0, graphs=True,
+                scope="stage", peak_bytes=11, mfu=0.45),
+            row("hf compile adamw", "hf", "smollm-360m", 2048, 100.0, peak_bytes=10),
+            row("ours sync adamw eager", "ours", "smollm-135m", 1024, 50.0, compile=False),  # not a 2bw row's base
+            row("ours sync adamw", "ours", "smollm-135m", 1024, 75.0),
+            row("ours sync adamw graphs", "ours", "smollm-135m", 1024, 100.0, graphs=True),
+            row("hf compile adamw", "hf", "smollm-135m", 1024, 100.0),
+            row("ours 2bw 2st 1gpu adamw ipc", "ours", "smollm-135m", 1024, 72.0, stages=2, transport="ipc"),
+            row("ours 2bw 2st 1gpu adamw ipc graphs", "ours", "smollm-135m", 1024, 95.0, stages=2,
+                transport="ipc", graphs=True)]
+    got = {t["what"]: (round(t["value"], 3), t["bound"], t["met"]) for t in targets(rows, 170.0, "quick")}
+    assert got == {
+        "ours sync adamw smollm-360m T=2048: tokens/s / hf compile adamw's": (1.6, ">= 1.5", True),
+        "ours sync adamw smollm-360m T=2048: peak memory / hf compile adamw's": (0.9, "<= 1", True),
+        "ours sync adamw smollm-360m T=2048: MFU": (0.42, ">= 0.4", True),
+        "ours sync adamw graphs stage-compile smollm-360m T=2048: tokens/s / hf compile adamw's": (1.7, ">= 1.5", True),
+        "ours sync adamw graphs stage-compile smollm-360m T=2048: peak memory / hf compile adamw's":
+            (1.1, "<= 1", False),
+        "ours sync adamw graphs stage-compile smollm-360m T=2048: MFU": (0.45, ">= 0.4", True),
+        "ours sync adamw smollm-135m T=1024: tokens/s / hf compile adamw's": (0.75, ">= 1.5", False),
+        "ours sync adamw graphs smollm-135m T=1024: tokens/s / hf compile adamw's": (1.0, ">= 1.5", False),
+        "ours 2bw 2st 1gpu adamw ipc smollm-135m T=1024: tokens/s / ours sync adamw's": (0.96, ">= 0.9", True),
+        "ours 2bw 2st 1gpu adamw ipc graphs smollm-135m T=1024: tokens/s / ours sync adamw graphs's":
+            (0.95, ">= 0.9", True),
+        "--quick wall time, s": (170.0, "< 180", True)}
+    assert not any(t["what"].startswith("--quick") for t in targets(rows, 170.0, "full"))
+
+
 def test_head_profile_summarises_a_traced_call_per_call(monkeypatch):
     """--profile on a GPU traces one more measure_head_loss call (warm-up + timed: two runs of the
     head) and keeps the kernel summary per call; here a CPU stand-in (no kernels) checks the wiring."""
