@@ -45,7 +45,7 @@ step() {  # step NAME SECONDS COMMAND...
     shift 2
     echo "== $name (limit ${limit} s): $*" | tee -a "$OUT/steps.txt"
     local start=$SECONDS
-    timeout --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "   rc $rc after $((SECONDS - start)) s" | tee -a "$OUT/steps.txt"
     tail -n 30 "$OUT/$name.log" | tee -a "$OUT/steps.txt"
@@ -77,11 +77,12 @@ run_step() {
         135m) bench 135m 390 -- "${ROWS_135M[@]}" ;;
         tests) step tests 360 "$PY" -m pytest -v -rA --durations=15 -m cuda -p no:cacheprovider \
                    tests/test_cuda_graphs.py tests/test_ipc_transport.py tests/test_stage_host.py \
-                   tests/test_compute_copies.py tests/test_stage_compute.py tests/test_compile.py ;;
+                   tests/test_compute_copies.py tests/test_stage_compute.py tests/test_compile.py \
+                   tests/test_head_loss.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- --quick ;;
-        head) bench head 120 -- --only head --profile --head-chunk-rows 1365,2730 ;;
+        head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 1365,2730 ;;
         profile) bench profile 240 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
                      --only "ours sync adamw" --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile,adamw graphs smollm" ;;
         cudnn) bench cudnn-1 210 TORCH_CUDNN_SDPA_PREFERRED=1 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}"

@@ -226,6 +226,18 @@ def failure_text(res: dict, timeout: float) -> tuple[str, str]:
     return "error", (lines[-1][:300] if lines else f"exit code {res['rc']}")
 
 
+def _read_metrics(path: Path) -> list:
+    """The rows of a run's metrics.jsonl; a run killed while writing may leave a last line cut
+    short, which is not a row."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
 def run_ours(r: dict, args, flags: dict, work: Path) -> dict:
     out_dir = work / re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{r['name']}-{r['model']}-{r['seq_len']}")
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -236,8 +248,7 @@ def run_ours(r: dict, args, flags: dict, work: Path) -> dict:
     res = run_process(cmd, args.row_timeout, sampler_device=args.device if multi else None)
     r["wall_s"] = round(res["seconds"], 1)
     measured = args.warmup + args.steps
-    path = out_dir / "metrics.jsonl"
-    metrics = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    metrics = _read_metrics(out_dir / "metrics.jsonl")
     if res["rc"] != 0:
         status, reason = failure_text(res, args.row_timeout)
         if len(metrics) < measured:

@@ -143,7 +143,7 @@ def test_no_grad_calls_run_eagerly_and_a_failed_capture_warns_once():
 
 def test_a_failed_capture_puts_the_thread_back_on_the_callers_stream(monkeypatch):
     # torch.cuda.graph leaves a failed capture on its side stream; the capture's guard restores the
-    # caller's (after the side stream's work), and only on CUDA. torch.cuda's stream calls recorded.
+    # caller's and waits for the side stream's work, only on CUDA. torch.cuda's stream calls recorded.
     from asyncpp_ext.models import graphs
 
     calls = []
@@ -153,7 +153,7 @@ def test_a_failed_capture_puts_the_thread_back_on_the_callers_stream(monkeypatch
     with pytest.raises(RuntimeError, match="capture invalidated"):
         with graphs._callers_stream_kept(True):
             raise RuntimeError("capture invalidated")
-    assert calls == ["synchronize", ("set_stream", "caller")]
+    assert calls == [("set_stream", "caller"), "synchronize"]
     calls.clear()
     with graphs._callers_stream_kept(True):  # a capture that succeeds: torch restored the stream
         pass

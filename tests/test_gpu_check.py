@@ -183,3 +183,17 @@ def test_study_section_is_off_unless_asked_and_fails_on_a_diverged_run(tmp_path,
     losses["ef"] = 3.2
     assert runner.section_study(study[0], tmp_path, tmp_path / "log")["status"] == "pass"
     assert (tmp_path / "study_ef.json").is_file()
+
+
+def test_a_bench_section_names_the_failed_checks_of_a_bench_that_exits_1(tmp_path):
+    # p2p.py exits 1 when a buffer arrived wrong; its JSON still says which size, per transport
+    from asyncpp_ext.gpu_check.runner import section_bench
+
+    report = {"rows": [{"bytes": 1024, "asyncpp_check": True, "torch_check": True},
+                       {"bytes": 4096, "asyncpp_check": False, "torch_check": True}]}
+    bench = [sys.executable, "-c", f"import sys; print({json.dumps(report)!r}); sys.exit(1)"]
+    result = section_bench("bench_p2p")([bench], tmp_path, tmp_path / "commands.log")
+    assert (result["status"], result["reason"]) == ("fail", "check failed: [4096]"), result
+    silent = [sys.executable, "-c", "import sys; sys.exit(3)"]  # no report at all: its exit status
+    result = section_bench("bench_p2p")([silent], tmp_path, tmp_path / "commands.log")
+    assert result["status"] == "fail" and result["reason"] == "exit code 3", result

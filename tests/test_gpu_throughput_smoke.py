@@ -425,14 +425,18 @@ def test_variant_rows_are_checked_against_the_row_they_vary():
         assert re.fullmatch(rf"FAIL: losses differ from {against}'s by up to (9\.9e-02|1\.0e-01) "
                             rf"\(> {VARIANT_LOSS_TOL:g}\)", got[name][0]), got[name]
     assert got["ours sync adamw bf16-params"] == ("ok", dict(row="ours sync adamw", max_rel_diff=pytest.approx(0.1)))
+    # a run without the graphs row (the runbook's 360m step): graphs with a stage region against plain
+    lone = [ours("ours sync adamw", base), ours("ours sync adamw graphs stage-compile", base, graphs=True, scope="stage")]
+    variant_checks(lone)
+    assert lone[1]["loss_vs"] == dict(row="ours sync adamw", max_rel_diff=0.0) and lone[1]["check"] == "ok"
 
 
 def test_targets_say_what_this_run_measured_against_its_bounds():
     from throughput_report import targets
 
-    def row(name, impl, model, seq, tps, peak_bytes=None, mfu=None, compile=True, **kw):
+    def row(name, impl, model, seq, tps, peak_bytes=None, mfu=None, compile=True, check="ok", **kw):
         return dict(gt.row(name, impl, model, seq, 8, 8, optimizer="adamw", compile=compile, **kw),
-                    status="ok", tokens_per_s=tps, peak_bytes=peak_bytes, mfu=mfu)
+                    status="ok", tokens_per_s=tps, peak_bytes=peak_bytes, mfu=mfu, check=check)
     rows = [row("ours sync adamw", "ours", "smollm-360m", 2048, 160.0, peak_bytes=9, mfu=0.42),
             row("ours sync adamw graphs stage-compile", "ours", "smollm-360m", 2048, 170.0, graphs=True,
                 scope="stage", peak_bytes=11, mfu=0.45),
@@ -440,6 +444,8 @@ def test_targets_say_what_this_run_measured_against_its_bounds():
             row("ours sync adamw eager", "ours", "smollm-135m", 1024, 50.0, compile=False),  # not a 2bw row's base
             row("ours sync adamw", "ours", "smollm-135m", 1024, 75.0),
             row("ours sync adamw graphs", "ours", "smollm-135m", 1024, 100.0, graphs=True),
+            row("ours sync adamw stage-compile", "ours", "smollm-135m", 1024, 300.0, scope="stage",
+                check="FAIL: losses differ"),  # faster, but wrong: not counted
             row("hf compile adamw", "hf", "smollm-135m", 1024, 100.0),
             row("ours 2bw 2st 1gpu adamw ipc", "ours", "smollm-135m", 1024, 72.0, stages=2, transport="ipc"),
             row("ours 2bw 2st 1gpu adamw ipc graphs", "ours", "smollm-135m", 1024, 95.0, stages=2,
@@ -460,6 +466,10 @@ def test_targets_say_what_this_run_measured_against_its_bounds():
             (0.95, ">= 0.9", True),
         "--quick wall time, s": (170.0, "< 180", True)}
     assert not any(t["what"].startswith("--quick") for t in targets(rows, 170.0, "full"))
+    # MFU at 360m / 2048 whether or not the run had a Hugging Face row there
+    alone = [r for r in rows if r["impl"] == "ours" and r["model"] == "smollm-360m"]
+    assert [t["what"] for t in targets(alone, 0.0, "full")] == [
+        "ours sync adamw smollm-360m T=2048: MFU", "ours sync adamw graphs stage-compile smollm-360m T=2048: MFU"]
 
 
 def test_head_profile_summarises_a_traced_call_per_call(monkeypatch):

@@ -252,16 +252,20 @@ def section_train_two_gpus(cmds, out, log) -> dict:
 def section_bench(key):
     def section(cmds, out, log) -> dict:
         r = run(cmds[0], TIMEOUTS[key], log)
-        if r["rc"] != 0:
-            return dict(status="fail", reason=_tail(r), seconds=r["seconds"])
-        data = json.loads(r["stdout"][r["stdout"].index("{"):])
+        try:  # read before the exit status: a bench exits 1 when a check failed, and names it here
+            data = json.loads(r["stdout"][r["stdout"].index("{"):])
+        except ValueError:
+            data = None
+        if data is None:
+            return dict(status="fail", reason=_tail(r) if r["rc"] != 0 else "no JSON report", seconds=r["seconds"])
         (out / f"{key}.json").write_text(json.dumps(data, indent=1))
         rows = data.get("rows", [])
         # optim_step.py's rows carry a check per case; p2p.py's one per transport and size
         bad = [row.get("case", row.get("bytes")) for row in rows
                if any(row.get(k) in ("FAIL", False) for k in ("check", "asyncpp_check", "torch_check"))]
-        return dict(status="fail" if bad else "pass", reason=f"check failed: {bad}" if bad else None,
-                    figures=data.get("summary", data), seconds=r["seconds"])
+        reason = f"check failed: {bad}" if bad else (None if r["rc"] == 0 else f"{_exit(r['rc'])}: {_tail(r)}")
+        return dict(status="fail" if reason else "pass", reason=reason, figures=data.get("summary", data),
+                    seconds=r["seconds"])
     return section
 
 

@@ -77,14 +77,14 @@ def _callers_stream_kept(on_cuda: bool):
     """Leave a failed capture on the caller's CUDA stream. torch.cuda.graph ends a capture before it
     restores the caller's stream, so a capture that fails leaves the thread on the capture's side
     stream, which no other stream waits for (the eager fallback, the transport and the optimizer
-    would run there unordered with the rest): back to the caller's, once that work is done."""
+    would run there unordered with the rest): back to the caller's, and that work waited for."""
     caller = torch.cuda.current_stream() if on_cuda else None
     try:
         yield
     except BaseException:
         if caller is not None:
+            torch.cuda.set_stream(caller)  # first: a synchronize that fails must not leave the side stream
             torch.cuda.synchronize()
-            torch.cuda.set_stream(caller)
         raise
 
 
