@@ -289,20 +289,34 @@ def test_a_stopped_bench_takes_its_running_row_with_it(tmp_path):
     def row_processes():  # the row's driver names its run directory under the workdir
         return [pid for pid in _processes_mentioning(str(work)) if pid != bench.pid]
 
+    def in_group(pgid):  # the driver's process group: its ranks and their helpers too
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":  # pgrp; a zombie is already dead
+                pids.append(int(stat.parent.name))
+        return pids
+
+    group = None
     try:
         deadline = time.monotonic() + 120
         while not row_processes() and time.monotonic() < deadline:  # the row started
             time.sleep(0.2)
         time.sleep(2.0)  # its ranks are starting
         assert row_processes(), "the row never started"
+        group = os.getpgid(row_processes()[0])
+        assert len(in_group(group)) >= 1
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=60) == 128 + signal.SIGTERM
         time.sleep(1.0)  # SIGKILLed processes are gone by now; an orphaned row would still run
-        assert row_processes() == []
+        assert row_processes() == [] and in_group(group) == []
     finally:
         bench.kill()
-        for pid in row_processes():
-            os.kill(pid, signal.SIGKILL)
+        if group is not None and in_group(group):
+            os.killpg(group, signal.SIGKILL)
 
 
 def test_a_row_that_fails_after_its_measured_steps_keeps_them(tmp_path, monkeypatch):
