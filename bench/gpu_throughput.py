@@ -391,9 +391,9 @@ def _list(text: str, kind, flag: str) -> list:
 
 
 def run(args) -> dict:
+    start = time.monotonic()  # before torch's import: --quick's wall time counts it
     import torch
 
-    start = time.monotonic()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "cuda" and gpus == 0:
         raise BenchError("--device cuda but no CUDA GPU is visible; use --device cpu")
