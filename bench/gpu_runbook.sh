@@ -77,7 +77,7 @@ run_step() {
         135m) bench 135m 390 -- "${ROWS_135M[@]}" ;;
         tests) step tests 360 "$PY" -m pytest -v -rA --durations=15 -m cuda -p no:cacheprovider \
                    tests/test_cuda_graphs.py tests/test_ipc_transport.py tests/test_stage_host.py \
-                   tests/test_compute_copies.py tests/test_stage_compute.py tests/test_compile.py \
+                   tests/test_compute_copies.py tests/test_stage_compute.py tests/test_compile_cuda.py \
                    tests/test_head_loss.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;

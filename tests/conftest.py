@@ -33,7 +33,7 @@ def _gpu_available() -> bool:
 # (test_compile*.py: dynamo's and inductor's in-process caches and the inductor cache directory they
 # point TORCHINDUCTOR_CACHE_DIR at; test_bad_inputs.py: its module fixture's two training runs),
 # and side by side they would only compete for the cores.
-XDIST_GROUPS = {"test_compile.py": "inductor", "test_compile_regions.py": "inductor",
+XDIST_GROUPS = {"test_compile.py": "inductor", "test_compile_regions.py": "inductor", "test_compile_cuda.py": "inductor",
                 "test_stage_compute.py::test_compiled_real_pipeline_equals_the_compiled_simulation": "inductor",
                 "test_stage_compute.py::test_stage_scope_real_pipeline_equals_its_simulation": "inductor",
                 "test_bad_inputs.py": "bad_inputs"}
