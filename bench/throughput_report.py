@@ -143,6 +143,17 @@ def variant_checks(rows: list) -> None:
             r["check"] = f"FAIL: losses differ from {base['name']}'s by up to {diff:.1e} (> {VARIANT_LOSS_TOL:g})"
 
 
+def _one_stage_twin(r: dict, ok: list):
+    """The one-stage ours row a two-stage row ``r`` is set against: same model, sequence and
+    optimizer, computed alike (compiled or not, graphs or not, the same compile scope), without
+    the variants a 2bw row does not have (no-copies, bf16-params, max-autotune); or None."""
+    return next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
+                 and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
+                 and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
+                 and b.get("copies") is not False and b.get("dtype") is None
+                 and b.get("scope") == r.get("scope") and not b.get("compile_mode")), None)
+
+
 def ratios(rows: list) -> list:
     """ours / Hugging Face compiled (and eager) per (model, seq, optimizer); 2bw / ours sync."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("tokens_per_s")]
@@ -179,12 +190,8 @@ def ratios(rows: list) -> list:
             out.append(dict(what=f"{r['name']} (compile) / {eager['name']}", model=r["model"], seq_len=r["seq_len"],
                             tokens_per_s=r["tokens_per_s"] / eager["tokens_per_s"], peak_memory=None))
     for r in ok:
-        if r["impl"] == "ours" and r["stages"] == 2:  # against the one-stage row compiled alike
-            base = next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
-                         and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
-                         and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
-                         and b.get("copies") is not False and b.get("dtype") is None
-                         and b.get("scope") == r.get("scope") and not b.get("compile_mode")), None)
+        if r["impl"] == "ours" and r["stages"] == 2:
+            base = _one_stage_twin(r, ok)
             if base:
                 out.append(dict(what=f"{r['name']} / {base['name']}", model=r["model"], seq_len=r["seq_len"],
                                 tokens_per_s=r["tokens_per_s"] / base["tokens_per_s"], peak_memory=None,
@@ -230,10 +237,7 @@ def targets(rows: list, seconds: float, mode: str) -> list:
             add(f"{r['name']} {r['model']} T={r['seq_len']}: MFU", r["mfu"], f">= {TARGETS['mfu']:g}",
                 r["mfu"] >= TARGETS["mfu"])
     for r in (r for r in ok if r["impl"] == "ours" and r["stages"] == 2 and r["gpus"] == 1):
-        base = next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
-                     and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
-                     and b["compile"] == r["compile"] and _variant_suffix(b) == (" graphs" if r.get("graphs") else "")),
-                    None)
+        base = _one_stage_twin(r, ok)
         if base is not None:
             add(f"{r['name']} {r['model']} T={r['seq_len']}: tokens/s / {base['name']}'s",
                 r["tokens_per_s"] / base["tokens_per_s"], f">= {TARGETS['two_stages_one_gpu']:g}",
