@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 from ..data.batches import SAMPLINGS
-from ..models.compile_support import MODES as COMPILE_MODE_NAMES
+from ..models.compile_support import MODES as COMPILE_MODES  # TrainConfig.compile_mode's values
 from ..models.registry import ModelConfig, as_model_config
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
@@ -32,8 +32,6 @@ NS_DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine", "wsd")
 HEAD_LOSSES = ("auto", "fused", "plain", "liger", "cce")
 COMPILE_SCOPES = ("block", "stage")
-COMPILE_MODES = COMPILE_MODE_NAMES
-"""Values of TrainConfig.compile_mode (inductor's modes without CUDA-graph capture)."""
 DELAY_ONLY = ("matrices", "others")
 """Values of PipelineConfig.delay_only: the parameter set a simulated 2bw run delays."""
 SYNC_SCHEDULES = tuple(n for n, spec in SCHEDULE_TABLE.items() if not spec.delayed())
@@ -453,4 +451,4 @@ def get_field(cfg: RunConfig, dotted: str):
 
 __all__ = ["SCHEDULES", "SYNC_SCHEDULES", "EF_BETA_MAX", "MUON_FAMILY", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
-           "get_field"]
+           "get_field", "COMPILE_SCOPES", "COMPILE_MODES"]
