@@ -25,7 +25,8 @@
 #   360m    (420) ours (plain, and graphs with stage scope) and the compiled Hugging Face model at
 #           smollm-360m / 2048 (~6 min; the Hugging Face compile is about 2 of them)
 #   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min)
-#   head    (120) the fused head alone against plain, at the default and 2x / 4x chunks, profiled
+#   head    (120) the fused head alone against plain, at the default chunk (2048 rows), the eager
+#           path's 682 and 4096, profiled
 #   profile (240) ours and ours with graphs and stage scope at 135m, profiled: kernels per step,
 #           device busy share, the costliest kernels by name
 #   cudnn   (2 x 210) the attention kernel at 360m, profiled: TORCH_CUDNN_SDPA_PREFERRED=1, then =0,
@@ -82,7 +83,7 @@ run_step() {
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- --quick ;;
-        head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 1365,2730 ;;
+        head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
         profile) bench profile 240 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
                      --only "ours sync adamw" --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile,adamw graphs smollm" ;;
         cudnn) bench cudnn-1 210 TORCH_CUDNN_SDPA_PREFERRED=1 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}"

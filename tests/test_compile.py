@@ -463,6 +463,18 @@ def test_head_loss_chunk_passes_compiled_match_eager_and_fall_back():
         want = ref.exp().scatter_add(1, t, torch.full((rows, 1), -1.0, dtype=torch.float64))
         assert g.dtype == torch.bfloat16 and torch.allclose(g.double(), want, atol=4e-3, rtol=1e-2)
         assert torch.equal(g, hl._chunk_grad(logits, t, lse[:, None], torch.bfloat16))
+    # Compiled, the gradient pass is one elementwise kernel: its only (rows, V) allocation is its
+    # 16-bit output (a scatter for the one-hot wrote an fp32 buffer first, then converted it).
+    big = torch.randn(64, 4096, generator=gen).to(torch.bfloat16)
+    big_t = torch.randint(0, 4096, (64, 1), generator=gen)
+    big_lse = passes.stats(big, big_t, torch.ones(64, dtype=torch.bool))[0][:, None]
+    passes.grad(big, big_t, big_lse, torch.bfloat16)  # its compile happens outside the window
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        passes.grad(big, big_t, big_lse, torch.bfloat16)
+    cpu = torch._C._autograd.DeviceType.CPU
+    allocs = [e.nbytes() for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == cpu and e.nbytes() > 0]
+    assert sum(allocs) == 64 * 4096 * 2, allocs
     assert passes.compiled
 
     broken = hl._ChunkPasses(False)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncpp_ext.models import head_loss as hl
 from asyncpp_ext.models.base import BlockModel
 from asyncpp_ext.models.head_loss import (FUSED_VOCAB_THRESHOLD, default_chunk_rows, fused_kernel_name,
                                           fused_linear_cross_entropy, head_loss, linear_cross_entropy,
@@ -147,10 +148,19 @@ def test_shapes_batched_input_and_bad_inputs():
         linear_cross_entropy(h.bfloat16(), w, t)
 
 
-def test_default_chunk_bounds_the_logits_to_128_mib_of_fp32():
-    assert default_chunk_rows(49152) == 682  # smollm: 682 x 49152 x 4 B = 128 MiB
+def test_default_chunk_bounds_what_a_chunk_holds_by_its_path():
+    """384 MiB of (rows, V) buffers: eagerly 12 bytes per logit (682 rows at smollm's 49152 ids),
+    compiled (CUDA) the 16-bit logits and gradient only, so three times the rows; a compile
+    failure midway keeps the planned chunking (the order of the gradient sums within a run)."""
+    assert default_chunk_rows(49152) == 682  # 682 x 49152 x 12 B <= 384 MiB
+    assert default_chunk_rows(49152, 4) == 2048
     assert default_chunk_rows(256) == 131072
     assert default_chunk_rows(10 ** 9) == 1
+    compiled, eager = hl._ChunkPasses(True), hl._ChunkPasses(False)
+    assert compiled.logit_bytes(torch.bfloat16) == 4 and compiled.logit_bytes(torch.float32) == 8
+    assert eager.logit_bytes(torch.bfloat16) == eager.logit_bytes(torch.float32) == 12
+    compiled.compiled = False  # what a failed compile does
+    assert compiled.logit_bytes(torch.bfloat16) == 4
 
 
 def _model(name):
@@ -358,8 +368,6 @@ def test_cuda_measured_peak_fused_below_plain():
 def _recomputing_reference(h, w, b, t, rows, grad_output, dtype):
     """The head loss's gradients the way a backward that recomputes each chunk's logits forms them,
     from the module's own per-chunk passes: the oracle for gradients formed in the forward."""
-    from asyncpp_ext.models import head_loss as hl
-
     valid = t != -100
     safe = t.masked_fill(~valid, 0)
     hc, wc, bc = h.to(dtype), w.to(dtype), b.to(dtype)

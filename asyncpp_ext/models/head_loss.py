@@ -3,9 +3,9 @@
 ``loss = mean_i [logsumexp_j(h_i . w_j + b_j) - (h_i . w_{t_i} + b_{t_i})]`` over the rows i whose
 target is not ``ignore_index``. The plain path (``BlockModel.loss(head(x), t)``) builds the logits,
 their fp32 log-probabilities and the gradients of both: for SmolLM (V = 49152) at an 8 x 1024
-micro-batch that is 1.6 GB per copy. Here the rows are cut into chunks; forward keeps one float per
-row (the logsumexp) and backward recomputes each chunk's logits to form ``softmax - onehot``, so only
-one chunk's logits exist at a time.
+micro-batch that is 1.6 GB per copy. Here the rows are cut into chunks, and the forward forms each
+chunk's logits, its ``softmax - onehot`` and their products with the weight and the input while the
+chunk is at hand, so only one chunk's logits exist at a time (the backward only scales the sums).
 
 Which kernel runs ("fused" mode): Liger-Kernel's fused linear cross entropy on CUDA when the
 ``fused-loss`` extra is installed, else cut-cross-entropy on CUDA when installed, else the chunked
@@ -38,17 +38,24 @@ as much as the rest of a small model's activations; below it (the byte-level GPT
 they are a few MB, so chunking would only add the recomputed matmul, and those runs keep their exact
 (golden) numbers."""
 
-CHUNK_BYTES = 128 * 2**20
-"""Default budget of one chunk's logits, counted in fp32. A chunk's transient is about three such
-buffers (logits, their fp32 softmax, the gradient in the compute dtype), ~0.4 GB, well under plain's
-3 x N x V x 4 bytes once N exceeds a few thousand rows; and a chunk of V * rows = 32 M elements
-(682 rows at V = 49152) keeps each matmul large enough to run near peak on a GPU and to hide the
-Python loop's per-chunk cost (a few kernel launches) behind the GPU's work."""
+CHUNK_BYTES = 384 * 2**20
+"""Default budget of the (rows, V) buffers one chunk holds at once (logits, their gradient, and on
+the eager path the fp32 temporaries): ~0.4 GB, well under plain's three N x V fp32 buffers once N
+exceeds a few thousand rows. The rows per chunk follow from the bytes the chunk's path holds per
+logit (``_ChunkPasses.logit_bytes``): 682 rows at V = 49152 eagerly (CPU), 2048 compiled in bf16
+(CUDA) -- there the larger chunk means fewer chunks per microbatch, each a few host calls, and a
+``g @ W`` product whose (rows, C) output has enough tiles to fill the GPU."""
+
+EAGER_LOGIT_BYTES = 12
+"""Bytes per (row, vocabulary) entry the eager passes hold at their peak: the logits, their fp32
+upcast, the logsumexp's fp32 temporary or the one-hot mask, the gradient (measured on CPU: 9 for
+fp32 logits, 11 for 16-bit ones)."""
 
 
-def default_chunk_rows(vocab_size: int) -> int:
-    """Rows per chunk so that one chunk's fp32 logits take at most ``CHUNK_BYTES``."""
-    return max(1, CHUNK_BYTES // (4 * vocab_size))
+def default_chunk_rows(vocab_size: int, logit_bytes: int = EAGER_LOGIT_BYTES) -> int:
+    """Rows per chunk so that one chunk's (rows, V) buffers, ``logit_bytes`` per entry, take at
+    most ``CHUNK_BYTES``."""
+    return max(1, CHUNK_BYTES // (logit_bytes * vocab_size))
 
 
 def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
@@ -105,10 +112,14 @@ def _chunk_stats(logits: torch.Tensor, t: torch.Tensor, valid: torch.Tensor) -> 
 def _chunk_grad(logits: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """softmax - onehot(t) of a chunk, in ``dtype``: exp(logit - lse) from the saved logsumexp,
     computed in fp32, 1 taken off at the target in fp32 (in bf16 p_t - 1 would lose its digits as
-    p_t nears 1), then rounded once to the matmul dtype, as plain autocast rounds its gradient."""
+    p_t nears 1), then rounded once to the matmul dtype, as plain autocast rounds its gradient.
+    The one-hot is a comparison with the column index, not a scatter: compiled, the whole pass is
+    one elementwise kernel from the 16-bit logits to the 16-bit gradient (a scatter is a mutation
+    inductor cannot fuse: it wrote an fp32 (rows, V) buffer, scattered into it, then converted it
+    in a second kernel -- three times the bytes, and that buffer on top of the chunk's memory)."""
     g = logits.float().sub_(lse).exp_()
-    g.scatter_add_(1, t, torch.full_like(lse, -1.0))
-    return g.to(dtype)
+    onehot = torch.arange(g.shape[1], device=g.device) == t
+    return g.add_(onehot, alpha=-1).to(dtype)  # p - 1 at the target, p + (-0) = p elsewhere
 
 
 class _ChunkPasses:
@@ -122,8 +133,20 @@ class _ChunkPasses:
 
     def __init__(self, compiled: bool):
         self.compiled = compiled
+        self.planned_compiled = compiled  # what the chunks are sized for, whatever happens later
         self.stats = self._guarded(torch.compile(_chunk_stats, dynamic=False), _chunk_stats) if compiled else _chunk_stats
         self.grad = self._guarded(torch.compile(_chunk_grad, dynamic=False), _chunk_grad) if compiled else _chunk_grad
+
+    def logit_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes per (row, vocabulary) entry a chunk holds on this path, which sizes the default
+        chunk: compiled, the logits and their gradient in the matmul ``dtype`` only (one reduction
+        kernel, one elementwise kernel; measured on CPU: 4 in bf16); eagerly ``EAGER_LOGIT_BYTES``.
+        Taken from the path planned at construction, so that a compile failure midway does not
+        change the chunking, and with it the order of the gradient sums, within a run (the eager
+        fallback then holds up to three times the budget)."""
+        if self.planned_compiled:
+            return 2 * torch.empty((), dtype=dtype).element_size()
+        return EAGER_LOGIT_BYTES
 
     def _guarded(self, fast, eager):
         def call(*args):
@@ -252,7 +275,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         if h2.dtype != weight.dtype:  # what F.linear would refuse, said here
             raise ValueError(f"hidden is {h2.dtype} but weight is {weight.dtype}; use autocast or one dtype")
         dtype = weight.dtype
-    rows = default_chunk_rows(weight.shape[0]) if chunk_rows is None else int(chunk_rows)
+    if chunk_rows is None:
+        rows = default_chunk_rows(weight.shape[0], _chunk_passes(h2.device).logit_bytes(dtype))
+    else:
+        rows = int(chunk_rows)
     if rows < 1:
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     with _no_autocast(h2.device):
@@ -426,6 +452,6 @@ def measure_head_loss(mode: str, batch: int, seq: int, n_embd: int, vocab: int, 
     return {"seconds": seconds, "peak_bytes": int(peak), "loss": float(loss)}
 
 
-__all__ = ["HEAD_LOSS_MODES", "KERNELS", "FUSED_VOCAB_THRESHOLD", "CHUNK_BYTES", "default_chunk_rows",
-           "linear_cross_entropy", "fused_linear_cross_entropy", "fused_kernel_name", "require_kernel",
-           "kernel_for_graphs", "resolve_head_loss", "head_loss", "measure_head_loss"]
+__all__ = ["HEAD_LOSS_MODES", "KERNELS", "FUSED_VOCAB_THRESHOLD", "CHUNK_BYTES", "EAGER_LOGIT_BYTES",
+           "default_chunk_rows", "linear_cross_entropy", "fused_linear_cross_entropy", "fused_kernel_name",
+           "require_kernel", "kernel_for_graphs", "resolve_head_loss", "head_loss", "measure_head_loss"]
