@@ -9,7 +9,7 @@
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
 #                                         build 360m | build tests p2p | build quick head
-#                                         build profile | build cudnn | build autotune)
+#                                         build profile mps | build cudnn | build autotune)
 #   OUT=dir bench/gpu_runbook.sh build 360m
 #
 # Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
@@ -32,6 +32,11 @@
 #   cudnn   (2 x 210) the attention kernel at 360m, profiled: TORCH_CUDNN_SDPA_PREFERRED=1, then =0,
 #           each on an inductor cache of its own (a cached graph keeps the kernel it was traced with)
 #   autotune  (420) ours at 360m with --compile-mode max-autotune against the default mode
+#   mps     (180) ours and 2bw with two stages on the GPU over ipc at 135m, every process a client
+#           of one CUDA MPS server (bench/with_mps.sh): the stages' kernels side by side instead of
+#           the GPU switching between the processes' contexts (against the 135m step's rows)
+# RUNBOOK_PLAN=FILE lists each step (name, limit, command; fields separated by the unit separator
+# 0x1f) in FILE instead of running it (tests/test_gpu_runbook.py checks the plan).
 # PYTHON picks the interpreter (default python3). A step that fails or runs out of time is noted
 # and the next one runs; the exit status is the number of failed steps.
 set -uo pipefail
@@ -44,6 +49,10 @@ failed=0
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
+    if [ -n "${RUNBOOK_PLAN:-}" ]; then
+        (IFS=$'\x1f'; echo "$name"$'\x1f'"$limit"$'\x1f'"$*") >> "$RUNBOOK_PLAN"
+        return
+    fi
     echo "== $name (limit ${limit} s): $*" | tee -a "$OUT/steps.txt"
     local start=$SECONDS
     timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -67,6 +76,8 @@ ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
            --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile")
 ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --only "ours sync adamw,hf compile adamw"
            --skip "eager,no-copies,bf16-params,max-autotune,adamw graphs smollm,adamw stage-compile")
+ROWS_MPS=(--models smollm-135m --seq-lens 1024 --row-timeout 80 --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc"
+          --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs")
 ONLY_OURS=(--models smollm-360m --seq-lens 2048 --row-timeout 180 --only "ours sync adamw"
            --skip "eager,no-copies,graphs,bf16-params,stage-compile,max-autotune" --profile)
 
@@ -90,7 +101,8 @@ run_step() {
                bench cudnn-0 210 TORCH_CUDNN_SDPA_PREFERRED=0 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}" ;;
         autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 360 --only "ours sync adamw" \
                       --skip "eager,no-copies,graphs,bf16-params,stage-compile" ;;
-        *) echo "unknown step $1: choose build, 135m, tests, p2p, 360m, quick, head, profile, cudnn, autotune" \
+        mps) step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
+        *) echo "unknown step $1: choose build, 135m, tests, p2p, 360m, quick, head, profile, cudnn, autotune, mps" \
                | tee -a "$OUT/steps.txt"
            failed=$((failed + 1)) ;;
     esac

@@ -1,0 +1,75 @@
+"""bench/gpu_runbook.sh's plan (RUNBOOK_PLAN: the steps listed, not run): each call docs/gpu.md
+names fits one ten-minute device call and starts with the build, and each bench step selects the
+rows it is meant to measure. A GPU loan is rare: a step that selects no row, or the wrong ones,
+or outlives its call, would waste it."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_throughput as gt  # noqa: E402
+
+CALL_LIMIT_S = 570  # a device call runs at most 600 s; the rest is the machine's start and copies
+CALLS = [[], ["build", "360m"], ["build", "tests", "p2p"], ["build", "quick", "head"],
+         ["build", "profile", "mps"], ["build", "cudnn"], ["build", "autotune"]]  # [] = build 135m
+
+R135, R360, HEAD = "smollm-135m 1024", "smollm-360m 2048", "head C=576 V=49152 1024"
+ROWS = {
+    "135m": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}",
+             f"ours sync adamw graphs stage-compile {R135}", f"hf compile adamw {R135}",
+             f"ours 2bw 2st 1gpu adamw ipc {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
+    "360m": [f"ours sync adamw {R360}", f"ours sync adamw graphs stage-compile {R360}", f"hf compile adamw {R360}"],
+    "quick": [f"ours sync adamw {R135}", f"hf compile adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}",
+              f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
+    "head": [f"head-loss plain {HEAD}", f"head-loss fused {HEAD}", f"head-loss fused 682 rows {HEAD}",
+             f"head-loss fused 4096 rows {HEAD}"],
+    "profile": [f"ours sync adamw {R135}", f"ours sync adamw graphs stage-compile {R135}"],
+    "cudnn-1": [f"ours sync adamw {R360}"],
+    "cudnn-0": [f"ours sync adamw {R360}"],
+    "autotune": [f"ours sync adamw {R360}", f"ours sync adamw max-autotune {R360}"],
+    "mps": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
+}
+
+
+def _plan(tmp_path: Path, steps: list) -> list:
+    """(name, limit, command) of each step ``bench/gpu_runbook.sh STEPS`` would run."""
+    plan = tmp_path / f"plan-{'-'.join(steps) or 'default'}.txt"
+    env = dict(os.environ, RUNBOOK_PLAN=str(plan), OUT=str(tmp_path / "out"))
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_runbook.sh"), *steps], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = []
+    for line in plan.read_text().splitlines():
+        name, limit, command = line.split("\x1f", 2)
+        out.append((name, int(limit), command.split("\x1f")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cli_flags():
+    return gt.detect_cli_flags()
+
+
+@pytest.mark.parametrize("steps", CALLS, ids=lambda s: "-".join(s) or "default")
+def test_each_call_fits_a_device_call_and_selects_its_rows(tmp_path, cli_flags, steps):
+    plan = _plan(tmp_path, steps)
+    assert [name for name, _, _ in plan[:2]] == ["build", "info"]  # a later call may get a fresh machine
+    assert sum(limit for _, limit, _ in plan) <= CALL_LIMIT_S, plan
+    benches = [(n, lim, cmd) for n, lim, cmd in plan if "bench/gpu_throughput.py" in cmd]
+    assert benches or steps == ["build", "tests", "p2p"]
+    for name, limit, command in benches:
+        args = gt.parse_args(command[command.index("bench/gpu_throughput.py") + 1:])
+        assert args.json.endswith(f"/{name}.json")
+        assert args.row_timeout < limit, (name, args.row_timeout)  # a stuck row ends before its step
+        rows, _ = gt.build_plan(args, cli_flags, gpus=1)
+        assert [f"{r['name']} {r['model']} {r['seq_len']}" for r in rows] == ROWS[name]
+
+
+def test_the_mps_step_runs_its_bench_under_a_private_mps_server(tmp_path):
+    (step,) = _plan(tmp_path, ["mps"])
+    assert step[2][:2] == ["bash", "bench/with_mps.sh"]
