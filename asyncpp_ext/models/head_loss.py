@@ -48,8 +48,8 @@ logit (``_ChunkPasses.logit_bytes``): 682 rows at V = 49152 eagerly (CPU), 2048 
 
 EAGER_LOGIT_BYTES = 12
 """Bytes per (row, vocabulary) entry the eager passes hold at their peak: the logits, their fp32
-upcast, the logsumexp's fp32 temporary or the one-hot mask, the gradient (measured on CPU: 9 for
-fp32 logits, 11 for 16-bit ones)."""
+upcast, the logsumexp's fp32 temporary, the gradient (measured on CPU: 8 for fp32 logits, 10 for
+16-bit ones)."""
 
 
 def default_chunk_rows(vocab_size: int, logit_bytes: int = EAGER_LOGIT_BYTES) -> int:
@@ -113,13 +113,18 @@ def _chunk_grad(logits: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, dtype:
     """softmax - onehot(t) of a chunk, in ``dtype``: exp(logit - lse) from the saved logsumexp,
     computed in fp32, 1 taken off at the target in fp32 (in bf16 p_t - 1 would lose its digits as
     p_t nears 1), then rounded once to the matmul dtype, as plain autocast rounds its gradient.
-    The one-hot is a comparison with the column index, not a scatter: compiled, the whole pass is
-    one elementwise kernel from the 16-bit logits to the 16-bit gradient (a scatter is a mutation
+    Compiled, the one-hot is a comparison with the column index, so that the whole pass is one
+    elementwise kernel from the 16-bit logits to the 16-bit gradient (a scatter is a mutation
     inductor cannot fuse: it wrote an fp32 (rows, V) buffer, scattered into it, then converted it
-    in a second kernel -- three times the bytes, and that buffer on top of the chunk's memory)."""
+    in a second kernel -- three times the bytes, and that buffer on top of the chunk's memory).
+    Eagerly the scatter writes in place, where the comparison would make a (rows, V) mask and a
+    promoted temporary. Both give p - 1 at the target and p + (-0) = p elsewhere, bit for bit."""
     g = logits.float().sub_(lse).exp_()
-    onehot = torch.arange(g.shape[1], device=g.device) == t
-    return g.add_(onehot, alpha=-1).to(dtype)  # p - 1 at the target, p + (-0) = p elsewhere
+    if torch.compiler.is_compiling():
+        onehot = torch.arange(g.shape[1], device=g.device) == t
+        return g.add_(onehot, alpha=-1).to(dtype)
+    g.scatter_add_(1, t, torch.full_like(lse, -1.0))
+    return g.to(dtype)
 
 
 class _ChunkPasses:
@@ -145,7 +150,7 @@ class _ChunkPasses:
         change the chunking, and with it the order of the gradient sums, within a run (the eager
         fallback then holds up to three times the budget)."""
         if self.planned_compiled:
-            return 2 * torch.empty((), dtype=dtype).element_size()
+            return 2 * dtype.itemsize
         return EAGER_LOGIT_BYTES
 
     def _guarded(self, fast, eager):
