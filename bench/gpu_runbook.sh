@@ -9,8 +9,8 @@
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
 #                                         build 360m | build tests p2p | build quick head
-#                                         build profile mps | build cudnn | build autotune)
-#   OUT=dir bench/gpu_runbook.sh build 360m
+#                                         build profile | build mps | build cudnn | build autotune)
+#   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)
 #
 # Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
 #   build   (120 + 30) the extension for this GPU (TORCH_CUDA_ARCH_LIST, default 9.0), then
@@ -32,25 +32,35 @@
 #   cudnn   (2 x 210) the attention kernel at 360m, profiled: TORCH_CUDNN_SDPA_PREFERRED=1, then =0,
 #           each on an inductor cache of its own (a cached graph keeps the kernel it was traced with)
 #   autotune  (420) ours at 360m with --compile-mode max-autotune against the default mode
-#   mps     (180) ours and 2bw with two stages on the GPU over ipc at 135m, every process a client
-#           of one CUDA MPS server (bench/with_mps.sh): the stages' kernels side by side instead of
-#           the GPU switching between the processes' contexts (against the 135m step's rows)
-# RUNBOOK_PLAN=FILE lists each step (name, limit, command; fields separated by the unit separator
-# 0x1f) in FILE instead of running it (tests/test_gpu_runbook.py checks the plan).
+#   mps     (2 x 180) ours and 2bw with two stages on the GPU over ipc at 135m, first as they are
+#           (mps-off), then with every process a client of one CUDA MPS server (bench/with_mps.sh):
+#           the stages' kernels side by side instead of the GPU switching between the processes'
+#           contexts; the same rows on the same machine, one after the other
+# RUNBOOK_PLAN=FILE writes each step (name, limit, command; fields separated by the unit separator
+# 0x1f) to FILE instead of running it, and nothing else (tests/test_gpu_runbook.py checks the plan).
 # PYTHON picks the interpreter (default python3). A step that fails or runs out of time is noted
 # and the next one runs; the exit status is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_runbook}
-mkdir -p "$OUT"
+PLAN=${RUNBOOK_PLAN:-}
+if [ -n "$PLAN" ]; then : > "$PLAN"; else mkdir -p "$OUT"; fi
 failed=0
+
+note() {  # a line for the caller and, when steps run, for OUT/steps.txt
+    if [ -n "$PLAN" ]; then echo "$*"; else echo "$*" | tee -a "$OUT/steps.txt"; fi
+}
+
+fresh_dir() {  # an empty directory of its own (an inductor cache no earlier step warmed)
+    if [ -n "$PLAN" ]; then echo "<fresh directory>"; else mktemp -d; fi
+}
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
-    if [ -n "${RUNBOOK_PLAN:-}" ]; then
-        (IFS=$'\x1f'; echo "$name"$'\x1f'"$limit"$'\x1f'"$*") >> "$RUNBOOK_PLAN"
+    if [ -n "$PLAN" ]; then
+        (IFS=$'\x1f'; echo "$name"$'\x1f'"$limit"$'\x1f'"$*") >> "$PLAN"
         return
     fi
     echo "== $name (limit ${limit} s): $*" | tee -a "$OUT/steps.txt"
@@ -93,17 +103,17 @@ run_step() {
                    tests/test_head_loss.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
-        quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- --quick ;;
+        quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
         profile) bench profile 240 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
                      --only "ours sync adamw" --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile,adamw graphs smollm" ;;
-        cudnn) bench cudnn-1 210 TORCH_CUDNN_SDPA_PREFERRED=1 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}"
-               bench cudnn-0 210 TORCH_CUDNN_SDPA_PREFERRED=0 TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" -- "${ONLY_OURS[@]}" ;;
+        cudnn) bench cudnn-1 210 TORCH_CUDNN_SDPA_PREFERRED=1 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- "${ONLY_OURS[@]}"
+               bench cudnn-0 210 TORCH_CUDNN_SDPA_PREFERRED=0 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- "${ONLY_OURS[@]}" ;;
         autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 360 --only "ours sync adamw" \
                       --skip "eager,no-copies,graphs,bf16-params,stage-compile" ;;
-        mps) step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
-        *) echo "unknown step $1: choose build, 135m, tests, p2p, 360m, quick, head, profile, cudnn, autotune, mps" \
-               | tee -a "$OUT/steps.txt"
+        mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
+             step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
+        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, quick, head, profile, cudnn, autotune, mps"
            failed=$((failed + 1)) ;;
     esac
 }
@@ -112,5 +122,5 @@ run_step() {
 for s in "$@"; do
     run_step "$s"
 done
-echo "== $failed step(s) failed; logs and JSON in $OUT" | tee -a "$OUT/steps.txt"
+[ -n "$PLAN" ] || echo "== $failed step(s) failed; logs and JSON in $OUT" | tee -a "$OUT/steps.txt"
 exit "$failed"

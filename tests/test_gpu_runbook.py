@@ -14,10 +14,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_throughput as gt  # noqa: E402
 
-CALL_LIMIT_S = 570  # a device call runs at most 600 s; the rest is the machine's start and copies
-CALLS = [[], ["build", "360m"], ["build", "tests", "p2p"], ["build", "quick", "head"],
-         ["build", "profile", "mps"], ["build", "cudnn"], ["build", "autotune"]]  # [] = build 135m
+CALL_LIMIT_S = 590  # a device call runs at most 600 s; 10 s for copying its files back
+KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (timeout --kill-after)
+CALLS = [[], ["build", "360m"], ["build", "tests", "p2p"], ["build", "quick", "head"], ["build", "profile"],
+         ["build", "mps"], ["build", "cudnn"], ["build", "autotune"]]  # [] = build 135m
 
+ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
+                 "ours sync adamw,ours 2bw 2st 1gpu adamw ipc", "--skip",
+                 "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs"]
 R135, R360, HEAD = "smollm-135m 1024", "smollm-360m 2048", "head C=576 V=49152 1024"
 ROWS = {
     "135m": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}",
@@ -32,6 +36,7 @@ ROWS = {
     "cudnn-1": [f"ours sync adamw {R360}"],
     "cudnn-0": [f"ours sync adamw {R360}"],
     "autotune": [f"ours sync adamw {R360}", f"ours sync adamw max-autotune {R360}"],
+    "mps-off": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
     "mps": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
 }
 
@@ -43,6 +48,7 @@ def _plan(tmp_path: Path, steps: list) -> list:
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_runbook.sh"), *steps], env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert not (tmp_path / "out").exists()  # a plan runs nothing and writes nothing else
     out = []
     for line in plan.read_text().splitlines():
         name, limit, command = line.split("\x1f", 2)
@@ -59,7 +65,7 @@ def cli_flags():
 def test_each_call_fits_a_device_call_and_selects_its_rows(tmp_path, cli_flags, steps):
     plan = _plan(tmp_path, steps)
     assert [name for name, _, _ in plan[:2]] == ["build", "info"]  # a later call may get a fresh machine
-    assert sum(limit for _, limit, _ in plan) <= CALL_LIMIT_S, plan
+    assert sum(limit + KILL_AFTER_S for _, limit, _ in plan) <= CALL_LIMIT_S, plan
     benches = [(n, lim, cmd) for n, lim, cmd in plan if "bench/gpu_throughput.py" in cmd]
     assert benches or steps == ["build", "tests", "p2p"]
     for name, limit, command in benches:
@@ -70,6 +76,9 @@ def test_each_call_fits_a_device_call_and_selects_its_rows(tmp_path, cli_flags, 
         assert [f"{r['name']} {r['model']} {r['seq_len']}" for r in rows] == ROWS[name]
 
 
-def test_the_mps_step_runs_its_bench_under_a_private_mps_server(tmp_path):
-    (step,) = _plan(tmp_path, ["mps"])
-    assert step[2][:2] == ["bash", "bench/with_mps.sh"]
+def test_the_mps_step_runs_the_same_rows_without_then_with_a_private_mps_server(tmp_path):
+    (off_name, _, off), (on_name, _, on) = _plan(tmp_path, ["mps"])
+    assert (off_name, on_name) == ("mps-off", "mps") and on[:2] == ["bash", "bench/with_mps.sh"]
+    assert "with_mps.sh" not in " ".join(off)
+    bench_args = [cmd[cmd.index("bench/gpu_throughput.py") + 1:] for cmd in (off, on)]
+    assert [[a for a in args if not a.endswith(".json")] for args in bench_args] == [ROWS_MPS_ARGS] * 2
