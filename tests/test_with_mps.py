@@ -45,9 +45,16 @@ def test_runs_the_command_as_a_client_and_stops_the_server(tmp_path):
     assert "MPS server(s) 4242 served the command" in r.stderr
 
 
+def _default_sigint():
+    """SIGINT as a terminal delivers it: a pytest-xdist worker ignores it, and bash cannot trap a
+    signal that was ignored when it started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_and_signal(tmp_path, command: str, sig) -> tuple[subprocess.Popen, float]:
     proc = subprocess.Popen(["bash", str(SCRIPT), "bash", "-c", command], env=_env(tmp_path, True),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
     log = tmp_path / "mps.log"
     deadline = time.monotonic() + 20
     while not (log.exists() and log.read_text().startswith("start")) and time.monotonic() < deadline:
