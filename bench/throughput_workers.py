@@ -185,7 +185,7 @@ def worker_train(spec: dict) -> dict:
 def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
     """Kernel time by kind, kernel count and the costliest kernels of the head's forward + backward
     on a GPU (asyncpp_ext.training.profiling's summary of a torch.profiler trace). The traced
-    ``measure_head_loss`` call runs the head twice (warm-up, timed): figures per call are halves.
+    ``measure_head_loss`` call runs the head twice (warm-up, one timed call): figures per call are halves.
     (On CPU ``measure_head_loss`` runs a profiler of its own for the peak memory: not traced.)"""
     import tempfile
 
@@ -199,7 +199,8 @@ def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     name, kw = head_mode(mode)
     with torch.profiler.profile(activities=activities) as prof:
-        measure_head_loss(name, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype, **kw)
+        measure_head_loss(name, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype,
+                          repeats=1, **kw)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))

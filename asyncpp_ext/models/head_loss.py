@@ -408,12 +408,14 @@ def _cpu_peak_bytes(prof) -> int:
 
 def measure_head_loss(mode: str, batch: int, seq: int, n_embd: int, vocab: int, device="cpu",
                       dtype=torch.float32, *, kernel: str = "auto", chunk_rows: Optional[int] = None,
-                      seed: int = 0) -> dict:
+                      seed: int = 0, repeats: Optional[int] = None) -> dict:
     """One forward + backward of a Llama head (RMSNorm + untied projection, fp32 weights) and its loss
     on a (batch, seq, n_embd) activation, as the last pipeline stage runs it: ``dtype`` float32, or
-    bfloat16 = autocast with fp32 weights. Returns seconds (wall, synchronised), peak_bytes (bytes
-    allocated above the inputs at the peak: CUDA's allocator statistics, or on CPU the profiler's
-    allocation events) and loss (a float). ``mode`` "plain" | "fused" (``head_loss``)."""
+    bfloat16 = autocast with fp32 weights. Returns seconds (wall, synchronised; on CUDA the median
+    of ``repeats`` calls after a warm-up, default 5: one call of a few milliseconds is at the mercy
+    of the host; on CPU one call), peak_bytes (bytes allocated above the inputs at the peak: CUDA's
+    allocator statistics, or on CPU the profiler's allocation events) and loss (a float). ``mode``
+    "plain" | "fused" (``head_loss``)."""
     from .llama import LlamaConfig, LlamaHead
 
     device = torch.device(device)
@@ -437,14 +439,17 @@ def measure_head_loss(mode: str, batch: int, seq: int, n_embd: int, vocab: int, 
 
     if device.type == "cuda":
         step()  # warm-up: library kernels compile (Triton) on their first call
-        x.grad = head.proj.weight.grad = head.norm.weight.grad = None
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        start = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
+        times = []
+        for _ in range(5 if repeats is None else repeats):
+            x.grad = head.proj.weight.grad = head.norm.weight.grad = None  # each call forms its own
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            start = time.perf_counter()
+            loss = step()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        seconds = sorted(times)[len(times) // 2]
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
         from torch.profiler import ProfilerActivity, profile
