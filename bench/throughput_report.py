@@ -283,7 +283,7 @@ def format_report(report: dict) -> str:
                          f"{'':<16}{r.get('status', 'error'):<8}{r.get('error', '')}")
             continue
         if r["impl"] == "head":
-            notes = [f"{r['head_seconds'] * 1e3:.1f} ms", f"loss {r['head_loss']:.4f}", r["dtype"]]
+            notes = [f"{r['head_seconds'] * 1e3:.1f} ms", f"loss {r['head_loss']:.4f}", r["dtype"], *notes]
             if "peak_ratio_to_plain" in r:
                 notes.append(f"peak {_f(r['peak_ratio_to_plain'], '.3f')}x plain, time "
                              f"{r['time_ratio_to_plain']:.2f}x plain")

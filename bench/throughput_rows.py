@@ -226,6 +226,19 @@ def failure_text(res: dict, timeout: float) -> tuple[str, str]:
     return "error", (lines[-1][:300] if lines else f"exit code {res['rc']}")
 
 
+def package_warnings(stderr: str, limit: int = 3) -> list:
+    """The package's own messages in a row's stderr ("asyncpp: ...": a compile, CUDA-graph capture
+    or head-kernel fallback, a rank's report), each once, as notes: a variant that fell back ran as
+    something other than its name says, and its figures must be read so."""
+    seen = []
+    for line in stderr.splitlines():
+        at = line.find("asyncpp: ")
+        text = line[at:].strip()[:200] if at >= 0 else ""
+        if text and text not in seen:
+            seen.append(text)
+    return [f"warned: {t}" for t in seen[:limit]]
+
+
 def _read_metrics(path: Path) -> list:
     """The rows of a run's metrics.jsonl; a run killed while writing may leave a last line cut
     short, which is not a row."""
@@ -247,6 +260,7 @@ def run_ours(r: dict, args, flags: dict, work: Path) -> dict:
     multi = r["stages"] > 1
     res = run_process(cmd, args.row_timeout, sampler_device=args.device if multi else None)
     r["wall_s"] = round(res["seconds"], 1)
+    r["notes"] = [*r.get("notes", []), *package_warnings(res["stderr"])]
     measured = args.warmup + args.steps
     metrics = _read_metrics(out_dir / "metrics.jsonl")
     if res["rc"] != 0:
@@ -293,6 +307,7 @@ def run_worker_row(r: dict, args) -> dict:
     r["command"] = f"{PROG} --worker '<{spec['kind']} spec>'"
     res = run_process(cmd, args.row_timeout)
     r["wall_s"] = round(res["seconds"], 1)
+    r["notes"] = [*r.get("notes", []), *package_warnings(res["stderr"])]
     found = [ln[len(RESULT_TAG):] for ln in res["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
     if not found:
         r["status"], r["error"] = failure_text(res, args.row_timeout)
@@ -307,6 +322,7 @@ def run_worker_row(r: dict, args) -> dict:
 def head_row(r: dict, worker: dict) -> dict:
     """The head-loss row of one mode from the worker that measured every mode."""
     r["wall_s"], r["command"] = worker.get("wall_s"), worker.get("command")
+    r["notes"] = [*r.get("notes", []), *worker.get("notes", [])]  # the worker's warnings concern every mode
     if worker.get("status") != "ok":
         r["status"], r["error"] = worker.get("status", "error"), worker.get("error")
         return r
