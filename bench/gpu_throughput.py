@@ -447,7 +447,7 @@ def run(args) -> dict:
             print(f"[{i + 1}/{len(rows)}] {r['name']} {r['model']} T={r['seq_len']} ...", file=sys.stderr, flush=True)
             if r["impl"] == "head":
                 if head_results is None:  # one process measures every mode
-                    head_results = run_worker_row(dict(r), args)
+                    head_results = run_worker_row(dict(r, notes=[]), args)
                 r = head_row(r, head_results)
             else:
                 r = run_ours(r, args, flags, work) if r["impl"] == "ours" else run_worker_row(r, args)

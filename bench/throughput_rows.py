@@ -229,14 +229,16 @@ def failure_text(res: dict, timeout: float) -> tuple[str, str]:
 def package_warnings(stderr: str, limit: int = 3) -> list:
     """The package's own messages in a row's stderr ("asyncpp: ...": a compile, CUDA-graph capture
     or head-kernel fallback, a rank's report), each once, as notes: a variant that fell back ran as
-    something other than its name says, and its figures must be read so."""
+    something other than its name says, and its figures must be read so. Indented lines are left
+    out: Python prints a warning's source line under it, indented."""
     seen = []
     for line in stderr.splitlines():
         at = line.find("asyncpp: ")
-        text = line[at:].strip()[:200] if at >= 0 else ""
+        text = line[at:].strip()[:200] if at >= 0 and not line[:1].isspace() else ""
         if text and text not in seen:
             seen.append(text)
-    return [f"warned: {t}" for t in seen[:limit]]
+    more = [f"(+{len(seen) - limit} more in the row's stderr)"] if len(seen) > limit else []
+    return [f"warned: {t}" for t in seen[:limit]] + more
 
 
 def _read_metrics(path: Path) -> list:
@@ -322,7 +324,7 @@ def run_worker_row(r: dict, args) -> dict:
 def head_row(r: dict, worker: dict) -> dict:
     """The head-loss row of one mode from the worker that measured every mode."""
     r["wall_s"], r["command"] = worker.get("wall_s"), worker.get("command")
-    r["notes"] = [*r.get("notes", []), *worker.get("notes", [])]  # the worker's warnings concern every mode
+    r["notes"] = [*r.get("notes", []), *worker.get("notes", [])]  # one process measured every mode: its warnings are each row's
     if worker.get("status") != "ok":
         r["status"], r["error"] = worker.get("status", "error"), worker.get("error")
         return r

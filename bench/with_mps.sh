@@ -11,7 +11,7 @@
 # The control daemon gets pipe and log directories of its own (CUDA_MPS_PIPE_DIRECTORY and
 # CUDA_MPS_LOG_DIRECTORY, exported to COMMAND): only COMMAND's processes are its clients, every
 # other process on the machine runs as before. It is stopped when COMMAND ends, and when this
-# script is stopped (SIGTERM/SIGINT: COMMAND gets the signal and up to 3 s to end first). The
+# script is stopped (SIGTERM or SIGINT: COMMAND gets SIGTERM and up to 3 s to end first). The
 # daemon starts the MPS server at the first client's connection, and a client that cannot
 # connect runs without MPS, silently; so after COMMAND the daemon is asked whether a server ran.
 # Exit status: COMMAND's, except
@@ -47,12 +47,12 @@ on_signal() {  # $1: the exit status; pass the signal on, give COMMAND 3 s, then
 trap 'on_signal 143' TERM
 trap 'on_signal 130' INT
 
+daemon=1  # before the start: a signal held until it returns must still stop it ("quit" to none is harmless)
 if ! nvidia-cuda-mps-control -d; then
     echo "with_mps.sh: the MPS control daemon did not start (log: $CUDA_MPS_LOG_DIRECTORY)" >&2
     rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
     exit 3
 fi
-daemon=1
 echo "with_mps.sh: MPS control daemon started (pipe directory $CUDA_MPS_PIPE_DIRECTORY)" >&2
 
 # In the background so that a signal is handled at once (bash defers traps while a foreground
@@ -64,7 +64,7 @@ rc=$?
 child=
 servers=$(echo get_server_list | nvidia-cuda-mps-control 2> /dev/null)
 stop_daemon
-if [ -z "$servers" ]; then
+if ! [[ $servers =~ ^[[:space:]]*[0-9][0-9[:space:]]*$ ]]; then  # server PIDs, nothing else
     echo "with_mps.sh: no MPS server ran: the command's processes did not run under MPS" >&2
     [ "$rc" -eq 0 ] && rc=4
 else

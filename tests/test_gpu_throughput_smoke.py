@@ -319,66 +319,6 @@ def test_a_stopped_bench_takes_its_running_row_with_it(tmp_path):
             os.killpg(group, signal.SIGKILL)
 
 
-def test_a_row_that_fails_after_its_measured_steps_keeps_them(tmp_path, monkeypatch):
-    # e.g. the profiler failing in the traced steps that come after the measured ones: the row's
-    # figures stand, with a note; a row that fails before the last measured step is an error.
-    import throughput_rows as tr
-
-    def fake_run(steps_written):
-        def run_process(cmd, timeout, sampler_device=None):
-            out = Path(cmd[cmd.index("--out") + 1])
-            out.mkdir(parents=True)
-            rows = [dict(step=k + 1, loss=5.0 - k / 10, elapsed_s=1.0 + k, tokens=64 * (k + 1)) for k in range(steps_written)]
-            (out / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-            return dict(rc=1, stdout="", stderr="RuntimeError: CUPTI failed\n", seconds=3.0, sampled_peak=None,
-                        sampled_kind=None)
-        return run_process
-    args = SimpleNamespace(device="cpu", warmup=2, steps=3, threads=None, profile=True, row_timeout=60, keep=False)
-    r = gt.row("ours sync adamw", "ours", "llama-tiny", 64, 2, 4, optimizer="adamw", compile=False, schedule="sync")
-    monkeypatch.setattr(tr, "run_process", fake_run(5))
-    kept = tr.run_ours(dict(r, notes=[]), args, dict(compile=True, head_loss=True), tmp_path / "a")
-    assert kept["status"] == "ok" and kept["losses"] == [5.0, 4.9, 4.8, 4.7, 4.6]
-    assert kept["notes"] == ["exited after its measured steps (error: RuntimeError: CUPTI failed)"]
-    monkeypatch.setattr(tr, "run_process", fake_run(4))
-    lost = tr.run_ours(dict(r, notes=[]), args, dict(compile=True, head_loss=True), tmp_path / "b")
-    assert (lost["status"], lost["error"]) == ("error", "RuntimeError: CUPTI failed") and "losses" not in lost
-
-
-def test_a_rows_fallback_warnings_become_its_notes(tmp_path, monkeypatch):
-    # A variant whose feature fell back (capture, compile, the head's passes) ran as something other
-    # than its name says: the package's "asyncpp: " lines in its stderr, each once, are its notes
-    # (a head row gets its worker's); other stderr lines are not.
-    import warnings
-
-    import throughput_rows as tr
-
-    stderr = []
-    with warnings.catch_warnings(record=True) as caught:  # the messages as the package writes them
-        warnings.simplefilter("always")
-        warnings.warn("asyncpp: CUDA-graph capture failed (RuntimeError: x); this stage runs eagerly")
-    stderr.append(warnings.formatwarning(caught[0].message, caught[0].category, "graphs.py", 140))
-    stderr.append("asyncpp: torch.compile failed for layer blocks (boom); they run eagerly\n")  # logging's last resort
-    stderr += [stderr[0], "W1126 torch/_inductor: some note of torch's own\n"]
-
-    def run_process(cmd, timeout, sampler_device=None):
-        out = Path(cmd[cmd.index("--out") + 1])
-        out.mkdir(parents=True)
-        (out / "metrics.jsonl").write_text("".join(json.dumps(dict(step=k + 1, loss=5.0, elapsed_s=1.0 + k,
-                                                                  tokens=64 * (k + 1))) + "\n" for k in range(5)))
-        return dict(rc=0, stdout="", stderr="".join(stderr), seconds=3.0, sampled_peak=None, sampled_kind=None)
-    monkeypatch.setattr(tr, "run_process", run_process)
-    args = SimpleNamespace(device="cpu", warmup=2, steps=3, threads=None, profile=False, row_timeout=60, keep=False)
-    r = gt.row("ours sync adamw graphs", "ours", "llama-tiny", 64, 2, 4, optimizer="adamw", compile=True,
-               schedule="sync")
-    got = tr.run_ours(dict(r, notes=[]), args, dict(compile=True, head_loss=True), tmp_path)
-    assert got["notes"] == ["warned: asyncpp: CUDA-graph capture failed (RuntimeError: x); this stage runs eagerly",
-                            "warned: asyncpp: torch.compile failed for layer blocks (boom); they run eagerly"]
-    worker = dict(status="ok", notes=got["notes"][:1], modes={"fused": dict(status="ok", head_seconds=0.01,
-                                                                               peak_bytes=1, head_loss=1.0)})
-    head = tr.head_row(dict(name="head-loss fused", head_mode="fused", notes=[]), worker)
-    assert head["notes"] == got["notes"][:1]
-
-
 def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
     args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
     r = gt.row("ours sync adamw", "ours", "smollm-360m", 2048, 4, 8, optimizer="adamw", compile=True, schedule="sync")

@@ -148,6 +148,11 @@ def test_shapes_batched_input_and_bad_inputs():
         linear_cross_entropy(h.bfloat16(), w, t)
 
 
+def test_measure_head_loss_refuses_no_timed_calls():
+    with pytest.raises(ValueError, match="repeats must be a positive number of timed calls, got 0"):
+        measure_head_loss("plain", 1, 8, 8, 16, "cpu", repeats=0)
+
+
 def test_default_chunk_bounds_what_a_chunk_holds_by_its_path():
     """384 MiB of (rows, V) buffers: eagerly 12 bytes per logit (682 rows at smollm's 49152 ids),
     compiled (CUDA) the 16-bit logits and gradient only, so three times the rows; a compile

@@ -81,10 +81,10 @@ def test_a_command_deaf_to_sigterm_is_killed_after_3_s_and_the_daemon_still_stop
     assert (tmp_path / "mps.log").read_text().splitlines()[-1] == "quit"
 
 
-@pytest.mark.parametrize("command_status, status", [(0, 4), (5, 5)])
-def test_no_mps_server_is_said_and_a_success_becomes_4(tmp_path, command_status, status):
+@pytest.mark.parametrize("command_status, status, servers", [(0, 4, ""), (5, 5, ""), (0, 4, "error: no reply")])
+def test_no_mps_server_is_said_and_a_success_becomes_4(tmp_path, command_status, status, servers):
     r = subprocess.run(["bash", str(SCRIPT), "bash", "-c", f"exit {command_status}"],
-                       env=_env(tmp_path, True, MPS_SERVERS=""), capture_output=True, text=True, timeout=30)
+                       env=_env(tmp_path, True, MPS_SERVERS=servers), capture_output=True, text=True, timeout=30)
     assert r.returncode == status
     assert "no MPS server ran: the command's processes did not run under MPS" in r.stderr
 

@@ -47,9 +47,11 @@ logit (``_ChunkPasses.logit_bytes``): 682 rows at V = 49152 eagerly (CPU), 2048 
 ``g @ W`` product whose (rows, C) output has enough tiles to fill the GPU."""
 
 EAGER_LOGIT_BYTES = 12
-"""Bytes per (row, vocabulary) entry the eager passes hold at their peak: the logits, their fp32
-upcast, the logsumexp's fp32 temporary, the gradient (measured on CPU: 8 for fp32 logits, 10 for
-16-bit ones)."""
+"""Bytes per (row, vocabulary) entry the eager passes hold at their peak, counted as the four
+buffers' sum for 16-bit logits: the logits (2), their fp32 upcast (4), the logsumexp's fp32
+temporary (4), the gradient (2). An upper bound (measured on CPU: 10 for 16-bit logits, 8 for
+fp32, whose upcast is the logits themselves), and the one that keeps the CPU chunk at 682 rows at
+V = 49152, the chunking every earlier CPU figure was measured with."""
 
 
 def default_chunk_rows(vocab_size: int, logit_bytes: int = EAGER_LOGIT_BYTES) -> int:
@@ -437,6 +439,8 @@ def measure_head_loss(mode: str, batch: int, seq: int, n_embd: int, vocab: int, 
         loss.backward()
         return loss.detach()
 
+    if repeats is not None and repeats < 1:
+        raise ValueError(f"repeats must be a positive number of timed calls, got {repeats!r}")
     if device.type == "cuda":
         step()  # warm-up: library kernels compile (Triton) on their first call
         times = []
