@@ -85,7 +85,7 @@ def count_trace(events: list, steps: int) -> dict:
 
 
 def _ours(args, scope: str, work: Path) -> dict:
-    from asyncpp_ext.training.cli import resolve
+    from asyncpp_ext.training.arguments import build_parser, config_from_args
     from asyncpp_ext.training.run import preflight, train
 
     out = work / f"ours-{scope}"
@@ -97,8 +97,10 @@ def _ours(args, scope: str, work: Path) -> dict:
             "--compile", "--compile-scope", scope, "--threads", "1", "--steps", str(args.steps),
             "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--data", "builtin", "--out", str(out),
             "--profile-steps", f"{first}:{args.steps}"]
-    cfg, _ = resolve(argv)  # smollm-135m's structure (grouped-query heads, tied head) at this shape
-    cfg.model.n_kv_head, cfg.model.intermediate_size = args.kv_heads, args.mlp  # no flags for these two
+    # asyncpp-train's flags, read as the command reads them: smollm-135m's structure (grouped-query
+    # heads, tied head) at this shape; the key/value heads and SwiGLU width have no flags.
+    cfg = config_from_args(build_parser().parse_args(argv))
+    cfg.model.n_kv_head, cfg.model.intermediate_size = args.kv_heads, args.mlp
     preflight(cfg)
     train(cfg)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
