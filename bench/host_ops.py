@@ -32,7 +32,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 if str(Path(__file__).resolve().parent) not in sys.path:
@@ -110,58 +109,26 @@ def _ours(args, scope: str, work: Path) -> dict:
     return dict(row, ms_per_step=_mean_ms(elapsed, args), losses=[m["loss"] for m in metrics if "loss" in m])
 
 
-def _hf(args) -> dict:
+def _hf(args, work: Path) -> dict:
+    """The bench's Hugging Face training loop (throughput_workers.worker_train), its last steps traced."""
     import torch
-    import torch.nn.functional as F
-    from throughput_workers import build_hf_model, make_optimizer
-
-    from asyncpp_ext.data.batches import BatchStream, split_tokens
-    from asyncpp_ext.data.sources import builtin_corpus
-    from asyncpp_ext.training.config import RunConfig
+    from throughput_workers import worker_train
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    shape = dict(tie_embeddings=True)
     hf_config = dict(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.mlp,
                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
                      num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq_len, rms_norm_eps=1e-5,
                      rope_theta=10000.0, tie_word_embeddings=True, hidden_act="silu", attention_bias=False,
                      mlp_bias=False)
-    model, forward, _ = build_hf_model(dict(hf_config=hf_config, shape=shape))
-    model.train()
-    (opt,) = make_optimizer(model, "adamw", torch.device("cpu"))  # fused AdamW, as the bench's row
-    amp = torch.bfloat16 if args.dtype == "bf16" else None
-
-    def fwd_loss(x, y):
-        with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
-            logits = forward(x)
-        return F.cross_entropy(logits.float().reshape(-1, args.vocab), y.reshape(-1))
-
-    step_fn = torch.compile(fwd_loss)
-    b, m, t = args.micro_batch_size, args.microbatches, args.seq_len
-    train_tokens, _ = split_tokens(builtin_corpus(), RunConfig().data.eval_fraction, b, t, source="builtin")
-    stream = BatchStream(train_tokens, m, b, t, seed=0)
-    elapsed, losses, prof = {}, [], None
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        if step == args.steps - args.trace + 1:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            prof.__enter__()
-        total = torch.zeros(())
-        for x, y in stream.next():
-            loss = step_fn(x, y)
-            (loss / m).backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total.item() / m)
-        elapsed[step] = time.perf_counter() - start
-    prof.__exit__(None, None, None)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        row = count_trace(json.loads(path.read_text())["traceEvents"], args.trace)
-    return dict(row, ms_per_step=_mean_ms(elapsed, args), losses=losses)
+    trace = work / "hf-trace.json"
+    out = worker_train(dict(kind="hf", device="cpu", seed=0, hf_config=hf_config,
+                            shape=dict(vocab_size=args.vocab, tie_embeddings=True), optimizer="adamw",
+                            dtype=args.dtype, compile=True, micro_batch_size=args.micro_batch_size,
+                            microbatches=args.microbatches, seq_len=args.seq_len, steps=args.steps,
+                            trace_steps=(args.steps - args.trace + 1, args.steps), trace_path=str(trace)))
+    row = count_trace(json.loads(trace.read_text())["traceEvents"], args.trace)
+    elapsed = {k + 1: t for k, t in enumerate(out["elapsed_s"])}
+    return dict(row, ms_per_step=_mean_ms(elapsed, args), losses=out["losses"])
 
 
 def _mean_ms(elapsed: dict, args) -> float:
@@ -199,7 +166,7 @@ def run(args) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for row in args.rows:
-            results[row] = _ours(args, row.split("-")[1], Path(tmp)) if row.startswith("ours") else _hf(args)
+            results[row] = _ours(args, row.split("-")[1], Path(tmp)) if row.startswith("ours") else _hf(args, Path(tmp))
     return results
 
 

@@ -161,8 +161,12 @@ def worker_train(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
     losses, elapsed, tokens = [], [], []
+    first, last = spec.get("trace_steps") or (0, -1)  # optional: trace steps first..last (from 1) to trace_path
     start = time.perf_counter()
     for step in range(spec["steps"]):
+        if step + 1 == first:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
         total = torch.zeros((), device=device)
         for x, y in stream.next():
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -176,6 +180,9 @@ def worker_train(spec: dict) -> dict:
         losses.append(total.item() / m)  # the host waits for the step here
         elapsed.append(round(time.perf_counter() - start, 4))
         tokens.append((step + 1) * b * m * t)
+        if step + 1 == last:
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(spec["trace_path"])
     peak, kind = _peak(device)
     return dict(status="ok", losses=[v if math.isfinite(v) else None for v in losses], elapsed_s=elapsed,
                 tokens=tokens, peak_bytes=peak, peak_kind=kind, params=params, info=info,
