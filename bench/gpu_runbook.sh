@@ -15,20 +15,21 @@
 # Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
 #   build   (120 + 30) the extension for this GPU (TORCH_CUDA_ARCH_LIST, default 9.0), then
 #           asyncpp_ext.info
-#   135m    (390) bench/gpu_throughput.py at smollm-135m / 1024: ours, with --cuda-graphs, and with
-#           graphs and --compile-scope stage together; the compiled Hugging Face model; 2bw on one
-#           GPU over ipc with and without graphs (~5 min)
+#   135m    (390) bench/gpu_throughput.py at smollm-135m / 1024: ours without and with CUDA graphs
+#           (on by default for sync on CUDA); the compiled Hugging Face model; 2bw on one GPU over
+#           ipc without and with graphs (~5 min)
 #   tests   (360) cuda-marked tests of the paths not yet run on a GPU: CUDA-graph capture, ipc vs
 #           gloo with two ranks on one GPU, one device wait per step, the gradient accumulate
 #           kernel, flash attention with in-place grouped-query heads, compiled blocks and regions
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
-#   360m    (420) ours (plain, and graphs with stage scope) and the compiled Hugging Face model at
-#           smollm-360m / 2048 (~6 min; the Hugging Face compile is about 2 of them)
-#   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min)
+#   360m    (420) ours with graphs (the default), and with graphs and stage scope, and the compiled
+#           Hugging Face model at smollm-360m / 2048 (~6 min; the Hugging Face compile is 2.5 of them)
+#   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min;
+#           the H100's row times add up to about 4)
 #   head    (120) the fused head alone against plain, at the default chunk (2048 rows), the eager
 #           path's 682 and 4096, profiled
-#   profile (240) ours and ours with graphs and stage scope at 135m, profiled: kernels per step,
-#           device busy share, the costliest kernels by name
+#   profile (240) ours with graphs (the default) at 135m / 1024 and 360m / 2048, profiled: kernels
+#           per step, device busy share, the costliest kernels by name
 #   cudnn   (2 x 210) the attention kernel at 360m, profiled: TORCH_CUDNN_SDPA_PREFERRED=1, then =0,
 #           each on an inductor cache of its own (a cached graph keeps the kernel it was traced with)
 #   autotune  (420) ours at 360m with --compile-mode max-autotune against the default mode
@@ -83,9 +84,9 @@ bench() {  # bench NAME SECONDS [ENV=VALUE ...] -- ARGS...: gpu_throughput.py, i
 
 ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
            --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile")
-ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --only "ours sync adamw,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,adamw graphs smollm,adamw stage-compile")
+           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile")
+ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --only "ours sync adamw graphs,hf compile adamw"
+           --skip "eager,no-copies,bf16-params,max-autotune")
 ROWS_MPS=(--models smollm-135m --seq-lens 1024 --row-timeout 80 --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc"
           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs")
 ONLY_OURS=(--models smollm-360m --seq-lens 2048 --row-timeout 180 --only "ours sync adamw"
@@ -105,8 +106,8 @@ run_step() {
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
-        profile) bench profile 240 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
-                     --only "ours sync adamw" --skip "eager,no-copies,bf16-params,max-autotune,adamw stage-compile,adamw graphs smollm" ;;
+        profile) bench profile 240 -- --models smollm-135m,smollm-360m --seq-lens 1024,2048 --row-timeout 110 --profile \
+                     --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile" ;;
         cudnn) bench cudnn-1 210 TORCH_CUDNN_SDPA_PREFERRED=1 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- "${ONLY_OURS[@]}"
                bench cudnn-0 210 TORCH_CUDNN_SDPA_PREFERRED=0 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- "${ONLY_OURS[@]}" ;;
         autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 360 --only "ours sync adamw" \

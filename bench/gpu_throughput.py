@@ -207,12 +207,14 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
         two_bw(mdl, seq, "adamw")
         hf(mdl, seq, "adamw", False)
     elif args.mode == "quick":
-        # The default configurations at the first point, within 3 minutes on one GPU: ours, the
-        # compiled Hugging Face model (its whole-model compile is about 60 s of it), 2bw on one
-        # GPU, the head pair. Variants (--cuda-graphs, gloo beside ipc) and the other points are
-        # the full mode's.
+        # The default configurations at the first point, within 3 minutes on one GPU: ours (on
+        # CUDA with graphs, the CLI's default for sync there, and without, as the 2bw row
+        # computes), the compiled Hugging Face model (its whole-model compile is about 60 s of
+        # it), 2bw on one GPU, the head pair. Other variants (gloo beside ipc, stage scope) and
+        # the other points are the full mode's.
         mdl, seq = first
-        ours(mdl, seq, "adamw", compile_=main_compile)
+        for g in graphs:
+            ours(mdl, seq, "adamw", compile_=main_compile, graphs=g)
         if flags["compile"] and cpu_eager:
             # compiled vs eager llama-tiny: the one compiled row that runs on CPU without --cpu-compile
             ours(mdl, seq, "adamw", compile_=True, cpu_compile_anyway=True)

@@ -77,8 +77,10 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
         cmd += ["--compile" if r["compile"] else "--no-compile"]
     if flags["head_loss"]:
         cmd += ["--head-loss", "auto"]
-    if r.get("graphs"):
-        cmd += ["--cuda-graphs"]
+    if args.device == "cuda" and flags.get("cuda_graphs"):
+        # Said either way: the CLI's default differs by schedule (on for sync), and a row's name
+        # says whether it replays graphs.
+        cmd += ["--cuda-graphs" if r.get("graphs") else "--no-cuda-graphs"]
     if r.get("copies") is False:
         cmd += ["--no-compute-copies"]
     if r.get("scope"):

@@ -183,6 +183,31 @@ def test_the_fused_head_under_graphs_runs_the_kernel_that_captures():
     assert (stage_compute(cfg, "cpu").head_loss, stage_compute(cfg, "cpu").kernel) == ("fused", "chunked")
 
 
+@pytest.mark.parametrize("device, schedule, flag, extra, want", [
+    ("cuda", "sync", None, {}, True),                    # auto: the one-process reference run on a GPU
+    ("cpu", "sync", None, {}, False),                    # no graphs off CUDA
+    ("cuda", "2bw", None, {}, False),                    # pipelines and their simulations: only when asked
+    ("cuda", "1f1b", None, {}, False),
+    ("cuda", "sync", None, {"recompute": True}, False),  # a graph replays a forward with its backward
+    ("cuda", "sync", None, {"head_loss": "liger"}, False),  # cannot be captured
+    ("cuda", "sync", None, {"head_loss": "cce"}, False),
+    ("cuda", "sync", False, {}, False),                  # an explicit choice stands
+    ("cuda", "2bw", True, {}, True),
+])
+def test_cuda_graphs_auto_is_on_for_the_sync_run_on_cuda_only(device, schedule, flag, extra, want):
+    from asyncpp_ext.training.build import resolve_cuda_graphs, stage_compute
+    from asyncpp_ext.training.config import RunConfig
+
+    cfg = RunConfig.from_dict({"model": {"vocab_size": 49152}, "train": {"cuda_graphs": flag, "compile": False},
+                               "pipeline": {"schedule": schedule}})
+    cfg.pipeline.recompute = extra.get("recompute", False)
+    cfg.train.head_loss = extra.get("head_loss", "auto")
+    assert resolve_cuda_graphs(cfg, device) is want
+    if not extra:  # what the run builds from it: graphs, and the head kernel they capture
+        compute = stage_compute(cfg, device)
+        assert (compute.cuda_graphs, compute.kernel) == (want, "chunked" if want else "auto")
+
+
 def _host(cuda_graphs, make, **kw):
     torch.manual_seed(0)
     data = _data(M)
@@ -320,7 +345,7 @@ def test_cuda_graphs_train_as_without_them(tmp_path, flags, tol):
     GPU against its --simulate run."""
     sync = ("--stages", "1", "--schedule", "sync", *flags)
     pipe = ("--stages", "2", "--schedule", "2bw", "--transport", "gloo", *flags)
-    losses = _run_losses(tmp_path, {"eager": sync, "graphs": (*sync, "--cuda-graphs"),
+    losses = _run_losses(tmp_path, {"eager": (*sync, "--no-cuda-graphs"), "graphs": (*sync, "--cuda-graphs"),
                                     "sim": (*pipe, "--simulate"), "pipe": (*pipe, "--cuda-graphs")})
     want, got = losses["eager"], losses["graphs"]
     assert all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want)), (got, want)

@@ -24,15 +24,15 @@ ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--r
                  "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs"]
 R135, R360, HEAD = "smollm-135m 1024", "smollm-360m 2048", "head C=576 V=49152 1024"
 ROWS = {
-    "135m": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}",
-             f"ours sync adamw graphs stage-compile {R135}", f"hf compile adamw {R135}",
+    "135m": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
              f"ours 2bw 2st 1gpu adamw ipc {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
-    "360m": [f"ours sync adamw {R360}", f"ours sync adamw graphs stage-compile {R360}", f"hf compile adamw {R360}"],
-    "quick": [f"ours sync adamw {R135}", f"hf compile adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}",
-              f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
+    "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs stage-compile {R360}",
+             f"hf compile adamw {R360}"],
+    "quick": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
+              f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
     "head": [f"head-loss plain {HEAD}", f"head-loss fused {HEAD}", f"head-loss fused 682 rows {HEAD}",
              f"head-loss fused 4096 rows {HEAD}"],
-    "profile": [f"ours sync adamw {R135}", f"ours sync adamw graphs stage-compile {R135}"],
+    "profile": [f"ours sync adamw graphs {R135}", f"ours sync adamw graphs {R360}"],
     "cudnn-1": [f"ours sync adamw {R360}"],
     "cudnn-0": [f"ours sync adamw {R360}"],
     "autotune": [f"ours sync adamw {R360}", f"ours sync adamw max-autotune {R360}"],

@@ -182,13 +182,16 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     assert [r["compile"] for r in cpu if r["name"].startswith("ours sync adamw") and r["model"] == "llama-tiny"] \
         == [False, True]
     # --cuda-graphs rows where the CLI has the flag: in the full mode, on CUDA, beside the primary
-    # points' sync and 2bw rows; --quick keeps the default configurations
+    # points' sync and 2bw rows; --quick adds the sync row with graphs (the CLI's default for sync
+    # on CUDA) beside the one without (what its 2bw row computes alike)
     with_graphs = dict(flags_on, cuda_graphs=True)
     full, _ = gt.build_plan(_plan_args(), with_graphs, gpus=1)
     assert {(r["name"], r["model"], r["seq_len"]) for r in full if r.get("graphs")} == {
         ("ours sync adamw graphs", "smollm-135m", 1024), ("ours 2bw 2st 1gpu adamw graphs", "smollm-135m", 1024),
         ("ours sync adamw graphs", "smollm-360m", 2048), ("ours 2bw 2st 1gpu adamw graphs", "smollm-360m", 2048)}
-    assert not any(r.get("graphs") for r in gt.build_plan(_plan_args(mode="quick"), with_graphs, gpus=1)[0])
+    assert [(r["name"], bool(r.get("graphs"))) for r in gt.build_plan(_plan_args(mode="quick"), with_graphs,
+                                                                      gpus=1)[0] if r["impl"] == "ours"] == [
+        ("ours sync adamw", False), ("ours sync adamw graphs", True), ("ours 2bw 2st 1gpu adamw", False)]
     # where the CLI has the ipc transport, the full mode's one-GPU 2bw rows are gloo, ipc and ipc
     # with graphs; --quick runs ipc alone
     with_ipc = dict(with_graphs, ipc=True)
@@ -204,7 +207,12 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     assert not any(r.get("graphs") for r in gt.build_plan(_plan_args("cpu", "quick"), with_graphs, gpus=0)[0])
     args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
     cmd = gt.ours_command(next(r for r in full if r.get("graphs")), args, with_graphs, Path("o"), Path("p"))
-    assert "--cuda-graphs" in cmd
+    assert "--cuda-graphs" in cmd and "--no-cuda-graphs" not in cmd
+    # a row without graphs says so: the CLI's default for sync on CUDA is on; on CPU neither flag
+    plain = gt.ours_command(full[0], args, with_graphs, Path("o"), Path("p"))
+    assert (full[0]["name"], "--no-cuda-graphs" in plain, "--cuda-graphs" in plain) == ("ours sync adamw", True, False)
+    cpu_args = SimpleNamespace(**{**vars(args), "device": "cpu"})
+    assert not any("cuda-graphs" in a for a in gt.ours_command(full[0], cpu_args, with_graphs, Path("o"), Path("p")))
     # --no-compute-copies rows where the CLI has the flag: full mode, CUDA, the primary points
     with_copies = dict(with_ipc, compute_copies=True)
     full, _ = gt.build_plan(_plan_args(), with_copies, gpus=1)

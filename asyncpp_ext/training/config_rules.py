@@ -105,8 +105,8 @@ def check_compute(cfg: RunConfig) -> None:
     choice("train.compile_mode", t.compile_mode, COMPILE_MODES)
     if not isinstance(t.compute_copies, bool):
         raise ConfigError(f"train.compute_copies must be true or false, got {t.compute_copies!r}")
-    if not isinstance(t.cuda_graphs, bool):
-        raise ConfigError(f"train.cuda_graphs must be true or false, got {t.cuda_graphs!r}")
+    if t.cuda_graphs is not None and not isinstance(t.cuda_graphs, bool):
+        raise ConfigError(f"train.cuda_graphs must be true, false or null (auto), got {t.cuda_graphs!r}")
     if t.cuda_graphs and t.device != "cuda":
         raise ConfigError(f"train.cuda_graphs replays CUDA graphs: it needs --device cuda, got {t.device}")
     if t.cuda_graphs and cfg.pipeline.recompute:
