@@ -8,8 +8,8 @@
 #   bench/gpu_runbook.sh [STEP ...]     default: build 135m (at most 540 s: one call of a machine lent
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
-#                                         build 360m | build tests p2p | build quick head
-#                                         build profile | build mps | build cudnn | build autotune)
+#                                         build tests p2p | build quick head | build profile
+#                                         build mps | build 360m | build cudnn | build autotune)
 #   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)
 #
 # Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
