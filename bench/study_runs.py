@@ -74,6 +74,9 @@ def build_config(args: dict, schedule: str, seed: int, overrides: Mapping[str, o
     cfg.train.seed = seed
     cfg.train.eval_every = args["eval_every"]
     cfg.train.simulate = True
+    # Paired runs differ only in schedule and overrides: CUDA graphs' auto choice (on for sync
+    # alone, with its chunked head kernel) would set the sync reference apart from the rest.
+    cfg.train.cuda_graphs = False
     for dotted, value in dict(overrides).items():
         set_field(cfg, dotted, value)
     cfg.validate()

@@ -140,3 +140,18 @@ def test_bad_schedule_or_depth_arguments_are_clear_errors(study, argv, message, 
         study.main(argv)
     assert exc.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_paired_runs_on_cuda_all_run_without_cuda_graphs(study):
+    """CUDA graphs' auto rule turns them on for sync alone; a study's sync reference must compute
+    as its other runs do (graphs also switch the fused head to the chunked kernel)."""
+    from asyncpp_ext.training.build import resolve_cuda_graphs
+
+    args = dict(model="llama-tiny", n_layer=None, data="builtin", steps=2, microbatches=2, micro_batch_size=2,
+                eval_every=0, eval_batches=1)
+    cuda = {"train.device": "cuda"}
+    for schedule in ("sync", "2bw"):
+        cfg = study.build_config(args, schedule, 0, cuda)
+        assert cfg.train.cuda_graphs is False and resolve_cuda_graphs(cfg, "cuda") is False
+    asked = study.build_config(args, "sync", 0, {**cuda, "train.cuda_graphs": True})
+    assert asked.train.cuda_graphs is True  # an override still stands

@@ -179,8 +179,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "vocabularies >= 8192) (default auto)")
     run.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="replay each microbatch's forward and backward from CUDA graphs (one launch per "
-                          "graph: for small, host-bound models; cuda only, not with --recompute) (default: on for "
-                          "--schedule sync on cuda, off for pipelines and on cpu)")
+                          "graph: for small, host-bound models; cuda only, not with --recompute) (default: on only "
+                          "for --schedule sync on cuda without --recompute or --head-loss liger/cce; off "
+                          "otherwise)")
     run.add_argument("--compute-copies", action=argparse.BooleanOptionalAction, default=None,
                      help="under bf16, run linear layers on bf16 copies of their weights made once per weight "
                           "change instead of casting every microbatch (same numbers, fewer kernels) (default on)")
