@@ -351,3 +351,23 @@ def test_cuda_graphs_train_as_without_them(tmp_path, flags, tol):
     assert all(abs(g - w) <= tol * abs(w) for g, w in zip(got, want)), (got, want)
     want, got = losses["sim"], losses["pipe"]
     assert all(abs(g - w) <= max(tol, 1e-5) * abs(w) for g, w in zip(got, want)), (got, want)
+
+
+@pytest.mark.cuda
+def test_a_sync_run_on_cuda_replays_graphs_unless_told_not_to(tmp_path, monkeypatch):
+    """The auto rule end to end: `asyncpp-train --device cuda --schedule sync` captures graphs
+    without being asked; `--no-cuda-graphs` captures none."""
+    from asyncpp_ext.training.cli import main
+
+    captures = []
+    real = torch.cuda.make_graphed_callables
+
+    def counting(*args, **kw):
+        captures.append(1)
+        return real(*args, **kw)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", counting)  # GraphedCompute looks it up when built
+    run = ["--device", "cuda", "--model", "llama-tiny", "--schedule", "sync", "--stages", "1", "--steps", "2",
+           "--microbatches", "2", "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--no-compile"]
+    assert main([*run, "--out", str(tmp_path / "auto")]) == 0 and captures
+    captures.clear()
+    assert main([*run, "--no-cuda-graphs", "--out", str(tmp_path / "off")]) == 0 and not captures
