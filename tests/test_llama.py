@@ -376,10 +376,32 @@ def test_grouped_query_attention_handed_to_sdpa_equals_the_repeated_heads(monkey
         torch.manual_seed(0)
         attn = llama.Attention(cfg).to(dtype)
         xi = x.to(dtype).detach().clone().requires_grad_()
-        y = attn(xi, cos.to(dtype), sin.to(dtype))
+        y = attn(xi, cos.to(dtype), llama.signed_sin(sin).to(dtype))
         y.square().sum().backward()
         results.append([y.detach(), xi.grad] + [p.grad for p in attn.parameters()])
     assert torch.equal(results[0][0], results[1][0])
     eps = torch.finfo(dtype).eps
     for got, want in zip(*results):
         assert (got.float() - want.float()).norm() <= 4 * eps * want.float().norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_by_roll_equals_the_rotate_half_concatenation_bit_for_bit(dtype):
+    """apply_rotary rolls x against a sign-folded sin table; the textbook form concatenates
+    (-second, first). (-a) * b and a * (-b) are the same float, so the two agree exactly, values
+    and gradients."""
+    from asyncpp_ext.models import llama
+
+    cos, sin = (t.to(dtype) for t in llama.rotary_cos_sin(24, 16, 10000.0, "cpu", torch.float32))
+    x = torch.randn(2, 3, 24, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    results = []
+    for rolled in (True, False):
+        xi = x.clone().requires_grad_()
+        if rolled:
+            y = llama.apply_rotary(xi, cos, llama.signed_sin(sin))
+        else:
+            first, second = xi.chunk(2, dim=-1)
+            y = xi * cos + torch.cat((-second, first), dim=-1) * sin
+        y.backward(torch.linspace(-2, 2, y.numel()).reshape(y.shape).to(dtype))
+        results.append((y.detach(), xi.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

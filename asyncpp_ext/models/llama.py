@@ -176,10 +176,20 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, heads, T, D) by position: dim j pairs with dim j + D/2 (the "rotate half" layout)."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: the table ``apply_rotary`` takes."""
+    first, second = sin.chunk(2, dim=-1)
+    return torch.cat((-first, second), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, heads, T, D) by position: dim j pairs with dim j + D/2 (the "rotate half" layout),
+    ``x * cos + cat(-second, first) * sin`` with ``sin_signed = signed_sin(sin)``. The rotated half
+    is ``x.roll(D/2)`` times the sign-folded table -- bit for bit the same ((-a) * b and a * (-b)
+    are one float) -- instead of a concatenation: compiled blocks lower a concatenation as a
+    buffer of its own (models/compile.BLOCK_INDUCTOR_OPTIONS), while a roll is an index
+    expression that stays fused into the kernel that rotates q and k."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def fused_linear(x: torch.Tensor, *projections: nn.Linear) -> tuple[torch.Tensor, ...]:
@@ -206,7 +216,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """``cos`` and ``sin_signed``: the rotary tables (T, D) of ``apply_rotary``."""
         b, t, _ = x.shape
         if torch.compiler.is_compiling():  # one product for q, k and v (see fused_linear)
             q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
@@ -216,7 +227,7 @@ class Attention(nn.Module):
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed)
         group = self.n_head // self.n_kv_head  # query head h reads key/value head h // group
         if group > 1 and q.device.type in NATIVE_GQA_DEVICES:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -278,13 +289,14 @@ class LlamaBlock(nn.Module):
         # and evaluated them per element of every head and microbatch, forward and backward
         # (~7 % of a SmolLM step's GPU time on an H200). Buffers, not parameters: they move with
         # the block, stay out of the weights, the optimizer and (non-persistent) checkpoints.
+        # The sin table is kept sign-folded, as apply_rotary takes it.
         cos, sin = rotary_cos_sin(cfg.seq_len, cfg.head_dim, cfg.rope_theta, "cpu", torch.float32)
         self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]  # the embedding refused inputs longer than seq_len
-        cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin[:t].to(x.dtype)
+        cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin_signed[:t].to(x.dtype)
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
