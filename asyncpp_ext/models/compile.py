@@ -101,22 +101,6 @@ log = logging.getLogger(__name__)
 
 _CUDAGRAPH_MODES = ("reduce-overhead",)
 
-BLOCK_INDUCTOR_OPTIONS = {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0}
-"""Inductor options every compiled block and region gets (a caller's ``options=`` override them;
-names this torch's inductor lacks are left out). A concatenation becomes a buffer that each of its
-inputs' kernels writes its slice of, instead of one kernel evaluating every input per element.
-Why: the backward of a fused projection's split (q/k/v, gate/up: llama.fused_linear) is a
-concatenation of the parts' gradients; as one kernel over the 5120-wide gate/up rows of
-smollm-360m it cannot fuse with the 2560-wide sigmoid(gate) pass, which is then written out in
-float32 and read back: ~25 KB per token and layer of the ~156 KB the block's generated kernels
-move (inductor's own per-kernel byte estimates, generated with CUDA's lowering of cat on the CPU;
-docs/design.md §2.11). Inductor on the CPU lowers every cat this way already."""
-
-
-def block_inductor_options() -> dict:
-    from torch._inductor import config
-    return {k: v for k, v in BLOCK_INDUCTOR_OPTIONS.items() if hasattr(config, k)}
-
 
 # ---------------------------------------------------------------------------------------------
 # Compiled forward, shared per block type
@@ -184,7 +168,6 @@ class _Group:
             from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
             patches = dict(list_mode_options(settings.mode, settings.dynamic)) if settings.mode else {}
-            patches.update(block_inductor_options())
             patches.update(dict(settings.options))
             # Both would capture parameter values or addresses (see the module docstring).
             patches.update({"freezing": False, "triton.cudagraphs": False})
@@ -378,5 +361,5 @@ def uncompile(blocks) -> None:
         module.__dict__.pop(REGION_MARK, None)
 
 
-__all__ = ["MODES", "BLOCK_INDUCTOR_OPTIONS", "CompileUnavailableError", "CompileReport", "compile_unavailable_reason", "resolve_compile",
+__all__ = ["MODES", "CompileUnavailableError", "CompileReport", "compile_unavailable_reason", "resolve_compile",
            "inductor_mode", "compile_blocks", "uncompile", "is_compiled"]
