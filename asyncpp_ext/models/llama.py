@@ -303,8 +303,8 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]  # the embedding refused inputs longer than seq_len
-        cos, sin = self.rope_cos[:t].to(x.dtype), self.rope_sin_signed[:t].to(x.dtype)
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        cos, sin_signed = self.rope_cos[:t].to(x.dtype), self.rope_sin_signed[:t].to(x.dtype)
+        x = x + self.attn(self.attn_norm(x), cos, sin_signed)
         return x + self.mlp(self.mlp_norm(x))
 
 
