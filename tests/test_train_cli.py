@@ -44,6 +44,18 @@ def test_tiny_adamw_run_lowers_loss_and_writes_its_outputs(tmp_path, capsys):
     assert cfg["pipeline"]["schedule"] == "2bw" and cfg["train"]["steps"] == 60
 
 
+def test_no_checkpoints_and_no_eval_write_neither_and_train_the_same(tmp_path):
+    args = [*FAST, "--steps", "6", "--eval-every", "3", "--ckpt-every", "3"]
+    assert main([*args, "--out", str(tmp_path / "full")]) == 0
+    assert main([*args, "--no-checkpoints", "--eval-batches", "0", "--out", str(tmp_path / "quiet")]) == 0
+    full, quiet = _metrics(tmp_path / "full"), _metrics(tmp_path / "quiet")
+    assert [r["step"] for r in full if "eval_loss" in r] == [3, 6]
+    assert not any("eval_loss" in r for r in quiet)
+    assert [r["loss"] for r in quiet] == [r["loss"] for r in full]
+    assert sorted(p.name for p in (tmp_path / "full").glob("ckpt-*")) == ["ckpt-000003", "ckpt-000006"]
+    assert list((tmp_path / "quiet").glob("ckpt-*")) == []
+
+
 @pytest.mark.parametrize("schedule, optimizer", [("2bw", "adamw"), ("sync", "sgd")])
 def test_stop_and_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, schedule, optimizer):
     args = FAST + ["--schedule", schedule, "--optimizer", optimizer, "--lr", "1e-2",

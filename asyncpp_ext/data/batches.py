@@ -153,6 +153,8 @@ class BatchStream:
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int) -> list[Microbatch]:
     """A fixed evaluation set: ``count`` batches of windows spread evenly over the eval split."""
+    if count == 0:  # a run that never evaluates needs no eval split of any size
+        return []
     window = seq_len + 1
     max_start = len(tokens) - window
     if max_start < 0:

@@ -138,6 +138,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help=f"eval every K steps and at the end, 0 = end only (default {_D.train.eval_every})")
     run.add_argument("--ckpt-every", type=int,
                      help=f"checkpoint every K steps and at the end, 0 = end only (default {_D.train.ckpt_every})")
+    run.add_argument("--checkpoints", action=argparse.BooleanOptionalAction, default=None,
+                     help="--no-checkpoints: write no checkpoint, not even at the end (a throughput "
+                          "run nothing resumes)")
+    run.add_argument("--eval-batches", type=int, metavar="N",
+                     help=f"evaluation batches per eval, 0 = never evaluate (default {_D.data.eval_batches})")
     run.add_argument("--out", help="run directory (default runs/YYYYmmdd-HHMMSS; with --resume, "
                                    "the resumed directory)")
     run.add_argument("--resume", metavar="DIR",
@@ -218,6 +223,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
         ("data", "sampling"): args.sampling,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
+        ("train", "checkpoints"): args.checkpoints, ("data", "eval_batches"): args.eval_batches,
         ("train", "out"): args.out, ("train", "device"): args.device,
         ("train", "simulate"): args.simulate,
         ("train", "progress"): None if args.no_progress is None else not args.no_progress,
@@ -257,7 +263,8 @@ FIELD_FLAGS = {
     "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
     "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta", "optim.ns_dtype": "--ns-dtype",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
-    "train.ckpt_every": "--ckpt-every", "train.device": "--device", "train.timeout_s": "--timeout",
+    "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
+    "data.eval_batches": "--eval-batches", "train.device": "--device", "train.timeout_s": "--timeout",
     "train.on_nonfinite": "--on-nonfinite", "train.threads": "--threads", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",

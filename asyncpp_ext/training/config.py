@@ -54,7 +54,9 @@ class DataConfig:
     val_source: Optional[str] = None
     """A separate evaluation file (same formats as ``source``); then all of ``source`` trains."""
     eval_batches: int = 4
-    """Number of evaluation batches (each of micro_batch_size windows) per evaluation."""
+    """Number of evaluation batches (each of micro_batch_size windows) per evaluation; 0 = the run
+    never evaluates (a throughput measurement: under ``--compile`` the first evaluation compiles
+    each region's no-grad graph, seconds on a GPU)."""
     sampling: str = "random"
     """Order of the training windows: random (uniform starts, nanoGPT's way) | epoch (consecutive
     windows in a seeded permutation per epoch: no token trains twice within an epoch)."""
@@ -223,6 +225,10 @@ class TrainConfig:
     """Evaluate the held-out loss every this many steps (and at the last step); 0 = only last."""
     ckpt_every: int = 100
     """Checkpoint every this many steps (and always at the last step); 0 = only last."""
+    checkpoints: bool = True
+    """Write checkpoints at all (``ckpt_every`` says when); False = none, not even at the end: a
+    throughput or smoke run that nothing will resume (the final save of weights and optimizer
+    state, 1.6 GB at smollm-135m with AdamW, and its checksum take seconds)."""
     out: str = "runs/asyncpp"
     """Run directory: metrics.jsonl, config.json, loss.png, ckpt-NNNNNN/."""
     resume: Optional[str] = None

@@ -109,7 +109,7 @@ class Trainer:
         """The next step at which every stage must be quiet: an eval, a checkpoint, or the end."""
         t = self.cfg.train
         ends = [t.steps]
-        for every in (t.eval_every if self.eval_set else 0, t.ckpt_every):
+        for every in (t.eval_every if self.eval_set else 0, t.ckpt_every if t.checkpoints else 0):
             if every > 0:
                 ends.append((self.step // every + 1) * every)
         return min(ends)
@@ -178,7 +178,7 @@ class Trainer:
                     os.fsync(metrics.fileno())  # metrics up to a checkpoint survive with it
                 rows += pending
                 self._log_tensorboard(pending)
-                if self._is_due(end, self.cfg.train.ckpt_every):
+                if self.cfg.train.checkpoints and self._is_due(end, self.cfg.train.ckpt_every):
                     self.save(self.elapsed_before + time.perf_counter() - start)
         finally:
             profiler.close()
