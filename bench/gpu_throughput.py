@@ -208,14 +208,15 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
         two_bw(mdl, seq, "adamw")
         hf(mdl, seq, "adamw", False)
     elif args.mode == "quick":
-        # The default configurations at the first point, within 3 minutes on one GPU: ours (on
-        # CUDA with graphs, the CLI's default for sync there, and without, as the 2bw row
-        # computes), the compiled Hugging Face model (its whole-model compile is about 60 s of
-        # it), 2bw on one GPU, the head pair. Other variants (gloo beside ipc, stage scope) and
-        # the other points are the full mode's.
+        # The CLI's default configurations at the first point, within 3 minutes on one GPU: ours
+        # sync (on CUDA with graphs, the CLI's default for sync there), the compiled Hugging Face
+        # model (its whole-model compile is 80-90 s of the 3 minutes), 2bw on one GPU (without
+        # graphs, the pipelines' default), the head pair. Every row is a process that compiles its
+        # model, so a row costs half a minute or more: the sync row without graphs, which 2bw's
+        # ratio to one stage needs (computed alike), other variants (gloo beside ipc, stage scope)
+        # and the other points are the full mode's.
         mdl, seq = first
-        for g in graphs:
-            ours(mdl, seq, "adamw", compile_=main_compile, graphs=g)
+        ours(mdl, seq, "adamw", compile_=main_compile, graphs=graphs[-1])
         if flags["compile"] and cpu_eager:
             # compiled vs eager llama-tiny: the one compiled row that runs on CPU without --cpu-compile
             ours(mdl, seq, "adamw", compile_=True, cpu_compile_anyway=True)

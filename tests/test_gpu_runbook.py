@@ -28,7 +28,7 @@ ROWS = {
              f"ours 2bw 2st 1gpu adamw ipc {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs stage-compile {R360}",
              f"hf compile adamw {R360}"],
-    "quick": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
+    "quick": [f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
               f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
     "head": [f"head-loss plain {HEAD}", f"head-loss fused {HEAD}", f"head-loss fused 682 rows {HEAD}",
              f"head-loss fused 4096 rows {HEAD}"],

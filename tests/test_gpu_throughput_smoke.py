@@ -182,8 +182,7 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     assert [r["compile"] for r in cpu if r["name"].startswith("ours sync adamw") and r["model"] == "llama-tiny"] \
         == [False, True]
     # --cuda-graphs rows where the CLI has the flag: in the full mode, on CUDA, beside the primary
-    # points' sync and 2bw rows; --quick adds the sync row with graphs (the CLI's default for sync
-    # on CUDA) beside the one without (what its 2bw row computes alike)
+    # points' sync and 2bw rows; --quick runs the CLI's defaults: sync with graphs on CUDA, 2bw without
     with_graphs = dict(flags_on, cuda_graphs=True)
     full, _ = gt.build_plan(_plan_args(), with_graphs, gpus=1)
     assert {(r["name"], r["model"], r["seq_len"]) for r in full if r.get("graphs")} == {
@@ -191,7 +190,7 @@ def test_plan_rows_compile_flags_and_gpu_counts():
         ("ours sync adamw graphs", "smollm-360m", 2048), ("ours 2bw 2st 1gpu adamw graphs", "smollm-360m", 2048)}
     assert [(r["name"], bool(r.get("graphs"))) for r in gt.build_plan(_plan_args(mode="quick"), with_graphs,
                                                                       gpus=1)[0] if r["impl"] == "ours"] == [
-        ("ours sync adamw", False), ("ours sync adamw graphs", True), ("ours 2bw 2st 1gpu adamw", False)]
+        ("ours sync adamw graphs", True), ("ours 2bw 2st 1gpu adamw", False)]
     # where the CLI has the ipc transport, the full mode's one-GPU 2bw rows are gloo, ipc and ipc
     # with graphs; --quick runs ipc alone
     with_ipc = dict(with_graphs, ipc=True)
