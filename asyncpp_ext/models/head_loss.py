@@ -337,14 +337,18 @@ def require_kernel(kernel: str, device, dtype: Optional[torch.dtype] = None, bia
     return kernel
 
 
+UNCAPTURABLE_KERNELS = ("liger", "cce")
+"""The library kernels a CUDA graph cannot capture: Liger-Kernel's forward reads a count with
+``.item()``; cut-cross-entropy's is not checked for capture. The chunked kernel reads nothing back."""
+
+
 def kernel_for_graphs(kernel: str, cuda_graphs: bool) -> str:
-    """The fused head's ``kernel`` setting where ``cuda_graphs`` may capture it: the package's
-    chunked kernel, which reads nothing back to the host. Liger-Kernel's forward reads a count
-    with ``.item()`` and cut-cross-entropy's is not checked for capture, so "auto" means "chunked"
-    under graphs and naming either is refused (ValueError, one line)."""
-    if not cuda_graphs or kernel == "chunked":
+    """The fused head's ``kernel`` setting where ``cuda_graphs`` may capture it: "auto" means the
+    package's chunked kernel under graphs, and naming one of ``UNCAPTURABLE_KERNELS`` is refused
+    (ValueError, one line)."""
+    if not cuda_graphs or kernel not in ("auto", *UNCAPTURABLE_KERNELS):
         return kernel
-    if kernel == "auto":
+    if kernel == "auto":  # auto's choice where graphs capture: the one kernel they can
         return "chunked"
     raise ValueError(f"head-loss kernel {kernel!r} cannot be captured in a CUDA graph (liger reads a value "
                      "back to the host in its forward; cce is not checked for capture): use the fused "

@@ -18,7 +18,7 @@ from torch import nn
 from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from ..models.base import forward_through
 from ..models.compile import inductor_mode, resolve_compile
-from ..models.head_loss import head_loss, kernel_for_graphs, require_kernel, resolve_head_loss
+from ..models.head_loss import UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, require_kernel, resolve_head_loss
 from ..models.regions import compile_regions, scope_regions
 from ..models.registry import build_model
 from ..optim import build_optimizer
@@ -121,7 +121,7 @@ def resolve_cuda_graphs(cfg: RunConfig, device) -> bool:
     if t.cuda_graphs is not None:
         return t.cuda_graphs
     return (torch.device(device).type == "cuda" and cfg.pipeline.schedule == "sync"
-            and not cfg.pipeline.recompute and t.head_loss not in ("liger", "cce"))
+            and not cfg.pipeline.recompute and t.head_loss not in UNCAPTURABLE_KERNELS)
 
 
 def model_loss(compute: StageCompute):
