@@ -88,3 +88,34 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def groups_restored():
+    """Fresh process-wide compiled groups (models/compile.py) for the test, and the earlier ones
+    back after it: a test that replaces inductor's compile_fx must use it, since a group compiled
+    meanwhile keeps the stand-in's code in its dynamo cache (``_compile_groups_use_inductor``)."""
+    from asyncpp_ext.models.compile import _GROUPS
+
+    saved = dict(_GROUPS)
+    _GROUPS.clear()
+    yield
+    _GROUPS.clear()
+    _GROUPS.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _compile_groups_use_inductor(request):
+    """After every test: each process-wide compiled group that compiles with inductor hands its
+    graphs to inductor's real compile_fx. A group made while a test had replaced compile_fx would
+    run the stand-in's code in every later test of the process; such a test takes
+    ``groups_restored``."""
+    yield
+    compile_mod, fx_mod = sys.modules.get("asyncpp_ext.models.compile"), sys.modules.get("torch._inductor.compile_fx")
+    if compile_mod is None or fx_mod is None:
+        return  # nothing compiled with inductor in this process yet
+    stale = [g.name for g in compile_mod._GROUPS.values()
+             if getattr(getattr(g, "compiler", None), "func", fx_mod.compile_fx) is not fx_mod.compile_fx]
+    if stale:
+        pytest.fail(f"{request.node.nodeid} left compiled groups {stale} on a stand-in for inductor's "
+                    "compile_fx; give the test the groups_restored fixture", pytrace=False)

@@ -264,20 +264,6 @@ def test_blocks_of_a_region_called_without_the_rest_run_eagerly(monkeypatch):
     assert calls == [3] and not report.fallbacks
 
 
-@pytest.fixture
-def groups_restored():
-    """Fresh process-wide compiled groups for the test, and the earlier ones back after it: a
-    group that compiles while inductor's compile_fx is replaced keeps the stand-in's code in its
-    dynamo cache, which later tests would run."""
-    from asyncpp_ext.models.compile import _GROUPS
-
-    saved = dict(_GROUPS)
-    _GROUPS.clear()
-    yield
-    _GROUPS.clear()
-    _GROUPS.update(saved)
-
-
 def test_compile_mode_reaches_inductor_with_its_cuda_graphs_off(monkeypatch, groups_restored):
     # --compile-mode max-autotune: the pipeline's stage and the simulator's regions hand inductor
     # max-autotune's options (CUDA graphs switched off: they would replay captured weight

@@ -174,6 +174,7 @@ class _Group:
             inner = functools.partial(compile_fx, config_patches=patches)
         elif isinstance(inner, str):
             inner = torch._dynamo.lookup_backend(inner)
+        self.compiler = inner  # what the group hands its graphs to (inductor's, with our patches)
 
         # Compile the backward now, inside the forward call that the fallback guards, instead of
         # lazily at the first backward (where a failure would escape as a training error). Older
