@@ -255,8 +255,8 @@ def spot_check(args: dict, variant: Variant, steps: int) -> dict:
     common = ["--schedule", "2bw", "--optimizer", variant.optimizer, "--lr", str(variant.lr),
               "--ef-beta", str(variant.ef_beta), "--model", args["model"], "--data", args["data"],
               "--steps", str(steps), "--seed", "0", "--microbatches", str(args["microbatches"]),
-              "--micro-batch-size", str(args["micro_batch_size"]), "--eval-every", "0",
-              "--ckpt-every", "0", "--no-progress", "--stages", "2"]
+              "--micro-batch-size", str(args["micro_batch_size"]), "--eval-batches", "0",
+              "--no-checkpoints", "--no-progress", "--stages", "2"]
     if variant.adamw_lr is not None:
         common += ["--adamw-lr", str(variant.adamw_lr)]
     if args.get("n_layer") is not None:

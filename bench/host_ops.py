@@ -94,7 +94,7 @@ def _ours(args, scope: str, work: Path) -> dict:
             "--micro-batch-size", str(args.micro_batch_size), "--microbatches", str(args.microbatches),
             "--stages", "1", "--schedule", "sync", "--optimizer", "adamw", "--ef-beta", "0", "--dtype", args.dtype,
             "--compile", "--compile-scope", scope, "--threads", "1", "--steps", str(args.steps),
-            "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--data", "builtin", "--out", str(out),
+            "--eval-batches", "0", "--no-checkpoints", "--no-progress", "--data", "builtin", "--out", str(out),
             "--profile-steps", f"{first}:{args.steps}"]
     # asyncpp-train's flags, read as the command reads them: smollm-135m's structure (grouped-query
     # heads, tied head) at this shape; the key/value heads and SwiGLU width have no flags.
