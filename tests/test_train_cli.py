@@ -54,6 +54,11 @@ def test_no_checkpoints_and_no_eval_write_neither_and_train_the_same(tmp_path):
     assert [r["loss"] for r in quiet] == [r["loss"] for r in full]
     assert sorted(p.name for p in (tmp_path / "full").glob("ckpt-*")) == ["ckpt-000003", "ckpt-000006"]
     assert list((tmp_path / "quiet").glob("ckpt-*")) == []
+    # a resumed run may change how much it evaluates (not what trains) and stop checkpointing
+    assert main(["--resume", str(tmp_path / "full"), "--steps", "8", "--eval-batches", "0", "--no-checkpoints"]) == 0
+    resumed = _metrics(tmp_path / "full")
+    assert [r["step"] for r in resumed] == list(range(1, 9)) and not any("eval_loss" in r for r in resumed[6:])
+    assert sorted(p.name for p in (tmp_path / "full").glob("ckpt-*")) == ["ckpt-000003", "ckpt-000006"]
 
 
 @pytest.mark.parametrize("schedule, optimizer", [("2bw", "adamw"), ("sync", "sgd")])

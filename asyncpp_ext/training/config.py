@@ -443,10 +443,11 @@ def _check_optimizer_available(name: str) -> None:
 # parameter names, and the update semantics do not depend on the split), and so may dp and
 # micro_batch_size as long as their product, the sequences the stream draws per microbatch, stays:
 # every replica holds the same state, and R replicas of B sequences average the gradient of the
-# same R*B sequences (equal up to float summation order).
+# same R*B sequences (equal up to float summation order). data.eval_batches may differ too: it
+# says how much of the held-out split an evaluation reads, not what trains.
 RESUME_MUST_MATCH = (
     [f"model.{f.name}" for f in fields(ModelConfig)]
-    + [f"data.{f.name}" for f in fields(DataConfig)]
+    + [f"data.{f.name}" for f in fields(DataConfig) if f.name != "eval_batches"]  # what is evaluated, not trained
     + [f"optim.{f.name}" for f in fields(OptimConfig)]
     + ["pipeline.schedule", "pipeline.microbatches", "pipeline.global_micro_batch_size", "pipeline.delay",
        "pipeline.delay_only", "train.seed", "train.dtype"]
