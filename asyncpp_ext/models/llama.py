@@ -196,10 +196,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
 def fused_linear(x: torch.Tensor, *projections: nn.Linear) -> tuple[torch.Tensor, ...]:
     """``tuple(p(x) for p in projections)`` as one matrix product with the weights stacked.
 
-    Used inside compiled blocks only: there the stacking fuses into the cast to the compute dtype
-    that autocast makes of every weight anyway (one kernel instead of one per weight), and one wide
-    GEMM (and two in backward) replaces a narrow one per projection -- fewer kernel launches, which
-    bound a small model's step on a GPU, and better tiles. Eagerly the stacking would be one more
+    Used inside compiled blocks only: there the stacking is one kernel (under plain autocast it
+    fuses into the cast to the compute dtype made of every weight anyway; with the bf16 compute
+    copies, the default under bf16, it is a copy of the three weights, about 3 MB per layer and
+    microbatch at smollm-360m), and one wide GEMM (and two in backward) replaces a narrow one per
+    projection -- fewer kernel launches, which bound a small model's step on a GPU, and better
+    tiles. Eagerly the stacking would be one more
     copy per call, so eager blocks keep the plain projections (the results differ only in float
     rounding: the same dot products, possibly summed in another order).
 
