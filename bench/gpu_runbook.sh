@@ -25,7 +25,7 @@
 #   360m    (420) ours with graphs (the default), and with graphs and stage scope, and the compiled
 #           Hugging Face model at smollm-360m / 2048 (~6 min; the Hugging Face compile is 2.5 of them)
 #   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min;
-#           the H100's times of its rows add up to about 3.5, before the rows skipped their end
+#           the H100's times of its rows add up to about 3.6, before ours' rows skipped their end
 #           evaluation and checkpoint)
 #   head    (120) the fused head alone against plain, at the default chunk (2048 rows), the eager
 #           path's 682 and 4096, profiled

@@ -104,18 +104,28 @@ def groups_restored():
     _GROUPS.update(saved)
 
 
-@pytest.fixture(autouse=True)
-def _compile_groups_use_inductor(request):
-    """After every test: each process-wide compiled group that compiles with inductor hands its
-    graphs to inductor's real compile_fx. A group made while a test had replaced compile_fx would
-    run the stand-in's code in every later test of the process; such a test takes
-    ``groups_restored``."""
-    yield
+def stale_compile_groups() -> dict:
+    """The process-wide compiled groups (models/compile.py, by key) made for inductor whose graphs
+    go to something other than inductor's compile_fx as it is now: groups made while a test had
+    replaced it, which would run the stand-in's code in every later test of the process."""
     compile_mod, fx_mod = sys.modules.get("asyncpp_ext.models.compile"), sys.modules.get("torch._inductor.compile_fx")
     if compile_mod is None or fx_mod is None:
-        return  # nothing compiled with inductor in this process yet
-    stale = [g.name for g in compile_mod._GROUPS.values()
-             if getattr(getattr(g, "compiler", None), "func", fx_mod.compile_fx) is not fx_mod.compile_fx]
+        return {}  # nothing compiled with inductor in this process yet
+    return {key: g for key, g in compile_mod._GROUPS.items()
+            if g.settings.backend == "inductor" and g.compiler.func is not fx_mod.compile_fx}
+
+
+@pytest.fixture(autouse=True)
+def _compile_groups_use_inductor(request):
+    """After every test: no compiled group left on a stand-in for inductor's compile_fx (a test
+    that replaces it takes ``groups_restored``). The stale groups are dropped before the failure,
+    so that the tests after it are judged on their own."""
+    yield
+    stale = stale_compile_groups()
     if stale:
-        pytest.fail(f"{request.node.nodeid} left compiled groups {stale} on a stand-in for inductor's "
-                    "compile_fx; give the test the groups_restored fixture", pytrace=False)
+        from asyncpp_ext.models.compile import _GROUPS
+
+        for key in stale:
+            del _GROUPS[key]
+        pytest.fail(f"{request.node.nodeid} left compiled groups {sorted(g.name for g in stale.values())} on a "
+                    "stand-in for inductor's compile_fx; give the test the groups_restored fixture", pytrace=False)

@@ -292,3 +292,23 @@ def test_compile_mode_reaches_inductor_with_its_cuda_graphs_off(monkeypatch, gro
     with pytest.raises(ValueError, match="compile mode 'reduce-overhead' is not one of default, max-autotune"):
         with _one_stage_pipeline(compile_mode="reduce-overhead"):
             pass
+
+
+def test_the_conftest_guard_finds_groups_made_on_a_stand_in_compiler(monkeypatch, groups_restored):
+    # The suite's guard (conftest.stale_compile_groups, checked after every test) against a group
+    # made while inductor's compile_fx was replaced: named once the replacement is undone, and a
+    # group made with the real compile_fx is not. Groups are made when blocks are compiled, before
+    # any call, so nothing runs here.
+    import torch._inductor.compile_fx as compile_fx_module
+    from conftest import stale_compile_groups
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, example_inputs, config_patches=None: gm.forward)
+    compile_stages(_llama(n_layer=2), "cpu", "block", 1)
+    assert stale_compile_groups() == {}  # the stand-in is inductor's compile_fx while it is in place
+    monkeypatch.undo()
+    assert sorted(g.name for g in stale_compile_groups().values()) == ["LlamaBlock", "LlamaEmbedding", "LlamaHead"]
+    from asyncpp_ext.models.compile import _GROUPS
+
+    _GROUPS.clear()
+    compile_stages(_llama(n_layer=2), "cpu", "block", 1)
+    assert _GROUPS and stale_compile_groups() == {}

@@ -124,3 +124,15 @@ def test_existing_run_is_not_overwritten(tmp_path, finished_run, capsys):
     shutil.copytree(finished_run, run)
     assert main(FAST + ["--out", str(run)]) == 2
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
+
+
+def test_checkpoints_must_be_a_bool_in_a_config():
+    # A config.json's "checkpoints": "false" is a string, truthy: refused rather than checkpointing.
+    from asyncpp_ext.training.config import ConfigError, RunConfig
+
+    cfg = RunConfig()
+    cfg.train.checkpoints = "false"
+    with pytest.raises(ConfigError, match="train.checkpoints must be true or false, got 'false'"):
+        cfg.validate()
+    cfg.train.checkpoints = False
+    cfg.validate()

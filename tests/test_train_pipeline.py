@@ -51,6 +51,26 @@ def test_real_run_writes_the_simulated_losses(tmp_path, schedule, stages, optimi
             assert torch.equal(real_state[part][name], want), (part, name)
 
 
+def test_a_pipeline_without_evaluation_or_checkpoints_is_one_segment_with_the_same_losses(tmp_path, capsys):
+    # --eval-batches 0 --no-checkpoints: the real run has no segment end before its last step, the
+    # simulation (evaluating and checkpointing every 3 steps) has two; versions follow the global
+    # step, so the losses are the same bit for bit, and nothing is written but the metrics.
+    flags = TINY + ["--schedule", "2bw", "--stages", "2", "--microbatches", "4", "--optimizer", "muon",
+                    "--lr", "0.01", "--steps", "6", "--n-layer", "2", "--threads", "1"]
+    quiet = ["--eval-batches", "0", "--no-checkpoints", "--out", str(tmp_path / "real")]
+    assert main(flags + quiet) == 0
+    assert main(flags + ["--simulate", "--eval-every", "3", "--ckpt-every", "3", "--out", str(tmp_path / "sim")]) == 0
+    real, real_eval, steps = _losses(tmp_path / "real")
+    sim, sim_eval, _ = _losses(tmp_path / "sim")
+    assert steps == list(range(1, 7)) and real == sim
+    assert real_eval == [None] * 6 and sum(e is not None for e in sim_eval) == 2
+    assert list((tmp_path / "real").glob("ckpt-*")) == []
+    capsys.readouterr()
+    assert main(flags + quiet) == 2  # the directory holds a run that cannot be resumed: no --resume hint
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume" not in err
+
+
 @pytest.mark.parametrize("ef_source", ["buffer", "weights"])
 def test_pipeline_resume_continues_exactly(tmp_path, ef_source):
     flags = TINY + ["--schedule", "2bw", "--stages", "2", "--microbatches", "2", "--optimizer", "muon",

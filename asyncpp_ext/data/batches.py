@@ -153,7 +153,7 @@ class BatchStream:
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int) -> list[Microbatch]:
     """A fixed evaluation set: ``count`` batches of windows spread evenly over the eval split."""
-    if count == 0:  # a run that never evaluates needs no eval split of any size
+    if count == 0:  # a run that never evaluates reads none of the split
         return []
     window = seq_len + 1
     max_start = len(tokens) - window

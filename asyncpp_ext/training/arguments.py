@@ -135,9 +135,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     model.add_argument("--vocab-size", type=int,
                        help="token ids the model knows (default: the model's; data ids must be below it)")
     run.add_argument("--eval-every", type=int,
-                     help=f"eval every K steps and at the end, 0 = end only (default {_D.train.eval_every})")
+                     help=f"eval every K steps and at the end, 0 = end only (default {_D.train.eval_every}; "
+                          "--eval-batches 0: never)")
     run.add_argument("--ckpt-every", type=int,
-                     help=f"checkpoint every K steps and at the end, 0 = end only (default {_D.train.ckpt_every})")
+                     help=f"checkpoint every K steps and at the end, 0 = end only (default {_D.train.ckpt_every}; "
+                          "--no-checkpoints: never)")
     run.add_argument("--checkpoints", action=argparse.BooleanOptionalAction, default=None,
                      help="--no-checkpoints: write no checkpoint, not even at the end (a throughput "
                           "run nothing resumes)")

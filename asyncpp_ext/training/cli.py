@@ -2,7 +2,7 @@
 
 With no arguments it trains the tiny GPT on the built-in corpus for a few seconds. Outputs in the
 run directory (--out): metrics.jsonl (one JSON row per step), config.json, loss.png and checkpoints
-ckpt-NNNNNN/ (every --ckpt-every steps and at the end). ``--resume DIR`` continues DIR's run from its
+ckpt-NNNNNN/ (every --ckpt-every steps and at the end; none with --no-checkpoints). ``--resume DIR`` continues DIR's run from its
 latest checkpoint exactly as if it had never stopped.
 
 Every bad input ends with one line ``asyncpp-train: error: ...`` on stderr and exit code 2.
@@ -71,7 +71,8 @@ def main(argv=None) -> int:
         sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
         return 1
     except KeyboardInterrupt:
-        where = f"; continue with --resume {cfg.train.out}" if cfg is not None else ""
+        resumable = cfg is not None and any(Path(cfg.train.out).glob("ckpt-*"))
+        where = f"; continue with --resume {cfg.train.out}" if resumable else ""
         sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
         return 130
     except (UsageError, RunSetupError, RunDirError, ConfigError, DataError, CheckpointError,

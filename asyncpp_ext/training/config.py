@@ -222,9 +222,11 @@ class TrainConfig:
     seed: int = 0
     """Seed of the model init and of the batch order."""
     eval_every: int = 50
-    """Evaluate the held-out loss every this many steps (and at the last step); 0 = only last."""
+    """Evaluate the held-out loss every this many steps (and at the last step); 0 = only last.
+    ``data.eval_batches = 0``: never."""
     ckpt_every: int = 100
-    """Checkpoint every this many steps (and always at the last step); 0 = only last."""
+    """Checkpoint every this many steps (and at the last step); 0 = only last. ``checkpoints``
+    False: never."""
     checkpoints: bool = True
     """Write checkpoints at all (``ckpt_every`` says when); False = none, not even at the end: a
     throughput or smoke run that nothing will resume (the final save of weights and optimizer

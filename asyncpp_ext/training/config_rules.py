@@ -103,6 +103,8 @@ def check_compute(cfg: RunConfig) -> None:
         raise ConfigError(f"train.compile must be true, false or null (auto), got {t.compile!r}")
     choice("train.compile_scope", t.compile_scope, COMPILE_SCOPES)
     choice("train.compile_mode", t.compile_mode, COMPILE_MODES)
+    if not isinstance(t.checkpoints, bool):
+        raise ConfigError(f"train.checkpoints must be true or false, got {t.checkpoints!r}")
     if not isinstance(t.compute_copies, bool):
         raise ConfigError(f"train.compute_copies must be true or false, got {t.compute_copies!r}")
     if t.cuda_graphs is not None and not isinstance(t.cuda_graphs, bool):

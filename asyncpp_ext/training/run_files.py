@@ -78,8 +78,8 @@ def prepare_run_dir(out: str | os.PathLike, resuming: bool) -> Path:
     so a bad input leaves nothing behind."""
     out = Path(out)
     if not resuming and out.exists() and ((out / METRICS_NAME).exists() or any(out.glob("ckpt-*"))):
-        raise RunDirError(f"--out {out} already holds a run; continue it with --resume {out} or "
-                          "choose another --out")
+        hint = f"continue it with --resume {out} or " if any(out.glob("ckpt-*")) else ""
+        raise RunDirError(f"--out {out} already holds a run; {hint}choose another --out")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
