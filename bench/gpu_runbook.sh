@@ -99,10 +99,12 @@ run_step() {
                    "$PY" -m pip install -q --disable-pip-version-check --no-index --no-build-isolation --no-deps -e .
                step info 30 "$PY" -m asyncpp_ext.info ;;
         135m) bench 135m 390 -- "${ROWS_135M[@]}" ;;
+        # test_cuda_graphs last: its three end-to-end comparisons (4 CLI runs each, two compiled)
+        # are the step's longest, and a step cut by its limit then loses only their tail
         tests) step tests 360 "$PY" -m pytest -v -rA --durations=15 -m cuda -p no:cacheprovider \
-                   tests/test_cuda_graphs.py tests/test_ipc_transport.py tests/test_stage_host.py \
-                   tests/test_compute_copies.py tests/test_stage_compute.py tests/test_compile_cuda.py \
-                   tests/test_head_loss.py ;;
+                   tests/test_ipc_transport.py tests/test_stage_host.py tests/test_compute_copies.py \
+                   tests/test_stage_compute.py tests/test_compile_cuda.py tests/test_head_loss.py \
+                   tests/test_cuda_graphs.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick ;;

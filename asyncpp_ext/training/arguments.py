@@ -182,7 +182,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "percent on large GPU-bound stages; no CUDA graphs) (default default)")
     run.add_argument("--head-loss", choices=HEAD_LOSSES,
                      help="last block's loss: plain (whole logits), fused (chunked matmul + cross entropy, "
-                          "no logits in memory), liger / cce (fused with that CUDA kernel), auto (fused for "
+                          "no logits in memory), liger / cce (fused with that CUDA kernel), chunked (fused with "
+                          "the package's own kernel, whatever is installed), auto (fused for "
                           "vocabularies >= 8192) (default auto)")
     run.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="replay each microbatch's forward and backward from CUDA graphs (one launch per "

@@ -18,7 +18,7 @@ from torch import nn
 from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
 from ..models.base import forward_through
 from ..models.compile import inductor_mode, resolve_compile
-from ..models.head_loss import UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, require_kernel, resolve_head_loss
+from ..models.head_loss import KERNELS, UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, require_kernel, resolve_head_loss
 from ..models.regions import compile_regions, scope_regions
 from ..models.registry import build_model
 from ..optim import build_optimizer
@@ -75,7 +75,8 @@ class StageCompute:
     head_loss: str
     """"plain" or "fused"."""
     kernel: str = "auto"
-    """The fused head loss's kernel: "auto" (models/head_loss.fused_kernel_name), "liger", "cce"."""
+    """The fused head loss's kernel: "auto" (models/head_loss.fused_kernel_name), "liger", "cce",
+    "chunked"."""
     cuda_graphs: bool = False
     """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py)."""
     compute_copies: bool = False
@@ -94,7 +95,7 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
     a head-loss kernel off CUDA or without its extra."""
     device = torch.device(device or cfg.train.device)
     mode = cfg.train.head_loss
-    kernel = mode if mode in ("liger", "cce") else "auto"
+    kernel = mode if mode in KERNELS else "auto"  # --head-loss liger|cce|chunked: fused by that kernel
     if kernel != "auto":
         require_kernel(kernel, device)
         mode = "fused"

@@ -30,7 +30,7 @@ DTYPES = ("auto", "fp32", "bf16", "bf16-params")
 NS_DTYPES = ("auto", "fp32", "bf16")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
-HEAD_LOSSES = ("auto", "fused", "plain", "liger", "cce")
+HEAD_LOSSES = ("auto", "fused", "plain", "liger", "cce", "chunked")
 COMPILE_SCOPES = ("block", "stage")
 DELAY_ONLY = ("matrices", "others")
 """Values of PipelineConfig.delay_only: the parameter set a simulated 2bw run delays."""
@@ -280,7 +280,8 @@ class TrainConfig:
     """How the last block computes its loss: plain (logits, then cross entropy) | fused (the head's
     matmul and cross entropy chunk by chunk, the logits never whole in memory; Liger-Kernel or
     cut-cross-entropy on CUDA where installed, else the package's own chunked kernel) | liger | cce
-    (fused with that library kernel; CUDA, its extra installed) | auto (fused when the vocabulary
+    (fused with that library kernel; CUDA, its extra installed) | chunked (fused with the package's
+    own kernel whatever is installed: the same numbers with CUDA graphs and without) | auto (fused when the vocabulary
     has >= 8192 ids, else plain; models/head_loss.py)."""
     cuda_graphs: Optional[bool] = None
     """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py): one launch
