@@ -275,7 +275,7 @@ RUNNERS = dict(build_tests=section_pytest("build_tests"), cuda_tests=section_pyt
                bench_muon_widths=section_bench("bench_muon_widths"), bench_p2p=section_bench("bench_p2p"))
 
 
-# --- bench/gpu_throughput.py (issue 33): tokens/s, TFLOP/s, MFU and peak memory of asyncpp-train against
+# --- bench/gpu_throughput.py: tokens/s, TFLOP/s, MFU and peak memory of asyncpp-train against
 # Hugging Face eager / torch.compile, in its --quick form (target < 3 min on one H100, not yet timed there; the full bench, ~10 min,
 # is run by hand). Passes when every row ran and every row's correctness check held.
 TIMEOUTS["bench_gpu_throughput"] = 480
@@ -307,7 +307,7 @@ RUNNERS["bench_gpu_throughput"] = section_gpu_throughput
 # --- end of the bench/gpu_throughput.py section
 
 
-# --- bench/paper_study.py --scale gpu (issue 34): the paper's comparisons at model scale. Off unless
+# --- bench/paper_study.py --scale gpu: the paper's comparisons at model scale. Off unless
 # --study; each table is sized for <= 20 minutes on one H100. Passes when every run of both tables
 # finished with a finite loss; its figures are each row's gap and recovered share (mean, per seed).
 STUDY_TABLES = ("optimizers", "ef")

@@ -1,5 +1,5 @@
 """Regional compilation of pipeline blocks: each block compiled in place with ``torch.compile``,
-identical blocks sharing one compiled graph (issue 33; docs/design.md §2.11).
+identical blocks sharing one compiled graph (docs/design.md §2.11).
 
 API (what the Pipeline, the simulator and the CLI call)::
 

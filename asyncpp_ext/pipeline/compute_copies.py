@@ -1,5 +1,5 @@
 """16-bit compute copies of a module's linear weights, made once per weight version instead of
-cast by autocast in every microbatch (issue 33's "bf16 compute copies").
+cast by autocast in every microbatch (the "bf16 compute copies", docs/design.md §2.13).
 
 Under bf16 autocast every ``nn.Linear`` call casts its float32 weight (and bias) to bf16, and its
 backward casts the bf16 weight gradient back to float32 before autograd adds it into ``.grad``: per
