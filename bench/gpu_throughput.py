@@ -426,12 +426,17 @@ def run(args) -> dict:
         skipped += [(f"{r['name']} ({r['model']}, T={r['seq_len']})", "transformers not installed")
                     for r in rows if r["impl"] == "hf"]
         rows = [r for r in rows if r["impl"] != "hf"]
+    from asyncpp_ext.models.head_loss import fused_kernel_name
+
     info = dict(device=args.device, device_name=device_name, gpus=gpus, torch=torch.__version__,
                 transformers=tf_version, mode=args.mode, warmup=args.warmup, steps=args.steps,
                 peak_tflops=peak, peak_source=source, cli_flags=flags, python=sys.version.split()[0],
                 dtype="bf16 autocast, fp32 weights" if args.device == "cuda" else "fp32",
                 micro_batch_size=args.micro_batch_size, microbatches=args.microbatches,
-                models=args.models, seq_lens=args.seq_lens)
+                models=args.models, seq_lens=args.seq_lens,
+                # what ours' fused head runs where graphs do not (Liger's where liger-kernel is
+                # installed); rows with graphs always run the chunked kernel
+                fused_head_kernel=fused_kernel_name(args.device))
     formula = ("6*N + 12*L*H*Q*T (PaLM; N = matmul parameters: block weights + the head's V x C, a tied table "
                "counted once; attention without causal halving)")
     if args.dry_run:

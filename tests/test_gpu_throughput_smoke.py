@@ -33,6 +33,7 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["info"]["device"] == "cpu" and rep["info"]["mode"] == "smoke"
     assert rep["info"]["peak_tflops"] == 0.5
+    assert rep["info"]["fused_head_kernel"] == "chunked"  # the CPU's only fused kernel
     rows = {row["name"]: row for row in rep["rows"]}
     train_rows = [row for row in rep["rows"] if row["impl"] != "head"]
     assert {row["impl"] for row in train_rows} == {"ours", "hf"}
