@@ -260,7 +260,8 @@ def format_report(report: dict) -> str:
     w = max([len(r["name"]) + 2 for r in report["rows"]] + [30])  # the row column fits every name
     lines = [f"# asyncpp bench/gpu_throughput.py: {info['device_name']} ({info['device']}), torch {info['torch']}, "
              f"transformers {info['transformers'] or 'not installed'}, mode {info['mode']}, ours' fused head "
-             f"{info.get('fused_head_kernel', 'n/a')} (rows with graphs: chunked; vocabularies < 8192: plain)",
+             f"{info.get('fused_head_kernel', 'n/a')}"
+             + (" (rows with graphs: chunked)" if info["device"] == "cuda" else ""),
              f"# peak {_f(info['peak_tflops'], 'g')} TFLOP/s ({info['peak_source']}); dtype {info['dtype']}; "
              f"{info['warmup']} warm-up + {info['steps']} measured steps per row; asyncpp-train flags: "
              + ", ".join(f"--{k.replace('_', '-')} {'yes' if v else 'absent'}" for k, v in info["cli_flags"].items()),

@@ -425,3 +425,11 @@ def test_gradients_formed_in_forward_are_bitwise_the_recomputing_form_with_a_mat
     with _CountMatmuls() as seen, torch.no_grad():  # evaluation forms no gradients
         linear_cross_entropy(h, w, t, bias=b, chunk_rows=128)
     assert seen.count == chunks
+
+
+def test_the_cli_choices_are_the_modes_and_the_kernels():
+    # --head-loss takes every mode and every kernel by name, nothing else (config.HEAD_LOSSES is
+    # written out where the config is, so that the config needs no torch import to list it)
+    from asyncpp_ext.training.config import HEAD_LOSSES
+
+    assert set(HEAD_LOSSES) == set(hl.HEAD_LOSS_MODES) | set(hl.KERNELS)

@@ -136,3 +136,20 @@ def test_checkpoints_must_be_a_bool_in_a_config():
         cfg.validate()
     cfg.train.checkpoints = False
     cfg.validate()
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_an_interrupted_run_names_resume_only_when_it_has_a_checkpoint(tmp_path, monkeypatch, capsys, checkpointed):
+    import asyncpp_ext.training.cli as cli
+
+    out = tmp_path / "run"
+
+    def interrupted(cfg, resume_dir):
+        out.mkdir(parents=True, exist_ok=True)
+        if checkpointed:
+            (out / "ckpt-000002").mkdir()
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "train", interrupted)
+    assert main([*FAST, "--steps", "4", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and (f"--resume {out}" in err) is checkpointed, err

@@ -352,7 +352,7 @@ def kernel_for_graphs(kernel: str, cuda_graphs: bool) -> str:
         return "chunked"
     raise ValueError(f"head-loss kernel {kernel!r} cannot be captured in a CUDA graph (liger reads a value "
                      "back to the host in its forward; cce is not checked for capture): use the fused "
-                     "head's own kernel (--head-loss fused) or drop --cuda-graphs")
+                     "head's own kernel (--head-loss chunked) or drop --cuda-graphs")
 
 
 def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, kernel: str = "auto",
