@@ -140,8 +140,7 @@ def test_checkpoints_must_be_a_bool_in_a_config():
 
 @pytest.mark.parametrize("checkpointed", [True, False])
 def test_an_interrupted_run_names_resume_only_when_it_has_a_checkpoint(tmp_path, monkeypatch, capsys, checkpointed):
-    import asyncpp_ext.training.cli as cli
-
+    # main's own handling of an interrupt: the run it dispatches to is replaced by one that stops
     out = tmp_path / "run"
 
     def interrupted(cfg, resume_dir):
@@ -149,7 +148,7 @@ def test_an_interrupted_run_names_resume_only_when_it_has_a_checkpoint(tmp_path,
         if checkpointed:
             (out / "ckpt-000002").mkdir()
         raise KeyboardInterrupt
-    monkeypatch.setattr(cli, "train", interrupted)
+    monkeypatch.setattr("asyncpp_ext.training.cli.train", interrupted)
     assert main([*FAST, "--steps", "4", "--out", str(out)]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and (f"--resume {out}" in err) is checkpointed, err
