@@ -129,7 +129,7 @@ def detect_cli_flags() -> dict:
             "ipc": ",ipc" in text, "compute_copies": "--no-compute-copies" in text,
             "bf16_params": "bf16-params" in text, "compile_scope": "--compile-scope" in text,
             "compile_mode": "--compile-mode" in text,
-            "no_eval_ckpt": "--no-checkpoints" in text and "--eval-batches" in text}
+            "no_checkpoints": "--no-checkpoints" in text and "--eval-batches" in text}
 
 
 def row(name, impl, model, seq, mb, m, **kw) -> dict:

@@ -69,7 +69,7 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
            "--out", str(out_dir), "--data", "builtin"]
     if r["stages"] == 1:
         cmd += ["--ef-beta", "0"]
-    if flags.get("no_eval_ckpt"):
+    if flags.get("no_checkpoints"):
         # Neither the end's evaluation (under --compile a no-grad graph per region to compile) nor
         # the final checkpoint (weights and optimizer state to disk, checksummed): the Hugging Face
         # rows do neither, and on a GPU both cost seconds of each row's wall time, none of its steps.

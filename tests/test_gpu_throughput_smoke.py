@@ -339,7 +339,7 @@ def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
     assert "--compile" in on and on[on.index("--head-loss") + 1] == "auto"
     assert "--compile" not in off and "--head-loss" not in off and "--profile-steps" not in on
     assert "--no-checkpoints" not in on  # an older CLI without the flags
-    quiet = gt.ours_command(r, args, dict(compile=True, head_loss=True, no_eval_ckpt=True), tmp_path / "o", tmp_path / "p")
+    quiet = gt.ours_command(r, args, dict(compile=True, head_loss=True, no_checkpoints=True), tmp_path / "o", tmp_path / "p")
     assert "--no-checkpoints" in quiet and quiet[quiet.index("--eval-batches") + 1] == "0"
     args.profile = True  # two traced steps after the 3 + 5 measured ones
     traced = gt.ours_command(r, args, dict(compile=True, head_loss=True), tmp_path / "o", tmp_path / "p")
