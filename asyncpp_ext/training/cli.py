@@ -16,7 +16,7 @@ from typing import Optional
 
 from .arguments import PROG, UsageError, build_parser, config_from_args, name_flag
 from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint,
-                         read_meta)
+                         list_checkpoints, read_meta)
 from .config import ConfigError, RunConfig
 from ..data import DataError
 from .model_source import ModelSourceError
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
         return 1
     except KeyboardInterrupt:
-        resumable = cfg is not None and any(Path(cfg.train.out).glob("ckpt-*"))
+        resumable = cfg is not None and list_checkpoints(cfg.train.out)  # what --resume would find
         where = f"; continue with --resume {cfg.train.out}" if resumable else ""
         sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
         return 130

@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from .checkpoint import list_checkpoints
+
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
 PLOT_NAME = "loss.png"
@@ -78,7 +80,7 @@ def prepare_run_dir(out: str | os.PathLike, resuming: bool) -> Path:
     so a bad input leaves nothing behind."""
     out = Path(out)
     if not resuming and out.exists() and ((out / METRICS_NAME).exists() or any(out.glob("ckpt-*"))):
-        hint = f"continue it with --resume {out} or " if any(out.glob("ckpt-*")) else ""
+        hint = f"continue it with --resume {out} or " if list_checkpoints(out) else ""  # what --resume finds
         raise RunDirError(f"--out {out} already holds a run; {hint}choose another --out")
     created = not out.exists()
     try:
