@@ -128,7 +128,7 @@ def detect_cli_flags() -> dict:
             "head_loss": "--head-loss" in text, "cuda_graphs": "--cuda-graphs" in text,
             "ipc": ",ipc" in text, "compute_copies": "--no-compute-copies" in text,
             "bf16_params": "bf16-params" in text, "compile_scope": "--compile-scope" in text,
-            "compile_mode": "--compile-mode" in text,
+            "compile_mode": "--compile-mode" in text, "attention": "--attention" in text,
             "no_checkpoints": "--no-checkpoints" in text and "--eval-batches" in text}
 
 
@@ -158,7 +158,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                   + (" graphs" if kw.get("graphs") else "") + (" no-copies" if kw.get("copies") is False else "")
                   + (" bf16-params" if kw.get("dtype") == "bf16-params" else "")
                   + (" stage-compile" if kw.get("scope") == "stage" else "")
-                  + (f" {kw['compile_mode']}" if kw.get("compile_mode") else ""))
+                  + (f" {kw['compile_mode']}" if kw.get("compile_mode") else "")
+                  + (f" {kw['attention']}-attention" if kw.get("attention") else ""))
         if kw.get("stages", 1) == 1:
             name = f"ours sync {opt}{suffix}"
             kw.setdefault("schedule", "sync")
@@ -178,6 +179,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
             return
         rows.append(row(name, "hf", model, seq, mb_at[seq], m, optimizer=opt, compile=compile_))
 
+    # the attention kernel ours' default does not try first, for a row beside the default's
+    other_attention = "flash" if getattr(args, "auto_attention", None) == "cudnn" else "cudnn"
     # --cuda-graphs rows beside the plain ones where asyncpp-train has the flag (CUDA only)
     graphs = [False, True] if dev == "cuda" and flags.get("cuda_graphs") else [False]
 
@@ -228,6 +231,9 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                 primary = (mdl, seq) in (first, last)
                 for g in graphs if primary else [False]:
                     ours(mdl, seq, "adamw", compile_=main_compile, graphs=g)
+                if primary and dev == "cuda" and flags.get("attention"):
+                    # the other attention kernel first (auto: cuDNN's on Hopper, flash elsewhere)
+                    ours(mdl, seq, "adamw", compile_=main_compile, graphs=graphs[-1], attention=other_attention)
                 if primary and dev == "cuda" and flags.get("compute_copies"):  # bf16 weight copies off
                     ours(mdl, seq, "adamw", compile_=main_compile, copies=False)
                 if primary and dev == "cuda" and flags.get("bf16_params"):  # activations in bf16 too
@@ -416,6 +422,10 @@ def run(args) -> dict:
         for t in args.seq_lens:
             hf_config_dict(model_shape(mdl, t), t)
     flags = detect_cli_flags()
+    args.auto_attention = None  # what ours' --attention auto picks on this GPU
+    if args.device == "cuda" and flags["attention"]:
+        from asyncpp_ext.models.attention import resolve_attention
+        args.auto_attention = resolve_attention("auto", "cuda")
     rows, skipped = build_plan(args, flags, gpus)
     try:
         import transformers
@@ -436,7 +446,7 @@ def run(args) -> dict:
                 models=args.models, seq_lens=args.seq_lens,
                 # what ours' fused head runs where graphs do not (Liger's where liger-kernel is
                 # installed); rows with graphs always run the chunked kernel
-                fused_head_kernel=fused_kernel_name(args.device))
+                fused_head_kernel=fused_kernel_name(args.device), attention_first=args.auto_attention)
     formula = ("6*N + 12*L*H*Q*T (PaLM; N = matmul parameters: block weights + the head's V x C, a tied table "
                "counted once; attention without causal halving)")
     if args.dry_run:

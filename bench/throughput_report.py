@@ -261,7 +261,8 @@ def format_report(report: dict) -> str:
     lines = [f"# asyncpp bench/gpu_throughput.py: {info['device_name']} ({info['device']}), torch {info['torch']}, "
              f"transformers {info['transformers'] or 'not installed'}, mode {info['mode']}, ours' fused head "
              f"{info.get('fused_head_kernel', 'n/a')}"
-             + (" (rows with graphs: chunked)" if info["device"] == "cuda" else ""),
+             + (" (rows with graphs: chunked)" if info["device"] == "cuda" else "")
+             + (f", ours' attention kernel first: {info['attention_first']}" if info.get("attention_first") else ""),
              f"# peak {_f(info['peak_tflops'], 'g')} TFLOP/s ({info['peak_source']}); dtype {info['dtype']}; "
              f"{info['warmup']} warm-up + {info['steps']} measured steps per row; asyncpp-train flags: "
              + ", ".join(f"--{k.replace('_', '-')} {'yes' if v else 'absent'}" for k, v in info["cli_flags"].items()),

@@ -92,6 +92,8 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
         cmd += ["--compile-scope", r["scope"]]
     if r.get("compile_mode"):
         cmd += ["--compile-mode", r["compile_mode"]]
+    if r.get("attention"):
+        cmd += ["--attention", r["attention"]]
     if args.profile:  # traced after the measured steps, which the tracing therefore never slows
         first = args.warmup + args.steps + 1
         cmd += ["--profile-steps", f"{first}:{first + PROFILED_STEPS - 1}"]

@@ -16,7 +16,7 @@ import gpu_throughput as gt  # noqa: E402
 
 CALL_LIMIT_S = 590  # a device call runs at most 600 s; 10 s for copying its files back
 KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (timeout --kill-after)
-CALLS = [[], ["build", "360m"], ["build", "tests", "p2p"], ["build", "quick", "head"], ["build", "profile"],
+CALLS = [[], ["build", "360m"], ["build", "attention", "stage", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "quick", "head"], ["build", "profile"],
          ["build", "mps"], ["build", "cudnn"], ["build", "autotune"]]  # [] = build 135m
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
@@ -26,8 +26,10 @@ R135, R360, HEAD = "smollm-135m 1024", "smollm-360m 2048", "head C=576 V=49152 1
 ROWS = {
     "135m": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
              f"ours 2bw 2st 1gpu adamw ipc {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
-    "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs stage-compile {R360}",
+    "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs flash-attention {R360}",
              f"hf compile adamw {R360}"],
+    "stage": [f"ours sync adamw graphs stage-compile {R360}"],
+    "pipeline-graphs": [f"ours sync adamw graphs {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "quick": [f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
               f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
     "head": [f"head-loss plain {HEAD}", f"head-loss fused {HEAD}", f"head-loss fused 682 rows {HEAD}",
@@ -68,10 +70,13 @@ def test_each_call_fits_a_device_call_and_selects_its_rows(tmp_path, cli_flags, 
     assert sum(limit + KILL_AFTER_S for _, limit, _ in plan) <= CALL_LIMIT_S, plan
     benches = [(n, lim, cmd) for n, lim, cmd in plan if "bench/gpu_throughput.py" in cmd]
     assert benches or steps == ["build", "tests", "p2p"]
+    if "attention" in steps:
+        assert any("bench/attention_kernels.py" in cmd for _, _, cmd in plan)
     for name, limit, command in benches:
         args = gt.parse_args(command[command.index("bench/gpu_throughput.py") + 1:])
         assert args.json.endswith(f"/{name}.json")
         assert args.row_timeout < limit, (name, args.row_timeout)  # a stuck row ends before its step
+        args.auto_attention = "cudnn"  # as on a Hopper GPU, where the runbook runs
         rows, _ = gt.build_plan(args, cli_flags, gpus=1)
         assert [f"{r['name']} {r['model']} {r['seq_len']}" for r in rows] == ROWS[name]
 

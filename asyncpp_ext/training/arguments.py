@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Optional
 
+from ..models.attention import ATTENTION_BACKENDS
 from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
                      SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
 from ..data.batches import SAMPLINGS
@@ -185,6 +186,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "no logits in memory), liger / cce (fused with that CUDA kernel), chunked (fused with "
                           "the package's own kernel, whatever is installed), auto (fused for "
                           "vocabularies >= 8192) (default auto)")
+    run.add_argument("--attention", choices=ATTENTION_BACKENDS,
+                     help="which attention kernel runs first on cuda: cudnn, flash, or auto (cudnn on Hopper "
+                          "GPUs, flash elsewhere); a shape it cannot serve runs on the next (default auto)")
     run.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="replay each microbatch's forward and backward from CUDA graphs (one launch per "
                           "graph: for small, host-bound models; cuda only, not with --recompute) (default: on only "
@@ -235,6 +239,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "compile"): args.compile, ("train", "compile_scope"): args.compile_scope,
         ("train", "compile_mode"): args.compile_mode,
         ("train", "head_loss"): args.head_loss,
+        ("train", "attention"): args.attention,
         ("train", "profile_steps"): args.profile_steps, ("train", "cuda_graphs"): args.cuda_graphs,
         ("train", "compute_copies"): args.compute_copies,
     }
@@ -275,7 +280,7 @@ FIELD_FLAGS = {
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
-    "train.compile_scope": "--compile-scope", "train.compile_mode": "--compile-mode", "train.compile": "--compile", "train.head_loss": "--head-loss",
+    "train.compile_scope": "--compile-scope", "train.compile_mode": "--compile-mode", "train.compile": "--compile", "train.head_loss": "--head-loss", "train.attention": "--attention",
     "train.profile_steps": "--profile-steps",
     "train.cuda_graphs": "--cuda-graphs", "train.compute_copies": "--compute-copies",
     "data.sampling": "--sampling",

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
+from ..models.attention import resolve_attention
 from ..models.base import forward_through
 from ..models.compile import inductor_mode, resolve_compile
 from ..models.head_loss import KERNELS, UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, require_kernel, resolve_head_loss
@@ -87,12 +88,16 @@ class StageCompute:
     (models/regions.py)."""
     compile_mode: str = "default"
     """With ``compile``: inductor's mode, "default" or "max-autotune" (models/compile.py)."""
+    attention: str = "default"
+    """The attention kernel tried first: "cudnn", "flash", or "default" (torch's order; off CUDA)
+    (models/attention.py)."""
 
 
 def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
-    """--compile and --head-loss resolved for ``device`` (default: the run's). ValueError (one
-    line) where an explicit request cannot run here: --compile without a working torch.compile,
-    a head-loss kernel off CUDA or without its extra."""
+    """--compile, --head-loss and --attention resolved for ``device`` (default: the run's).
+    ValueError (one line) where an explicit request cannot run here: --compile without a working
+    torch.compile, a head-loss kernel off CUDA or without its extra, a CUDA attention kernel off
+    CUDA."""
     device = torch.device(device or cfg.train.device)
     mode = cfg.train.head_loss
     kernel = mode if mode in KERNELS else "auto"  # --head-loss liger|cce|chunked: fused by that kernel
@@ -109,7 +114,8 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
         raise ValueError(f"{flag} {value} says how blocks are compiled, but {why}; add --compile or drop {flag}")
     return StageCompute(compile_, resolve_head_loss(mode, cfg.model.vocab_size, device), kernel,
                         cuda_graphs=graphs, compute_copies=cfg.train.compute_copies,
-                        compile_scope=scope, compile_mode=compile_mode)
+                        compile_scope=scope, compile_mode=compile_mode,
+                        attention=resolve_attention(cfg.train.attention, device))
 
 
 def resolve_cuda_graphs(cfg: RunConfig, device) -> bool:

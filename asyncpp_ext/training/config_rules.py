@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_MITIGATIONS
 from ..optim.versioned import EF_SOURCES
 from ..schedule.table import schedule_spec
+from ..models.attention import ATTENTION_BACKENDS
 from .config import COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, EF_BETA_MAX, HEAD_LOSSES, MUON_FAMILY, OptimConfig, RunConfig
 from .field_checks import ConfigError, choice, non_negative_number, positive_int
 from .profiling import ProfileSpecError, parse_profile_steps
@@ -96,9 +97,10 @@ def check_delays(cfg: RunConfig) -> None:
 
 
 def check_compute(cfg: RunConfig) -> None:
-    """How the stages compute: --head-loss, --compile, --cuda-graphs, --compute-copies, --profile-steps."""
+    """How the stages compute: --head-loss, --attention, --compile, --cuda-graphs, --compute-copies, --profile-steps."""
     t = cfg.train
     choice("train.head_loss", t.head_loss, HEAD_LOSSES)
+    choice("train.attention", t.attention, ATTENTION_BACKENDS)
     if t.compile is not None and not isinstance(t.compile, bool):
         raise ConfigError(f"train.compile must be true, false or null (auto), got {t.compile!r}")
     choice("train.compile_scope", t.compile_scope, COMPILE_SCOPES)

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .build import build_data, build_pipeline_engine, resume
+from ..models.attention import attention_preference
+from .build import build_data, build_pipeline_engine, resume, stage_compute
 from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
                          restore_rng_state, temp_checkpoint_path, write_shard)
 from .config import ConfigError, RunConfig
@@ -88,7 +89,7 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
     trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=resumed.start_step,
                       elapsed_s=resumed.elapsed_s, device="cpu", checkpoint_fn=_collective_checkpoint(pipe, run_dir),
                       writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages)
-    with pipe:
+    with pipe, attention_preference(stage_compute(cfg, device).attention):  # as its --simulate run
         trainer.run()
 
 

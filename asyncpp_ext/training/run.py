@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..models.attention import attention_preference
 from ..models.registry import describe
 from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
@@ -58,6 +59,8 @@ def preflight(cfg: RunConfig) -> None:
     try:
         stage_compute(cfg)  # --compile where torch cannot, a head-loss kernel without its extra
     except ValueError as exc:
+        if str(exc).startswith("--"):  # the message names its flag
+            raise RunSetupError(str(exc)) from None
         flag = "--compile" if "compil" in str(exc) else "--head-loss"
         raise RunSetupError(f"{flag}: {exc}") from None
 
@@ -130,8 +133,9 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     out = start_run_dir(cfg, resume_dir, resumed.start_step)
     if resumed.rng is not None:
         restore_rng_state(resumed.rng)
-    Trainer(cfg, engine, stream, eval_set, out, start_step=resumed.start_step, elapsed_s=resumed.elapsed_s,
-            device=cfg.train.device).run()
+    with attention_preference(stage_compute(cfg).attention):  # the whole run: compiles and captures read it
+        Trainer(cfg, engine, stream, eval_set, out, start_step=resumed.start_step, elapsed_s=resumed.elapsed_s,
+                device=cfg.train.device).run()
     print_summary(out, cfg, resumed.start_step)
     return 0
 

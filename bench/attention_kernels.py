@@ -1,0 +1,165 @@
+"""The attention kernel alone, per --attention choice: which SDPA backend torch runs for a model's
+causal grouped-query attention, its forward + backward time and TFLOP/s, and a correctness column
+(output and the three gradients against a float32 reference).
+
+    python bench/attention_kernels.py                       # CUDA: smollm-135m / 1024, smollm-360m / 2048
+    python bench/attention_kernels.py --device cpu          # tiny shapes, torch's own order (the smoke test)
+    python bench/attention_kernels.py --json out.json --iters 20
+
+Each shape holds the tokens of one microbatch of the throughput bench (8 x 1024): the batch is
+8192 / T sequences. The key/value heads are handed over as the model hands them (grouped, with
+``enable_gqa``), so the backend named is the one training runs. FLOPs: 4*B*H*T*T*D for the forward
+(two products), halved for the causal mask, and 2.5 times that for the backward (five products,
+one of them recomputing the scores): 3.5 * 2*B*H*T*T*D in all. Correctness: the largest absolute
+difference from the float32 math kernel, over the largest absolute reference value, must be at
+most --tol (bf16 keeps 8 bits of mantissa; a kernel summing in bf16 would be far off).
+Bad inputs: one line on stderr, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from asyncpp_ext.models.attention import attention_preference, chosen_kernel  # noqa: E402
+
+TOKENS = 8192  # one microbatch of bench/gpu_throughput.py (8 x 1024)
+# name: (heads, key/value heads, head dim, sequence length): the SmolLM shapes the bench trains
+CUDA_SHAPES = {"smollm-135m": (9, 3, 64, 1024), "smollm-360m": (15, 5, 64, 2048)}
+CPU_SHAPES = {"tiny-gqa": (6, 2, 16, 64)}
+
+
+class BenchError(ValueError):
+    """Bad input: one line, exit 2."""
+
+
+def attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def reference(q, k, v, dout):
+    """Output and gradients from torch's math kernel in float32, the key/value heads expanded."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q32, k32.repeat_interleave(group, 1), v32.repeat_interleave(group, 1),
+                                             is_causal=True)
+    out.backward(dout.float())
+    return [out.detach(), q32.grad, k32.grad, v32.grad]
+
+
+def timed(fn, iters: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` calls after two warm-ups."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            import time
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(name: str, shape: tuple, first: str, device: torch.device, dtype, iters: int, tol: float) -> dict:
+    heads, kv_heads, dim, seq = shape
+    batch = max(1, TOKENS // seq)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, dout = (torch.randn(batch, h, seq, dim, generator=gen).to(device, dtype)
+                     for h in (heads, kv_heads, kv_heads, heads))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with attention_preference(first):
+        kernel = chosen_kernel(q, k, v, enable_gqa=True)
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            attention(q, k, v).backward(dout)
+        ms = timed(step, iters, device)
+        q.grad = k.grad = v.grad = None
+        out = attention(q, k, v)
+        out.backward(dout)
+        got = [out.detach(), q.grad, k.grad, v.grad]
+    ref = reference(q, k, v, dout)
+    err = max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref))
+    flops = 3.5 * 2 * batch * heads * seq * seq * dim
+    return dict(shape=name, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=dim, seq_len=seq,
+                first=first, kernel=kernel, ms=ms, tflops=flops / ms / 1e9, max_rel_err=err,
+                check="ok" if err <= tol else f"FAIL (> {tol:g})")
+
+
+def parse_args(argv=None):
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise BenchError(message)
+
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--iters", type=int, default=10, help="timed calls per row (median reported)")
+    p.add_argument("--tol", type=float, default=2e-2, help="largest relative difference from the fp32 reference")
+    p.add_argument("--json", help="write the rows here as well")
+    args = p.parse_args(argv)
+    if args.iters < 1:
+        raise BenchError(f"--iters must be >= 1, got {args.iters}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda but no CUDA GPU is visible; use --device cpu")
+    return args
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        shapes, dtype, orders = CUDA_SHAPES, torch.bfloat16, ("flash", "cudnn")
+    else:  # neither kernel exists there: torch's own choice, in float32
+        shapes, dtype, orders = CPU_SHAPES, torch.float32, ("default",)
+    rows = [measure(name, shape, first, device, dtype, args.iters, args.tol)
+            for name, shape in shapes.items() for first in orders]
+    gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU"
+    return dict(device=gpu, torch=torch.__version__, dtype=str(dtype).removeprefix("torch."), rows=rows)
+
+
+def format_report(report: dict) -> str:
+    lines = [f"# attention kernels on {report['device']}, torch {report['torch']}, {report['dtype']}, causal, "
+             "grouped key/value heads (enable_gqa); FLOPs 3.5 * 2*B*H*T*T*D per forward + backward",
+             f"{'shape':<14}{'B x H/KV x T x D':<22}{'first':<9}{'runs':<11}{'ms':>9}{'TFLOP/s':>10}"
+             f"{'max rel err':>13}  check"]
+    for r in report["rows"]:
+        dims = f"{r['batch']} x {r['heads']}/{r['kv_heads']} x {r['seq_len']} x {r['head_dim']}"
+        lines.append(f"{r['shape']:<14}{dims:<22}{r['first']:<9}{r['kernel']:<11}{r['ms']:>9.3f}{r['tflops']:>10.1f}"
+                     f"{r['max_rel_err']:>13.2e}  {r['check']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+    except BenchError as exc:
+        print(f"attention_kernels.py: {exc}", file=sys.stderr)
+        return 2
+    report = run(args)
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if all(r["check"] == "ok" for r in report["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
