@@ -7,8 +7,10 @@ causal grouped-query attention, its forward + backward time and TFLOP/s, and a c
     python bench/attention_kernels.py --json out.json --iters 20
 
 Each shape holds the tokens of one microbatch of the throughput bench (8 x 1024): the batch is
-8192 / T sequences. The key/value heads are handed over as the model hands them (grouped, with
-``enable_gqa``), so the backend named is the one training runs. FLOPs: 4*B*H*T*T*D for the forward
+8192 / T sequences. Queries, keys and values are handed over as the model hands them -- (B, T,
+heads, D) projections seen as (B, heads, T, D), the key/value heads grouped (``enable_gqa``) -- so
+the backend named is the one training asks for. "first" is the --attention choice (cudnn: cuDNN
+first; flash: cuDNN off), "runs" the backend torch then picks. FLOPs: 4*B*H*T*T*D for the forward
 (two products), halved for the causal mask, and 2.5 times that for the backward (five products,
 one of them recomputing the scores): 3.5 * 2*B*H*T*T*D in all. Correctness: the largest absolute
 difference from the float32 math kernel, over the largest absolute reference value, must be at
@@ -51,7 +53,7 @@ def reference(q, k, v, dout):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     group = q.shape[1] // k.shape[1]
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))  # (B, heads, T, D) leaves
     with sdpa_kernel(SDPBackend.MATH):
         out = F.scaled_dot_product_attention(q32, k32.repeat_interleave(group, 1), v32.repeat_interleave(group, 1),
                                              is_causal=True)
@@ -84,21 +86,26 @@ def measure(name: str, shape: tuple, first: str, device: torch.device, dtype, it
     heads, kv_heads, dim, seq = shape
     batch = max(1, TOKENS // seq)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v, dout = (torch.randn(batch, h, seq, dim, generator=gen).to(device, dtype)
-                     for h in (heads, kv_heads, kv_heads, heads))
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with attention_preference(first):
-        kernel = chosen_kernel(q, k, v, enable_gqa=True)
+    # (B, T, heads, D) leaves seen as (B, heads, T, D), as the model's q/k/v projections hand them over
+    leaves = [torch.randn(batch, seq, h, dim, generator=gen).to(device, dtype).requires_grad_()
+              for h in (heads, kv_heads, kv_heads)]
+    dout = torch.randn(batch, heads, seq, dim, generator=gen).to(device, dtype)
 
-        def step():
-            q.grad = k.grad = v.grad = None
-            attention(q, k, v).backward(dout)
-        ms = timed(step, iters, device)
-        q.grad = k.grad = v.grad = None
-        out = attention(q, k, v)
+    def views():
+        return [t.transpose(1, 2) for t in leaves]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = attention(*views())
         out.backward(dout)
-        got = [out.detach(), q.grad, k.grad, v.grad]
-    ref = reference(q, k, v, dout)
+        return out
+
+    with attention_preference(first):
+        kernel = chosen_kernel(*views(), enable_gqa=True)
+        ms = timed(step, iters, device)
+        got = [step().detach()] + [t.grad.transpose(1, 2) for t in leaves]
+    ref = reference(*views(), dout)
     err = max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref))
     flops = 3.5 * 2 * batch * heads * seq * seq * dim
     return dict(shape=name, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=dim, seq_len=seq,

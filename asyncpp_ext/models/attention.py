@@ -1,13 +1,19 @@
 """Which kernel ``F.scaled_dot_product_attention`` runs on CUDA: ``--attention auto|cudnn|flash``.
 
-torch picks an SDPA kernel by a fixed priority list that puts FlashAttention (version 2) first.
-On Hopper (compute capability 9.x) cuDNN's fused attention kernels are faster for training shapes
-(they use the chip's wgmma and bulk copy units, which FlashAttention-2 does not), so ``auto``
-puts cuDNN first there and leaves torch's order elsewhere. Either way it is a *preference*: every
-backend stays enabled, and a shape or setting the first cannot serve (deterministic algorithms for
-cuDNN, say) goes to the next, as torch would.
+On Hopper (compute capability 9.x) cuDNN's fused attention kernels are the faster ones for
+training shapes: bench/attention_kernels.py measured 1.47x FlashAttention-2's forward + backward
+at smollm-360m's shape on an H100 (docs/gpu.md). torch chooses among its SDPA backends by a
+priority list and per-shape rules of its own, which differ between versions (torch 2.11 already
+runs cuDNN's kernels in our compiled SmolLM blocks on an H100, though its list puts flash first).
+``--attention`` pins the choice instead:
 
-The priority is process-wide torch state, read when a call picks its kernel: for compiled blocks
+- ``cudnn``: cuDNN first, then the others in torch's order (a shape cuDNN cannot serve, or
+  deterministic algorithms, fall through to the next);
+- ``flash``: cuDNN's kernels off, flash first, then the others in torch's order;
+- ``auto``: cudnn on Hopper GPUs, flash on other CUDA GPUs; off CUDA torch chooses (the CPU has
+  neither kernel).
+
+The choice is process-wide torch state, read when a call picks its kernel: for compiled blocks
 when they are traced, for CUDA graphs when they are captured. A run therefore holds it for its
 whole length (``attention_preference``), set alike in a pipeline's ranks and in its ``--simulate``
 run, and restores the caller's on exit.
@@ -20,8 +26,7 @@ from typing import Iterator
 import torch
 
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash")
-"""The ``--attention`` values: auto (cudnn on Hopper GPUs, else flash) | cudnn | flash (first in
-the priority list; the others follow in torch's order)."""
+"""The ``--attention`` values (the module's docstring says what each does)."""
 
 
 def resolve_attention(name: str, device) -> str:
@@ -43,12 +48,14 @@ def resolve_attention(name: str, device) -> str:
 
 
 def priority_order(first: str) -> list:
-    """Every SDPA backend, ``first`` ("cudnn" or "flash") at the head, the rest in torch's order."""
+    """The SDPA backends enabled under ``first`` ("cudnn" or "flash"), in priority order: that one
+    at the head, the rest in torch's order; "flash" leaves cuDNN's out."""
     from torch.nn.attention import SDPBackend
 
     head = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[first]
     rest = [SDPBackend(i) for i in torch._C._get_sdp_priority_order()]
-    return [head] + [b for b in rest if b != head]
+    dropped = {head} | ({SDPBackend.CUDNN_ATTENTION} if first == "flash" else set())
+    return [head] + [b for b in rest if b not in dropped]
 
 
 @contextlib.contextmanager
