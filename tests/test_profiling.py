@@ -49,6 +49,15 @@ def test_kernel_kinds():
     assert kernel_kind("ncclDevKernel_AllReduce_Sum_f32", "kernel") == "collective"
     assert kernel_kind("void at::native::vectorized_elementwise_kernel<4>", "kernel") == "other"
     assert kernel_kind("Memset (Device)", "gpu_memset") == "copy"
+    # kernel names as an H100 profile showed them: flash's carry CUTLASS types, yet it is attention
+    flash = ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, "
+             "128, 8, 4, 4, 4, false, false, cutlass::bfloat16_t>>")
+    assert kernel_kind(flash, "kernel") == "attention"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_"
+                       "cga1x1x1_kernel0_0", "kernel") == "attention"
+    assert kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "kernel") == "matmul"
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "kernel") == "matmul"
+    assert kernel_kind("triton_poi_fused__unsafe_view_mul_silu_5", "kernel") == "triton"
 
 
 def test_cpu_run_writes_the_window(tmp_path):

@@ -43,11 +43,13 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     return first, last
 
 
-# Kernel kinds by name. Matrix products: cuBLAS / cuBLASLt / CUTLASS names (sm90_xmma, nvjet,
-# cutlass, gemm); attention: the SDPA backends (flash, memory-efficient "fmha", cuDNN); Triton:
-# what torch.compile (inductor) and the Triton-based extras generate.
-_KINDS = (("matmul", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul", re.I)),
-          ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+# Kernel kinds by name, the first that matches. Attention: the SDPA backends (flash, memory-
+# efficient "fmha", cuDNN's "..._sdpa_..."), looked for first because the flash kernels' names
+# carry their CUTLASS template arguments; matrix products: cuBLAS / cuBLASLt / CUTLASS names
+# (sm90_xmma, nvjet, cutlass, gemm); Triton: what torch.compile (inductor) and the Triton-based
+# extras generate.
+_KINDS = (("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+          ("matmul", re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul", re.I)),
           ("triton", re.compile(r"^triton|_kernel$|liger|cce_", re.I)),
           ("collective", re.compile(r"nccl", re.I)))
 
