@@ -1,0 +1,141 @@
+"""--attention (models/attention.py): what each choice resolves to per device, the SDPA priority
+it holds and gives back, a run holding it while it trains, the refusals; bench/attention_kernels.py
+on CPU; and on a GPU that the kernel a run asks for is the one its profile shows."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+from asyncpp_ext.models import attention
+from asyncpp_ext.models.attention import attention_preference, chosen_kernel, priority_order, resolve_attention
+from asyncpp_ext.training.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--simulate", "--no-progress", "--n-layer", "1", "--micro-batch-size", "2", "--microbatches", "2",
+        "--eval-batches", "0", "--no-checkpoints"]
+
+
+def _state():
+    return (list(torch._C._get_sdp_priority_order()), torch.backends.cuda.cudnn_sdp_enabled(),
+            torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+            torch.backends.cuda.math_sdp_enabled())
+
+
+@pytest.mark.parametrize("capability, want", [((9, 0), "cudnn"), ((8, 0), "flash"), ((10, 0), "flash")])
+def test_auto_is_cudnn_on_hopper_only(monkeypatch, capability, want):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert resolve_attention("auto", "cuda") == want
+    assert resolve_attention("flash", "cuda") == "flash" and resolve_attention("cudnn", "cuda") == "cudnn"
+
+
+def test_off_cuda_torch_chooses_and_an_explicit_kernel_is_refused():
+    assert resolve_attention("auto", "cpu") == "default"
+    for name in ("cudnn", "flash"):
+        with pytest.raises(ValueError, match=f"^--attention {name} picks a CUDA attention kernel.*--device cuda"):
+            resolve_attention(name, "cpu")
+    with pytest.raises(ValueError, match="not one of auto, cudnn, flash"):
+        resolve_attention("fa3", "cuda")
+
+
+def test_the_priority_lists():
+    every = {SDPBackend(i) for i in torch._C._get_sdp_priority_order()}
+    cudnn, flash = priority_order("cudnn"), priority_order("flash")
+    assert cudnn[0] == SDPBackend.CUDNN_ATTENTION and set(cudnn) == every  # a preference: all enabled
+    assert flash[0] == SDPBackend.FLASH_ATTENTION and set(flash) == every - {SDPBackend.CUDNN_ATTENTION}
+
+
+def test_a_preference_is_held_then_given_back_even_after_an_error():
+    before = _state()
+    with attention_preference("cudnn"):
+        assert torch._C._get_sdp_priority_order()[0] == SDPBackend.CUDNN_ATTENTION.value
+        assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert _state() == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with attention_preference("flash"):
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            assert torch._C._get_sdp_priority_order()[0] == SDPBackend.FLASH_ATTENTION.value
+            raise RuntimeError("inside")
+    assert _state() == before
+    with attention_preference("default"):
+        assert _state() == before
+
+
+def test_chosen_kernel_names_what_the_cpu_runs():
+    q, kv = torch.randn(2, 6, 16, 8), torch.randn(2, 2, 16, 8)
+    assert chosen_kernel(q, kv, kv, enable_gqa=True) in ("flash", "math")  # the CPU's two
+
+
+def test_a_run_holds_its_preference_while_it_trains_and_gives_it_back(tmp_path, monkeypatch):
+    """The one-process run trains inside the preference stage_compute resolved (here made "cudnn"
+    on the CPU, where it changes no kernel), and the caller's priority is back afterwards."""
+    from asyncpp_ext.models import llama
+
+    monkeypatch.setattr("asyncpp_ext.training.build.resolve_attention", lambda name, device: "cudnn")
+    seen = []
+    real = llama.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch._C._get_sdp_priority_order()[0])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", spy)
+    before = _state()
+    assert main([*FAST, "--model", "llama-tiny", "--steps", "2", "--out", str(tmp_path / "run")]) == 0
+    assert seen and set(seen) == {SDPBackend.CUDNN_ATTENTION.value}
+    assert _state() == before
+
+
+def test_an_explicit_kernel_off_cuda_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*FAST, "--model", "llama-tiny", "--steps", "1", "--attention", "flash", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--attention flash picks a CUDA attention kernel" in err[0], err
+    assert not out.exists()
+
+
+def test_an_unknown_attention_in_a_config_is_refused():
+    from asyncpp_ext.training.config import ConfigError, RunConfig
+
+    cfg = RunConfig()
+    cfg.train.attention = "fa3"
+    with pytest.raises(ConfigError, match="train.attention"):
+        cfg.validate()
+
+
+def test_the_kernel_bench_on_cpu(tmp_path):
+    """bench/attention_kernels.py --device cpu: every row's check ok against the float32 reference;
+    a tolerance nothing meets fails the row and the exit status; bad input exits 2 in one line."""
+    bench = [sys.executable, str(ROOT / "bench" / "attention_kernels.py"), "--device", "cpu", "--iters", "1"]
+    r = subprocess.run([*bench, "--json", str(tmp_path / "a.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "a.json").read_text())["rows"]
+    assert rows and all(row["check"] == "ok" and row["max_rel_err"] < 1e-5 for row in rows)
+    r = subprocess.run([*bench, "--tol", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "FAIL" in r.stdout
+    r = subprocess.run([*bench, "--iters", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "attention_kernels.py: --iters must be >= 1, got 0"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name, marker", [("cudnn", "sdpa"), ("flash", "flash_")])
+def test_on_a_gpu_a_run_runs_the_kernel_it_asks_for(tmp_path, name, marker):
+    """A compiled bf16 smollm-135m step (one layer) profiled: with --attention cudnn cuDNN's
+    "..._sdpa_..." kernels run, with flash torch's flash kernels and no cuDNN one (flash's names
+    hold "flash_", cuDNN's "sdpa" and "flash" both)."""
+    out = tmp_path / name
+    assert main(["--no-progress", "--device", "cuda", "--model", "smollm-135m", "--n-layer", "1", "--seq-len", "1024",
+                 "--micro-batch-size", "2", "--microbatches", "2", "--steps", "3", "--schedule", "sync", "--dtype", "bf16",
+                 "--eval-batches", "0", "--no-checkpoints", "--attention", name, "--profile-steps", "3:3",
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "profile" / "summary_stage0.json").read_text())
+    kernels = [k["name"] for k in summary["top_kernels"] if k["kind"] == "attention"]
+    assert kernels and any(marker in k for k in kernels), kernels
+    if name == "flash":
+        assert not any("sdpa" in k for k in kernels), kernels
+
+
+def test_the_module_names_its_choices():
+    assert attention.ATTENTION_BACKENDS == ("auto", "cudnn", "flash")
