@@ -8,9 +8,9 @@
 #   bench/gpu_runbook.sh [STEP ...]     default: build 135m (at most 540 s: one call of a machine lent
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
-#                                         build 360m | build attention stage pipeline-graphs
+#                                         build 360m | build attention pipeline-graphs
 #                                         build tests p2p | build quick head | build profile
-#                                         build mps | build cudnn | build autotune)
+#                                         build mps | build autotune)
 #   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)
 #
 # Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
@@ -23,14 +23,13 @@
 #           gloo with two ranks on one GPU, one device wait per step, the gradient accumulate
 #           kernel, flash attention with in-place grouped-query heads, compiled blocks and regions
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
-#   360m    (420) ours with graphs (the default), the same with the other attention kernel first
-#           (flash on Hopper, where the default tries cuDNN's first), and the compiled Hugging Face
-#           model at smollm-360m / 2048 (~5 min; the Hugging Face compile is 2.5 of them)
-#   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes, flash
-#           first and cuDNN first: which runs, its time, its error against a float32 reference
-#   stage   (200) ours with graphs and stage scope at smollm-360m / 2048 (~2.5 min)
+#   360m    (420) ours with graphs (the default), the same with the other attention kernel (on
+#           Hopper --attention flash: cuDNN's kernels off), and the compiled Hugging Face model at
+#           smollm-360m / 2048 (~5 min; the Hugging Face compile is 2.5 of them)
+#   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
+#           --attention flash and cudnn: which runs, its time, its error against a float32 reference
 #   pipeline-graphs (150) ours with graphs, and 2bw on one GPU over ipc with graphs, at smollm-135m
-#           / 1024: whether graphs become the pipelines' default too
+#           / 1024: whether graphs pay for a pipeline sharing one GPU (on the H100: no, 0.45x)
 #   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min;
 #           the H100's times of its rows add up to about 3.6, before ours' rows skipped their end
 #           evaluation and checkpoint)
@@ -38,8 +37,6 @@
 #           path's 682 and 4096, profiled
 #   profile (240) ours with graphs (the default) at 135m / 1024 and 360m / 2048, profiled: kernels
 #           per step, device busy share, the costliest kernels by name
-#   cudnn   (2 x 210) the attention kernel at 360m, profiled: TORCH_CUDNN_SDPA_PREFERRED=1, then =0,
-#           each on an inductor cache of its own (a cached graph keeps the kernel it was traced with)
 #   autotune  (420) ours at 360m with --compile-mode max-autotune against the default mode
 #   mps     (2 x 180) ours and 2bw with two stages on the GPU over ipc at 135m, first as they are
 #           (mps-off), then with every process a client of one CUDA MPS server (bench/with_mps.sh):
@@ -95,15 +92,11 @@ ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
            --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention")
 ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --only "ours sync adamw graphs,hf compile adamw"
            --skip "eager,no-copies,bf16-params,max-autotune,stage-compile")
-ROWS_STAGE=(--models smollm-360m --seq-lens 2048 --row-timeout 180 --only "ours sync adamw graphs stage-compile"
-            --skip "eager,no-copies,bf16-params,max-autotune,-attention")
 ROWS_PIPELINE_GRAPHS=(--models smollm-135m --seq-lens 1024 --row-timeout 80
                       --only "ours sync adamw graphs,ours 2bw 2st 1gpu adamw ipc graphs"
                       --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention")
 ROWS_MPS=(--models smollm-135m --seq-lens 1024 --row-timeout 80 --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc"
           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs")
-ONLY_OURS=(--models smollm-360m --seq-lens 2048 --row-timeout 180 --only "ours sync adamw"
-           --skip "eager,no-copies,graphs,bf16-params,stage-compile,max-autotune" --profile)
 
 run_step() {
     case $1 in
@@ -120,19 +113,16 @@ run_step() {
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         attention) step attention 60 "$PY" bench/attention_kernels.py --json "$OUT/attention.json" ;;
-        stage) bench stage 200 -- "${ROWS_STAGE[@]}" ;;
         pipeline-graphs) bench pipeline-graphs 150 -- "${ROWS_PIPELINE_GRAPHS[@]}" ;;
         quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
         profile) bench profile 240 -- --models smollm-135m,smollm-360m --seq-lens 1024,2048 --row-timeout 110 --profile \
                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention" ;;
-        cudnn) bench cudnn-1 210 TORCH_CUDNN_SDPA_PREFERRED=1 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- "${ONLY_OURS[@]}"
-               bench cudnn-0 210 TORCH_CUDNN_SDPA_PREFERRED=0 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- "${ONLY_OURS[@]}" ;;
         autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 360 --only "ours sync adamw" \
                       --skip "eager,no-copies,graphs,bf16-params,stage-compile" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
-        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, stage, pipeline-graphs, quick, head, profile, cudnn, autotune, mps"
+        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, pipeline-graphs, quick, head, profile, autotune, mps"
            failed=$((failed + 1)) ;;
     esac
 }

@@ -16,8 +16,8 @@ import gpu_throughput as gt  # noqa: E402
 
 CALL_LIMIT_S = 590  # a device call runs at most 600 s; 10 s for copying its files back
 KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (timeout --kill-after)
-CALLS = [[], ["build", "360m"], ["build", "attention", "stage", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "quick", "head"], ["build", "profile"],
-         ["build", "mps"], ["build", "cudnn"], ["build", "autotune"]]  # [] = build 135m
+CALLS = [[], ["build", "360m"], ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"],
+         ["build", "quick", "head"], ["build", "profile"], ["build", "mps"], ["build", "autotune"]]  # [] = build 135m
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
                  "ours sync adamw,ours 2bw 2st 1gpu adamw ipc", "--skip",
@@ -28,15 +28,12 @@ ROWS = {
              f"ours 2bw 2st 1gpu adamw ipc {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs flash-attention {R360}",
              f"hf compile adamw {R360}"],
-    "stage": [f"ours sync adamw graphs stage-compile {R360}"],
     "pipeline-graphs": [f"ours sync adamw graphs {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "quick": [f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
               f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
     "head": [f"head-loss plain {HEAD}", f"head-loss fused {HEAD}", f"head-loss fused 682 rows {HEAD}",
              f"head-loss fused 4096 rows {HEAD}"],
     "profile": [f"ours sync adamw graphs {R135}", f"ours sync adamw graphs {R360}"],
-    "cudnn-1": [f"ours sync adamw {R360}"],
-    "cudnn-0": [f"ours sync adamw {R360}"],
     "autotune": [f"ours sync adamw {R360}", f"ours sync adamw max-autotune {R360}"],
     "mps-off": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
     "mps": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
