@@ -97,18 +97,20 @@ def run(cmd: list, timeout: float, log: Path) -> dict:
         stdout, stderr = proc.communicate(timeout=timeout)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_process_group(proc)
         stdout, stderr = proc.communicate()
         rc, stderr = None, (stderr or "") + f"\n[timed out after {timeout:g} s]"
     except BaseException:  # the kit itself is stopping
-        _kill_group(proc)
+        kill_process_group(proc)
         raise
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n{stdout}\n{stderr}\n[exit {rc}]\n\n")
     return dict(rc=rc, stdout=stdout, stderr=stderr, seconds=time.monotonic() - start)
 
 
-def _kill_group(proc) -> None:
+def kill_process_group(proc) -> None:
+    """Kill ``proc``'s whole process group (it was started with start_new_session=True: spawned
+    ranks and compile workers go with it, none left to hold the GPU) and reap it."""
     import signal
 
     try:
