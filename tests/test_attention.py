@@ -32,6 +32,14 @@ def test_auto_is_cudnn_on_hopper_only(monkeypatch, capability, want):
     assert resolve_attention("flash", "cuda") == "flash" and resolve_attention("cudnn", "cuda") == "cudnn"
 
 
+def test_auto_without_a_cuda_runtime_to_ask_is_flash(monkeypatch):
+    # the CPU suite's tests that pretend to see a GPU resolve the stage compute of a cuda run
+    def no_runtime(device=None):
+        raise AssertionError("Torch not compiled with CUDA enabled")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_runtime)
+    assert resolve_attention("auto", "cuda") == "flash"
+
+
 def test_off_cuda_torch_chooses_and_an_explicit_kernel_is_refused():
     assert resolve_attention("auto", "cpu") == "default"
     for name in ("cudnn", "flash"):

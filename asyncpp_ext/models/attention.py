@@ -43,7 +43,10 @@ def resolve_attention(name: str, device) -> str:
         return "default"
     if name != "auto":
         return name
-    major, _ = torch.cuda.get_device_capability(device)
+    try:
+        major, _ = torch.cuda.get_device_capability(device)
+    except (AssertionError, RuntimeError):  # no CUDA runtime to ask (a run without a GPU stops before training)
+        return "flash"
     return "cudnn" if major == 9 else "flash"
 
 
