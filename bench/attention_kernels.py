@@ -135,7 +135,7 @@ def run(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda":
         shapes, dtype, orders = CUDA_SHAPES, torch.bfloat16, ("flash", "cudnn")
-    else:  # neither kernel exists there: torch's own choice, in float32
+    else:  # no CUDA kernels there: torch's own choice, in float32
         shapes, dtype, orders = CPU_SHAPES, torch.float32, ("default",)
     rows = [measure(name, shape, first, device, dtype, args.iters, args.tol)
             for name, shape in shapes.items() for first in orders]

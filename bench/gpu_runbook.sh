@@ -21,7 +21,8 @@
 #           ipc without and with graphs (~5 min)
 #   tests   (360) cuda-marked tests of the paths not yet run on a GPU: CUDA-graph capture, ipc vs
 #           gloo with two ranks on one GPU, one device wait per step, the gradient accumulate
-#           kernel, flash attention with in-place grouped-query heads, compiled blocks and regions
+#           kernel, flash attention with in-place grouped-query heads, --attention cudnn and flash
+#           each running its kernel, compiled blocks and regions
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
 #   360m    (420) ours with graphs (the default), the same with the other attention kernel (on
 #           Hopper --attention flash: cuDNN's kernels off), and the compiled Hugging Face model at
@@ -109,7 +110,7 @@ run_step() {
         tests) step tests 360 "$PY" -m pytest -v -rA --durations=15 -m cuda -p no:cacheprovider \
                    tests/test_ipc_transport.py tests/test_stage_host.py tests/test_compute_copies.py \
                    tests/test_stage_compute.py tests/test_compile_cuda.py tests/test_head_loss.py \
-                   tests/test_cuda_graphs.py ;;
+                   tests/test_attention.py tests/test_cuda_graphs.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         attention) step attention 60 "$PY" bench/attention_kernels.py --json "$OUT/attention.json" ;;

@@ -79,7 +79,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
             return
         rows.append(row(name, "hf", model, seq, mb_at[seq], m, optimizer=opt, compile=compile_))
 
-    # the attention kernel ours' default does not try first, for a row beside the default's
+    # a row beside the default's with the other attention kernel: --attention auto is cudnn on
+    # Hopper (then flash: cuDNN's kernels off) and torch's own choice elsewhere (then cudnn)
     other_attention = "flash" if getattr(args, "auto_attention", None) == "cudnn" else "cudnn"
     # --cuda-graphs rows beside the plain ones where asyncpp-train has the flag (CUDA only)
     graphs = [False, True] if dev == "cuda" and flags.get("cuda_graphs") else [False]
@@ -132,7 +133,7 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                 for g in graphs if primary else [False]:
                     ours(mdl, seq, "adamw", compile_=main_compile, graphs=g)
                 if primary and dev == "cuda" and flags.get("attention"):
-                    # the other attention kernel first (auto: cuDNN's on Hopper, flash elsewhere)
+                    # the other attention kernel (above)
                     ours(mdl, seq, "adamw", compile_=main_compile, graphs=graphs[-1], attention=other_attention)
                 if primary and dev == "cuda" and flags.get("compute_copies"):  # bf16 weight copies off
                     ours(mdl, seq, "adamw", compile_=main_compile, copies=False)

@@ -80,8 +80,8 @@ def _check_fused(fused: dict, plain) -> None:
 VARIANT_LOSS_TOL = 0.05
 """Largest relative difference, at any measured step, between the losses of an ours row and the
 row it varies in how it computes (same seed, data and update rule): CUDA graphs, a stage region,
-max-autotune, the compute copies, ipc for gloo compute the same steps in other kernels or another
-float order, and a bf16 run drifts from its twin by bf16 rounding only (the GPU kit's bound for
+max-autotune, another attention kernel, the compute copies, ipc for gloo compute the same steps in
+other kernels or another float order, and a bf16 run drifts from its twin by bf16 rounding only (the GPU kit's bound for
 bf16 against fp32 is 5 % per step). A broken variant is off by far more within a few steps: one
 computed on the previous weight version misses smollm's early losses by ~10 %. --dtype bf16-params
 rounds differently by design: its difference is reported, not checked."""
@@ -89,6 +89,8 @@ rounds differently by design: its difference is reported, not checked."""
 
 def _variant_suffix(r: dict) -> str:
     """The name suffix of the variant ``r`` is (the last one it adds), or "" for a plain row."""
+    if r.get("attention"):
+        return f" {r['attention']}-attention"
     if r.get("compile_mode"):
         return f" {r['compile_mode']}"
     if r.get("scope") == "stage":
@@ -104,7 +106,7 @@ def _variant_suffix(r: dict) -> str:
     return ""
 
 
-_SUFFIXES = (" max-autotune", " stage-compile", " graphs", " bf16-params", " no-copies", " ipc")
+_SUFFIXES = (" cudnn-attention", " flash-attention", " max-autotune", " stage-compile", " graphs", " bf16-params", " no-copies", " ipc")
 
 
 def _plainer(r: dict, find):
@@ -146,12 +148,14 @@ def variant_checks(rows: list) -> None:
 def _one_stage_twin(r: dict, ok: list):
     """The one-stage ours row a two-stage row ``r`` is set against: same model, sequence and
     optimizer, computed alike (compiled or not, graphs or not, the same compile scope), without
-    the variants a 2bw row does not have (no-copies, bf16-params, max-autotune); or None."""
+    the variants a 2bw row does not have (no-copies, bf16-params, max-autotune, another attention
+    kernel); or None."""
     return next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
                  and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
                  and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
                  and b.get("copies") is not False and b.get("dtype") is None
-                 and b.get("scope") == r.get("scope") and not b.get("compile_mode")), None)
+                 and b.get("scope") == r.get("scope") and not b.get("compile_mode") and not b.get("attention")),
+                None)
 
 
 def ratios(rows: list) -> list:

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from proc_memory import tree_pss
-from asyncpp_ext.gpu_check.runner import kill_process_group
 from throughput_model import hf_config_dict, model_shape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,10 +200,10 @@ def run_process(cmd: list, timeout: float, sampler_device: str | None = None) ->
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            kill_process_group(proc)
+            _kill_process_group(proc)
             stdout, stderr = proc.communicate()
         except BaseException:  # the bench is stopping (SystemExit from SIGTERM, KeyboardInterrupt)
-            kill_process_group(proc)
+            _kill_process_group(proc)
             raise
     finally:
         if sampler:
@@ -212,6 +211,11 @@ def run_process(cmd: list, timeout: float, sampler_device: str | None = None) ->
     return dict(rc=None if timed_out else proc.returncode, stdout=stdout or "", stderr=stderr or "",
                 seconds=time.monotonic() - start, sampled_peak=sampler.peak if sampler else None,
                 sampled_kind=sampler.kind if sampler else None)
+
+
+def _kill_process_group(proc) -> None:
+    from asyncpp_ext.gpu_check.runner import kill_process_group  # the package, once the root is on sys.path
+    kill_process_group(proc)
 
 
 def failure_text(res: dict, timeout: float) -> tuple[str, str]:

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from asyncpp_ext.models import attention
 from asyncpp_ext.models.attention import attention_preference, chosen_kernel, priority_order, resolve_attention
 from asyncpp_ext.training.cli import main
 
@@ -25,19 +24,19 @@ def _state():
             torch.backends.cuda.math_sdp_enabled())
 
 
-@pytest.mark.parametrize("capability, want", [((9, 0), "cudnn"), ((8, 0), "flash"), ((10, 0), "flash")])
+@pytest.mark.parametrize("capability, want", [((9, 0), "cudnn"), ((8, 0), "default"), ((10, 0), "default")])
 def test_auto_is_cudnn_on_hopper_only(monkeypatch, capability, want):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert resolve_attention("auto", "cuda") == want
     assert resolve_attention("flash", "cuda") == "flash" and resolve_attention("cudnn", "cuda") == "cudnn"
 
 
-def test_auto_without_a_cuda_runtime_to_ask_is_flash(monkeypatch):
-    # the CPU suite's tests that pretend to see a GPU resolve the stage compute of a cuda run
-    def no_runtime(device=None):
-        raise AssertionError("Torch not compiled with CUDA enabled")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", no_runtime)
-    assert resolve_attention("auto", "cuda") == "flash"
+def test_auto_without_a_cuda_runtime_to_ask_is_torchs_choice(monkeypatch):
+    # the CPU suite's tests resolve the stage compute of cuda runs without a GPU to ask
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: pytest.fail("asked"))
+    assert resolve_attention("auto", "cuda") == "default"
 
 
 def test_off_cuda_torch_chooses_and_an_explicit_kernel_is_refused():
@@ -145,5 +144,34 @@ def test_on_a_gpu_a_run_runs_the_kernel_it_asks_for(tmp_path, name, marker):
         assert not any("sdpa" in k for k in kernels), kernels
 
 
-def test_the_module_names_its_choices():
-    assert attention.ATTENTION_BACKENDS == ("auto", "cudnn", "flash")
+
+def test_compiled_blocks_are_keyed_by_the_attention_choice(groups_restored):
+    """A traced graph keeps the SDPA kernel it was traced with, so blocks compiled under another
+    choice get compiled functions of their own (dynamo does not guard on the choice), and the same
+    choice again finds the first ones."""
+    from asyncpp_ext.models.compile import _GROUPS, compile_blocks
+    from asyncpp_ext.models.registry import build_model, model_config
+
+    def traced(resolved):  # graphs traced in this process so far, after a step compiled under ``resolved``
+        model = build_model(model_config("llama-tiny", n_layer=1), seed=0)
+        with attention_preference(resolved):
+            compile_blocks(model, device="cpu", backend="aot_eager")
+            idx = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+            model(idx[:, :-1], idx[:, 1:])[1].backward()
+        return sum(group.compiles for group in _GROUPS.values())
+
+    assert traced("default") == 3  # embedding, block, head
+    assert traced("cudnn") == 6  # traced anew under the other choice
+    assert traced("default") == 6  # the first choice again: its graphs, no retrace
+
+
+def test_the_disk_cache_key_carries_the_choice():
+    config = torch.compiler.config
+    before = config.cache_key_tag
+    with attention_preference("flash"):
+        assert "asyncpp-attention=flash" in config.cache_key_tag
+        with attention_preference("cudnn"):
+            assert config.cache_key_tag.endswith("asyncpp-attention=cudnn")
+    assert config.cache_key_tag == before
+    with attention_preference("default"):
+        assert config.cache_key_tag == before  # torch's own choice: the cache as before

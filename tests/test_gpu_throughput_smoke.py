@@ -384,8 +384,10 @@ def test_ratios_pair_ours_with_its_variant_rows():
             ours("ours sync adamw stage-compile", 132.0, scope="stage"),
             ours("ours sync adamw graphs stage-compile", 198.0, scope="stage", graphs=True),
             ours("ours sync adamw max-autotune", 126.0, compile_mode="max-autotune"),
+            ours("ours sync adamw graphs flash-attention", 162.0, graphs=True, attention="flash"),
             ours("ours 2bw 2st 1gpu adamw", 90.0, stages=2)]
     got = {q["what"]: q["tokens_per_s"] for q in ratios(rows)}
+    assert got["ours sync adamw graphs flash-attention / ours sync adamw graphs"] == pytest.approx(0.9)
     assert got["ours sync adamw bf16-params / ours sync adamw"] == pytest.approx(1.25)
     assert got["ours sync adamw / ours sync adamw no-copies"] == pytest.approx(1.2)
     assert got["ours sync adamw graphs / ours sync adamw"] == pytest.approx(1.5)
@@ -413,7 +415,8 @@ def test_variant_rows_are_checked_against_the_row_they_vary():
             ours("ours sync adamw bf16-params", off, dtype="bf16-params"),
             ours("ours 2bw 2st 1gpu adamw", base, stages=2, transport="gloo"),
             ours("ours 2bw 2st 1gpu adamw ipc", base, stages=2, transport="ipc"),
-            ours("ours 2bw 2st 1gpu adamw ipc graphs", off, stages=2, transport="ipc", graphs=True)]
+            ours("ours 2bw 2st 1gpu adamw ipc graphs", off, stages=2, transport="ipc", graphs=True),
+            ours("ours sync adamw graphs flash-attention", off, graphs=True, attention="flash")]
     variant_checks(rows)
     got = {r["name"]: (r["check"], r.get("loss_vs")) for r in rows}
     assert got["ours sync adamw"] == ("ok", None) and got["ours 2bw 2st 1gpu adamw"] == ("ok", None)
@@ -421,6 +424,7 @@ def test_variant_rows_are_checked_against_the_row_they_vary():
     assert got["ours sync adamw graphs"][1] == dict(row="ours sync adamw", max_rel_diff=pytest.approx(1e-3))
     assert got["ours 2bw 2st 1gpu adamw ipc"] == ("ok", dict(row="ours 2bw 2st 1gpu adamw", max_rel_diff=0.0))
     for name, against in (("ours sync adamw graphs stage-compile", "ours sync adamw graphs"),
+                          ("ours sync adamw graphs flash-attention", "ours sync adamw graphs"),
                           ("ours 2bw 2st 1gpu adamw ipc graphs", "ours 2bw 2st 1gpu adamw ipc")):
         assert re.fullmatch(rf"FAIL: losses differ from {against}'s by up to (9\.9e-02|1\.0e-01) "
                             rf"\(> {VARIANT_LOSS_TOL:g}\)", got[name][0]), got[name]

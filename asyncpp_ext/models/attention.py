@@ -1,22 +1,21 @@
 """Which kernel ``F.scaled_dot_product_attention`` runs on CUDA: ``--attention auto|cudnn|flash``.
 
 On Hopper (compute capability 9.x) cuDNN's fused attention kernels are the faster ones for
-training shapes: bench/attention_kernels.py measured 1.47x FlashAttention-2's forward + backward
-at smollm-360m's shape on an H100 (docs/gpu.md). torch chooses among its SDPA backends by a
-priority list and per-shape rules of its own, which differ between versions (torch 2.11 already
-runs cuDNN's kernels in our compiled SmolLM blocks on an H100, though its list puts flash first).
-``--attention`` pins the choice instead:
+training shapes: bench/attention_kernels.py measured 1.41x FlashAttention-2's forward + backward
+at smollm-360m's shape on an H100, and a training step 8 % faster (docs/gpu.md). torch chooses
+among its SDPA backends by a priority list (flash first) and per-shape rules of its own, which
+differ between versions; ``--attention`` pins the choice instead:
 
 - ``cudnn``: cuDNN first, then the others in torch's order (a shape cuDNN cannot serve, or
   deterministic algorithms, fall through to the next);
 - ``flash``: cuDNN's kernels off, flash first, then the others in torch's order;
-- ``auto``: cudnn on Hopper GPUs, flash on other CUDA GPUs; off CUDA torch chooses (the CPU has
-  neither kernel).
+- ``auto``: cudnn on Hopper GPUs; elsewhere torch's own choice (unmeasured there; off CUDA its
+  CPU kernels are neither).
 
 The choice is process-wide torch state, read when a call picks its kernel: for compiled blocks
 when they are traced, for CUDA graphs when they are captured. A run therefore holds it for its
-whole length (``attention_preference``), set alike in a pipeline's ranks and in its ``--simulate``
-run, and restores the caller's on exit.
+whole length, from before it compiles (``attention_preference``), set alike in a pipeline's ranks
+and in its ``--simulate`` run, and restores the caller's on exit.
 """
 from __future__ import annotations
 
@@ -30,9 +29,9 @@ ATTENTION_BACKENDS = ("auto", "cudnn", "flash")
 
 
 def resolve_attention(name: str, device) -> str:
-    """``name`` for ``device``: "cudnn" or "flash" on CUDA ("auto" by the device's generation),
-    "default" off CUDA (torch's own choice; the CPU has neither kernel). ValueError (one line)
-    for an explicit cudnn or flash off CUDA."""
+    """``name`` for ``device``: "cudnn", "flash", or "default" (torch's own choice): "auto" is
+    cudnn on a Hopper GPU and default elsewhere. ValueError (one line) for an explicit cudnn or
+    flash off CUDA."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention {name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     device = torch.device(device)
@@ -43,11 +42,10 @@ def resolve_attention(name: str, device) -> str:
         return "default"
     if name != "auto":
         return name
-    try:
-        major, _ = torch.cuda.get_device_capability(device)
-    except (AssertionError, RuntimeError):  # no CUDA runtime to ask (a run without a GPU stops before training)
-        return "flash"
-    return "cudnn" if major == 9 else "flash"
+    if not torch.cuda.is_available():  # nothing to ask (a cuda run without a GPU stops before training)
+        return "default"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "cudnn" if major == 9 else "default"
 
 
 def priority_order(first: str) -> list:
@@ -63,15 +61,38 @@ def priority_order(first: str) -> list:
 
 @contextlib.contextmanager
 def attention_preference(resolved: str) -> Iterator[None]:
-    """Hold the SDPA priority of ``resolved`` (from resolve_attention) while a run trains; torch's
-    own order for "default"."""
+    """Hold the SDPA choice of ``resolved`` (from resolve_attention) while a run builds and trains;
+    nothing changes for "default".
+
+    A compiled graph keeps the kernel it was traced with, so the choice is part of what compiled
+    code is looked up by: in this process through ``sdpa_state`` in each compiled group's key
+    (models/compile.py), on disk through torch's compile cache tag -- without it a run asking for
+    flash would load the cuDNN graphs an earlier run on the machine left in the inductor cache."""
     if resolved == "default":
         yield
         return
     from torch.nn.attention import sdpa_kernel
 
-    with sdpa_kernel(priority_order(resolved), set_priority=True):
+    with sdpa_kernel(priority_order(resolved), set_priority=True), _cache_tag(f"asyncpp-attention={resolved}"):
         yield
+
+
+@contextlib.contextmanager
+def _cache_tag(tag: str) -> Iterator[None]:
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):  # a torch without the tag keys no cache by it
+        yield
+        return
+    old = config.cache_key_tag
+    with config.patch(cache_key_tag=f"{old};{tag}" if old else tag):
+        yield
+
+
+def sdpa_state() -> tuple:
+    """torch's current SDPA choice: the priority order and which backends are enabled."""
+    b = torch.backends.cuda
+    return (tuple(torch._C._get_sdp_priority_order()), b.cudnn_sdp_enabled(), b.flash_sdp_enabled(),
+            b.mem_efficient_sdp_enabled(), b.math_sdp_enabled())
 
 
 def chosen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False) -> str:
@@ -84,4 +105,5 @@ def chosen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa:
             SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}.get(SDPBackend(index), "other")
 
 
-__all__ = ["ATTENTION_BACKENDS", "resolve_attention", "priority_order", "attention_preference", "chosen_kernel"]
+__all__ = ["ATTENTION_BACKENDS", "resolve_attention", "priority_order", "attention_preference", "sdpa_state",
+           "chosen_kernel"]

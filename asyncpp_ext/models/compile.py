@@ -93,6 +93,7 @@ import torch
 import torch._functorch.config  # noqa: F401 -- force_non_lazy_backward_lowering, patched per compile
 from torch import nn
 
+from .attention import sdpa_state
 from .base import REGION_MARK
 from .compile_support import (MODES, CompileUnavailableError, _describe, _device,  # noqa: F401 -- re-exported
                               compile_unavailable_reason, inductor_mode, resolve_compile)
@@ -114,6 +115,9 @@ class _Settings:
     options: tuple
     fullgraph: bool
     dynamic: bool | None
+    sdpa: tuple = ()
+    """torch's SDPA choice when the blocks were compiled (models/attention.sdpa_state): a traced
+    graph keeps the attention kernel it was traced with, so another choice compiles anew."""
 
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -306,7 +310,8 @@ def blocks_device(mods) -> torch.device:
 
 def _make_settings(backend, mode, options, fullgraph, dynamic) -> _Settings:
     try:
-        settings = _Settings(backend, mode, tuple(sorted((options or {}).items())), bool(fullgraph), dynamic)
+        settings = _Settings(backend, mode, tuple(sorted((options or {}).items())), bool(fullgraph), dynamic,
+                             sdpa_state())
         hash(settings)
     except TypeError as exc:
         raise ValueError(f"compile options must be hashable values ({exc})") from None

@@ -187,8 +187,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "the package's own kernel, whatever is installed), auto (fused for "
                           "vocabularies >= 8192) (default auto)")
     run.add_argument("--attention", choices=ATTENTION_BACKENDS,
-                     help="which attention kernel runs first on cuda: cudnn, flash, or auto (cudnn on Hopper "
-                          "GPUs, flash elsewhere); a shape it cannot serve runs on the next (default auto)")
+                     help="which attention kernel runs first on cuda: cudnn (a shape it cannot serve runs on "
+                          "the next), flash (cuDNN's kernels off), or auto (cudnn on Hopper GPUs, torch's own "
+                          "choice elsewhere) (default auto)")
     run.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="replay each microbatch's forward and backward from CUDA graphs (one launch per "
                           "graph: for small, host-bound models; cuda only, not with --recompute) (default: on only "

@@ -89,8 +89,8 @@ class StageCompute:
     compile_mode: str = "default"
     """With ``compile``: inductor's mode, "default" or "max-autotune" (models/compile.py)."""
     attention: str = "default"
-    """The attention kernel tried first: "cudnn", "flash", or "default" (torch's order; off CUDA)
-    (models/attention.py)."""
+    """The attention kernel: "cudnn" (first), "flash" (cuDNN's off), or "default" (torch's own
+    choice) (models/attention.py)."""
 
 
 def stage_compute(cfg: RunConfig, device=None) -> StageCompute:

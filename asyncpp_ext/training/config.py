@@ -284,9 +284,10 @@ class TrainConfig:
     own kernel whatever is installed: the same numbers with CUDA graphs and without) | auto (fused when the vocabulary
     has >= 8192 ids, else plain; models/head_loss.py)."""
     attention: str = "auto"
-    """Which kernel scaled-dot-product attention prefers on CUDA: cudnn | flash | auto (cudnn on
-    Hopper GPUs, where its kernels are the faster, else flash). A preference: a shape the first
-    cannot serve runs on the next, in torch's order. Off CUDA torch chooses (models/attention.py)."""
+    """Which kernel scaled-dot-product attention runs on CUDA: cudnn (first; a shape it cannot serve
+    runs on the next, in torch's order) | flash (cuDNN's kernels off) | auto (cudnn on Hopper GPUs,
+    where its kernels are the faster; torch's own choice elsewhere). Off CUDA torch chooses
+    (models/attention.py)."""
     cuda_graphs: Optional[bool] = None
     """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py): one launch
     per graph instead of one per kernel, for host-bound small models. CUDA only; not with

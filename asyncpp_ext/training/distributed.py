@@ -80,17 +80,19 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
     # Every replica draws the same stream and takes its rows; every replica evaluates the whole
     # set (same weights, same numbers) so none waits for another.
     stream, eval_set = build_data(cfg)
-    engine = build_pipeline_engine(cfg, device, transport)
-    pipe = engine.pipe
-    resumed = resume(engine, stream, Path(resume_dir) if resume_dir is not None else None, pipe.stage, p.stages)
-    if resumed.rng is not None:
-        restore_rng_state(resumed.rng)
-    run_dir = Path(cfg.train.out)
-    trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=resumed.start_step,
-                      elapsed_s=resumed.elapsed_s, device="cpu", checkpoint_fn=_collective_checkpoint(pipe, run_dir),
-                      writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages)
-    with pipe, attention_preference(stage_compute(cfg, device).attention):  # as its --simulate run
-        trainer.run()
+    with attention_preference(stage_compute(cfg, device).attention):  # as its --simulate run, from the compile on
+        engine = build_pipeline_engine(cfg, device, transport)
+        pipe = engine.pipe
+        resumed = resume(engine, stream, Path(resume_dir) if resume_dir is not None else None, pipe.stage, p.stages)
+        if resumed.rng is not None:
+            restore_rng_state(resumed.rng)
+        run_dir = Path(cfg.train.out)
+        trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=resumed.start_step,
+                          elapsed_s=resumed.elapsed_s, device="cpu",
+                          checkpoint_fn=_collective_checkpoint(pipe, run_dir),
+                          writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages)
+        with pipe:
+            trainer.run()
 
 
 def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:

@@ -128,12 +128,12 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     from .trainer import Trainer
 
     stream, eval_set = build_data(cfg)  # --dp R simulates one replica on the global microbatches
-    engine = build_simulator(cfg)
-    resumed = resume(engine, stream, resume_dir)
-    out = start_run_dir(cfg, resume_dir, resumed.start_step)
-    if resumed.rng is not None:
-        restore_rng_state(resumed.rng)
-    with attention_preference(stage_compute(cfg).attention):  # the whole run: compiles and captures read it
+    with attention_preference(stage_compute(cfg).attention):  # from the compile on: it keys compiled blocks
+        engine = build_simulator(cfg)
+        resumed = resume(engine, stream, resume_dir)
+        out = start_run_dir(cfg, resume_dir, resumed.start_step)
+        if resumed.rng is not None:
+            restore_rng_state(resumed.rng)
         Trainer(cfg, engine, stream, eval_set, out, start_step=resumed.start_step, elapsed_s=resumed.elapsed_s,
                 device=cfg.train.device).run()
     print_summary(out, cfg, resumed.start_step)
