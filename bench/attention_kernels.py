@@ -10,7 +10,8 @@ Each shape holds the tokens of one microbatch of the throughput bench (8 x 1024)
 8192 / T sequences. Queries, keys and values are handed over as the model hands them -- (B, T,
 heads, D) projections seen as (B, heads, T, D), the key/value heads grouped (``enable_gqa``) -- so
 the backend named is the one training asks for. "first" is the --attention choice (cudnn: cuDNN
-first; flash: cuDNN off), "runs" the backend torch then picks. FLOPs: 4*B*H*T*T*D for the forward
+first; flash: cuDNN off; default: torch's own choice, what a run without the flag off Hopper, or
+another library's model, gets), "runs" the backend torch then picks. FLOPs: 4*B*H*T*T*D for the forward
 (two products), halved for the causal mask, and 2.5 times that for the backward (five products,
 one of them recomputing the scores): 3.5 * 2*B*H*T*T*D in all. Correctness: the largest absolute
 difference from the float32 math kernel, over the largest absolute reference value, must be at
@@ -134,7 +135,7 @@ def parse_args(argv=None):
 def run(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda":
-        shapes, dtype, orders = CUDA_SHAPES, torch.bfloat16, ("flash", "cudnn")
+        shapes, dtype, orders = CUDA_SHAPES, torch.bfloat16, ("default", "flash", "cudnn")
     else:  # no CUDA kernels there: torch's own choice, in float32
         shapes, dtype, orders = CPU_SHAPES, torch.float32, ("default",)
     rows = [measure(name, shape, first, device, dtype, args.iters, args.tol)

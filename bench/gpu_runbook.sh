@@ -28,7 +28,8 @@
 #           Hopper --attention flash: cuDNN's kernels off), and the compiled Hugging Face model at
 #           smollm-360m / 2048 (~5 min; the Hugging Face compile is 2.5 of them)
 #   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
-#           --attention flash and cudnn: which runs, its time, its error against a float32 reference
+#           torch's own choice, --attention flash and cudnn: which runs, its time, its error against
+#           a float32 reference
 #   pipeline-graphs (150) ours with graphs, and 2bw on one GPU over ipc with graphs, at smollm-135m
 #           / 1024: whether graphs pay for a pipeline sharing one GPU (on the H100: no, 0.45x)
 #   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min;
