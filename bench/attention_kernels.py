@@ -4,7 +4,7 @@ causal grouped-query attention, its forward + backward time and TFLOP/s, and a c
 
     python bench/attention_kernels.py                       # CUDA: smollm-135m / 1024, smollm-360m / 2048
     python bench/attention_kernels.py --device cpu          # tiny shapes, torch's own order (the smoke test)
-    python bench/attention_kernels.py --json out.json --iters 20
+    python bench/attention_kernels.py --json out.json --iters 20   # --json -: the JSON alone, on stdout
 
 Each shape holds the tokens of one microbatch of the throughput bench (8 x 1024): the batch is
 8192 / T sequences. Queries, keys and values are handed over as the model hands them -- (B, T,
@@ -123,7 +123,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--iters", type=int, default=10, help="timed calls per row (median reported)")
     p.add_argument("--tol", type=float, default=2e-2, help="largest relative difference from the fp32 reference")
-    p.add_argument("--json", help="write the rows here as well")
+    p.add_argument("--json", help="write the rows here as well; '-': print the JSON instead of the table")
     args = p.parse_args(argv)
     if args.iters < 1:
         raise BenchError(f"--iters must be >= 1, got {args.iters}")
@@ -163,9 +163,12 @@ def main(argv=None) -> int:
         print(f"attention_kernels.py: {exc}", file=sys.stderr)
         return 2
     report = run(args)
-    print(format_report(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.json == "-":
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_report(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if all(r["check"] == "ok" for r in report["rows"]) else 1
 
 

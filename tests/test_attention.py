@@ -120,6 +120,8 @@ def test_the_kernel_bench_on_cpu(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert rows and all(row["check"] == "ok" and row["max_rel_err"] < 1e-5 for row in rows)
+    r = subprocess.run([*bench, "--json", "-"], capture_output=True, text=True, timeout=120)  # the GPU kit's form
+    assert r.returncode == 0 and [row["check"] for row in json.loads(r.stdout)["rows"]] == ["ok"] * len(rows)
     r = subprocess.run([*bench, "--tol", "0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "FAIL" in r.stdout
     r = subprocess.run([*bench, "--iters", "0"], capture_output=True, text=True, timeout=120)

@@ -26,7 +26,7 @@ def test_without_a_gpu_it_says_what_it_would_run_writes_a_report_and_exits_0(tmp
     assert report["status"] == "not run" and report["gpus"] == 0
     assert {s["key"] for s in report["sections"]} == {"environment", "build_tests", "cuda_tests", "nccl_self_test", "train_one_gpu",
                                                       "train_two_gpus", "bench_optim", "bench_muon_widths",
-                                                      "bench_p2p", "bench_gpu_throughput", "study"}
+                                                      "bench_p2p", "bench_attention", "bench_gpu_throughput", "study"}
     assert all(s["status"] == "not run" for s in report["sections"])
     md = (tmp_path / "gc" / "report.md").read_text()
     assert md.startswith("# asyncpp_ext GPU check: NOT RUN") and "nothing was run" in md
@@ -194,6 +194,12 @@ def test_a_bench_section_names_the_failed_checks_of_a_bench_that_exits_1(tmp_pat
     bench = [sys.executable, "-c", f"import sys; print({json.dumps(report)!r}); sys.exit(1)"]
     result = section_bench("bench_p2p")([bench], tmp_path, tmp_path / "commands.log")
     assert (result["status"], result["reason"]) == ("fail", "check failed: [4096]"), result
+    # attention_kernels.py: a check is "ok" or "FAIL (> tol)", named by shape and kernel choice
+    report = {"rows": [{"shape": "smollm-135m", "first": "cudnn", "check": "ok"},
+                       {"shape": "smollm-360m", "first": "flash", "check": "FAIL (> 0.02)"}]}
+    bench = [sys.executable, "-c", f"import sys; print({json.dumps(report)!r}); sys.exit(1)"]
+    result = section_bench("bench_attention")([bench], tmp_path, tmp_path / "commands.log")
+    assert (result["status"], result["reason"]) == ("fail", "check failed: ['smollm-360m flash']"), result
     silent = [sys.executable, "-c", "import sys; sys.exit(3)"]  # no report at all: its exit status
     result = section_bench("bench_p2p")([silent], tmp_path, tmp_path / "commands.log")
     assert result["status"] == "fail" and result["reason"] == "exit code 3", result

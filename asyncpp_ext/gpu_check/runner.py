@@ -20,7 +20,7 @@ PKG_PARENT = Path(__file__).resolve().parents[2]  # the directory holding asyncp
 BUILD_TESTS = ["tests/test_nccl_transport.py", "tests/test_optim_api.py", "tests/test_devices.py",
                "tests/test_transports.py"]
 TIMEOUTS = dict(build_tests=300, cuda_tests=720, nccl_self_test=120, train_one_gpu=400, train_two_gpus=300, bench_optim=240,
-                bench_muon_widths=240, bench_p2p=180)
+                bench_muon_widths=240, bench_p2p=180, bench_attention=120)
 TRAIN_CLI = ["-m", "asyncpp_ext.train"]  # asyncpp-train, as the installed command runs it
 SELF_TEST = ("import json, sys; from asyncpp_ext.pipeline.nccl import self_test; "
              "print(json.dumps(self_test('cuda:0', quick=sys.argv[1] == '1')))")
@@ -77,6 +77,9 @@ def plan(out: Path, gpus: int, quick: bool, study: bool = False) -> list:
         ("bench_p2p", "bench/p2p.py on GPU (nccl with 2 GPUs, else ipc-cuda)",
          [[sys.executable, str(PKG_PARENT / "bench" / "p2p.py"), "--backend", "nccl" if gpus >= 2 else "ipc-cuda",
            "--json"]], no_src),
+        ("bench_attention", "bench/attention_kernels.py on GPU: torch's, flash's and cuDNN's attention kernels "
+         "at the SmolLM shapes against a float32 reference",
+         [[sys.executable, str(PKG_PARENT / "bench" / "attention_kernels.py"), "--json", "-"]], no_src),
         ("bench_gpu_throughput", "bench/gpu_throughput.py --quick: asyncpp-train vs Hugging Face tokens/s, MFU, "
          "peak memory", [gpu_throughput_command(out)], no_src),
         ("study", "bench/paper_study.py --scale gpu: the optimizers and ef tables on a 56M Llama (<= 20 min each)",
@@ -262,9 +265,11 @@ def section_bench(key):
             return dict(status="fail", reason=_tail(r) if r["rc"] != 0 else "no JSON report", seconds=r["seconds"])
         (out / f"{key}.json").write_text(json.dumps(data, indent=1))
         rows = data.get("rows", [])
-        # optim_step.py's rows carry a check per case; p2p.py's one per transport and size
-        bad = [row.get("case", row.get("bytes")) for row in rows
-               if any(row.get(k) in ("FAIL", False) for k in ("check", "asyncpp_check", "torch_check"))]
+        # optim_step.py's rows carry a check per case; p2p.py's one per transport and size;
+        # attention_kernels.py's one per shape and kernel choice ("ok" or "FAIL (> tol)")
+        bad = [row.get("case", row.get("bytes", f"{row.get('shape')} {row.get('first')}")) for row in rows
+               if any(row.get(k) is False or str(row.get(k, "")).startswith("FAIL")
+                      for k in ("check", "asyncpp_check", "torch_check"))]
         reason = f"check failed: {bad}" if bad else (None if r["rc"] == 0 else f"{_exit(r['rc'])}: {_tail(r)}")
         return dict(status="fail" if reason else "pass", reason=reason, figures=data.get("summary", data),
                     seconds=r["seconds"])
@@ -274,7 +279,8 @@ def section_bench(key):
 RUNNERS = dict(build_tests=section_pytest("build_tests"), cuda_tests=section_pytest("cuda_tests"), nccl_self_test=section_self_test,
                train_one_gpu=section_train_one_gpu, train_two_gpus=section_train_two_gpus,
                bench_optim=section_bench("bench_optim"),
-               bench_muon_widths=section_bench("bench_muon_widths"), bench_p2p=section_bench("bench_p2p"))
+               bench_muon_widths=section_bench("bench_muon_widths"), bench_p2p=section_bench("bench_p2p"),
+               bench_attention=section_bench("bench_attention"))
 
 
 # --- bench/gpu_throughput.py: tokens/s, TFLOP/s, MFU and peak memory of asyncpp-train against
