@@ -1,12 +1,11 @@
-// The socket transport's progress thread: one poll loop over every channel, moving each
-// channel's queued sends and receives in order (socket_transport.cpp sets the channels up).
+// The socket transport's progress thread -- one poll loop over every channel -- and the byte
+// moving (pump*) that it and the executor's thread both run, each channel's queued sends and
+// receives in order (socket_transport.cpp sets the channels up and posts the requests).
 #include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 
 #include "core/error.h"

@@ -9,13 +9,11 @@
 #include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <algorithm>
-#include <cstring>
 
 #include "core/error.h"
 #include "socket/socket_wire.h"
