@@ -172,11 +172,12 @@ def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None):
     return loss
 
 
-def build_simulator(cfg: RunConfig) -> DelaySimulator:
+def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None) -> DelaySimulator:
     """The model (from the run's seed) on its device, its optimizer, and the DelaySimulator that
-    trains them under the run's schedule in this process."""
+    trains them under the run's schedule in this process (``compute``: stage_compute(cfg), where
+    the caller has it)."""
     p = cfg.pipeline
-    compute = stage_compute(cfg)
+    compute = compute or stage_compute(cfg)
     model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     if compute.compile:
         compile_stages(model, cfg.train.device, compute.compile_scope, p.stages, compute.compile_mode)
@@ -211,14 +212,15 @@ def compile_stages(model: nn.Module, device, scope: str, stages: int, mode: str 
                            mode=inductor_mode(mode))
 
 
-def build_pipeline_engine(cfg: RunConfig, device: str, transport: str):
+def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: Optional[StageCompute] = None):
     """This rank's stage of the run's pipeline (torch.distributed already initialised), as a
-    ``PipelineEngine``. Every rank builds the whole model from the seed and keeps its blocks."""
+    ``PipelineEngine``. Every rank builds the whole model from the seed and keeps its blocks
+    (``compute``: stage_compute(cfg, device), where the caller has it)."""
     from ..pipeline import Pipeline
     from .pipeline_engine import PipelineEngine
 
     p = cfg.pipeline
-    compute = stage_compute(cfg, device)
+    compute = compute or stage_compute(cfg, device)
     model = build_model(cfg.model, seed=cfg.train.seed)
     pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=optimizer_factory(cfg), schedule=p.schedule,
                     compile=compute.compile, compile_scope=compute.compile_scope, compile_mode=compute.compile_mode,

@@ -80,8 +80,9 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
     # Every replica draws the same stream and takes its rows; every replica evaluates the whole
     # set (same weights, same numbers) so none waits for another.
     stream, eval_set = build_data(cfg)
-    with attention_preference(stage_compute(cfg, device).attention):  # as its --simulate run, from the compile on
-        engine = build_pipeline_engine(cfg, device, transport)
+    compute = stage_compute(cfg, device)
+    with attention_preference(compute.attention):  # as its --simulate run, from the compile on
+        engine = build_pipeline_engine(cfg, device, transport, compute)
         pipe = engine.pipe
         resumed = resume(engine, stream, Path(resume_dir) if resume_dir is not None else None, pipe.stage, p.stages)
         if resumed.rng is not None:

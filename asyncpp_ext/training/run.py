@@ -128,8 +128,9 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     from .trainer import Trainer
 
     stream, eval_set = build_data(cfg)  # --dp R simulates one replica on the global microbatches
-    with attention_preference(stage_compute(cfg).attention):  # from the compile on: it keys compiled blocks
-        engine = build_simulator(cfg)
+    compute = stage_compute(cfg)
+    with attention_preference(compute.attention):  # from the compile on: it keys compiled blocks
+        engine = build_simulator(cfg, compute)
         resumed = resume(engine, stream, resume_dir)
         out = start_run_dir(cfg, resume_dir, resumed.start_step)
         if resumed.rng is not None:
