@@ -1,0 +1,302 @@
+"""One Llama block alone, forward + backward, per way of compiling it: where a stage's time goes
+between matrix products, attention and inductor's fused kernels, and what a change to the block's
+code or to inductor's options is worth before a whole training run measures it.
+
+    python bench/block_step.py                          # CUDA: smollm-360m / 2048, every variant
+    python bench/block_step.py --variants eager,compiled --models smollm-135m
+    python bench/block_step.py --device cpu             # a tiny block, eager (the smoke test)
+    python bench/block_step.py --json out.json          # --json -: the JSON alone, on stdout
+
+The block runs as a training stage runs it: its linear weights as bf16 compute copies under bf16
+autocast (fp32 throughout with --dtype fp32, the CPU's default), the attention kernel that
+``--attention auto`` picks held for the whole run, one microbatch of 8192 tokens (8192 / T
+sequences; --tokens). Variants (all the same arithmetic; only kernels and their order differ):
+
+  eager                 the block's Python code, no compiler
+  compiled              compile_blocks as training does it (inductor, default mode)
+  rotary-btd            compiled, with rotary positions applied to q and k in the projections'
+                        (B, T, heads, D) layout before the heads move to the front for attention
+  separate-qkv          compiled, with q, k and v as three products instead of one stacked product
+  coordinate-descent    compiled with inductor's coordinate_descent_tuning (each fused kernel's
+                        launch configuration searched on the device)
+  rotary-btd-tuned      rotary-btd with coordinate_descent_tuning
+  max-autotune          compiled in max-autotune mode (GEMM templates and kernel configs searched)
+
+Per variant: the median milliseconds of a forward + backward, the device time by kind from one
+profiled window (training/profiling.py's kinds), the costliest kernels, and a correctness column:
+the output and the input's gradient against the float32 eager block (largest absolute difference
+over the largest absolute reference value, at most --tol). Exit 1 when a row fails its check, 2 on
+bad input (one line).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from asyncpp_ext.models.attention import attention_preference, resolve_attention  # noqa: E402
+from asyncpp_ext.models.compile import compile_blocks  # noqa: E402
+from asyncpp_ext.models.llama import (NATIVE_GQA_DEVICES, Attention, LlamaBlock, apply_rotary,  # noqa: E402
+                                      fused_linear, llama_preset_config)
+from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
+from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
+from asyncpp_ext.training.profiling import summarize_trace  # noqa: E402
+
+CUDA_SHAPES = {"smollm-360m": 2048, "smollm-135m": 1024}  # model -> sequence length
+CPU_SHAPES = {"llama-tiny": 32}
+TOP = 8  # kernels listed per row
+
+
+class BenchError(ValueError):
+    """Bad input: one line, exit 2."""
+
+
+class RotaryBTDAttention(Attention):
+    """Attention with q and k rotated in the projections' (B, T, heads, D) layout."""
+
+    def forward(self, x, cos, sin_signed):
+        b, t, _ = x.shape
+        if torch.compiler.is_compiling():
+            q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        cos, sin_signed = cos[:, None, :], sin_signed[:, None, :]  # (T, 1, D): broadcast over heads
+        q = apply_rotary(q.view(b, t, self.n_head, self.head_dim), cos, sin_signed).transpose(1, 2)
+        k = apply_rotary(k.view(b, t, self.n_kv_head, self.head_dim), cos, sin_signed).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        return self._attend(q, k, v, b, t)
+
+    def _attend(self, q, k, v, b, t):
+        group = self.n_head // self.n_kv_head
+        if group > 1 and q.device.type in NATIVE_GQA_DEVICES:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            if group > 1:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
+
+
+class SeparateQKVAttention(RotaryBTDAttention):
+    """Attention with q, k and v as three products, rotated as the library's block rotates them."""
+
+    def forward(self, x, cos, sin_signed):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed)
+        return self._attend(q, k, v, b, t)
+
+
+class RotaryBTDBlock(LlamaBlock):  # a class of its own: compiled groups are keyed by class
+    pass
+
+
+class SeparateQKVBlock(LlamaBlock):
+    pass
+
+
+# name -> (block class, attention class or None, compile_blocks keyword arguments or None = eager)
+VARIANTS = {
+    "eager": (LlamaBlock, None, None),
+    "compiled": (LlamaBlock, None, {}),
+    "rotary-btd": (RotaryBTDBlock, RotaryBTDAttention, {}),
+    "separate-qkv": (SeparateQKVBlock, SeparateQKVAttention, {}),
+    "coordinate-descent": (LlamaBlock, None, {"options": {"coordinate_descent_tuning": True}}),
+    "rotary-btd-tuned": (RotaryBTDBlock, RotaryBTDAttention, {"options": {"coordinate_descent_tuning": True}}),
+    "max-autotune": (LlamaBlock, None, {"mode": "max-autotune"}),
+}
+
+
+def build_block(variant: str, cfg, reference: LlamaBlock, device) -> torch.nn.Module:
+    cls, attn_cls, _ = VARIANTS[variant]
+    block = cls(cfg)
+    if attn_cls is not None:
+        block.attn = attn_cls(cfg)
+    block.load_state_dict(reference.state_dict())
+    return block.to(device)
+
+
+def timed(fn, iters: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` calls (after the caller's warm-up)."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def profiled(fn, device: torch.device, iters: int = 3) -> dict:
+    """summarize_trace of ``iters`` calls, the per-kind times and kernel times divided by iters."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    path = Path(f"/tmp/block_step_trace_{id(prof)}.json")
+    prof.export_chrome_trace(str(path))
+    try:
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    finally:
+        path.unlink(missing_ok=True)
+    s = summarize_trace(events)
+    return {"ms_by_kind": {k: round(v / iters, 3) for k, v in s["device_ms_by_kind"].items()},
+            "kernels": s["kernels"] // iters,
+            "top_kernels": [{**t, "ms": round(t["ms"] / iters, 4), "launches": t["launches"] // iters}
+                            for t in s["top_kernels"][:TOP]]}
+
+
+def measure(variant: str, model: str, seq: int, args, device: torch.device) -> dict:
+    cfg = llama_preset_config(model, seq_len=seq)
+    batch = max(1, args.tokens // seq)
+    torch.manual_seed(0)
+    reference = LlamaBlock(cfg)  # float32, eager: the correctness column's reference
+    for p in reference.parameters():  # init like the model: Normal(0, 0.02), norms at 1
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=cfg.init_std)
+    block = build_block(variant, cfg, reference, device)
+    reference = reference.to(device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else None
+    copies = maybe_compute_copies(block, dtype, enabled=True)
+    module = copies.module if copies is not None else block
+    if copies is not None:
+        copies.refresh()
+    compile_kwargs = VARIANTS[variant][2]
+    compile_s = None
+    if compile_kwargs is not None:
+        compile_blocks([module], device=device, **compile_kwargs)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(batch, seq, cfg.n_embd, generator=gen).to(device)
+    dout = torch.randn(batch, seq, cfg.n_embd, generator=gen).to(device)
+    # float32 in and out, as in a stage under autocast: the residual stream keeps the embedding's dtype
+    x_in, dout_in = x.clone().requires_grad_(), dout
+
+    def step():
+        x_in.grad = None
+        for p in module.parameters():
+            p.grad = None
+        with autocast_context(device, dtype):
+            out = module(x_in)
+        out.backward(dout_in)
+        return out
+
+    t0 = time.perf_counter()
+    step()  # the first call compiles
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if compile_kwargs is not None:
+        compile_s = round(time.perf_counter() - t0, 1)
+    for _ in range(args.warmup):
+        step()
+    ms = timed(step, args.iters, device)
+    got = [step().detach().float(), x_in.grad.float()]
+    x_ref = x.clone().requires_grad_()
+    out_ref = reference(x_ref)
+    out_ref.backward(dout)
+    ref = [out_ref.detach(), x_ref.grad]
+    err = max(float((g - r).abs().max() / r.abs().max()) for g, r in zip(got, ref))
+    row = {"variant": variant, "model": model, "seq_len": seq, "batch": batch, "dtype": args.dtype,
+           "ms": round(ms, 4), "compile_s": compile_s, "max_rel_err": err,
+           "check": "ok" if err <= args.tol else f"FAIL (> {args.tol:g})"}
+    if args.profile:
+        row["profile"] = profiled(step, device)
+    return row
+
+
+def report(device: torch.device, rows: list) -> dict:
+    return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "rows": rows}
+
+
+def write(args, device: torch.device, rows: list) -> None:
+    if args.json and args.json != "-":
+        Path(args.json).write_text(json.dumps(report(device, rows), indent=1) + "\n")
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--models", default=None, help="comma-separated presets (cuda: smollm-360m; cpu: llama-tiny)")
+    ap.add_argument("--variants", default=None, help=f"comma-separated, of {', '.join(VARIANTS)} "
+                    "(cuda: all; cpu: eager)")
+    ap.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="cuda: bf16; cpu: fp32")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch (default 8192)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--tol", type=float, default=None, help="correctness bound (bf16 3e-2, fp32 1e-4)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled window")
+    ap.add_argument("--json", default=None, help="write the rows to this file (- : stdout, alone)")
+    args = ap.parse_args(argv)
+    shapes = CUDA_SHAPES if args.device == "cuda" else CPU_SHAPES
+    args.models = args.models.split(",") if args.models else [next(iter(shapes))]
+    args.variants = args.variants.split(",") if args.variants else (list(VARIANTS) if args.device == "cuda" else ["eager"])
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    args.tol = args.tol if args.tol is not None else (3e-2 if args.dtype == "bf16" else 1e-4)
+    for m in args.models:
+        if m not in CUDA_SHAPES and m not in CPU_SHAPES:
+            raise BenchError(f"--models: unknown model {m!r}; choose from {', '.join([*CUDA_SHAPES, *CPU_SHAPES])}")
+    for v in args.variants:
+        if v not in VARIANTS:
+            raise BenchError(f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    for name in ("tokens", "iters"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise BenchError(f"--warmup must be at least 0, got {args.warmup}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA device here; pass --device cpu")
+    return args
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse(argv)
+    except BenchError as exc:
+        print(f"block_step: {exc}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    to_stdout = args.json == "-"
+    log = (lambda *a: print(*a, file=sys.stderr)) if to_stdout else print
+    rows = []
+    with attention_preference(resolve_attention("auto", device)):
+        for model in args.models:
+            seq = {**CUDA_SHAPES, **CPU_SHAPES}[model]
+            for variant in args.variants:
+                row = measure(variant, model, seq, args, device)
+                rows.append(row)
+                write(args, device, rows)  # after every row: a stopped run keeps what it measured
+                kinds = ", ".join(f"{k} {v:.3f}" for k, v in row.get("profile", {}).get("ms_by_kind", {}).items())
+                log(f"{model:12s} T={seq:<5d} {variant:19s} {row['ms']:9.3f} ms  compile {row['compile_s']} s  "
+                    f"err {row['max_rel_err']:.2e} {row['check']}  [{kinds}]")
+                for t in row.get("profile", {}).get("top_kernels", []):
+                    log(f"    {t['ms']:8.4f} ms x{t['launches']:<3d} {t['kind']:9s} {t['name'][:110]}")
+    if to_stdout:
+        print(json.dumps(report(device, rows), indent=1))
+    return 1 if any(r["check"] != "ok" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
