@@ -120,8 +120,8 @@ run_step() {
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
         profile) bench profile 240 -- --models smollm-135m,smollm-360m --seq-lens 1024,2048 --row-timeout 110 --profile \
                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention" ;;
-        autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 360 --only "ours sync adamw" \
-                      --skip "eager,no-copies,graphs,bf16-params,stage-compile" ;;
+        autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 330 --profile \
+                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
         *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, pipeline-graphs, quick, head, profile, autotune, mps"

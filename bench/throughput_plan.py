@@ -145,8 +145,9 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     for g in graphs:
                         ours(mdl, seq, "adamw", compile_=True, scope="stage", graphs=g, cpu_compile_anyway=True)
                 if (mdl, seq) == last and dev == "cuda" and flags.get("compile_mode"):
-                    # inductor's max-autotune where the GPU, not the host, sets the pace
-                    ours(mdl, seq, "adamw", compile_=True, compile_mode="max-autotune")
+                    # inductor's max-autotune where the GPU, not the host, sets the pace, on top of
+                    # the CLI's defaults (graphs: with sync on CUDA)
+                    ours(mdl, seq, "adamw", compile_=True, compile_mode="max-autotune", graphs=graphs[-1])
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

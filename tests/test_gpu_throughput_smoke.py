@@ -252,7 +252,7 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     with_mode = dict(with_scope, compile_mode=True)
     tuned = [r for r in gt.build_plan(_plan_args(), with_mode, gpus=1)[0] if r.get("compile_mode")]
     assert [(r["name"], r["model"], r["seq_len"]) for r in tuned] == [
-        ("ours sync adamw max-autotune", "smollm-360m", 2048)]
+        ("ours sync adamw graphs max-autotune", "smollm-360m", 2048)]
     cmd = gt.ours_command(tuned[0], args, with_mode, Path("o"), Path("p"))
     assert cmd[cmd.index("--compile-mode") + 1] == "max-autotune" and "--compile" in cmd
     assert "--compile-mode" not in gt.ours_command(full[0], args, with_mode, Path("o"), Path("p"))
