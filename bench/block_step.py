@@ -2,7 +2,7 @@
 between matrix products, attention and inductor's fused kernels, and what a change to the block's
 code or to inductor's options is worth before a whole training run measures it.
 
-    python bench/block_step.py                          # CUDA: smollm-360m / 2048, every variant
+    python bench/block_step.py                          # CUDA: smollm-360m / 2048, every variant but max-autotune
     python bench/block_step.py --variants eager,compiled --models smollm-135m
     python bench/block_step.py --device cpu             # a tiny block, eager (the smoke test)
     python bench/block_step.py --json out.json          # --json -: the JSON alone, on stdout
@@ -19,7 +19,10 @@ sequences; --tokens). Variants (all the same arithmetic; only kernels and their 
   separate-qkv          compiled, with q, k and v as three products instead of one stacked product
   coordinate-descent    compiled with inductor's coordinate_descent_tuning (each fused kernel's
                         launch configuration searched on the device)
-  rotary-btd-tuned      rotary-btd with coordinate_descent_tuning
+  rotary-halves         compiled, rotary positions from the two halves of each head as slices
+                        instead of a roll (the same arithmetic)
+  cat-kernel            compiled with every concatenation lowered as its own kernel (inductor's
+                        max_pointwise_cat_inputs=0) instead of masked loads fused into its user
   max-autotune          compiled in max-autotune mode (GEMM templates and kernel configs searched)
 
 Per variant: the median milliseconds of a forward + backward, the device time by kind from one
@@ -54,7 +57,7 @@ from asyncpp_ext.training.profiling import summarize_trace  # noqa: E402
 
 CUDA_SHAPES = {"smollm-360m": 2048, "smollm-135m": 1024}  # model -> sequence length
 CPU_SHAPES = {"llama-tiny": 32}
-TOP = 8  # kernels listed per row
+TOP = 12  # kernels listed per row (of profiling's list: the costliest, then each kind's leaders)
 
 
 class BenchError(ValueError):
@@ -99,12 +102,47 @@ class SeparateQKVAttention(RotaryBTDAttention):
         return self._attend(q, k, v, b, t)
 
 
+def rotary_by_halves(x, cos, sin_signed):
+    """``apply_rotary`` with the two halves of each head as strided slices instead of a roll: the
+    same products and sums per element (bit for bit), other index expressions for inductor."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c = cos[..., :half]
+    return torch.cat((x1 * c + x2 * sin_signed[..., :half], x2 * c + x1 * sin_signed[..., half:]), dim=-1)
+
+
+class RotaryHalvesAttention(RotaryBTDAttention):
+    """The library's attention with ``rotary_by_halves``."""
+
+    def forward(self, x, cos, sin_signed):
+        b, t, _ = x.shape
+        if torch.compiler.is_compiling():
+            q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = rotary_by_halves(q.view(b, t, self.n_head, self.head_dim).transpose(1, 2), cos, sin_signed)
+        k = rotary_by_halves(k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2), cos, sin_signed)
+        v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        return self._attend(q, k, v, b, t)
+
+
 class RotaryBTDBlock(LlamaBlock):  # a class of its own: compiled groups are keyed by class
     pass
 
 
 class SeparateQKVBlock(LlamaBlock):
     pass
+
+
+class RotaryHalvesBlock(LlamaBlock):
+    pass
+
+
+def inductor_options(**options) -> dict:
+    """``options`` less those this torch's inductor does not have (the names move between releases)."""
+    from torch._inductor import config
+
+    return {k: v for k, v in options.items() if hasattr(config, k)}
 
 
 # name -> (block class, attention class or None, compile_blocks keyword arguments or None = eager)
@@ -114,9 +152,16 @@ VARIANTS = {
     "rotary-btd": (RotaryBTDBlock, RotaryBTDAttention, {}),
     "separate-qkv": (SeparateQKVBlock, SeparateQKVAttention, {}),
     "coordinate-descent": (LlamaBlock, None, {"options": {"coordinate_descent_tuning": True}}),
-    "rotary-btd-tuned": (RotaryBTDBlock, RotaryBTDAttention, {"options": {"coordinate_descent_tuning": True}}),
+    "rotary-halves": (RotaryHalvesBlock, RotaryHalvesAttention, {}),
+    # every cat its own kernel writing each part in place (CUDA's default fuses a cat of few inputs
+    # into its consumer as masked loads: the backward's q/k/v gradient with the rotary backward)
+    "cat-kernel": (LlamaBlock, None, {"options": inductor_options(max_pointwise_cat_inputs=0,
+                                                                  max_complex_pointwise_cat_inputs=0)}),
     "max-autotune": (LlamaBlock, None, {"mode": "max-autotune"}),
 }
+
+# max-autotune only when asked: minutes of autotuning, and 0.92x in a whole smollm-360m step on an H100
+CUDA_DEFAULT = [v for v in VARIANTS if v != "max-autotune"]
 
 
 def build_block(variant: str, cfg, reference: LlamaBlock, device) -> torch.nn.Module:
@@ -241,7 +286,7 @@ def parse(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--models", default=None, help="comma-separated presets (cuda: smollm-360m; cpu: llama-tiny)")
     ap.add_argument("--variants", default=None, help=f"comma-separated, of {', '.join(VARIANTS)} "
-                    "(cuda: all; cpu: eager)")
+                    "(cuda: all but max-autotune; cpu: eager)")
     ap.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="cuda: bf16; cpu: fp32")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch (default 8192)")
     ap.add_argument("--iters", type=int, default=20)
@@ -252,7 +297,7 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     shapes = CUDA_SHAPES if args.device == "cuda" else CPU_SHAPES
     args.models = args.models.split(",") if args.models else [next(iter(shapes))]
-    args.variants = args.variants.split(",") if args.variants else (list(VARIANTS) if args.device == "cuda" else ["eager"])
+    args.variants = args.variants.split(",") if args.variants else (CUDA_DEFAULT if args.device == "cuda" else ["eager"])
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     args.tol = args.tol if args.tol is not None else (3e-2 if args.dtype == "bf16" else 1e-4)
     for m in args.models:

@@ -8,9 +8,9 @@
 #   bench/gpu_runbook.sh [STEP ...]     default: build 135m (at most 540 s: one call of a machine lent
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
-#                                         build 360m | build attention pipeline-graphs
-#                                         build tests p2p | build quick head | build profile
-#                                         build mps | build autotune)
+#                                         build blocks head | build quick | build mps
+#                                         build 360m | build profile | build attention pipeline-graphs
+#                                         build tests p2p | build autotune)
 #   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)
 #
 # Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
@@ -30,6 +30,9 @@
 #   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
 #           torch's own choice, --attention flash and cudnn: which runs, its time, its error against
 #           a float32 reference
+#   blocks  (200) bench/block_step.py: one smollm-360m block, forward + backward, compiled in each of
+#           the bench's forms (rotary layouts, q/k/v products, cat lowering, tuning), kernel time by
+#           kind and the costliest kernels, each form's output against the float32 block
 #   pipeline-graphs (150) ours with graphs, and 2bw on one GPU over ipc with graphs, at smollm-135m
 #           / 1024: whether graphs pay for a pipeline sharing one GPU (on the H100: no, 0.45x)
 #   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min;
@@ -39,7 +42,8 @@
 #           path's 682 and 4096, profiled
 #   profile (240) ours with graphs (the default) at 135m / 1024 and 360m / 2048, profiled: kernels
 #           per step, device busy share, the costliest kernels by name
-#   autotune  (420) ours at 360m with --compile-mode max-autotune against the default mode
+#   autotune  (420) ours at 360m with the CLI's defaults and with --compile-mode max-autotune on top,
+#           profiled (on the H100: 0.92x, Triton GEMM templates slower in the step than cuBLAS)
 #   mps     (2 x 180) ours and 2bw with two stages on the GPU over ipc at 135m, first as they are
 #           (mps-off), then with every process a client of one CUDA MPS server (bench/with_mps.sh):
 #           the stages' kernels side by side instead of the GPU switching between the processes'
@@ -115,6 +119,7 @@ run_step() {
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         attention) step attention 60 "$PY" bench/attention_kernels.py --json "$OUT/attention.json" ;;
+        blocks) step blocks 200 "$PY" bench/block_step.py --json "$OUT/blocks.json" ;;
         pipeline-graphs) bench pipeline-graphs 150 -- "${ROWS_PIPELINE_GRAPHS[@]}" ;;
         quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;

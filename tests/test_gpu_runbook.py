@@ -16,8 +16,8 @@ import gpu_throughput as gt  # noqa: E402
 
 CALL_LIMIT_S = 590  # a device call runs at most 600 s; 10 s for copying its files back
 KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (timeout --kill-after)
-CALLS = [[], ["build", "360m"], ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"],
-         ["build", "quick", "head"], ["build", "profile"], ["build", "mps"], ["build", "autotune"]]  # [] = build 135m
+CALLS = [[], ["build", "blocks", "head"], ["build", "quick"], ["build", "mps"], ["build", "360m"], ["build", "profile"],
+         ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "autotune"]]  # [] = build 135m
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
                  "ours sync adamw,ours 2bw 2st 1gpu adamw ipc", "--skip",

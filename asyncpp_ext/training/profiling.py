@@ -11,7 +11,8 @@ Each process that trains writes, under ``OUT/profile/``:
   Triton/compiled, other kernels, copies, collectives), the kernel count, and how often the host
   waited on the device (``cudaStreamSynchronize``/``cudaDeviceSynchronize`` calls and
   ``aten::_local_scalar_dense``, i.e. ``.item()``), and the costliest kernels by name with their
-  time and launches (``top_kernels``: which attention kernel ran, which fusions cost most).
+  time and launches (``top_kernels``: which attention kernel ran, which fusions cost most; the
+  costliest overall, then each kind's costliest until it has a few named).
 
 ``<who>`` is ``stage<S>`` (``stage<S>_dp<R>`` for data-parallel replicas). The window starts when
 step FIRST-1 has completed and ends when step LAST has: in a pipeline, neighbouring steps overlap,
@@ -55,7 +56,9 @@ _KINDS = (("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
 
 
 TOP_KERNELS = 15
-"""Kernels listed by name in a summary (``top_kernels``), the costliest first."""
+"""Kernels listed by name in a summary (``top_kernels``), the costliest first..."""
+PER_KIND = 4
+"""... and beyond those, each kind's costliest until it has this many listed."""
 
 
 def kernel_kind(name: str, category: str) -> str:
@@ -94,7 +97,14 @@ def summarize_trace(events: list[dict]) -> dict:
             entry = by_name.setdefault(name, [0.0, 0])
             entry[0] += float(e.get("dur", 0.0)) / 1e3
             entry[1] += 1
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    top = ranked[:TOP_KERNELS]
+    # and each kind's costliest few beyond those, so that every kind's time has names (the "other"
+    # kind's leaders sit below the matrix products and attention in a large model's list)
+    for kind in kinds:
+        listed = sum(1 for n, _ in top if kernel_kind(n, "kernel") == kind)
+        top += [(n, v) for n, v in ranked[TOP_KERNELS:] if kernel_kind(n, "kernel") == kind][:max(0, PER_KIND - listed)]
+    top.sort(key=lambda kv: -kv[1][0])
     names = [str(e.get("name", "")) for e in host]
     return {
         "window_ms": round(wall_us / 1e3, 3),

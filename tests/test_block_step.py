@@ -1,0 +1,63 @@
+"""bench/block_step.py on the CPU: the eager row against the float32 reference, a failing check's
+exit status, bad input in one line, and the variants' arithmetic equal to the library's."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncpp_ext.models.llama import apply_rotary, rotary_cos_sin, signed_sin
+from bench_loader import load_bench_script
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = [sys.executable, str(ROOT / "bench" / "block_step.py"), "--device", "cpu", "--iters", "1"]
+
+
+def _run(*args):
+    return subprocess.run(BENCH + list(args), capture_output=True, text=True, timeout=240, cwd=ROOT)
+
+
+def test_cpu_row_checks_against_the_float32_block():
+    r = _run("--json", "-")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    (row,) = report["rows"]
+    assert (row["variant"], row["model"], row["dtype"], row["check"]) == ("eager", "llama-tiny", "fp32", "ok")
+    assert row["max_rel_err"] == 0.0  # the same float32 module, eager: bit for bit
+    assert row["batch"] == 8192 // 32 and row["ms"] > 0
+    # bf16 autocast against the float32 reference cannot meet 1e-6: the check fails, exit 1
+    r = _run("--dtype", "bf16", "--tol", "1e-6", "--no-profile")
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    assert "FAIL (> 1e-06)" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variants", "eager,fast"], "block_step: --variants: unknown variant 'fast'; choose from "),
+    (["--models", "gpt9"], "block_step: --models: unknown model 'gpt9'; choose from "),
+    (["--iters", "0"], "block_step: --iters must be at least 1, got 0"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    r = _run(*args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(message) and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_variants_compute_what_the_library_computes():
+    bench = load_bench_script("block_step")
+    cos, sin = rotary_cos_sin(16, 8, 10000.0, "cpu", torch.float32)
+    sin_signed = signed_sin(sin)
+    x = torch.randn(2, 3, 16, 8)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = (x.to(dtype), cos.to(dtype), sin_signed.to(dtype))
+        assert torch.equal(bench.rotary_by_halves(*args), apply_rotary(*args))
+    # every variant's block holds the reference's weights and gives its output (eager, float32)
+    from asyncpp_ext.models.llama import LlamaBlock, llama_preset_config
+
+    cfg = llama_preset_config("llama-tiny")
+    reference = LlamaBlock(cfg)
+    h = torch.randn(2, cfg.seq_len, cfg.n_embd)
+    for name in bench.VARIANTS:
+        block = bench.build_block(name, cfg, reference, "cpu")
+        torch.testing.assert_close(block(h), reference(h), rtol=0, atol=0, msg=name)
