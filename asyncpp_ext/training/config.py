@@ -274,8 +274,8 @@ class TrainConfig:
     compile_mode: str = "default"
     """Inductor's mode for the compiled regions: default | max-autotune (GEMM templates and
     kernel configurations benchmarked on the device at compile time, coordinate-descent tuning;
-    minutes more compile for a few percent on large GPU-bound stages; its CUDA graphs stay off,
-    models/compile.py). Takes effect where blocks are compiled."""
+    minutes more compile, and slower on an H100 with torch 2.11 at smollm-360m: 0.92x, docs/gpu.md;
+    its CUDA graphs stay off, models/compile.py). Takes effect where blocks are compiled."""
     head_loss: str = "auto"
     """How the last block computes its loss: plain (logits, then cross entropy) | fused (the head's
     matmul and cross entropy chunk by chunk, the logits never whole in memory; Liger-Kernel or
