@@ -93,6 +93,26 @@ def test_compile_where_torch_cannot_is_one_line(tmp_path, capsys, monkeypatch):
     assert main(COMMON + ["--simulate", "--steps", "1", "--out", str(tmp_path / "auto")]) == 0
 
 
+def test_each_stage_compute_refusal_starts_with_its_flag(monkeypatch):
+    """stage_compute's refusals start with the flag they are about, whichever resolver raised them
+    (the library's messages speak of kernels and devices; the CLI prints them as they are)."""
+    from asyncpp_ext.training.build import stage_compute
+    from asyncpp_ext.training.config import RunConfig
+
+    def refusal(train):
+        with pytest.raises(ValueError) as err:
+            stage_compute(RunConfig.from_dict({"train": {"compile": False, **train}}), "cpu")
+        return str(err.value)
+
+    assert refusal({"head_loss": "liger"}).startswith("--head-loss: head-loss kernel 'liger' runs on CUDA only")
+    assert refusal({"attention": "cudnn"}).startswith("--attention cudnn")
+    assert refusal({"compile_mode": "max-autotune"}).startswith("--compile-mode max-autotune says how")
+    monkeypatch.setattr(compile_support, "compile_unavailable_reason", lambda device, **kw: "no working C++ compiler")
+    message = refusal({"compile": True})
+    assert message.startswith("--compile: ") and "no working C++ compiler" in message
+    assert message.count("--compile:") == 1
+
+
 @pytest.mark.cuda
 def test_llama_attention_runs_on_the_flash_kernel_under_bf16_autocast():
     """SmolLM's attention shapes (head width 64, grouped-query 9/3 heads) under the run's autocast:

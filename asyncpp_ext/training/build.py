@@ -8,6 +8,7 @@ way of starting a run builds it the same way. Nothing here parses arguments or p
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -93,29 +94,44 @@ class StageCompute:
     choice) (models/attention.py)."""
 
 
+@contextlib.contextmanager
+def _refusals_name(flag: str):
+    """A ValueError raised inside, its message prefixed with ``flag`` unless it names its flag already
+    (the library's resolvers speak of kernels and devices; the CLI's user typed a flag)."""
+    try:
+        yield
+    except ValueError as exc:
+        if str(exc).startswith("--"):
+            raise
+        raise type(exc)(f"{flag}: {exc}") from None
+
+
 def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
     """--compile, --head-loss and --attention resolved for ``device`` (default: the run's).
-    ValueError (one line) where an explicit request cannot run here: --compile without a working
-    torch.compile, a head-loss kernel off CUDA or without its extra, a CUDA attention kernel off
-    CUDA."""
+    ValueError (one line, starting with the flag it is about) where an explicit request cannot run
+    here: --compile without a working torch.compile, a head-loss kernel off CUDA or without its
+    extra, a CUDA attention kernel off CUDA."""
     device = torch.device(device or cfg.train.device)
     mode = cfg.train.head_loss
     kernel = mode if mode in KERNELS else "auto"  # --head-loss liger|cce|chunked: fused by that kernel
-    if kernel != "auto":
-        require_kernel(kernel, device)
-        mode = "fused"
-    graphs = resolve_cuda_graphs(cfg, device)
-    kernel = kernel_for_graphs(kernel, graphs)  # "auto": the chunked kernel under graphs
-    compile_ = resolve_compile(cfg.train.compile, device)
+    with _refusals_name("--head-loss"):
+        if kernel != "auto":
+            require_kernel(kernel, device)
+            mode = "fused"
+        graphs = resolve_cuda_graphs(cfg, device)
+        kernel = kernel_for_graphs(kernel, graphs)  # "auto": the chunked kernel under graphs
+        head = resolve_head_loss(mode, cfg.model.vocab_size, device)
+    with _refusals_name("--compile"):
+        compile_ = resolve_compile(cfg.train.compile, device)
     scope, compile_mode = cfg.train.compile_scope, cfg.train.compile_mode
     if (scope != "block" or compile_mode != "default") and not compile_:
         why = "--no-compile" if cfg.train.compile is False else f"compiling is off by default on {device.type}"
         flag, value = ("--compile-scope", scope) if scope != "block" else ("--compile-mode", compile_mode)
         raise ValueError(f"{flag} {value} says how blocks are compiled, but {why}; add --compile or drop {flag}")
-    return StageCompute(compile_, resolve_head_loss(mode, cfg.model.vocab_size, device), kernel,
-                        cuda_graphs=graphs, compute_copies=cfg.train.compute_copies,
-                        compile_scope=scope, compile_mode=compile_mode,
-                        attention=resolve_attention(cfg.train.attention, device))
+    with _refusals_name("--attention"):
+        attention = resolve_attention(cfg.train.attention, device)
+    return StageCompute(compile_, head, kernel, cuda_graphs=graphs, compute_copies=cfg.train.compute_copies,
+                        compile_scope=scope, compile_mode=compile_mode, attention=attention)
 
 
 def resolve_cuda_graphs(cfg: RunConfig, device) -> bool:
