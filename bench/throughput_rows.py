@@ -118,7 +118,10 @@ def read_profile(out_dir: Path) -> dict | None:
             # the costliest kernels by name (which attention kernel ran, which fusions cost most)
             "top_kernels_ms_per_step": [{"name": k["name"], "kind": k["kind"], "ms": round(k["ms"] / steps, 2),
                                          "launches": round(k["launches"] / steps)}
-                                        for k in s.get("top_kernels", [])]}
+                                        for k in s.get("top_kernels", [])],
+            # where the device waited inside the steps, and the longest waits (not per step)
+            "idle_between_ms_per_step": round(s.get("idle_between_ms", 0.0) / steps, 2),
+            "idle_gaps": s.get("idle_gaps", [])}
     return ranks or None
 
 

@@ -39,6 +39,16 @@ def test_summary_counts_overlapping_device_work_once():
     assert [(k["name"], k["kind"], k["ms"], k["launches"]) for k in s["top_kernels"]] == [
         ("nvjet_sm90_tst_128x128", "matmul", 0.03, 1), ("triton_poi_fused_add_0", "triton", 0.02, 1),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention", 0.01, 1)]
+    # idle: 10 us before the first kernel; gaps of 10 us (50-60) and 120 us (70-190) between; the
+    # window (0-200) = busy 60 + edges 10 + between 130; each gap's host: the op overlapping it most
+    assert (s["idle_edges_ms"], s["idle_between_ms"]) == (0.01, 0.13)
+    assert s["idle_gaps"] == [
+        {"ms": 0.12, "at_ms": 0.07, "after": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+         "before": "Memcpy DtoH", "host": "aten::mm"},
+        {"ms": 0.01, "at_ms": 0.05, "after": "triton_poi_fused_add_0",
+         "before": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "host": "aten::mm"}]
+    inner = summarize_trace(events + [_x("cpu_op", "aten::item", 70, 30)])["idle_gaps"][0]
+    assert inner["host"] == "aten::item"  # overlapping it as much as aten::mm does: the innermost op
     many = [_x("kernel", f"k{i % 20}", i, 1 + i % 20) for i in range(200)]  # 20 names, 10 launches each
     top = summarize_trace(many)["top_kernels"]
     assert len(top) == 15 and top[0]["name"] == "k19" and top[0]["launches"] == 10

@@ -12,7 +12,10 @@ Each process that trains writes, under ``OUT/profile/``:
   waited on the device (``cudaStreamSynchronize``/``cudaDeviceSynchronize`` calls and
   ``aten::_local_scalar_dense``, i.e. ``.item()``), and the costliest kernels by name with their
   time and launches (``top_kernels``: which attention kernel ran, which fusions cost most; the
-  costliest overall, then each kind's costliest until it has a few named).
+  costliest overall, then each kind's costliest until it has a few named), and where the device
+  sat idle: at the window's edges (``idle_edges_ms``), between its work (``idle_between_ms``) and
+  the longest such gaps with the work on either side and the host operator that overlapped each
+  most (``idle_gaps``: a host sync, a loss read, the optimizer's Python).
 
 ``<who>`` is ``stage<S>`` (``stage<S>_dp<R>`` for data-parallel replicas). The window starts when
 step FIRST-1 has completed and ends when step LAST has: in a pipeline, neighbouring steps overlap,
@@ -57,6 +60,8 @@ _KINDS = (("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
 
 TOP_KERNELS = 15
 """Kernels listed by name in a summary (``top_kernels``), the costliest first..."""
+TOP_GAPS = 6
+"""Idle gaps of the device listed in a summary (``idle_gaps``), the longest first."""
 PER_KIND = 4
 """... and beyond those, each kind's costliest until it has this many listed."""
 
@@ -76,17 +81,22 @@ def summarize_trace(events: list[dict]) -> dict:
     device = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver",
                                                                             "user_annotation", "python_function")]
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in device)
-    busy, end = 0.0, None
-    for start, stop in spans:  # the union of the intervals: overlapping streams count once
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", ""))) for e in device)
+    busy, end, last = 0.0, None, ""
+    gaps = []  # (idle us, where it starts, the device work before it, the device work after it)
+    for start, stop, name in spans:  # the union of the intervals: overlapping streams count once
         if end is None or start > end:
+            if end is not None:
+                gaps.append((start - end, end, last, name))
             busy += stop - start
-            end = stop
+            end, last = stop, name
         elif stop > end:
             busy += stop - end
-            end = stop
+            end, last = stop, name
     times = [float(e["ts"]) for e in host + device] + [float(e["ts"]) + float(e.get("dur", 0.0)) for e in host + device]
     wall_us = (max(times) - min(times)) if times else 0.0
+    origin = min(times) if times else 0.0
+    edges_us = (spans[0][0] - origin) + (origin + wall_us - end) if spans else wall_us
     kinds: dict[str, float] = {}
     by_name: dict[str, list] = {}  # kernel name -> [ms, launches]
     for e in device:
@@ -117,7 +127,29 @@ def summarize_trace(events: list[dict]) -> dict:
         # which kernels the time went to (which attention kernel ran, the costliest fusions)
         "top_kernels": [{"name": n[:160], "kind": kernel_kind(n, "kernel"), "ms": round(ms, 3), "launches": k}
                         for n, (ms, k) in top],
+        # where the device waited: before its first and after its last work in the window (the
+        # profiler's start and stop, the host's first launches) apart from the gaps between
+        "idle_edges_ms": round(edges_us / 1e3, 3),
+        "idle_between_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
+        "idle_gaps": [_gap(g, origin, host) for g in sorted(gaps, key=lambda g: -g[0])[:TOP_GAPS]],
     }
+
+
+def _gap(gap: tuple, origin: float, host: list) -> dict:
+    """One idle gap: its length, where in the window, the device work on either side, and the host
+    operator that overlapped it most (what the host was doing while the device waited)."""
+    us, start, before, after = gap
+    stop = start + us
+
+    def overlap(e):
+        t = float(e["ts"])
+        return min(stop, t + float(e.get("dur", 0.0))) - max(start, t)
+
+    busiest = max((e for e in host if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")),
+                  key=lambda e: (overlap(e), -float(e.get("dur", 0.0))), default=None)
+    return {"ms": round(us / 1e3, 3), "at_ms": round((start - origin) / 1e3, 3), "after": before[:100],
+            "before": after[:100],
+            "host": str(busiest.get("name", ""))[:100] if busiest is not None and overlap(busiest) > 0 else None}
 
 
 def _all_threads_config():
