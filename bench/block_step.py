@@ -21,6 +21,9 @@ sequences; --tokens). Variants (all the same arithmetic; only kernels and their 
                         launch configuration searched on the device)
   rotary-halves         compiled, rotary positions from the two halves of each head as slices
                         instead of a roll (the same arithmetic)
+  expanded-kv           compiled, the key/value heads repeated for attention in the compiled graph
+                        instead of SDPA's enable_gqa (whether the attention kernel then runs
+                        without copies of its own around it)
   cat-kernel            compiled with every concatenation lowered as its own kernel (inductor's
                         max_pointwise_cat_inputs=0) instead of masked loads fused into its user
   max-autotune          compiled in max-autotune mode (GEMM templates and kernel configs searched)
@@ -37,6 +40,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,7 +61,6 @@ from asyncpp_ext.training.profiling import summarize_trace  # noqa: E402
 
 CUDA_SHAPES = {"smollm-360m": 2048, "smollm-135m": 1024}  # model -> sequence length
 CPU_SHAPES = {"llama-tiny": 32}
-TOP = 12  # kernels listed per row (of profiling's list: the costliest, then each kind's leaders)
 
 
 class BenchError(ValueError):
@@ -104,7 +107,8 @@ class SeparateQKVAttention(RotaryBTDAttention):
 
 def rotary_by_halves(x, cos, sin_signed):
     """``apply_rotary`` with the two halves of each head as strided slices instead of a roll: the
-    same products and sums per element (bit for bit), other index expressions for inductor."""
+    same products and sums per element (bit for bit, since the cos table repeats its frequencies in
+    both halves: ``rotary_cos_sin``), other index expressions for inductor."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c = cos[..., :half]
@@ -124,6 +128,31 @@ class RotaryHalvesAttention(RotaryBTDAttention):
         k = rotary_by_halves(k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2), cos, sin_signed)
         v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         return self._attend(q, k, v, b, t)
+
+
+class ExpandedKVAttention(Attention):
+    """The library's attention with the key/value heads repeated to the query heads' count in the
+    compiled graph (``repeat_interleave``) instead of SDPA's ``enable_gqa``: the repetition can fuse
+    into the kernel that rotates k, and its backward's sum over the group into the rotary backward."""
+
+    def forward(self, x, cos, sin_signed):
+        b, t, _ = x.shape
+        if torch.compiler.is_compiling():
+            q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed)
+        group = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
+
+
+class ExpandedKVBlock(LlamaBlock):
+    pass
 
 
 class RotaryBTDBlock(LlamaBlock):  # a class of its own: compiled groups are keyed by class
@@ -153,6 +182,7 @@ VARIANTS = {
     "separate-qkv": (SeparateQKVBlock, SeparateQKVAttention, {}),
     "coordinate-descent": (LlamaBlock, None, {"options": {"coordinate_descent_tuning": True}}),
     "rotary-halves": (RotaryHalvesBlock, RotaryHalvesAttention, {}),
+    "expanded-kv": (ExpandedKVBlock, ExpandedKVAttention, {}),
     # every cat its own kernel writing each part in place (CUDA's default fuses a cat of few inputs
     # into its consumer as masked loads: the backward's q/k/v gradient with the rotary backward)
     "cat-kernel": (LlamaBlock, None, {"options": inductor_options(max_pointwise_cat_inputs=0,
@@ -201,17 +231,16 @@ def profiled(fn, device: torch.device, iters: int = 3) -> dict:
             fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    path = Path(f"/tmp/block_step_trace_{id(prof)}.json")
-    prof.export_chrome_trace(str(path))
-    try:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    finally:
-        path.unlink(missing_ok=True)
     s = summarize_trace(events)
     return {"ms_by_kind": {k: round(v / iters, 3) for k, v in s["device_ms_by_kind"].items()},
             "kernels": s["kernels"] // iters,
+            # the costliest kernels, and each kind's leaders beyond them (training/profiling.py)
             "top_kernels": [{**t, "ms": round(t["ms"] / iters, 4), "launches": t["launches"] // iters}
-                            for t in s["top_kernels"][:TOP]]}
+                            for t in s["top_kernels"]]}
 
 
 def measure(variant: str, model: str, seq: int, args, device: torch.device) -> dict:
@@ -246,6 +275,8 @@ def measure(variant: str, model: str, seq: int, args, device: torch.device) -> d
         with autocast_context(device, dtype):
             out = module(x_in)
         out.backward(dout_in)
+        if copies is not None:  # the copies' gradients into the float32 ones, as a stage does per microbatch
+            copies.accumulate()
         return out
 
     t0 = time.perf_counter()

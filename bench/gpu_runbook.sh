@@ -129,7 +129,7 @@ run_step() {
                       --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
-        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, pipeline-graphs, quick, head, profile, autotune, mps"
+        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, blocks, pipeline-graphs, quick, head, profile, autotune, mps"
            failed=$((failed + 1)) ;;
     esac
 }

@@ -306,9 +306,10 @@ def format_report(report: dict) -> str:
             notes.append(r["info"]["note"])
         for who, prof in (r.get("profile") or {}).items():  # --profile; no device figures on CPU
             if prof["device_busy_share"] is not None:
+                idle = prof.get("idle_between_ms_per_step")
                 notes.append(f"{who}: device busy {prof['device_busy_share'] * 100:.0f}%, "
-                             f"{prof['kernels_per_step']} kernels/step, idle between kernels "
-                             f"{prof.get('idle_between_ms_per_step', 0.0):.1f} ms/step")
+                             f"{prof['kernels_per_step']} kernels/step"
+                             + (f", idle between kernels {idle:.1f} ms/step" if idle is not None else ""))
         loss = f"{r['losses'][0]:.2f} -> {r['losses'][-1]:.2f}" if r["losses"][0] is not None and \
             r["losses"][-1] is not None else "n/a"
         mfu = _f(r["mfu"] * 100 if r["mfu"] is not None else None, ".1f") + ("%" if r["mfu"] is not None else "")

@@ -120,7 +120,8 @@ def read_profile(out_dir: Path) -> dict | None:
                                          "launches": round(k["launches"] / steps)}
                                         for k in s.get("top_kernels", [])],
             # where the device waited inside the steps, and the longest waits (not per step)
-            "idle_between_ms_per_step": round(s.get("idle_between_ms", 0.0) / steps, 2),
+            "idle_between_ms_per_step": (round(s["idle_between_ms"] / steps, 2)
+                                         if s.get("idle_between_ms") is not None else None),
             "idle_gaps": s.get("idle_gaps", [])}
     return ranks or None
 

@@ -69,6 +69,8 @@ def test_each_call_fits_a_device_call_and_selects_its_rows(tmp_path, cli_flags, 
     assert benches or steps == ["build", "tests", "p2p"]
     if "attention" in steps:
         assert any("bench/attention_kernels.py" in cmd for _, _, cmd in plan)
+    if "blocks" in steps:
+        assert any("bench/block_step.py" in cmd for _, _, cmd in plan)
     for name, limit, command in benches:
         args = gt.parse_args(command[command.index("bench/gpu_throughput.py") + 1:])
         assert args.json.endswith(f"/{name}.json")

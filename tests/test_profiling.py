@@ -43,12 +43,14 @@ def test_summary_counts_overlapping_device_work_once():
     # window (0-200) = busy 60 + edges 10 + between 130; each gap's host: the op overlapping it most
     assert (s["idle_edges_ms"], s["idle_between_ms"]) == (0.01, 0.13)
     assert s["idle_gaps"] == [
-        {"ms": 0.12, "at_ms": 0.07, "after": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
-         "before": "Memcpy DtoH", "host": "aten::mm"},
-        {"ms": 0.01, "at_ms": 0.05, "after": "triton_poi_fused_add_0",
-         "before": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "host": "aten::mm"}]
+        {"ms": 0.12, "at_ms": 0.07, "prev_work": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+         "next_work": "Memcpy DtoH", "host": "aten::mm"},
+        {"ms": 0.01, "at_ms": 0.05, "prev_work": "triton_poi_fused_add_0",
+         "next_work": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "host": "aten::mm"}]
     inner = summarize_trace(events + [_x("cpu_op", "aten::item", 70, 30)])["idle_gaps"][0]
     assert inner["host"] == "aten::item"  # overlapping it as much as aten::mm does: the innermost op
+    host_only = summarize_trace([e for e in events if e["cat"] not in ("kernel", "gpu_memcpy")])  # a CPU run
+    assert (host_only["idle_edges_ms"], host_only["idle_between_ms"], host_only["idle_gaps"]) == (None, None, [])
     many = [_x("kernel", f"k{i % 20}", i, 1 + i % 20) for i in range(200)]  # 20 names, 10 launches each
     top = summarize_trace(many)["top_kernels"]
     assert len(top) == 15 and top[0]["name"] == "k19" and top[0]["launches"] == 10

@@ -105,7 +105,7 @@ def test_each_stage_compute_refusal_starts_with_its_flag(monkeypatch):
         return str(err.value)
 
     assert refusal({"head_loss": "liger"}).startswith("--head-loss: head-loss kernel 'liger' runs on CUDA only")
-    assert refusal({"attention": "cudnn"}).startswith("--attention cudnn")
+    assert refusal({"attention": "cudnn"}).startswith("--attention cudnn")  # named already: no second prefix
     assert refusal({"compile_mode": "max-autotune"}).startswith("--compile-mode max-autotune says how")
     monkeypatch.setattr(compile_support, "compile_unavailable_reason", lambda device, **kw: "no working C++ compiler")
     message = refusal({"compile": True})

@@ -180,7 +180,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--compile-mode", choices=COMPILE_MODES,
                      help="inductor's mode for the compiled blocks: default, or max-autotune (kernel "
                           "configurations benchmarked at compile time: minutes more compile; 0.92x "
-                          "on an H100 at smollm-360m, docs/gpu.md; no CUDA graphs) (default default)")
+                          "on an H100 at smollm-360m, docs/gpu.md; inductor's own CUDA graphs off, "
+                          "--cuda-graphs still applies) (default default)")
     run.add_argument("--head-loss", choices=HEAD_LOSSES,
                      help="last block's loss: plain (whole logits), fused (chunked matmul + cross entropy, "
                           "no logits in memory), liger / cce (fused with that CUDA kernel), chunked (fused with "

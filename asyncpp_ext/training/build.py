@@ -101,9 +101,9 @@ def _refusals_name(flag: str):
     try:
         yield
     except ValueError as exc:
-        if str(exc).startswith("--"):
-            raise
-        raise type(exc)(f"{flag}: {exc}") from None
+        if not str(exc).startswith("--"):  # the same exception (type, traceback), its message prefixed
+            exc.args = (f"{flag}: {exc}",) + exc.args[1:]
+        raise
 
 
 def stage_compute(cfg: RunConfig, device=None) -> StageCompute:

@@ -96,7 +96,7 @@ def summarize_trace(events: list[dict]) -> dict:
     times = [float(e["ts"]) for e in host + device] + [float(e["ts"]) + float(e.get("dur", 0.0)) for e in host + device]
     wall_us = (max(times) - min(times)) if times else 0.0
     origin = min(times) if times else 0.0
-    edges_us = (spans[0][0] - origin) + (origin + wall_us - end) if spans else wall_us
+    edges_us = (spans[0][0] - origin) + (origin + wall_us - end) if spans else None  # None: no device work
     kinds: dict[str, float] = {}
     by_name: dict[str, list] = {}  # kernel name -> [ms, launches]
     for e in device:
@@ -129,8 +129,8 @@ def summarize_trace(events: list[dict]) -> dict:
                         for n, (ms, k) in top],
         # where the device waited: before its first and after its last work in the window (the
         # profiler's start and stop, the host's first launches) apart from the gaps between
-        "idle_edges_ms": round(edges_us / 1e3, 3),
-        "idle_between_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
+        "idle_edges_ms": round(edges_us / 1e3, 3) if edges_us is not None else None,
+        "idle_between_ms": round(sum(g[0] for g in gaps) / 1e3, 3) if spans else None,
         "idle_gaps": [_gap(g, origin, host) for g in sorted(gaps, key=lambda g: -g[0])[:TOP_GAPS]],
     }
 
@@ -147,8 +147,8 @@ def _gap(gap: tuple, origin: float, host: list) -> dict:
 
     busiest = max((e for e in host if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")),
                   key=lambda e: (overlap(e), -float(e.get("dur", 0.0))), default=None)
-    return {"ms": round(us / 1e3, 3), "at_ms": round((start - origin) / 1e3, 3), "after": before[:100],
-            "before": after[:100],
+    return {"ms": round(us / 1e3, 3), "at_ms": round((start - origin) / 1e3, 3), "prev_work": before[:100],
+            "next_work": after[:100],
             "host": str(busiest.get("name", ""))[:100] if busiest is not None and overlap(busiest) > 0 else None}
 
 
