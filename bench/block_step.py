@@ -238,6 +238,8 @@ def profiled(fn, device: torch.device, iters: int = 3) -> dict:
     s = summarize_trace(events)
     return {"ms_by_kind": {k: round(v / iters, 3) for k, v in s["device_ms_by_kind"].items()},
             "kernels": s["kernels"] // iters,
+            # the device waiting on the host between kernels (the launches of an eager block)
+            "idle_between_ms": round(s["idle_between_ms"] / iters, 3) if s["idle_between_ms"] is not None else None,
             # the costliest kernels, and each kind's leaders beyond them (training/profiling.py)
             "top_kernels": [{**t, "ms": round(t["ms"] / iters, 4), "launches": t["launches"] // iters}
                             for t in s["top_kernels"]]}
@@ -365,6 +367,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 write(args, device, rows)  # after every row: a stopped run keeps what it measured
                 kinds = ", ".join(f"{k} {v:.3f}" for k, v in row.get("profile", {}).get("ms_by_kind", {}).items())
+                if row.get("profile", {}).get("idle_between_ms") is not None:
+                    kinds += f"; device idle between kernels {row['profile']['idle_between_ms']:.3f}"
                 log(f"{model:12s} T={seq:<5d} {variant:19s} {row['ms']:9.3f} ms  compile {row['compile_s']} s  "
                     f"err {row['max_rel_err']:.2e} {row['check']}  [{kinds}]")
                 for t in row.get("profile", {}).get("top_kernels", []):
