@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -48,16 +47,17 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "bench"):  # the package, and the bench's sibling scripts
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 from asyncpp_ext.models.attention import attention_preference, resolve_attention  # noqa: E402
 from asyncpp_ext.models.compile import compile_blocks  # noqa: E402
-from asyncpp_ext.models.llama import (NATIVE_GQA_DEVICES, Attention, LlamaBlock, apply_rotary,  # noqa: E402
-                                      fused_linear, llama_preset_config)
+from asyncpp_ext.models.llama import Attention, LlamaBlock, apply_rotary, llama_preset_config  # noqa: E402
 from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
 from asyncpp_ext.training.profiling import summarize_trace  # noqa: E402
+from attention_kernels import timed  # noqa: E402  (the median of --iters calls, after two warm-ups)
 
 CUDA_SHAPES = {"smollm-360m": 2048, "smollm-135m": 1024}  # model -> sequence length
 CPU_SHAPES = {"llama-tiny": 32}
@@ -71,38 +71,21 @@ class RotaryBTDAttention(Attention):
     """Attention with q and k rotated in the projections' (B, T, heads, D) layout."""
 
     def forward(self, x, cos, sin_signed):
-        b, t, _ = x.shape
-        if torch.compiler.is_compiling():
-            q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project(x)
         cos, sin_signed = cos[:, None, :], sin_signed[:, None, :]  # (T, 1, D): broadcast over heads
-        q = apply_rotary(q.view(b, t, self.n_head, self.head_dim), cos, sin_signed).transpose(1, 2)
-        k = apply_rotary(k.view(b, t, self.n_kv_head, self.head_dim), cos, sin_signed).transpose(1, 2)
-        v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        return self._attend(q, k, v, b, t)
-
-    def _attend(self, q, k, v, b, t):
-        group = self.n_head // self.n_kv_head
-        if group > 1 and q.device.type in NATIVE_GQA_DEVICES:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            if group > 1:
-                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos, sin_signed).transpose(1, 2)
+        k = apply_rotary(k.transpose(1, 2), cos, sin_signed).transpose(1, 2)
+        return self.attend(q, k, v)
 
 
-class SeparateQKVAttention(RotaryBTDAttention):
-    """Attention with q, k and v as three products, rotated as the library's block rotates them."""
+class SeparateQKVAttention(Attention):
+    """Attention with q, k and v as three products when compiled too."""
 
-    def forward(self, x, cos, sin_signed):
+    def project(self, x):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed)
-        return self._attend(q, k, v, b, t)
+        return (self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2),
+                self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2),
+                self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2))
 
 
 def rotary_by_halves(x, cos, sin_signed):
@@ -115,19 +98,12 @@ def rotary_by_halves(x, cos, sin_signed):
     return torch.cat((x1 * c + x2 * sin_signed[..., :half], x2 * c + x1 * sin_signed[..., half:]), dim=-1)
 
 
-class RotaryHalvesAttention(RotaryBTDAttention):
+class RotaryHalvesAttention(Attention):
     """The library's attention with ``rotary_by_halves``."""
 
     def forward(self, x, cos, sin_signed):
-        b, t, _ = x.shape
-        if torch.compiler.is_compiling():
-            q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = rotary_by_halves(q.view(b, t, self.n_head, self.head_dim).transpose(1, 2), cos, sin_signed)
-        k = rotary_by_halves(k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2), cos, sin_signed)
-        v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        return self._attend(q, k, v, b, t)
+        q, k, v = self.project(x)
+        return self.attend(rotary_by_halves(q, cos, sin_signed), rotary_by_halves(k, cos, sin_signed), v)
 
 
 class ExpandedKVAttention(Attention):
@@ -135,16 +111,8 @@ class ExpandedKVAttention(Attention):
     compiled graph (``repeat_interleave``) instead of SDPA's ``enable_gqa``: the repetition can fuse
     into the kernel that rotates k, and its backward's sum over the group into the rotary backward."""
 
-    def forward(self, x, cos, sin_signed):
-        b, t, _ = x.shape
-        if torch.compiler.is_compiling():
-            q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed)
+    def attend(self, q, k, v):
+        b, _, t, _ = q.shape
         group = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -201,24 +169,6 @@ def build_block(variant: str, cfg, reference: LlamaBlock, device) -> torch.nn.Mo
         block.attn = attn_cls(cfg)
     block.load_state_dict(reference.state_dict())
     return block.to(device)
-
-
-def timed(fn, iters: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` calls (after the caller's warm-up)."""
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def profiled(fn, device: torch.device, iters: int = 3) -> dict:

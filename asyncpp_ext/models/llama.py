@@ -230,16 +230,23 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """``cos`` and ``sin_signed``: the rotary tables (T, D) of ``apply_rotary``."""
+        q, k, v = self.project(x)
+        return self.attend(apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed), v)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, C) -> q, k, v, each (B, heads, T, D): views of the projections' (B, T, heads, D)."""
         b, t, _ = x.shape
         if torch.compiler.is_compiling():  # one product for q, k and v (see fused_linear)
             q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        # (B, T, heads * D) -> (B, heads, T, D)
-        q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed)
+        return (q.view(b, t, self.n_head, self.head_dim).transpose(1, 2),
+                k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2),
+                v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the rotated q, k and v (B, heads, T, D), then the output projection."""
+        b, _, t, _ = q.shape
         group = self.n_head // self.n_kv_head  # query head h reads key/value head h // group
         if group > 1 and q.device.type in NATIVE_GQA_DEVICES:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
