@@ -58,6 +58,7 @@ from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E4
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
 from asyncpp_ext.training.profiling import summarize_trace  # noqa: E402
 from attention_kernels import timed  # noqa: E402  (the median of --iters calls, after two warm-ups)
+from throughput_rows import inductor_preset  # noqa: E402  (the bench's cat-kernel row's options)
 
 CUDA_SHAPES = {"smollm-360m": 2048, "smollm-135m": 1024}  # model -> sequence length
 CPU_SHAPES = {"llama-tiny": 32}
@@ -135,13 +136,6 @@ class RotaryHalvesBlock(LlamaBlock):
     pass
 
 
-def inductor_options(**options) -> dict:
-    """``options`` less those this torch's inductor does not have (the names move between releases)."""
-    from torch._inductor import config
-
-    return {k: v for k, v in options.items() if hasattr(config, k)}
-
-
 # name -> (block class, attention class or None, compile_blocks keyword arguments or None = eager)
 VARIANTS = {
     "eager": (LlamaBlock, None, None),
@@ -153,8 +147,7 @@ VARIANTS = {
     "expanded-kv": (ExpandedKVBlock, ExpandedKVAttention, {}),
     # every cat its own kernel writing each part in place (CUDA's default fuses a cat of few inputs
     # into its consumer as masked loads: the backward's q/k/v gradient with the rotary backward)
-    "cat-kernel": (LlamaBlock, None, {"options": inductor_options(max_pointwise_cat_inputs=0,
-                                                                  max_complex_pointwise_cat_inputs=0)}),
+    "cat-kernel": (LlamaBlock, None, {"options": inductor_preset("cat-kernel")}),
     "max-autotune": (LlamaBlock, None, {"mode": "max-autotune"}),
 }
 

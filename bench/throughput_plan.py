@@ -29,6 +29,7 @@ def detect_cli_flags() -> dict:
             "ipc": ",ipc" in text, "compute_copies": "--no-compute-copies" in text,
             "bf16_params": "bf16-params" in text, "compile_scope": "--compile-scope" in text,
             "compile_mode": "--compile-mode" in text, "attention": "--attention" in text,
+            "inductor_option": "--inductor-option" in text,
             "no_checkpoints": "--no-checkpoints" in text and "--eval-batches" in text}
 
 
@@ -59,6 +60,7 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                   + (" bf16-params" if kw.get("dtype") == "bf16-params" else "")
                   + (" stage-compile" if kw.get("scope") == "stage" else "")
                   + (f" {kw['compile_mode']}" if kw.get("compile_mode") else "")
+                  + (f" {kw['inductor']}" if kw.get("inductor") else "")
                   + (f" {kw['attention']}-attention" if kw.get("attention") else ""))
         if kw.get("stages", 1) == 1:
             name = f"ours sync {opt}{suffix}"
@@ -148,6 +150,10 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     # inductor's max-autotune where the GPU, not the host, sets the pace, on top of
                     # the CLI's defaults (graphs: with sync on CUDA)
                     ours(mdl, seq, "adamw", compile_=True, compile_mode="max-autotune", graphs=graphs[-1])
+                if (mdl, seq) == last and dev == "cuda" and flags.get("inductor_option"):
+                    # the defaults with inductor's concatenations lowered as kernels of their own
+                    # (INDUCTOR_PRESETS): the rotary backward's q/k/v gradient on its own
+                    ours(mdl, seq, "adamw", compile_=True, inductor="cat-kernel", graphs=graphs[-1])
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

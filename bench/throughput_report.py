@@ -93,6 +93,8 @@ def _variant_suffix(r: dict) -> str:
         return f" {r['attention']}-attention"
     if r.get("compile_mode"):
         return f" {r['compile_mode']}"
+    if r.get("inductor"):
+        return f" {r['inductor']}"
     if r.get("scope") == "stage":
         return " stage-compile"
     if r.get("graphs"):
@@ -106,7 +108,7 @@ def _variant_suffix(r: dict) -> str:
     return ""
 
 
-_SUFFIXES = (" cudnn-attention", " flash-attention", " max-autotune", " stage-compile", " graphs", " bf16-params", " no-copies", " ipc")
+_SUFFIXES = (" cudnn-attention", " flash-attention", " max-autotune", " cat-kernel", " stage-compile", " graphs", " bf16-params", " no-copies", " ipc")
 
 
 def _plainer(r: dict, find):
@@ -154,7 +156,7 @@ def _one_stage_twin(r: dict, ok: list):
                  and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
                  and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
                  and b.get("copies") is not False and b.get("dtype") is None
-                 and b.get("scope") == r.get("scope") and not b.get("compile_mode") and not b.get("attention")),
+                 and b.get("scope") == r.get("scope") and not b.get("compile_mode") and not b.get("attention") and not b.get("inductor")),
                 None)
 
 

@@ -52,6 +52,25 @@ sys.exit(rc)
 # Running rows
 
 
+INDUCTOR_PRESETS = {
+    # every concatenation lowered as kernels that each write their part in place, instead of one
+    # kernel of masked loads that works out every part's indices for every element (the rotary
+    # backward's q/k/v gradient at smollm-360m took 85 us where its bytes need ~20; docs/gpu.md)
+    "cat-kernel": {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0},
+}
+"""A row's ``inductor`` name -> the ``--inductor-option`` values it passes."""
+
+
+def inductor_preset(name) -> dict:
+    """The options of INDUCTOR_PRESETS[name] this torch's inductor has (the names move between
+    releases; asyncpp-train refuses a name it does not have), {} for None."""
+    if not name:
+        return {}
+    from torch._inductor import config
+
+    return {k: v for k, v in INDUCTOR_PRESETS[name].items() if hasattr(config, k)}
+
+
 def child_env() -> dict:
     return dict(os.environ, **OFFLINE_ENV,
                 PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -94,6 +113,8 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
         cmd += ["--compile-mode", r["compile_mode"]]
     if r.get("attention"):
         cmd += ["--attention", r["attention"]]
+    for name, value in inductor_preset(r.get("inductor")).items():
+        cmd += ["--inductor-option", f"{name}={value}"]
     if args.profile:  # traced after the measured steps, which the tracing therefore never slows
         first = args.warmup + args.steps + 1
         cmd += ["--profile-steps", f"{first}:{first + PROFILED_STEPS - 1}"]

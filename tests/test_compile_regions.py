@@ -287,11 +287,42 @@ def test_compile_mode_reaches_inductor_with_its_cuda_graphs_off(monkeypatch, gro
         for patches in seen:
             assert patches.get("triton.cudagraphs") is False and patches.get("freezing") is False
             assert patches.get("max_autotune", False) is (mode == "max-autotune"), (mode, patches)
+    # --inductor-option: on top of the mode's, the forced ones still off
+    seen.clear()
+    model = _llama(n_layer=2)
+    compile_stages(model, "cpu", "block", 2, "max-autotune", {"max_pointwise_cat_inputs": 0})
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    assert seen and all(p["max_pointwise_cat_inputs"] == 0 and p.get("max_autotune") is True
+                        and p["freezing"] is False for p in seen), seen
     with _one_stage_pipeline(compile_mode="max-autotune") as pipe:
         assert {g.settings.mode for g in pipe.compile_report.groups} == {"max-autotune"}
+    with _one_stage_pipeline(compile_options={"max_pointwise_cat_inputs": 0}) as pipe:
+        assert {g.settings.options for g in pipe.compile_report.groups} == {(("max_pointwise_cat_inputs", 0),)}
+    with pytest.raises(ValueError, match="compile_options: 'no_such_option' is not an option"):
+        with _one_stage_pipeline(compile_options={"no_such_option": 1}):
+            pass
     with pytest.raises(ValueError, match="compile mode 'reduce-overhead' is not one of default, max-autotune"):
         with _one_stage_pipeline(compile_mode="reduce-overhead"):
             pass
+
+
+def test_the_cli_hands_its_inductor_options_to_the_simulators_blocks(monkeypatch, groups_restored, tmp_path):
+    # asyncpp-train --simulate --compile --inductor-option: the one-process run's compiled blocks
+    # get the option (inductor replaced by the recorder, as above: nothing is compiled for real)
+    import torch._inductor.compile_fx as compile_fx_module
+    from asyncpp_ext.training.cli import main
+
+    seen = []
+
+    def record(gm, example_inputs, config_patches=None):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+    monkeypatch.setattr(compile_fx_module, "compile_fx", record)
+    argv = ["--model", "llama-tiny", "--seq-len", "16", "--micro-batch-size", "2", "--microbatches", "2",
+            "--steps", "1", "--eval-every", "0", "--ckpt-every", "0", "--no-checkpoints", "--no-progress",
+            "--compile", "--inductor-option", "max_pointwise_cat_inputs=0", "--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    assert seen and all(p["max_pointwise_cat_inputs"] == 0 and p["freezing"] is False for p in seen), seen
 
 
 def test_the_conftest_guard_finds_groups_made_on_a_stand_in_compiler(monkeypatch, groups_restored):

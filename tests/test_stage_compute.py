@@ -80,6 +80,32 @@ def test_a_compile_scope_or_mode_without_compiling_is_one_line(tmp_path, capsys)
                    "--compile-mode max-autotune", "off by default on cpu", "add --compile")
 
 
+def test_inductor_options_that_cannot_run_are_one_line(tmp_path, capsys):
+    _fails_cleanly(capsys, COMMON + ["--inductor-option", "max_pointwise_cat_inputs=0"], tmp_path / "a",
+                   "--inductor-option max_pointwise_cat_inputs=0", "off by default on cpu", "add --compile")
+    _fails_cleanly(capsys, COMMON + ["--compile", "--inductor-option", "max_pointwise_cat_inputs"], tmp_path / "b",
+                   "argument --inductor-option: expected NAME=VALUE", "'max_pointwise_cat_inputs'")
+    _fails_cleanly(capsys, COMMON + ["--compile", "--inductor-option", "fast_kernels=1"], tmp_path / "c",
+                   "--inductor-option:", "'fast_kernels' is not an option of this torch's inductor")
+    _fails_cleanly(capsys, COMMON + ["--compile", "--inductor-option", "freezing=True"], tmp_path / "d",
+                   "--inductor-option:", "freezing stays off", "drop it")
+    _fails_cleanly(capsys, COMMON + ["--compile", "--inductor-option", "max_pointwise_cat_inputs=[0]"],
+                   tmp_path / "e", "max_pointwise_cat_inputs takes a bool, number, string or None, got [0]")
+
+
+def test_inductor_options_parse_and_round_trip_the_config():
+    from asyncpp_ext.models.compile_support import parse_inductor_option
+    from asyncpp_ext.training.config import RunConfig
+
+    assert parse_inductor_option("max_pointwise_cat_inputs=0") == ("max_pointwise_cat_inputs", 0)
+    assert parse_inductor_option(" coordinate_descent_tuning = True ") == ("coordinate_descent_tuning", True)
+    assert parse_inductor_option("cpp.simdlen=None") == ("cpp.simdlen", None)
+    assert parse_inductor_option("triton.descriptive_names=original_aten") == ("triton.descriptive_names", "original_aten")
+    cfg = RunConfig.from_dict({"train": {"inductor_options": {"max_pointwise_cat_inputs": 0}}})
+    cfg.validate()
+    assert RunConfig.from_dict(cfg.to_dict()).train.inductor_options == {"max_pointwise_cat_inputs": 0}
+
+
 def test_a_head_loss_kernel_that_cannot_run_here_is_one_line(tmp_path, capsys):
     _fails_cleanly(capsys, COMMON + ["--simulate", "--head-loss", "liger"], tmp_path / "out",
                    "--head-loss", "CUDA")

@@ -4,14 +4,17 @@
     compile_unavailable_reason(device, *, probe=False) -> str | None
     resolve_compile(flag, device) -> bool
     MODES, inductor_mode(name) -> str | None   ``--compile-mode`` and the mode it gives torch
+    parse_inductor_option("NAME=VALUE"), check_inductor_options(dict)   ``--inductor-option``
     CompileUnavailableError   (a ValueError whose message is one line)
     _describe(exc) -> str     ``Type: first line`` of an exception, through dynamo's wrappers
 """
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import warnings
+from typing import Any
 
 import torch
 
@@ -30,6 +33,43 @@ def inductor_mode(name: str) -> str | None:
     if name not in MODES:
         raise ValueError(f"compile mode {name!r} is not one of {', '.join(MODES)}")
     return None if name == "default" else name
+
+
+FORCED_OPTIONS = ("freezing", "triton.cudagraphs")
+"""Inductor options compiled blocks always set off (models/compile.py): both would capture
+parameter values or addresses, which the 2bw weight swap changes."""
+
+
+def parse_inductor_option(text: str) -> tuple[str, Any]:
+    """``"NAME=VALUE"`` (``--inductor-option``) -> (NAME, VALUE): VALUE read as a Python literal
+    (0, 1.5, True, None, 'text'), else kept as the string given."""
+    name, sep, raw = str(text).partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"expected NAME=VALUE (e.g. max_pointwise_cat_inputs=0), got {text!r}")
+    try:
+        value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        value = raw.strip()
+    return name.strip(), value
+
+
+def check_inductor_options(options, where: str = "train.inductor_options") -> dict:
+    """``options`` as a dict of inductor config names this torch has and plain values (a bool,
+    number, string or None), or ValueError (one line) naming the first that is not."""
+    if not isinstance(options, dict):
+        raise ValueError(f"{where} must be an object of inductor option names and values, got {options!r}")
+    from torch._inductor import config
+
+    for name, value in options.items():
+        if name in FORCED_OPTIONS:
+            raise ValueError(f"{where}: {name} stays off for compiled blocks (it would capture weight values "
+                             "or addresses, which the 2bw weight swap changes); drop it")
+        if not isinstance(name, str) or not hasattr(config, name):
+            raise ValueError(f"{where}: {name!r} is not an option of this torch's inductor "
+                             f"(torch {torch.__version__}; see torch/_inductor/config.py)")
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise ValueError(f"{where}: {name} takes a bool, number, string or None, got {value!r}")
+    return dict(options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,4 +218,5 @@ def _describe(exc: BaseException) -> str:
     return f"{chain}: {message}" if message else chain
 
 
-__all__ = ["MODES", "CompileUnavailableError", "compile_unavailable_reason", "inductor_mode", "resolve_compile"]
+__all__ = ["MODES", "FORCED_OPTIONS", "CompileUnavailableError", "compile_unavailable_reason", "inductor_mode",
+           "parse_inductor_option", "check_inductor_options", "resolve_compile"]

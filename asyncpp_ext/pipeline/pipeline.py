@@ -22,7 +22,7 @@ from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
 from ..models.base import BlockSequence
-from ..models.compile_support import inductor_mode
+from ..models.compile_support import check_inductor_options, inductor_mode
 from ..models.regions import compile_regions, scope_regions
 from ..schedule.table import schedule_names, schedule_spec
 from .data_parallel import Layout, create_dp_group, replica_share
@@ -125,6 +125,8 @@ class Pipeline:
             but the model's head as one region, models/regions.py).
         compile_mode: with ``compile``, inductor's mode: "default" or "max-autotune" (kernel
             configurations benchmarked at compile time; no CUDA graphs).
+        compile_options: with ``compile``, inductor config options on top of the mode's (names
+            torch._inductor.config has; models/compile_support.check_inductor_options).
         head_loss: "plain" (``loss_fn`` of the last block's logits) or "fused" (the last block's
             matmul and cross entropy without whole logits, models/head_loss.py, by
             ``head_loss_kernel``: "auto", "liger", "cce" or "chunked").
@@ -146,7 +148,8 @@ class Pipeline:
                  recompute: bool = False, dtype: str = "auto", on_nonfinite: str = "stop",
                  lr_schedule=None, clip_grad_norm: float | None = None, mitigation: str | None = None,
                  dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None,
-                 compile: bool = False, compile_scope: str = "block", compile_mode: str = "default", head_loss: str = "plain",
+                 compile: bool = False, compile_scope: str = "block", compile_mode: str = "default",
+                 compile_options: dict | None = None, head_loss: str = "plain",
                  head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = True):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
@@ -201,7 +204,9 @@ class Pipeline:
         module = BlockSequence(*[blocks[i] for i in self.block_indices]).to(self.device)
         regions = scope_regions(compile_scope, [self.block_indices], len(blocks), first=self.block_indices[0])
         mode = inductor_mode(compile_mode)  # a bad value is refused whether or not compile is on
-        self.compile_report = compile_regions(module, regions, device=self.device, mode=mode) if compile else None
+        options = check_inductor_options(compile_options or {}, "compile_options") or None
+        self.compile_report = (compile_regions(module, regions, device=self.device, mode=mode, options=options)
+                               if compile else None)
         prefixes = block_prefixes(model, blocks, self.block_indices)
         self.param_names = [n for n, _ in GlobalView(module, prefixes).named_parameters()]
         # A mirror of a tied weight is updated by its owner, never by this stage's optimizer.

@@ -7,6 +7,7 @@ import os
 from typing import Optional
 
 from ..models.attention import ATTENTION_BACKENDS
+from ..models.compile_support import parse_inductor_option
 from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
                      SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
 from ..data.batches import SAMPLINGS
@@ -22,6 +23,14 @@ _D = RunConfig()  # the documented defaults
 
 class UsageError(ValueError):
     """Bad command line (argparse's complaints, conflicting flags, unusable --out)."""
+
+
+def inductor_option(text: str) -> tuple:
+    """``--inductor-option NAME=VALUE`` -> (NAME, VALUE) (models/compile_support.parse_inductor_option)."""
+    try:
+        return parse_inductor_option(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -182,6 +191,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "configurations benchmarked at compile time: minutes more compile; 0.92x "
                           "on an H100 at smollm-360m, docs/gpu.md; inductor's own CUDA graphs off, "
                           "--cuda-graphs still applies) (default default)")
+    run.add_argument("--inductor-option", action="append", metavar="NAME=VALUE", type=inductor_option,
+                     help="an inductor config option for the compiled blocks, on top of the mode's "
+                          "(repeatable; e.g. max_pointwise_cat_inputs=0: each concatenation its own kernel)")
     run.add_argument("--head-loss", choices=HEAD_LOSSES,
                      help="last block's loss: plain (whole logits), fused (chunked matmul + cross entropy, "
                           "no logits in memory), liger / cce (fused with that CUDA kernel), chunked (fused with "
@@ -240,6 +252,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
         ("train", "compile"): args.compile, ("train", "compile_scope"): args.compile_scope,
         ("train", "compile_mode"): args.compile_mode,
+        ("train", "inductor_options"): dict(args.inductor_option) if args.inductor_option else None,
         ("train", "head_loss"): args.head_loss,
         ("train", "attention"): args.attention,
         ("train", "profile_steps"): args.profile_steps, ("train", "cuda_graphs"): args.cuda_graphs,
@@ -282,7 +295,7 @@ FIELD_FLAGS = {
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
-    "train.compile_scope": "--compile-scope", "train.compile_mode": "--compile-mode", "train.compile": "--compile", "train.head_loss": "--head-loss", "train.attention": "--attention",
+    "train.compile_scope": "--compile-scope", "train.compile_mode": "--compile-mode", "train.inductor_options": "--inductor-option", "train.compile": "--compile", "train.head_loss": "--head-loss", "train.attention": "--attention",
     "train.profile_steps": "--profile-steps",
     "train.cuda_graphs": "--cuda-graphs", "train.compute_copies": "--compute-copies",
     "data.sampling": "--sampling",

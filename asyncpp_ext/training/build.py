@@ -89,6 +89,8 @@ class StageCompute:
     (models/regions.py)."""
     compile_mode: str = "default"
     """With ``compile``: inductor's mode, "default" or "max-autotune" (models/compile.py)."""
+    inductor_options: tuple = ()
+    """With ``compile``: inductor config options on top of the mode's, as sorted (name, value) pairs."""
     attention: str = "default"
     """The attention kernel: "cudnn" (first), "flash" (cuDNN's off), or "default" (torch's own
     choice) (models/attention.py)."""
@@ -124,14 +126,18 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
     with _refusals_name("--compile"):
         compile_ = resolve_compile(cfg.train.compile, device)
     scope, compile_mode = cfg.train.compile_scope, cfg.train.compile_mode
-    if (scope != "block" or compile_mode != "default") and not compile_:
+    options = tuple(sorted(cfg.train.inductor_options.items()))
+    if (scope != "block" or compile_mode != "default" or options) and not compile_:
         why = "--no-compile" if cfg.train.compile is False else f"compiling is off by default on {device.type}"
-        flag, value = ("--compile-scope", scope) if scope != "block" else ("--compile-mode", compile_mode)
+        flag, value = (("--compile-scope", scope) if scope != "block" else
+                       ("--compile-mode", compile_mode) if compile_mode != "default" else
+                       ("--inductor-option", ",".join(f"{k}={v}" for k, v in options)))
         raise ValueError(f"{flag} {value} says how blocks are compiled, but {why}; add --compile or drop {flag}")
     with _refusals_name("--attention"):
         attention = resolve_attention(cfg.train.attention, device)
     return StageCompute(compile_, head, kernel, cuda_graphs=graphs, compute_copies=cfg.train.compute_copies,
-                        compile_scope=scope, compile_mode=compile_mode, attention=attention)
+                        compile_scope=scope, compile_mode=compile_mode, inductor_options=options,
+                        attention=attention)
 
 
 def resolve_cuda_graphs(cfg: RunConfig, device) -> bool:
@@ -196,7 +202,8 @@ def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None) -> D
     compute = compute or stage_compute(cfg)
     model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
     if compute.compile:
-        compile_stages(model, cfg.train.device, compute.compile_scope, p.stages, compute.compile_mode)
+        compile_stages(model, cfg.train.device, compute.compile_scope, p.stages, compute.compile_mode,
+                       dict(compute.inductor_options))
     from ..pipeline.compute_copies import maybe_compute_copies
     from ..pipeline.recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 
@@ -218,14 +225,16 @@ def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None) -> D
     return simulator
 
 
-def compile_stages(model: nn.Module, device, scope: str, stages: int, mode: str = "default"):
-    """Compile ``model``'s blocks for the simulator by ``--compile-scope`` and ``--compile-mode``:
+def compile_stages(model: nn.Module, device, scope: str, stages: int, mode: str = "default",
+                   options: Optional[dict] = None):
+    """Compile ``model``'s blocks for the simulator by ``--compile-scope``, ``--compile-mode`` and
+    ``--inductor-option`` (``options``):
     with scope "stage", one region per stage of the split a Pipeline of ``stages`` stages makes, so
     that the simulator compiles the graphs the pipeline's stages compile and real == --simulate
     stays exact."""
     blocks = as_blocks(model)
     return compile_regions(blocks, scope_regions(scope, split(blocks, stages), len(blocks)), device=device,
-                           mode=inductor_mode(mode))
+                           mode=inductor_mode(mode), options=options or None)
 
 
 def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: Optional[StageCompute] = None):
@@ -240,6 +249,7 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: 
     model = build_model(cfg.model, seed=cfg.train.seed)
     pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=optimizer_factory(cfg), schedule=p.schedule,
                     compile=compute.compile, compile_scope=compute.compile_scope, compile_mode=compute.compile_mode,
+                    compile_options=dict(compute.inductor_options),
                     head_loss=compute.head_loss, head_loss_kernel=compute.kernel,
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,

@@ -276,6 +276,12 @@ class TrainConfig:
     kernel configurations benchmarked on the device at compile time, coordinate-descent tuning;
     minutes more compile, and slower on an H100 with torch 2.11 at smollm-360m: 0.92x, docs/gpu.md;
     its CUDA graphs stay off, models/compile.py). Takes effect where blocks are compiled."""
+    inductor_options: dict = field(default_factory=dict)
+    """Inductor config options for the compiled regions, on top of the mode's (``--inductor-option
+    NAME=VALUE``, e.g. ``max_pointwise_cat_inputs=0``: every concatenation its own kernel); names
+    torch._inductor.config has, plain values; ``freezing`` and ``triton.cudagraphs`` stay off
+    (models/compile.py). Set alike in a pipeline and its --simulate run. Takes effect where blocks
+    are compiled."""
     head_loss: str = "auto"
     """How the last block computes its loss: plain (logits, then cross entropy) | fused (the head's
     matmul and cross entropy chunk by chunk, the logits never whole in memory; Liger-Kernel or

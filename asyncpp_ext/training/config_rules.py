@@ -7,6 +7,7 @@ from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_M
 from ..optim.versioned import EF_SOURCES
 from ..schedule.table import schedule_spec
 from ..models.attention import ATTENTION_BACKENDS
+from ..models.compile_support import check_inductor_options
 from .config import COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, EF_BETA_MAX, HEAD_LOSSES, MUON_FAMILY, OptimConfig, RunConfig
 from .field_checks import ConfigError, choice, non_negative_number, positive_int
 from .profiling import ProfileSpecError, parse_profile_steps
@@ -105,6 +106,10 @@ def check_compute(cfg: RunConfig) -> None:
         raise ConfigError(f"train.compile must be true, false or null (auto), got {t.compile!r}")
     choice("train.compile_scope", t.compile_scope, COMPILE_SCOPES)
     choice("train.compile_mode", t.compile_mode, COMPILE_MODES)
+    try:
+        check_inductor_options(t.inductor_options)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if not isinstance(t.checkpoints, bool):
         raise ConfigError(f"train.checkpoints must be true or false, got {t.checkpoints!r}")
     if not isinstance(t.compute_copies, bool):
