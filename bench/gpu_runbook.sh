@@ -8,8 +8,8 @@
 #   bench/gpu_runbook.sh [STEP ...]     default: build 135m (at most 540 s: one call of a machine lent
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
-#                                         build blocks head | build quick | build mps
-#                                         build 360m | build profile | build attention pipeline-graphs
+#                                         build 360m | build blocks head | build quick
+#                                         build mps | build profile | build attention pipeline-graphs
 #                                         build tests p2p | build autotune)
 #   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)
 #
@@ -24,9 +24,9 @@
 #           kernel, flash attention with in-place grouped-query heads, --attention cudnn and flash
 #           each running its kernel, compiled blocks and regions
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
-#   360m    (420) ours with graphs (the default), the same with the other attention kernel (on
-#           Hopper --attention flash: cuDNN's kernels off), and the compiled Hugging Face model at
-#           smollm-360m / 2048 (~5 min; the Hugging Face compile is 2.5 of them)
+#   360m    (420) ours with graphs (the default), the same with concatenations lowered as kernels of
+#           their own (the cat-kernel row: --inductor-option), and the compiled Hugging Face model at
+#           smollm-360m / 2048, profiled (~5 min; the Hugging Face compile is 2.5 of them)
 #   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
 #           torch's own choice, --attention flash and cudnn: which runs, its time, its error against
 #           a float32 reference
