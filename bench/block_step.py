@@ -266,7 +266,8 @@ def parse(argv=None):
     ap.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="cuda: bf16; cpu: fp32")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch (default 8192)")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="calls before the timed ones, after the first "
+                    "(which compiles); the timer adds two of its own")
     ap.add_argument("--tol", type=float, default=None, help="correctness bound (bf16 3e-2, fp32 1e-4)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled window")
     ap.add_argument("--json", default=None, help="write the rows to this file (- : stdout, alone)")

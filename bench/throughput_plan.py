@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from throughput_rows import ROOT, child_env
+from throughput_rows import ROOT, child_env, inductor_preset
 
 DEFAULTS = {  # per device: models, sequence lengths, micro-batch (at the first length), microbatches
     # --micro-batch-size counts sequences of the first default length (1024 / 64); other lengths take
@@ -150,7 +150,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     # inductor's max-autotune where the GPU, not the host, sets the pace, on top of
                     # the CLI's defaults (graphs: with sync on CUDA)
                     ours(mdl, seq, "adamw", compile_=True, compile_mode="max-autotune", graphs=graphs[-1])
-                if (mdl, seq) == last and dev == "cuda" and flags.get("inductor_option"):
+                if ((mdl, seq) == last and dev == "cuda" and flags.get("inductor_option")
+                        and inductor_preset("cat-kernel")):
                     # the defaults with inductor's concatenations lowered as kernels of their own
                     # (INDUCTOR_PRESETS): the rotary backward's q/k/v gradient on its own
                     ours(mdl, seq, "adamw", compile_=True, inductor="cat-kernel", graphs=graphs[-1])

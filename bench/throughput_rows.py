@@ -68,7 +68,8 @@ def inductor_preset(name) -> dict:
         return {}
     from torch._inductor import config
 
-    return {k: v for k, v in INDUCTOR_PRESETS[name].items() if hasattr(config, k)}
+    known = config.get_config_copy()
+    return {k: v for k, v in INDUCTOR_PRESETS[name].items() if k in known}
 
 
 def child_env() -> dict:

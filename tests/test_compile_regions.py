@@ -319,10 +319,15 @@ def test_the_cli_hands_its_inductor_options_to_the_simulators_blocks(monkeypatch
         return gm.forward
     monkeypatch.setattr(compile_fx_module, "compile_fx", record)
     argv = ["--model", "llama-tiny", "--seq-len", "16", "--micro-batch-size", "2", "--microbatches", "2",
-            "--steps", "1", "--eval-every", "0", "--ckpt-every", "0", "--no-checkpoints", "--no-progress",
+            "--steps", "1", "--eval-every", "0", "--ckpt-every", "0", "--no-progress",
             "--compile", "--inductor-option", "max_pointwise_cat_inputs=0", "--out", str(tmp_path / "run")]
     assert main(argv) == 0
     assert seen and all(p["max_pointwise_cat_inputs"] == 0 and p["freezing"] is False for p in seen), seen
+    # resumed eagerly: the saved option says how blocks compile, so the run is refused until
+    # --inductor-option none drops it
+    run = str(tmp_path / "run")
+    assert main(["--resume", run, "--steps", "2", "--no-compile", "--no-progress"]) == 2
+    assert main(["--resume", run, "--steps", "2", "--no-compile", "--inductor-option", "none", "--no-progress"]) == 0
 
 
 def test_the_conftest_guard_finds_groups_made_on_a_stand_in_compiler(monkeypatch, groups_restored):

@@ -90,7 +90,17 @@ def test_inductor_options_that_cannot_run_are_one_line(tmp_path, capsys):
     _fails_cleanly(capsys, COMMON + ["--compile", "--inductor-option", "freezing=True"], tmp_path / "d",
                    "--inductor-option:", "freezing stays off", "drop it")
     _fails_cleanly(capsys, COMMON + ["--compile", "--inductor-option", "max_pointwise_cat_inputs=[0]"],
-                   tmp_path / "e", "max_pointwise_cat_inputs takes a bool, number, string or None, got [0]")
+                   tmp_path / "e", "max_pointwise_cat_inputs takes a value like its default 8, got [0]")
+    _fails_cleanly(capsys, COMMON + ["--compile", "--inductor-option", "max_pointwise_cat_inputs=abc"],
+                   tmp_path / "f", "takes a value like its default 8, got 'abc'")
+    _fails_cleanly(capsys, COMMON + ["--compile", "--inductor-option", "coordinate_descent_tuning=1"],
+                   tmp_path / "g", "coordinate_descent_tuning takes a value like its default False, got 1")
+    # a module attribute of the config that is no option (its imports, its functions)
+    _fails_cleanly(capsys, COMMON + ["--compile", "--inductor-option", "os=1"], tmp_path / "h",
+                   "'os' is not an option of this torch's inductor")
+    # a resumed run's saved options, compile off: the refusal says how to drop them
+    _fails_cleanly(capsys, COMMON + ["--simulate", "--inductor-option", "max_pointwise_cat_inputs=0"], tmp_path / "i",
+                   "add --compile or pass --inductor-option none")
 
 
 def test_inductor_options_parse_and_round_trip_the_config():
@@ -101,6 +111,15 @@ def test_inductor_options_parse_and_round_trip_the_config():
     assert parse_inductor_option(" coordinate_descent_tuning = True ") == ("coordinate_descent_tuning", True)
     assert parse_inductor_option("cpp.simdlen=None") == ("cpp.simdlen", None)
     assert parse_inductor_option("triton.descriptive_names=original_aten") == ("triton.descriptive_names", "original_aten")
+    assert parse_inductor_option("coordinate_descent_tuning=false") == ("coordinate_descent_tuning", False)
+    assert parse_inductor_option("None") == ("", None)  # no options
+    from asyncpp_ext.training.arguments import _inductor_options
+
+    given = [("max_pointwise_cat_inputs", 0), ("max_pointwise_cat_inputs", 2), ("", None), ("coordinate_descent_tuning", True)]
+    assert _inductor_options(given) == {"coordinate_descent_tuning": True}  # none dropped what came before
+    assert _inductor_options(given[:2]) == {"max_pointwise_cat_inputs": 2} and _inductor_options(None) is None
+    from asyncpp_ext.models.compile_support import check_inductor_options
+    assert check_inductor_options({"triton.descriptive_names": "original_aten", "cpp.simdlen": 8})  # nested, None default
     cfg = RunConfig.from_dict({"train": {"inductor_options": {"max_pointwise_cat_inputs": 0}}})
     cfg.validate()
     assert RunConfig.from_dict(cfg.to_dict()).train.inductor_options == {"max_pointwise_cat_inputs": 0}

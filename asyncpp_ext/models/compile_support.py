@@ -42,15 +42,36 @@ parameter values or addresses, which the 2bw weight swap changes."""
 
 def parse_inductor_option(text: str) -> tuple[str, Any]:
     """``"NAME=VALUE"`` (``--inductor-option``) -> (NAME, VALUE): VALUE read as a Python literal
-    (0, 1.5, True, None, 'text'), else kept as the string given."""
+    (0, 1.5, True, None, 'text'; true/false in any case too), else kept as the string given.
+    ``"none"`` -> ("", None): no options (clears those a resumed run saved)."""
+    if str(text).strip().lower() == "none":
+        return "", None
     name, sep, raw = str(text).partition("=")
     if not sep or not name.strip():
-        raise ValueError(f"expected NAME=VALUE (e.g. max_pointwise_cat_inputs=0), got {text!r}")
+        raise ValueError(f"expected NAME=VALUE (e.g. max_pointwise_cat_inputs=0) or none, got {text!r}")
+    raw = raw.strip()
+    if raw.lower() in ("true", "false"):
+        return name.strip(), raw.lower() == "true"
     try:
-        value = ast.literal_eval(raw.strip())
+        value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        value = raw.strip()
+        value = raw
     return name.strip(), value
+
+
+def _fits(value, default) -> bool:
+    """Whether ``value`` can stand where inductor's default is ``default`` (a bool for a bool, a
+    whole number for an int, a number for a float, a string for a string; anything plain where
+    the default is None)."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    return default is None
 
 
 def check_inductor_options(options, where: str = "train.inductor_options") -> dict:
@@ -58,17 +79,21 @@ def check_inductor_options(options, where: str = "train.inductor_options") -> di
     number, string or None), or ValueError (one line) naming the first that is not."""
     if not isinstance(options, dict):
         raise ValueError(f"{where} must be an object of inductor option names and values, got {options!r}")
+    if not options:
+        return {}
     from torch._inductor import config
 
+    defaults = config.get_config_copy()  # every option's name (dotted for nested ones) and default
     for name, value in options.items():
         if name in FORCED_OPTIONS:
             raise ValueError(f"{where}: {name} stays off for compiled blocks (it would capture weight values "
                              "or addresses, which the 2bw weight swap changes); drop it")
-        if not isinstance(name, str) or not hasattr(config, name):
+        if not isinstance(name, str) or name not in defaults:
             raise ValueError(f"{where}: {name!r} is not an option of this torch's inductor "
                              f"(torch {torch.__version__}; see torch/_inductor/config.py)")
-        if value is not None and not isinstance(value, (bool, int, float, str)):
-            raise ValueError(f"{where}: {name} takes a bool, number, string or None, got {value!r}")
+        if value is not None and not isinstance(value, (bool, int, float, str)) or \
+                value is not None and not _fits(value, defaults[name]):
+            raise ValueError(f"{where}: {name} takes a value like its default {defaults[name]!r}, got {value!r}")
     return dict(options)
 
 

@@ -25,6 +25,20 @@ class UsageError(ValueError):
     """Bad command line (argparse's complaints, conflicting flags, unusable --out)."""
 
 
+def _inductor_options(given: Optional[list]) -> Optional[dict]:
+    """The --inductor-option pairs in order as a dict (a NAME given twice keeps the last; "none"
+    drops those before it), or None when the flag was not given (a resumed run keeps its own)."""
+    if not given:
+        return None
+    options: dict = {}
+    for name, value in given:
+        if name:
+            options[name] = value
+        else:
+            options.clear()
+    return options
+
+
 def inductor_option(text: str) -> tuple:
     """``--inductor-option NAME=VALUE`` -> (NAME, VALUE) (models/compile_support.parse_inductor_option)."""
     try:
@@ -193,7 +207,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "--cuda-graphs still applies) (default default)")
     run.add_argument("--inductor-option", action="append", metavar="NAME=VALUE", type=inductor_option,
                      help="an inductor config option for the compiled blocks, on top of the mode's "
-                          "(repeatable; e.g. max_pointwise_cat_inputs=0: each concatenation its own kernel)")
+                          "(repeatable, a NAME given twice keeps the last; e.g. max_pointwise_cat_inputs=0: "
+                          "each concatenation its own kernel; none: no options, also dropping a resumed "
+                          "run's)")
     run.add_argument("--head-loss", choices=HEAD_LOSSES,
                      help="last block's loss: plain (whole logits), fused (chunked matmul + cross entropy, "
                           "no logits in memory), liger / cce (fused with that CUDA kernel), chunked (fused with "
@@ -252,7 +268,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
         ("train", "compile"): args.compile, ("train", "compile_scope"): args.compile_scope,
         ("train", "compile_mode"): args.compile_mode,
-        ("train", "inductor_options"): dict(args.inductor_option) if args.inductor_option else None,
+        ("train", "inductor_options"): _inductor_options(args.inductor_option),
         ("train", "head_loss"): args.head_loss,
         ("train", "attention"): args.attention,
         ("train", "profile_steps"): args.profile_steps, ("train", "cuda_graphs"): args.cuda_graphs,

@@ -131,8 +131,9 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
         why = "--no-compile" if cfg.train.compile is False else f"compiling is off by default on {device.type}"
         flag, value = (("--compile-scope", scope) if scope != "block" else
                        ("--compile-mode", compile_mode) if compile_mode != "default" else
-                       ("--inductor-option", ",".join(f"{k}={v}" for k, v in options)))
-        raise ValueError(f"{flag} {value} says how blocks are compiled, but {why}; add --compile or drop {flag}")
+                       ("--inductor-option", " ".join(f"{k}={v!r}" for k, v in options)))
+        drop = f"drop {flag}" if flag != "--inductor-option" else "pass --inductor-option none"
+        raise ValueError(f"{flag} {value} says how blocks are compiled, but {why}; add --compile or {drop}")
     with _refusals_name("--attention"):
         attention = resolve_attention(cfg.train.attention, device)
     return StageCompute(compile_, head, kernel, cuda_graphs=graphs, compute_copies=cfg.train.compute_copies,

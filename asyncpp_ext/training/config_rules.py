@@ -98,7 +98,8 @@ def check_delays(cfg: RunConfig) -> None:
 
 
 def check_compute(cfg: RunConfig) -> None:
-    """How the stages compute: --head-loss, --attention, --compile, --cuda-graphs, --compute-copies, --profile-steps."""
+    """How the stages compute: --head-loss, --attention, --compile, --compile-scope, --compile-mode,
+    --inductor-option, --cuda-graphs, --compute-copies, --profile-steps."""
     t = cfg.train
     choice("train.head_loss", t.head_loss, HEAD_LOSSES)
     choice("train.attention", t.attention, ATTENTION_BACKENDS)
