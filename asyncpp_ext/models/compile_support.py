@@ -91,8 +91,8 @@ def check_inductor_options(options, where: str = "train.inductor_options") -> di
         if not isinstance(name, str) or name not in defaults:
             raise ValueError(f"{where}: {name!r} is not an option of this torch's inductor "
                              f"(torch {torch.__version__}; see torch/_inductor/config.py)")
-        if value is not None and not isinstance(value, (bool, int, float, str)) or \
-                value is not None and not _fits(value, defaults[name]):
+        plain = isinstance(value, (bool, int, float, str))
+        if value is not None and not (plain and _fits(value, defaults[name])):
             raise ValueError(f"{where}: {name} takes a value like its default {defaults[name]!r}, got {value!r}")
     return dict(options)
 
