@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +55,7 @@ from asyncpp_ext.models.compile import compile_blocks  # noqa: E402
 from asyncpp_ext.models.llama import Attention, LlamaBlock, apply_rotary, llama_preset_config  # noqa: E402
 from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
-from asyncpp_ext.training.profiling import summarize_trace  # noqa: E402
+from asyncpp_ext.training.profiling import summarize_profile  # noqa: E402
 from attention_kernels import timed  # noqa: E402  (the median of --iters calls, after two warm-ups)
 from throughput_rows import inductor_preset  # noqa: E402  (the bench's cat-kernel row's options)
 
@@ -174,11 +173,7 @@ def profiled(fn, device: torch.device, iters: int = 3) -> dict:
             fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    s = summarize_trace(events)
+    s = summarize_profile(prof)
     return {"ms_by_kind": {k: round(v / iters, 3) for k, v in s["device_ms_by_kind"].items()},
             "kernels": s["kernels"] // iters,
             # the device waiting on the host between kernels (the launches of an eager block)

@@ -143,8 +143,9 @@ def parse_args(argv):
                          "cuda; 1 on cpu, where the models are tiny and spinning OpenMP threads on a loaded "
                          "machine made runs 20-70x slower)")
     ap.add_argument("--profile", action="store_true",
-                    help="trace 2 more steps of each of ours' rows (asyncpp-train --profile-steps) and add "
-                         "the share of the time the GPU was busy and the kernels per step to its notes")
+                    help="trace 2 more steps of each training row (ours' through asyncpp-train --profile-steps, "
+                         "the Hugging Face and torchtitan rows in their worker) and add the share of the time the "
+                         "GPU was busy and the kernels per step to its notes")
     ap.add_argument("--json", metavar="PATH", help="also write every number to PATH")
     ap.add_argument("--keep", action="store_true", help="keep each row's run directory")
     ap.add_argument("--workdir", help="where run directories go (default: a temporary directory, in "

@@ -132,20 +132,25 @@ def read_profile(out_dir: Path) -> dict | None:
     ranks = {}
     for path in sorted((out_dir / "profile").glob("summary_*.json")):
         s = json.loads(path.read_text())
-        steps = s["steps"][1] - s["steps"][0] + 1
-        ranks[path.stem.removeprefix("summary_")] = {
-            "device_busy_share": s["device_busy_share"], "kernels_per_step": round(s["kernels"] / steps),
-            "device_ms_per_step": {k: round(v / steps, 2) for k, v in s["device_ms_by_kind"].items()},
-            "window_ms_per_step": round(s["window_ms"] / steps, 2),
-            # the costliest kernels by name (which attention kernel ran, which fusions cost most)
-            "top_kernels_ms_per_step": [{"name": k["name"], "kind": k["kind"], "ms": round(k["ms"] / steps, 2),
-                                         "launches": round(k["launches"] / steps)}
-                                        for k in s.get("top_kernels", [])],
-            # where the device waited inside the steps, and the longest waits (not per step)
-            "idle_between_ms_per_step": (round(s["idle_between_ms"] / steps, 2)
-                                         if s.get("idle_between_ms") is not None else None),
-            "idle_gaps": s.get("idle_gaps", [])}
+        ranks[path.stem.removeprefix("summary_")] = per_step_profile(s, s["steps"][1] - s["steps"][0] + 1)
     return ranks or None
+
+
+def per_step_profile(s: dict, steps: int) -> dict:
+    """A trace summary (training/profiling.summarize_trace) of ``steps`` steps, per step: what a
+    row's ``profile`` holds for each process (ours' ranks, a Hugging Face row's one process)."""
+    return {
+        "device_busy_share": s["device_busy_share"], "kernels_per_step": round(s["kernels"] / steps),
+        "device_ms_per_step": {k: round(v / steps, 2) for k, v in s["device_ms_by_kind"].items()},
+        "window_ms_per_step": round(s["window_ms"] / steps, 2),
+        # the costliest kernels by name (which attention kernel ran, which fusions cost most)
+        "top_kernels_ms_per_step": [{"name": k["name"], "kind": k["kind"], "ms": round(k["ms"] / steps, 2),
+                                     "launches": round(k["launches"] / steps)}
+                                    for k in s.get("top_kernels", [])],
+        # where the device waited inside the steps, and the longest waits (not per step)
+        "idle_between_ms_per_step": (round(s["idle_between_ms"] / steps, 2)
+                                     if s.get("idle_between_ms") is not None else None),
+        "idle_gaps": s.get("idle_gaps", [])}
 
 
 def worker_command(spec: dict) -> list:
@@ -334,7 +339,7 @@ def run_worker_row(r: dict, args) -> dict:
                     seq_len=r["seq_len"], micro_batch_size=r["micro_batch_size"], microbatches=r["microbatches"],
                     steps=args.warmup + args.steps, optimizer=r["optimizer"], compile=r["compile"],
                     device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", seed=0,
-                    threads=args.threads)  # the head-loss worker keeps torch's default threads: it is all matmul
+                    threads=args.threads, profile=PROFILED_STEPS if args.profile else 0)  # the head-loss worker keeps torch's default threads: it is all matmul
     cmd = worker_command(spec)
     r["command"] = f"{PROG} --worker '<{spec['kind']} spec>'"
     res = run_process(cmd, args.row_timeout)

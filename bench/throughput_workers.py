@@ -10,7 +10,6 @@ import math
 import os
 import resource
 import time
-from pathlib import Path
 
 from throughput_rows import OFFLINE_ENV, RESULT_TAG
 
@@ -160,13 +159,7 @@ def worker_train(spec: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
-    losses, elapsed, tokens = [], [], []
-    first, last = spec.get("trace_steps") or (0, -1)  # optional: trace steps first..last (from 1) to trace_path
-    start = time.perf_counter()
-    for step in range(spec["steps"]):
-        if step + 1 == first:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-            prof.__enter__()
+    def train_step() -> float:
         total = torch.zeros((), device=device)
         for x, y in stream.next():
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -177,16 +170,46 @@ def worker_train(spec: dict) -> dict:
             opt.step()
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        losses.append(total.item() / m)  # the host waits for the step here
+        return total.item() / m  # the host waits for the step here
+
+    losses, elapsed, tokens = [], [], []
+    first, last = spec.get("trace_steps") or (0, -1)  # optional: trace steps first..last (from 1) to trace_path
+    start = time.perf_counter()
+    for step in range(spec["steps"]):
+        if step + 1 == first:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            prof.__enter__()
+        losses.append(train_step())
         elapsed.append(round(time.perf_counter() - start, 4))
         tokens.append((step + 1) * b * m * t)
         if step + 1 == last:
             prof.__exit__(None, None, None)
             prof.export_chrome_trace(spec["trace_path"])
     peak, kind = _peak(device)
-    return dict(status="ok", losses=[v if math.isfinite(v) else None for v in losses], elapsed_s=elapsed,
-                tokens=tokens, peak_bytes=peak, peak_kind=kind, params=params, info=info,
-                torch=torch.__version__)
+    out = dict(status="ok", losses=[v if math.isfinite(v) else None for v in losses], elapsed_s=elapsed,
+               tokens=tokens, peak_bytes=peak, peak_kind=kind, params=params, info=info, torch=torch.__version__)
+    if spec.get("profile"):  # --profile: that many more steps traced, after the measured ones, as for ours' rows
+        out["profile"] = {spec["kind"]: _profile_steps(train_step, spec["profile"], device)}
+    return out
+
+
+def _profile_steps(train_step, steps: int, device) -> dict:
+    """``steps`` calls of ``train_step`` traced (the device's kernels too on CUDA), per step
+    (throughput_rows.per_step_profile): which kernels the model's step runs -- its attention kernel
+    among them -- and where the device sat idle."""
+    import torch
+
+    from asyncpp_ext.training.profiling import summarize_profile
+    from throughput_rows import per_step_profile
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)  # the window starts with the device idle, not mid-step
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            train_step()
+    return per_step_profile(summarize_profile(prof), steps)
 
 
 def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
@@ -194,12 +217,10 @@ def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
     on a GPU (asyncpp_ext.training.profiling's summary of a torch.profiler trace). The traced
     ``measure_head_loss`` call runs the head twice (warm-up, one timed call): figures per call are halves.
     (On CPU ``measure_head_loss`` runs a profiler of its own for the peak memory: not traced.)"""
-    import tempfile
-
     import torch
 
     from asyncpp_ext.models.head_loss import measure_head_loss
-    from asyncpp_ext.training.profiling import summarize_trace
+    from asyncpp_ext.training.profiling import summarize_profile
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -208,11 +229,7 @@ def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         measure_head_loss(name, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype,
                           repeats=1, **kw)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    s = summarize_trace(events)
+    s = summarize_profile(prof)
     return {"kernels_per_call": s["kernels"] // 2,
             "device_ms_per_call": {k: round(v / 2, 3) for k, v in s["device_ms_by_kind"].items()},
             "top_kernels_per_call": [dict(k, ms=round(k["ms"] / 2, 3), launches=k["launches"] // 2)

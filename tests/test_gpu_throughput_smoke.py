@@ -56,6 +56,11 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
             assert all(p["top_kernels_ms_per_step"] == [] for p in row["profile"].values())  # no kernels on CPU
     hf = rows["hf eager adamw"]
     assert hf["params"] == gt.total_params(shape) and hf["info"]["attn_implementation"] == "sdpa"
+    # --profile traced 2 more steps of the Hugging Face row too, in its worker (no kernels on CPU),
+    # and its measured steps are the warm-up and measured ones only
+    (prof,) = hf["profile"].values()
+    assert set(hf["profile"]) == {"hf"} and prof["window_ms_per_step"] > 0 and prof["kernels_per_step"] == 0
+    assert prof["top_kernels_ms_per_step"] == [] and prof["idle_between_ms_per_step"] is None
     assert not [row for row in rep["rows"] if row["impl"] == "head"]  # measured in-process below
     assert any(q["what"].endswith("/ hf eager adamw") and _positive(q["tokens_per_s"]) for q in rep["ratios"])
     assert any(q["what"].startswith("ours 2bw") and _positive(q["tokens_per_s"]) for q in rep["ratios"])

@@ -135,6 +135,17 @@ def summarize_trace(events: list[dict]) -> dict:
     }
 
 
+def summarize_profile(prof) -> dict:
+    """``summarize_trace`` of a finished ``torch.profiler.profile`` (its Chrome trace, through a
+    temporary file: the form the events are documented in)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return summarize_trace(json.loads(path.read_text()).get("traceEvents", []))
+
+
 def _gap(gap: tuple, origin: float, host: list) -> dict:
     """One idle gap: its length, where in the window, the device work on either side, and the host
     operator that overlapped it most (what the host was doing while the device waited)."""
