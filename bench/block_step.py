@@ -55,7 +55,7 @@ from asyncpp_ext.models.compile import compile_blocks  # noqa: E402
 from asyncpp_ext.models.llama import Attention, LlamaBlock, apply_rotary, llama_preset_config  # noqa: E402
 from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
-from asyncpp_ext.training.profiling import summarize_profile  # noqa: E402
+from asyncpp_ext.training.profiling import trace_calls  # noqa: E402
 from attention_kernels import timed  # noqa: E402  (the median of --iters calls, after two warm-ups)
 from throughput_rows import inductor_preset  # noqa: E402  (the bench's cat-kernel row's options)
 
@@ -165,15 +165,7 @@ def build_block(variant: str, cfg, reference: LlamaBlock, device) -> torch.nn.Mo
 
 def profiled(fn, device: torch.device, iters: int = 3) -> dict:
     """summarize_trace of ``iters`` calls, the per-kind times and kernel times divided by iters."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(iters):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    s = summarize_profile(prof)
+    s = trace_calls(fn, iters, device)
     return {"ms_by_kind": {k: round(v / iters, 3) for k, v in s["device_ms_by_kind"].items()},
             "kernels": s["kernels"] // iters,
             # the device waiting on the host between kernels (the launches of an eager block)

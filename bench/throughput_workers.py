@@ -197,19 +197,10 @@ def _profile_steps(train_step, steps: int, device) -> dict:
     """``steps`` calls of ``train_step`` traced (the device's kernels too on CUDA), per step
     (throughput_rows.per_step_profile): which kernels the model's step runs -- its attention kernel
     among them -- and where the device sat idle."""
-    import torch
-
-    from asyncpp_ext.training.profiling import summarize_profile
+    from asyncpp_ext.training.profiling import trace_calls
     from throughput_rows import per_step_profile
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize(device)  # the window starts with the device idle, not mid-step
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            train_step()
-    return per_step_profile(summarize_profile(prof), steps)
+    return per_step_profile(trace_calls(train_step, steps, device), steps)
 
 
 def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
@@ -217,19 +208,12 @@ def _profile_head(mode: str, spec: dict, device, dtype) -> dict:
     on a GPU (asyncpp_ext.training.profiling's summary of a torch.profiler trace). The traced
     ``measure_head_loss`` call runs the head twice (warm-up, one timed call): figures per call are halves.
     (On CPU ``measure_head_loss`` runs a profiler of its own for the peak memory: not traced.)"""
-    import torch
-
     from asyncpp_ext.models.head_loss import measure_head_loss
-    from asyncpp_ext.training.profiling import summarize_profile
+    from asyncpp_ext.training.profiling import trace_calls
 
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     name, kw = head_mode(mode)
-    with torch.profiler.profile(activities=activities) as prof:
-        measure_head_loss(name, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"], device, dtype,
-                          repeats=1, **kw)
-    s = summarize_profile(prof)
+    s = trace_calls(lambda: measure_head_loss(name, spec["batch"], spec["seq"], spec["n_embd"], spec["vocab"],
+                                              device, dtype, repeats=1, **kw), 1, device)
     return {"kernels_per_call": s["kernels"] // 2,
             "device_ms_per_call": {k: round(v / 2, 3) for k, v in s["device_ms_by_kind"].items()},
             "top_kernels_per_call": [dict(k, ms=round(k["ms"] / 2, 3), launches=k["launches"] // 2)

@@ -135,11 +135,25 @@ def summarize_trace(events: list[dict]) -> dict:
     }
 
 
-def summarize_profile(prof) -> dict:
-    """``summarize_trace`` of a finished ``torch.profiler.profile`` (its Chrome trace, through a
-    temporary file: the form the events are documented in)."""
+def trace_calls(fn, calls: int, device) -> dict:
+    """``summarize_trace`` of ``calls`` calls of ``fn`` under torch.profiler (the device's kernels
+    too on CUDA), the window starting and ending with the device idle; the Chrome trace goes
+    through a temporary file, the form its events are documented in. For benchmarks that trace a
+    few calls of their own (a StepProfiler traces a run's steps and keeps its trace)."""
     import tempfile
 
+    import torch
+
+    dev = torch.device(device)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(dev)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -252,4 +266,4 @@ class StepProfiler:
         self.written = self.out_dir
 
 
-__all__ = ["ProfileSpecError", "StepProfiler", "kernel_kind", "parse_profile_steps", "summarize_trace"]
+__all__ = ["ProfileSpecError", "StepProfiler", "kernel_kind", "parse_profile_steps", "summarize_trace", "trace_calls"]
