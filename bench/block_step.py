@@ -52,7 +52,7 @@ for path in (ROOT, ROOT / "bench"):  # the package, and the bench's sibling scri
 
 from asyncpp_ext.models.attention import attention_preference, resolve_attention  # noqa: E402
 from asyncpp_ext.models.compile import compile_blocks  # noqa: E402
-from asyncpp_ext.models.llama import Attention, LlamaBlock, apply_rotary, llama_preset_config  # noqa: E402
+from asyncpp_ext.models.llama import Attention, LlamaBlock, apply_rotary, llama_init_, llama_preset_config  # noqa: E402
 from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
 from asyncpp_ext.training.profiling import trace_calls  # noqa: E402
@@ -178,11 +178,8 @@ def profiled(fn, device: torch.device, iters: int = 3) -> dict:
 def measure(variant: str, model: str, seq: int, args, device: torch.device) -> dict:
     cfg = llama_preset_config(model, seq_len=seq)
     batch = max(1, args.tokens // seq)
-    torch.manual_seed(0)
     reference = LlamaBlock(cfg)  # float32, eager: the correctness column's reference
-    for p in reference.parameters():  # init like the model: Normal(0, 0.02), norms at 1
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=cfg.init_std)
+    llama_init_(reference, 0, cfg)  # as a model's block starts
     block = build_block(variant, cfg, reference, device)
     reference = reference.to(device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else None

@@ -349,13 +349,20 @@ class Llama(BlockModel):
         self.reset_parameters(seed)
 
     def reset_parameters(self, seed: int) -> None:
-        """Deterministic init from ``seed`` (base.init_normal_): Normal(0, init_std) for the
-        embedding and linear weights, the residual output projections (o_proj, down_proj) scaled by
-        1/sqrt(2 * n_layer); RMSNorm weights at 1. A tied table is drawn once, as the embedding."""
-        init_normal_(self, seed, self.config.init_std, self.config.n_layer,
-                     is_one=lambda n: n.endswith("norm.weight"),
-                     is_residual_out=lambda n: n.endswith("o_proj.weight") or n.endswith("down_proj.weight"))
+        """Deterministic init from ``seed``: ``llama_init_`` of the whole model."""
+        llama_init_(self, seed, self.config)
+
+
+def llama_init_(module: nn.Module, seed: int, cfg: LlamaConfig) -> None:
+    """Deterministic init of a Llama model or any part of one (a block) from ``seed``
+    (base.init_normal_): Normal(0, init_std) for the embedding and linear weights, the residual
+    output projections (o_proj, down_proj) scaled by 1/sqrt(2 * n_layer); RMSNorm weights at 1. A
+    tied table is drawn once, as the embedding."""
+    init_normal_(module, seed, cfg.init_std, cfg.n_layer,
+                 is_one=lambda n: n.endswith("norm.weight"),
+                 is_residual_out=lambda n: n.endswith("o_proj.weight") or n.endswith("down_proj.weight"))
 
 
 __all__ = ["LlamaConfig", "LlamaConfigError", "LlamaInputError", "LLAMA_PRESETS", "llama_preset_config",
-           "RMSNorm", "fused_linear", "Attention", "SwiGLU", "LlamaEmbedding", "LlamaBlock", "LlamaHead", "Llama"]
+           "RMSNorm", "fused_linear", "Attention", "SwiGLU", "LlamaEmbedding", "LlamaBlock", "LlamaHead", "Llama",
+           "llama_init_"]
