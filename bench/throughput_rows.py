@@ -55,7 +55,8 @@ sys.exit(rc)
 INDUCTOR_PRESETS = {
     # every concatenation lowered as kernels that each write their part in place, instead of one
     # kernel of masked loads that works out every part's indices for every element (the rotary
-    # backward's q/k/v gradient at smollm-360m took 85 us where its bytes need ~20; docs/gpu.md)
+    # backward's q/k/v gradient at smollm-360m took 85 us where its bytes need ~20; docs/gpu.md).
+    # A torch without the second option gets the first's meaning from models/concat_lowering.py.
     "cat-kernel": {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0},
 }
 """A row's ``inductor`` name -> the ``--inductor-option`` values it passes."""

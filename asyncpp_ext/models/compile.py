@@ -93,6 +93,7 @@ import torch
 import torch._functorch.config  # noqa: F401 -- force_non_lazy_backward_lowering, patched per compile
 from torch import nn
 
+from . import concat_lowering
 from .attention import sdpa_state
 from .base import REGION_MARK
 from .compile_support import (MODES, CompileUnavailableError, _describe, _device,  # noqa: F401 -- re-exported
@@ -173,6 +174,8 @@ class _Group:
             from torch._inductor.compile_fx import compile_fx
             patches = dict(list_mode_options(settings.mode, settings.dynamic)) if settings.mode else {}
             patches.update(dict(settings.options))
+            # max_pointwise_cat_inputs=0 as newer releases read it, on older ones too
+            concat_lowering.install_if_needed(patches)
             # Both would capture parameter values or addresses (see the module docstring).
             patches.update({"freezing": False, "triton.cudagraphs": False})
             inner = functools.partial(compile_fx, config_patches=patches)

@@ -1,0 +1,120 @@
+"""models/concat_lowering.py: ``max_pointwise_cat_inputs=0`` lowered as ConcatKernels on torches
+whose inductor has no ``max_complex_pointwise_cat_inputs``. The GPU lowering it changes cannot run
+here; the decision is tested on stand-in IR nodes, and the ConcatKernel it builds on this torch's
+real inductor with the CPU let through."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from asyncpp_ext.models import concat_lowering as cl
+
+OLD = {"max_pointwise_cat_inputs": 8}  # an older inductor's option names
+NEW = {"max_pointwise_cat_inputs": 8, "max_complex_pointwise_cat_inputs": 8}
+
+
+def test_needed_only_for_the_option_at_zero_on_an_inductor_without_the_newer_option():
+    assert cl.needed({"max_pointwise_cat_inputs": 0}, OLD)
+    assert not cl.needed({"max_pointwise_cat_inputs": 0}, NEW)  # inductor honours it itself
+    assert not cl.needed({"max_pointwise_cat_inputs": 8}, OLD)
+    assert not cl.needed({}, OLD) and not cl.needed(None, OLD)
+    assert not cl.needed({"max_pointwise_cat_inputs": 0}, {})  # no such option at all
+
+
+def _node(device="cuda", dtype=torch.bfloat16, size=(4, 8)):
+    return SimpleNamespace(get_device=lambda: torch.device(device), get_dtype=lambda: dtype,
+                           get_size=lambda: list(size))
+
+
+def test_takes_gpu_concatenations_of_one_dtype_and_rank_while_the_option_is_zero():
+    from torch._inductor import config
+
+    three = [_node(), _node(size=(4, 2)), _node(size=(4, 3))]
+    with config.patch(max_pointwise_cat_inputs=0):
+        assert cl.takes(three, -1) and cl.takes(three, 1)
+        assert not cl.takes(three[:1], -1)  # one input: inductor's clone
+        assert not cl.takes([_node("cpu"), _node("cpu")], 0)  # inductor's CPU lowering does it already
+        assert not cl.takes([_node(), _node(dtype=torch.float32)], 0)  # promotion: inductor's
+        assert not cl.takes([_node(), _node(size=(4,))], 0)  # ranks differ (ATen's empty 1-D case)
+        assert not cl.takes([_node(), _node("cuda:1")], 0)
+        assert not cl.takes(three, None)
+        with config.patch(force_pointwise_cat=True):
+            assert not cl.takes(three, -1)
+    with config.patch(max_pointwise_cat_inputs=8):
+        assert not cl.takes(three, -1)
+
+
+def _counting(original, decisions):
+    """``original`` (inductor's cat lowering), noting each call in ``decisions`` as "inductor"."""
+    def lowering(*args, **kwargs):
+        decisions.append("inductor")
+        return original(*args, **kwargs)
+    return lowering
+
+
+@pytest.fixture
+def cpu_let_through(monkeypatch):
+    """The lowering installed and acting on CPU inputs too (inductor's own CPU lowering builds the
+    same ConcatKernels), removed after the test; every call's decision recorded, and every call
+    that reached inductor's own lowering as "inductor"."""
+    decisions = []
+    real_takes = cl.takes
+
+    def recorded(inputs, dim):
+        decisions.append(real_takes(inputs, dim))
+        return decisions[-1]
+    monkeypatch.setattr(cl, "LOWERED_BY_INDUCTOR", ())
+    monkeypatch.setattr(cl, "takes", recorded)
+    if cl._installed:  # installed by an earlier test's compile: in front of a counting original
+        monkeypatch.setitem(cl._installed, 0, _counting(cl._installed[0], decisions))
+        was_installed = True
+    else:
+        from torch._inductor import lowering
+
+        target = torch.ops.aten.cat.default
+        monkeypatch.setitem(lowering.lowerings, target, _counting(lowering.lowerings[target], decisions))
+        was_installed = False
+        cl.install()
+    yield decisions
+    if not was_installed:
+        cl.uninstall()
+
+
+def test_the_concat_kernel_it_builds_computes_the_concatenation(cpu_let_through):
+    # q/k/v-like parts, two of them computed (as the rotary backward's are), concatenated and
+    # multiplied: inductor compiles it through the installed lowering for real (caches off, so
+    # the lowering runs), and the values are eager's
+    def f(a, b, c, w):
+        return torch.cat([a.sin() * 2, b.roll(1, -1) + 1, c], dim=-1) @ w
+
+    torch.manual_seed(0)
+    a, b, c, w = torch.randn(6, 5), torch.randn(6, 3), torch.randn(6, 2), torch.randn(10, 4)
+    for option, calls in ((0, [True]), (8, [False, "inductor"])):
+        cpu_let_through.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="inductor", fullgraph=True,
+                                 options={"max_pointwise_cat_inputs": option})
+        with torch._inductor.config.patch(force_disable_caches=True):
+            out = compiled(a, b, c, w)
+        assert torch.allclose(out, f(a, b, c, w), rtol=1e-5, atol=1e-5)
+        assert cpu_let_through == calls, (option, cpu_let_through)
+    torch._dynamo.reset()
+
+
+def test_compiled_blocks_install_it_where_their_options_need_it(monkeypatch, groups_restored):
+    from asyncpp_ext.models.compile import compile_blocks
+
+    installs = []
+    monkeypatch.setattr(cl, "install", lambda: installs.append(1))
+    monkeypatch.setattr(cl, "NEWER_OPTION", "an_option_this_inductor_lacks")  # an older inductor
+    compile_blocks([nn.Linear(3, 3)], device="cpu", options={"max_pointwise_cat_inputs": 8})
+    assert installs == []
+    compile_blocks([nn.Linear(3, 3)], device="cpu", options={"max_pointwise_cat_inputs": 0})
+    assert installs == [1]
+    monkeypatch.setattr(cl, "NEWER_OPTION", "force_pointwise_cat")  # an inductor that has it
+    installs.clear()
+    compile_blocks([nn.Linear(4, 4)], device="cpu", options={"max_pointwise_cat_inputs": 0})
+    assert installs == []
