@@ -118,3 +118,28 @@ def test_compiled_blocks_install_it_where_their_options_need_it(monkeypatch, gro
     installs.clear()
     compile_blocks([nn.Linear(4, 4)], device="cpu", options={"max_pointwise_cat_inputs": 0})
     assert installs == []
+
+
+def test_a_compiled_llama_block_through_it_trains_as_eager(cpu_let_through, groups_restored):
+    # The model's own concatenations (the stacked q/k/v weight forward; the q/k/v gradient, q's and
+    # k's through the rotary backward, in backward) lowered by it, as compile_blocks does it with
+    # the option: the block's output and every gradient are eager's (float32, compiled rounding)
+    from asyncpp_ext.models.compile import compile_blocks
+    from asyncpp_ext.models.llama import LlamaBlock, llama_init_, llama_preset_config
+
+    cfg = llama_preset_config("llama-tiny")
+    eager, block = LlamaBlock(cfg), LlamaBlock(cfg)
+    llama_init_(eager, 0, cfg)
+    block.load_state_dict(eager.state_dict())
+    compile_blocks([block], device="cpu", options={"max_pointwise_cat_inputs": 0})
+    x = torch.randn(2, 16, cfg.n_embd, generator=torch.Generator().manual_seed(1))
+    with torch._inductor.config.patch(force_disable_caches=True):
+        out = block(x.clone().requires_grad_())
+        out.square().sum().backward()
+    want = eager(x.clone().requires_grad_())
+    want.square().sum().backward()
+    assert torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(block.named_parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+    # forward: the stacked weight; backward: the q/k/v gradient -- both through the ConcatKernel
+    assert cpu_let_through.count(True) >= 2 and "inductor" not in cpu_let_through, cpu_let_through
