@@ -120,6 +120,7 @@ def test_compiled_blocks_install_it_where_their_options_need_it(monkeypatch, gro
     assert installs == []
 
 
+@pytest.mark.slow  # ~18 s of inductor compiles on 2 cores; the mechanism: the test above
 def test_a_compiled_llama_block_through_it_trains_as_eager(cpu_let_through, groups_restored):
     # The model's own concatenations (the stacked q/k/v weight forward; the q/k/v gradient, q's and
     # k's through the rotary backward, in backward) lowered by it, as compile_blocks does it with
