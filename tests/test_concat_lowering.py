@@ -68,17 +68,12 @@ def cpu_let_through(monkeypatch):
         return decisions[-1]
     monkeypatch.setattr(cl, "LOWERED_BY_INDUCTOR", ())
     monkeypatch.setattr(cl, "takes", recorded)
-    if cl._installed:  # installed by an earlier test's compile: in front of a counting original
-        monkeypatch.setitem(cl._installed, 0, _counting(cl._installed[0], decisions))
-        was_installed = True
-    else:
-        from torch._inductor import lowering
-
-        target = torch.ops.aten.cat.default
-        monkeypatch.setitem(lowering.lowerings, target, _counting(lowering.lowerings[target], decisions))
-        was_installed = False
-        cl.install()
+    was_installed = bool(cl._installed)  # by an earlier compile in this process (an older torch)
+    cl.install()
+    inductors = cl._installed[0]
+    cl._installed[0] = _counting(inductors, decisions)
     yield decisions
+    cl._installed[0] = inductors
     if not was_installed:
         cl.uninstall()
 
@@ -116,8 +111,31 @@ def test_compiled_blocks_install_it_where_their_options_need_it(monkeypatch, gro
     assert installs == [1]
     monkeypatch.setattr(cl, "NEWER_OPTION", "force_pointwise_cat")  # an inductor that has it
     installs.clear()
-    compile_blocks([nn.Linear(4, 4)], device="cpu", options={"max_pointwise_cat_inputs": 0})
+    compile_blocks([nn.Bilinear(2, 2, 2)], device="cpu", options={"max_pointwise_cat_inputs": 0})  # a new group
     assert installs == []
+
+
+def test_its_compiles_carry_a_mark_in_inductors_cache_key(monkeypatch):
+    # a graph compiled without the lowering must not be served to a compile with it, nor the
+    # reverse: the patches of a compile that needs it get a post-grad pass that changes nothing
+    # and whose uuid enters inductor's cache key; a pass of the caller's own is kept
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    monkeypatch.setattr(cl, "install", lambda: None)
+    monkeypatch.setattr(cl, "NEWER_OPTION", "an_option_this_inductor_lacks")
+    patches = {"max_pointwise_cat_inputs": 0}
+    cl.install_if_needed(patches)
+    mark = patches[cl.CACHE_OPTION]
+    assert isinstance(mark, CustomGraphPass) and mark.uuid() and mark is cl.cache_mark()
+    graph = torch.fx.Graph()
+    assert mark(graph) is None and list(graph.nodes) == []
+    own = object()
+    patches = {"max_pointwise_cat_inputs": 0, cl.CACHE_OPTION: own}
+    cl.install_if_needed(patches)
+    assert patches[cl.CACHE_OPTION] is own
+    patches = {"max_pointwise_cat_inputs": 8}
+    cl.install_if_needed(patches)
+    assert cl.CACHE_OPTION not in patches
 
 
 @pytest.mark.slow  # ~18 s of inductor compiles on 2 cores; the mechanism: the test above

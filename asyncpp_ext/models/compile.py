@@ -174,7 +174,8 @@ class _Group:
             from torch._inductor.compile_fx import compile_fx
             patches = dict(list_mode_options(settings.mode, settings.dynamic)) if settings.mode else {}
             patches.update(dict(settings.options))
-            # max_pointwise_cat_inputs=0 as newer releases read it, on older ones too
+            # max_pointwise_cat_inputs=0: the concatenations newer releases build with it (and
+            # max_complex_pointwise_cat_inputs=0), on releases that cannot be asked for them too
             concat_lowering.install_if_needed(patches)
             # Both would capture parameter values or addresses (see the module docstring).
             patches.update({"freezing": False, "triton.cudagraphs": False})
