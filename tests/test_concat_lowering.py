@@ -162,3 +162,16 @@ def test_a_compiled_llama_block_through_it_trains_as_eager(cpu_let_through, grou
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
     # forward: the stacked weight; backward: the q/k/v gradient -- both through the ConcatKernel
     assert cpu_let_through.count(True) >= 2 and "inductor" not in cpu_let_through, cpu_let_through
+
+
+def test_an_inductor_laid_out_otherwise_gets_one_warning_and_its_own_lowering(monkeypatch):
+    from torch._inductor import lowering
+
+    if cl._installed:
+        pytest.skip("installed by an earlier compile in this process (an older torch)")
+    monkeypatch.setattr(cl, "NEWER_OPTION", "an_option_this_inductor_lacks")
+    monkeypatch.delitem(lowering.lowerings, torch.ops.aten.cat.default)
+    patches = {"max_pointwise_cat_inputs": 0}
+    with pytest.warns(UserWarning, match="lowering of aten.cat could not be extended .KeyError"):
+        assert cl.install_if_needed(patches) is False
+    assert cl.CACHE_OPTION not in patches and not cl._installed

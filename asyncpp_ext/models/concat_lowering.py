@@ -25,6 +25,7 @@ lowering is never served to them from the cache, nor theirs to others.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -56,9 +57,16 @@ def install_if_needed(patches: dict) -> bool:
     ``install()`` and put ``CACHE_MARK`` in the cache-key slot (unless the patches fill it with a
     pass of their own). Returns whether the lowering is installed."""
     if needed(patches):
-        install()
+        try:
+            install()
+            mark = cache_mark()
+        except (ImportError, AttributeError, KeyError) as exc:  # an inductor laid out otherwise
+            warnings.warn(f"asyncpp: max_pointwise_cat_inputs=0: this torch's inductor lowering of aten.cat "
+                          f"could not be extended ({type(exc).__name__}: {exc}); its own lowering runs",
+                          stacklevel=2)
+            return False
         if patches.get(CACHE_OPTION) is None:
-            patches[CACHE_OPTION] = cache_mark()
+            patches[CACHE_OPTION] = mark
     return bool(_installed)
 
 
