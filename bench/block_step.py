@@ -14,6 +14,9 @@ sequences; --tokens). Variants (all the same arithmetic; only kernels and their 
 
   eager                 the block's Python code, no compiler
   compiled              compile_blocks as training does it (inductor, default mode)
+  cat-kernel            compiled with every concatenation lowered as its own kernel (inductor's
+                        max_pointwise_cat_inputs=0; on a torch without max_complex_pointwise_cat_inputs
+                        through models/concat_lowering.py) instead of masked loads fused into its user
   rotary-btd            compiled, with rotary positions applied to q and k in the projections'
                         (B, T, heads, D) layout before the heads move to the front for attention
   separate-qkv          compiled, with q, k and v as three products instead of one stacked product
@@ -24,8 +27,6 @@ sequences; --tokens). Variants (all the same arithmetic; only kernels and their 
   expanded-kv           compiled, the key/value heads repeated for attention in the compiled graph
                         instead of SDPA's enable_gqa (whether the attention kernel then runs
                         without copies of its own around it)
-  cat-kernel            compiled with every concatenation lowered as its own kernel (inductor's
-                        max_pointwise_cat_inputs=0) instead of masked loads fused into its user
   max-autotune          compiled in max-autotune mode (GEMM templates and kernel configs searched)
 
 Per variant: the median milliseconds of a forward + backward, the device time by kind from one
@@ -51,6 +52,7 @@ for path in (ROOT, ROOT / "bench"):  # the package, and the bench's sibling scri
         sys.path.insert(0, str(path))
 
 from asyncpp_ext.models.attention import attention_preference, resolve_attention  # noqa: E402
+from asyncpp_ext.models import concat_lowering  # noqa: E402
 from asyncpp_ext.models.compile import compile_blocks  # noqa: E402
 from asyncpp_ext.models.llama import Attention, LlamaBlock, apply_rotary, llama_init_, llama_preset_config  # noqa: E402
 from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
@@ -139,14 +141,15 @@ class RotaryHalvesBlock(LlamaBlock):
 VARIANTS = {
     "eager": (LlamaBlock, None, None),
     "compiled": (LlamaBlock, None, {}),
+    # every cat its own kernel writing each part in place (CUDA's default fuses a cat of few inputs
+    # into its consumer as masked loads: the backward's q/k/v gradient with the rotary backward);
+    # second, so that a run cut short keeps it
+    "cat-kernel": (LlamaBlock, None, {"options": inductor_preset("cat-kernel")}),
     "rotary-btd": (RotaryBTDBlock, RotaryBTDAttention, {}),
     "separate-qkv": (SeparateQKVBlock, SeparateQKVAttention, {}),
     "coordinate-descent": (LlamaBlock, None, {"options": {"coordinate_descent_tuning": True}}),
     "rotary-halves": (RotaryHalvesBlock, RotaryHalvesAttention, {}),
     "expanded-kv": (ExpandedKVBlock, ExpandedKVAttention, {}),
-    # every cat its own kernel writing each part in place (CUDA's default fuses a cat of few inputs
-    # into its consumer as masked loads: the backward's q/k/v gradient with the rotary backward)
-    "cat-kernel": (LlamaBlock, None, {"options": inductor_preset("cat-kernel")}),
     "max-autotune": (LlamaBlock, None, {"mode": "max-autotune"}),
 }
 
@@ -189,8 +192,7 @@ def measure(variant: str, model: str, seq: int, args, device: torch.device) -> d
         copies.refresh()
     compile_kwargs = VARIANTS[variant][2]
     compile_s = None
-    if compile_kwargs is not None:
-        compile_blocks([module], device=device, **compile_kwargs)
+    compiled = compile_blocks([module], device=device, **compile_kwargs) if compile_kwargs is not None else None
     gen = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(batch, seq, cfg.n_embd, generator=gen).to(device)
     dout = torch.randn(batch, seq, cfg.n_embd, generator=gen).to(device)
@@ -223,9 +225,16 @@ def measure(variant: str, model: str, seq: int, args, device: torch.device) -> d
     out_ref.backward(dout)
     ref = [out_ref.detach(), x_ref.grad]
     err = max(float((g - r).abs().max() / r.abs().max()) for g, r in zip(got, ref))
+    fallbacks = compiled.fallbacks if compiled is not None else {}
+    check = "ok" if err <= args.tol else f"FAIL (> {args.tol:g})"
+    if fallbacks:  # the form ran eagerly: its figures are not the form's
+        check = "FAIL (ran eagerly: " + "; ".join(f"{k}: {v}" for k, v in fallbacks.items()) + ")"
     row = {"variant": variant, "model": model, "seq_len": seq, "batch": batch, "dtype": args.dtype,
-           "ms": round(ms, 4), "compile_s": compile_s, "max_rel_err": err,
-           "check": "ok" if err <= args.tol else f"FAIL (> {args.tol:g})"}
+           "ms": round(ms, 4), "compile_s": compile_s, "max_rel_err": err, "check": check}
+    if ((compile_kwargs or {}).get("options") or {}).get(concat_lowering.OPTION) == 0:
+        # whose lowering built the concatenations: the package's (models/concat_lowering.py, on a
+        # torch that cannot be asked for them) or inductor's own
+        row["concat_lowering"] = "package" if concat_lowering.installed() else "inductor"
     if args.profile:
         row["profile"] = profiled(step, device)
     return row

@@ -68,3 +68,23 @@ def test_variants_compute_what_the_library_computes():
     for name in own:
         block = bench.build_block(name, cfg, reference, "cpu")
         torch.testing.assert_close(block(h), reference(h), rtol=0, atol=0, msg=name)
+
+
+def test_a_form_that_ran_eagerly_fails_its_check_and_says_whose_cat_lowering_ran(monkeypatch):
+    # compile_blocks' report is read: a compiled form whose compile fell back to eager is not that
+    # form (its figures are eager's), so its check fails naming the cause; a form with
+    # max_pointwise_cat_inputs=0 says whose lowering built its concatenations
+    from types import SimpleNamespace
+
+    bench = load_bench_script("block_step")
+    monkeypatch.setattr(bench, "compile_blocks",
+                        lambda mods, **kw: SimpleNamespace(fallbacks={"LlamaBlock": "RuntimeError: boom"}))
+    monkeypatch.setitem(bench.VARIANTS, "cat-kernel",
+                        (bench.LlamaBlock, None, {"options": {"max_pointwise_cat_inputs": 0}}))
+    args = bench.parse(["--device", "cpu", "--iters", "1", "--no-profile"])
+    row = bench.measure("cat-kernel", "llama-tiny", 32, args, torch.device("cpu"))
+    assert row["check"] == "FAIL (ran eagerly: LlamaBlock: RuntimeError: boom)", row
+    assert row["concat_lowering"] == ("package" if bench.concat_lowering.installed() else "inductor")
+    monkeypatch.setattr(bench, "compile_blocks", lambda mods, **kw: SimpleNamespace(fallbacks={}))
+    row = bench.measure("compiled", "llama-tiny", 32, args, torch.device("cpu"))
+    assert row["check"] == "ok" and "concat_lowering" not in row, row

@@ -33,7 +33,7 @@ ROWS = {
               f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
     "head": [f"head-loss plain {HEAD}", f"head-loss fused {HEAD}", f"head-loss fused 682 rows {HEAD}",
              f"head-loss fused 4096 rows {HEAD}"],
-    "profile": [f"ours sync adamw graphs {R135}", f"ours sync adamw graphs {R360}"],
+    "profile": [f"ours sync adamw graphs {R135}"],
     "autotune": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs max-autotune {R360}"],
     "mps-off": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
     "mps": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],

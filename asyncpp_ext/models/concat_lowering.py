@@ -83,6 +83,11 @@ def install() -> None:
     _installed.append(original)
 
 
+def installed() -> bool:
+    """Whether the lowering is in front of inductor's in this process."""
+    return bool(_installed)
+
+
 def uninstall() -> None:
     """Inductor's own lowering again (tests)."""
     if _installed:
@@ -150,4 +155,4 @@ def cache_mark():
 
 
 __all__ = ["OPTION", "NEWER_OPTION", "CACHE_OPTION", "LOWERED_BY_INDUCTOR", "needed", "install_if_needed",
-           "install", "uninstall", "takes", "concat_in_place", "cache_mark"]
+           "install", "installed", "uninstall", "takes", "concat_in_place", "cache_mark"]
