@@ -13,10 +13,12 @@ autocast (fp32 throughout with --dtype fp32, the CPU's default), the attention k
 sequences; --tokens). Variants (all the same arithmetic; only kernels and their order differ):
 
   eager                 the block's Python code, no compiler
-  compiled              compile_blocks as training does it (inductor, default mode)
-  cat-kernel            compiled with every concatenation lowered as its own kernel (inductor's
-                        max_pointwise_cat_inputs=0; on a torch without max_complex_pointwise_cat_inputs
-                        through models/concat_lowering.py) instead of masked loads fused into its user
+  compiled              compile_blocks as training does it (inductor, default mode; on CUDA every
+                        concatenation lowered as kernels that compute its inputs into their slices,
+                        models/compile_support.DEVICE_OPTIONS, on torch 2.11 through
+                        models/concat_lowering.py)
+  cat-fused             compiled with inductor's own concatenations instead (a concatenation of a
+                        few inputs fused into one kernel of masked loads; max_pointwise_cat_inputs=8)
   rotary-btd            compiled, with rotary positions applied to q and k in the projections'
                         (B, T, heads, D) layout before the heads move to the front for attention
   separate-qkv          compiled, with q, k and v as three products instead of one stacked product
@@ -59,7 +61,7 @@ from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E4
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
 from asyncpp_ext.training.profiling import trace_calls  # noqa: E402
 from attention_kernels import timed  # noqa: E402  (the median of --iters calls, after two warm-ups)
-from throughput_rows import inductor_preset  # noqa: E402  (the bench's cat-kernel row's options)
+from throughput_rows import inductor_preset  # noqa: E402  (the bench's cat-fused row's options)
 
 CUDA_SHAPES = {"smollm-360m": 2048, "smollm-135m": 1024}  # model -> sequence length
 CPU_SHAPES = {"llama-tiny": 32}
@@ -141,10 +143,10 @@ class RotaryHalvesBlock(LlamaBlock):
 VARIANTS = {
     "eager": (LlamaBlock, None, None),
     "compiled": (LlamaBlock, None, {}),
-    # every cat its own kernel writing each part in place (CUDA's default fuses a cat of few inputs
-    # into its consumer as masked loads: the backward's q/k/v gradient with the rotary backward);
-    # second, so that a run cut short keeps it
-    "cat-kernel": (LlamaBlock, None, {"options": inductor_preset("cat-kernel")}),
+    # inductor's own concatenations: a cat of few inputs fused into its consumer as masked loads
+    # (the backward's q/k/v gradient with the rotary backward: 85 us at smollm-360m where the
+    # compiled default's kernels take ~40); second, so that a run cut short keeps it
+    "cat-fused": (LlamaBlock, None, {"options": inductor_preset("cat-fused")}),
     "rotary-btd": (RotaryBTDBlock, RotaryBTDAttention, {}),
     "separate-qkv": (SeparateQKVBlock, SeparateQKVAttention, {}),
     "coordinate-descent": (LlamaBlock, None, {"options": {"coordinate_descent_tuning": True}}),
@@ -231,7 +233,7 @@ def measure(variant: str, model: str, seq: int, args, device: torch.device) -> d
         check = "FAIL (ran eagerly: " + "; ".join(f"{k}: {v}" for k, v in fallbacks.items()) + ")"
     row = {"variant": variant, "model": model, "seq_len": seq, "batch": batch, "dtype": args.dtype,
            "ms": round(ms, 4), "compile_s": compile_s, "max_rel_err": err, "check": check}
-    if ((compile_kwargs or {}).get("options") or {}).get(concat_lowering.OPTION) == 0:
+    if compiled is not None and getattr(compiled, "options", {}).get(concat_lowering.OPTION) == 0:
         # whose lowering built the concatenations: the package's (models/concat_lowering.py, on a
         # torch that cannot be asked for them) or inductor's own
         row["concat_lowering"] = "package" if concat_lowering.installed() else "inductor"

@@ -151,10 +151,10 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     # the CLI's defaults (graphs: with sync on CUDA)
                     ours(mdl, seq, "adamw", compile_=True, compile_mode="max-autotune", graphs=graphs[-1])
                 if ((mdl, seq) == last and dev == "cuda" and flags.get("inductor_option")
-                        and inductor_preset("cat-kernel")):
-                    # the defaults with inductor's concatenations lowered as kernels of their own
-                    # (INDUCTOR_PRESETS): the rotary backward's q/k/v gradient on its own
-                    ours(mdl, seq, "adamw", compile_=True, inductor="cat-kernel", graphs=graphs[-1])
+                        and inductor_preset("cat-fused")):
+                    # the defaults but inductor's own concatenations (INDUCTOR_PRESETS): what the
+                    # CUDA default of concatenations as kernels of their own is worth
+                    ours(mdl, seq, "adamw", compile_=True, inductor="cat-fused", graphs=graphs[-1])
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

@@ -53,11 +53,11 @@ sys.exit(rc)
 
 
 INDUCTOR_PRESETS = {
-    # every concatenation lowered as kernels that each write their part in place, instead of one
-    # kernel of masked loads that works out every part's indices for every element (the rotary
-    # backward's q/k/v gradient at smollm-360m took 85 us where its bytes need ~20; docs/gpu.md).
-    # A torch without the second option gets the first's meaning from models/concat_lowering.py.
-    "cat-kernel": {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0},
+    # inductor's own concatenations (its defaults for these options in torch 2.11-2.13): a
+    # concatenation of up to 8 inputs fused into one kernel of masked loads, against which the
+    # compiled blocks' CUDA default (models/compile_support.DEVICE_OPTIONS: each input computed
+    # straight into its slice by a kernel of its own) is measured
+    "cat-fused": {"max_pointwise_cat_inputs": 8, "max_complex_pointwise_cat_inputs": 8},
 }
 """A row's ``inductor`` name -> the ``--inductor-option`` values it passes."""
 

@@ -78,13 +78,12 @@ def test_a_form_that_ran_eagerly_fails_its_check_and_says_whose_cat_lowering_ran
 
     bench = load_bench_script("block_step")
     monkeypatch.setattr(bench, "compile_blocks",
-                        lambda mods, **kw: SimpleNamespace(fallbacks={"LlamaBlock": "RuntimeError: boom"}))
-    monkeypatch.setitem(bench.VARIANTS, "cat-kernel",
-                        (bench.LlamaBlock, None, {"options": {"max_pointwise_cat_inputs": 0}}))
+                        lambda mods, **kw: SimpleNamespace(fallbacks={"LlamaBlock": "RuntimeError: boom"},
+                                                           options={"max_pointwise_cat_inputs": 0}))
     args = bench.parse(["--device", "cpu", "--iters", "1", "--no-profile"])
-    row = bench.measure("cat-kernel", "llama-tiny", 32, args, torch.device("cpu"))
+    row = bench.measure("compiled", "llama-tiny", 32, args, torch.device("cpu"))
     assert row["check"] == "FAIL (ran eagerly: LlamaBlock: RuntimeError: boom)", row
     assert row["concat_lowering"] == ("package" if bench.concat_lowering.installed() else "inductor")
-    monkeypatch.setattr(bench, "compile_blocks", lambda mods, **kw: SimpleNamespace(fallbacks={}))
+    monkeypatch.setattr(bench, "compile_blocks", lambda mods, **kw: SimpleNamespace(fallbacks={}, options={}))
     row = bench.measure("compiled", "llama-tiny", 32, args, torch.device("cpu"))
     assert row["check"] == "ok" and "concat_lowering" not in row, row

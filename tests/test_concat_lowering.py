@@ -175,3 +175,41 @@ def test_an_inductor_laid_out_otherwise_gets_one_warning_and_its_own_lowering(mo
     with pytest.warns(UserWarning, match="lowering of aten.cat could not be extended .KeyError"):
         assert cl.install_if_needed(patches) is False
     assert cl.CACHE_OPTION not in patches and not cl._installed
+
+
+def test_cuda_compiles_get_the_concat_kernels_by_default_and_a_caller_can_take_inductors_back():
+    from asyncpp_ext.models.compile_support import DEVICE_OPTIONS, device_inductor_options
+
+    assert device_inductor_options("cpu") == {} and device_inductor_options("cpu", {"a": 1}) == {"a": 1}
+    cats = dict(DEVICE_OPTIONS["cuda"])
+    assert cats == {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0}
+    assert device_inductor_options("cuda") == cats
+    assert device_inductor_options("cuda:1", {"coordinate_descent_tuning": True}) == \
+        {**cats, "coordinate_descent_tuning": True}
+    # naming either option takes the set: inductor's defaults for the one not named
+    assert device_inductor_options("cuda", {"max_pointwise_cat_inputs": 8}) == {"max_pointwise_cat_inputs": 8}
+    assert device_inductor_options("cuda", {"max_complex_pointwise_cat_inputs": 8}) == \
+        {"max_complex_pointwise_cat_inputs": 8}
+    # an older inductor: the option it lacks is left out (concat_lowering gives the other its meaning)
+    assert device_inductor_options("cuda", known=OLD) == {"max_pointwise_cat_inputs": 0}
+    assert device_inductor_options("cuda", {"max_pointwise_cat_inputs": 8}, known=OLD) == \
+        {"max_pointwise_cat_inputs": 8}
+
+
+def test_compiled_blocks_and_regions_on_cuda_compile_with_the_defaults(monkeypatch, groups_restored):
+    # compiling is lazy, so CUDA's settings can be checked here with the availability check let through
+    from asyncpp_ext.models import compile as compile_mod
+    from asyncpp_ext.models.compile_support import device_inductor_options
+    from asyncpp_ext.models.regions import compile_regions
+
+    monkeypatch.setattr(compile_mod, "compile_unavailable_reason", lambda device: None)
+    cats = device_inductor_options("cuda")
+    assert cats  # this torch has at least max_pointwise_cat_inputs
+    blocks = [nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)]
+    assert compile_mod.compile_blocks(blocks, device="cuda").options == cats
+    assert compile_mod.compile_blocks(blocks, device="cpu").options == {}
+    report = compile_regions(blocks, [[0, 1]], device="cuda", options={"coordinate_descent_tuning": True})
+    assert {tuple(sorted(g.settings.options)) for g in report.groups} == \
+        {tuple(sorted({**cats, "coordinate_descent_tuning": True}.items()))}  # the region's group too
+    taken_back = compile_mod.compile_blocks(blocks, device="cuda", options={"max_pointwise_cat_inputs": 8})
+    assert taken_back.options == {"max_pointwise_cat_inputs": 8}

@@ -97,7 +97,8 @@ from . import concat_lowering
 from .attention import sdpa_state
 from .base import REGION_MARK
 from .compile_support import (MODES, CompileUnavailableError, _describe, _device,  # noqa: F401 -- re-exported
-                              compile_unavailable_reason, inductor_mode, resolve_compile)
+                              compile_unavailable_reason, device_inductor_options, inductor_mode,
+                              resolve_compile)
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +294,12 @@ class CompileReport:
         return {g.name: g.compiles for g in self.groups}
 
     @property
+    def options(self) -> dict:
+        """The inductor options the blocks compile with (the caller's on top of the device's
+        defaults; {} for another backend)."""
+        return dict(self.groups[0].settings.options) if self.groups else {}
+
+    @property
     def fallbacks(self) -> dict[str, str]:
         """Block types that failed to compile and run eagerly, with the cause."""
         return {g.name: g.failure for g in self.groups if g.failure is not None}
@@ -333,7 +340,9 @@ def compile_blocks(blocks, *, device=None, backend: Any = "inductor", mode: str 
     the inductor backend, a device where ``compile_unavailable_reason`` has a reason raises
     CompileUnavailableError. ``backend``: any ``torch.compile`` backend (a name or a callable; tests
     pass one that raises). ``mode`` / ``options``: inductor's (``mode="reduce-overhead"`` is refused:
-    CUDA graphs replay captured weight addresses, which the 2bw swap changes). ``fullgraph``: a graph
+    CUDA graphs replay captured weight addresses, which the 2bw swap changes); ``options`` go on top
+    of the device's defaults (compile_support.DEVICE_OPTIONS: on CUDA, concatenations as kernels
+    of their own). ``fullgraph``: a graph
     break is a compile failure (falls back with a warning) rather than a silently split block.
     ``dynamic=False``: one graph per shape (see Recompilation). Compiling an already compiled block
     again replaces its settings."""
@@ -349,6 +358,7 @@ def compile_blocks(blocks, *, device=None, backend: Any = "inductor", mode: str 
         reason = compile_unavailable_reason(device)
         if reason is not None:
             raise CompileUnavailableError(f"cannot compile blocks for {device}: {reason}")
+        options = device_inductor_options(device, options)
     settings = _make_settings(backend, mode, options, fullgraph, dynamic)
     groups: dict[int, _Group] = {}
     for i, module in enumerate(mods):

@@ -5,6 +5,7 @@
     resolve_compile(flag, device) -> bool
     MODES, inductor_mode(name) -> str | None   ``--compile-mode`` and the mode it gives torch
     parse_inductor_option("NAME=VALUE"), check_inductor_options(dict)   ``--inductor-option``
+    DEVICE_OPTIONS, device_inductor_options(device, options) -> dict   the defaults per device
     CompileUnavailableError   (a ValueError whose message is one line)
     _describe(exc) -> str     ``Type: first line`` of an exception, through dynamo's wrappers
 """
@@ -33,6 +34,34 @@ def inductor_mode(name: str) -> str | None:
     if name not in MODES:
         raise ValueError(f"compile mode {name!r} is not one of {', '.join(MODES)}")
     return None if name == "default" else name
+
+
+DEVICE_OPTIONS = {
+    # Every concatenation lowered as kernels that each compute one input straight into its slice,
+    # not one kernel of masked loads that works out every input's indices for every element: the
+    # rotary backward's q/k/v gradient took 85 us per smollm-360m block that way, and the whole
+    # step ran 1.04x faster without it on an H100 (docs/gpu.md). On a torch whose inductor lacks
+    # the second option, models/concat_lowering.py gives the first its meaning.
+    "cuda": {"max_pointwise_cat_inputs": 0, "max_complex_pointwise_cat_inputs": 0},
+}
+"""Inductor options compiled blocks get by default per device type, as one set: options that
+name any of a set's names replace the whole set (those names alone then come from the caller and
+inductor's own defaults)."""
+
+
+def device_inductor_options(device, options=None, known=None) -> dict:
+    """``options`` on top of ``DEVICE_OPTIONS`` for ``device``'s type, keeping of the defaults only
+    the names this torch's inductor has (``known``: its option names), and none of them where
+    ``options`` names one."""
+    defaults = DEVICE_OPTIONS.get(_device(device).type, {})
+    options = dict(options or {})
+    if not defaults or set(defaults) & set(options):
+        return options
+    if known is None:
+        from torch._inductor import config
+
+        known = config.get_config_copy()
+    return {**{k: v for k, v in defaults.items() if k in known}, **options}
 
 
 FORCED_OPTIONS = ("freezing", "triton.cudagraphs")
@@ -244,4 +273,5 @@ def _describe(exc: BaseException) -> str:
 
 
 __all__ = ["MODES", "FORCED_OPTIONS", "CompileUnavailableError", "compile_unavailable_reason", "inductor_mode",
-           "parse_inductor_option", "check_inductor_options", "resolve_compile"]
+           "parse_inductor_option", "check_inductor_options", "resolve_compile", "DEVICE_OPTIONS",
+           "device_inductor_options"]

@@ -45,6 +45,7 @@ from torch import nn
 from .base import REGION_MARK
 from .compile import (_GROUPS, CompileReport, _as_blocks, _Group, _make_settings, _Settings,
                       blocks_device, compile_blocks, uncompile)
+from .compile_support import device_inductor_options
 
 
 def _run_region(blocks, x):
@@ -150,7 +151,10 @@ def compile_regions(blocks, regions: Sequence[Sequence[int]], *, device=None, ba
         seen |= set(r)
     uncompile(mods)  # earlier regions and blocks; a region's blocks run inside the region's code
     rest = [m for i, m in enumerate(mods) if i not in seen]
-    report = compile_blocks(rest, device=device if device is not None else blocks_device(mods),
+    device = device if device is not None else blocks_device(mods)
+    if backend == "inductor":  # the device's defaults under the caller's, as compile_blocks has them
+        options = device_inductor_options(device, options)
+    report = compile_blocks(rest, device=device,
                             backend=backend, mode=mode, options=options, fullgraph=fullgraph,
                             dynamic=dynamic)
     settings = _make_settings(backend, mode, options, fullgraph, dynamic)
