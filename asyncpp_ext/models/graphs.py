@@ -120,9 +120,20 @@ class GraphedCompute:
         ``zero_grad(set_to_none=True)``), and later microbatches would then accumulate into the
         graph's buffer. With a ``.grad`` present it adds in place (0 + g: the same bits). (Compute
         copies are left out: their gradient is taken right after the backward, before any replay.)"""
-        for t in (*self.params, *(a for a in args if a.requires_grad and a.is_leaf)):
-            if t.grad is None:
-                t.grad = torch.zeros_like(t)
+        missing = [t for t in (*self.params, *(a for a in args if a.requires_grad and a.is_leaf)) if t.grad is None]
+        zeroed_together: dict[tuple, list] = {}
+        for t in missing:
+            if t.is_contiguous():
+                zeroed_together.setdefault((t.device, t.dtype), []).append(t)
+            else:
+                t.grad = torch.zeros_like(t)  # keeps the tensor's strides
+        for (device, dtype), ts in zeroed_together.items():
+            # one allocation and one fill for all of them: a zeros_like each would be an allocation
+            # and a launch each (dozens per step -- the norms' weights, the embedding -- whose host
+            # time the GPU waits for at the step's start)
+            flat = torch.zeros(sum(t.numel() for t in ts), device=device, dtype=dtype)
+            for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+                t.grad = part.view_as(t)
 
     def _capture(self, args) -> Optional[_Slot]:
         """A new slot captured on copies of ``args`` (the graph's static inputs are its own: the

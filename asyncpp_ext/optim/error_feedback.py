@@ -33,7 +33,9 @@ class ErrorFeedback(torch.optim.Optimizer):
     the snapshot of those parameters; without `previous` the step is the base's alone.
 
     beta == 0 calls base.step() and nothing else. Gradients are checked for NaN/Inf before the base
-    step runs (when no closure is given), raising NonFiniteGradientError with nothing modified.
+    step runs (when no closure is given), raising NonFiniteGradientError with nothing modified,
+    unless ``check_finite`` is set False (a caller that scans them itself; the base's own check
+    follows the setting).
     param_groups, state and state_dict() are the base optimizer's.
     """
 
@@ -46,6 +48,7 @@ class ErrorFeedback(torch.optim.Optimizer):
         self.base = base
         self.beta = float(beta)
         self.ef_source = check_ef_source(ef_source)
+        self._check_finite_on = True
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._optimizer_state_dict_pre_hooks = OrderedDict()
@@ -56,6 +59,18 @@ class ErrorFeedback(torch.optim.Optimizer):
     @property
     def param_groups(self):
         return self.base.param_groups
+
+    @property
+    def check_finite(self) -> bool:
+        """Whether a step first scans every gradient for NaN/Inf (one scan and host sync per
+        parameter here); False where the caller has scanned them already."""
+        return self._check_finite_on
+
+    @check_finite.setter
+    def check_finite(self, value: bool) -> None:
+        self._check_finite_on = bool(value)
+        if hasattr(self.base, "check_finite"):  # the fused base scans them again otherwise
+            self.base.check_finite = bool(value)
 
     @property
     def state(self):
@@ -113,7 +128,7 @@ class ErrorFeedback(torch.optim.Optimizer):
         if not weights or self.beta == 0:
             previous = None
         check_versions(self.param_groups, sources, previous, contiguous=False)
-        if closure is None:
+        if closure is None and self._check_finite_on:
             self._check_finite()
         sources = sources or {}
         if self.beta == 0:

@@ -63,6 +63,13 @@ SIMULATED_SCHEDULES = tuple(SCHEDULES)
 """Every schedule the simulator runs: all rows of the schedule table (schedule/table.py)."""
 
 
+def _train_mode(module: nn.Module) -> nn.Module:
+    """``module`` in training mode: ``train()`` walks every submodule (hundreds in a deep model:
+    about a millisecond of host time a GPU would wait for), so only when it is not in it already
+    (eval_loss puts the mode back)."""
+    return module if module.training else module.train()
+
+
 class DelaySimulatorError(ValueError):
     """A simulator argument, input or saved state that cannot run; the message says what to change."""
 
@@ -142,6 +149,10 @@ class DelaySimulator:
         self.last_skipped = False
         self.model = model
         self.optimizer = optimizer
+        if hasattr(optimizer, "check_finite"):
+            # step() scans every gradient and never lets a bad step reach the optimizer: the
+            # optimizer's own scan would repeat it, with a host sync of its own
+            optimizer.check_finite = False
         self.schedule = schedule
         self.stages = stages if per_stage else None  # the depth matters only where lags differ
         self.loss_fn = loss_fn
@@ -255,8 +266,11 @@ class DelaySimulator:
                 slot.copy_(p)
                 ring.insert(0, slot)
 
-    def step(self, minibatch: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """One optimizer step on ``minibatch`` (a list of (inputs, targets)); returns its loss."""
+    def step(self, minibatch: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             before_sync: Callable[[], None] | None = None) -> float:
+        """One optimizer step on ``minibatch`` (a list of (inputs, targets)); returns its loss.
+        ``before_sync`` is called once the step's microbatches are queued, before the host waits
+        for them (train_steps fetches the next minibatch there)."""
         m = len(minibatch)
         if m == 0:
             raise DelaySimulatorError("a minibatch needs at least one microbatch")
@@ -264,14 +278,14 @@ class DelaySimulator:
             SCHEDULES[self.schedule].check(self.stages or 1, m)
         except ValueError as exc:
             raise DelaySimulatorError(str(exc)) from None
-        self.model.train()
+        _train_mode(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         if self.delayed:
             self._swap_compute_versions(entering=True)  # params <- W(t - d_p) or its prediction
         compute = self.model
         if self.copies is not None:  # the weights this step computes on, rounded once
             self.copies.refresh()
-            compute = self.copies.module.train()
+            compute = _train_mode(self.copies.module)
         # The losses stay on the device until the step's microbatches are queued: one host sync per
         # step, not two per microbatch, so a GPU never waits for the host between microbatches.
         losses = []
@@ -285,17 +299,22 @@ class DelaySimulator:
         finally:
             if self.delayed:
                 self._swap_compute_versions(entering=False)  # params <- W(t)
-        values = torch.stack(losses).tolist()
+        if before_sync is not None:
+            before_sync()
+        sum_tied_gradients(self.tied)
+        # The losses ride along in the gradients' scan: one host sync for both, after which
+        # reading them back waits for nothing.
+        named = [(n, p.grad) for n, p in zip(self.names, self.params) if p.grad is not None]
+        stacked = torch.stack(losses).float()
+        index = first_nonfinite_index([g for _, g in named] + [stacked])
+        values = stacked.tolist()
         total, bad = 0.0, None
         for i, value in enumerate(values):  # the same float sum, in microbatch order
             if bad is None and not math.isfinite(value):
                 bad = f"non-finite loss ({value:g}) in microbatch {i}"
             total += value
-        sum_tied_gradients(self.tied)
-        if bad is None:
-            named = [(n, p.grad) for n, p in zip(self.names, self.params) if p.grad is not None]
-            index = first_nonfinite_index([g for _, g in named])
-            bad = f"non-finite gradient in {named[index][0]}" if index >= 0 else None
+        if bad is None and 0 <= index < len(named):
+            bad = f"non-finite gradient in {named[index][0]}"
         if bad is not None and self.on_nonfinite == "stop":
             raise NonFiniteError(f"{bad} at step {self.steps_done + 1}; stopping (use --on-nonfinite "
                                  "skip to skip such steps)")
@@ -318,8 +337,16 @@ class DelaySimulator:
     def train_steps(self, stream, steps: int):
         """``steps`` steps on the stream's next minibatches, yielding each loss (StepEngine)."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        for _ in range(steps):
-            loss = self.step([(to_device(x, device), to_device(y, device)) for x, y in stream.next()])
+
+        def fetch():  # the stream's next minibatch on the device (from pinned memory: asynchronous)
+            return [(to_device(x, device), to_device(y, device)) for x, y in stream.next()]
+        ahead = []
+        for i in range(steps):
+            minibatch = ahead.pop() if ahead else fetch()
+            # the next step's minibatch is fetched while this one's kernels run, never past the
+            # segment's last step (the stream's position is what a checkpoint records)
+            prefetch = (lambda: ahead.append(fetch())) if i + 1 < steps else None
+            loss = self.step(minibatch, before_sync=prefetch)
             yield StepOutcome(loss, True) if self.last_skipped else loss
 
     @torch.no_grad()
