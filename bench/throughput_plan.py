@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
-import sys
 
-from throughput_rows import ROOT, child_env, inductor_preset
+from throughput_rows import inductor_preset
 
 DEFAULTS = {  # per device: models, sequence lengths, micro-batch (at the first length), microbatches
     # --micro-batch-size counts sequences of the first default length (1024 / 64); other lengths take
@@ -20,10 +18,11 @@ SMOKE_HEAD_SHAPE = dict(batch=2, seq=64, n_embd=64, vocab=512)
 
 
 def detect_cli_flags() -> dict:
-    """Which of the newer asyncpp-train flags exist (from --help, once)."""
-    r = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--help"], cwd=ROOT, env=child_env(),
-                       capture_output=True, text=True, timeout=120)
-    text = r.stdout
+    """Which of the newer asyncpp-train flags exist (from its --help text, built in this process:
+    a second interpreter importing torch would cost seconds)."""
+    from asyncpp_ext.training.arguments import build_parser
+
+    text = build_parser().format_help()
     return {"compile": "--no-compile" in text and re.search(r"--compile\b", text) is not None,
             "head_loss": "--head-loss" in text, "cuda_graphs": "--cuda-graphs" in text,
             "ipc": ",ipc" in text, "compute_copies": "--no-compute-copies" in text,

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,9 +25,11 @@ SCRIPT = Path(__file__).resolve().with_name(PROG)  # re-invoked per worker row: 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 RESULT_TAG = "GPU_THROUGHPUT_RESULT "
-# Runs `python -m asyncpp_ext.train ARGS` (asyncpp-train) in this process, then records the process's peak memory.
+# Runs `python -m asyncpp_ext.train ARGS` (asyncpp-train) in this process, then records the process's
+# peak memory and leaves without the interpreter's finalisation (seconds of a compiled model's
+# garbage and CUDA teardown that are no part of the row: its files are written and closed by then).
 OURS_DRIVER = r"""
-import json, resource, runpy, sys
+import json, os, resource, runpy, sys
 peak_file = sys.argv[1]
 sys.argv = ["asyncpp-train"] + sys.argv[2:]
 rc = 1
@@ -44,7 +47,9 @@ finally:
         peak["cuda_alloc_bytes"] = max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
     with open(peak_file, "w") as f:
         json.dump(peak, f)
-sys.exit(rc)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(rc)
 """
 
 
@@ -221,25 +226,31 @@ def run_process(cmd: list, timeout: float, sampler_device: str | None = None) ->
     memory. (A process group of its own keeps a row's ranks together; nothing else would stop them
     with the bench, and an orphaned row would go on using the GPU the next rows measure.)"""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    sampler = MemorySampler(sampler_device, lambda: proc.pid) if sampler_device else None
-    timed_out = False
-    try:
-        if sampler:
-            sampler.__enter__()
+    # Output to files, not pipes: the row ends when its first process does. What it leaves behind
+    # in its group (a launcher's fork server, inductor's compile workers) would hold a pipe open
+    # until it exits by itself; it is killed instead, its work being done.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=out, stderr=err, text=True,
+                                start_new_session=True)
+        sampler = MemorySampler(sampler_device, lambda: proc.pid) if sampler_device else None
+        timed_out = False
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            if sampler:
+                sampler.__enter__()
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
             _kill_process_group(proc)
-            stdout, stderr = proc.communicate()
         except BaseException:  # the bench is stopping (SystemExit from SIGTERM, KeyboardInterrupt)
             _kill_process_group(proc)
             raise
-    finally:
-        if sampler:
-            sampler.__exit__(None, None, None)
+        finally:
+            if sampler:
+                sampler.__exit__(None, None, None)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     return dict(rc=None if timed_out else proc.returncode, stdout=stdout or "", stderr=stderr or "",
                 seconds=time.monotonic() - start, sampled_peak=sampler.peak if sampler else None,
                 sampled_kind=sampler.kind if sampler else None)

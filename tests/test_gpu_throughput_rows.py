@@ -74,3 +74,30 @@ def test_warnings_beyond_three_are_counted_not_listed():
     stderr = "".join(f"asyncpp: fallback {k}\n" for k in range(5))
     assert tr.package_warnings(stderr) == ["warned: asyncpp: fallback 0", "warned: asyncpp: fallback 1",
                                            "warned: asyncpp: fallback 2", "(+2 more in the row's stderr)"]
+
+
+def test_a_row_ends_with_its_first_process_and_takes_what_it_left_behind(tmp_path):
+    # a launcher's fork server or inductor's compile workers outliving the row's process would
+    # hold its output open: the row ends when its own process does, and they are killed
+    import time
+
+    pid_file = tmp_path / "left.pid"
+    script = f"import subprocess, sys; p = subprocess.Popen(['sleep', '120']); open({str(pid_file)!r}, 'w').write(str(p.pid)); print('done')"
+    res = tr.run_process([sys.executable, "-c", script], timeout=100)
+    assert res["rc"] == 0 and res["stdout"].strip() == "done", res
+    assert res["seconds"] < 60  # not the leftover's 120 s
+    left = int(pid_file.read_text())
+
+    def alive():
+        try:
+            with open(f"/proc/{left}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.monotonic() + 10  # SIGKILL is delivered, not awaited
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()
+    res = tr.run_process([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"],
+                         timeout=2)
+    assert res["rc"] is None and res["stdout"].strip() == "started"

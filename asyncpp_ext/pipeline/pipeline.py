@@ -9,6 +9,8 @@ receives per-step statistics as steps complete.
 """
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +47,13 @@ _EVAL_TAG = 2
 
 
 @dataclass
+
+def _eagerly():
+    """Compiled code run as plain eager code inside (``torch.compiler.set_stance``, torch >= 2.6;
+    a no-op before)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
 class StepStats:
     step: int                 # global step index (0-based)
     loss: float | None        # mean microbatch loss over all replicas; only last stages know it
@@ -328,7 +337,10 @@ class Pipeline:
         if h.is_last:
             return
         try:
-            with torch.no_grad(), h.autocast():
+            # eagerly even where the blocks are compiled: the probe wants a shape and a dtype, and a
+            # compiled no-grad graph for it would cost a compile of seconds (a minute on a CPU)
+            # that training never uses
+            with torch.no_grad(), h.autocast(), _eagerly():
                 probe = h.compute_module(h.newest_version())(
                     torch.zeros(h.in_sig.shape, dtype=h.in_sig.dtype, device=self.device))
         except Exception as e:  # the blocks cannot consume what the previous stage sends
