@@ -46,14 +46,14 @@ _HANDSHAKE_LEN = 16
 _EVAL_TAG = 2
 
 
-@dataclass
-
 def _eagerly():
     """Compiled code run as plain eager code inside (``torch.compiler.set_stance``, torch >= 2.6;
     a no-op before)."""
     stance = getattr(torch.compiler, "set_stance", None)
     return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
+
+@dataclass
 class StepStats:
     step: int                 # global step index (0-based)
     loss: float | None        # mean microbatch loss over all replicas; only last stages know it
