@@ -305,8 +305,9 @@ class DelaySimulator:
         # The losses ride along in the gradients' scan: one host sync for both, after which
         # reading them back waits for nothing.
         named = [(n, p.grad) for n, p in zip(self.names, self.params) if p.grad is not None]
-        stacked = torch.stack(losses).float()
-        index = first_nonfinite_index([g for _, g in named] + [stacked])
+        stacked = torch.stack(losses)
+        riders = [stacked] if stacked.dtype == torch.float32 else []  # what the fused scan takes
+        index = first_nonfinite_index([g for _, g in named] + riders)
         values = stacked.tolist()
         total, bad = 0.0, None
         for i, value in enumerate(values):  # the same float sum, in microbatch order
