@@ -311,6 +311,7 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         if args.worker:
             rc = worker_main(json.loads(args.worker))  # its result line is printed and flushed
+            sys.stdout.flush()
             sys.stderr.flush()
             os._exit(rc)  # without the finalisation of a compiled model (seconds, no part of the row)
         report = run(args)

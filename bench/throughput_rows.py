@@ -229,7 +229,8 @@ def run_process(cmd: list, timeout: float, sampler_device: str | None = None) ->
     # Output to files, not pipes: the row ends when its first process does. What it leaves behind
     # in its group (a launcher's fork server, inductor's compile workers) would hold a pipe open
     # until it exits by itself; it is killed instead, its work being done.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    # (errors="replace": a process killed mid-write may cut a character in two)
+    with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=out, stderr=err, text=True,
                                 start_new_session=True)
         sampler = MemorySampler(sampler_device, lambda: proc.pid) if sampler_device else None

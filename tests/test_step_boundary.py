@@ -71,14 +71,25 @@ def test_a_bad_loss_or_gradient_is_still_caught_and_named():
     sim = DelaySimulator(model, build_optimizer(model, "adamw"), "sync", loss_fn=nan_loss)
     with pytest.raises(NonFiniteError, match="non-finite loss"):
         sim.step(_minibatch(torch.Generator().manual_seed(0)))
+    for policy in ("stop", "skip"):  # a finite loss, a non-finite gradient
+        model = GPT(CFG, seed=0)
+        sim = DelaySimulator(model, build_optimizer(model, "adamw"), "sync", loss_fn=_loss, on_nonfinite=policy)
+        before = [p.detach().clone() for p in model.parameters()]
+        name, first = next(iter(model.named_parameters()))
+        first.register_hook(lambda g: g * float("inf"))
+        if policy == "stop":
+            with pytest.raises(NonFiniteError, match=f"non-finite gradient in {name} at step 1"):
+                sim.step(_minibatch(torch.Generator().manual_seed(0)))
+        else:
+            sim.step(_minibatch(torch.Generator().manual_seed(0)))
+            assert sim.last_skipped
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # both bad: the loss is named, as it comes first
     model = GPT(CFG, seed=0)
-    sim = DelaySimulator(model, build_optimizer(model, "adamw"), "sync", loss_fn=_loss, on_nonfinite="skip")
-    before = [p.detach().clone() for p in model.parameters()]
-    first = next(model.parameters())
-    first.register_hook(lambda g: g * float("inf"))  # a finite loss, a non-finite gradient
-    sim.step(_minibatch(torch.Generator().manual_seed(0)))
-    assert sim.last_skipped
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    sim = DelaySimulator(model, build_optimizer(model, "adamw"), "sync", loss_fn=nan_loss)
+    next(model.parameters()).register_hook(lambda g: g * float("inf"))
+    with pytest.raises(NonFiniteError, match="non-finite loss"):
+        sim.step(_minibatch(torch.Generator().manual_seed(0)))
 
 
 def test_the_next_minibatch_is_fetched_during_the_step_and_never_past_the_segment():
@@ -114,6 +125,15 @@ def test_the_model_is_put_in_training_mode_only_when_it_is_not(monkeypatch):
     model.eval()
     sim.step(_minibatch(gen))
     assert model.training and all(m.training for m in model.modules())
+
+
+def test_a_model_loaded_with_submodules_in_eval_mode_trains_in_training_mode():
+    # (a loaded Hugging Face model, say: its wrapper in training mode, its layers in eval mode)
+    model = GPT(CFG, seed=0)
+    model.layers.eval()
+    assert model.training and not all(m.training for m in model.modules())
+    DelaySimulator(model, build_optimizer(model, "adamw"), "sync", loss_fn=_loss)
+    assert all(m.training for m in model.modules())
 
 
 def test_the_gradients_a_replay_needs_are_zeroed_in_one_buffer_per_dtype():

@@ -144,7 +144,8 @@ class GraphedCompute:
         try:
             with _callers_stream_kept(any(t.is_cuda for t in (*self.params, *sample))):
                 # allow_unused_input: a Parameter the stage does not use this call (a model's spare
-                # bias, say) gets no gradient, as in eager, instead of failing the capture.
+                # bias, say) keeps the zero .grad _grads_in_place gave it instead of failing the
+                # capture (eager would leave it None; docs/design.md, CUDA graphs).
                 self.make(slot, sample, num_warmup_iters=self.warmup_iters, allow_unused_input=True)
         except Exception as exc:  # capture refused or failed: this module runs eagerly from now on
             self.failure = _describe(exc)

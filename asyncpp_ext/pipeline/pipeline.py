@@ -336,11 +336,13 @@ class Pipeline:
             h.in_sig = Signature(tuple(msg[5:5 + ndim].tolist()), _DTYPES[int(msg[3])])
         if h.is_last:
             return
+        # eagerly even where the blocks are compiled: the probe wants a shape and a dtype, and a
+        # compiled no-grad graph for it would cost a compile of seconds (a minute on a CPU) that
+        # training uses only with --recompute (made here, outside the try: its failure is no
+        # disagreement about the model)
+        eagerly = _eagerly()
         try:
-            # eagerly even where the blocks are compiled: the probe wants a shape and a dtype, and a
-            # compiled no-grad graph for it would cost a compile of seconds (a minute on a CPU)
-            # that training never uses
-            with torch.no_grad(), h.autocast(), _eagerly():
+            with torch.no_grad(), h.autocast(), eagerly:
                 probe = h.compute_module(h.newest_version())(
                     torch.zeros(h.in_sig.shape, dtype=h.in_sig.dtype, device=self.device))
         except Exception as e:  # the blocks cannot consume what the previous stage sends

@@ -65,8 +65,9 @@ SIMULATED_SCHEDULES = tuple(SCHEDULES)
 
 def _train_mode(module: nn.Module) -> nn.Module:
     """``module`` in training mode: ``train()`` walks every submodule (hundreds in a deep model:
-    about a millisecond of host time a GPU would wait for), so only when it is not in it already
-    (eval_loss puts the mode back)."""
+    about a millisecond of host time a GPU would wait for), so only when the module itself is not
+    in it (the simulator puts every submodule in training mode once, and eval_loss puts the mode
+    back; a submodule switched to eval mode alone by the caller stays so)."""
     return module if module.training else module.train()
 
 
@@ -149,10 +150,6 @@ class DelaySimulator:
         self.last_skipped = False
         self.model = model
         self.optimizer = optimizer
-        if hasattr(optimizer, "check_finite"):
-            # step() scans every gradient and never lets a bad step reach the optimizer: the
-            # optimizer's own scan would repeat it, with a host sync of its own
-            optimizer.check_finite = False
         self.schedule = schedule
         self.stages = stages if per_stage else None  # the depth matters only where lags differ
         self.loss_fn = loss_fn
@@ -194,6 +191,16 @@ class DelaySimulator:
         self.predicted = [torch.empty_like(p) if d and self.mitigation.predicts else None
                           for p, d in zip(self.params, self.delays)]
         self.steps_done = 0
+        # Every submodule in training mode once (a loaded model may hold some in eval mode); a
+        # step then walks the modules only when something switched the whole model out of it.
+        model.train()
+        if self.copies is not None:
+            self.copies.module.train()
+        if hasattr(optimizer, "check_finite"):
+            # step() scans every gradient and never lets a bad step reach the optimizer: the
+            # optimizer's own scan would repeat it, with a host sync of its own (set last, so
+            # that a refused construction leaves the caller's optimizer as it was)
+            optimizer.check_finite = False
 
     def _versions_kept(self, delay: int) -> int:
         """Ring length of a parameter with ``delay``: its d older versions, plus W(t-d-1) for
