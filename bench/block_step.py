@@ -19,6 +19,8 @@ sequences; --tokens). Variants (all the same arithmetic; only kernels and their 
                         models/concat_lowering.py)
   cat-fused             compiled with inductor's own concatenations instead (a concatenation of a
                         few inputs fused into one kernel of masked loads; max_pointwise_cat_inputs=8)
+  combo-kernels         compiled with inductor's horizontal fusion (combo_kernels: independent
+                        kernels of the graph merged into one launch)
   rotary-btd            compiled, with rotary positions applied to q and k in the projections'
                         (B, T, heads, D) layout before the heads move to the front for attention
   separate-qkv          compiled, with q, k and v as three products instead of one stacked product
@@ -147,6 +149,7 @@ VARIANTS = {
     # (the backward's q/k/v gradient with the rotary backward: 85 us at smollm-360m where the
     # compiled default's kernels take ~40); second, so that a run cut short keeps it
     "cat-fused": (LlamaBlock, None, {"options": inductor_preset("cat-fused")}),
+    "combo-kernels": (LlamaBlock, None, {"options": inductor_preset("combo-kernels")}),
     "rotary-btd": (RotaryBTDBlock, RotaryBTDAttention, {}),
     "separate-qkv": (SeparateQKVBlock, SeparateQKVAttention, {}),
     "coordinate-descent": (LlamaBlock, None, {"options": {"coordinate_descent_tuning": True}}),

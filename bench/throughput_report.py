@@ -80,7 +80,7 @@ def _check_fused(fused: dict, plain) -> None:
 VARIANT_LOSS_TOL = 0.05
 """Largest relative difference, at any measured step, between the losses of an ours row and the
 row it varies in how it computes (same seed, data and update rule): CUDA graphs, a stage region,
-max-autotune, inductor options (cat-fused), another attention kernel, the compute copies, ipc for gloo compute the same steps in
+max-autotune, inductor options (cat-fused, combo-kernels), another attention kernel, the compute copies, ipc for gloo compute the same steps in
 other kernels or another float order, and a bf16 run drifts from its twin by bf16 rounding only (the GPU kit's bound for
 bf16 against fp32 is 5 % per step). A broken variant is off by far more within a few steps: one
 computed on the previous weight version misses smollm's early losses by ~10 %. --dtype bf16-params
@@ -108,13 +108,13 @@ def _variant_suffix(r: dict) -> str:
     return ""
 
 
-_SUFFIXES = (" cudnn-attention", " flash-attention", " max-autotune", " cat-fused", " stage-compile", " graphs", " bf16-params", " no-copies", " ipc")
+_SUFFIXES = (" cudnn-attention", " flash-attention", " max-autotune", " cat-fused", " combo-kernels", " stage-compile", " graphs", " bf16-params", " no-copies", " ipc")
 
 
 def _plainer(r: dict, find):
     """The row ``r`` varies: its name without its last variant suffix (graphs against none, bf16
     activations against autocast's, a stage region against blocks, max-autotune against inductor's
-    default mode, cat-fused against the compiled blocks' default options, ipc against gloo); where this run has no such row, the next plainer one it has
+    default mode, cat-fused and combo-kernels against the compiled blocks' default options, ipc against gloo); where this run has no such row, the next plainer one it has
     (graphs with a stage region against the plain row); None for a plain row."""
     if not _variant_suffix(r):
         return None

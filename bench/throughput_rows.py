@@ -63,6 +63,11 @@ INDUCTOR_PRESETS = {
     # compiled blocks' CUDA default (models/compile_support.DEVICE_OPTIONS: each input computed
     # straight into its slice by a kernel of its own) is measured
     "cat-fused": {"max_pointwise_cat_inputs": 8, "max_complex_pointwise_cat_inputs": 8},
+    # independent kernels of one graph merged into one launch (inductor's horizontal fusion): fewer
+    # of the ~10,700 kernel boundaries per smollm-360m step, whose gaps inside the CUDA graphs came
+    # to ~18 ms (docs/gpu.md); the rotary backward's q, k and v parts, say, written in place by three
+    # kernels, in one
+    "combo-kernels": {"combo_kernels": True},
 }
 """A row's ``inductor`` name -> the ``--inductor-option`` values it passes."""
 
