@@ -149,13 +149,13 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     # inductor's max-autotune where the GPU, not the host, sets the pace, on top of
                     # the CLI's defaults (graphs: with sync on CUDA)
                     ours(mdl, seq, "adamw", compile_=True, compile_mode="max-autotune", graphs=graphs[-1])
-                for preset in ("cat-fused", "combo-kernels"):
-                    if ((mdl, seq) == last and dev == "cuda" and flags.get("inductor_option")
-                            and inductor_preset(preset)):
-                        # the defaults with INDUCTOR_PRESETS' options on top: inductor's own
-                        # concatenations (what the CUDA default of concatenations as kernels of
-                        # their own is worth), then its horizontal fusion
-                        ours(mdl, seq, "adamw", compile_=True, inductor=preset, graphs=graphs[-1])
+                if (mdl, seq) == last and dev == "cuda" and flags.get("inductor_option"):
+                    # the defaults with INDUCTOR_PRESETS' options on top: inductor's own
+                    # concatenations (what the CUDA default of concatenations as kernels of their
+                    # own is worth), then its horizontal fusion; a preset this torch lacks, none
+                    for preset in ("cat-fused", "combo-kernels"):
+                        if inductor_preset(preset):
+                            ours(mdl, seq, "adamw", compile_=True, inductor=preset, graphs=graphs[-1])
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

@@ -120,9 +120,10 @@ class GraphedCompute:
         ``zero_grad(set_to_none=True)``), and later microbatches would then accumulate into the
         graph's buffer. With a ``.grad`` present it adds in place (0 + g: the same bits). (Compute
         copies are left out: their gradient is taken right after the backward, before any replay.)"""
-        missing = [t for t in (*self.params, *(a for a in args if a.requires_grad and a.is_leaf)) if t.grad is None]
         zeroed_together: dict[tuple, list] = {}
-        for t in missing:
+        for t in (*self.params, *(a for a in args if a.requires_grad and a.is_leaf)):
+            if t.grad is not None:
+                continue
             if t.is_contiguous():
                 zeroed_together.setdefault((t.device, t.dtype), []).append(t)
             else:

@@ -10,7 +10,6 @@ receives per-step statistics as steps complete.
 from __future__ import annotations
 
 import contextlib
-
 import threading
 import time
 from dataclasses import dataclass
