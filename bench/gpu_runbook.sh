@@ -8,7 +8,7 @@
 #   bench/gpu_runbook.sh [STEP ...]     default: build 135m (at most 540 s: one call of a machine lent
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
-#                                         build 360m | build blocks head | build quick
+#                                         build 360m | build blocks head | build quick code
 #                                         build mps | build profile | build attention pipeline-graphs
 #                                         build tests p2p | build autotune)
 #   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)
@@ -33,6 +33,10 @@
 #   blocks  (200) bench/block_step.py: one smollm-360m block, forward + backward, compiled in each of
 #           the bench's forms (rotary layouts, q/k/v products, cat lowering, tuning), kernel time by
 #           kind and the costliest kernels, each form's output against the float32 block
+#   code    (120) bench/block_step.py's compiled form alone (one smollm-360m block) under
+#           TORCH_LOGS=output_code: the code inductor generates for the block's forward and backward
+#           in code.log, to read without a GPU (which of the block's ~36 kernels are inductor's, which
+#           aten's: the two float32 sums per block the 360m profile shows among them)
 #   pipeline-graphs (150) ours with graphs, and 2bw on one GPU over ipc with graphs, at smollm-135m
 #           / 1024: whether graphs pay for a pipeline sharing one GPU (on the H100: no, 0.45x)
 #   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min;
@@ -122,6 +126,8 @@ run_step() {
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         attention) step attention 60 "$PY" bench/attention_kernels.py --json "$OUT/attention.json" ;;
         blocks) step blocks 200 "$PY" bench/block_step.py --json "$OUT/blocks.json" ;;
+        code) step code 120 env TORCH_LOGS=output_code "$PY" bench/block_step.py --variants compiled --no-profile \
+                  --iters 3 --json "$OUT/code.json" ;;
         pipeline-graphs) bench pipeline-graphs 150 -- "${ROWS_PIPELINE_GRAPHS[@]}" ;;
         quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
@@ -131,7 +137,7 @@ run_step() {
                       --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
-        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, blocks, pipeline-graphs, quick, head, profile, autotune, mps"
+        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, blocks, code, pipeline-graphs, quick, head, profile, autotune, mps"
            failed=$((failed + 1)) ;;
     esac
 }

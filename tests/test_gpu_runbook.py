@@ -16,7 +16,7 @@ import gpu_throughput as gt  # noqa: E402
 
 CALL_LIMIT_S = 590  # a device call runs at most 600 s; 10 s for copying its files back
 KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (timeout --kill-after)
-CALLS = [[], ["build", "blocks", "head"], ["build", "quick"], ["build", "mps"], ["build", "360m"], ["build", "profile"],
+CALLS = [[], ["build", "blocks", "head"], ["build", "quick", "code"], ["build", "mps"], ["build", "360m"], ["build", "profile"],
          ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "autotune"]]  # [] = build 135m
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
@@ -71,6 +71,10 @@ def test_each_call_fits_a_device_call_and_selects_its_rows(tmp_path, cli_flags, 
         assert any("bench/attention_kernels.py" in cmd for _, _, cmd in plan)
     if "blocks" in steps:
         assert any("bench/block_step.py" in cmd for _, _, cmd in plan)
+    if "code" in steps:  # the compiled block alone, its generated code logged
+        (command,) = [cmd for name, _, cmd in plan if name == "code"]
+        assert "TORCH_LOGS=output_code" in command and "bench/block_step.py" in command
+        assert command[command.index("--variants") + 1] == "compiled"
     for name, limit, command in benches:
         args = gt.parse_args(command[command.index("bench/gpu_throughput.py") + 1:])
         assert args.json.endswith(f"/{name}.json")
