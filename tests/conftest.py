@@ -1,9 +1,14 @@
 """Shared pytest wiring: GPU auto-skip for `cuda` tests, helpers for multi-process tests, and
 `--hide-module NAME` to run the suite as if an optional package were not installed."""
+import os
+import shutil
 import socket
 import sys
+import tempfile
 
 import pytest
+
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def pytest_addoption(parser):
@@ -17,6 +22,31 @@ def pytest_configure(config):
         for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             del sys.modules[loaded]
         sys.modules[name] = None  # import raises ModuleNotFoundError; importlib.util.find_spec gives None
+    _share_one_inductor_cache(config)
+
+
+def _share_one_inductor_cache(config):
+    """One inductor cache for the whole run -- every test, xdist worker, pipeline rank and bench
+    subprocess (they inherit the variable) -- unless the caller chose one: a graph compiled by one
+    test is a cache hit for the next that compiles it (the compile tests, the CLI runs with
+    --compile and the bench smokes compile the same few blocks; a cold run pays inductor's C++
+    builds once per graph instead of once per process). pytest's cache folder keeps it between runs
+    (.pytest_cache/d/inductor); under -p no:cacheprovider a temporary folder, removed at the end.
+    Set by the controller before xdist starts its workers, which see it set and keep it."""
+    if os.environ.get(INDUCTOR_CACHE):
+        return
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        os.environ[INDUCTOR_CACHE] = str(cache.mkdir("inductor"))
+    else:
+        os.environ[INDUCTOR_CACHE] = config._asyncpp_inductor_tmp = tempfile.mkdtemp(prefix="asyncpp-inductor-")
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_asyncpp_inductor_tmp", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop(INDUCTOR_CACHE, None)
 
 
 def _gpu_available() -> bool:

@@ -10,7 +10,6 @@ by another test do not change their counts."""
 import copy
 import importlib.util
 import logging
-import os
 import pickle
 
 import pytest
@@ -31,31 +30,17 @@ needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers")
 LOGGER = "asyncpp_ext.models.compile"
 
 
-def inductor_cache_dir(request):
-    """pytest's cache folder (kept between runs), or a temporary one under -p no:cacheprovider."""
-    cache = getattr(request.config, "cache", None)
-    if cache is not None:
-        return cache.mkdir("inductor")
-    return request.getfixturevalue("tmp_path_factory").mktemp("inductor")
-
-
 @pytest.fixture(scope="session", autouse=True)
-def _shared_inductor_cache(request):
-    """One inductor cache for the file (kept between runs in .pytest_cache), one compile thread (no
-    worker pool to start on a 2-core machine), one intra-op thread (see conftest.one_intra_op_thread)."""
+def _one_compile_thread():
+    """One compile thread (no worker pool to start on a 2-core machine) and one intra-op thread (see
+    conftest.one_intra_op_thread); the inductor cache is the run's (conftest._share_one_inductor_cache)."""
     import torch._inductor.config as inductor_config
-    saved_env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     saved = inductor_config.compile_threads, torch.get_num_threads()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir(request))
     inductor_config.compile_threads = 1
     torch.set_num_threads(1)
     yield
     inductor_config.compile_threads, threads = saved
     torch.set_num_threads(threads)
-    if saved_env is None:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    else:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_env
 
 
 def _model(source: str, **overrides) -> nn.Module:

@@ -10,7 +10,7 @@ from torch import nn
 from asyncpp_ext.models.compile import compile_blocks, compile_unavailable_reason, resolve_compile
 from asyncpp_ext.pipeline.flat_buffers import flatten_into, point_at
 
-from test_compile import _shared_inductor_cache, _swap_error  # noqa: F401 (a fixture)
+from test_compile import _one_compile_thread, _swap_error  # noqa: F401 (a fixture)
 
 
 @pytest.mark.cuda

@@ -23,7 +23,7 @@ from asyncpp_ext.pipeline.flat_buffers import flatten_into, point_at
 from asyncpp_ext.pipeline.partition import split
 from asyncpp_ext.training.build import compile_stages
 
-from test_compile import _shared_inductor_cache, _stale_backend, _tokens, version_buffers  # noqa: F401 (a fixture)
+from test_compile import _one_compile_thread, _stale_backend, _tokens, version_buffers  # noqa: F401 (a fixture)
 
 LOGGER = "asyncpp_ext.models.compile"
 

@@ -1,7 +1,6 @@
 """--compile and --head-loss through asyncpp-train: a real 2bw pipeline equals --simulate with each of
 them on, and a request that cannot run here is one line, exit 2, nothing written."""
 import json
-import os
 
 import pytest
 
@@ -43,10 +42,8 @@ def test_fused_head_loss_real_pipeline_equals_the_simulation_bitwise(tmp_path):
 
 
 @pytest.mark.multiproc  # with test_compile.py on one worker (conftest.XDIST_GROUPS)
-def test_compiled_real_pipeline_equals_the_compiled_simulation(tmp_path, request):
-    # One inductor cache for the three processes (the ranks inherit it), kept between runs.
-    cache = request.config.cache.mkdir("inductor") if getattr(request.config, "cache", None) else tmp_path / "inductor"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+def test_compiled_real_pipeline_equals_the_compiled_simulation(tmp_path):
+    # (the ranks compile into the run's inductor cache: conftest._share_one_inductor_cache)
     assert main(COMMON + ["--compile", "--out", str(tmp_path / "real")]) == 0
     assert main(COMMON + ["--compile", "--simulate", "--out", str(tmp_path / "sim")]) == 0
     assert main(COMMON + ["--simulate", "--out", str(tmp_path / "eager")]) == 0
@@ -57,12 +54,10 @@ def test_compiled_real_pipeline_equals_the_compiled_simulation(tmp_path, request
 
 @pytest.mark.slow  # 17-47 s of inductor compiles on 2 cores; in-process checks: test_compile_regions.py
 @pytest.mark.multiproc
-def test_stage_scope_real_pipeline_equals_its_simulation(tmp_path, request):
+def test_stage_scope_real_pipeline_equals_its_simulation(tmp_path):
     # [embedding, layer 0] | [layer 1, head]: stage 0's blocks are one region (stage 1 keeps its
     # blocks alone: a one-block region is none); the simulator compiles the regions of the same
     # split, so the two must agree bit for bit. (More regions and stages: test_compile_regions.py.)
-    cache = request.config.cache.mkdir("inductor") if getattr(request.config, "cache", None) else tmp_path / "inductor"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
     flags = COMMON + ["--compile", "--compile-scope", "stage"]
     assert main(flags + ["--out", str(tmp_path / "real")]) == 0
     assert main(flags + ["--simulate", "--out", str(tmp_path / "sim")]) == 0
