@@ -108,20 +108,33 @@ def test_one_slot_per_microbatch_in_flight_and_outputs_survive_later_replays():
 
 def test_a_parameter_the_stage_does_not_use_is_captured_and_gets_no_gradient():
     # torch's capture refuses a Parameter without a gradient unless allow_unused_input; a stage
-    # may hold one (a spare bias, a table only evaluation reads), and eager simply leaves it be.
+    # may hold one (a spare bias, a table only evaluation reads), and eager simply leaves it be:
+    # no .grad, so an optimizer with weight decay skips it. So must the replays.
     module = _mlp()
     module.spare = nn.Parameter(torch.ones(3))
-    fake = FakeGraphs()
-    graphed = GraphedCompute(module, _loss, make=fake)
-    (x, y), = _data(1)
-    graphed(x, y).backward()
-    assert graphed.failure is None and len(fake.captures) == 1
-    assert torch.equal(module.spare.grad, torch.zeros(3))  # the zero .grad set before the replay
     reference = copy.deepcopy(module)
-    for p in reference.parameters():
-        p.grad = None
-    _loss(reference, x, y).backward()
-    assert torch.allclose(module[0].weight.grad, reference[0].weight.grad, atol=1e-7)
+    fake = FakeGraphs()
+    graphed = GraphedCompute(module, _loss_ignoring, make=fake)
+    x_in = torch.randn(3, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    unused_arg = torch.zeros(1, requires_grad=True)  # an argument the computation ignores
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (module, reference)]
+    for step, (x, y) in enumerate(_data(2)):
+        for m, run, opt in ((module, graphed, optimizers[0]), (reference, None, optimizers[1])):
+            for xb, yb in ((x, y), (x_in, y)):  # two microbatches, the second from a leaf argument
+                xb = xb.detach().requires_grad_(xb.requires_grad)
+                (run(xb, yb, unused_arg) if run else _loss_ignoring(m, xb, yb, unused_arg)).backward()
+            if m is module:
+                assert module.spare.grad is None and unused_arg.grad is None  # as eager leaves them
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert graphed.failure is None and len(fake.captures) == 1
+    assert torch.equal(module.spare, reference.spare) and torch.equal(module.spare, torch.ones(3))  # never stepped
+    for got, want in zip(module.parameters(), reference.parameters()):
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def _loss_ignoring(module, x, y, ignored):
+    return _loss(module, x, y)
 
 
 def test_no_grad_calls_run_eagerly_and_a_failed_capture_warns_once():

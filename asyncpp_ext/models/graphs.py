@@ -102,6 +102,10 @@ class GraphedCompute:
         self.params = [p for p in module.parameters() if p.requires_grad and id(p) not in taken]
         self.slots: list[_Slot] = []
         self.failure: Optional[str] = None  # why capture failed (then everything runs eagerly)
+        # what the computation gives no gradient (found once, before the first capture): those keep
+        # no .grad, as in eager code, instead of a zero one an optimizer would step
+        self.no_grad_params: frozenset[int] = frozenset()  # ids
+        self.no_grad_args: frozenset[int] = frozenset()  # positions
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         if self.failure is not None or not torch.is_grad_enabled():
@@ -119,9 +123,12 @@ class GraphedCompute:
         overwrites; autograd adopts such a tensor as ``.grad`` when there is none yet (after
         ``zero_grad(set_to_none=True)``), and later microbatches would then accumulate into the
         graph's buffer. With a ``.grad`` present it adds in place (0 + g: the same bits). (Compute
-        copies are left out: their gradient is taken right after the backward, before any replay.)"""
+        copies are left out: their gradient is taken right after the backward, before any replay;
+        so is what the computation gives no gradient, which the replay leaves alone.)"""
         zeroed_together: dict[tuple, list] = {}
-        for t in (*self.params, *(a for a in args if a.requires_grad and a.is_leaf)):
+        params = (p for p in self.params if id(p) not in self.no_grad_params)
+        leaves = (a for i, a in enumerate(args) if a.requires_grad and a.is_leaf and i not in self.no_grad_args)
+        for t in (*params, *leaves):
             if t.grad is not None:
                 continue
             if t.is_contiguous():
@@ -144,9 +151,10 @@ class GraphedCompute:
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
         try:
             with _callers_stream_kept(any(t.is_cuda for t in (*self.params, *sample))):
-                # allow_unused_input: a Parameter the stage does not use this call (a model's spare
-                # bias, say) keeps the zero .grad _grads_in_place gave it instead of failing the
-                # capture (eager would leave it None; docs/design.md, CUDA graphs).
+                if not self.slots:
+                    self._find_what_gets_no_gradient(sample)
+                # allow_unused_input: a Parameter the stage does not use (a model's spare bias, say)
+                # gets no gradient from the replay instead of failing the capture
                 self.make(slot, sample, num_warmup_iters=self.warmup_iters, allow_unused_input=True)
         except Exception as exc:  # capture refused or failed: this module runs eagerly from now on
             self.failure = _describe(exc)
@@ -155,6 +163,21 @@ class GraphedCompute:
             return None
         self.slots.append(slot)
         return slot
+
+    def _find_what_gets_no_gradient(self, sample) -> None:
+        """One eager forward and backward of ``sample`` (once per module: every microbatch runs the
+        same computation): the Parameters and arguments it gives no gradient. Eager code leaves
+        their ``.grad`` None; so must the replays, whose ``_grads_in_place`` would otherwise give
+        them a zero one that an optimizer then steps (weight decay, moments) where eager skips them."""
+        wanted = [t for t in (*sample, *self.params) if t.requires_grad]
+        if not wanted:  # (every weight a compute copy, token ids in: nothing to find)
+            return
+        out = self.fn(self.module, *sample)
+        grads = (torch.autograd.grad(out, wanted, torch.ones_like(out), allow_unused=True)
+                 if out.requires_grad else [None] * len(wanted))
+        none = {id(t) for t, g in zip(wanted, grads) if g is None}
+        self.no_grad_params = frozenset(id(p) for p in self.params if id(p) in none)
+        self.no_grad_args = frozenset(i for i, a in enumerate(sample) if id(a) in none)
 
 
 __all__ = ["GraphedCompute", "GRADS_TAKEN"]
