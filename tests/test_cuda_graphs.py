@@ -400,3 +400,23 @@ def test_a_sync_run_on_cuda_replays_graphs_unless_told_not_to(tmp_path, monkeypa
     assert not [w for w in seen if "CUDA-graph capture failed" in str(w.message)]  # replayed, not fallen back
     captures.clear()
     assert main([*run, "--no-cuda-graphs", "--out", str(tmp_path / "off")]) == 0 and not captures
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_parameter_the_computation_does_not_use_keeps_no_gradient():
+    """torch's own capture (make_graphed_callables with allow_unused_input) with the replays:
+    the spare parameter keeps no .grad over two microbatches, the used ones get eager's."""
+    module = _mlp().cuda()
+    module.spare = nn.Parameter(torch.ones(3, device="cuda"))
+    reference = copy.deepcopy(module)
+    graphed = GraphedCompute(module, _loss)
+    for x, y in _data(2):
+        x, y = x.cuda(), y.cuda()
+        graphed(x, y).backward()
+        _loss(reference, x, y).backward()
+    torch.cuda.synchronize()
+    assert graphed.failure is None and len(graphed.slots) == 1
+    assert module.spare.grad is None
+    for (name, got), want in zip(module.named_parameters(), reference.parameters()):
+        if want.grad is not None:
+            assert torch.allclose(got.grad, want.grad, atol=1e-6), name
