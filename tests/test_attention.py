@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend
 
 from asyncpp_ext.models.attention import attention_preference, chosen_kernel, priority_order, resolve_attention
 from asyncpp_ext.training.cli import main
+from bench_loader import load_bench_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--simulate", "--no-progress", "--n-layer", "1", "--micro-batch-size", "2", "--microbatches", "2",
@@ -112,20 +113,23 @@ def test_an_unknown_attention_in_a_config_is_refused():
         cfg.validate()
 
 
-def test_the_kernel_bench_on_cpu(tmp_path):
+def test_the_kernel_bench_on_cpu(tmp_path, capsys):
     """bench/attention_kernels.py --device cpu: every row's check ok against the float32 reference;
     a tolerance nothing meets fails the row and the exit status; bad input exits 2 in one line."""
-    bench = [sys.executable, str(ROOT / "bench" / "attention_kernels.py"), "--device", "cpu", "--iters", "1"]
-    r = subprocess.run([*bench, "--json", str(tmp_path / "a.json")], capture_output=True, text=True, timeout=120)
+    args = ["--device", "cpu", "--iters", "1"]
+    # as a program once; the other forms in this process (an interpreter start each saved)
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_kernels.py"), *args, "--json",
+                        str(tmp_path / "a.json")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert rows and all(row["check"] == "ok" and row["max_rel_err"] < 1e-5 for row in rows)
-    r = subprocess.run([*bench, "--json", "-"], capture_output=True, text=True, timeout=120)  # the GPU kit's form
-    assert r.returncode == 0 and [row["check"] for row in json.loads(r.stdout)["rows"]] == ["ok"] * len(rows)
-    r = subprocess.run([*bench, "--tol", "0"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "FAIL" in r.stdout
-    r = subprocess.run([*bench, "--iters", "0"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == "attention_kernels.py: --iters must be >= 1, got 0"
+    bench = load_bench_script("attention_kernels")
+    capsys.readouterr()
+    assert bench.main([*args, "--json", "-"]) == 0  # the GPU kit's form: the JSON alone on stdout
+    assert [row["check"] for row in json.loads(capsys.readouterr().out)["rows"]] == ["ok"] * len(rows)
+    assert bench.main([*args, "--tol", "0"]) == 1 and "FAIL" in capsys.readouterr().out
+    assert bench.main([*args, "--iters", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "attention_kernels.py: --iters must be >= 1, got 0"
 
 
 @pytest.mark.cuda
