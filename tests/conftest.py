@@ -36,10 +36,13 @@ def _share_one_inductor_cache(config):
     if os.environ.get(INDUCTOR_CACHE):
         return
     cache = getattr(config, "cache", None)
-    if cache is not None:
-        os.environ[INDUCTOR_CACHE] = str(cache.mkdir("inductor"))
-    else:
-        os.environ[INDUCTOR_CACHE] = config._asyncpp_inductor_tmp = tempfile.mkdtemp(prefix="asyncpp-inductor-")
+    try:
+        if cache is not None:
+            os.environ[INDUCTOR_CACHE] = str(cache.mkdir("inductor"))
+            return
+    except OSError:  # a read-only checkout: a temporary folder instead
+        pass
+    os.environ[INDUCTOR_CACHE] = config._asyncpp_inductor_tmp = tempfile.mkdtemp(prefix="asyncpp-inductor-")
 
 
 def pytest_unconfigure(config):

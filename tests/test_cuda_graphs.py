@@ -115,22 +115,62 @@ def test_a_parameter_the_stage_does_not_use_is_captured_and_gets_no_gradient():
     reference = copy.deepcopy(module)
     fake = FakeGraphs()
     graphed = GraphedCompute(module, _loss_ignoring, make=fake)
-    x_in = torch.randn(3, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
     unused_arg = torch.zeros(1, requires_grad=True)  # an argument the computation ignores
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (module, reference)]
-    for step, (x, y) in enumerate(_data(2)):
+    for x, y in _data(2):
+        x_grads = []
         for m, run, opt in ((module, graphed, optimizers[0]), (reference, None, optimizers[1])):
-            for xb, yb in ((x, y), (x_in, y)):  # two microbatches, the second from a leaf argument
-                xb = xb.detach().requires_grad_(xb.requires_grad)
-                (run(xb, yb, unused_arg) if run else _loss_ignoring(m, xb, yb, unused_arg)).backward()
+            xs = [x.clone().requires_grad_() for _ in range(2)]  # two microbatches, leaf inputs
+            for xb in xs:
+                (run(xb, y, unused_arg) if run else _loss_ignoring(m, xb, y, unused_arg)).backward()
             if m is module:
                 assert module.spare.grad is None and unused_arg.grad is None  # as eager leaves them
+            x_grads.append([xb.grad for xb in xs])
             opt.step()
             opt.zero_grad(set_to_none=True)
+        for got, want in zip(*x_grads):  # the leaf inputs' gradients, as eager's
+            assert torch.allclose(got, want, atol=1e-7)
     assert graphed.failure is None and len(fake.captures) == 1
     assert torch.equal(module.spare, reference.spare) and torch.equal(module.spare, torch.ones(3))  # never stepped
     for got, want in zip(module.parameters(), reference.parameters()):
         assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_what_one_slot_leaves_without_a_gradient_another_may_use():
+    # Each slot is a capture of its own: the structure may differ between them (a flag, a routing
+    # decision). The second slot's computation uses the spare parameter the first's does not; its
+    # gradient must accumulate into .grad like any other, not be adopted from the slot's buffer
+    # (which the slot's next replay would overwrite: the sum would come out doubled).
+    def loss(module, x, y):
+        out = _loss(module, x, y)
+        return out + module.spare.sum() * x.sum() if module.use_spare else out
+
+    module = _mlp()
+    module.spare = nn.Parameter(torch.ones(3))
+    reference = copy.deepcopy(module)
+    graphed = GraphedCompute(module, loss, make=FakeGraphs())
+    (x0, y0), (x1, y1), (x2, y2) = _data()
+    # (the stand-in replays by running the code again: the flag is set as each slot was captured)
+    module.use_spare = False
+    first = graphed(x0, y0)                 # slot 1: no spare
+    module.use_spare = True
+    second = graphed(x1, y1)                # slot 1 in flight: slot 2, with the spare
+    first.backward()
+    second.backward()
+    module.use_spare = False
+    third = graphed(x2, y2)                 # slot 1 again (free first): no spare
+    module.use_spare = True
+    fourth = graphed(x0, y0)                # slot 2 again (slot 1 in flight)
+    third.backward()
+    fourth.backward()
+    assert [s.no_grad_params for s in graphed.slots] == [frozenset({id(module.spare)}), frozenset()]
+    assert len(graphed.slots) == 2
+    for use, (x, y) in ((False, (x0, y0)), (True, (x1, y1)), (False, (x2, y2)), (True, (x0, y0))):
+        reference.use_spare = use
+        loss(reference, x, y).backward()
+    assert torch.allclose(module.spare.grad, reference.spare.grad, atol=1e-6)
+    for got, want in zip(module.parameters(), reference.parameters()):
+        assert torch.allclose(got.grad, want.grad, atol=1e-6)
 
 
 def _loss_ignoring(module, x, y, ignored):

@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import block_step  # noqa: E402
 import gpu_throughput as gt  # noqa: E402
 
 CALL_LIMIT_S = 590  # a device call runs at most 600 s; 10 s for copying its files back
@@ -74,7 +76,10 @@ def test_each_call_fits_a_device_call_and_selects_its_rows(tmp_path, cli_flags, 
     if "code" in steps:  # the compiled block alone, its generated code logged
         (command,) = [cmd for name, _, cmd in plan if name == "code"]
         assert "TORCH_LOGS=output_code" in command and "bench/block_step.py" in command
-        assert command[command.index("--variants") + 1] == "compiled"
+        with pytest.MonkeyPatch.context() as mp:  # parsed as on the GPU machine
+            mp.setattr(torch.cuda, "is_available", lambda: True)
+            args = block_step.parse(command[command.index("bench/block_step.py") + 1:])
+        assert args.variants == ["compiled"] and not args.profile and args.json.endswith("/code.json")
     for name, limit, command in benches:
         args = gt.parse_args(command[command.index("bench/gpu_throughput.py") + 1:])
         assert args.json.endswith(f"/{name}.json")

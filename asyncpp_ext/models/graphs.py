@@ -18,8 +18,10 @@ module keeps a pool of instances ("slots"), takes a free one per forward and cap
 every slot is in flight (1F1B's warm-up keeps S - s microbatches in flight on stage s); a slot is
 free again once its microbatch's backward has started. Every output is returned as a clone, so
 nothing the caller keeps (a loss, an activation on its way to the next stage) is overwritten by a
-later replay; and every Parameter and leaf argument has a ``.grad`` before a replay, so autograd
-adds the graph's gradients into it instead of adopting the graph's own buffer as ``.grad``.
+later replay; and every Parameter and leaf argument the computation gives a gradient has a ``.grad``
+before a replay, so autograd adds the graph's gradients into it instead of adopting the graph's own
+buffer as ``.grad`` (what it gives none keeps none, as in eager code: one uncaptured forward and
+backward before each capture finds them).
 
 Limits: CUDA only; every microbatch has the shapes of the first (the pipeline already requires it);
 calls without gradients (evaluation, a recomputing stage's first forward) run eagerly; autocast
@@ -52,6 +54,10 @@ class _Slot(nn.Module):
         self.module = module
         self.fn = fn
         self.busy = False
+        # what this slot's computation gives no gradient (found before its capture): those keep no
+        # .grad under its replays, as in eager code, instead of a zero one an optimizer would step
+        self.no_grad_params: frozenset[int] = frozenset()  # ids
+        self.no_grad_args: frozenset[int] = frozenset()  # positions
 
     def forward(self, *args):
         return self.fn(self.module, *args)
@@ -102,10 +108,6 @@ class GraphedCompute:
         self.params = [p for p in module.parameters() if p.requires_grad and id(p) not in taken]
         self.slots: list[_Slot] = []
         self.failure: Optional[str] = None  # why capture failed (then everything runs eagerly)
-        # what the computation gives no gradient (found once, before the first capture): those keep
-        # no .grad, as in eager code, instead of a zero one an optimizer would step
-        self.no_grad_params: frozenset[int] = frozenset()  # ids
-        self.no_grad_args: frozenset[int] = frozenset()  # positions
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         if self.failure is not None or not torch.is_grad_enabled():
@@ -114,10 +116,10 @@ class GraphedCompute:
         if slot is None:
             return self.fn(self.module, *args)
         slot.busy = True
-        self._grads_in_place(args)
+        self._grads_in_place(args, slot)
         return _ReleaseOnBackward.apply(slot(*args), slot)
 
-    def _grads_in_place(self, args) -> None:
+    def _grads_in_place(self, args, slot: _Slot) -> None:
         """Give every Parameter and leaf argument a ``.grad`` before the replay. The backward graph
         hands out its gradients as views of its own static buffers, which its next replay
         overwrites; autograd adopts such a tensor as ``.grad`` when there is none yet (after
@@ -126,8 +128,8 @@ class GraphedCompute:
         copies are left out: their gradient is taken right after the backward, before any replay;
         so is what the computation gives no gradient, which the replay leaves alone.)"""
         zeroed_together: dict[tuple, list] = {}
-        params = (p for p in self.params if id(p) not in self.no_grad_params)
-        leaves = (a for i, a in enumerate(args) if a.requires_grad and a.is_leaf and i not in self.no_grad_args)
+        params = (p for p in self.params if id(p) not in slot.no_grad_params)
+        leaves = (a for i, a in enumerate(args) if a.requires_grad and a.is_leaf and i not in slot.no_grad_args)
         for t in (*params, *leaves):
             if t.grad is not None:
                 continue
@@ -151,8 +153,7 @@ class GraphedCompute:
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
         try:
             with _callers_stream_kept(any(t.is_cuda for t in (*self.params, *sample))):
-                if not self.slots:
-                    self._find_what_gets_no_gradient(sample)
+                self._find_what_gets_no_gradient(slot, sample)
                 # allow_unused_input: a Parameter the stage does not use (a model's spare bias, say)
                 # gets no gradient from the replay instead of failing the capture
                 self.make(slot, sample, num_warmup_iters=self.warmup_iters, allow_unused_input=True)
@@ -164,11 +165,14 @@ class GraphedCompute:
         self.slots.append(slot)
         return slot
 
-    def _find_what_gets_no_gradient(self, sample) -> None:
-        """One eager forward and backward of ``sample`` (once per module: every microbatch runs the
-        same computation): the Parameters and arguments it gives no gradient. Eager code leaves
-        their ``.grad`` None; so must the replays, whose ``_grads_in_place`` would otherwise give
-        them a zero one that an optimizer then steps (weight decay, moments) where eager skips them."""
+    def _find_what_gets_no_gradient(self, slot: _Slot, sample) -> None:
+        """One uncaptured forward and backward of the sample ``slot`` is about to capture: the
+        Parameters and arguments its computation gives no gradient. Eager code leaves their
+        ``.grad`` None; so must the slot's replays, whose ``_grads_in_place`` would otherwise give
+        them a zero one that an optimizer then steps (weight decay, moments) where eager skips them.
+        Per slot, not per module: what one capture leaves out another may use (structure that
+        depends on the data or on chance), and a skipped Parameter that the replay does give a
+        gradient would adopt the graph's buffer as its ``.grad``."""
         wanted = [t for t in (*sample, *self.params) if t.requires_grad]
         if not wanted:  # (every weight a compute copy, token ids in: nothing to find)
             return
@@ -176,8 +180,8 @@ class GraphedCompute:
         grads = (torch.autograd.grad(out, wanted, torch.ones_like(out), allow_unused=True)
                  if out.requires_grad else [None] * len(wanted))
         none = {id(t) for t, g in zip(wanted, grads) if g is None}
-        self.no_grad_params = frozenset(id(p) for p in self.params if id(p) in none)
-        self.no_grad_args = frozenset(i for i, a in enumerate(sample) if id(a) in none)
+        slot.no_grad_params = frozenset(id(p) for p in self.params if id(p) in none)
+        slot.no_grad_args = frozenset(i for i, a in enumerate(sample) if id(a) in none)
 
 
 __all__ = ["GraphedCompute", "GRADS_TAKEN"]
