@@ -89,7 +89,7 @@ from throughput_model import (MODELS, SMOLLM_HF, BenchError, flops_per_token, hf
                               matmul_params, model_shape, peak_for_gpu, total_params)
 from throughput_report import (HEAD_LOSS_REL_TOL, finish_row, format_report, head_checks,  # noqa: E402,F401
                                loss_check, ratios, steady_tokens_per_s, targets, variant_checks)
-from throughput_rows import (PROG, RESULT_TAG, ROOT, child_env, head_row, ours_command,  # noqa: E402,F401
+from throughput_rows import (PROG, RESULT_TAG, ROOT, child_env, head_row, ours_command, start_row,  # noqa: E402,F401
                              run_ours, run_worker_row)
 from throughput_workers import build_hf_model, head_mode, worker_main  # noqa: E402,F401
 from throughput_plan import (DEFAULTS, HEAD_SHAPE, SMOKE_HEAD_SHAPE, build_plan, detect_cli_flags,  # noqa: E402,F401
@@ -146,6 +146,10 @@ def parse_args(argv):
                     help="trace 2 more steps of each training row (ours' through asyncpp-train --profile-steps, "
                          "the Hugging Face and torchtitan rows in their worker) and add the share of the time the "
                          "GPU was busy and the kernels per step to its notes")
+    ap.add_argument("--prestart", action=argparse.BooleanOptionalAction, default=None,
+                    help="start each row's process while the row before it runs: its imports (and a Hugging "
+                         "Face row's model on the CPU) overlap that row, the device waits for its turn "
+                         "(default: on for cuda, off for cpu, where two cores would share the measured row's)")
     ap.add_argument("--json", metavar="PATH", help="also write every number to PATH")
     ap.add_argument("--keep", action="store_true", help="keep each row's run directory")
     ap.add_argument("--workdir", help="where run directories go (default: a temporary directory, in "
@@ -171,6 +175,8 @@ def parse_args(argv):
     args.row_timeout = ROW_TIMEOUT[args.mode] if args.row_timeout is None else args.row_timeout
     if args.threads is None:
         args.threads = 1 if args.device == "cpu" else 0
+    if args.prestart is None:
+        args.prestart = args.device == "cuda"
     for name, value, low in (("--micro-batch-size", args.micro_batch_size, 1), ("--microbatches", args.microbatches, 2),
                              ("--steps", args.steps, 1), ("--warmup", args.warmup, 1),
                              ("--threads", 0 if args.threads is None else args.threads, 0)):
@@ -257,7 +263,8 @@ def run(args) -> dict:
                 models=args.models, seq_lens=args.seq_lens,
                 # what ours' fused head runs where graphs do not (Liger's where liger-kernel is
                 # installed); rows with graphs always run the chunked kernel
-                fused_head_kernel=fused_kernel_name(args.device), attention_first=args.auto_attention)
+                fused_head_kernel=fused_kernel_name(args.device), attention_first=args.auto_attention,
+                prestart=args.prestart)
     formula = ("6*N + 12*L*H*Q*T (PaLM; N = matmul parameters: block weights + the head's V x C, a tied table "
                "counted once; attention without causal halving)")
     if args.dry_run:
@@ -271,22 +278,38 @@ def run(args) -> dict:
     work_ctx = tempfile.TemporaryDirectory(prefix="gpu_throughput-", dir=_scratch_dir()) if not args.workdir else None
     work = Path(args.workdir or work_ctx.name)
     work.mkdir(parents=True, exist_ok=True)
-    done, head_results = [], None
+    done, head_results, ahead, started = [], None, None, []
+    # Rows that start a process of their own: the head-loss pair shares one (it measures every mode).
+    own = [i for i, r in enumerate(rows) if r["impl"] != "head" or i == min(k for k, q in enumerate(rows)
+                                                                           if q["impl"] == "head")]
     try:
         for i, r in enumerate(rows):
             print(f"[{i + 1}/{len(rows)}] {r['name']} {r['model']} T={r['seq_len']} ...", file=sys.stderr, flush=True)
+            proc = None
+            if i in own:
+                proc = ahead[1] if ahead is not None and ahead[0] == i else start_row(r, args, flags, work)
+                started.append(proc)
+                later = [k for k in own if k > i]
+                # --prestart: the next row's process imports (and builds on the CPU) while this one runs
+                ahead = (later[0], start_row(rows[later[0]], args, flags, work, gated=True)) \
+                    if args.prestart and later else None
+                if ahead is not None:
+                    started.append(ahead[1])
             if r["impl"] == "head":
                 if head_results is None:  # one process measures every mode
-                    head_results = run_worker_row(dict(r, notes=[]), args)
+                    head_results = run_worker_row(dict(r, notes=[]), args, proc)
                 r = head_row(r, head_results)
             else:
-                r = run_ours(r, args, flags, work) if r["impl"] == "ours" else run_worker_row(r, args)
+                r = run_ours(r, args, flags, work, proc) if r["impl"] == "ours" else run_worker_row(r, args, proc)
             done.append(finish_row(r, args, peak))
             if r.get("status") != "ok":
                 print(f"    {r['status']}: {r.get('error')}", file=sys.stderr, flush=True)
             if args.json:  # rows so far, in case the run is cut short; the full report replaces it
                 write_json(args.json, dict(info=info, formula=formula, rows=done, skipped=skipped, partial=True))
     finally:
+        for proc in started:  # a run stopped midway: what has not had its turn, and what is still running
+            if not proc.finished:
+                proc.drop()
         if work_ctx is not None:
             work_ctx.cleanup()
     head_checks(done)

@@ -261,6 +261,28 @@ def _f(v, fmt) -> str:
     return "n/a" if v is None else format(v, fmt)
 
 
+TIMELINE_PHASES = ("start", "first_step", "steps", "work", "end")
+
+
+def timeline_lines(rows: list, prestart: bool | None) -> list:
+    """Where each row's wall time went (throughput_rows.timeline): what a run's minutes are spent on."""
+    seen, lines = set(), []
+    for r in rows:
+        t = r.get("timeline")
+        if not t or id(t) in seen:  # the head-loss pair shares its process's
+            continue
+        seen.add(id(t))
+        name = "head-loss" if r["impl"] == "head" else f"{r['name']} {r['model']} T={r['seq_len']}"
+        parts = [f"{k.replace('_', ' ')} {t[k]:.1f}" for k in TIMELINE_PHASES if k in t]
+        ahead = f" (+ {t['ahead']:.1f} ahead)" if "ahead" in t else ""
+        lines.append(f"  {name:<58} {_f(r.get('wall_s'), '.1f'):>6} s: {', '.join(parts)}{ahead}")
+    if not lines:
+        return []
+    return ["# wall time per row, s, from its turn: start = to its first step's clock (imports, device and "
+            "model set-up, ranks), first step (compiles, captures), steps, end = after the last; ahead = "
+            "before its turn, beside the row before (--prestart: " + ("on" if prestart else "off") + ")"] + lines
+
+
 def format_report(report: dict) -> str:
     info = report["info"]
     w = max([len(r["name"]) + 2 for r in report["rows"]] + [30])  # the row column fits every name
@@ -323,6 +345,7 @@ def format_report(report: dict) -> str:
                      f"{_f(r['tflops'], '.1f'):>9}{mfu:>7}{mem:>10}  {loss:<16}{check:<8}{', '.join(notes)}")
     for name, why in report["skipped"]:
         lines.append(f"  {name:<45}not run: {why}")
+    lines += timeline_lines(report["rows"], report["info"].get("prestart"))
     if report["ratios"]:
         lines.append("# ratios (same model, sequence, optimizer, tokens per step; measured in this run)")
         for q in report["ratios"]:

@@ -2,7 +2,9 @@
 the peak memory of a multi-process run sampled), ours as ``python -m asyncpp_ext.train`` and the reading
 of its metrics.jsonl, and the start of a row measured in a worker process (``gpu_throughput.py --worker
 SPEC``, throughput_workers.py: the Hugging Face training loop, torchtitan's Llama and the head-loss
-pair), whose one RESULT_TAG line it reads."""
+pair), whose one RESULT_TAG line it reads. A row's process may be started ahead, while the row
+before it runs, and wait after its imports for its turn (RowProcess, wait_for_turn): what a row
+costs the run is then what follows its turn, and each row's timeline says where that went."""
 from __future__ import annotations
 
 import json
@@ -25,13 +27,30 @@ SCRIPT = Path(__file__).resolve().with_name(PROG)  # re-invoked per worker row: 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 RESULT_TAG = "GPU_THROUGHPUT_RESULT "
+# A row's process started ahead (RowProcess(gated=True)) finds GATE_ENV set: it imports what it
+# needs, builds what the CPU alone can, prints READY_TAG and the time, and waits for its turn (a
+# line on its stdin) before it touches the device -- a device context of its own would count in the
+# running row's sampled memory, and its kernels in the running row's time. GATE_ENV's value
+# "forkserver" has a pipeline's launcher start its forkserver first (pipeline/launch.py).
+GATE_ENV = "GPU_THROUGHPUT_GATED"
+READY_TAG = "GPU_THROUGHPUT_READY "
 # Runs `python -m asyncpp_ext.train ARGS` (asyncpp-train) in this process, then records the process's
 # peak memory and leaves without the interpreter's finalisation (seconds of a compiled model's
 # garbage and CUDA teardown that are no part of the row: its files are written and closed by then).
 OURS_DRIVER = r"""
-import json, os, resource, runpy, sys
+import json, os, resource, runpy, sys, time
 peak_file = sys.argv[1]
 sys.argv = ["asyncpp-train"] + sys.argv[2:]
+if os.environ.get("GPU_THROUGHPUT_GATED"):  # started ahead: the imports now, then wait for the turn
+    import asyncpp_ext.training.cli, torch._dynamo, torch._inductor.compile_fx, matplotlib
+    matplotlib.use("Agg")  # as the end's loss.png has it (training/run_files.py)
+    import matplotlib.pyplot
+    if os.environ["GPU_THROUGHPUT_GATED"] == "forkserver":
+        from asyncpp_ext.pipeline.launch import start_forkserver_early
+        start_forkserver_early()
+    sys.path.insert(0, os.environ["GPU_THROUGHPUT_BENCH_DIR"])
+    from throughput_rows import wait_for_turn
+    wait_for_turn()
 rc = 1
 try:
     runpy.run_module("asyncpp_ext.train", run_name="__main__", alter_sys=True)
@@ -83,9 +102,21 @@ def inductor_preset(name) -> dict:
     return {k: v for k, v in INDUCTOR_PRESETS[name].items() if k in known}
 
 
-def child_env() -> dict:
-    return dict(os.environ, **OFFLINE_ENV,
-                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+def child_env(gate: str | None = None) -> dict:
+    env = dict(os.environ, **OFFLINE_ENV,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop(GATE_ENV, None)
+    if gate:
+        env.update({GATE_ENV: gate, "GPU_THROUGHPUT_BENCH_DIR": str(SCRIPT.parent)})
+    return env
+
+
+def wait_for_turn() -> None:
+    """In a row's process started ahead (GATE_ENV): say it is ready, then wait for its turn; leave
+    at once if the bench went away or dropped the row (its stdin closed without a word)."""
+    print(READY_TAG + repr(time.time()), flush=True)
+    if not sys.stdin.readline():
+        os._exit(3)
 
 
 def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> list:
@@ -225,41 +256,112 @@ class MemorySampler:
         self.thread.join()
 
 
-def run_process(cmd: list, timeout: float, sampler_device: str | None = None) -> dict:
-    """Run ``cmd`` (its own process group, killed whole on timeout, and when this process is stopped:
-    SIGTERM, Ctrl-C); stdout, stderr, rc, seconds and, with ``sampler_device``, the sampled peak
-    memory. (A process group of its own keeps a row's ranks together; nothing else would stop them
-    with the bench, and an orphaned row would go on using the GPU the next rows measure.)"""
-    start = time.monotonic()
-    # Output to files, not pipes: the row ends when its first process does. What it leaves behind
-    # in its group (a launcher's fork server, inductor's compile workers) would hold a pipe open
-    # until it exits by itself; it is killed instead, its work being done.
-    # (errors="replace": a process killed mid-write may cut a character in two)
-    with tempfile.TemporaryFile("w+", errors="replace") as out, tempfile.TemporaryFile("w+", errors="replace") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=out, stderr=err, text=True,
-                                start_new_session=True)
-        sampler = MemorySampler(sampler_device, lambda: proc.pid) if sampler_device else None
+class RowProcess:
+    """A row's process: its own process group (killed whole on timeout, and when this process is
+    stopped: SIGTERM, Ctrl-C), output to files. ``gated``: started ahead, it waits after its imports
+    (wait_for_turn) until ``finish`` gives it its turn. (A process group of its own keeps a row's ranks
+    together; nothing else would stop them with the bench, and an orphaned row would go on using the
+    GPU the next rows measure.)"""
+
+    def __init__(self, cmd: list, gated: str | None = None):
+        self.cmd, self.started = cmd, time.time()
+        self.gated = bool(gated)
+        self.finished = False  # finish() has run: the process has ended and its output is read
+        # Output to files, not pipes: the row ends when its first process does. What it leaves
+        # behind in its group (a launcher's fork server, inductor's compile workers) would hold a pipe
+        # open until it exits by itself; it is killed instead, its work being done.
+        # (errors="replace": a process killed mid-write may cut a character in two)
+        self.out = tempfile.TemporaryFile("w+", errors="replace")
+        self.err = tempfile.TemporaryFile("w+", errors="replace")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(gated), stdout=self.out, stderr=self.err,
+                                     stdin=subprocess.PIPE if gated else subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+
+    def finish(self, timeout: float, sampler_device: str | None = None) -> dict:
+        """Give the process its turn and wait for it (``timeout`` seconds from now): stdout,
+        stderr, rc (None on timeout), seconds (from the turn), sampled_peak/kind (``sampler_device``)
+        and the wall-clock times: started, turn, ready (a gated process's, from its READY_TAG line),
+        ended."""
+        turn, start = time.time(), time.monotonic()
+        sampler = MemorySampler(sampler_device, lambda: self.proc.pid) if sampler_device else None
         timed_out = False
         try:
+            if self.gated:
+                try:
+                    self.proc.stdin.write("go\n")
+                    self.proc.stdin.close()
+                except OSError:  # it has already exited (an import failed): its output says why
+                    pass
             if sampler:
                 sampler.__enter__()
             try:
-                proc.wait(timeout=timeout)
+                self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
-            _kill_process_group(proc)
+            self.kill()
         except BaseException:  # the bench is stopping (SystemExit from SIGTERM, KeyboardInterrupt)
-            _kill_process_group(proc)
+            self.kill()
             raise
         finally:
             if sampler:
                 sampler.__exit__(None, None, None)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    return dict(rc=None if timed_out else proc.returncode, stdout=stdout or "", stderr=stderr or "",
-                seconds=time.monotonic() - start, sampled_peak=sampler.peak if sampler else None,
-                sampled_kind=sampler.kind if sampler else None)
+        ended = time.time()
+        stdout, stderr = self._read()
+        self.finished = True
+        ready = [float(ln[len(READY_TAG):]) for ln in stdout.splitlines() if ln.startswith(READY_TAG)]
+        return dict(rc=None if timed_out else self.proc.returncode, stdout=stdout, stderr=stderr,
+                    seconds=time.monotonic() - start, sampled_peak=sampler.peak if sampler else None,
+                    sampled_kind=sampler.kind if sampler else None,
+                    started=self.started, turn=turn, ready=ready[0] if ready else None, ended=ended)
+
+    def kill(self) -> None:
+        """The process and whatever it left in its group."""
+        _kill_process_group(self.proc)
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def drop(self) -> None:
+        """A process started ahead whose turn will not come (the bench is stopping)."""
+        self.kill()
+        self.out.close()
+        self.err.close()
+
+    def _read(self) -> tuple[str, str]:
+        texts = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            texts.append(f.read() or "")
+            f.close()
+        return texts[0], texts[1]
+
+
+def run_process(cmd: list, timeout: float, sampler_device: str | None = None) -> dict:
+    """Run ``cmd`` as a row's process (RowProcess), from start to end."""
+    return RowProcess(cmd).finish(timeout, sampler_device)
+
+
+def timeline(res: dict, clock_start: float | None, elapsed: list, clock_end: float | None = None) -> dict:
+    """Where a row's wall time went, in seconds: ``ahead`` (a process started ahead: from its start
+    to its gate, overlapped with the row before), ``start`` (from its turn to its clock: imports,
+    device and model set-up, a launcher's ranks), ``first_step`` (compiles, captures, warm-up
+    allocations), ``steps`` (the rest of its steps), ``end`` (from the last step to the process's
+    end). ``clock_start``: the wall-clock time its steps are counted from. A row without steps (the
+    head-loss pair) has ``work`` from ``clock_start`` to ``clock_end`` instead."""
+    t = {}
+    if res.get("ready") is not None:
+        t["ahead"] = round(res["ready"] - res["started"], 2)
+    if clock_start is None:
+        return t
+    t["start"] = round(clock_start - res["turn"], 2)
+    if elapsed:
+        t.update(first_step=round(elapsed[0], 2), steps=round(elapsed[-1] - elapsed[0], 2),
+                 end=round(res["ended"] - clock_start - elapsed[-1], 2))
+    elif clock_end is not None:
+        t.update(work=round(clock_end - clock_start, 2), end=round(res["ended"] - clock_end, 2))
+    return t
 
 
 def _kill_process_group(proc) -> None:
@@ -306,14 +408,30 @@ def _read_metrics(path: Path) -> list:
     return rows
 
 
-def run_ours(r: dict, args, flags: dict, work: Path) -> dict:
+def _ours_paths(r: dict, work: Path) -> tuple[Path, Path]:
     out_dir = work / re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{r['name']}-{r['model']}-{r['seq_len']}")
+    return out_dir, out_dir.with_suffix(".peak.json")
+
+
+def start_row(r: dict, args, flags: dict, work: Path, gated: bool = False) -> RowProcess:
+    """The process of row ``r`` (ours' driver or a worker), started now; ``gated``: ahead of its turn."""
+    if r["impl"] != "ours":
+        return RowProcess(worker_command(worker_spec(r, args)), gated="1" if gated else None)
+    out_dir, peak_file = _ours_paths(r, work)
     shutil.rmtree(out_dir, ignore_errors=True)
-    peak_file = out_dir.with_suffix(".peak.json")
-    cmd = ours_command(r, args, flags, out_dir, peak_file)
+    peak_file.unlink(missing_ok=True)
+    gate = ("forkserver" if r["stages"] > 1 else "1") if gated else None
+    return RowProcess(ours_command(r, args, flags, out_dir, peak_file), gated=gate)
+
+
+def run_ours(r: dict, args, flags: dict, work: Path, proc: RowProcess | None = None) -> dict:
+    """Row ``r`` of ours, in ``proc`` (started ahead by start_row) or a process started now."""
+    out_dir, peak_file = _ours_paths(r, work)
+    proc = proc or start_row(r, args, flags, work)
+    cmd = proc.cmd
     r["command"] = " ".join(c if c != OURS_DRIVER else "<driver: python -m asyncpp_ext.train>" for c in cmd[1:])
     multi = r["stages"] > 1
-    res = run_process(cmd, args.row_timeout, sampler_device=args.device if multi else None)
+    res = proc.finish(args.row_timeout, sampler_device=args.device if multi else None)
     r["wall_s"] = round(res["seconds"], 1)
     r["notes"] = [*r.get("notes", []), *package_warnings(res["stderr"])]
     measured = args.warmup + args.steps
@@ -331,6 +449,8 @@ def run_ours(r: dict, args, flags: dict, work: Path) -> dict:
     r["losses"] = [m.get("loss") for m in metrics]
     r["elapsed_s"] = [m["elapsed_s"] for m in metrics]
     r["tokens"] = [m["tokens"] for m in metrics]
+    clock = metrics[0]["time"] - metrics[0]["elapsed_s"] if metrics and "time" in metrics[0] else None
+    r["timeline"] = timeline(res, clock, r["elapsed_s"])
     peak = json.loads(peak_file.read_text()) if peak_file.exists() else {}
     if multi:
         r["peak_bytes"], r["peak_kind"] = res["sampled_peak"], res["sampled_kind"]
@@ -345,8 +465,8 @@ def run_ours(r: dict, args, flags: dict, work: Path) -> dict:
     return r
 
 
-def run_worker_row(r: dict, args) -> dict:
-    """A Hugging Face, torchtitan or head-loss row in its own process."""
+def worker_spec(r: dict, args) -> dict:
+    """What the worker process of a Hugging Face, torchtitan or head-loss row measures."""
     if r["impl"] == "head":
         spec = dict(kind="head", modes=r["head_modes"], device=args.device,
                     dtype="bf16" if args.device == "cuda" else "fp32", profile=bool(args.profile),
@@ -358,9 +478,14 @@ def run_worker_row(r: dict, args) -> dict:
                     steps=args.warmup + args.steps, optimizer=r["optimizer"], compile=r["compile"],
                     device=args.device, dtype="bf16" if args.device == "cuda" else "fp32", seed=0,
                     threads=args.threads, profile=PROFILED_STEPS if args.profile else 0)  # the head-loss worker keeps torch's default threads: it is all matmul
-    cmd = worker_command(spec)
-    r["command"] = f"{PROG} --worker '<{spec['kind']} spec>'"
-    res = run_process(cmd, args.row_timeout)
+    return spec
+
+
+def run_worker_row(r: dict, args, proc: RowProcess | None = None) -> dict:
+    """A Hugging Face, torchtitan or head-loss row in its own process (``proc``: started ahead)."""
+    proc = proc or RowProcess(worker_command(worker_spec(r, args)))
+    r["command"] = f"{PROG} --worker '<{'head' if r['impl'] == 'head' else r['impl']} spec>'"
+    res = proc.finish(args.row_timeout)
     r["wall_s"] = round(res["seconds"], 1)
     r["notes"] = [*r.get("notes", []), *package_warnings(res["stderr"])]
     found = [ln[len(RESULT_TAG):] for ln in res["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
@@ -368,6 +493,7 @@ def run_worker_row(r: dict, args) -> dict:
         r["status"], r["error"] = failure_text(res, args.row_timeout)
         return r
     out = json.loads(found[-1])
+    r["timeline"] = timeline(res, out.pop("clock_start", None), out.get("elapsed_s") or [], out.pop("clock_end", None))
     r.update(out)
     if out.get("status") != "ok":
         r.setdefault("error", "failed")
@@ -376,7 +502,7 @@ def run_worker_row(r: dict, args) -> dict:
 
 def head_row(r: dict, worker: dict) -> dict:
     """The head-loss row of one mode from the worker that measured every mode."""
-    r["wall_s"], r["command"] = worker.get("wall_s"), worker.get("command")
+    r["wall_s"], r["command"], r["timeline"] = worker.get("wall_s"), worker.get("command"), worker.get("timeline")
     r["notes"] = [*r.get("notes", []), *worker.get("notes", [])]  # one process measured every mode: its warnings are each row's
     if worker.get("status") != "ok":
         r["status"], r["error"] = worker.get("status", "error"), worker.get("error")

@@ -11,7 +11,7 @@ import os
 import resource
 import time
 
-from throughput_rows import OFFLINE_ENV, RESULT_TAG
+from throughput_rows import GATE_ENV, OFFLINE_ENV, RESULT_TAG, wait_for_turn
 
 
 def _result(payload: dict) -> None:
@@ -42,6 +42,12 @@ def worker_main(spec: dict) -> int:
         payload = dict(status=status, error=msg)
     _result(payload)
     return 0
+
+
+def _turn() -> None:
+    """Started ahead of its turn (GATE_ENV): everything up to here overlapped the row before."""
+    if os.environ.get(GATE_ENV):
+        wait_for_turn()
 
 
 def _peak(device) -> tuple:
@@ -136,10 +142,19 @@ def worker_train(spec: dict) -> dict:
 
     device = torch.device(spec["device"])
     torch.manual_seed(spec["seed"])
+    import torch._dynamo  # noqa: F401 -- before the turn: the optimizer's creation imports it
+    if spec["compile"]:
+        import torch._inductor.compile_fx  # noqa: F401 -- torch.compile's imports
+    # The model on the CPU, and the same training windows as asyncpp-train --data builtin --seed 0
+    # (its train split): none of it needs the device, all of it may run ahead of the row's turn.
     if spec["kind"] == "hf":
         model, forward, info = build_hf_model(spec)
     else:
         model, forward, info = build_torchtitan_model(spec)
+    b, m, t = spec["micro_batch_size"], spec["microbatches"], spec["seq_len"]
+    train, _ = split_tokens(builtin_corpus(), RunConfig().data.eval_fraction, b, t, source="builtin")
+    stream = BatchStream(train, m, b, t, seed=spec["seed"])
+    _turn()
     model.to(device).train()
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     opts = make_optimizer(model, spec["optimizer"], device)
@@ -152,10 +167,6 @@ def worker_train(spec: dict) -> dict:
         return F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
 
     step_fn = torch.compile(fwd_loss) if spec["compile"] else fwd_loss
-    # The same training windows as asyncpp-train --data builtin --seed 0 (its train split).
-    b, m, t = spec["micro_batch_size"], spec["microbatches"], spec["seq_len"]
-    train, _ = split_tokens(builtin_corpus(), RunConfig().data.eval_fraction, b, t, source="builtin")
-    stream = BatchStream(train, m, b, t, seed=spec["seed"])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.synchronize(device)
@@ -174,7 +185,7 @@ def worker_train(spec: dict) -> dict:
 
     losses, elapsed, tokens = [], [], []
     first, last = spec.get("trace_steps") or (0, -1)  # optional: trace steps first..last (from 1) to trace_path
-    start = time.perf_counter()
+    start, clock_start = time.perf_counter(), time.time()  # the steps' clock, on the wall clock too
     for step in range(spec["steps"]):
         if step + 1 == first:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -187,7 +198,8 @@ def worker_train(spec: dict) -> dict:
             prof.export_chrome_trace(spec["trace_path"])
     peak, kind = _peak(device)
     out = dict(status="ok", losses=[v if math.isfinite(v) else None for v in losses], elapsed_s=elapsed,
-               tokens=tokens, peak_bytes=peak, peak_kind=kind, params=params, info=info, torch=torch.__version__)
+               tokens=tokens, peak_bytes=peak, peak_kind=kind, params=params, info=info, torch=torch.__version__,
+               clock_start=clock_start)
     if spec.get("profile"):  # --profile: that many more steps traced, after the measured ones, as for ours' rows
         out["profile"] = {spec["kind"]: _profile_steps(train_step, spec["profile"], device)}
     return out
@@ -234,6 +246,10 @@ def worker_head(spec: dict) -> dict:
 
     device = torch.device(spec["device"])
     dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
+    if device.type == "cuda":
+        import torch._inductor.compile_fx  # noqa: F401 -- the fused head's compile imports, before the turn
+    _turn()
+    clock_start = time.time()
     modes = {}
     for mode in spec["modes"]:  # measure_head_loss measures each call's own peak
         try:
@@ -248,4 +264,4 @@ def worker_head(spec: dict) -> dict:
                                error=" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    return dict(status="ok", modes=modes)
+    return dict(status="ok", modes=modes, clock_start=clock_start, clock_end=time.time())

@@ -13,6 +13,19 @@ import gpu_throughput as gt  # noqa: E402
 import throughput_rows as tr  # noqa: E402
 
 
+def _process(run):
+    """A stand-in for a row's process (throughput_rows.RowProcess): ``run(cmd, timeout,
+    sampler_device)`` writes what the process would and returns its result."""
+    class FakeProcess:
+        def __init__(self, cmd, gated=None):
+            self.cmd, self.gated = cmd, gated
+
+        def finish(self, timeout, sampler_device=None):
+            res = run(self.cmd, timeout, sampler_device)
+            return dict(dict(started=0.0, turn=0.0, ready=None, ended=res["seconds"]), **res)
+    return FakeProcess
+
+
 def test_a_row_that_fails_after_its_measured_steps_keeps_them(tmp_path, monkeypatch):
     # e.g. the profiler failing in the traced steps that come after the measured ones: the row's
     # figures stand, with a note; a row that fails before the last measured step is an error.
@@ -27,11 +40,11 @@ def test_a_row_that_fails_after_its_measured_steps_keeps_them(tmp_path, monkeypa
         return run_process
     args = SimpleNamespace(device="cpu", warmup=2, steps=3, threads=None, profile=True, row_timeout=60, keep=False)
     r = gt.row("ours sync adamw", "ours", "llama-tiny", 64, 2, 4, optimizer="adamw", compile=False, schedule="sync")
-    monkeypatch.setattr(tr, "run_process", fake_run(5))
+    monkeypatch.setattr(tr, "RowProcess", _process(fake_run(5)))
     kept = tr.run_ours(dict(r, notes=[]), args, dict(compile=True, head_loss=True), tmp_path / "a")
     assert kept["status"] == "ok" and kept["losses"] == [5.0, 4.9, 4.8, 4.7, 4.6]
     assert kept["notes"] == ["exited after its measured steps (error: RuntimeError: CUPTI failed)"]
-    monkeypatch.setattr(tr, "run_process", fake_run(4))
+    monkeypatch.setattr(tr, "RowProcess", _process(fake_run(4)))
     lost = tr.run_ours(dict(r, notes=[]), args, dict(compile=True, head_loss=True), tmp_path / "b")
     assert (lost["status"], lost["error"]) == ("error", "RuntimeError: CUPTI failed") and "losses" not in lost
 
@@ -57,7 +70,7 @@ def test_a_rows_fallback_warnings_become_its_notes(tmp_path, monkeypatch):
         (out / "metrics.jsonl").write_text("".join(json.dumps(dict(step=k + 1, loss=5.0, elapsed_s=1.0 + k,
                                                                   tokens=64 * (k + 1))) + "\n" for k in range(5)))
         return dict(rc=0, stdout="", stderr="".join(stderr), seconds=3.0, sampled_peak=None, sampled_kind=None)
-    monkeypatch.setattr(tr, "run_process", run_process)
+    monkeypatch.setattr(tr, "RowProcess", _process(run_process))
     args = SimpleNamespace(device="cpu", warmup=2, steps=3, threads=None, profile=False, row_timeout=60, keep=False)
     r = gt.row("ours sync adamw graphs", "ours", "llama-tiny", 64, 2, 4, optimizer="adamw", compile=True,
                schedule="sync")
@@ -101,3 +114,43 @@ def test_a_row_ends_with_its_first_process_and_takes_what_it_left_behind(tmp_pat
     res = tr.run_process([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"],
                          timeout=2)
     assert res["rc"] is None and res["stdout"].strip() == "started"
+
+
+GATED_CHILD = ("import os, sys, time; sys.path.insert(0, os.environ['GPU_THROUGHPUT_BENCH_DIR']); "
+               "from throughput_rows import wait_for_turn; wait_for_turn(); print('turn at', repr(time.time()))")
+
+
+def test_a_process_started_ahead_waits_for_its_turn():
+    # --prestart: the next row's process imports while the row before runs, but does nothing past
+    # its gate (no device context, no kernels) until the bench gives it its turn
+    import time
+
+    proc = tr.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
+    time.sleep(3.0)
+    assert proc.proc.poll() is None  # still waiting
+    res = proc.finish(timeout=60)
+    assert res["rc"] == 0, res["stderr"]
+    turn_seen = float(res["stdout"].split("turn at")[1])
+    assert res["started"] < res["ready"] < res["turn"] <= turn_seen + 0.01 <= res["ended"] + 0.01
+    assert res["turn"] - res["ready"] > 1.0  # it sat at the gate
+    t = tr.timeline(res, None, [])
+    assert t == {"ahead": round(res["ready"] - res["started"], 2)}
+
+
+def test_a_process_started_ahead_leaves_when_its_turn_never_comes():
+    # the bench stopped, or a pipe closed without a word: the process goes, it does not run the row
+    proc = tr.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
+    proc.proc.stdin.close()
+    assert proc.proc.wait(timeout=60) == 3
+    dropped = tr.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
+    dropped.drop()
+    assert dropped.proc.poll() is not None and dropped.out.closed
+
+
+def test_a_row_timeline_splits_its_wall_time_at_its_clock():
+    res = dict(started=100.0, ready=104.0, turn=110.0, ended=150.0)
+    # the steps' clock started at 115 (5 s of set-up from the turn); steps ended at +20, +21, +22
+    assert tr.timeline(res, 115.0, [20.0, 21.0, 22.0]) == dict(ahead=4.0, start=5.0, first_step=20.0, steps=2.0,
+                                                                end=13.0)
+    # a row without steps (the head-loss pair): its work from clock start to end
+    assert tr.timeline(dict(res, ready=None), 112.0, [], 140.0) == dict(start=2.0, work=28.0, end=10.0)

@@ -27,7 +27,7 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--device", "cpu", "--smoke",
-                        "--threads", "1", "--peak-tflops", "0.5", "--profile", "--json", str(out)],
+                        "--threads", "1", "--peak-tflops", "0.5", "--profile", "--prestart", "--json", str(out)],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(out.read_text())
@@ -50,6 +50,12 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
         assert row["flops_per_token"] == gt.flops_per_token(shape, 64)
         assert row["mfu"] == pytest.approx(row["tflops"] / 0.5)
         assert row["peak_kind"] == ("pss" if row["stages"] == 2 else "rss")
+        # --prestart: every row after the first was started ahead and waited for its turn; where its
+        # wall time went adds up to the wall time from its turn
+        t = row["timeline"]
+        assert ("ahead" in t) == (row is not rep["rows"][0]) and t.get("ahead", 1) > 0, (row["name"], t)
+        assert min(t[k] for k in ("start", "first_step", "steps", "end")) >= 0, (row["name"], t)
+        assert sum(t[k] for k in ("start", "first_step", "steps", "end")) == pytest.approx(row["wall_s"], abs=0.3)
         if row["impl"] == "ours":  # --profile traced 2 steps after the measured ones, on every rank
             assert set(row["profile"]) == {f"stage{s}" for s in range(row["stages"])}
             assert all(p["window_ms_per_step"] > 0 and p["kernels_per_step"] == 0 for p in row["profile"].values())
@@ -64,8 +70,9 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
     assert not [row for row in rep["rows"] if row["impl"] == "head"]  # measured in-process below
     assert any(q["what"].endswith("/ hf eager adamw") and _positive(q["tokens_per_s"]) for q in rep["ratios"])
     assert any(q["what"].startswith("ours 2bw") and _positive(q["tokens_per_s"]) for q in rep["ratios"])
-    assert rep["summary"]["checks_failed"] == 0
+    assert rep["summary"]["checks_failed"] == 0 and rep["info"]["prestart"] is True
     assert "FLOPs/token = 6*N + 12*L*H*Q*T" in r.stdout and "tokens/s" in r.stdout
+    assert "# wall time per row" in r.stdout and " ahead)" in r.stdout
     assert "not run: not installed" in r.stdout or gt.importlib.util.find_spec("torchtitan") is not None
 
 
@@ -308,9 +315,11 @@ def test_a_stopped_bench_takes_its_running_row_with_it(tmp_path):
     import signal
     import time
 
+    # --prestart: the 2bw row's process, started ahead while the first row runs and waiting for its
+    # turn, is the bench's to take with it too.
     work = tmp_path / "work"
     bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--device", "cpu",
-                              "--smoke", "--threads", "1", "--only", "ours 2bw", "--workdir", str(work)],
+                              "--smoke", "--threads", "1", "--only", "ours", "--prestart", "--workdir", str(work)],
                              cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     def row_processes():  # the row's driver names its run directory under the workdir
@@ -327,23 +336,24 @@ def test_a_stopped_bench_takes_its_running_row_with_it(tmp_path):
                 pids.append(int(stat.parent.name))
         return pids
 
-    group = None
+    groups = None
     try:
         deadline = time.monotonic() + 120
         while not row_processes() and time.monotonic() < deadline:  # the row started
             time.sleep(0.2)
         time.sleep(2.0)  # its ranks are starting
         assert row_processes(), "the row never started"
-        group = os.getpgid(row_processes()[0])
-        assert len(in_group(group)) >= 1
+        groups = {os.getpgid(pid) for pid in row_processes()}
+        assert len(groups) == 2, "the running row and the one started ahead"
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=60) == 128 + signal.SIGTERM
         time.sleep(1.0)  # SIGKILLed processes are gone by now; an orphaned row would still run
-        assert row_processes() == [] and in_group(group) == []
+        assert row_processes() == [] and all(in_group(g) == [] for g in groups)
     finally:
         bench.kill()
-        if group is not None and in_group(group):
-            os.killpg(group, signal.SIGKILL)
+        for g in groups or ():
+            if in_group(g):
+                os.killpg(g, signal.SIGKILL)
 
 
 def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):

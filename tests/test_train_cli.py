@@ -33,7 +33,10 @@ def test_tiny_adamw_run_lowers_loss_and_writes_its_outputs(tmp_path, capsys):
     assert [r["step"] for r in rows] == list(range(1, 61))
     assert [r["step"] for r in rows if "eval_loss" in r] == [20, 40, 60]
     assert rows[-1]["tokens"] == 60 * 4 * 8 * 32
-    assert all(set(r) >= {"step", "loss", "lr", "tokens", "elapsed_s"} for r in rows)
+    assert all(set(r) >= {"step", "loss", "lr", "tokens", "elapsed_s", "time"} for r in rows)
+    # `time` is the wall clock of each step's end: it advances with `elapsed_s`
+    spans = (rows[-1]["time"] - rows[0]["time"], rows[-1]["elapsed_s"] - rows[0]["elapsed_s"])
+    assert abs(spans[0] - spans[1]) < 0.05 + 0.05 * spans[1], spans
     first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
     assert first > math.log(256) - 0.2  # starts near uniform over bytes
     assert last < first - 1.5, (first, last)

@@ -274,6 +274,17 @@ def _forkserver_for_this_environment() -> bool:
     return True
 
 
+def start_forkserver_early() -> bool:
+    """Start now the forkserver the next ``spawn`` would start (its imports take seconds), so that
+    a process waiting for its turn -- a benchmark's next run, say -- has it ready. The launch reuses
+    it while the environment stays as it is now (``_forkserver_for_this_environment``). True if a
+    forkserver runs; False where ranks start another way."""
+    if _context().get_start_method() != "forkserver":
+        return False
+    mp.forkserver.ensure_running()
+    return True
+
+
 def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0) -> None:
     """Run ``fn(*args)`` in ``nprocs`` local ranks; raise LaunchError if any rank fails
     (ValueError, before anything starts, if ``ASYNCPP_START_METHOD`` is not a valid choice)."""

@@ -160,7 +160,10 @@ class Trainer:
                     pending.append({"step": self.step, "loss": loss, "lr": lr,
                                     "tokens": self.step * self.tokens_per_step,
                                     "tokens_per_s": round(self.tokens_per_step / step_s, 1) if step_s > 0 else None,
-                                    "elapsed_s": round(elapsed, 4)})
+                                    "elapsed_s": round(elapsed, 4),
+                                    # when the loss reached the host (Unix seconds): a run's steps
+                                    # set against what happened around them (its process's start)
+                                    "time": round(time.time(), 3)})
                     if skipped:
                         pending[-1]["skipped"] = True
                     if bar is not None:
