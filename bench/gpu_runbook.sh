@@ -9,6 +9,7 @@
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
 #                                         build 360m | build blocks head | build quick code
+#                                         build quick-serial | build quick
 #                                         build mps | build profile | build attention pipeline-graphs
 #                                         build tests p2p | build autotune)
 #   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)
@@ -40,8 +41,11 @@
 #   pipeline-graphs (150) ours with graphs, and 2bw on one GPU over ipc with graphs, at smollm-135m
 #           / 1024: whether graphs pay for a pipeline sharing one GPU (on the H100: no, 0.45x)
 #   quick   (280) bench/gpu_throughput.py --quick on a cold inductor cache, timed (target: < 3 min;
-#           the H100's times of its rows add up to about 3.6, before ours' rows skipped their end
-#           evaluation and checkpoint)
+#           on an H200 162 s, each row's process started while the row before ran: --prestart)
+#   quick-serial (280) the same with --no-prestart, the rows' processes one after another: what
+#           starting them ahead saves, and whether it slows the compiles it runs beside (in the
+#           H200 run the compiled Hugging Face model's first step took 100 s beside the next
+#           row's start-up, 83 s in an earlier run without it)
 #   head    (120) the fused head alone against plain, at the default chunk (2048 rows), the eager
 #           path's 682 and 4096, profiled
 #   profile (240) ours with graphs (the default) at 135m / 1024 and 360m / 2048, profiled: kernels
@@ -130,6 +134,7 @@ run_step() {
                   --iters 3 --json "$OUT/code.json" ;;
         pipeline-graphs) bench pipeline-graphs 150 -- "${ROWS_PIPELINE_GRAPHS[@]}" ;;
         quick) bench quick 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick ;;
+        quick-serial) bench quick-serial 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick --no-prestart ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
         profile) bench profile 150 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels" ;;
@@ -137,7 +142,7 @@ run_step() {
                       --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
-        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, blocks, code, pipeline-graphs, quick, head, profile, autotune, mps"
+        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, blocks, code, pipeline-graphs, quick, quick-serial, head, profile, autotune, mps"
            failed=$((failed + 1)) ;;
     esac
 }

@@ -18,7 +18,8 @@ import gpu_throughput as gt  # noqa: E402
 
 CALL_LIMIT_S = 590  # a device call runs at most 600 s; 10 s for copying its files back
 KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (timeout --kill-after)
-CALLS = [[], ["build", "blocks", "head"], ["build", "quick", "code"], ["build", "mps"], ["build", "360m"], ["build", "profile"],
+CALLS = [[], ["build", "blocks", "head"], ["build", "quick", "code"], ["build", "quick-serial"], ["build", "mps"],
+         ["build", "360m"], ["build", "profile"],
          ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "autotune"]]  # [] = build 135m
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
@@ -33,6 +34,8 @@ ROWS = {
     "pipeline-graphs": [f"ours sync adamw graphs {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "quick": [f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
               f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
+    "quick-serial": [f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
+                     f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
     "head": [f"head-loss plain {HEAD}", f"head-loss fused {HEAD}", f"head-loss fused 682 rows {HEAD}",
              f"head-loss fused 4096 rows {HEAD}"],
     "profile": [f"ours sync adamw graphs {R135}"],
@@ -84,6 +87,7 @@ def test_each_call_fits_a_device_call_and_selects_its_rows(tmp_path, cli_flags, 
         args = gt.parse_args(command[command.index("bench/gpu_throughput.py") + 1:])
         assert args.json.endswith(f"/{name}.json")
         assert args.row_timeout < limit, (name, args.row_timeout)  # a stuck row ends before its step
+        assert args.prestart is (name != "quick-serial")  # on CUDA rows start ahead unless told not to
         args.auto_attention = "cudnn"  # as on a Hopper GPU, where the runbook runs
         rows, _ = gt.build_plan(args, cli_flags, gpus=1)
         assert [f"{r['name']} {r['model']} {r['seq_len']}" for r in rows] == ROWS[name]
