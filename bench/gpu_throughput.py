@@ -65,9 +65,9 @@ asyncpp-train has --compile. Each row runs in its own process with its own timeo
 error or any other failure ends that row only. Bad inputs: one line on stderr, exit 2.
 
 This file holds the flags and the run; beside it: throughput_plan.py (which rows run, which are
-skipped), throughput_model.py (the models, FLOPs, peaks), throughput_rows.py (one row: its process,
-ours' run, a worker row's start),
-throughput_workers.py (the rows measured in a worker process) and throughput_report.py (the
+skipped), throughput_model.py (the models, FLOPs, peaks), throughput_rows.py (one row: ours' run,
+a worker row's start, what each leaves), row_process.py (a row's process, started ahead of its turn
+with --prestart, and where its wall time went), throughput_workers.py (the rows measured in a worker process) and throughput_report.py (the
 figures, checks, ratios and table).
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ from throughput_model import (MODELS, SMOLLM_HF, BenchError, flops_per_token, hf
                               matmul_params, model_shape, peak_for_gpu, total_params)
 from throughput_report import (HEAD_LOSS_REL_TOL, finish_row, format_report, head_checks,  # noqa: E402,F401
                                loss_check, ratios, steady_tokens_per_s, targets, variant_checks)
-from throughput_rows import (PROG, RESULT_TAG, ROOT, child_env, head_row, ours_command, start_row,  # noqa: E402,F401
+from throughput_rows import (PROG, RESULT_TAG, ROOT, head_row, ours_command, start_row,  # noqa: E402,F401
                              run_ours, run_worker_row)
 from throughput_workers import build_hf_model, head_mode, worker_main  # noqa: E402,F401
 from throughput_plan import (DEFAULTS, HEAD_SHAPE, SMOKE_HEAD_SHAPE, build_plan, detect_cli_flags,  # noqa: E402,F401

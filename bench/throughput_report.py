@@ -265,7 +265,7 @@ TIMELINE_PHASES = ("start", "first_step", "steps", "work", "end")
 
 
 def timeline_lines(rows: list, prestart: bool | None) -> list:
-    """Where each row's wall time went (throughput_rows.timeline): what a run's minutes are spent on."""
+    """Where each row's wall time went (row_process.timeline): what a run's minutes are spent on."""
     seen, lines = set(), []
     for r in rows:
         t = r.get("timeline")

@@ -11,7 +11,8 @@ import os
 import resource
 import time
 
-from throughput_rows import GATE_ENV, OFFLINE_ENV, RESULT_TAG, wait_for_turn
+from row_process import GATE_ENV, OFFLINE_ENV, wait_for_turn
+from throughput_rows import RESULT_TAG
 
 
 def _result(payload: dict) -> None:

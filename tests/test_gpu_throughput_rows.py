@@ -1,5 +1,6 @@
-"""bench/throughput_rows.py: what a row keeps from its process -- the figures of the steps it
-measured when it fails after them, and the package's own fallback warnings as notes."""
+"""bench/throughput_rows.py and row_process.py: what a row keeps from its process -- the figures of
+the steps it measured when it fails after them, and the package's own fallback warnings as notes
+-- and its process: ended with whatever it left behind, started ahead of its turn and held there."""
 import json
 import sys
 import warnings
@@ -10,11 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_throughput as gt  # noqa: E402
+import row_process as rp  # noqa: E402
 import throughput_rows as tr  # noqa: E402
 
 
 def _process(run):
-    """A stand-in for a row's process (throughput_rows.RowProcess): ``run(cmd, timeout,
+    """A stand-in for a row's process (row_process.RowProcess): ``run(cmd, timeout,
     sampler_device)`` writes what the process would and returns its result."""
     class FakeProcess:
         def __init__(self, cmd, gated=None):
@@ -96,7 +98,7 @@ def test_a_row_ends_with_its_first_process_and_takes_what_it_left_behind(tmp_pat
 
     pid_file = tmp_path / "left.pid"
     script = f"import subprocess, sys; p = subprocess.Popen(['sleep', '120']); open({str(pid_file)!r}, 'w').write(str(p.pid)); print('done')"
-    res = tr.run_process([sys.executable, "-c", script], timeout=100)
+    res = rp.run_process([sys.executable, "-c", script], timeout=100)
     assert res["rc"] == 0 and res["stdout"].strip() == "done", res
     assert res["seconds"] < 60  # not the leftover's 120 s
     left = int(pid_file.read_text())
@@ -111,13 +113,13 @@ def test_a_row_ends_with_its_first_process_and_takes_what_it_left_behind(tmp_pat
     while alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive()
-    res = tr.run_process([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"],
+    res = rp.run_process([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(120)"],
                          timeout=2)
     assert res["rc"] is None and res["stdout"].strip() == "started"
 
 
 GATED_CHILD = ("import os, sys, time; sys.path.insert(0, os.environ['GPU_THROUGHPUT_BENCH_DIR']); "
-               "from throughput_rows import wait_for_turn; wait_for_turn(); print('turn at', repr(time.time()))")
+               "from row_process import wait_for_turn; wait_for_turn(); print('turn at', repr(time.time()))")
 
 
 def test_a_process_started_ahead_waits_for_its_turn():
@@ -125,7 +127,7 @@ def test_a_process_started_ahead_waits_for_its_turn():
     # its gate (no device context, no kernels) until the bench gives it its turn
     import time
 
-    proc = tr.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
+    proc = rp.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
     time.sleep(3.0)
     assert proc.proc.poll() is None  # still waiting
     res = proc.finish(timeout=60)
@@ -133,16 +135,16 @@ def test_a_process_started_ahead_waits_for_its_turn():
     turn_seen = float(res["stdout"].split("turn at")[1])
     assert res["started"] < res["ready"] < res["turn"] <= turn_seen + 0.01 <= res["ended"] + 0.01
     assert res["turn"] - res["ready"] > 1.0  # it sat at the gate
-    t = tr.timeline(res, None, [])
+    t = rp.timeline(res, None, [])
     assert t == {"ahead": round(res["ready"] - res["started"], 2)}
 
 
 def test_a_process_started_ahead_leaves_when_its_turn_never_comes():
     # the bench stopped, or a pipe closed without a word: the process goes, it does not run the row
-    proc = tr.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
+    proc = rp.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
     proc.proc.stdin.close()
     assert proc.proc.wait(timeout=60) == 3
-    dropped = tr.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
+    dropped = rp.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
     dropped.drop()
     assert dropped.proc.poll() is not None and dropped.out.closed
 
@@ -150,7 +152,7 @@ def test_a_process_started_ahead_leaves_when_its_turn_never_comes():
 def test_a_row_timeline_splits_its_wall_time_at_its_clock():
     res = dict(started=100.0, ready=104.0, turn=110.0, ended=150.0)
     # the steps' clock started at 115 (5 s of set-up from the turn); steps ended at +20, +21, +22
-    assert tr.timeline(res, 115.0, [20.0, 21.0, 22.0]) == dict(ahead=4.0, start=5.0, first_step=20.0, steps=2.0,
+    assert rp.timeline(res, 115.0, [20.0, 21.0, 22.0]) == dict(ahead=4.0, start=5.0, first_step=20.0, steps=2.0,
                                                                 end=13.0)
     # a row without steps (the head-loss pair): its work from clock start to end
-    assert tr.timeline(dict(res, ready=None), 112.0, [], 140.0) == dict(start=2.0, work=28.0, end=10.0)
+    assert rp.timeline(dict(res, ready=None), 112.0, [], 140.0) == dict(start=2.0, work=28.0, end=10.0)

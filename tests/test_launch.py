@@ -114,3 +114,19 @@ def test_forkserver_ranks_find_torch_dynamo_imported(tmp_path, monkeypatch):
         pytest.skip("no forkserver on this platform")
     monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
     assert [r["dynamo_loaded"] for r in _launch_and_read(tmp_path, "ranks")] == [True, True]
+
+
+def test_a_forkserver_started_early_is_the_one_the_launch_forks_from(tmp_path, monkeypatch):
+    """start_forkserver_early: a process waiting for its turn has the server (and its imports)
+    ready; the launch that follows in the same environment forks its ranks from it."""
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no forkserver on this platform")
+    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv("ASYNCPP_TEST_VALUE", "early")  # an environment no earlier test's server started under
+    assert launch.start_forkserver_early()
+    early = mp.forkserver._forkserver._forkserver_pid
+    assert early is not None
+    ranks = _launch_and_read(tmp_path, "ranks")
+    assert {r["parent"] for r in ranks} == {early} and [r["value"] for r in ranks] == ["early"] * 2
+    monkeypatch.setenv(launch.START_METHOD_ENV, "spawn")
+    assert not launch.start_forkserver_early()  # ranks would not start from a server

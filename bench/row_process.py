@@ -1,0 +1,216 @@
+"""A row of bench/gpu_throughput.py as a process: its own process group (killed whole on timeout
+and when the bench stops), its output in files, the peak memory of a multi-process row sampled,
+and the start of a row's process ahead of its turn (``--prestart``): it imports while the row
+before it runs and waits at a gate (``wait_for_turn``) until the bench gives it its turn. Also
+``timeline``: where a row's wall time went, from the process's times and its steps' clock."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from proc_memory import tree_pss
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+# A row's process started ahead (RowProcess(gated=True)) finds GATE_ENV set: it imports what it
+# needs, builds what the CPU alone can, prints READY_TAG and the time, and waits for its turn (a
+# line on its stdin) before it touches the device -- a device context of its own would count in the
+# running row's sampled memory, and its kernels in the running row's time. GATE_ENV's value
+# "forkserver" has a pipeline's launcher start its forkserver first (pipeline/launch.py).
+GATE_ENV = "GPU_THROUGHPUT_GATED"
+READY_TAG = "GPU_THROUGHPUT_READY "
+
+
+def child_env(gate: str | None = None) -> dict:
+    env = dict(os.environ, **OFFLINE_ENV,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env.pop(GATE_ENV, None)
+    if gate:
+        env.update({GATE_ENV: gate, "GPU_THROUGHPUT_BENCH_DIR": str(BENCH)})
+    return env
+
+
+def wait_for_turn() -> None:
+    """In a row's process started ahead (GATE_ENV): say it is ready, then wait for its turn; leave
+    at once if the bench went away or dropped the row (its stdin closed without a word)."""
+    print(READY_TAG + repr(time.time()), flush=True)
+    if not sys.stdin.readline():
+        os._exit(3)
+
+
+class MemorySampler:
+    """Peak memory of a multi-process run, sampled: on CUDA the device memory in use (NVML, or
+    nvidia-smi) minus what was in use before; on CPU the summed PSS (else RSS) of the process tree."""
+
+    def __init__(self, device: str, root_pid_fn, interval: float = 0.2):
+        self.device, self.root_pid_fn, self.interval = device, root_pid_fn, interval
+        self.peak, self.kind, self._stop = None, None, threading.Event()
+        self._read = self._gpu_reader() if device == "cuda" else self._tree_pss
+        self.base = self._read(None) if device == "cuda" else 0
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _gpu_reader(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            self.kind = "nvml"
+            return lambda _: sum(pynvml.nvmlDeviceGetMemoryInfo(h).used for h in handles)
+        except Exception:  # no pynvml: nvidia-smi, slower
+            if shutil.which("nvidia-smi") is None:
+                return lambda _: None
+            self.kind = "nvml"
+
+            def smi(_):
+                q = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True)
+                try:
+                    return sum(int(x) for x in q.stdout.split()) * 2 ** 20
+                except ValueError:
+                    return None
+            return smi
+
+    def _tree_pss(self, _):
+        root = self.root_pid_fn()
+        if root is None:
+            return None
+        self.kind = "pss"
+        return tree_pss(root)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            value = self._read(None)
+            if value is not None:
+                value -= self.base or 0
+                self.peak = value if self.peak is None else max(self.peak, value)
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.thread.join()
+
+
+class RowProcess:
+    """A row's process: its own process group (killed whole on timeout, and when this process is
+    stopped: SIGTERM, Ctrl-C), output to files. ``gated``: started ahead, it waits after its imports
+    (wait_for_turn) until ``finish`` gives it its turn. (A process group of its own keeps a row's ranks
+    together; nothing else would stop them with the bench, and an orphaned row would go on using the
+    GPU the next rows measure.)"""
+
+    def __init__(self, cmd: list, gated: str | None = None):
+        self.cmd, self.started = cmd, time.time()
+        self.gated = bool(gated)
+        self.finished = False  # finish() has run: the process has ended and its output is read
+        # Output to files, not pipes: the row ends when its first process does. What it leaves
+        # behind in its group (a launcher's fork server, inductor's compile workers) would hold a pipe
+        # open until it exits by itself; it is killed instead, its work being done.
+        # (errors="replace": a process killed mid-write may cut a character in two)
+        self.out = tempfile.TemporaryFile("w+", errors="replace")
+        self.err = tempfile.TemporaryFile("w+", errors="replace")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(gated), stdout=self.out, stderr=self.err,
+                                     stdin=subprocess.PIPE if gated else subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+
+    def finish(self, timeout: float, sampler_device: str | None = None) -> dict:
+        """Give the process its turn and wait for it (``timeout`` seconds from now): stdout,
+        stderr, rc (None on timeout), seconds (from the turn), sampled_peak/kind (``sampler_device``)
+        and the wall-clock times: started, turn, ready (a gated process's, from its READY_TAG line),
+        ended."""
+        turn, start = time.time(), time.monotonic()
+        sampler = MemorySampler(sampler_device, lambda: self.proc.pid) if sampler_device else None
+        timed_out = False
+        try:
+            if self.gated:
+                try:
+                    self.proc.stdin.write("go\n")
+                    self.proc.stdin.close()
+                except OSError:  # it has already exited (an import failed): its output says why
+                    pass
+            if sampler:
+                sampler.__enter__()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            self.kill()
+        except BaseException:  # the bench is stopping (SystemExit from SIGTERM, KeyboardInterrupt)
+            self.kill()
+            raise
+        finally:
+            if sampler:
+                sampler.__exit__(None, None, None)
+        ended = time.time()
+        stdout, stderr = self._read()
+        self.finished = True
+        ready = [float(ln[len(READY_TAG):]) for ln in stdout.splitlines() if ln.startswith(READY_TAG)]
+        return dict(rc=None if timed_out else self.proc.returncode, stdout=stdout, stderr=stderr,
+                    seconds=time.monotonic() - start, sampled_peak=sampler.peak if sampler else None,
+                    sampled_kind=sampler.kind if sampler else None,
+                    started=self.started, turn=turn, ready=ready[0] if ready else None, ended=ended)
+
+    def kill(self) -> None:
+        """The process and whatever it left in its group."""
+        _kill_process_group(self.proc)
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def drop(self) -> None:
+        """A process started ahead whose turn will not come (the bench is stopping)."""
+        self.kill()
+        self.out.close()
+        self.err.close()
+
+    def _read(self) -> tuple[str, str]:
+        texts = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            texts.append(f.read() or "")
+            f.close()
+        return texts[0], texts[1]
+
+
+def run_process(cmd: list, timeout: float, sampler_device: str | None = None) -> dict:
+    """Run ``cmd`` as a row's process (RowProcess), from start to end."""
+    return RowProcess(cmd).finish(timeout, sampler_device)
+
+
+def timeline(res: dict, clock_start: float | None, elapsed: list, clock_end: float | None = None) -> dict:
+    """Where a row's wall time went, in seconds: ``ahead`` (a process started ahead: from its start
+    to its gate, overlapped with the row before), ``start`` (from its turn to its clock: imports,
+    device and model set-up, a launcher's ranks), ``first_step`` (compiles, captures, warm-up
+    allocations), ``steps`` (the rest of its steps), ``end`` (from the last step to the process's
+    end). ``clock_start``: the wall-clock time its steps are counted from. A row without steps (the
+    head-loss pair) has ``work`` from ``clock_start`` to ``clock_end`` instead."""
+    t = {}
+    if res.get("ready") is not None:
+        t["ahead"] = round(res["ready"] - res["started"], 2)
+    if clock_start is None:
+        return t
+    t["start"] = round(clock_start - res["turn"], 2)
+    if elapsed:
+        t.update(first_step=round(elapsed[0], 2), steps=round(elapsed[-1] - elapsed[0], 2),
+                 end=round(res["ended"] - clock_start - elapsed[-1], 2))
+    elif clock_end is not None:
+        t.update(work=round(clock_end - clock_start, 2), end=round(res["ended"] - clock_end, 2))
+    return t
+
+
+def _kill_process_group(proc) -> None:
+    from asyncpp_ext.gpu_check.runner import kill_process_group  # the package, once the root is on sys.path
+    kill_process_group(proc)
