@@ -21,6 +21,10 @@ sequences; --tokens). Variants (all the same arithmetic; only kernels and their 
                         few inputs fused into one kernel of masked loads; max_pointwise_cat_inputs=8)
   combo-kernels         compiled with inductor's horizontal fusion (combo_kernels: independent
                         kernels of the graph merged into one launch)
+  pdl                   compiled with programmatic dependent launch (triton.enable_pdl: each
+                        Triton kernel launched while the one before it finishes; Hopper and newer)
+  mix-order-64          compiled with 64 rows per partial sum in the norms' backward
+                        (triton.mix_order_reduction_split_size; inductor picks 16 on 132 SMs)
   rotary-btd            compiled, with rotary positions applied to q and k in the projections'
                         (B, T, heads, D) layout before the heads move to the front for attention
   separate-qkv          compiled, with q, k and v as three products instead of one stacked product
@@ -63,7 +67,7 @@ from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E4
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
 from asyncpp_ext.training.profiling import trace_calls  # noqa: E402
 from attention_kernels import timed  # noqa: E402  (the median of --iters calls, after two warm-ups)
-from throughput_rows import inductor_preset  # noqa: E402  (the bench's cat-fused row's options)
+from throughput_rows import INDUCTOR_PRESETS, inductor_preset  # noqa: E402  (the bench's preset rows' options)
 
 CUDA_SHAPES = {"smollm-360m": 2048, "smollm-135m": 1024}  # model -> sequence length
 CPU_SHAPES = {"llama-tiny": 32}
@@ -150,6 +154,8 @@ VARIANTS = {
     # compiled default's kernels take ~40); second, so that a run cut short keeps it
     "cat-fused": (LlamaBlock, None, {"options": inductor_preset("cat-fused")}),
     "combo-kernels": (LlamaBlock, None, {"options": inductor_preset("combo-kernels")}),
+    "pdl": (LlamaBlock, None, {"options": inductor_preset("pdl")}),
+    "mix-order-64": (LlamaBlock, None, {"options": inductor_preset("mix-order-64")}),
     "rotary-btd": (RotaryBTDBlock, RotaryBTDAttention, {}),
     "separate-qkv": (SeparateQKVBlock, SeparateQKVAttention, {}),
     "coordinate-descent": (LlamaBlock, None, {"options": {"coordinate_descent_tuning": True}}),
@@ -158,8 +164,19 @@ VARIANTS = {
     "max-autotune": (LlamaBlock, None, {"mode": "max-autotune"}),
 }
 
-# max-autotune only when asked: minutes of autotuning, and 0.92x in a whole smollm-360m step on an H100
-CUDA_DEFAULT = [v for v in VARIANTS if v != "max-autotune"]
+
+
+def missing_options(variant: str) -> list:
+    """The inductor options of ``variant``'s preset (throughput_rows.INDUCTOR_PRESETS) this torch's
+    inductor lacks: such a form would compile as ``compiled`` does under its own name."""
+    if variant not in INDUCTOR_PRESETS:
+        return []
+    return sorted(set(INDUCTOR_PRESETS[variant]) - set(inductor_preset(variant)))
+
+
+# max-autotune only when asked: minutes of autotuning, and 0.92x in a whole smollm-360m step on an
+# H100; a preset form this torch cannot set, never
+CUDA_DEFAULT = [v for v in VARIANTS if v != "max-autotune" and not missing_options(v)]
 
 
 def build_block(variant: str, cfg, reference: LlamaBlock, device) -> torch.nn.Module:
@@ -281,6 +298,9 @@ def parse(argv=None):
     for v in args.variants:
         if v not in VARIANTS:
             raise BenchError(f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+        if missing_options(v):
+            raise BenchError(f"--variants: {v} needs inductor option(s) {', '.join(missing_options(v))}, which "
+                             f"torch {torch.__version__} does not have; leave it out")
     for name in ("tokens", "iters"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name} must be at least 1, got {getattr(args, name)}")

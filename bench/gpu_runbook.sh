@@ -25,14 +25,16 @@
 #           kernel, flash attention with in-place grouped-query heads, --attention cudnn and flash
 #           each running its kernel, compiled blocks and regions
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
-#   360m    (420) ours with graphs (the default), the same with inductor's own fused concatenations
-#           (the cat-fused row: --inductor-option), and the compiled Hugging Face model at
-#           smollm-360m / 2048, profiled (~5 min; the Hugging Face compile is 2.5 of them)
+#   360m    (420) ours with graphs (the default), the same with programmatic dependent launch (the
+#           pdl row: --inductor-option triton.enable_pdl=True, the gaps between the graphs' kernels),
+#           and the compiled Hugging Face model at smollm-360m / 2048, profiled (~5 min; the
+#           Hugging Face compile is 2.5 of them)
 #   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
 #           torch's own choice, --attention flash and cudnn: which runs, its time, its error against
 #           a float32 reference
 #   blocks  (200) bench/block_step.py: one smollm-360m block, forward + backward, compiled in each of
-#           the bench's forms (rotary layouts, q/k/v products, cat lowering, tuning), kernel time by
+#           the bench's forms (rotary layouts, q/k/v products, cat lowering, tuning, pdl, the norms'
+#           partial sums), kernel time by
 #           kind and the costliest kernels, each form's output against the float32 block
 #   code    (120) bench/block_step.py's compiled form alone (one smollm-360m block) under
 #           TORCH_LOGS=output_code: the code inductor generates for the block's forward and backward
@@ -103,16 +105,16 @@ bench() {  # bench NAME SECONDS [ENV=VALUE ...] -- ARGS...: gpu_throughput.py, i
 
 ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
            --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels")
+           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order")
 # (combo-kernels left out: a first compile of unknown length before the Hugging Face row, the
 # step's reason to be; block_step's combo-kernels form measures it first)
 ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --profile --only "ours sync adamw graphs,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,combo-kernels")
+           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,mix-order")
 ROWS_PIPELINE_GRAPHS=(--models smollm-135m --seq-lens 1024 --row-timeout 80
                       --only "ours sync adamw graphs,ours 2bw 2st 1gpu adamw ipc graphs"
-                      --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels")
+                      --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order")
 ROWS_MPS=(--models smollm-135m --seq-lens 1024 --row-timeout 80 --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc"
-          --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs")
+          --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order")
 
 run_step() {
     case $1 in
@@ -137,9 +139,9 @@ run_step() {
         quick-serial) bench quick-serial 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick --no-prestart ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
         profile) bench profile 150 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
-                     --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels" ;;
+                     --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order" ;;
         autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 330 --profile \
-                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels" ;;
+                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
         *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, blocks, code, pipeline-graphs, quick, quick-serial, head, profile, autotune, mps"

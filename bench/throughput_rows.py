@@ -71,6 +71,14 @@ INDUCTOR_PRESETS = {
     # to ~18 ms (docs/gpu.md); the rotary backward's q, k and v parts, say, written in place by three
     # kernels, in one
     "combo-kernels": {"combo_kernels": True},
+    # programmatic dependent launch (Hopper and newer): each Triton kernel is launched while the one
+    # before it finishes and waits in its prologue for the data it reads -- the gaps between the
+    # kernels inside a CUDA graph, the ~18 ms per step above, are what it could shorten
+    "pdl": {"triton.enable_pdl": True},
+    # the RMSNorm backward's mix-order reduction with 64 rows per partial sum instead of the 16
+    # inductor picks for 132 SMs: the two finishing sums per block (aten, ~10 us each, 520 per
+    # smollm-360m step) over 128 partial rows instead of 512, the main kernel with fewer programs
+    "mix-order-64": {"triton.mix_order_reduction_split_size": 64},
 }
 """A row's ``inductor`` name -> the ``--inductor-option`` values it passes."""
 

@@ -89,3 +89,16 @@ def test_a_form_that_ran_eagerly_fails_its_check_and_says_whose_cat_lowering_ran
     monkeypatch.setattr(bench, "compile_blocks", lambda mods, **kw: SimpleNamespace(fallbacks={}, options={}))
     row = bench.measure("compiled", "llama-tiny", 32, args, torch.device("cpu"))
     assert row["check"] == "ok" and "concat_lowering" not in row, row
+
+
+def test_a_preset_form_this_torch_cannot_set_is_refused_and_left_out_by_default(capsys, monkeypatch):
+    # a form whose inductor options this torch lacks would compile as `compiled` does under another
+    # name: asked for, it is refused in one line; by default it is left out
+    bench = load_bench_script("block_step")
+    assert "pdl" in bench.CUDA_DEFAULT and bench.missing_options("pdl") == []
+    monkeypatch.setitem(bench.INDUCTOR_PRESETS, "pdl", {"triton.no_such_option": True})
+    assert bench.missing_options("pdl") == ["triton.no_such_option"]
+    assert bench.main(["--device", "cpu", "--iters", "1", "--variants", "eager,pdl"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("block_step: --variants: pdl needs inductor option(s) triton.no_such_option, which torch ")

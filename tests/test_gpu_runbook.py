@@ -24,13 +24,12 @@ CALLS = [[], ["build", "blocks", "head"], ["build", "quick", "code"], ["build", 
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
                  "ours sync adamw,ours 2bw 2st 1gpu adamw ipc", "--skip",
-                 "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs"]
+                 "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order"]
 R135, R360, HEAD = "smollm-135m 1024", "smollm-360m 2048", "head C=576 V=49152 1024"
 ROWS = {
     "135m": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
              f"ours 2bw 2st 1gpu adamw ipc {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
-    "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs cat-fused {R360}",
-             f"hf compile adamw {R360}"],
+    "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs pdl {R360}", f"hf compile adamw {R360}"],
     "pipeline-graphs": [f"ours sync adamw graphs {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "quick": [f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
               f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
