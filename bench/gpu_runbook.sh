@@ -9,7 +9,7 @@
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
 #                                         build 360m | build blocks head | build quick code
-#                                         build quick-serial | build quick
+#                                         build quick-serial | quick (at once, on the warm machine)
 #                                         build mps | build profile | build attention pipeline-graphs
 #                                         build tests p2p | build autotune)
 #   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)

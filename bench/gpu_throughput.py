@@ -34,9 +34,8 @@ data (the built-in corpus, byte ids < 256, the same windows in the same order) a
 
 Rows (names as printed; " eager" marks --no-compile rows when asyncpp-train has --compile): ours
 (`asyncpp-train --stages 1 --schedule sync`, and 2bw with two stages on one or two GPUs) with its
-variants (graphs, no-copies, bf16-params, stage-compile, max-autotune, cat-fused, combo-kernels, ipc, flash- or
-cudnn-attention),
-Hugging Face eager and compiled,
+variants (graphs, no-copies, bf16-params, stage-compile, max-autotune, cat-fused, combo-kernels, pdl,
+mix-order-64, ipc, flash- or cudnn-attention), Hugging Face eager and compiled,
 torchtitan where installed, and the head-loss rows; docs/gpu.md's table says what each runs, and
 `--dry-run` lists a plan's rows.
 When asyncpp-train lists --compile/--no-compile and --head-loss (detected once from --help), ours
@@ -67,8 +66,8 @@ error or any other failure ends that row only. Bad inputs: one line on stderr, e
 This file holds the flags and the run; beside it: throughput_plan.py (which rows run, which are
 skipped), throughput_model.py (the models, FLOPs, peaks), throughput_rows.py (one row: ours' run,
 a worker row's start, what each leaves), row_process.py (a row's process, started ahead of its turn
-with --prestart, and where its wall time went), throughput_workers.py (the rows measured in a worker process) and throughput_report.py (the
-figures, checks, ratios and table).
+with --prestart, and where its wall time went), throughput_workers.py (the rows measured in a
+worker process) and throughput_report.py (the figures, checks, ratios and table).
 """
 from __future__ import annotations
 
@@ -91,6 +90,7 @@ from throughput_report import (HEAD_LOSS_REL_TOL, finish_row, format_report, hea
                                loss_check, ratios, steady_tokens_per_s, targets, variant_checks)
 from throughput_rows import (PROG, RESULT_TAG, ROOT, head_row, ours_command, start_row,  # noqa: E402,F401
                              run_ours, run_worker_row)
+from row_process import RowProcess  # noqa: E402
 from throughput_workers import build_hf_model, head_mode, worker_main  # noqa: E402,F401
 from throughput_plan import (DEFAULTS, HEAD_SHAPE, SMOKE_HEAD_SHAPE, build_plan, detect_cli_flags,  # noqa: E402,F401
                              head_loss_available, row)
@@ -278,7 +278,7 @@ def run(args) -> dict:
     work_ctx = tempfile.TemporaryDirectory(prefix="gpu_throughput-", dir=_scratch_dir()) if not args.workdir else None
     work = Path(args.workdir or work_ctx.name)
     work.mkdir(parents=True, exist_ok=True)
-    done, head_results, ahead, started = [], None, None, []
+    done, head_results, ahead = [], None, None
     # Rows that start a process of their own: the head-loss pair shares one (it measures every mode).
     own = [i for i, r in enumerate(rows) if r["impl"] != "head" or i == min(k for k, q in enumerate(rows)
                                                                            if q["impl"] == "head")]
@@ -288,13 +288,10 @@ def run(args) -> dict:
             proc = None
             if i in own:
                 proc = ahead[1] if ahead is not None and ahead[0] == i else start_row(r, args, flags, work)
-                started.append(proc)
                 later = [k for k in own if k > i]
                 # --prestart: the next row's process imports (and builds on the CPU) while this one runs
                 ahead = (later[0], start_row(rows[later[0]], args, flags, work, gated=True)) \
                     if args.prestart and later else None
-                if ahead is not None:
-                    started.append(ahead[1])
             if r["impl"] == "head":
                 if head_results is None:  # one process measures every mode
                     head_results = run_worker_row(dict(r, notes=[]), args, proc)
@@ -307,9 +304,7 @@ def run(args) -> dict:
             if args.json:  # rows so far, in case the run is cut short; the full report replaces it
                 write_json(args.json, dict(info=info, formula=formula, rows=done, skipped=skipped, partial=True))
     finally:
-        for proc in started:  # a run stopped midway: what has not had its turn, and what is still running
-            if not proc.finished:
-                proc.drop()
+        RowProcess.drop_live()  # a run stopped midway: what has not had its turn, and what still runs
         if work_ctx is not None:
             work_ctx.cleanup()
     head_checks(done)

@@ -5,8 +5,10 @@ before it runs and waits at a gate (``wait_for_turn``) until the bench gives it 
 ``timeline``: where a row's wall time went, from the process's times and its steps' clock."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,9 +43,30 @@ def child_env(gate: str | None = None) -> dict:
 def wait_for_turn() -> None:
     """In a row's process started ahead (GATE_ENV): say it is ready, then wait for its turn; leave
     at once if the bench went away or dropped the row (its stdin closed without a word)."""
-    print(READY_TAG + repr(time.time()), flush=True)
+    torch = sys.modules.get("torch")
+    cuda = torch is not None and torch.cuda.is_initialized()  # its context counted in the running row
+    print(READY_TAG + repr(time.time()) + (" cuda" if cuda else ""), flush=True)
     if not sys.stdin.readline():
         os._exit(3)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGTERM and SIGINT held until the block ends, then handled as they would have been: a process
+    started inside is registered (RowProcess.live) before a stopping bench looks for it, and a
+    cleanup inside runs to its end. (In the main thread only, where Python handles signals.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in held:
+            signal.raise_signal(s)
 
 
 class MemorySampler:
@@ -110,6 +133,8 @@ class RowProcess:
     together; nothing else would stop them with the bench, and an orphaned row would go on using the
     GPU the next rows measure.)"""
 
+    live: list = []  # started and not yet finished or dropped: what a stopping bench drops (drop_live)
+
     def __init__(self, cmd: list, gated: str | None = None):
         self.cmd, self.started = cmd, time.time()
         self.gated = bool(gated)
@@ -120,15 +145,17 @@ class RowProcess:
         # (errors="replace": a process killed mid-write may cut a character in two)
         self.out = tempfile.TemporaryFile("w+", errors="replace")
         self.err = tempfile.TemporaryFile("w+", errors="replace")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(gated), stdout=self.out, stderr=self.err,
-                                     stdin=subprocess.PIPE if gated else subprocess.DEVNULL, text=True,
-                                     start_new_session=True)
+        with signals_held():  # a SIGTERM mid-Popen would leave the child running, unknown to drop_live
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(gated), stdout=self.out, stderr=self.err,
+                                         stdin=subprocess.PIPE if gated else subprocess.DEVNULL, text=True,
+                                         start_new_session=True)
+            RowProcess.live.append(self)
 
     def finish(self, timeout: float, sampler_device: str | None = None) -> dict:
         """Give the process its turn and wait for it (``timeout`` seconds from now): stdout,
-        stderr, rc (None on timeout), seconds (from the turn), sampled_peak/kind (``sampler_device``)
-        and the wall-clock times: started, turn, ready (a gated process's, from its READY_TAG line),
-        ended."""
+        stderr, rc (None on timeout), seconds (from the turn), sampled_peak/kind (``sampler_device``),
+        the wall-clock times: started, turn, ready (a gated process's, from its READY_TAG line),
+        ended; and notes (a gated process that initialised CUDA before its turn)."""
         turn, start = time.time(), time.monotonic()
         sampler = MemorySampler(sampler_device, lambda: self.proc.pid) if sampler_device else None
         timed_out = False
@@ -155,11 +182,14 @@ class RowProcess:
         ended = time.time()
         stdout, stderr = self._read()
         self.finished = True
-        ready = [float(ln[len(READY_TAG):]) for ln in stdout.splitlines() if ln.startswith(READY_TAG)]
+        self._forget()
+        ready = [ln[len(READY_TAG):].split() for ln in stdout.splitlines() if ln.startswith(READY_TAG)]
+        notes = ["initialised CUDA before its turn: its context counted in the row before's memory"
+                 for fields in ready if "cuda" in fields[1:]]
         return dict(rc=None if timed_out else self.proc.returncode, stdout=stdout, stderr=stderr,
                     seconds=time.monotonic() - start, sampled_peak=sampler.peak if sampler else None,
-                    sampled_kind=sampler.kind if sampler else None,
-                    started=self.started, turn=turn, ready=ready[0] if ready else None, ended=ended)
+                    sampled_kind=sampler.kind if sampler else None, notes=notes,
+                    started=self.started, turn=turn, ready=float(ready[0][0]) if ready else None, ended=ended)
 
     def kill(self) -> None:
         """The process and whatever it left in its group."""
@@ -171,10 +201,22 @@ class RowProcess:
                 pass
 
     def drop(self) -> None:
-        """A process started ahead whose turn will not come (the bench is stopping)."""
+        """A process whose turn will not come or whose row is cut short (the bench is stopping)."""
         self.kill()
         self.out.close()
         self.err.close()
+        self._forget()
+
+    @classmethod
+    def drop_live(cls) -> None:
+        """Every process started and not finished: a stopping bench leaves none behind."""
+        with signals_held():  # a second SIGTERM does not cut the cleanup short
+            for proc in list(cls.live):
+                proc.drop()
+
+    def _forget(self) -> None:
+        if self in RowProcess.live:
+            RowProcess.live.remove(self)
 
     def _read(self) -> tuple[str, str]:
         texts = []
@@ -198,8 +240,8 @@ def timeline(res: dict, clock_start: float | None, elapsed: list, clock_end: flo
     end). ``clock_start``: the wall-clock time its steps are counted from. A row without steps (the
     head-loss pair) has ``work`` from ``clock_start`` to ``clock_end`` instead."""
     t = {}
-    if res.get("ready") is not None:
-        t["ahead"] = round(res["ready"] - res["started"], 2)
+    if res.get("ready") is not None:  # what it did before its turn (a process ready late did the rest after)
+        t["ahead"] = round(min(res["ready"], res["turn"]) - res["started"], 2)
     if clock_start is None:
         return t
     t["start"] = round(clock_start - res["turn"], 2)

@@ -34,6 +34,7 @@ if os.environ.get("GPU_THROUGHPUT_GATED"):  # started ahead: the imports now, th
         start_forkserver_early()
     sys.path.insert(0, os.environ["GPU_THROUGHPUT_BENCH_DIR"])
     from row_process import wait_for_turn
+    sys.path.pop(0)  # the run itself sees the path a row started at its turn would
     wait_for_turn()
 rc = 1
 try:
@@ -238,7 +239,7 @@ def run_ours(r: dict, args, flags: dict, work: Path, proc: RowProcess | None = N
     multi = r["stages"] > 1
     res = proc.finish(args.row_timeout, sampler_device=args.device if multi else None)
     r["wall_s"] = round(res["seconds"], 1)
-    r["notes"] = [*r.get("notes", []), *package_warnings(res["stderr"])]
+    r["notes"] = [*r.get("notes", []), *res.get("notes", []), *package_warnings(res["stderr"])]
     measured = args.warmup + args.steps
     metrics = _read_metrics(out_dir / "metrics.jsonl")
     if res["rc"] != 0:
@@ -254,6 +255,8 @@ def run_ours(r: dict, args, flags: dict, work: Path, proc: RowProcess | None = N
     r["losses"] = [m.get("loss") for m in metrics]
     r["elapsed_s"] = [m["elapsed_s"] for m in metrics]
     r["tokens"] = [m["tokens"] for m in metrics]
+    # the steps' clock on the wall clock (a resumed run's elapsed_s would count its earlier runs;
+    # the bench's runs start fresh)
     clock = metrics[0]["time"] - metrics[0]["elapsed_s"] if metrics and "time" in metrics[0] else None
     r["timeline"] = timeline(res, clock, r["elapsed_s"])
     peak = json.loads(peak_file.read_text()) if peak_file.exists() else {}
@@ -289,10 +292,10 @@ def worker_spec(r: dict, args) -> dict:
 def run_worker_row(r: dict, args, proc: RowProcess | None = None) -> dict:
     """A Hugging Face, torchtitan or head-loss row in its own process (``proc``: started ahead)."""
     proc = proc or RowProcess(worker_command(worker_spec(r, args)))
-    r["command"] = f"{PROG} --worker '<{'head' if r['impl'] == 'head' else r['impl']} spec>'"
+    r["command"] = f"{PROG} --worker '<{r['impl']} spec>'"
     res = proc.finish(args.row_timeout)
     r["wall_s"] = round(res["seconds"], 1)
-    r["notes"] = [*r.get("notes", []), *package_warnings(res["stderr"])]
+    r["notes"] = [*r.get("notes", []), *res.get("notes", []), *package_warnings(res["stderr"])]
     found = [ln[len(RESULT_TAG):] for ln in res["stdout"].splitlines() if ln.startswith(RESULT_TAG)]
     if not found:
         r["status"], r["error"] = failure_text(res, args.row_timeout)
@@ -307,7 +310,7 @@ def run_worker_row(r: dict, args, proc: RowProcess | None = None) -> dict:
 
 def head_row(r: dict, worker: dict) -> dict:
     """The head-loss row of one mode from the worker that measured every mode."""
-    r["wall_s"], r["command"], r["timeline"] = worker.get("wall_s"), worker.get("command"), worker.get("timeline")
+    r.update(wall_s=worker.get("wall_s"), command=worker.get("command"), timeline=worker.get("timeline"))
     r["notes"] = [*r.get("notes", []), *worker.get("notes", [])]  # one process measured every mode: its warnings are each row's
     if worker.get("status") != "ok":
         r["status"], r["error"] = worker.get("status", "error"), worker.get("error")

@@ -2,10 +2,14 @@
 the steps it measured when it fails after them, and the package's own fallback warnings as notes
 -- and its process: ended with whatever it left behind, started ahead of its turn and held there."""
 import json
+import os
+import subprocess
 import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -122,13 +126,22 @@ GATED_CHILD = ("import os, sys, time; sys.path.insert(0, os.environ['GPU_THROUGH
                "from row_process import wait_for_turn; wait_for_turn(); print('turn at', repr(time.time()))")
 
 
+def _written(f) -> str:
+    """What a row's process has written to its output file so far."""
+    f.seek(0)
+    return f.read()
+
+
 def test_a_process_started_ahead_waits_for_its_turn():
     # --prestart: the next row's process imports while the row before runs, but does nothing past
     # its gate (no device context, no kernels) until the bench gives it its turn
     import time
 
     proc = rp.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
-    time.sleep(3.0)
+    deadline = time.monotonic() + 60
+    while rp.READY_TAG not in _written(proc.out) and time.monotonic() < deadline:  # at its gate
+        time.sleep(0.05)
+    time.sleep(1.5)
     assert proc.proc.poll() is None  # still waiting
     res = proc.finish(timeout=60)
     assert res["rc"] == 0, res["stderr"]
@@ -144,9 +157,23 @@ def test_a_process_started_ahead_leaves_when_its_turn_never_comes():
     proc = rp.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
     proc.proc.stdin.close()
     assert proc.proc.wait(timeout=60) == 3
+    proc.drop()
     dropped = rp.RowProcess([sys.executable, "-c", GATED_CHILD], gated="1")
-    dropped.drop()
-    assert dropped.proc.poll() is not None and dropped.out.closed
+    assert proc not in rp.RowProcess.live and dropped in rp.RowProcess.live
+    rp.RowProcess.drop_live()  # what a stopping bench does
+    assert dropped.proc.poll() is not None and dropped.out.closed and rp.RowProcess.live == []
+
+
+def test_a_process_that_touches_the_device_before_its_turn_says_so():
+    # its CUDA context would count in the running row's sampled memory: the row carries a note
+    cuda = "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: {}))"
+    child = ("import os, sys, types; sys.path.insert(0, os.environ['GPU_THROUGHPUT_BENCH_DIR']); {}; "
+             "from row_process import wait_for_turn; wait_for_turn(); print('ran')")
+    for initialised in (True, False):
+        res = rp.RowProcess([sys.executable, "-c", child.format(cuda.format(initialised))], gated="1").finish(60)
+        assert res["rc"] == 0 and "ran" in res["stdout"] and res["ready"] is not None
+        assert res["notes"] == (["initialised CUDA before its turn: its context counted in the row before's memory"]
+                                if initialised else [])
 
 
 def test_a_row_timeline_splits_its_wall_time_at_its_clock():
@@ -156,3 +183,70 @@ def test_a_row_timeline_splits_its_wall_time_at_its_clock():
                                                                 end=13.0)
     # a row without steps (the head-loss pair): its work from clock start to end
     assert rp.timeline(dict(res, ready=None), 112.0, [], 140.0) == dict(start=2.0, work=28.0, end=10.0)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:  # the process ended meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.multiproc
+def test_a_stopped_bench_takes_its_running_row_with_it(tmp_path):
+    # The runbook's `timeout` sends SIGTERM to the bench only: a row runs in a process group of its
+    # own (its ranks stay together), which the bench must kill on the way out, or the orphaned row
+    # goes on using the device the next runs measure.
+    import signal
+    import time
+
+    # --prestart: the 2bw row's process, started ahead while the first row runs and waiting for its
+    # turn, is the bench's to take with it too.
+    work = tmp_path / "work"
+    bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--device", "cpu",
+                              "--smoke", "--threads", "1", "--only", "ours", "--prestart", "--workdir", str(work)],
+                             cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def row_processes():  # the row's driver names its run directory under the workdir
+        return [pid for pid in _processes_mentioning(str(work)) if pid != bench.pid]
+
+    def in_group(pgid):  # the driver's process group: its ranks and their helpers too
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":  # pgrp; a zombie is already dead
+                pids.append(int(stat.parent.name))
+        return pids
+
+    groups = None
+    try:
+        deadline = time.monotonic() + 120
+
+        def groups_now():
+            found = set()
+            for pid in row_processes():
+                try:
+                    found.add(os.getpgid(pid))
+                except ProcessLookupError:  # it ended meanwhile
+                    pass
+            return found
+        while len(groups_now()) < 2 and time.monotonic() < deadline:  # the row and the one ahead started
+            time.sleep(0.1)
+        groups = groups_now()
+        assert len(groups) == 2, "the running row and the one started ahead"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        time.sleep(1.0)  # SIGKILLed processes are gone by now; an orphaned row would still run
+        assert row_processes() == [] and all(in_group(g) == [] for g in groups)
+    finally:
+        bench.kill()
+        for g in groups or ():
+            if in_group(g):
+                os.killpg(g, signal.SIGKILL)

@@ -50,12 +50,11 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
         assert row["flops_per_token"] == gt.flops_per_token(shape, 64)
         assert row["mfu"] == pytest.approx(row["tflops"] / 0.5)
         assert row["peak_kind"] == ("pss" if row["stages"] == 2 else "rss")
-        # --prestart: every row after the first was started ahead and waited for its turn; where its
-        # wall time went adds up to the wall time from its turn
+        # --prestart: every row after the first was started ahead and waited for its turn; its steps'
+        # clock started after its turn and its process ended after its last step
         t = row["timeline"]
         assert ("ahead" in t) == (row is not rep["rows"][0]) and t.get("ahead", 1) > 0, (row["name"], t)
-        assert min(t[k] for k in ("start", "first_step", "steps", "end")) >= 0, (row["name"], t)
-        assert sum(t[k] for k in ("start", "first_step", "steps", "end")) == pytest.approx(row["wall_s"], abs=0.3)
+        assert min(t[k] for k in ("start", "steps", "end")) >= 0 and t["first_step"] > 0, (row["name"], t)
         if row["impl"] == "ours":  # --profile traced 2 steps after the measured ones, on every rank
             assert set(row["profile"]) == {f"stage{s}" for s in range(row["stages"])}
             assert all(p["window_ms_per_step"] > 0 and p["kernels_per_step"] == 0 for p in row["profile"].values())
@@ -297,66 +296,6 @@ def test_plan_rows_compile_flags_and_gpu_counts():
                               with_params, gpus=1)
     assert [r["name"] for r in picked] == ["ours sync adamw", "ours sync adamw graphs", "ours sync adamw no-copies",
                                            "ours sync adamw bf16-params", "hf compile adamw"]
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                pids.append(int(proc.name))
-        except OSError:  # the process ended meanwhile
-            pass
-    return pids
-
-
-@pytest.mark.multiproc
-def test_a_stopped_bench_takes_its_running_row_with_it(tmp_path):
-    # The runbook's `timeout` sends SIGTERM to the bench only: a row runs in a process group of its
-    # own (its ranks stay together), which the bench must kill on the way out, or the orphaned row
-    # goes on using the device the next runs measure.
-    import signal
-    import time
-
-    # --prestart: the 2bw row's process, started ahead while the first row runs and waiting for its
-    # turn, is the bench's to take with it too.
-    work = tmp_path / "work"
-    bench = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_throughput.py"), "--device", "cpu",
-                              "--smoke", "--threads", "1", "--only", "ours", "--prestart", "--workdir", str(work)],
-                             cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    def row_processes():  # the row's driver names its run directory under the workdir
-        return [pid for pid in _processes_mentioning(str(work)) if pid != bench.pid]
-
-    def in_group(pgid):  # the driver's process group: its ranks and their helpers too
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":  # pgrp; a zombie is already dead
-                pids.append(int(stat.parent.name))
-        return pids
-
-    groups = None
-    try:
-        deadline = time.monotonic() + 120
-        while not row_processes() and time.monotonic() < deadline:  # the row started
-            time.sleep(0.2)
-        time.sleep(2.0)  # its ranks are starting
-        assert row_processes(), "the row never started"
-        groups = {os.getpgid(pid) for pid in row_processes()}
-        assert len(groups) == 2, "the running row and the one started ahead"
-        bench.send_signal(signal.SIGTERM)
-        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
-        time.sleep(1.0)  # SIGKILLed processes are gone by now; an orphaned row would still run
-        assert row_processes() == [] and all(in_group(g) == [] for g in groups)
-    finally:
-        bench.kill()
-        for g in groups or ():
-            if in_group(g):
-                os.killpg(g, signal.SIGKILL)
 
 
 def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):

@@ -85,6 +85,24 @@ class ProjectionHead(nn.Module):
         return self.proj(self.features(x))
 
 
+class _SkipDefaultInit(torch.overrides.TorchFunctionMode):
+    """torch.nn.init's functions return their tensor as it is (torch.nn's modules call them from
+    their constructors); every other torch function runs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def skip_default_init():
+    """A context in which torch.nn's modules skip their default init (nn.Linear's kaiming draws,
+    nn.Embedding's normal draws: their parameters stay as allocated), for a model whose own init
+    then writes every parameter (``init_normal_``): the same values, without the draws it would
+    overwrite -- most of a model's build time on the CPU, once per process or rank."""
+    return _SkipDefaultInit()
+
+
 @torch.no_grad()
 def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
                  is_one: Callable[[str], bool], is_residual_out: Callable[[str], bool],
@@ -107,4 +125,5 @@ def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
             p.copy_(values)
 
 
-__all__ = ["REGION_MARK", "forward_through", "BlockSequence", "BlockModel", "ProjectionHead", "init_normal_"]
+__all__ = ["REGION_MARK", "forward_through", "BlockSequence", "BlockModel", "ProjectionHead", "skip_default_init",
+           "init_normal_"]

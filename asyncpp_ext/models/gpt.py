@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BlockModel, ProjectionHead, init_normal_
+from .base import BlockModel, ProjectionHead, init_normal_, skip_default_init
 
 
 @dataclass(frozen=True)
@@ -164,9 +164,10 @@ class GPT(BlockModel):
         super().__init__()
         cfg.validate()
         self.config = cfg
-        # torch's default module init draws from the global RNG; fork it so building a model
-        # never shifts the caller's random stream (reset_parameters overwrites those values).
-        with torch.random.fork_rng(devices=[]):
+        # reset_parameters writes every parameter from the seed: torch's default module init
+        # (draws from the global RNG it would overwrite) is skipped, and the global RNG forked in
+        # case a module draws anyway, so building a model never shifts the caller's random stream.
+        with torch.random.fork_rng(devices=[]), skip_default_init():
             self.embed = Embedding(cfg)
             self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
             self.head = Head(cfg)

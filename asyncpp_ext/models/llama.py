@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BlockModel, ProjectionHead, init_normal_
+from .base import BlockModel, ProjectionHead, init_normal_, skip_default_init
 
 NATIVE_GQA_DEVICES = ("cuda",) if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5) else ()
 """Devices where attention hands grouped-query key/value heads to SDPA as they are
@@ -338,9 +338,10 @@ class Llama(BlockModel):
         super().__init__()
         cfg.validate()
         self.config = cfg
-        # torch's default module init draws from the global RNG; fork it so building a model
-        # never shifts the caller's random stream (reset_parameters overwrites those values).
-        with torch.random.fork_rng(devices=[]):
+        # reset_parameters writes every parameter from the seed: torch's default module init
+        # (draws from the global RNG it would overwrite) is skipped, and the global RNG forked in
+        # case a module draws anyway, so building a model never shifts the caller's random stream.
+        with torch.random.fork_rng(devices=[]), skip_default_init():
             self.embed = LlamaEmbedding(cfg)
             self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
             self.head = LlamaHead(cfg)
