@@ -31,7 +31,7 @@ if os.environ.get("GPU_THROUGHPUT_GATED"):  # started ahead: the imports now, th
     import matplotlib.pyplot
     if os.environ["GPU_THROUGHPUT_GATED"] == "forkserver":
         from asyncpp_ext.pipeline.launch import start_forkserver_early
-        start_forkserver_early()
+        start_forkserver_early(("asyncpp_ext.training.distributed", "torch._inductor.compile_fx"))
     sys.path.insert(0, os.environ["GPU_THROUGHPUT_BENCH_DIR"])
     from row_process import wait_for_turn
     sys.path.pop(0)  # the run itself sees the path a row started at its turn would

@@ -15,7 +15,8 @@ def report_environment(out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"value": os.environ.get("ASYNCPP_TEST_VALUE"), "parent": os.getppid(),
                    "per_launch": os.environ.get("PYTEST_ASYNCPP_PROBE"), "cwd": os.getcwd(),
-                   "dynamo_loaded": "torch._dynamo" in sys.modules}, f)
+                   "dynamo_loaded": "torch._dynamo" in sys.modules,
+                   "training_loaded": "asyncpp_ext.training.distributed" in sys.modules}, f)
 
 
 def say(word: str) -> None:
@@ -123,10 +124,12 @@ def test_a_forkserver_started_early_is_the_one_the_launch_forks_from(tmp_path, m
         pytest.skip("no forkserver on this platform")
     monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
     monkeypatch.setenv("ASYNCPP_TEST_VALUE", "early")  # an environment no earlier test's server started under
-    assert launch.start_forkserver_early()
+    assert launch.start_forkserver_early(preload=("asyncpp_ext.training.distributed",))
     early = mp.forkserver._forkserver._forkserver_pid
     assert early is not None
     ranks = _launch_and_read(tmp_path, "ranks")
     assert {r["parent"] for r in ranks} == {early} and [r["value"] for r in ranks] == ["early"] * 2
+    # the server's own preload, with the module asked for (which nothing else here imports)
+    assert all(r["dynamo_loaded"] and r["training_loaded"] for r in ranks)
     monkeypatch.setenv(launch.START_METHOD_ENV, "spawn")
     assert not launch.start_forkserver_early()  # ranks would not start from a server
