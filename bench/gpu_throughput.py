@@ -90,7 +90,7 @@ from throughput_report import (HEAD_LOSS_REL_TOL, finish_row, format_report, hea
                                loss_check, ratios, steady_tokens_per_s, targets, variant_checks)
 from throughput_rows import (PROG, RESULT_TAG, ROOT, head_row, ours_command, start_row,  # noqa: E402,F401
                              run_ours, run_worker_row)
-from row_process import RowProcess  # noqa: E402
+from row_process import RowProcess, beside_measured  # noqa: E402
 from throughput_workers import build_hf_model, head_mode, worker_main  # noqa: E402,F401
 from throughput_plan import (DEFAULTS, HEAD_SHAPE, SMOKE_HEAD_SHAPE, build_plan, detect_cli_flags,  # noqa: E402,F401
                              head_loss_available, row)
@@ -299,6 +299,10 @@ def run(args) -> dict:
             else:
                 r = run_ours(r, args, flags, work, proc) if r["impl"] == "ours" else run_worker_row(r, args, proc)
             done.append(finish_row(r, args, peak))
+            if len(done) > 1 and done[-2].get("times") is not r.get("times"):  # a row's own process
+                note = beside_measured(done[-2], r, args.warmup)  # its start-up overlapped them
+                if note:
+                    done[-2]["notes"] = [*done[-2].get("notes", []), note]
             if r.get("status") != "ok":
                 print(f"    {r['status']}: {r.get('error')}", file=sys.stderr, flush=True)
             if args.json:  # rows so far, in case the run is cut short; the full report replaces it

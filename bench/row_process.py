@@ -253,6 +253,28 @@ def timeline(res: dict, clock_start: float | None, elapsed: list, clock_end: flo
     return t
 
 
+def wall_times(res: dict, clock_start: float | None) -> dict:
+    """A row's process on the wall clock (Unix seconds): started, ready (started ahead), turn, its
+    steps' clock start, ended -- what ``beside_measured`` sets side by side."""
+    times = {k: res.get(k) for k in ("started", "ready", "turn", "ended")}
+    times["clock_start"] = clock_start
+    return {k: round(v, 3) for k, v in times.items() if v is not None}
+
+
+def beside_measured(row: dict, later: dict, warmup: int) -> str | None:
+    """A note for ``row`` when ``later``'s process, started ahead, was still importing while
+    ``row``'s measured steps ran (on the CPU only: it waits for its turn before the device), or
+    None. Both rows carry ``times`` (wall_times) and ``row`` its steps' ``elapsed_s``."""
+    t, u, elapsed = row.get("times") or {}, later.get("times") or {}, row.get("elapsed_s") or []
+    if "clock_start" not in t or "ready" not in u or len(elapsed) <= warmup or warmup < 1:
+        return None
+    first, last = t["clock_start"] + elapsed[warmup - 1], t["clock_start"] + elapsed[-1]
+    overlap = min(u["ready"], last) - max(u["started"], first)
+    if overlap <= 0:
+        return None
+    return f"the next row's process imported beside {overlap:.1f} s of its {last - first:.1f} s of measured steps"
+
+
 def _kill_process_group(proc) -> None:
     from asyncpp_ext.gpu_check.runner import kill_process_group  # the package, once the root is on sys.path
     kill_process_group(proc)

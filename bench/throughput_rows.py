@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from row_process import ROOT, RowProcess, timeline  # noqa: F401 (ROOT: re-exported)
+from row_process import ROOT, RowProcess, timeline, wall_times  # noqa: F401 (ROOT: re-exported)
 from throughput_model import hf_config_dict, model_shape
 
 PROG = "gpu_throughput.py"
@@ -258,7 +258,7 @@ def run_ours(r: dict, args, flags: dict, work: Path, proc: RowProcess | None = N
     # the steps' clock on the wall clock (a resumed run's elapsed_s would count its earlier runs;
     # the bench's runs start fresh)
     clock = metrics[0]["time"] - metrics[0]["elapsed_s"] if metrics and "time" in metrics[0] else None
-    r["timeline"] = timeline(res, clock, r["elapsed_s"])
+    r["timeline"], r["times"] = timeline(res, clock, r["elapsed_s"]), wall_times(res, clock)
     peak = json.loads(peak_file.read_text()) if peak_file.exists() else {}
     if multi:
         r["peak_bytes"], r["peak_kind"] = res["sampled_peak"], res["sampled_kind"]
@@ -301,7 +301,9 @@ def run_worker_row(r: dict, args, proc: RowProcess | None = None) -> dict:
         r["status"], r["error"] = failure_text(res, args.row_timeout)
         return r
     out = json.loads(found[-1])
-    r["timeline"] = timeline(res, out.pop("clock_start", None), out.get("elapsed_s") or [], out.pop("clock_end", None))
+    clock = out.pop("clock_start", None)
+    r["timeline"] = timeline(res, clock, out.get("elapsed_s") or [], out.pop("clock_end", None))
+    r["times"] = wall_times(res, clock)
     r.update(out)
     if out.get("status") != "ok":
         r.setdefault("error", "failed")
@@ -310,7 +312,8 @@ def run_worker_row(r: dict, args, proc: RowProcess | None = None) -> dict:
 
 def head_row(r: dict, worker: dict) -> dict:
     """The head-loss row of one mode from the worker that measured every mode."""
-    r.update(wall_s=worker.get("wall_s"), command=worker.get("command"), timeline=worker.get("timeline"))
+    r.update(wall_s=worker.get("wall_s"), command=worker.get("command"), timeline=worker.get("timeline"),
+             times=worker.get("times"))
     r["notes"] = [*r.get("notes", []), *worker.get("notes", [])]  # one process measured every mode: its warnings are each row's
     if worker.get("status") != "ok":
         r["status"], r["error"] = worker.get("status", "error"), worker.get("error")

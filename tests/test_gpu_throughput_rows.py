@@ -250,3 +250,16 @@ def test_a_stopped_bench_takes_its_running_row_with_it(tmp_path):
         for g in groups or ():
             if in_group(g):
                 os.killpg(g, signal.SIGKILL)
+
+
+def test_a_row_says_when_the_next_rows_start_up_ran_beside_its_measured_steps():
+    # the row's steps' clock started at 100; warm-up 2 steps ended at +10, measured steps until +14
+    row = dict(times=dict(started=90.0, turn=90.0, clock_start=100.0, ended=115.0),
+               elapsed_s=[5.0, 10.0, 12.0, 14.0])
+    later = dict(times=dict(started=90.0, ready=111.5, turn=115.0))  # importing until 111.5
+    assert rp.beside_measured(row, later, warmup=2) == ("the next row's process imported beside 1.5 s of "
+                                                       "its 4.0 s of measured steps")
+    assert rp.beside_measured(row, dict(times=dict(started=90.0, ready=109.0, turn=115.0)), 2) is None  # ready before
+    assert rp.beside_measured(row, dict(times=dict(started=115.0, turn=115.0)), 2) is None  # not started ahead
+    res = dict(started=90.0, ready=None, turn=90.5, ended=115.0)
+    assert rp.wall_times(res, 100.0) == dict(started=90.0, turn=90.5, ended=115.0, clock_start=100.0)

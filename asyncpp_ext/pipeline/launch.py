@@ -277,14 +277,19 @@ def _forkserver_for_this_environment() -> bool:
 def start_forkserver_early(preload: tuple = ()) -> bool:
     """Start now the forkserver the next ``spawn`` would start (its imports take seconds), so that
     a process waiting for its turn -- a benchmark's next run, say -- has it ready, with ``preload``'s
-    modules imported too (what its ranks will import: their function's module, inductor's). The
-    launch reuses it while the environment stays as it is now (``_forkserver_for_this_environment``).
-    True if a forkserver runs; False where ranks start another way."""
+    modules imported too (what its ranks will import: their function's module, inductor's); returns
+    once it is ready. The launch reuses it while the environment stays as it is now
+    (``_forkserver_for_this_environment``). True if a forkserver runs; False where ranks start
+    another way."""
     if _context().get_start_method() != "forkserver":
         return False
     if preload and mp.forkserver._forkserver._forkserver_pid is None:  # a running one keeps its imports
         mp.set_forkserver_preload(_FORKSERVER_PRELOAD + [m for m in preload if m not in _FORKSERVER_PRELOAD])
-    mp.forkserver.ensure_running()
+    # One child forked and gone: the server forks only once its imports are done, so this returns
+    # with the server ready, not still importing beside whatever runs next.
+    child = mp.get_context("forkserver").Process(target=int, daemon=True)
+    child.start()
+    child.join()
     return True
 
 
