@@ -58,13 +58,22 @@ def signals_held():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = []
-    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+    held, which = [], {signal.SIGTERM, signal.SIGINT}
+    # (blocked while the handlers change, so that no signal lands between two of them)
+    signal.pthread_sigmask(signal.SIG_BLOCK, which)
+    try:
+        previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in which}
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, which)
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_BLOCK, which)
+        try:
+            for s, handler in previous.items():  # None: a handler not set from Python; the default
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, which)
         for s in held:
             signal.raise_signal(s)
 
@@ -184,7 +193,7 @@ class RowProcess:
         self.finished = True
         self._forget()
         ready = [ln[len(READY_TAG):].split() for ln in stdout.splitlines() if ln.startswith(READY_TAG)]
-        notes = ["initialised CUDA before its turn: its context counted in the row before's memory"
+        notes = ["initialised CUDA before its turn: its context was in device memory beside the row before"
                  for fields in ready if "cuda" in fields[1:]]
         return dict(rc=None if timed_out else self.proc.returncode, stdout=stdout, stderr=stderr,
                     seconds=time.monotonic() - start, sampled_peak=sampler.peak if sampler else None,
@@ -253,11 +262,11 @@ def timeline(res: dict, clock_start: float | None, elapsed: list, clock_end: flo
     return t
 
 
-def wall_times(res: dict, clock_start: float | None) -> dict:
+def wall_times(res: dict, clock_start: float | None, clock_end: float | None = None) -> dict:
     """A row's process on the wall clock (Unix seconds): started, ready (started ahead), turn, its
-    steps' clock start, ended -- what ``beside_measured`` sets side by side."""
+    clock's start (and end, a row without steps), ended -- what ``beside_measured`` sets side by side."""
     times = {k: res.get(k) for k in ("started", "ready", "turn", "ended")}
-    times["clock_start"] = clock_start
+    times.update(clock_start=clock_start, clock_end=clock_end)
     return {k: round(v, 3) for k, v in times.items() if v is not None}
 
 
@@ -266,13 +275,18 @@ def beside_measured(row: dict, later: dict, warmup: int) -> str | None:
     ``row``'s measured steps ran (on the CPU only: it waits for its turn before the device), or
     None. Both rows carry ``times`` (wall_times) and ``row`` its steps' ``elapsed_s``."""
     t, u, elapsed = row.get("times") or {}, later.get("times") or {}, row.get("elapsed_s") or []
-    if "clock_start" not in t or "ready" not in u or len(elapsed) <= warmup or warmup < 1:
+    if "clock_start" not in t or "ready" not in u:
         return None
-    first, last = t["clock_start"] + elapsed[warmup - 1], t["clock_start"] + elapsed[-1]
+    if "clock_end" in t:  # a row without steps (the head-loss pair): all of its measuring
+        first, last, what = t["clock_start"], t["clock_end"], "measuring"
+    elif len(elapsed) > warmup >= 1:
+        first, last, what = t["clock_start"] + elapsed[warmup - 1], t["clock_start"] + elapsed[-1], "measured steps"
+    else:
+        return None
     overlap = min(u["ready"], last) - max(u["started"], first)
     if overlap <= 0:
         return None
-    return f"the next row's process imported beside {overlap:.1f} s of its {last - first:.1f} s of measured steps"
+    return f"the next row's process imported beside {overlap:.1f} s of its {last - first:.1f} s of {what}"
 
 
 def _kill_process_group(proc) -> None:

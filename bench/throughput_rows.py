@@ -34,7 +34,7 @@ if os.environ.get("GPU_THROUGHPUT_GATED"):  # started ahead: the imports now, th
         start_forkserver_early(("asyncpp_ext.training.distributed", "torch._inductor.compile_fx"))
     sys.path.insert(0, os.environ["GPU_THROUGHPUT_BENCH_DIR"])
     from row_process import wait_for_turn
-    sys.path.pop(0)  # the run itself sees the path a row started at its turn would
+    sys.path.remove(os.environ["GPU_THROUGHPUT_BENCH_DIR"])  # the run sees the path a row started at its turn would
     wait_for_turn()
 rc = 1
 try:
@@ -301,9 +301,9 @@ def run_worker_row(r: dict, args, proc: RowProcess | None = None) -> dict:
         r["status"], r["error"] = failure_text(res, args.row_timeout)
         return r
     out = json.loads(found[-1])
-    clock = out.pop("clock_start", None)
-    r["timeline"] = timeline(res, clock, out.get("elapsed_s") or [], out.pop("clock_end", None))
-    r["times"] = wall_times(res, clock)
+    clock, clock_end = out.pop("clock_start", None), out.pop("clock_end", None)
+    r["timeline"] = timeline(res, clock, out.get("elapsed_s") or [], clock_end)
+    r["times"] = wall_times(res, clock, clock_end)
     r.update(out)
     if out.get("status") != "ok":
         r.setdefault("error", "failed")

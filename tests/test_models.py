@@ -64,6 +64,21 @@ def test_init_is_deterministic_per_seed_and_leaves_global_rng_alone():
             assert not torch.equal(pa, pc), name
 
 
+def test_the_default_module_init_is_skipped_and_the_values_are_the_same(monkeypatch):
+    # as for Llama (tests/test_llama.py): reset_parameters writes every parameter (biases zero,
+    # LayerNorms at identity), so the build skips torch's default draws and equals one that ran them
+    import contextlib
+
+    from asyncpp_ext.models import gpt as gpt_module
+
+    fast = GPT(TINY, seed=4)
+    monkeypatch.setattr(gpt_module, "skip_default_init", contextlib.nullcontext)
+    slow = GPT(TINY, seed=4)
+    fast_state, slow_state = fast.state_dict(), slow.state_dict()
+    assert fast_state.keys() == slow_state.keys()
+    assert all(torch.equal(fast_state[k], slow_state[k]) for k in fast_state)
+
+
 def test_loss_is_mean_cross_entropy_and_starts_near_uniform():
     model = GPT(TINY, seed=0)
     gen = torch.Generator().manual_seed(2)

@@ -286,7 +286,9 @@ def start_forkserver_early(preload: tuple = ()) -> bool:
     if preload and mp.forkserver._forkserver._forkserver_pid is None:  # a running one keeps its imports
         mp.set_forkserver_preload(_FORKSERVER_PRELOAD + [m for m in preload if m not in _FORKSERVER_PRELOAD])
     # One child forked and gone: the server forks only once its imports are done, so this returns
-    # with the server ready, not still importing beside whatever runs next.
+    # with the server ready, not still importing beside whatever runs next. (Like every process
+    # started from a forkserver, the child imports the caller's __main__ module where it has a
+    # file: a script calling this needs the usual `if __name__ == "__main__":` guard.)
     child = mp.get_context("forkserver").Process(target=int, daemon=True)
     child.start()
     child.join()
