@@ -13,7 +13,7 @@ nccl-tests reports it. After timing, every received buffer is compared with what
 Our side is driven the way the executor drives it: payloads through the stage's MessageBoard (a
 send's tensor handed over, receives into reused slots), post, then wait.
 
-    python bench/p2p.py [--backend socket|gloo|nccl|ipc|ipc-cuda] [--max-mib 64] [--json]
+    python bench/p2p.py [--backend socket|gloo|nccl|ipc|ipc-cuda] [--max-mib 64] [--iters 300] [--json]
 """
 from __future__ import annotations
 
@@ -100,8 +100,9 @@ def pattern(count: int, rank: int, device) -> torch.Tensor:
     return ((torch.arange(count, dtype=torch.float32) % 997) + 1000 * (rank + 1)).to(device)
 
 
-def iterations(nbytes: int) -> int:
-    return max(5, min(300, (256 << 20) // max(nbytes, 1)))
+def iterations(nbytes: int, most: int = 300) -> int:
+    """Timed round trips of an ``nbytes`` message: 256 MiB's worth, at least 5, at most ``most``."""
+    return max(min(5, most), min(most, (256 << 20) // max(nbytes, 1)))
 
 
 def sync(device) -> None:
@@ -177,7 +178,7 @@ def time_torch(payload: torch.Tensor, rank: int, iters: int, device, group, via_
     return elapsed / iters / 2, ok
 
 
-def worker(backend: str, sizes: list, out_path: str) -> None:
+def worker(backend: str, sizes: list, out_path: str, most_iters: int = 300) -> None:
     rank, _ = init_distributed(120)
     device = (torch.device("cuda", rank) if backend == "nccl" else torch.device("cuda", 0) if backend == "ipc-cuda"
               else torch.device("cpu"))
@@ -187,7 +188,7 @@ def worker(backend: str, sizes: list, out_path: str) -> None:
         count = nbytes // 4
         payload = pattern(count, rank, device)
         ours = PingPong(backend, rank, payload)
-        iters = iterations(nbytes)
+        iters = iterations(nbytes, most_iters)
         ours_s, ours_ok = time_ours(ours, rank, iters, device)
         ours.close()
         dist.barrier()
@@ -234,6 +235,9 @@ def main(argv=None) -> int:
                         help="default: nccl with 2 GPUs and NCCL loadable, else socket")
     parser.add_argument("--min-kib", type=int, default=1, help="smallest message (KiB, default 1)")
     parser.add_argument("--max-mib", type=int, default=64, help="largest message (MiB, default 64)")
+    parser.add_argument("--iters", type=int, default=300,
+                        help="at most this many timed round trips per size (default 300; each size times "
+                             "256 MiB's worth, at least 5)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args(argv)
     backend = args.backend or default_backend()
@@ -241,6 +245,8 @@ def main(argv=None) -> int:
     problem = None
     if args.min_kib < 1 or args.max_mib * 1024 < args.min_kib:
         problem = "need 1 <= --min-kib <= --max-mib * 1024"
+    elif args.iters < 1:
+        problem = f"--iters must be at least 1, got {args.iters}"
     elif backend == "ipc-cuda" and gpus < 1:
         problem = "--backend ipc-cuda puts both ranks on one GPU, but torch sees none; use --backend ipc"
     elif backend == "nccl" and gpus < 2:
@@ -255,7 +261,7 @@ def main(argv=None) -> int:
     spin_us, spin_setting = recv_spin_of_local_launch(2)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        spawn(worker, 2, (backend, sizes, out))
+        spawn(worker, 2, (backend, sizes, out, args.iters))
         with open(out) as f:
             rows = json.load(f)
     if args.json:
