@@ -280,8 +280,8 @@ def run(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     done, head_results, ahead = [], None, None
     # Rows that start a process of their own: the head-loss pair shares one (it measures every mode).
-    own = [i for i, r in enumerate(rows) if r["impl"] != "head" or i == min(k for k, q in enumerate(rows)
-                                                                           if q["impl"] == "head")]
+    first_head = next((i for i, r in enumerate(rows) if r["impl"] == "head"), None)
+    own = [i for i, r in enumerate(rows) if r["impl"] != "head" or i == first_head]
     try:
         for i, r in enumerate(rows):
             print(f"[{i + 1}/{len(rows)}] {r['name']} {r['model']} T={r['seq_len']} ...", file=sys.stderr, flush=True)
