@@ -64,16 +64,23 @@ def test_init_is_deterministic_per_seed_and_leaves_global_rng_alone():
             assert not torch.equal(pa, pc), name
 
 
-def test_the_default_module_init_is_skipped_and_the_values_are_the_same(monkeypatch):
-    # as for Llama (tests/test_llama.py): reset_parameters writes every parameter (biases zero,
-    # LayerNorms at identity), so the build skips torch's default draws and equals one that ran them
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_the_default_module_init_is_skipped_and_the_values_are_the_same(family, monkeypatch):
+    # reset_parameters writes every parameter (GPT's biases zero and LayerNorms at identity,
+    # Llama's norms at one), so the build skips torch's default draws and equals one that ran them
     import contextlib
+    import importlib
 
-    from asyncpp_ext.models import gpt as gpt_module
+    from asyncpp_ext.models import Llama, llama_preset_config
 
-    fast = GPT(TINY, seed=4)
-    monkeypatch.setattr(gpt_module, "skip_default_init", contextlib.nullcontext)
-    slow = GPT(TINY, seed=4)
+    def build():
+        if family == "gpt":
+            return GPT(TINY, seed=4)
+        return Llama(llama_preset_config("llama-tiny", n_layer=3, intermediate_size=96), seed=4)
+    fast = build()
+    monkeypatch.setattr(importlib.import_module(f"asyncpp_ext.models.{family}"), "skip_default_init",
+                        contextlib.nullcontext)
+    slow = build()
     fast_state, slow_state = fast.state_dict(), slow.state_dict()
     assert fast_state.keys() == slow_state.keys()
     assert all(torch.equal(fast_state[k], slow_state[k]) for k in fast_state)
