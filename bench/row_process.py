@@ -147,7 +147,6 @@ class RowProcess:
     def __init__(self, cmd: list, gated: str | None = None):
         self.cmd, self.started = cmd, time.time()
         self.gated = bool(gated)
-        self.finished = False  # finish() has run: the process has ended and its output is read
         # Output to files, not pipes: the row ends when its first process does. What it leaves
         # behind in its group (a launcher's fork server, inductor's compile workers) would hold a pipe
         # open until it exits by itself; it is killed instead, its work being done.
@@ -190,7 +189,6 @@ class RowProcess:
                 sampler.__exit__(None, None, None)
         ended = time.time()
         stdout, stderr = self._read()
-        self.finished = True
         self._forget()
         ready = [ln[len(READY_TAG):].split() for ln in stdout.splitlines() if ln.startswith(READY_TAG)]
         notes = ["initialised CUDA before its turn: its context was in device memory beside the row before"
@@ -241,33 +239,35 @@ def run_process(cmd: list, timeout: float, sampler_device: str | None = None) ->
     return RowProcess(cmd).finish(timeout, sampler_device)
 
 
-def timeline(res: dict, clock_start: float | None, elapsed: list, clock_end: float | None = None) -> dict:
-    """Where a row's wall time went, in seconds: ``ahead`` (a process started ahead: from its start
-    to its gate, overlapped with the row before), ``start`` (from its turn to its clock: imports,
-    device and model set-up, a launcher's ranks), ``first_step`` (compiles, captures, warm-up
-    allocations), ``steps`` (the rest of its steps), ``end`` (from the last step to the process's
-    end). ``clock_start``: the wall-clock time its steps are counted from. A row without steps (the
-    head-loss pair) has ``work`` from ``clock_start`` to ``clock_end`` instead."""
-    t = {}
-    if res.get("ready") is not None:  # what it did before its turn (a process ready late did the rest after)
-        t["ahead"] = round(min(res["ready"], res["turn"]) - res["started"], 2)
-    if clock_start is None:
-        return t
-    t["start"] = round(clock_start - res["turn"], 2)
-    if elapsed:
-        t.update(first_step=round(elapsed[0], 2), steps=round(elapsed[-1] - elapsed[0], 2),
-                 end=round(res["ended"] - clock_start - elapsed[-1], 2))
-    elif clock_end is not None:
-        t.update(work=round(clock_end - clock_start, 2), end=round(res["ended"] - clock_end, 2))
-    return t
-
-
 def wall_times(res: dict, clock_start: float | None, clock_end: float | None = None) -> dict:
     """A row's process on the wall clock (Unix seconds): started, ready (started ahead), turn, its
-    clock's start (and end, a row without steps), ended -- what ``beside_measured`` sets side by side."""
+    clock's start (and end, a row without steps), ended -- what ``timeline`` and ``beside_measured``
+    read."""
     times = {k: res.get(k) for k in ("started", "ready", "turn", "ended")}
     times.update(clock_start=clock_start, clock_end=clock_end)
     return {k: round(v, 3) for k, v in times.items() if v is not None}
+
+
+def timeline(times: dict, elapsed: list) -> dict:
+    """Where a row's wall time went, in seconds, from its ``times`` (wall_times) and its steps'
+    ``elapsed``: ``ahead`` (a process started ahead: from its start to its gate, overlapped with
+    the row before), ``start`` (from its turn to its clock: imports, device and model set-up, a
+    launcher's ranks), ``first_step`` (compiles, captures, warm-up allocations), ``steps`` (the
+    rest of its steps), ``end`` (from the last step to the process's end). A row without steps
+    (the head-loss pair) has ``work`` from its clock's start to its end instead."""
+    t = {}
+    if "ready" in times:  # what it did before its turn (a process ready late did the rest after)
+        t["ahead"] = round(min(times["ready"], times["turn"]) - times["started"], 2)
+    if "clock_start" not in times:
+        return t
+    clock = times["clock_start"]
+    t["start"] = round(clock - times["turn"], 2)
+    if elapsed:
+        t.update(first_step=round(elapsed[0], 2), steps=round(elapsed[-1] - elapsed[0], 2),
+                 end=round(times["ended"] - clock - elapsed[-1], 2))
+    elif "clock_end" in times:
+        t.update(work=round(times["clock_end"] - clock, 2), end=round(times["ended"] - times["clock_end"], 2))
+    return t
 
 
 def beside_measured(row: dict, later: dict, warmup: int) -> str | None:

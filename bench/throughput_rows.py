@@ -258,7 +258,8 @@ def run_ours(r: dict, args, flags: dict, work: Path, proc: RowProcess | None = N
     # the steps' clock on the wall clock (a resumed run's elapsed_s would count its earlier runs;
     # the bench's runs start fresh)
     clock = metrics[0]["time"] - metrics[0]["elapsed_s"] if metrics and "time" in metrics[0] else None
-    r["timeline"], r["times"] = timeline(res, clock, r["elapsed_s"]), wall_times(res, clock)
+    r["times"] = wall_times(res, clock)
+    r["timeline"] = timeline(r["times"], r["elapsed_s"])
     peak = json.loads(peak_file.read_text()) if peak_file.exists() else {}
     if multi:
         r["peak_bytes"], r["peak_kind"] = res["sampled_peak"], res["sampled_kind"]
@@ -302,8 +303,8 @@ def run_worker_row(r: dict, args, proc: RowProcess | None = None) -> dict:
         return r
     out = json.loads(found[-1])
     clock, clock_end = out.pop("clock_start", None), out.pop("clock_end", None)
-    r["timeline"] = timeline(res, clock, out.get("elapsed_s") or [], clock_end)
     r["times"] = wall_times(res, clock, clock_end)
+    r["timeline"] = timeline(r["times"], out.get("elapsed_s") or [])
     r.update(out)
     if out.get("status") != "ok":
         r.setdefault("error", "failed")

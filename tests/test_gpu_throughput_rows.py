@@ -148,8 +148,8 @@ def test_a_process_started_ahead_waits_for_its_turn():
     turn_seen = float(res["stdout"].split("turn at")[1])
     assert res["started"] < res["ready"] < res["turn"] <= turn_seen + 0.01 <= res["ended"] + 0.01
     assert res["turn"] - res["ready"] > 1.0  # it sat at the gate
-    t = rp.timeline(res, None, [])
-    assert t == {"ahead": round(res["ready"] - res["started"], 2)}
+    times = rp.wall_times(res, None)
+    assert rp.timeline(times, []) == {"ahead": round(times["ready"] - times["started"], 2)}
 
 
 def test_a_process_started_ahead_leaves_when_its_turn_never_comes():
@@ -179,10 +179,11 @@ def test_a_process_that_touches_the_device_before_its_turn_says_so():
 def test_a_row_timeline_splits_its_wall_time_at_its_clock():
     res = dict(started=100.0, ready=104.0, turn=110.0, ended=150.0)
     # the steps' clock started at 115 (5 s of set-up from the turn); steps ended at +20, +21, +22
-    assert rp.timeline(res, 115.0, [20.0, 21.0, 22.0]) == dict(ahead=4.0, start=5.0, first_step=20.0, steps=2.0,
-                                                                end=13.0)
+    assert rp.timeline(rp.wall_times(res, 115.0), [20.0, 21.0, 22.0]) == dict(ahead=4.0, start=5.0, first_step=20.0,
+                                                                               steps=2.0, end=13.0)
     # a row without steps (the head-loss pair): its work from clock start to end
-    assert rp.timeline(dict(res, ready=None), 112.0, [], 140.0) == dict(start=2.0, work=28.0, end=10.0)
+    assert rp.timeline(rp.wall_times(dict(res, ready=None), 112.0, 140.0), []) == dict(start=2.0, work=28.0,
+                                                                                      end=10.0)
 
 
 def _processes_mentioning(text: str) -> list[int]:
