@@ -28,6 +28,8 @@ sequences; --tokens). Variants (all the same arithmetic; only kernels and their 
   rotary-btd            compiled, with rotary positions applied to q and k in the projections'
                         (B, T, heads, D) layout before the heads move to the front for attention
   separate-qkv          compiled, with q, k and v as three products instead of one stacked product
+  separate-gate-up      compiled, with SwiGLU's gate and up as two products instead of one stacked
+                        product (the compiled blocks' form before they stacked them)
   coordinate-descent    compiled with inductor's coordinate_descent_tuning (each fused kernel's
                         launch configuration searched on the device)
   rotary-halves         compiled, rotary positions from the two halves of each head as slices
@@ -62,7 +64,8 @@ for path in (ROOT, ROOT / "bench"):  # the package, and the bench's sibling scri
 from asyncpp_ext.models.attention import attention_preference, resolve_attention  # noqa: E402
 from asyncpp_ext.models import concat_lowering  # noqa: E402
 from asyncpp_ext.models.compile import compile_blocks  # noqa: E402
-from asyncpp_ext.models.llama import Attention, LlamaBlock, apply_rotary, llama_init_, llama_preset_config  # noqa: E402
+from asyncpp_ext.models.llama import (Attention, LlamaBlock, SwiGLU, apply_rotary, llama_init_,  # noqa: E402
+                                      llama_preset_config)
 from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
 from asyncpp_ext.training.profiling import trace_calls  # noqa: E402
@@ -129,6 +132,13 @@ class ExpandedKVAttention(Attention):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
 
 
+class SeparateGateUpSwiGLU(SwiGLU):
+    """SwiGLU with gate and up as two products when compiled too."""
+
+    def project(self, x):
+        return self.gate_proj(x), self.up_proj(x)
+
+
 class ExpandedKVBlock(LlamaBlock):
     pass
 
@@ -145,23 +155,29 @@ class RotaryHalvesBlock(LlamaBlock):
     pass
 
 
-# name -> (block class, attention class or None, compile_blocks keyword arguments or None = eager)
+class SeparateGateUpBlock(LlamaBlock):
+    pass
+
+
+# name -> (block class, {submodule: its class} for the forms with code of their own, compile_blocks
+# keyword arguments or None = eager)
 VARIANTS = {
-    "eager": (LlamaBlock, None, None),
-    "compiled": (LlamaBlock, None, {}),
+    "eager": (LlamaBlock, {}, None),
+    "compiled": (LlamaBlock, {}, {}),
     # inductor's own concatenations: a cat of few inputs fused into its consumer as masked loads
     # (the backward's q/k/v gradient with the rotary backward: 85 us at smollm-360m where the
     # compiled default's kernels take ~40); second, so that a run cut short keeps it
-    "cat-fused": (LlamaBlock, None, {"options": inductor_preset("cat-fused")}),
-    "combo-kernels": (LlamaBlock, None, {"options": inductor_preset("combo-kernels")}),
-    "pdl": (LlamaBlock, None, {"options": inductor_preset("pdl")}),
-    "mix-order-64": (LlamaBlock, None, {"options": inductor_preset("mix-order-64")}),
-    "rotary-btd": (RotaryBTDBlock, RotaryBTDAttention, {}),
-    "separate-qkv": (SeparateQKVBlock, SeparateQKVAttention, {}),
-    "coordinate-descent": (LlamaBlock, None, {"options": {"coordinate_descent_tuning": True}}),
-    "rotary-halves": (RotaryHalvesBlock, RotaryHalvesAttention, {}),
-    "expanded-kv": (ExpandedKVBlock, ExpandedKVAttention, {}),
-    "max-autotune": (LlamaBlock, None, {"mode": "max-autotune"}),
+    "cat-fused": (LlamaBlock, {}, {"options": inductor_preset("cat-fused")}),
+    "combo-kernels": (LlamaBlock, {}, {"options": inductor_preset("combo-kernels")}),
+    "pdl": (LlamaBlock, {}, {"options": inductor_preset("pdl")}),
+    "mix-order-64": (LlamaBlock, {}, {"options": inductor_preset("mix-order-64")}),
+    "rotary-btd": (RotaryBTDBlock, {"attn": RotaryBTDAttention}, {}),
+    "separate-qkv": (SeparateQKVBlock, {"attn": SeparateQKVAttention}, {}),
+    "separate-gate-up": (SeparateGateUpBlock, {"mlp": SeparateGateUpSwiGLU}, {}),
+    "coordinate-descent": (LlamaBlock, {}, {"options": {"coordinate_descent_tuning": True}}),
+    "rotary-halves": (RotaryHalvesBlock, {"attn": RotaryHalvesAttention}, {}),
+    "expanded-kv": (ExpandedKVBlock, {"attn": ExpandedKVAttention}, {}),
+    "max-autotune": (LlamaBlock, {}, {"mode": "max-autotune"}),
 }
 
 
@@ -180,10 +196,10 @@ CUDA_DEFAULT = [v for v in VARIANTS if v != "max-autotune" and not missing_optio
 
 
 def build_block(variant: str, cfg, reference: LlamaBlock, device) -> torch.nn.Module:
-    cls, attn_cls, _ = VARIANTS[variant]
+    cls, parts, _ = VARIANTS[variant]
     block = cls(cfg)
-    if attn_cls is not None:
-        block.attn = attn_cls(cfg)
+    for name, part in parts.items():
+        setattr(block, name, part(cfg))
     block.load_state_dict(reference.state_dict())
     return block.to(device)
 

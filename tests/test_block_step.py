@@ -65,11 +65,36 @@ def test_variants_compute_what_the_library_computes():
     cfg = llama_preset_config("llama-tiny")
     reference = LlamaBlock(cfg)
     h = torch.randn(2, cfg.seq_len, cfg.n_embd)
-    own = [name for name, (_, attention, _) in bench.VARIANTS.items() if attention is not None]
-    assert own == ["rotary-btd", "separate-qkv", "rotary-halves", "expanded-kv"]
+    own = [name for name, (_, parts, _) in bench.VARIANTS.items() if parts]
+    assert own == ["rotary-btd", "separate-qkv", "separate-gate-up", "rotary-halves", "expanded-kv"]
     for name in own:
         block = bench.build_block(name, cfg, reference, "cpu")
         torch.testing.assert_close(block(h), reference(h), rtol=0, atol=0, msg=name)
+
+
+def test_the_separate_forms_compile_to_more_products_than_the_library_block():
+    # the forms exist to measure the stacked products against separate ones: traced as a compile
+    # traces them, separate-qkv makes q, k and v three calls and separate-gate-up gate and up two
+    # (the library's block: 4 linear calls, q/k/v and gate/up stacked)
+    import torch._dynamo
+    from asyncpp_ext.models.llama import LlamaBlock, llama_preset_config
+
+    bench = load_bench_script("block_step")
+    cfg = llama_preset_config("llama-tiny")
+    reference = LlamaBlock(cfg)
+    x = torch.randn(2, 8, cfg.n_embd)
+    counts = {}
+    for name in ("compiled", "separate-qkv", "separate-gate-up"):
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(bench.build_block(name, cfg, reference, "cpu"), backend=record, fullgraph=True)(x)
+        counts[name] = len([n for n in graphs[0].graph.nodes if n.target is torch._C._nn.linear])
+    assert counts == {"compiled": 4, "separate-qkv": 6, "separate-gate-up": 5}
 
 
 def test_a_form_that_ran_eagerly_fails_its_check_and_says_whose_cat_lowering_ran(monkeypatch):

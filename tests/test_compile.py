@@ -471,9 +471,9 @@ def test_head_loss_chunk_passes_compiled_match_eager_and_fall_back():
 
 
 def test_compiled_llama_block_stacks_its_projections():
-    """Under compile a Llama block runs q/k/v as one product (llama.fused_linear) and gate and up
-    as two (their split's backward would not fuse, see fused_linear): 5 linear calls instead of 7,
-    with the same outputs up to float rounding."""
+    """Under compile a Llama block runs q/k/v as one product and gate/up as one
+    (llama.fused_linear): 4 linear calls instead of 7, with the same outputs up to float
+    rounding."""
     import torch._dynamo
     from asyncpp_ext.models.llama import LlamaBlock, fused_linear, llama_preset_config
 
@@ -488,8 +488,10 @@ def test_compiled_llama_block_stacks_its_projections():
     torch._dynamo.reset()
     got = torch.compile(block, backend=record, fullgraph=True)(x)
     linears = [n for n in graphs[0].graph.nodes if n.target is torch._C._nn.linear]
-    assert len(linears) == 5
-    assert len([n for n in graphs[0].graph.nodes if n.target is torch.cat]) == 1  # q/k/v's weights only
+    assert len(linears) == 4
+    assert len([n for n in graphs[0].graph.nodes if n.target is torch.cat]) == 2  # q/k/v's and gate/up's weights
     assert torch.allclose(got, block(x), atol=1e-6, rtol=1e-5)
     q, k, v = fused_linear(x, block.attn.q_proj, block.attn.k_proj, block.attn.v_proj)
     assert torch.allclose(q, block.attn.q_proj(x), atol=1e-6) and torch.allclose(v, block.attn.v_proj(x), atol=1e-6)
+    gate, up = fused_linear(x, block.mlp.gate_proj, block.mlp.up_proj)
+    assert torch.allclose(gate, block.mlp.gate_proj(x), atol=1e-6) and torch.allclose(up, block.mlp.up_proj(x), atol=1e-6)

@@ -94,6 +94,61 @@ def test_the_first_backward_widens_into_one_new_gradient_buffer():
         assert torch.equal(p.grad.view(torch.int32), w.view(torch.int32))
 
 
+def _compiled_grads(model, stack: bool, monkeypatch):
+    """The masters' float32 gradients after two microbatches through ``model``'s compute module
+    compiled block by block (a recording backend: the traced graphs run as traced), and the
+    blocks' graphs; ``stack=False`` builds the copies without stacked weights."""
+    from asyncpp_ext.models.compile import compile_blocks
+    from asyncpp_ext.models.graphs import GRADS_TAKEN
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with monkeypatch.context() as m:
+        if not stack:
+            m.setattr(ComputeCopies, "_stack", lambda self: [])
+        copies = ComputeCopies(model, torch.bfloat16)
+    assert getattr(copies.module, GRADS_TAKEN) >= {id(w) for w, _ in copies.stacked}
+    copies.refresh()
+    torch._dynamo.reset()
+    compile_blocks(copies.module, backend=record)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y = (torch.randint(0, 256, (2, 16), generator=g) for _ in range(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _loss("plain")(copies.module, x, y).backward()
+        copies.accumulate()
+    assert all(c.grad is None for c in copies.copies) and all(w.grad is None for w, _ in copies.stacked)
+    return copies, [p.grad.clone() for p in model.parameters()], graphs
+
+
+def test_compiled_blocks_multiply_by_the_stacked_copies_without_concatenating_them(monkeypatch):
+    """A compute module's attention and SwiGLU carry their q/k/v and gate/up copies stacked, as one
+    parameter over the copies' own buffer: compiled blocks multiply by it instead of concatenating
+    the weights per call, and the masters get the same gradients, bit for bit."""
+    import torch._dynamo
+    from asyncpp_ext.models.llama import Attention, SwiGLU
+
+    model = build_model(_llama(False), seed=0)
+    copies, stacked_grads, graphs = _compiled_grads(copy.deepcopy(model), True, monkeypatch)
+    owners = [m for m in copies.module.modules() if isinstance(m, (Attention, SwiGLU))]
+    assert len(owners) == 4 and len(copies.stacked) == 4
+    for owner in owners:
+        w = owner.stacked_weight
+        parts = [getattr(owner, n).weight for n in type(owner).stacked_projections]
+        assert w.untyped_storage().data_ptr() == copies.flat.untyped_storage().data_ptr()
+        assert w.data_ptr() == parts[0].data_ptr() and torch.equal(w, torch.cat(parts))
+    cats = sum(n.target is torch.cat for gm in graphs for n in gm.graph.nodes)
+    assert cats == 0
+    _, cat_grads, cat_graphs = _compiled_grads(copy.deepcopy(model), False, monkeypatch)
+    assert sum(n.target is torch.cat for gm in cat_graphs for n in gm.graph.nodes) == 2  # q/k/v, gate/up
+    for a, b in zip(stacked_grads, cat_grads):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def test_only_weights_owned_by_plain_linears_are_copied():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), _Scaled(4, 4), nn.LayerNorm(4),
                           nn.Linear(4, 10, bias=False), nn.Linear(4, 4))

@@ -193,32 +193,55 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
-def fused_linear(x: torch.Tensor, *projections: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """``tuple(p(x) for p in projections)`` as one matrix product with the weights stacked.
+STACKED_PROJECTIONS = "stacked_projections"
+"""Class attribute of a module whose compiled forward stacks some of its linear layers in one
+product (``fused_linear``): their attribute names, in stacking order."""
 
-    Used inside compiled blocks only: there the stacking is one kernel (under plain autocast it
-    fuses into the cast to the compute dtype made of every weight anyway; with the bf16 compute
-    copies, the default under bf16, it is a copy of the three weights, about 3 MB per layer and
-    microbatch at smollm-360m), and one wide GEMM (and two in backward) replaces a narrow one per
+STACKED_WEIGHT = "stacked_weight"
+"""Parameter a module with ``STACKED_PROJECTIONS`` may carry: those layers' weights already
+stacked, one tensor whose rows are theirs (pipeline/compute_copies.py registers one on a compute
+module, a view of the buffer where the copies lie side by side). ``fused_linear`` multiplies by it
+instead of concatenating the weights in every call."""
+
+
+def fused_linear(x: torch.Tensor, *projections: nn.Linear,
+                 stacked: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``tuple(p(x) for p in projections)`` as one matrix product with the weights stacked
+    (``stacked``: the stacked weight, where the caller holds one; else concatenated here).
+
+    Used inside compiled blocks only: there the stacking is free with the bf16 compute copies,
+    the default under bf16, which hand in ``stacked`` (``STACKED_WEIGHT``), and otherwise one
+    kernel (under plain autocast it fuses into the cast to the compute dtype made of every weight
+    anyway; in float32 a copy of the weights: at smollm-360m about 3 MB per layer and microbatch
+    for q/k/v, 9.8 MB for gate/up), and one wide GEMM (and two in backward) replaces a narrow one per
     projection -- fewer kernel launches, which bound a small model's step on a GPU, and better
     tiles. Eagerly the stacking would be one more
     copy per call, so eager blocks keep the plain projections (the results differ only in float
     rounding: the same dot products, possibly summed in another order).
 
-    Attention's q, k and v use it; SwiGLU's gate and up do not: the backward of the split is a
-    concatenation of the parts' gradients, which inductor lowers (CUDA's default) as one kernel
-    over the whole 2 x hidden row, and that kernel cannot fuse with the hidden-wide sigmoid(gate)
-    pass, which is then written out in float32 and read back. Two products instead: by inductor's
-    per-kernel byte estimates for one smollm-360m block (bf16 autocast, compute copies, torch 2.13
-    with CUDA's lowering of cat, generated on the CPU) the generated kernels move 133 KB per token
-    forward and backward instead of 156, at 6 KB more matmul input and output and a GEMM more
-    forward, two backward."""
-    weight = torch.cat([p.weight for p in projections])
+    Attention's q, k and v use it, and SwiGLU's gate and up. The backward of the split is a
+    concatenation of the parts' gradients; compiled blocks lower a concatenation as a kernel
+    that computes each part straight into its slice (models/compile_support.DEVICE_OPTIONS on
+    CUDA, inductor's own lowering on the CPU), so the SwiGLU backward writes the gate and up
+    gradients into the halves of one buffer in one pass, and one product (K = 2 x hidden) turns
+    them into the norm's input gradient: one bf16 activation less to write and to read back twice
+    (the norm's backward and its weight's gradient). By inductor's per-kernel byte estimates for
+    one smollm-360m block at 8192 tokens (bf16 autocast, compute copies, torch 2.13, generated on
+    the CPU), forward and backward move 251 KB per token with gate and up stacked against 259
+    with two products (generated kernels 139 against 141, matrix products 90 against 95), with 3
+    GEMMs fewer per layer and microbatch; 248 once the compute copies hand in the stacked weights
+    (no concatenation of the weights). Under inductor's pointwise lowering of a concatenation
+    (``max_pointwise_cat_inputs`` > 0, the bench's ``cat-fused`` row) the concatenation's kernel
+    cannot fuse with the SwiGLU backward and the stacked form moves more bytes than two products;
+    bench/block_step.py's ``separate-gate-up`` form measures two products against it."""
+    weight = stacked if stacked is not None else torch.cat([p.weight for p in projections])
     return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
 
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary positions, no biases."""
+
+    stacked_projections = ("q_proj", "k_proj", "v_proj")  # one product when compiled
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -237,7 +260,8 @@ class Attention(nn.Module):
         """(B, T, C) -> q, k, v, each (B, heads, T, D): views of the projections' (B, T, heads, D)."""
         b, t, _ = x.shape
         if torch.compiler.is_compiling():  # one product for q, k and v (see fused_linear)
-            q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
+            q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj,
+                                   stacked=getattr(self, STACKED_WEIGHT, None))
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return (q.view(b, t, self.n_head, self.head_dim).transpose(1, 2),
@@ -259,8 +283,10 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases; gate and up as two products, compiled too (see
-    fused_linear for why)."""
+    """down(silu(gate(x)) * up(x)), no biases; compiled, gate and up as one stacked product (see
+    fused_linear)."""
+
+    stacked_projections = ("gate_proj", "up_proj")
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -269,7 +295,14 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project(x)
+        return self.down_proj(F.silu(gate) * up)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, C) -> the gate and up projections, each (B, T, hidden)."""
+        if torch.compiler.is_compiling():  # one product for both (see fused_linear)
+            return fused_linear(x, self.gate_proj, self.up_proj, stacked=getattr(self, STACKED_WEIGHT, None))
+        return self.gate_proj(x), self.up_proj(x)
 
 
 class LlamaEmbedding(nn.Module):
@@ -365,5 +398,5 @@ def llama_init_(module: nn.Module, seed: int, cfg: LlamaConfig) -> None:
 
 
 __all__ = ["LlamaConfig", "LlamaConfigError", "LlamaInputError", "LLAMA_PRESETS", "llama_preset_config",
-           "RMSNorm", "fused_linear", "Attention", "SwiGLU", "LlamaEmbedding", "LlamaBlock", "LlamaHead", "Llama",
+           "RMSNorm", "STACKED_PROJECTIONS", "STACKED_WEIGHT", "fused_linear", "Attention", "SwiGLU", "LlamaEmbedding", "LlamaBlock", "LlamaHead", "Llama",
            "llama_init_"]

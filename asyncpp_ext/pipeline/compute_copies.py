@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..models.graphs import GRADS_TAKEN  # the copies' ids, set on the compute module
+from ..models.llama import STACKED_PROJECTIONS, STACKED_WEIGHT
 from ..optim import _kernels as K
 from .flat_buffers import views_of
 
@@ -83,12 +84,41 @@ class ComputeCopies:
             memo[id(p)] = c
             self.copies.append(c)
         self.module = copy.deepcopy(module, memo)
-        setattr(self.module, GRADS_TAKEN, frozenset(id(c) for c in self.copies))
+        # (stacked weight, the masters of its rows): see _stack
+        self.stacked: list[tuple[nn.Parameter, list[nn.Parameter]]] = self._stack()
+        setattr(self.module, GRADS_TAKEN,
+                frozenset(id(c) for c in self.copies) | frozenset(id(s) for s, _ in self.stacked))
         # whether our kernel adds the gradients (decided once: the device does not change)
         self.fused = dtype == torch.bfloat16 and K.kernels_usable(self.flat)
 
     def __len__(self) -> int:
         return len(self.copies)
+
+    def _stack(self) -> list[tuple[nn.Parameter, list[nn.Parameter]]]:
+        """Give each module of the compute module that stacks linear layers in its compiled forward
+        (a class attribute ``stacked_projections``: models/llama.py, q/k/v and gate/up) a parameter
+        ``stacked_weight`` over their copies, which lie side by side in ``flat`` in that order (the
+        masters' order): the stacked product's weight without a concatenation per call (at
+        smollm-360m 12.8 MB per layer and microbatch to read and write). Its gradient is theirs,
+        row blocks in order (accumulate). Layers that are not all bias-free copies are left as
+        they are (fused_linear then concatenates)."""
+        index = {id(c): i for i, c in enumerate(self.copies)}
+        stacked = []
+        for owner in self.module.modules():
+            names = getattr(type(owner), STACKED_PROJECTIONS, ())
+            layers = [getattr(owner, n, None) for n in names]
+            if not layers or not all(type(m) is nn.Linear and m.bias is None for m in layers):
+                continue
+            at = [index.get(id(m.weight)) for m in layers]
+            if None in at or at != list(range(at[0], at[0] + len(at))):
+                continue
+            start = sum(c.numel() for c in self.copies[:at[0]])
+            rows = sum(m.out_features for m in layers)
+            view = self.flat[start:start + rows * layers[0].in_features].view(rows, layers[0].in_features)
+            weight = nn.Parameter(view, requires_grad=True)
+            owner.register_parameter(STACKED_WEIGHT, weight)
+            stacked.append((weight, [self.masters[i] for i in at]))
+        return stacked
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -99,17 +129,29 @@ class ComputeCopies:
     @torch.no_grad()
     def accumulate(self) -> None:
         """Add the copies' gradients of the last backward into the masters' float32 ``.grad``
-        (a master without one gets the widened gradient), and clear the copies' ``.grad``. One
-        fused kernel adds them all (``optim._kernels.accumulate``: torch's mixed-dtype
-        ``_foreach_add_`` would launch one kernel per tensor on a GPU); tensors it does not take
-        (not contiguous, another dtype), or all of them where a build has no kernels for the
-        device, go through torch, which gives the same sums."""
-        fused_into, fused, into, grads, fresh = [], [], [], [], []
+        (a master without one gets the widened gradient), and clear the copies' ``.grad``; a
+        stacked weight's gradient goes to its rows' masters, one row block each. One fused kernel
+        adds them all (``optim._kernels.accumulate``: torch's mixed-dtype ``_foreach_add_`` would
+        launch one kernel per tensor on a GPU); tensors it does not take (not contiguous, another
+        dtype), or all of them where a build has no kernels for the device, go through torch,
+        which gives the same sums."""
+        pairs = []
         for c, p in zip(self.copies, self.masters):
-            g = c.grad
-            if g is None:
-                continue
-            c.grad = None
+            if c.grad is not None:
+                pairs.append((c.grad, p))
+                c.grad = None
+        self._add(pairs)
+        pairs = []  # a stacked weight's (a compiled block's); after the copies' in the rare
+        for weight, masters in self.stacked:  # backward that gave a master both
+            if weight.grad is not None:
+                pairs += zip(weight.grad.split([p.shape[0] for p in masters]), masters)
+                weight.grad = None
+        self._add(pairs)
+
+    def _add(self, pairs: list) -> None:
+        """Each (16-bit gradient, master) pair's gradient into the master's ``.grad``."""
+        fused_into, fused, into, grads, fresh = [], [], [], [], []
+        for g, p in pairs:
             if p.grad is None:
                 fresh.append((p, g))
             elif g.dtype == self.flat.dtype and g.is_contiguous() and p.grad.is_contiguous():
