@@ -94,6 +94,8 @@ class RotaryBTDAttention(Attention):
 class SeparateQKVAttention(Attention):
     """Attention with q, k and v as three products when compiled too."""
 
+    stacked_projections = ()  # no stacked copy of their weights either
+
     def project(self, x):
         b, t, _ = x.shape
         return (self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2),
@@ -134,6 +136,8 @@ class ExpandedKVAttention(Attention):
 
 class SeparateGateUpSwiGLU(SwiGLU):
     """SwiGLU with gate and up as two products when compiled too."""
+
+    stacked_projections = ()
 
     def project(self, x):
         return self.gate_proj(x), self.up_proj(x)
