@@ -95,6 +95,13 @@ def test_the_separate_forms_compile_to_more_products_than_the_library_block():
         torch.compile(bench.build_block(name, cfg, reference, "cpu"), backend=record, fullgraph=True)(x)
         counts[name] = len([n for n in graphs[0].graph.nodes if n.target is torch._C._nn.linear])
     assert counts == {"compiled": 4, "separate-qkv": 6, "separate-gate-up": 5}
+    # nor do their compute copies carry a stacked weight the form would leave unused
+    from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies
+
+    for name, part in (("compiled", None), ("separate-qkv", "attn"), ("separate-gate-up", "mlp")):
+        module = maybe_compute_copies(bench.build_block(name, cfg, reference, "cpu"), torch.bfloat16, True).module
+        stacked = {n for n in ("attn", "mlp") if hasattr(getattr(module, n), "stacked_weight")}
+        assert stacked == {"attn", "mlp"} - {part}, name
 
 
 def test_a_form_that_ran_eagerly_fails_its_check_and_says_whose_cat_lowering_ran(monkeypatch):

@@ -495,3 +495,5 @@ def test_compiled_llama_block_stacks_its_projections():
     assert torch.allclose(q, block.attn.q_proj(x), atol=1e-6) and torch.allclose(v, block.attn.v_proj(x), atol=1e-6)
     gate, up = fused_linear(x, block.mlp.gate_proj, block.mlp.up_proj)
     assert torch.allclose(gate, block.mlp.gate_proj(x), atol=1e-6) and torch.allclose(up, block.mlp.up_proj(x), atol=1e-6)
+    with pytest.raises(ValueError, match="bias-free projections only"):  # it would drop the bias
+        fused_linear(x, torch.nn.Linear(32, 4), torch.nn.Linear(32, 4, bias=False))

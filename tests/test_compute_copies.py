@@ -122,6 +122,8 @@ def _compiled_grads(model, stack: bool, monkeypatch):
             _loss("plain")(copies.module, x, y).backward()
         copies.accumulate()
     assert all(c.grad is None for c in copies.copies) and all(w.grad is None for w, _ in copies.stacked)
+    ptrs = [p.grad.data_ptr() for p in copies.masters]  # widened into one buffer, in the masters' order
+    assert ptrs == sorted(ptrs) and len({p.grad.untyped_storage().data_ptr() for p in copies.masters}) == 1
     return copies, [p.grad.clone() for p in model.parameters()], graphs
 
 
@@ -331,7 +333,11 @@ def test_the_fused_accumulate_adds_exactly_as_torch_and_names_a_bad_argument():
             K.accumulate(bad_dsts, bad_srcs)
 
 
-def test_the_copies_add_their_gradients_in_one_fused_call(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_copies_add_their_gradients_in_one_fused_call(monkeypatch, compiled):
+    # compiled: the blocks' q/k/v and gate/up gradients come from the stacked weights, the others'
+    # from their copies -- still one call for all of them
+    from asyncpp_ext.models.compile import compile_blocks
     from asyncpp_ext.optim import _kernels as K
 
     calls = []
@@ -341,11 +347,18 @@ def test_the_copies_add_their_gradients_in_one_fused_call(monkeypatch):
     model = build_model(cfg, seed=0)
     copies = ComputeCopies(model, torch.bfloat16)
     copies.refresh()
+    if compiled:
+        import torch._dynamo as dynamo
+
+        dynamo.reset()
+        compile_blocks(copies.module, backend=lambda gm, example_inputs: gm.forward)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     x = torch.randint(0, 256, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _loss("plain")(copies.module, x, x).backward()
+    if compiled:
+        assert all(w.grad is not None for w, _ in copies.stacked) and len(copies.stacked) == 2 * cfg.n_layer
     copies.accumulate()
     assert calls == [len(copies)]
 

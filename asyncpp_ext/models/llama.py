@@ -212,8 +212,8 @@ def fused_linear(x: torch.Tensor, *projections: nn.Linear,
     Used inside compiled blocks only: there the stacking is free with the bf16 compute copies,
     the default under bf16, which hand in ``stacked`` (``STACKED_WEIGHT``), and otherwise one
     kernel (under plain autocast it fuses into the cast to the compute dtype made of every weight
-    anyway; in float32 a copy of the weights: at smollm-360m about 3 MB per layer and microbatch
-    for q/k/v, 9.8 MB for gate/up), and one wide GEMM (and two in backward) replaces a narrow one per
+    anyway; in float32 a copy of the weights: at smollm-360m about 6 MB per layer and microbatch
+    for q/k/v, 20 MB for gate/up), and one wide GEMM (and two in backward) replaces a narrow one per
     projection -- fewer kernel launches, which bound a small model's step on a GPU, and better
     tiles. Eagerly the stacking would be one more
     copy per call, so eager blocks keep the plain projections (the results differ only in float
@@ -234,6 +234,8 @@ def fused_linear(x: torch.Tensor, *projections: nn.Linear,
     (``max_pointwise_cat_inputs`` > 0, the bench's ``cat-fused`` row) the concatenation's kernel
     cannot fuse with the SwiGLU backward and the stacked form moves more bytes than two products;
     bench/block_step.py's ``separate-gate-up`` form measures two products against it."""
+    if any(p.bias is not None for p in projections):  # (the package's models have none)
+        raise ValueError("fused_linear stacks bias-free projections only; one of them has a bias")
     weight = stacked if stacked is not None else torch.cat([p.weight for p in projections])
     return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
 

@@ -8,9 +8,11 @@ GPU is bound by such launches (docs/gpu.md: smollm-135m launches ~60 kernels per
 microbatch). ``ComputeCopies`` keeps one bf16 copy of those weights per weight version,
 refreshed once when the version's float32 values change, and a *compute module* that runs on
 them: a structural copy of the module whose ``nn.Linear`` weights and biases are the bf16 copies
-and whose every other parameter and buffer is the module's own object (shared, not copied). After
-each backward the copies' bf16 gradients are added into the float32 ``.grad`` of the weights they
-copy by one multi-tensor kernel (``optim._kernels.accumulate``).
+and whose every other parameter and buffer is the module's own object (shared, not copied), plus,
+on each module that stacks linear layers in one product when compiled (q/k/v, gate/up), one
+parameter over their copies stacked (``ComputeCopies._stack``). After each backward the copies'
+bf16 gradients are added into the float32 ``.grad`` of the weights they copy by one multi-tensor
+kernel (``optim._kernels.accumulate``).
 
 Exact: the values are those autocast gives. Autocast rounds the float32 weight to bf16 for the
 matrix product (the copy holds that rounding), its product yields the bf16 weight gradient, which
@@ -100,14 +102,15 @@ class ComputeCopies:
         ``stacked_weight`` over their copies, which lie side by side in ``flat`` in that order (the
         masters' order): the stacked product's weight without a concatenation per call (at
         smollm-360m 12.8 MB per layer and microbatch to read and write). Its gradient is theirs,
-        row blocks in order (accumulate). Layers that are not all bias-free copies are left as
-        they are (fused_linear then concatenates)."""
+        row blocks in order (accumulate). A group whose layers are not all bias-free copies of
+        one input width, side by side, gets none (fused_linear then concatenates their weights)."""
         index = {id(c): i for i, c in enumerate(self.copies)}
         stacked = []
         for owner in self.module.modules():
             names = getattr(type(owner), STACKED_PROJECTIONS, ())
             layers = [getattr(owner, n, None) for n in names]
-            if not layers or not all(type(m) is nn.Linear and m.bias is None for m in layers):
+            if not layers or not all(type(m) is nn.Linear and m.bias is None
+                                     and m.in_features == layers[0].in_features for m in layers):
                 continue
             at = [index.get(id(m.weight)) for m in layers]
             if None in at or at != list(range(at[0], at[0] + len(at))):
@@ -140,13 +143,18 @@ class ComputeCopies:
             if c.grad is not None:
                 pairs.append((c.grad, p))
                 c.grad = None
-        self._add(pairs)
-        pairs = []  # a stacked weight's (a compiled block's); after the copies' in the rare
-        for weight, masters in self.stacked:  # backward that gave a master both
+        stacked = []  # a stacked weight's gradient (a compiled block's), row block by row block
+        for weight, masters in self.stacked:
             if weight.grad is not None:
-                pairs += zip(weight.grad.split([p.shape[0] for p in masters]), masters)
+                stacked += zip(weight.grad.split([p.shape[0] for p in masters]), masters)
                 weight.grad = None
-        self._add(pairs)
+        if {id(p) for _, p in pairs} & {id(p) for _, p in stacked}:
+            # a master given a gradient both ways in one backward (an eager and a compiled use of
+            # one block): its copy's first, then the stacked one's, each added in float32
+            self._add(pairs)
+            self._add(stacked)
+        else:
+            self._add(pairs + stacked)  # one fused call
 
     def _add(self, pairs: list) -> None:
         """Each (16-bit gradient, master) pair's gradient into the master's ``.grad``."""
@@ -169,11 +177,13 @@ class ComputeCopies:
         if fresh:  # the first backward after zero_grad(set_to_none=True): the widened gradients
             self._widen_into_new_grads(fresh)
 
-    @staticmethod
-    def _widen_into_new_grads(fresh: list) -> None:
+    def _widen_into_new_grads(self, fresh: list) -> None:
         """Give each master a ``.grad`` holding its copy's gradient widened (exactly, -0.0 kept,
-        as autograd's widening cast would): views of one new buffer, filled by one multi-tensor
-        copy (a single launch on a GPU) instead of a cast and an allocation per tensor."""
+        as autograd's widening cast would): views of one new buffer, in the masters' order,
+        filled by one multi-tensor copy (a single launch on a GPU) instead of a cast and an
+        allocation per tensor."""
+        order = {id(p): i for i, p in enumerate(self.masters)}
+        fresh = sorted(fresh, key=lambda pair: order[id(pair[0])])
         masters = [p for p, _ in fresh]
         buffer = torch.empty(sum(p.numel() for p in masters), dtype=masters[0].dtype, device=masters[0].device)
         views = views_of(masters, buffer)
