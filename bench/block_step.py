@@ -30,6 +30,8 @@ sequences; --tokens). Variants (all the same arithmetic; only kernels and their 
   separate-qkv          compiled, with q, k and v as three products instead of one stacked product
   separate-gate-up      compiled, with SwiGLU's gate and up as two products instead of one stacked
                         product (the compiled blocks' form before they stacked them)
+  concat-weights        compiled, the stacked products' weights concatenated in every call instead
+                        of read from the compute copies' stacked parameter (pipeline/compute_copies.py)
   coordinate-descent    compiled with inductor's coordinate_descent_tuning (each fused kernel's
                         launch configuration searched on the device)
   rotary-halves         compiled, rotary positions from the two halves of each head as slices
@@ -143,6 +145,16 @@ class SeparateGateUpSwiGLU(SwiGLU):
         return self.gate_proj(x), self.up_proj(x)
 
 
+class ConcatWeightsAttention(Attention):
+    """Attention whose compute copies carry no stacked weight: compiled, fused_linear concatenates."""
+
+    stacked_projections = ()
+
+
+class ConcatWeightsSwiGLU(SwiGLU):
+    stacked_projections = ()
+
+
 class ExpandedKVBlock(LlamaBlock):
     pass
 
@@ -163,6 +175,10 @@ class SeparateGateUpBlock(LlamaBlock):
     pass
 
 
+class ConcatWeightsBlock(LlamaBlock):
+    pass
+
+
 # name -> (block class, {submodule: its class} for the forms with code of their own, compile_blocks
 # keyword arguments or None = eager)
 VARIANTS = {
@@ -178,6 +194,7 @@ VARIANTS = {
     "rotary-btd": (RotaryBTDBlock, {"attn": RotaryBTDAttention}, {}),
     "separate-qkv": (SeparateQKVBlock, {"attn": SeparateQKVAttention}, {}),
     "separate-gate-up": (SeparateGateUpBlock, {"mlp": SeparateGateUpSwiGLU}, {}),
+    "concat-weights": (ConcatWeightsBlock, {"attn": ConcatWeightsAttention, "mlp": ConcatWeightsSwiGLU}, {}),
     "coordinate-descent": (LlamaBlock, {}, {"options": {"coordinate_descent_tuning": True}}),
     "rotary-halves": (RotaryHalvesBlock, {"attn": RotaryHalvesAttention}, {}),
     "expanded-kv": (ExpandedKVBlock, {"attn": ExpandedKVAttention}, {}),

@@ -66,7 +66,7 @@ def test_variants_compute_what_the_library_computes():
     reference = LlamaBlock(cfg)
     h = torch.randn(2, cfg.seq_len, cfg.n_embd)
     own = [name for name, (_, parts, _) in bench.VARIANTS.items() if parts]
-    assert own == ["rotary-btd", "separate-qkv", "separate-gate-up", "rotary-halves", "expanded-kv"]
+    assert own == ["rotary-btd", "separate-qkv", "separate-gate-up", "concat-weights", "rotary-halves", "expanded-kv"]
     for name in own:
         block = bench.build_block(name, cfg, reference, "cpu")
         torch.testing.assert_close(block(h), reference(h), rtol=0, atol=0, msg=name)
@@ -98,10 +98,12 @@ def test_the_separate_forms_compile_to_more_products_than_the_library_block():
     # nor do their compute copies carry a stacked weight the form would leave unused
     from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies
 
-    for name, part in (("compiled", None), ("separate-qkv", "attn"), ("separate-gate-up", "mlp")):
+    # (concat-weights: neither, its products concatenating the copies in every call)
+    for name, parts in (("compiled", set()), ("separate-qkv", {"attn"}), ("separate-gate-up", {"mlp"}),
+                        ("concat-weights", {"attn", "mlp"})):
         module = maybe_compute_copies(bench.build_block(name, cfg, reference, "cpu"), torch.bfloat16, True).module
         stacked = {n for n in ("attn", "mlp") if hasattr(getattr(module, n), "stacked_weight")}
-        assert stacked == {"attn", "mlp"} - {part}, name
+        assert stacked == {"attn", "mlp"} - parts, name
 
 
 def test_a_form_that_ran_eagerly_fails_its_check_and_says_whose_cat_lowering_ran(monkeypatch):
