@@ -226,11 +226,11 @@ def fused_linear(x: torch.Tensor, *projections: nn.Linear,
     gradients into the halves of one buffer in one pass, and one product (K = 2 x hidden) turns
     them into the norm's input gradient: one bf16 activation less to write and to read back twice
     (the norm's backward and its weight's gradient). By inductor's per-kernel byte estimates for
-    one smollm-360m block at 8192 tokens (bf16 autocast, compute copies, torch 2.13, generated on
-    the CPU), forward and backward move 251 KB per token with gate and up stacked against 259
-    with two products (generated kernels 139 against 141, matrix products 90 against 95), with 3
-    GEMMs fewer per layer and microbatch; 248 once the compute copies hand in the stacked weights
-    (no concatenation of the weights). Under inductor's pointwise lowering of a concatenation
+    one smollm-360m block at 8192 tokens (bench/block_bytes.py: bf16 autocast, compute copies,
+    generated on the CPU), forward and backward move 248 KB per token with gate and up stacked
+    against 258 with two products (its ``separate-gate-up`` form; generated kernels 136 against
+    140, matrix products' inputs and outputs 112 against 118), with 3 GEMMs fewer per layer and
+    microbatch. Under inductor's pointwise lowering of a concatenation
     (``max_pointwise_cat_inputs`` > 0, the bench's ``cat-fused`` row) the concatenation's kernel
     cannot fuse with the SwiGLU backward and the stacked form moves more bytes than two products;
     bench/block_step.py's ``separate-gate-up`` form measures two products against it."""
