@@ -1,5 +1,5 @@
-"""Bytes one compiled Llama block moves, by inductor's own estimates, per form of bench/block_step.py:
-a change to the block's code weighed on the CPU before a GPU measures its time.
+"""Bytes one compiled Llama block moves, by inductor's own estimates, per form of bench/block_step.py
+with code of its own: a change to the block's code weighed on the CPU before a GPU measures its time.
 
     python bench/block_bytes.py                                  # smollm-360m, 8192 tokens, three forms
     python bench/block_bytes.py --forms compiled,separate-qkv --model smollm-135m --tokens 8192
@@ -10,8 +10,9 @@ copies under bf16 autocast, ``compile_blocks``), and run forward and backward on
 tokens. While inductor generates the forward's and the backward's code, the scheduler's nodes are
 read after fusion: each node's bytes read and written (``get_read_write_buffers_sizes``, the
 estimate inductor itself uses to weigh fusions), summed apart for the kernels inductor generates
-and for the extern kernels it calls (matrix products, attention). Reported per token, with the
-count of each kind of kernel.
+and for the extern kernels it calls (matrix products, attention; not the nodes that only pick an
+output of one). Reported per token, with the count of each kind of kernel. A form that counts no
+kernel of either kind fails (exit 2): its code was not freshly scheduled.
 
 What it does not say: time. Matrix products are compute-bound on a GPU and their bytes are not
 their cost; the generated kernels are memory-bound there, their bytes close to their cost. The
@@ -56,15 +57,15 @@ def scheduled_bytes():
     caches are off meanwhile: a graph served from them is not scheduled again."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
-    from torch._inductor import scheduler as S
+    from torch._inductor import ir, scheduler as S
 
     totals = {"generated_bytes": 0, "extern_bytes": 0, "generated_kernels": 0, "extern_kernels": 0}
     original = S.Scheduler.codegen
 
     def codegen(self):
         for node in self.nodes:
-            if isinstance(node, S.NopKernelSchedulerNode):
-                continue  # views and concatenations' outputs: no kernel
+            if isinstance(node, S.NopKernelSchedulerNode) or isinstance(node.node, ir.MultiOutput):
+                continue  # views, concatenations' outputs, picks from an extern kernel's outputs: no kernel
             kind = "extern" if isinstance(node, S.ExternKernelSchedulerNode) else "generated"
             totals[f"{kind}_bytes"] += node.get_read_write_buffers_sizes()
             totals[f"{kind}_kernels"] += 1
@@ -73,6 +74,10 @@ def scheduled_bytes():
     S.Scheduler.codegen = codegen
     try:
         with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            if inductor_config.fx_graph_cache or functorch_config.enable_autograd_cache:
+                # an environment variable forcing a cache on wins over the patch
+                raise BenchError("TORCHINDUCTOR_FX_GRAPH_CACHE or TORCHINDUCTOR_AUTOGRAD_CACHE forces inductor's "
+                                 "caches on, and a cached graph is not scheduled: unset them")
             yield totals
     finally:
         S.Scheduler.codegen = original
@@ -89,13 +94,16 @@ def measure(form: str, model: str, tokens: int, seq: int) -> dict:
     module = copies.module
     torch._dynamo.reset()  # each form compiled afresh (block_step's forms are classes of their own anyway)
     report = compile_blocks([module], device="cpu", **(VARIANTS[form][2] or {}))
-    x = torch.randn(max(1, tokens // seq), seq, cfg.n_embd, requires_grad=True)
+    x = torch.randn(tokens // seq, seq, cfg.n_embd, requires_grad=True)
     with scheduled_bytes() as totals:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = module(x)
         out.float().sum().backward()
     if report.fallbacks:
         raise BenchError(f"form {form} did not compile ({'; '.join(report.fallbacks.values())}); nothing to count")
+    if not (totals["generated_kernels"] and totals["extern_kernels"]):  # a graph no scheduler saw
+        raise BenchError(f"form {form}: inductor scheduled no kernels of one kind ({totals}); its code "
+                         "came from elsewhere than a fresh compile, nothing to count")
     n = x.shape[0] * x.shape[1]
     kb = {k.replace("_bytes", "_kb_per_token"): round(v / n / 1024, 1) for k, v in totals.items() if k.endswith("bytes")}
     return {"form": form, "model": model, "tokens": n, **kb,
@@ -103,8 +111,19 @@ def measure(form: str, model: str, tokens: int, seq: int) -> dict:
             "generated_kernels": totals["generated_kernels"], "extern_kernels": totals["extern_kernels"]}
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (main), not argparse's usage and message
+        raise BenchError(message)
+
+
+def own_forms() -> list:
+    """``compiled`` and the forms with code of their own: the others differ from ``compiled`` only
+    in inductor options for GPU kernels (Triton's), which change nothing generated for the CPU."""
+    return [v for v, (_, parts, kw) in VARIANTS.items() if kw is not None and (v == "compiled" or parts)]
+
+
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--forms", default=",".join(DEFAULT_FORMS),
                     help=f"comma-separated compiled forms of bench/block_step.py (default {','.join(DEFAULT_FORMS)})")
     ap.add_argument("--model", default="smollm-360m", help="a Llama preset (default smollm-360m)")
@@ -114,16 +133,18 @@ def parse(argv=None):
     ap.add_argument("--json", default=None, help="write the rows to this file (- : stdout, alone)")
     args = ap.parse_args(argv)
     args.forms = [f for f in args.forms.split(",") if f]
+    if not args.forms:
+        raise BenchError(f"--forms is empty; name one or more of {', '.join(own_forms())}")
     for form in args.forms:
-        if form not in VARIANTS or VARIANTS[form][2] is None:
-            compiled = [v for v, (_, _, kw) in VARIANTS.items() if kw is not None]
-            raise BenchError(f"--forms: {form!r} is not a compiled form; choose from {', '.join(compiled)}")
+        if form not in own_forms():
+            raise BenchError(f"--forms: {form!r} is not a compiled form with code of its own; choose from "
+                             f"{', '.join(own_forms())}")
     try:
         llama_preset_config(args.model, seq_len=args.seq_len)
     except Exception as exc:
         raise BenchError(f"--model {args.model} / --seq-len {args.seq_len}: {str(exc).splitlines()[0]}") from None
-    if args.tokens < args.seq_len:
-        raise BenchError(f"--tokens must be at least --seq-len ({args.seq_len}), got {args.tokens}")
+    if args.tokens < args.seq_len or args.tokens % args.seq_len:
+        raise BenchError(f"--tokens must be a multiple of --seq-len ({args.seq_len}), got {args.tokens}")
     return args
 
 

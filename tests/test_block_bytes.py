@@ -30,11 +30,31 @@ def test_the_forms_differ_as_their_code_says(capsys):
         assert r["total_kb_per_token"] == pytest.approx(r["generated_kb_per_token"] + r["extern_kb_per_token"], abs=0.11)
 
 
+def test_a_cache_forced_on_is_refused():
+    # a graph served from inductor's cache is never scheduled, so it would count nothing; an
+    # environment variable forcing the cache on wins over the tool's config patch
+    import os
+    import subprocess
+    import sys
+
+    from bench_loader import BENCH
+
+    env = {**os.environ, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+    proc = subprocess.run([sys.executable, str(BENCH / "block_bytes.py"), "--model", "llama-tiny", "--seq-len", "32",
+                           "--tokens", "32", "--forms", "compiled"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("block_bytes: ") and "forces inductor's caches on" in err and "\n" not in err, err
+
+
 @pytest.mark.parametrize("argv, words", [
-    (["--forms", "eager"], "'eager' is not a compiled form"),
+    (["--forms", "eager"], "'eager' is not a compiled form with code of its own"),
     (["--forms", "compiled,nope"], "'nope' is not a compiled form"),
+    (["--forms", "pdl"], "'pdl' is not a compiled form with code of its own"),  # Triton options only
+    (["--forms", ","], "--forms is empty"),
     (["--model", "no-such-model"], "--model no-such-model"),
-    (["--tokens", "16", "--seq-len", "32", "--model", "llama-tiny"], "--tokens must be at least --seq-len"),
+    (["--tokens", "48", "--seq-len", "32", "--model", "llama-tiny"], "--tokens must be a multiple of --seq-len"),
+    (["--tokens", "many"], "argument --tokens: invalid int value: 'many'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     bench = load_bench_script("block_bytes")

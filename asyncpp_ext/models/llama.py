@@ -229,8 +229,8 @@ def fused_linear(x: torch.Tensor, *projections: nn.Linear,
     one smollm-360m block at 8192 tokens (bench/block_bytes.py: bf16 autocast, compute copies,
     generated on the CPU), forward and backward move 248 KB per token with gate and up stacked
     against 258 with two products (its ``separate-gate-up`` form; generated kernels 136 against
-    140, matrix products' inputs and outputs 112 against 118), with 3 GEMMs fewer per layer and
-    microbatch. Under inductor's pointwise lowering of a concatenation
+    140, extern kernels -- matrix products, the CPU's attention -- 112 against 118), with 3 GEMMs
+    fewer per layer and microbatch. Under inductor's pointwise lowering of a concatenation
     (``max_pointwise_cat_inputs`` > 0, the bench's ``cat-fused`` row) the concatenation's kernel
     cannot fuse with the SwiGLU backward and the stacked form moves more bytes than two products;
     bench/block_step.py's ``separate-gate-up`` form measures two products against it."""

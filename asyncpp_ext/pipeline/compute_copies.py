@@ -101,7 +101,7 @@ class ComputeCopies:
         (a class attribute ``stacked_projections``: models/llama.py, q/k/v and gate/up) a parameter
         ``stacked_weight`` over their copies, which lie side by side in ``flat`` in that order (the
         masters' order): the stacked product's weight without a concatenation per call (at
-        smollm-360m 12.8 MB per layer and microbatch to read and write). Its gradient is theirs,
+        smollm-360m 12.9 MB per layer and microbatch to read and write). Its gradient is theirs,
         row blocks in order (accumulate). A group whose layers are not all bias-free copies of
         one input width, side by side, gets none (fused_linear then concatenates their weights)."""
         index = {id(c): i for i, c in enumerate(self.copies)}
