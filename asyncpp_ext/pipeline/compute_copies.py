@@ -115,7 +115,7 @@ class ComputeCopies:
             at = [index.get(id(m.weight)) for m in layers]
             if None in at or at != list(range(at[0], at[0] + len(at))):
                 continue
-            start = sum(c.numel() for c in self.copies[:at[0]])
+            start = self.copies[at[0]].storage_offset() - self.flat.storage_offset()  # its place in flat
             rows = sum(m.out_features for m in layers)
             view = self.flat[start:start + rows * layers[0].in_features].view(rows, layers[0].in_features)
             weight = nn.Parameter(view, requires_grad=True)
