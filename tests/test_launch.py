@@ -133,3 +133,62 @@ def test_a_forkserver_started_early_is_the_one_the_launch_forks_from(tmp_path, m
     assert all(r["dynamo_loaded"] and r["training_loaded"] for r in ranks)
     monkeypatch.setenv(launch.START_METHOD_ENV, "spawn")
     assert not launch.start_forkserver_early()  # ranks would not start from a server
+
+
+def report_bad_fork(out_dir: str) -> None:
+    import torch
+    in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", lambda: False)()
+    with open(os.path.join(out_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"bad_fork": in_bad_fork, "parent": os.getppid()}, f)
+
+
+@pytest.fixture
+def gpu_seen_and_fresh_servers(monkeypatch):
+    """torch "sees" a GPU in the launcher (so the forkserver's children are checked), and no
+    forkserver outlives the test (its preload is the test's)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no forkserver on this platform")
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch, "_forkserver_checked_pid", None)  # both restored afterwards
+    monkeypatch.setattr(launch, "_forkserver_refused_under", None)
+    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv("ASYNCPP_TEST_VALUE", "poisoned")  # no earlier test's server is reused
+    # the server imports its preload from a fresh interpreter's path: tests/cuda_in_forkserver.py on it
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.path.dirname(__file__),
+                                                                     os.environ.get("PYTHONPATH")])))
+    yield
+    mp.forkserver._forkserver._stop()
+
+
+def _bad_fork_reports(tmp_path, name: str) -> list[dict]:
+    out = tmp_path / name
+    out.mkdir()
+    spawn(report_bad_fork, 2, (str(out),))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_a_forkserver_whose_preload_initialises_cuda_is_started_again_without_it(
+        tmp_path, capfd, gpu_seen_and_fresh_servers):
+    """An import in the early server's preload that initialises CUDA there would make every rank
+    fail ("Cannot re-initialize CUDA in forked subprocess"): the server is started again with
+    torch's imports only, named in one line, and the ranks fork from that one, free to use CUDA."""
+    assert launch.start_forkserver_early(preload=("cuda_in_forkserver",))
+    assert "initialise CUDA: started again with torch, torch.distributed, torch._dynamo only" in capfd.readouterr().err
+    server = mp.forkserver._forkserver._forkserver_pid
+    ranks = _bad_fork_reports(tmp_path, "ranks")
+    assert [r["bad_fork"] for r in ranks] == [False, False] and {r["parent"] for r in ranks} == {server}
+
+
+def test_a_forkserver_that_initialises_cuda_even_alone_gives_way_to_fresh_interpreters(
+        tmp_path, capfd, monkeypatch, gpu_seen_and_fresh_servers):
+    """Where even torch's own preload initialises CUDA in the server, ranks start from fresh
+    interpreters instead (one line says so), not from a server whose children cannot use CUDA."""
+    monkeypatch.setattr(launch, "_FORKSERVER_PRELOAD", launch._FORKSERVER_PRELOAD + ["cuda_in_forkserver"])
+    ranks = _bad_fork_reports(tmp_path, "ranks")
+    assert "ranks start from fresh interpreters" in capfd.readouterr().err
+    assert [r["bad_fork"] for r in ranks] == [False, False]
+    assert mp.forkserver._forkserver._forkserver_pid not in {r["parent"] for r in ranks}
+    # the next launch in the same environment goes straight to fresh interpreters, saying nothing
+    assert [r["bad_fork"] for r in _bad_fork_reports(tmp_path, "again")] == [False, False]
+    assert "forkserver" not in capfd.readouterr().err and mp.forkserver._forkserver._forkserver_pid is None

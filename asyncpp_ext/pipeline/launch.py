@@ -49,6 +49,8 @@ _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
 # ids). A change of one does not restart the forkserver; the rank still sees the launcher's value.
 _PER_LAUNCH_ENV_PREFIXES = ("PYTEST_",)
 _forkserver_started_under: tuple | None = None  # what the forkserver we use started under (_server_key)
+_forkserver_checked_pid: int | None = None  # the server whose children were seen free to use CUDA
+_forkserver_refused_under: tuple | None = None  # the environment whose server's children could not use CUDA
 
 
 class LaunchError(RuntimeError):
@@ -217,7 +219,7 @@ def start_method() -> str:
 
 def _context():
     method = start_method()
-    if method == "forkserver" and not _forkserver_for_this_environment():
+    if method == "forkserver" and not (_forkserver_for_this_environment() and _forkserver_children_can_use_cuda()):
         method = "spawn"
     return mp.get_context(method)
 
@@ -281,18 +283,65 @@ def start_forkserver_early(preload: tuple = ()) -> bool:
     once it is ready. The launch reuses it while the environment stays as it is now
     (``_forkserver_for_this_environment``). True if a forkserver runs; False where ranks start
     another way."""
-    if _context().get_start_method() != "forkserver":
+    if start_method() != "forkserver" or not _forkserver_for_this_environment():
         return False
     if preload and mp.forkserver._forkserver._forkserver_pid is None:  # a running one keeps its imports
         mp.set_forkserver_preload(_FORKSERVER_PRELOAD + [m for m in preload if m not in _FORKSERVER_PRELOAD])
-    # One child forked and gone: the server forks only once its imports are done, so this returns
-    # with the server ready, not still importing beside whatever runs next. (Like every process
-    # started from a forkserver, the child imports the caller's __main__ module where it has a
-    # file: a script calling this needs the usual `if __name__ == "__main__":` guard.)
-    child = mp.get_context("forkserver").Process(target=int, daemon=True)
+    if not _forkserver_children_can_use_cuda():
+        return False
+    _fork_one_child()  # the server forks only once its imports are done: it is ready now
+    return True
+
+
+def _exit_code_for_fork_state() -> None:
+    """A forkserver child's report: exit code 3 when the server had initialised CUDA before forking
+    it (torch then refuses CUDA in the child: "Cannot re-initialize CUDA in forked subprocess")."""
+    import torch
+    in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", None)  # absent from builds without CUDA
+    sys.exit(3 if in_bad_fork is not None and in_bad_fork() else 0)
+
+
+def _fork_one_child(target: Callable = int) -> int:
+    """Fork one child from the forkserver (started now if it is not running), wait for it and return
+    its exit code. (Like every process started from a forkserver, the child imports the caller's
+    __main__ module where it has a file: a script calling this needs the usual
+    `if __name__ == "__main__":` guard.)"""
+    child = mp.get_context("forkserver").Process(target=target, daemon=True)
     child.start()
     child.join()
-    return True
+    return child.exitcode
+
+
+def _forkserver_children_can_use_cuda() -> bool:
+    """Whether the forkserver's children can use the GPU: not where CUDA is initialised in the server
+    (by an import in its preload), which torch refuses in every child forked after it. Where one is,
+    the server is started again without the extra preloaded modules, and if CUDA is initialised
+    even so, False (ranks then start from fresh interpreters), with one warning line, and False
+    at once for later launches in the same environment. Checked once per server, only where torch
+    sees a GPU."""
+    global _forkserver_checked_pid, _forkserver_refused_under
+    import torch
+    if not torch.cuda.is_available():
+        return True
+    if _forkserver_refused_under is not None and _forkserver_refused_under == _forkserver_started_under:
+        return False
+    server = mp.forkserver._forkserver
+    for attempt in range(2):
+        if server._forkserver_pid is not None and server._forkserver_pid == _forkserver_checked_pid:
+            return True
+        if _fork_one_child(_exit_code_for_fork_state) != 3:
+            _forkserver_checked_pid = server._forkserver_pid
+            return True
+        preloaded = getattr(server, "_preload_modules", ())
+        server._stop()  # present: _forkserver_for_this_environment checked
+        if attempt == 0:
+            print(f"asyncpp: the forkserver's preloaded imports ({', '.join(preloaded)}) initialise CUDA: "
+                  f"started again with {', '.join(_FORKSERVER_PRELOAD)} only", file=sys.stderr, flush=True)
+            mp.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    print(f"asyncpp: importing {', '.join(_FORKSERVER_PRELOAD)} initialises CUDA in the forkserver: ranks start "
+          f"from fresh interpreters (set {START_METHOD_ENV}=spawn to skip the forkserver)", file=sys.stderr, flush=True)
+    _forkserver_refused_under = _forkserver_started_under
+    return False
 
 
 def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0) -> None:
