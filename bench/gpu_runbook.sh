@@ -25,10 +25,12 @@
 #           kernel, flash attention with in-place grouped-query heads, --attention cudnn and flash
 #           each running its kernel, compiled blocks and regions
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
-#   360m    (420) ours with graphs (the default), the same with programmatic dependent launch (the
-#           pdl row: --inductor-option triton.enable_pdl=True, the gaps between the graphs' kernels),
-#           and the compiled Hugging Face model at smollm-360m / 2048, profiled (~5 min; the
-#           Hugging Face compile is 2.5 of them)
+#   360m    (420) ours with graphs (the default), the same with inductor's horizontal fusion (the
+#           combo-kernels row: fewer kernels per block, the one block_step form faster than the
+#           default on the H100) and with programmatic dependent launch (the pdl row:
+#           --inductor-option triton.enable_pdl=True, the gaps between the graphs' kernels), and the
+#           compiled Hugging Face model at smollm-360m / 2048, profiled (~4-5 min; the Hugging Face
+#           row 1.7 of them)
 #   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
 #           torch's own choice, --attention flash and cudnn: which runs, its time, its error against
 #           a float32 reference
@@ -109,7 +111,7 @@ ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
 # (combo-kernels left out: a first compile of unknown length before the Hugging Face row, the
 # step's reason to be; block_step's combo-kernels form measures it first)
 ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --profile --only "ours sync adamw graphs,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,mix-order")
+           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,mix-order")
 ROWS_PIPELINE_GRAPHS=(--models smollm-135m --seq-lens 1024 --row-timeout 80
                       --only "ours sync adamw graphs,ours 2bw 2st 1gpu adamw ipc graphs"
                       --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order")

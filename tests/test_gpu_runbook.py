@@ -29,7 +29,8 @@ R135, R360, HEAD = "smollm-135m 1024", "smollm-360m 2048", "head C=576 V=49152 1
 ROWS = {
     "135m": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
              f"ours 2bw 2st 1gpu adamw ipc {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
-    "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs pdl {R360}", f"hf compile adamw {R360}"],
+    "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs combo-kernels {R360}",
+             f"ours sync adamw graphs pdl {R360}", f"hf compile adamw {R360}"],
     "pipeline-graphs": [f"ours sync adamw graphs {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "quick": [f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
               f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
