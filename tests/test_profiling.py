@@ -42,13 +42,21 @@ def test_summary_counts_overlapping_device_work_once():
     # idle: 10 us before the first kernel; gaps of 10 us (50-60) and 120 us (70-190) between; the
     # window (0-200) = busy 60 + edges 10 + between 130; each gap's host: the op overlapping it most
     assert (s["idle_edges_ms"], s["idle_between_ms"]) == (0.01, 0.13)
+    # (host_ops: every host op overlapping the gap, the most overlap first, then the outermost)
     assert s["idle_gaps"] == [
         {"ms": 0.12, "at_ms": 0.07, "prev_work": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
-         "next_work": "Memcpy DtoH", "host": "aten::mm"},
+         "next_work": "Memcpy DtoH", "host": "aten::mm",
+         "host_ops": [{"name": "aten::mm", "overlap_ms": 0.03}, {"name": "cudaStreamSynchronize", "overlap_ms": 0.005},
+                      {"name": "aten::_local_scalar_dense", "overlap_ms": 0.005}]},
         {"ms": 0.01, "at_ms": 0.05, "prev_work": "triton_poi_fused_add_0",
-         "next_work": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "host": "aten::mm"}]
-    inner = summarize_trace(events + [_x("cpu_op", "aten::item", 70, 30)])["idle_gaps"][0]
+         "next_work": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "host": "aten::mm",
+         "host_ops": [{"name": "aten::mm", "overlap_ms": 0.01}]}]
+    nested = events + [_x("cpu_op", "aten::item", 70, 30), _x("user_annotation", "Optimizer.step#AdamW.step", 68, 32),
+                       _x("cuda_runtime", "cudaMemcpyAsync", 72, 20)]
+    inner = summarize_trace(nested)["idle_gaps"][0]
     assert inner["host"] == "aten::item"  # overlapping it as much as aten::mm does: the innermost op
+    assert [op["name"] for op in inner["host_ops"]] == ["aten::mm", "Optimizer.step#AdamW.step", "aten::item",
+                                                        "cudaMemcpyAsync", "cudaStreamSynchronize"]
     host_only = summarize_trace([e for e in events if e["cat"] not in ("kernel", "gpu_memcpy")])  # a CPU run
     assert (host_only["idle_edges_ms"], host_only["idle_between_ms"], host_only["idle_gaps"]) == (None, None, [])
     many = [_x("kernel", f"k{i % 20}", i, 1 + i % 20) for i in range(200)]  # 20 names, 10 launches each

@@ -14,8 +14,9 @@ Each process that trains writes, under ``OUT/profile/``:
   time and launches (``top_kernels``: which attention kernel ran, which fusions cost most; the
   costliest overall, then each kind's costliest until it has a few named), and where the device
   sat idle: at the window's edges (``idle_edges_ms``), between its work (``idle_between_ms``) and
-  the longest such gaps with the work on either side and the host operator that overlapped each
-  most (``idle_gaps``: a host sync, a loss read, the optimizer's Python).
+  the longest such gaps with the work on either side, the host operator that overlapped each
+  most and the few that overlapped it most, outermost first (``idle_gaps``: a host sync, a loss
+  read, the optimizer's Python).
 
 ``<who>`` is ``stage<S>`` (``stage<S>_dp<R>`` for data-parallel replicas). The window starts when
 step FIRST-1 has completed and ends when step LAST has: in a pipeline, neighbouring steps overlap,
@@ -64,6 +65,8 @@ TOP_GAPS = 6
 """Idle gaps of the device listed in a summary (``idle_gaps``), the longest first."""
 PER_KIND = 4
 """... and beyond those, each kind's costliest until it has this many listed."""
+HOST_OPS_PER_GAP = 5
+"""Host operators listed per idle gap (``host_ops``): those that overlapped it most, outermost first."""
 
 
 def kernel_kind(name: str, category: str) -> str:
@@ -170,11 +173,16 @@ def _gap(gap: tuple, origin: float, host: list) -> dict:
         t = float(e["ts"])
         return min(stop, t + float(e.get("dur", 0.0))) - max(start, t)
 
-    busiest = max((e for e in host if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")),
-                  key=lambda e: (overlap(e), -float(e.get("dur", 0.0))), default=None)
+    candidates = [e for e in host if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")]
+    busiest = max(candidates, key=lambda e: (overlap(e), -float(e.get("dur", 0.0))), default=None)
+    # and the ops that spanned it, outermost first (the step, the optimizer, the copy inside it):
+    # a runtime call alone ("cudaMemcpyAsync") does not say which operator made it
+    during = sorted((e for e in candidates if overlap(e) > 0), key=lambda e: (-overlap(e), -float(e.get("dur", 0.0))))
     return {"ms": round(us / 1e3, 3), "at_ms": round((start - origin) / 1e3, 3), "prev_work": before[:100],
             "next_work": after[:100],
-            "host": str(busiest.get("name", ""))[:100] if busiest is not None and overlap(busiest) > 0 else None}
+            "host": str(busiest.get("name", ""))[:100] if busiest is not None and overlap(busiest) > 0 else None,
+            "host_ops": [{"name": str(e.get("name", ""))[:100], "overlap_ms": round(overlap(e) / 1e3, 3)}
+                         for e in during[:HOST_OPS_PER_GAP]]}
 
 
 def _all_threads_config():
