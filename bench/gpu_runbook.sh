@@ -27,10 +27,10 @@
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
 #   360m    (420) ours with graphs (the default), the same with inductor's horizontal fusion (the
 #           combo-kernels row: fewer kernels per block, the one block_step form faster than the
-#           default on the H100) and with programmatic dependent launch (the pdl row:
-#           --inductor-option triton.enable_pdl=True, the gaps between the graphs' kernels), and the
-#           compiled Hugging Face model at smollm-360m / 2048, profiled (~4-5 min; the Hugging Face
-#           row 1.7 of them)
+#           default on the H100), with programmatic dependent launch (the pdl row:
+#           --inductor-option triton.enable_pdl=True, the gaps between the graphs' kernels) and with
+#           both (combo-kernels-pdl), and the compiled Hugging Face model at smollm-360m / 2048,
+#           profiled (~5 min; the Hugging Face row 1.7 of them)
 #   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
 #           torch's own choice, --attention flash and cudnn: which runs, its time, its error against
 #           a float32 reference

@@ -35,7 +35,7 @@ data (the built-in corpus, byte ids < 256, the same windows in the same order) a
 Rows (names as printed; " eager" marks --no-compile rows when asyncpp-train has --compile): ours
 (`asyncpp-train --stages 1 --schedule sync`, and 2bw with two stages on one or two GPUs) with its
 variants (graphs, no-copies, bf16-params, stage-compile, max-autotune, cat-fused, combo-kernels, pdl,
-mix-order-64, ipc, flash- or cudnn-attention), Hugging Face eager and compiled,
+combo-kernels-pdl, mix-order-64, ipc, flash- or cudnn-attention), Hugging Face eager and compiled,
 torchtitan where installed, and the head-loss rows; docs/gpu.md's table says what each runs, and
 `--dry-run` lists a plan's rows.
 When asyncpp-train lists --compile/--no-compile and --head-loss (detected once from --help), ours

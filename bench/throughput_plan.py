@@ -152,9 +152,9 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                 if (mdl, seq) == last and dev == "cuda" and flags.get("inductor_option"):
                     # the defaults with INDUCTOR_PRESETS' options on top: inductor's own
                     # concatenations (what the CUDA default of concatenations as kernels of their
-                    # own is worth), its horizontal fusion, programmatic dependent launch, larger
-                    # partial sums in the norms' backward; a preset this torch lacks, none
-                    for preset in ("cat-fused", "combo-kernels", "pdl", "mix-order-64"):
+                    # own is worth), its horizontal fusion, programmatic dependent launch, both,
+                    # larger partial sums in the norms' backward; a preset this torch lacks, none
+                    for preset in ("cat-fused", "combo-kernels", "pdl", "combo-kernels-pdl", "mix-order-64"):
                         if inductor_preset(preset):
                             ours(mdl, seq, "adamw", compile_=True, inductor=preset, graphs=graphs[-1])
                 if primary and flags["compile"]:

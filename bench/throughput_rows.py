@@ -76,6 +76,8 @@ INDUCTOR_PRESETS = {
     # before it finishes and waits in its prologue for the data it reads -- the gaps between the
     # kernels inside a CUDA graph, the ~18 ms per step above, are what it could shorten
     "pdl": {"triton.enable_pdl": True},
+    # the two together: the candidate default if each wins on its own
+    "combo-kernels-pdl": {"combo_kernels": True, "triton.enable_pdl": True},
     # the RMSNorm backward's mix-order reduction with 64 rows per partial sum instead of the 16
     # inductor picks for 132 SMs: the two finishing sums per block (aten, ~10 us each, 520 per
     # smollm-360m step) over 128 partial rows instead of 512, the main kernel with fewer programs
