@@ -23,7 +23,8 @@
 #   tests   (360) cuda-marked tests of the paths not yet run on a GPU: CUDA-graph capture, ipc vs
 #           gloo with two ranks on one GPU, one device wait per step, the gradient accumulate
 #           kernel, flash attention with in-place grouped-query heads, --attention cudnn and flash
-#           each running its kernel, compiled blocks and regions
+#           each running its kernel, compiled blocks and regions, the optimizer's step skipped on
+#           the device (the scan's flag read by the kernels, the losses read from pinned memory)
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
 #   360m    (420) ours with graphs (the default), the same with inductor's horizontal fusion (the
 #           combo-kernels row: fewer kernels per block, the one block_step form faster than the
@@ -129,7 +130,8 @@ run_step() {
         tests) step tests 360 "$PY" -m pytest -v -rA --durations=15 -m cuda -p no:cacheprovider \
                    tests/test_ipc_transport.py tests/test_stage_host.py tests/test_compute_copies.py \
                    tests/test_stage_compute.py tests/test_compile_cuda.py tests/test_head_loss.py \
-                   tests/test_attention.py tests/test_cuda_graphs.py ;;
+                   tests/test_attention.py tests/test_optim_api.py tests/test_step_boundary.py \
+                   tests/test_cuda_graphs.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         attention) step attention 60 "$PY" bench/attention_kernels.py --json "$OUT/attention.json" ;;

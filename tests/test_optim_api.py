@@ -166,6 +166,89 @@ def test_kernel_bindings_name_the_bad_argument():
     assert k.first_nonfinite([to_dlpack(torch.zeros([1] * 8))], 0) == -1
 
 
+def _nonfinite_cases():
+    """Lists of tensors with a NaN or Inf at various places (and none), with the index expected."""
+    for where, value in ((None, 0.0), (0, float("nan")), (2, float("inf")), (4, float("-inf"))):
+        ts = [torch.randn(n) for n in (3, 70_000, 5, 1, 130_001)]  # chunks of one tensor and of several
+        if where is not None:
+            ts[where][-1] = value
+        yield ts, -1 if where is None else where
+    yield [], -1
+
+
+def _flag_of(tensors, device="cpu"):
+    from asyncpp_ext.optim import _kernels as K
+    flag = torch.full((1,), 99, dtype=torch.int32, device=device)
+    K.nonfinite_flag([t.to(device) for t in tensors], flag)
+    return int(flag[0])
+
+
+def test_nonfinite_flag_writes_the_first_bad_index_or_minus_one():
+    from asyncpp_ext.optim import _kernels as K
+    for ts, want in _nonfinite_cases():
+        assert _flag_of(ts) == want == K.first_nonfinite(ts)
+    k = C.optim
+    x = torch.zeros(3)
+    with pytest.raises(ValueError, match="flag: expected dtype int32, got float32"):
+        k.nonfinite_flag([to_dlpack(x)], to_dlpack(torch.zeros(1)))
+    with pytest.raises(ValueError, match="flag: expected one int32 element, got 2"):
+        k.nonfinite_flag([to_dlpack(x)], to_dlpack(torch.zeros(2, dtype=torch.int32)))
+    with pytest.raises(ValueError, match=r"tensors\[0\]: expected dtype float32"):
+        k.nonfinite_flag([to_dlpack(x.double())], to_dlpack(torch.zeros(1, dtype=torch.int32)))
+    p, g, m, v = (torch.zeros(4) for _ in range(4))
+    with pytest.raises(ValueError, match="skip: expected one int32 element"):
+        k.adamw_step([to_dlpack(p)], [to_dlpack(g)], [to_dlpack(m)], [to_dlpack(v)], [], [1], [],
+                     0.1, 0.9, 0.999, 1e-8, 0.0, 0.0, 0, [], [], to_dlpack(torch.zeros(2, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="skip: expected dtype int32, got int64"):
+        k.apply_update([to_dlpack(p)], [to_dlpack(g)], [], [-0.1], [], 0.1, 0.0, 0.0, 0, [], [],
+                       to_dlpack(torch.zeros(1, dtype=torch.int64)))
+
+
+def _skip_flagged_steps(name, device):
+    """One model stepped four times with skip= flags (-1, 3, -1, -1 as the scan would have said) and
+    a copy stepped three times without: the flagged step changes nothing on the device."""
+    from asyncpp_ext.optim import _kernels as K
+    torch.manual_seed(0)
+    a = TinyGPT().to(device)
+    b = copy.deepcopy(a)
+    oa, ob = (build_optimizer(m, name, ef_beta=0.5) for m in (a, b))
+    for step, flagged in enumerate((-1, 3, -1, -1)):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            torch.manual_seed(step * 1000 + pa.numel())
+            pa.grad = torch.randn_like(pa)
+            pb.grad = pa.grad.clone()
+        undo = oa.step_from(None, None, skip=torch.full((1,), flagged, dtype=torch.int32, device=device))
+        if flagged >= 0:
+            undo()
+        else:
+            ob.step()
+    return a, b, oa, ob
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_a_flagged_step_changes_nothing_and_the_others_are_plain_steps(name):
+    a, b, oa, ob = _skip_flagged_steps(name, "cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert oa.state[x].keys() == ob.state[y].keys()
+        for key, val in oa.state[x].items():
+            assert torch.equal(val, ob.state[y][key]) if torch.is_tensor(val) else val == ob.state[y][key], key
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_cuda_nonfinite_flag_and_a_flagged_step_on_the_device(name):
+    """The device's scan (the flag kernel's least index across threads) and the kernels' skip,
+    read on the GPU as they run."""
+    for ts, want in _nonfinite_cases():
+        assert _flag_of(ts, "cuda") == want
+    a, b, oa, ob = _skip_flagged_steps(name, "cuda")
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    for x, y in zip(a.parameters(), b.parameters()):
+        for key, val in oa.state[x].items():
+            assert torch.equal(val, ob.state[y][key]) if torch.is_tensor(val) else val == ob.state[y][key], key
+
+
 def _step_both_on_cpu_gradients(name, steps=4, **kw):
     """A CPU model and a CUDA copy stepped by the same optimizer config on the SAME gradients: each
     step's gradients are computed once on CPU and copied to the GPU, so any difference comes from the

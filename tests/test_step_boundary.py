@@ -153,3 +153,113 @@ def test_the_gradients_a_replay_needs_are_zeroed_in_one_buffer_per_dtype():
     reference.load_state_dict(module.state_dict())
     nn.functional.mse_loss(reference(x.detach()), y).backward()
     assert all(torch.equal(p.grad, r.grad) for p, r in zip(module.parameters(), reference.parameters()))
+
+
+def _state_equal(a: dict, b: dict) -> bool:
+    """Two optimizer state_dicts alike, bit for bit (tensors) and by value (everything else)."""
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif isinstance(x, dict):
+            if not (isinstance(y, dict) and _state_equal(x, y)):
+                return False
+        elif isinstance(x, list):
+            if len(x) != len(y) or not all(_state_equal({0: u}, {0: v}) for u, v in zip(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _run_with_a_bad_step(optimizer: str, policy: str, device_skip: bool, bad: str, device: str = "cpu"):
+    """Four sync steps of the tiny GPT with a cosine lr schedule; step 3's gradient (or loss) is
+    made non-finite. device_skip=False takes the host's path (the optimizer said not to support the
+    device's)."""
+    from asyncpp_ext.optim.lr_schedule import LRSchedule
+    from asyncpp_ext.pipeline.nonfinite import NonFiniteError
+
+    state = {"step": 0}
+
+    def loss_fn(net, x, y):
+        loss = _loss(net, x, y)
+        return loss * float("nan") if bad == "loss" and state["step"] == 3 else loss
+    model = GPT(CFG, seed=0).to(device)
+    opt = build_optimizer(model, optimizer, ef_beta=0.5)
+    if not device_skip:
+        opt.supports_device_skip = lambda: False
+    sim = DelaySimulator(model, opt, "sync", loss_fn=loss_fn, on_nonfinite=policy,
+                         lr_schedule=LRSchedule("cosine", steps=4, warmup_steps=1))
+    assert sim._device_skip is device_skip
+    if bad == "grad":
+        list(model.parameters())[2].register_hook(lambda g: g * float("inf") if state["step"] == 3 else g)
+    gen, losses, outcome = torch.Generator().manual_seed(0), [], None
+    for step in range(1, 5):
+        state["step"] = step
+        try:
+            minibatch = [(x.to(device), y.to(device)) for x, y in _minibatch(gen)]
+            losses.append((sim.step(minibatch), sim.last_skipped))
+        except NonFiniteError as exc:
+            outcome = str(exc)
+            break
+    return (losses, outcome, [p.detach().clone() for p in model.parameters()], opt.state_dict(),
+            [dict(g) for g in opt.param_groups])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("policy,bad", [("skip", "grad"), ("skip", "loss"), ("stop", "grad")])
+def test_a_step_skipped_on_the_device_leaves_everything_as_the_hosts_skip(optimizer, policy, bad):
+    """The optimizer's step is queued before the host reads the scan and skipped by its kernels
+    where the scan found a NaN/Inf: the weights, the optimizer's state (step counts, first-step
+    state, EF's flags), the learning rates, the losses and the stop message are bit for bit those
+    of the host deciding first."""
+    device = _run_with_a_bad_step(optimizer, policy, True, bad)
+    host = _run_with_a_bad_step(optimizer, policy, False, bad)
+    assert repr(device[0]) == repr(host[0]) and device[1] == host[1]  # (repr: a nan loss equals itself)
+    assert [s for _, s in device[0]] == ([False, False, True, False] if policy == "skip" else [False, False])
+    assert (device[1] is not None) == (policy == "stop")
+    assert all(torch.equal(a, b) for a, b in zip(device[2], host[2]))
+    assert _state_equal(device[3], host[3])
+    assert [{k: v for k, v in g.items() if k != "params"} for g in device[4]] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in host[4]]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_on_a_gpu_a_step_skipped_on_the_device_leaves_everything_as_the_hosts_skip(optimizer):
+    """As above on CUDA: the flag and the losses read from pinned memory after the step's launch."""
+    for policy, bad in (("skip", "grad"), ("stop", "loss")):
+        device = _run_with_a_bad_step(optimizer, policy, True, bad, "cuda")
+        host = _run_with_a_bad_step(optimizer, policy, False, bad, "cuda")
+        assert repr(device[0]) == repr(host[0]) and device[1] == host[1]
+        assert all(torch.equal(a, b) for a, b in zip(device[2], host[2]))
+        assert _state_equal(device[3], host[3])
+
+
+def test_a_sync_step_scans_on_the_device_and_never_calls_the_host_scan(monkeypatch):
+    model = GPT(CFG, seed=0)
+    sim = DelaySimulator(model, build_optimizer(model, "adamw"), "sync", loss_fn=_loss)
+    flags, host_scans = [], []
+    real = K.nonfinite_flag
+    monkeypatch.setattr(K, "nonfinite_flag", lambda ts, flag: flags.append(len(ts)) or real(ts, flag))
+    monkeypatch.setattr(K, "first_nonfinite", lambda ts: host_scans.append(ts) or -1)
+    list(sim.train_steps(CountingStream(), 3))
+    assert len(flags) == 3 and host_scans == []  # one scan per step, its answer read after the step's launch
+
+
+def test_the_fused_step_refuses_a_skip_it_cannot_honour():
+    model = GPT(CFG, seed=0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    flag = torch.full((1,), -1, dtype=torch.int32)
+    opt = build_optimizer(model, "normuon")
+    assert not opt.supports_device_skip()
+    with pytest.raises(ValueError, match="skip= needs an in-place step"):
+        opt.step_from(None, None, skip=flag)
+    opt = build_optimizer(model, "adamw")
+    sources = {p: p.detach().clone() for p in model.parameters()}
+    with pytest.raises(ValueError, match="skip= needs an in-place step"):
+        opt.step_from(sources, None, skip=flag)

@@ -135,35 +135,41 @@ def on_device_of(t: torch.Tensor):
     return torch.cuda.device(t.device)
 
 
+def _optional(t):
+    return None if t is None else to_dlpack(t)
+
+
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, ef_bufs, steps, ef_first, *, lr, beta1, beta2,
-               eps, weight_decay, ef_beta, sources=(), previous=()):
+               eps, weight_decay, ef_beta, sources=(), previous=(), skip=None):
     """sources: W(t) per parameter, () = in place; params receive W(t+1). previous: W(t-1) per
-    parameter for error feedback from the weights (with ef_bufs=[]; None = no correction)."""
+    parameter for error feedback from the weights (with ef_bufs=[]; None = no correction). skip: a
+    ``nonfinite_flag`` result on the same device; where it holds an index (>= 0) nothing changes."""
     if not params:
         return
     with on_device_of(params[0]):
         _K.adamw_step(capsules(params), capsules(grads), capsules(exp_avgs), capsules(exp_avg_sqs),
                       capsules(ef_bufs), steps, ef_first, lr, beta1, beta2, eps, weight_decay, ef_beta,
-                      stream_of(params[0]), capsules(sources), optional_capsules(previous))
+                      stream_of(params[0]), capsules(sources), optional_capsules(previous), _optional(skip))
 
 
-def muon_momentum(grads, bufs, outs, *, momentum, nesterov, sumsq=None):
+def muon_momentum(grads, bufs, outs, *, momentum, nesterov, sumsq=None, skip=None):
+    """skip as in adamw_step (outs and sumsq are then left unspecified)."""
     if not grads:
         return
     with on_device_of(grads[0]):
         _K.muon_momentum(capsules(grads), capsules(bufs), capsules(outs), momentum, nesterov,
-                         None if sumsq is None else to_dlpack(sumsq), stream_of(grads[0]))
+                         _optional(sumsq), stream_of(grads[0]), _optional(skip))
 
 
 def apply_update(params, updates, ef_bufs, update_scales, ef_first, *, lr, weight_decay, ef_beta,
-                 sources=(), previous=()):
-    """sources and previous as in adamw_step."""
+                 sources=(), previous=(), skip=None):
+    """sources, previous and skip as in adamw_step."""
     if not params:
         return
     with on_device_of(params[0]):
         _K.apply_update(capsules(params), capsules(updates), capsules(ef_bufs), update_scales, ef_first,
                         lr, weight_decay, ef_beta, stream_of(params[0]), capsules(sources),
-                        optional_capsules(previous))
+                        optional_capsules(previous), _optional(skip))
 
 
 def accumulate(dsts, srcs) -> None:
@@ -173,6 +179,14 @@ def accumulate(dsts, srcs) -> None:
         return
     with on_device_of(dsts[0]):
         _K.accumulate(capsules(dsts), capsules(srcs), stream_of(dsts[0]))
+
+
+def nonfinite_flag(tensors, flag: torch.Tensor) -> None:
+    """flag (one int32 element on the tensors' device) <- the index of the first tensor holding NaN/
+    Inf, or -1: the scan ``first_nonfinite`` does, left on the device for a fused step's ``skip``
+    (on CUDA queued on the current stream; the host does not wait)."""
+    with on_device_of(flag):
+        _K.nonfinite_flag(capsules(tensors), to_dlpack(flag), stream_of(flag))
 
 
 def first_nonfinite(tensors) -> int:

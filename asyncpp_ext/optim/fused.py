@@ -4,7 +4,9 @@ groups (2-D matrices) or AdamW groups, all updated by the multi-tensor kernels o
 Order inside `step_from()` (`step()` is `step_from(None, None)`): (1) collect and validate every
 parameter with a gradient, and the weight versions given, (2) scan all gradients for NaN/Inf and
 raise `NonFiniteGradientError` naming the parameter -- nothing has been modified yet (skipped when
-`check_finite` is False: the caller has checked), (3) update the AdamW groups, (4) update the Muon
+`check_finite` is False: the caller has checked; or when the caller passes the device-side result
+of its own scan as `skip`, which the kernels read: a step the device skips), (3) update the AdamW
+groups, (4) update the Muon
 groups (momentum kernel -> batched Newton-Schulz -> apply kernel). The final kernel of each reads
 W(t) from the source (the parameter itself in place) and writes W(t+1) into the parameter
 (versioned.py). Error feedback (ef_beta > 0) is fused into that kernel and uses the explicitly
@@ -201,16 +203,33 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.step_from(None, None)
         return loss
 
+    def supports_device_skip(self) -> bool:
+        """Whether ``step_from(skip=...)`` can leave a step to the device to skip: every tensor the
+        step changes is changed by the fused kernels (not NorMuon's second moment, computed by torch;
+        not a sharded step, whose ranks exchange updates)."""
+        return self.shard_group is None and not any(g.get("normuon", False) for g in self.param_groups)
+
     @torch.no_grad()
     def step_from(self, sources: Mapping[torch.Tensor, torch.Tensor] | None = None,
-                  previous: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
+                  previous: Mapping[torch.Tensor, torch.Tensor] | None = None,
+                  skip: torch.Tensor | None = None):
         """One step that reads W(t) from ``sources`` and writes W(t+1) into the parameters, with no
         copy (the protocol of versioned.step_versioned). sources: parameter -> W(t); None, or a
         parameter missing from it, = in place. previous: parameter -> W(t-1), read by error feedback
         with ef_source "weights" only (ignored with "buffer"); a parameter missing from it gets the
         plain update this step. Either tensor may be the parameter's own storage (in 2bw the
         destination holds W(t-1)): each element is read before it is written. Bitwise the same as
-        copying W(t) into the parameters and stepping in place."""
+        copying W(t) into the parameters and stepping in place.
+
+        skip: the one-element int32 tensor ``_kernels.nonfinite_flag`` wrote over the gradients (in
+        place only, where ``supports_device_skip()``; no scan of the optimizer's own): the kernels
+        change nothing where it holds an index, so the caller launches the step before it knows.
+        Returns then a callable that puts back what the step changed on the host (step counts, the
+        state a first step creates, EF's first-step flags), for the caller to call once it has read
+        the flag and found the step skipped; None without ``skip``."""
+        if skip is not None and (sources or not self.supports_device_skip()):
+            raise ValueError("skip= needs an in-place step (sources=None) of an optimizer whose every change "
+                             "is in the fused kernels (supports_device_skip(): not NorMuon, not sharded)")
         if self.ef_source != "weights":
             previous = None
         check_versions(self.param_groups, sources, previous, contiguous=True)
@@ -228,16 +247,35 @@ class FusedOptimizer(torch.optim.Optimizer):
                                      "expected float32 like the parameter")
                 items.append((p, g if g.is_contiguous() else g.contiguous(), gi, pi))
             work.append((group, items))
-        if self.check_finite:
+        if self.check_finite and skip is None:
             self._check_finite(work)
+        undo = self._restorer(work) if skip is not None else None
         versions = (sources or {}, previous or {})
         self._copy_unstepped(sources)
         for group, items in work:
             if items and group["algorithm"] == ADAMW:
-                self._adamw_group(group, items, versions)
+                self._adamw_group(group, items, versions, skip)
         for group, items in work:
             if items and group["algorithm"] == MUON:
-                self._muon_group(group, items, versions)
+                self._muon_group(group, items, versions, skip)
+        return undo
+
+    def _restorer(self, work):
+        """A callable putting each stepped parameter's state entry back as it is now (a shallow copy:
+        the tensors in it are the kernels' to leave alone on a skipped step), or taking away the
+        entry a first step creates."""
+        saved = [(p, dict(self.state[p]) if p in self.state else None) for _, items in work for p, *_ in items]
+        count = getattr(self, "orthogonalized_last_step", None)
+
+        def undo():
+            for p, before in saved:
+                if before is None:
+                    self.state.pop(p, None)
+                else:
+                    self.state[p] = before
+            if count is not None:
+                self.orthogonalized_last_step = count
+        return undo
 
     @staticmethod
     def _copy_unstepped(sources):
@@ -285,7 +323,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for p in params if ef_bufs else ():
             state[p]["ef_initialized"] = True
 
-    def _adamw_group(self, group, items, versions):
+    def _adamw_group(self, group, items, versions, skip=None):
         params = [it[0] for it in items]
         grads = [it[1] for it in items]
         exp_avgs, exp_avg_sqs, steps = [], [], []
@@ -302,12 +340,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         K.adamw_step(params, grads, exp_avgs, exp_avg_sqs, final.ef_bufs, steps, final.ef_first, lr=group["lr"],
                      beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                     ef_beta=group["ef_beta"], sources=final.sources, previous=final.previous)
+                     ef_beta=group["ef_beta"], sources=final.sources, previous=final.previous, skip=skip)
         for p, s in zip(params, steps):
             self.state[p]["step"] = s
         self._ef_mark(self.state, params, final.ef_bufs)
 
-    def _muon_group(self, group, items, versions):
+    def _muon_group(self, group, items, versions, skip=None):
         # Same-shape matrices side by side: each shape's batch is one contiguous run of the lists
         # (and of sumsq, read below as a slice: no index tensor, no host round trip on CUDA).
         first_seen = {}
@@ -339,7 +377,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 outs[i] = v[k]
         sumsq = torch.empty(len(params), dtype=torch.float32, device=device)
         K.muon_momentum(grads, bufs, outs, momentum=group["momentum"], nesterov=group["nesterov"],
-                        sumsq=sumsq)
+                        sumsq=sumsq, skip=skip)
         owners, me = None, 0
         if self.shard_group is not None and dist.get_world_size(self.shard_group) > 1:
             owners = assign_owners([p.shape for p in params], dist.get_world_size(self.shard_group))
@@ -374,7 +412,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         final = self._final_args(group, params, versions)
         K.apply_update(params, updates, final.ef_bufs, scales, final.ef_first, lr=lr,
                        weight_decay=group["weight_decay"], ef_beta=group["ef_beta"],
-                       sources=final.sources, previous=final.previous)
+                       sources=final.sources, previous=final.previous, skip=skip)
         for p in params:
             self.state[p]["step"] = int(self.state[p]["step"]) + 1
         self._ef_mark(self.state, params, final.ef_bufs)

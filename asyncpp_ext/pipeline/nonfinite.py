@@ -52,11 +52,62 @@ def first_nonfinite_index(tensors: Sequence[torch.Tensor]) -> int:
     tensor is contiguous float32 on the first one's device, else a torch check per tensor."""
     if not tensors:
         return -1
-    first = tensors[0]
-    if (first.is_cuda or first.is_cpu) and all(
-            t.dtype == torch.float32 and t.is_contiguous() and t.device == first.device for t in tensors):
+    if _fused_scan_takes(tensors):
         return K.first_nonfinite(list(tensors))
     return next((i for i, t in enumerate(tensors) if not bool(torch.isfinite(t).all())), -1)
+
+
+def _fused_scan_takes(tensors: Sequence[torch.Tensor]) -> bool:
+    first = tensors[0]
+    return (first.is_cuda or first.is_cpu) and all(
+        t.dtype == torch.float32 and t.is_contiguous() and t.device == first.device for t in tensors)
+
+
+class DeferredScan:
+    """A step's scan of its gradients (and losses) whose answer the host reads later: ``start``
+    queues the fused scan into a device flag (the index of the first tensor holding NaN/Inf, or -1)
+    and the flag's and the losses' copies to pinned host memory; ``result`` waits for those copies
+    only, not for what the caller queued after them -- an optimizer step the kernels skip where the
+    flag holds an index (``skip=flag``). The device then never waits for the host at a step's
+    boundary: the step is queued before the host knows whether it counts. On the CPU the work is
+    done by the time ``start`` returns."""
+
+    def __init__(self):
+        self.flag: torch.Tensor | None = None
+        self._host = None  # (flag, losses) in pinned memory, reused while the shapes stay
+        self._done = None
+        self._losses = None
+
+    @staticmethod
+    def takes(tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether the fused scan reads ``tensors`` (contiguous float32 on one CPU or CUDA device)."""
+        return bool(tensors) and _fused_scan_takes(tensors)
+
+    def start(self, tensors: Sequence[torch.Tensor], losses: torch.Tensor) -> torch.Tensor:
+        """Queue the scan of ``tensors`` (``takes`` them) and the read of ``losses``; returns the flag."""
+        device = tensors[0].device
+        if self.flag is None or self.flag.device != device:
+            self.flag = torch.empty(1, dtype=torch.int32, device=device)
+            self._host = None
+        K.nonfinite_flag(list(tensors), self.flag)
+        if device.type != "cuda":
+            self._losses = losses
+            return self.flag
+        if self._host is None or self._host[1].shape != losses.shape or self._host[1].dtype != losses.dtype:
+            self._host = (torch.empty(1, dtype=torch.int32, pin_memory=True),
+                          torch.empty(losses.shape, dtype=losses.dtype, pin_memory=True))
+            self._done = torch.cuda.Event()
+        self._host[0].copy_(self.flag, non_blocking=True)
+        self._host[1].copy_(losses, non_blocking=True)
+        self._done.record()
+        return self.flag
+
+    def result(self) -> tuple[int, list[float]]:
+        """(the first non-finite tensor's index or -1, the losses as floats) of the last ``start``."""
+        if self.flag.device.type != "cuda":
+            return int(self.flag[0]), self._losses.tolist()
+        self._done.synchronize()
+        return int(self._host[0][0]), self._host[1].tolist()
 
 
 def first_nonfinite_name(flat: torch.Tensor, names: Sequence[str], sizes: Sequence[int]) -> str | None:

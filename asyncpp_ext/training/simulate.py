@@ -53,7 +53,7 @@ from ..optim.versioned import step_versioned, wants_previous_weights
 from ..pipeline.clipping import PreviousNormClipper
 from ..pipeline.compute_copies import ComputeCopies
 from ..pipeline.devices import to_device
-from ..pipeline.nonfinite import POLICIES, NonFiniteError, first_nonfinite_index
+from ..pipeline.nonfinite import POLICIES, DeferredScan, NonFiniteError, first_nonfinite_index
 from ..pipeline.partition import as_blocks, split
 from ..pipeline.ties import TieError, check_ties_on_one_stage, find_ties, sum_tied_gradients, untie
 from ..schedule.table import SCHEDULES, schedule_spec
@@ -196,6 +196,13 @@ class DelaySimulator:
         model.train()
         if self.copies is not None:
             self.copies.module.train()
+        # The step queued before the host reads the gradients' scan (step()): where nothing between
+        # the scan and the optimizer's kernels needs its answer -- no delayed versions to rotate, no
+        # clipping by the step's norm -- and the optimizer's every change is in fused kernels that
+        # read the scan's flag on the device.
+        skip_ok = getattr(optimizer, "supports_device_skip", None)
+        self._device_skip = bool(not self.delayed and self.clipper is None and skip_ok is not None and skip_ok())
+        self._scan = DeferredScan()
         if hasattr(optimizer, "check_finite"):
             # step() scans every gradient and never lets a bad step reach the optimizer: the
             # optimizer's own scan would repeat it, with a host sync of its own (set last, so
@@ -314,8 +321,19 @@ class DelaySimulator:
         named = [(n, p.grad) for n, p in zip(self.names, self.params) if p.grad is not None]
         stacked = torch.stack(losses)
         riders = [stacked] if stacked.dtype == torch.float32 else []  # what the fused scan takes
-        index = first_nonfinite_index([g for _, g in named] + riders)
-        values = stacked.tolist()
+        scanned = [g for _, g in named] + riders
+        undo = None
+        if self._device_skip and DeferredScan.takes(scanned):
+            # The optimizer step is queued before the host reads the scan, and skipped by its
+            # kernels if the scan found a NaN/Inf: no idle device while the host decides and launches.
+            lrs = [(g["lr"], "initial_lr" in g) for g in self.optimizer.param_groups]
+            flag = self._scan.start(scanned, stacked)
+            self._apply_lr()
+            undo = self.optimizer.step_from(None, None, skip=flag)
+            index, values = self._scan.result()
+        else:
+            index = first_nonfinite_index(scanned)
+            values = stacked.tolist()
         total, bad = 0.0, None
         for i, value in enumerate(values):  # the same float sum, in microbatch order
             if bad is None and not math.isfinite(value):
@@ -323,24 +341,36 @@ class DelaySimulator:
             total += value
         if bad is None and 0 <= index < len(named):
             bad = f"non-finite gradient in {named[index][0]}"
+        if bad is not None and undo is not None:  # the device skipped the step: the host's part too
+            undo()
+            if self.on_nonfinite == "stop":  # the lrs as a stop before the step leaves them
+                for group, (lr, had_base) in zip(self.optimizer.param_groups, lrs):
+                    group["lr"] = lr
+                    if not had_base:
+                        group.pop("initial_lr", None)
         if bad is not None and self.on_nonfinite == "stop":
             raise NonFiniteError(f"{bad} at step {self.steps_done + 1}; stopping (use --on-nonfinite "
                                  "skip to skip such steps)")
         self.last_skipped = bad is not None
-        if self.clipper is not None:
-            self.clipper.clip([p.grad for p in self.params if p.grad is not None], self.last_skipped)
-        if self.mitigation.compensates and not self.last_skipped:  # W(t - d_p) is still in the ring
-            self._compensate_delays()
-        if self.delayed:
-            self._push_newest()
+        if undo is None:
+            if self.clipper is not None:
+                self.clipper.clip([p.grad for p in self.params if p.grad is not None], self.last_skipped)
+            if self.mitigation.compensates and not self.last_skipped:  # W(t - d_p) is still in the ring
+                self._compensate_delays()
+            if self.delayed:
+                self._push_newest()
+            self._apply_lr()
+            if not self.last_skipped:  # a skipped step leaves weights and optimizer state as they are
+                step_versioned(self.optimizer, None, self._previous_versions())
+        self.steps_done += 1
+        return total / m
+
+    def _apply_lr(self) -> None:
+        """This step's learning rates: the schedule's multiplier times the mitigation's rescale."""
         rescale = self.mitigation.lr_multiplier(self.delays[0] if self.delays else 0, self.steps_done)
         if self.lr_schedule is not None or self.mitigation.rescales_lr:
             schedule = self.lr_schedule.multiplier(self.steps_done) if self.lr_schedule is not None else 1.0
             apply_lr(self.optimizer, schedule * rescale)
-        if not self.last_skipped:  # a skipped step leaves weights and optimizer state as they are
-            step_versioned(self.optimizer, None, self._previous_versions())
-        self.steps_done += 1
-        return total / m
 
     def train_steps(self, stream, steps: int):
         """``steps`` steps on the stream's next minibatches, yielding each loss (StepEngine)."""

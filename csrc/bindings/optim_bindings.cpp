@@ -130,11 +130,26 @@ Storage storage_of(const TensorView& t, const std::string& name) {
   ASYNCPP_ARG_CHECK(false, name, ": expected float32 or bfloat16, got ", dtype_name(t.dtype));
 }
 
+// `skip`: None, or the one-element int32 tensor a nonfinite_flag call wrote, on the device of the
+// call's tensors. A value >= 0 there (a NaN or Inf was found) makes the call change nothing: on
+// CUDA the kernels read it as they run, so the host launches the step without waiting for the
+// scan; on the CPU it is read here, the scan being done.
+const int32_t* skip_flag(const py::object& skip_c, const TensorView& first) {
+  if (skip_c.is_none()) return nullptr;
+  const TensorView s = borrow_tensor(skip_c, "skip");
+  expect_like(s, first, DType::i32, "skip");
+  ASYNCPP_ARG_CHECK(s.numel() == 1, "skip: expected one int32 element (what nonfinite_flag writes), got ",
+                    s.numel());
+  return s.ptr<int32_t>();
+}
+
+bool skipped_on_cpu(const int32_t* skip) { return skip != nullptr && *skip >= 0; }
+
 void adamw_step(const py::sequence& params_c, const py::sequence& grads_c, const py::sequence& exp_avgs_c,
                 const py::sequence& exp_avg_sqs_c, const py::sequence& ef_c, const std::vector<int64_t>& steps,
                 const std::vector<bool>& ef_first, double lr, double beta1, double beta2, double eps,
                 double weight_decay, double ef_beta, intptr_t stream, const py::sequence& sources_c,
-                const py::sequence& previous_c) {
+                const py::sequence& previous_c, const py::object& skip_c) {
   const auto params = borrow_tensors(params_c, "params");
   const auto sources = borrow_tensors(sources_c, "sources");
   const auto previous = borrow_optional_tensors(previous_c, "previous");
@@ -192,11 +207,12 @@ void adamw_step(const py::sequence& params_c, const py::sequence& grads_c, const
     w.ef_beta = float(ef_beta);
     w.ef_mode = modes[i];
   }
+  const int32_t* skip = skip_flag(skip_c, params[0]);
   const bool cuda = params[0].device == DeviceKind::cuda;
   py::gil_scoped_release release;
-  if (!cuda) return adamw_step_cpu(work);
+  if (!cuda) return skipped_on_cpu(skip) ? void() : adamw_step_cpu(work);
 #ifdef ASYNCPP_WITH_CUDA
-  adamw_step_cuda(work, stream);
+  adamw_step_cuda(work, skip, stream);
 #else
   (void)stream;
   no_cuda_kernels("params");
@@ -204,7 +220,8 @@ void adamw_step(const py::sequence& params_c, const py::sequence& grads_c, const
 }
 
 void muon_momentum(const py::sequence& grads_c, const py::sequence& bufs_c, const py::sequence& outs_c,
-                   double momentum, bool nesterov, const py::object& sumsq_c, intptr_t stream) {
+                   double momentum, bool nesterov, const py::object& sumsq_c, intptr_t stream,
+                   const py::object& skip_c) {
   const auto grads = borrow_tensors(grads_c, "grads");
   const auto bufs = borrow_tensors(bufs_c, "momentum_bufs");
   const auto outs = borrow_tensors(outs_c, "outs");
@@ -233,11 +250,12 @@ void muon_momentum(const py::sequence& grads_c, const py::sequence& bufs_c, cons
     work[i] = MomentumTensor{grads[i].ptr<float>(), bufs[i].ptr<float>(), outs[i].data, grads[i].numel(),
                              float(momentum), nesterov};
   }
+  const int32_t* skip = skip_flag(skip_c, grads[0]);
   const bool cuda = grads[0].device == DeviceKind::cuda;
   py::gil_scoped_release release;
-  if (!cuda) return muon_momentum_cpu(work, storage, sumsq);
+  if (!cuda) return skipped_on_cpu(skip) ? void() : muon_momentum_cpu(work, storage, sumsq);
 #ifdef ASYNCPP_WITH_CUDA
-  muon_momentum_cuda(work, storage, sumsq, stream);
+  muon_momentum_cuda(work, storage, sumsq, skip, stream);
 #else
   (void)stream;
   no_cuda_kernels("grads");
@@ -247,7 +265,7 @@ void muon_momentum(const py::sequence& grads_c, const py::sequence& bufs_c, cons
 void apply_update(const py::sequence& params_c, const py::sequence& updates_c, const py::sequence& ef_c,
                   const std::vector<double>& update_scales, const std::vector<bool>& ef_first, double lr,
                   double weight_decay, double ef_beta, intptr_t stream, const py::sequence& sources_c,
-                  const py::sequence& previous_c) {
+                  const py::sequence& previous_c, const py::object& skip_c) {
   const auto params = borrow_tensors(params_c, "params");
   const auto sources = borrow_tensors(sources_c, "sources");
   const auto previous = borrow_optional_tensors(previous_c, "previous");
@@ -279,11 +297,12 @@ void apply_update(const py::sequence& params_c, const py::sequence& updates_c, c
                           ef.empty() ? nullptr : ef[i].ptr<float>(), params[i].numel(), float(update_scales[i]),
                           float(-(lr * weight_decay)), float(ef_beta), modes[i]};
   }
+  const int32_t* skip = skip_flag(skip_c, params[0]);
   const bool cuda = params[0].device == DeviceKind::cuda;
   py::gil_scoped_release release;
-  if (!cuda) return apply_update_cpu(work, storage);
+  if (!cuda) return skipped_on_cpu(skip) ? void() : apply_update_cpu(work, storage);
 #ifdef ASYNCPP_WITH_CUDA
-  apply_update_cuda(work, storage, stream);
+  apply_update_cuda(work, storage, skip, stream);
 #else
   (void)stream;
   no_cuda_kernels("params");
@@ -306,6 +325,32 @@ int64_t first_nonfinite(const py::sequence& tensors_c, intptr_t stream) {
 #else
   (void)stream;
   no_cuda_kernels("tensors");
+#endif
+}
+
+void nonfinite_flag(const py::sequence& tensors_c, const py::handle& flag_c, intptr_t stream) {
+  const auto tensors = borrow_tensors(tensors_c, "tensors");
+  const TensorView flag = borrow_tensor(flag_c, "flag");
+  expect_dtype(flag, DType::i32, "flag");
+  expect_contiguous(flag, "flag");
+  ASYNCPP_ARG_CHECK(flag.numel() == 1, "flag: expected one int32 element, got ", flag.numel());
+  std::vector<ConstTensor> work(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    expect_like(tensors[i], flag, DType::f32, item("tensors", i));
+    work[i] = ConstTensor{tensors[i].ptr<float>(), tensors[i].numel()};
+  }
+  int32_t* out = flag.ptr<int32_t>();
+  const bool cuda = flag.device == DeviceKind::cuda;
+  py::gil_scoped_release release;
+  if (!cuda) {
+    *out = int32_t(first_nonfinite_cpu(work));
+    return;
+  }
+#ifdef ASYNCPP_WITH_CUDA
+  nonfinite_flag_cuda(work, out, stream);
+#else
+  (void)stream;
+  no_cuda_kernels("flag");
 #endif
 }
 
@@ -342,24 +387,29 @@ void bind_optim(py::module_& m) {
         py::arg("exp_avg_sqs"), py::arg("ef_bufs"), py::arg("steps"), py::arg("ef_first"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("ef_beta"),
         py::arg("stream") = 0, py::arg("sources") = py::list(), py::arg("previous") = py::list(),
+        py::arg("skip") = py::none(),
         "One AdamW step (torch.optim.AdamW arithmetic) over all tensors; steps[i] is tensor i's step count "
         "after this update. ef_bufs=[] and previous=[] turn error feedback off. sources[i] holds W(t) "
         "and params[i] receives W(t+1) (sources=[]: in place); previous[i] holds W(t-1) for error "
         "feedback from the weights (None: no correction for that tensor). params[i] may be the very "
-        "storage of sources[i] or previous[i].");
+        "storage of sources[i] or previous[i]. skip: a nonfinite_flag result; >= 0 changes nothing.");
   o.def("muon_momentum", &muon_momentum, py::arg("grads"), py::arg("momentum_bufs"), py::arg("outs"),
         py::arg("momentum"), py::arg("nesterov"), py::arg("sumsq") = py::none(), py::arg("stream") = 0,
+        py::arg("skip") = py::none(),
         "B <- mu*B + (1-mu)*G; outs <- nesterov ? (1-mu)*G + mu*B : B (float32 or bfloat16); "
-        "sumsq[i] <- sum(outs[i]^2) when given.");
+        "sumsq[i] <- sum(outs[i]^2) when given. skip: as in adamw_step (outs and sumsq then unspecified).");
   o.def("apply_update", &apply_update, py::arg("params"), py::arg("updates"), py::arg("ef_bufs"),
         py::arg("update_scales"), py::arg("ef_first"), py::arg("lr"), py::arg("weight_decay"),
         py::arg("ef_beta"), py::arg("stream") = 0, py::arg("sources") = py::list(),
-        py::arg("previous") = py::list(),
+        py::arg("previous") = py::list(), py::arg("skip") = py::none(),
         "W(t+1) = W(t) + D, D = -lr*wd*W(t) + update_scales[i]*updates[i], with error feedback when ef_bufs "
         "(E from the buffer) or previous (E = W(t) - W(t-1)) is not empty. W(t) is read from sources[i] "
-        "(sources=[]: in place) and W(t+1) written to params[i], as in adamw_step.");
+        "(sources=[]: in place) and W(t+1) written to params[i], as in adamw_step; skip as there.");
   o.def("first_nonfinite", &first_nonfinite, py::arg("tensors"), py::arg("stream") = 0,
         "Index of the first float32 tensor holding a NaN or Inf, or -1.");
+  o.def("nonfinite_flag", &nonfinite_flag, py::arg("tensors"), py::arg("flag"), py::arg("stream") = 0,
+        "flag (one int32 element on the tensors' device) <- the index of the first float32 tensor holding "
+        "a NaN or Inf, or -1; on CUDA queued on the stream, the host not waiting (the fused steps' skip).");
   o.def("accumulate", &accumulate, py::arg("dsts"), py::arg("srcs"), py::arg("stream") = 0,
         "dsts[i] += srcs[i] over every tensor in one call: float32 dsts, srcs all float32 or all bfloat16 "
         "(widened exactly), each shaped like its dst.");

@@ -137,7 +137,12 @@ struct DeviceTable {
   bool used_ = false;
 };
 
-__global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, int64_t n_chunks) {
+// A step skipped on the device: the scan before it found a NaN or Inf (nonfinite_flag_cuda).
+__device__ __forceinline__ bool skipped(const int32_t* skip) { return skip != nullptr && *skip >= 0; }
+
+__global__ void adamw_kernel(const AdamWTensor* tensors, const Chunk* chunks, int64_t n_chunks,
+                             const int32_t* skip) {
+  if (skipped(skip)) return;
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
     const Chunk ch = chunks[c];
     const AdamWTensor t = tensors[ch.tensor];
@@ -174,7 +179,8 @@ __device__ float block_sum(float x) {
 // atomics would add in arbitrary order.
 template <Storage kOut>
 __global__ void momentum_kernel(const MomentumTensor* tensors, const Chunk* chunks, int64_t n_chunks,
-                                double* partial) {
+                                double* partial, const int32_t* skip) {
+  if (skipped(skip)) return;  // (sum_partials then sums stale partials: what reads them is skipped too)
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
     const Chunk ch = chunks[c];
     const MomentumTensor t = tensors[ch.tensor];
@@ -212,7 +218,9 @@ __global__ void sum_partials(const double* partial, const int64_t* first_chunk, 
 }
 
 template <Storage kIn>
-__global__ void apply_kernel(const ApplyTensor* tensors, const Chunk* chunks, int64_t n_chunks) {
+__global__ void apply_kernel(const ApplyTensor* tensors, const Chunk* chunks, int64_t n_chunks,
+                             const int32_t* skip) {
+  if (skipped(skip)) return;
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
     const Chunk ch = chunks[c];
     const ApplyTensor t = tensors[ch.tensor];
@@ -269,19 +277,34 @@ __global__ void nonfinite_kernel(const ConstTensor* tensors, const Chunk* chunks
   }
 }
 
+// flag <- the smallest index whose flag is set, or -1 (one block: the tensors of one step number
+// hundreds; the scan over their elements is the work).
+__global__ void first_flag_kernel(const int* flags, int n, int32_t* flag) {
+  __shared__ int best;
+  if (threadIdx.x == 0) best = n;
+  __syncthreads();
+  for (int t = threadIdx.x; t < n; t += blockDim.x)
+    if (flags[t]) {
+      atomicMin(&best, t);  // each thread's first set flag; the least of them is the answer
+      break;
+    }
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = best < n ? best : -1;
+}
+
 cudaStream_t as_stream(intptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
 }  // namespace
 
-void adamw_step_cuda(const std::vector<AdamWTensor>& tensors, intptr_t stream) {
+void adamw_step_cuda(const std::vector<AdamWTensor>& tensors, const int32_t* skip, intptr_t stream) {
   DeviceTable<AdamWTensor> table(tensors, as_stream(stream));
   if (table.n_chunks == 0) return;
-  adamw_kernel<<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks, table.n_chunks);
+  adamw_kernel<<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks, table.n_chunks, skip);
   ASYNCPP_CUDA_OK(cudaGetLastError());
 }
 
 void muon_momentum_cuda(const std::vector<MomentumTensor>& tensors, Storage out_storage, float* sumsq,
-                        intptr_t stream) {
+                        const int32_t* skip, intptr_t stream) {
   DeviceTable<MomentumTensor> table(tensors, as_stream(stream), sumsq != nullptr ? sizeof(double) : 0);
   if (sumsq != nullptr && !tensors.empty())  // tensors without elements keep 0
     ASYNCPP_CUDA_OK(cudaMemsetAsync(sumsq, 0, tensors.size() * sizeof(float), table.stream));
@@ -289,10 +312,10 @@ void muon_momentum_cuda(const std::vector<MomentumTensor>& tensors, Storage out_
   auto* partial = static_cast<double*>(table.scratch);
   if (out_storage == Storage::f32) {
     momentum_kernel<Storage::f32><<<table.blocks(), kThreads, 0, table.stream>>>(
-        table.entries, table.chunks, table.n_chunks, partial);
+        table.entries, table.chunks, table.n_chunks, partial, skip);
   } else {
     momentum_kernel<Storage::bf16><<<table.blocks(), kThreads, 0, table.stream>>>(
-        table.entries, table.chunks, table.n_chunks, partial);
+        table.entries, table.chunks, table.n_chunks, partial, skip);
   }
   ASYNCPP_CUDA_OK(cudaGetLastError());
   if (sumsq == nullptr) return;
@@ -302,15 +325,16 @@ void muon_momentum_cuda(const std::vector<MomentumTensor>& tensors, Storage out_
   ASYNCPP_CUDA_OK(cudaGetLastError());
 }
 
-void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_storage, intptr_t stream) {
+void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_storage, const int32_t* skip,
+                       intptr_t stream) {
   DeviceTable<ApplyTensor> table(tensors, as_stream(stream));
   if (table.n_chunks == 0) return;
   if (update_storage == Storage::f32) {
     apply_kernel<Storage::f32><<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
-                                                                            table.n_chunks);
+                                                                            table.n_chunks, skip);
   } else {
     apply_kernel<Storage::bf16><<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
-                                                                             table.n_chunks);
+                                                                             table.n_chunks, skip);
   }
   ASYNCPP_CUDA_OK(cudaGetLastError());
 }
@@ -357,6 +381,24 @@ int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t s
   for (size_t t = 0; t < host.size(); ++t)
     if (host[t]) return int64_t(t);
   return -1;
+}
+
+void nonfinite_flag_cuda(const std::vector<ConstTensor>& tensors, int32_t* flag, intptr_t stream) {
+  if (tensors.empty()) {
+    first_flag_kernel<<<1, 32, 0, as_stream(stream)>>>(nullptr, 0, flag);
+    ASYNCPP_CUDA_OK(cudaGetLastError());
+    return;
+  }
+  DeviceTable<ConstTensor> table(tensors, as_stream(stream), 0, sizeof(int));
+  int* flags = static_cast<int*>(table.scratch);  // one per tensor
+  ASYNCPP_CUDA_OK(cudaMemsetAsync(flags, 0, tensors.size() * sizeof(int), table.stream));
+  if (table.n_chunks > 0) {
+    nonfinite_kernel<<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
+                                                                     table.n_chunks, flags);
+    ASYNCPP_CUDA_OK(cudaGetLastError());
+  }
+  first_flag_kernel<<<1, kThreads, 0, table.stream>>>(flags, int(tensors.size()), flag);
+  ASYNCPP_CUDA_OK(cudaGetLastError());
 }
 
 }  // namespace asyncpp::kernels::optim

@@ -81,12 +81,18 @@ void accumulate_cpu(const std::vector<AccumulateTensor>& tensors, Storage src_st
 // ---- CUDA (stream = cudaStream_t as an integer, 0 = legacy default stream) ---------------------
 // `sumsq` is a device pointer to float[tensors.size()], written on `stream` in a fixed summation
 // order (per-chunk partials, then summed per tensor in chunk order): the same on every run.
-void adamw_step_cuda(const std::vector<AdamWTensor>& tensors, intptr_t stream);
+// `skip` (a device int32, or nullptr): when it holds a value >= 0 as the kernels run -- the index a
+// nonfinite_flag_cuda call wrote, the first tensor holding a NaN or Inf -- they change nothing: the
+// step is skipped on the device, without the host waiting for the scan.
+void adamw_step_cuda(const std::vector<AdamWTensor>& tensors, const int32_t* skip, intptr_t stream);
 void muon_momentum_cuda(const std::vector<MomentumTensor>& tensors, Storage out_storage, float* sumsq,
-                        intptr_t stream);
-void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_storage, intptr_t stream);
+                        const int32_t* skip, intptr_t stream);
+void apply_update_cuda(const std::vector<ApplyTensor>& tensors, Storage update_storage, const int32_t* skip,
+                       intptr_t stream);
 // Synchronises `stream` to read the answer back.
 int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t stream);
+// The same answer written to the device int32 `flag` on `stream` (-1: every value finite); no sync.
+void nonfinite_flag_cuda(const std::vector<ConstTensor>& tensors, int32_t* flag, intptr_t stream);
 void accumulate_cuda(const std::vector<AccumulateTensor>& tensors, Storage src_storage, intptr_t stream);
 #endif
 
