@@ -207,7 +207,6 @@ def test_nonfinite_flag_writes_the_first_bad_index_or_minus_one():
 def _skip_flagged_steps(name, device):
     """One model stepped four times with skip= flags (-1, 3, -1, -1 as the scan would have said) and
     a copy stepped three times without: the flagged step changes nothing on the device."""
-    from asyncpp_ext.optim import _kernels as K
     torch.manual_seed(0)
     a = TinyGPT().to(device)
     b = copy.deepcopy(a)

@@ -57,7 +57,7 @@ def test_one_scan_per_step_holds_the_gradients_and_the_losses(monkeypatch, ef_be
     real = K.first_nonfinite
     monkeypatch.setattr(K, "first_nonfinite", lambda ts: scans.append([t.shape for t in ts]) or real(ts))
     stream = CountingStream()
-    losses = list(sim.train_steps(stream, 3))
+    list(sim.train_steps(stream, 3))
     assert len(scans) == 3, scans  # one per step (two before: the optimizer's, per parameter under EF)
     assert all(shapes[-1] == torch.Size([M]) for shapes in scans)  # the losses ride along
 
