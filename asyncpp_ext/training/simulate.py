@@ -323,9 +323,10 @@ class DelaySimulator:
         riders = [stacked] if stacked.dtype == torch.float32 else []  # what the fused scan takes
         scanned = [g for _, g in named] + riders
         undo = None
-        if self._device_skip and DeferredScan.takes(scanned):
+        if self._device_skip and riders and DeferredScan.takes(scanned):
             # The optimizer step is queued before the host reads the scan, and skipped by its
             # kernels if the scan found a NaN/Inf: no idle device while the host decides and launches.
+            # (Only with the losses in the scan: a bad loss the device did not see would be stepped.)
             lrs = [(g["lr"], "initial_lr" in g) for g in self.optimizer.param_groups]
             flag = self._scan.start(scanned, stacked)
             self._apply_lr()
