@@ -186,7 +186,11 @@ def _run_with_a_bad_step(optimizer: str, policy: str, device_skip: bool, bad: st
 
     def loss_fn(net, x, y):
         loss = _loss(net, x, y)
-        return loss * float("nan") if bad == "loss" and state["step"] == 3 else loss
+        if state["step"] == 3 and bad == "loss":
+            return loss * float("nan")  # a NaN loss and NaN gradients
+        if state["step"] == 3 and bad in ("nan-term", "nan-term-bf16"):
+            loss = loss + float("nan")  # a NaN loss, finite gradients (a constant's derivative is 0)
+        return loss.bfloat16() if bad == "nan-term-bf16" else loss
     model = GPT(CFG, seed=0).to(device)
     opt = build_optimizer(model, optimizer, ef_beta=0.5)
     if not device_skip:
@@ -210,12 +214,14 @@ def _run_with_a_bad_step(optimizer: str, policy: str, device_skip: bool, bad: st
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-@pytest.mark.parametrize("policy,bad", [("skip", "grad"), ("skip", "loss"), ("stop", "grad")])
+@pytest.mark.parametrize("policy,bad", [("skip", "grad"), ("skip", "loss"), ("stop", "grad"), ("skip", "nan-term"),
+                                        ("skip", "nan-term-bf16")])
 def test_a_step_skipped_on_the_device_leaves_everything_as_the_hosts_skip(optimizer, policy, bad):
     """The optimizer's step is queued before the host reads the scan and skipped by its kernels
     where the scan found a NaN/Inf: the weights, the optimizer's state (step counts, first-step
     state, EF's flags), the learning rates, the losses and the stop message are bit for bit those
-    of the host deciding first."""
+    of the host deciding first. A NaN loss with finite gradients is caught by the scan the losses
+    ride in; 16-bit losses, which it does not take, keep the host deciding first."""
     device = _run_with_a_bad_step(optimizer, policy, True, bad)
     host = _run_with_a_bad_step(optimizer, policy, False, bad)
     assert repr(device[0]) == repr(host[0]) and device[1] == host[1]  # (repr: a nan loss equals itself)
