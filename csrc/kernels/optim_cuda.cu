@@ -40,17 +40,34 @@ struct Chunk {
 
 size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// A pinned host buffer a table is written to before its upload. From pageable memory the copy
+// may wait for the stream's earlier work (the CUDA runtime stages it through pinned memory of its
+// own): the host would stop at every table until the GPU caught up with it -- at a step's end,
+// until the step's queued microbatches were done -- and the GPU would then idle while the host
+// prepared the next launch. From pinned memory the copy is queued and the host goes on. Event
+// `copied` (recorded after the copy) says when the buffer may be written again.
+struct Staging {
+  void* ptr = nullptr;
+  size_t capacity = 0;
+  cudaEvent_t copied = nullptr;
+};
+
 // One device buffer per GPU for the kernels' tables, kept for the life of the process and grown
 // when a call needs more. Allocating per call would take memory from the CUDA runtime while
 // torch's caching allocator may hold nearly all of it (and torch only frees its cache for its own
 // allocations). Reuse is ordered: a call's upload waits for the previous call's kernels (event
 // `done`, recorded on the previous call's stream) before overwriting the table, and `mu` keeps
-// host threads from interleaving their uploads.
+// host threads from interleaving their uploads. The tables come from a ring of staging buffers: a
+// buffer is written again kStaging uploads later, by when its last copy has long run (a step makes
+// a few uploads), so the host waits for it only if it is that far ahead of the GPU.
 struct Arena {
+  static constexpr int kStaging = 8;
   std::mutex mu;
   void* ptr = nullptr;
   size_t capacity = 0;
   cudaEvent_t done = nullptr;
+  Staging staging[kStaging];
+  int next_staging = 0;
 };
 
 Arena& arena_of_current_device() {
@@ -98,11 +115,26 @@ struct DeviceTable {
     const size_t scratch_offset = align_up(upload, 16);
     const size_t total = scratch_offset + size_t(n_chunks) * scratch_per_chunk +
                          host_entries.size() * scratch_per_tensor;
-    std::vector<unsigned char> staging(upload);
-    std::memcpy(staging.data(), host_entries.data(), entry_bytes);
-    std::memcpy(staging.data() + chunk_offset, host_chunks.data(), host_chunks.size() * sizeof(Chunk));
-    std::memcpy(staging.data() + first_offset, host_first.data(), host_first.size() * sizeof(int64_t));
     if (arena_.done == nullptr) ASYNCPP_CUDA_OK(cudaEventCreateWithFlags(&arena_.done, cudaEventDisableTiming));
+    Staging& staging = arena_.staging[arena_.next_staging];
+    arena_.next_staging = (arena_.next_staging + 1) % Arena::kStaging;
+    if (staging.copied == nullptr) {
+      ASYNCPP_CUDA_OK(cudaEventCreateWithFlags(&staging.copied, cudaEventDisableTiming));
+    } else {
+      ASYNCPP_CUDA_OK(cudaEventSynchronize(staging.copied));  // its last copy has left it
+    }
+    if (staging.capacity < upload) {
+      if (staging.ptr != nullptr) ASYNCPP_CUDA_OK(cudaFreeHost(staging.ptr));
+      staging.ptr = nullptr;
+      staging.capacity = 0;
+      const size_t grown = std::max(upload, size_t(64) << 10);
+      ASYNCPP_CUDA_OK(cudaHostAlloc(&staging.ptr, grown, cudaHostAllocDefault));
+      staging.capacity = grown;
+    }
+    auto* host = static_cast<unsigned char*>(staging.ptr);
+    std::memcpy(host, host_entries.data(), entry_bytes);
+    std::memcpy(host + chunk_offset, host_chunks.data(), host_chunks.size() * sizeof(Chunk));
+    std::memcpy(host + first_offset, host_first.data(), host_first.size() * sizeof(int64_t));
     if (arena_.capacity < total) {
       ASYNCPP_CUDA_OK(cudaEventSynchronize(arena_.done));  // the old buffer's last readers are done
       if (arena_.ptr != nullptr) ASYNCPP_CUDA_OK(cudaFree(arena_.ptr));
@@ -113,8 +145,8 @@ struct DeviceTable {
       arena_.capacity = grown;
     }
     ASYNCPP_CUDA_OK(cudaStreamWaitEvent(stream, arena_.done, 0));
-    // From pageable memory the copy has left `staging` when this returns, so `staging` may die.
-    ASYNCPP_CUDA_OK(cudaMemcpyAsync(arena_.ptr, staging.data(), upload, cudaMemcpyHostToDevice, stream));
+    ASYNCPP_CUDA_OK(cudaMemcpyAsync(arena_.ptr, host, upload, cudaMemcpyHostToDevice, stream));
+    ASYNCPP_CUDA_OK(cudaEventRecord(staging.copied, stream));
     auto* bytes = static_cast<unsigned char*>(arena_.ptr);
     entries = reinterpret_cast<Entry*>(bytes);
     chunks = reinterpret_cast<Chunk*>(bytes + chunk_offset);
