@@ -168,27 +168,70 @@ def _bad_fork_reports(tmp_path, name: str) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_a_forkserver_whose_preload_initialises_cuda_is_started_again_without_it(
-        tmp_path, capfd, gpu_seen_and_fresh_servers):
-    """An import in the early server's preload that initialises CUDA there would make every rank
-    fail ("Cannot re-initialize CUDA in forked subprocess"): the server is started again with
-    torch's imports only, named in one line, and the ranks fork from that one, free to use CUDA."""
+def _counting_probes(monkeypatch) -> list:
+    probes = []
+    real = launch._fork_one_child
+    def counting(target=int):
+        if target is not int:  # a probe, not the readiness fork
+            probes.append(target)
+        return real(target)
+    monkeypatch.setattr(launch, "_fork_one_child", counting)
+    return probes
+
+
+def _asyncpp_lines(text: str) -> list:
+    return [line for line in text.splitlines() if line.startswith("asyncpp: ")]
+
+
+@pytest.mark.parametrize("probe", ["bad-fork", "fails"])
+def test_a_forkserver_whose_preload_keeps_its_children_from_cuda_is_started_again_without_it(
+        tmp_path, capfd, monkeypatch, gpu_seen_and_fresh_servers, probe):
+    """An import in the early server's preload that touches CUDA there would make every rank fail
+    ("Cannot re-initialize CUDA in forked subprocess"), and a probe that fails says nothing good:
+    the server is started again with torch's imports only, named in one line, and the ranks fork
+    from that one, free to use CUDA; that server is not probed again."""
+    if probe == "fails":
+        monkeypatch.setenv("ASYNCPP_TEST_FORKSERVER_PROBE", "fails")
+    probes = _counting_probes(monkeypatch)
     assert launch.start_forkserver_early(preload=("cuda_in_forkserver",))
-    assert "initialise CUDA: started again with torch, torch.distributed, torch._dynamo only" in capfd.readouterr().err
+    why = "cannot use CUDA" if probe == "bad-fork" else "fail to start (a probe exited with code 1)"
+    assert _asyncpp_lines(capfd.readouterr().err) == [
+        f"asyncpp: children of the forkserver {why} with cuda_in_forkserver preloaded: started again with "
+        "torch, torch.distributed, torch._dynamo only"]
     server = mp.forkserver._forkserver._forkserver_pid
     ranks = _bad_fork_reports(tmp_path, "ranks")
     assert [r["bad_fork"] for r in ranks] == [False, False] and {r["parent"] for r in ranks} == {server}
+    _bad_fork_reports(tmp_path, "again")
+    assert len(probes) == 2  # the first server's, the second's; none at the launches that followed
 
 
-def test_a_forkserver_that_initialises_cuda_even_alone_gives_way_to_fresh_interpreters(
+def test_a_forkserver_whose_own_preload_keeps_its_children_from_cuda_gives_way_to_fresh_interpreters(
         tmp_path, capfd, monkeypatch, gpu_seen_and_fresh_servers):
-    """Where even torch's own preload initialises CUDA in the server, ranks start from fresh
-    interpreters instead (one line says so), not from a server whose children cannot use CUDA."""
+    """Where even the server with only torch's imports has children that cannot use CUDA, ranks
+    start from fresh interpreters instead (one line says so; no restart of a server like it), not
+    from a server whose children cannot use CUDA."""
     monkeypatch.setattr(launch, "_FORKSERVER_PRELOAD", launch._FORKSERVER_PRELOAD + ["cuda_in_forkserver"])
+    probes = _counting_probes(monkeypatch)
     ranks = _bad_fork_reports(tmp_path, "ranks")
-    assert "ranks start from fresh interpreters" in capfd.readouterr().err
+    assert _asyncpp_lines(capfd.readouterr().err) == [
+        "asyncpp: children of the forkserver cannot use CUDA with torch, torch.distributed, torch._dynamo, "
+        f"cuda_in_forkserver preloaded: ranks start from fresh interpreters (set {launch.START_METHOD_ENV}=spawn "
+        "to skip the forkserver)"]
+    assert len(probes) == 1
     assert [r["bad_fork"] for r in ranks] == [False, False]
-    assert mp.forkserver._forkserver._forkserver_pid not in {r["parent"] for r in ranks}
+    assert {r["parent"] for r in ranks} == {os.getpid()}  # started by the launcher itself
     # the next launch in the same environment goes straight to fresh interpreters, saying nothing
-    assert [r["bad_fork"] for r in _bad_fork_reports(tmp_path, "again")] == [False, False]
-    assert "forkserver" not in capfd.readouterr().err and mp.forkserver._forkserver._forkserver_pid is None
+    ranks = _bad_fork_reports(tmp_path, "again")
+    assert [r["bad_fork"] for r in ranks] == [False, False] and {r["parent"] for r in ranks} == {os.getpid()}
+    assert capfd.readouterr().err.count("asyncpp: ") == 0 and len(probes) == 1
+
+
+def test_no_probe_where_torch_sees_no_gpu(tmp_path, monkeypatch):
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no forkserver on this platform")
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    probes = _counting_probes(monkeypatch)
+    _launch_and_read(tmp_path, "ranks")
+    assert probes == []

@@ -279,10 +279,11 @@ def _forkserver_for_this_environment() -> bool:
 def start_forkserver_early(preload: tuple = ()) -> bool:
     """Start now the forkserver the next ``spawn`` would start (its imports take seconds), so that
     a process waiting for its turn -- a benchmark's next run, say -- has it ready, with ``preload``'s
-    modules imported too (what its ranks will import: their function's module, inductor's); returns
-    once it is ready. The launch reuses it while the environment stays as it is now
-    (``_forkserver_for_this_environment``). True if a forkserver runs; False where ranks start
-    another way."""
+    modules imported too (what its ranks will import: their function's module, inductor's; not
+    where their import kept its children from using the GPU, see
+    ``_forkserver_children_can_use_cuda``); returns once it is ready. The launch reuses it while
+    the environment stays as it is now (``_forkserver_for_this_environment``). True if a
+    forkserver runs; False where ranks start another way."""
     if start_method() != "forkserver" or not _forkserver_for_this_environment():
         return False
     if preload and mp.forkserver._forkserver._forkserver_pid is None:  # a running one keeps its imports
@@ -294,8 +295,9 @@ def start_forkserver_early(preload: tuple = ()) -> bool:
 
 
 def _exit_code_for_fork_state() -> None:
-    """A forkserver child's report: exit code 3 when the server had initialised CUDA before forking
-    it (torch then refuses CUDA in the child: "Cannot re-initialize CUDA in forked subprocess")."""
+    """A forkserver child's report: exit code 3 when torch refuses CUDA in it ("Cannot re-initialize
+    CUDA in forked subprocess"), as it does in every process forked after the server touched CUDA
+    -- initialised it, or only asked ``torch.cuda.is_available()``, which an import may do."""
     import torch
     in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", None)  # absent from builds without CUDA
     sys.exit(3 if in_bad_fork is not None and in_bad_fork() else 0)
@@ -313,12 +315,13 @@ def _fork_one_child(target: Callable = int) -> int:
 
 
 def _forkserver_children_can_use_cuda() -> bool:
-    """Whether the forkserver's children can use the GPU: not where CUDA is initialised in the server
-    (by an import in its preload), which torch refuses in every child forked after it. Where one is,
-    the server is started again without the extra preloaded modules, and if CUDA is initialised
-    even so, False (ranks then start from fresh interpreters), with one warning line, and False
-    at once for later launches in the same environment. Checked once per server, only where torch
-    sees a GPU."""
+    """Whether the forkserver's children can use the GPU, by one probe child: not where the server
+    touched CUDA (an import in its preload may, see ``_exit_code_for_fork_state``), nor where the
+    probe failed otherwise. Where they cannot, a server with more than torch's imports preloaded is
+    started again with those only, and probed again; if its children cannot either, False (ranks
+    then start from fresh interpreters), with one line, and False at once for later launches in
+    the same environment. A server that passes is not probed again; nothing is probed where torch
+    sees no GPU."""
     global _forkserver_checked_pid, _forkserver_refused_under
     import torch
     if not torch.cuda.is_available():
@@ -326,20 +329,27 @@ def _forkserver_children_can_use_cuda() -> bool:
     if _forkserver_refused_under is not None and _forkserver_refused_under == _forkserver_started_under:
         return False
     server = mp.forkserver._forkserver
-    for attempt in range(2):
+    stop = getattr(server, "_stop", None)
+    while True:
         if server._forkserver_pid is not None and server._forkserver_pid == _forkserver_checked_pid:
             return True
-        if _fork_one_child(_exit_code_for_fork_state) != 3:
+        code = _fork_one_child(_exit_code_for_fork_state)
+        if code == 0:
             _forkserver_checked_pid = server._forkserver_pid
             return True
-        preloaded = getattr(server, "_preload_modules", ())
-        server._stop()  # present: _forkserver_for_this_environment checked
-        if attempt == 0:
-            print(f"asyncpp: the forkserver's preloaded imports ({', '.join(preloaded)}) initialise CUDA: "
-                  f"started again with {', '.join(_FORKSERVER_PRELOAD)} only", file=sys.stderr, flush=True)
-            mp.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    print(f"asyncpp: importing {', '.join(_FORKSERVER_PRELOAD)} initialises CUDA in the forkserver: ranks start "
-          f"from fresh interpreters (set {START_METHOD_ENV}=spawn to skip the forkserver)", file=sys.stderr, flush=True)
+        why = "cannot use CUDA" if code == 3 else f"fail to start (a probe exited with code {code})"
+        preloaded = list(getattr(server, "_preload_modules", ()))
+        extra = [m for m in preloaded if m not in _FORKSERVER_PRELOAD]
+        if stop is not None:
+            stop()
+        if not extra or stop is None:
+            break
+        print(f"asyncpp: children of the forkserver {why} with {', '.join(extra)} preloaded: started again "
+              f"with {', '.join(_FORKSERVER_PRELOAD)} only", file=sys.stderr, flush=True)
+        mp.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    print(f"asyncpp: children of the forkserver {why} with {', '.join(_FORKSERVER_PRELOAD)} preloaded: ranks "
+          f"start from fresh interpreters (set {START_METHOD_ENV}=spawn to skip the forkserver)",
+          file=sys.stderr, flush=True)
     _forkserver_refused_under = _forkserver_started_under
     return False
 
