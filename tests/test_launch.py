@@ -235,3 +235,17 @@ def test_no_probe_where_torch_sees_no_gpu(tmp_path, monkeypatch):
     probes = _counting_probes(monkeypatch)
     _launch_and_read(tmp_path, "ranks")
     assert probes == []
+
+
+def fail_as_torch_in_a_bad_fork() -> None:
+    raise RuntimeError("Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, "
+                       "you must use the 'spawn' start method")
+
+
+def test_a_rank_refused_cuda_in_a_fork_gets_the_way_out_named(monkeypatch):
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no forkserver on this platform")
+    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    with pytest.raises(launch.LaunchError, match=r"forked subprocess.*all ranks have stopped; set "
+                                                 r"ASYNCPP_START_METHOD=spawn to start ranks from fresh interpreters"):
+        spawn(fail_as_torch_in_a_bad_fork, 2)

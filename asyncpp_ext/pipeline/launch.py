@@ -405,4 +405,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
         how = (f"was killed by signal {-code}" if code < 0 else
                f"stalled (exit code {code})" if code == EXIT_STALLED else f"exited with code {code}")
         why = f" ({reasons[rank]})" if rank in reasons else ""
-        raise LaunchError(f"rank {rank} {how}{why}; all ranks have stopped")
+        hint = ""
+        if "forked subprocess" in why and ctx.get_start_method() == "forkserver":  # torch's bad-fork refusal
+            hint = f"; set {START_METHOD_ENV}=spawn to start ranks from fresh interpreters"
+        raise LaunchError(f"rank {rank} {how}{why}; all ranks have stopped{hint}")
