@@ -396,16 +396,24 @@ void accumulate_cuda(const std::vector<AccumulateTensor>& tensors, Storage src_s
   }
 }
 
-int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t stream) {
-  if (tensors.empty()) return -1;
-  DeviceTable<ConstTensor> table(tensors, as_stream(stream), 0, sizeof(int));
-  int* flags = static_cast<int*>(table.scratch);  // one per tensor
-  ASYNCPP_CUDA_OK(cudaMemsetAsync(flags, 0, tensors.size() * sizeof(int), table.stream));
+namespace {
+// One flag per tensor (1: it holds a NaN or Inf) in the table's scratch, queued on its stream.
+int* queue_nonfinite_flags(const DeviceTable<ConstTensor>& table, size_t n_tensors) {
+  int* flags = static_cast<int*>(table.scratch);
+  ASYNCPP_CUDA_OK(cudaMemsetAsync(flags, 0, n_tensors * sizeof(int), table.stream));
   if (table.n_chunks > 0) {
     nonfinite_kernel<<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
                                                                      table.n_chunks, flags);
     ASYNCPP_CUDA_OK(cudaGetLastError());
   }
+  return flags;
+}
+}  // namespace
+
+int64_t first_nonfinite_cuda(const std::vector<ConstTensor>& tensors, intptr_t stream) {
+  if (tensors.empty()) return -1;
+  DeviceTable<ConstTensor> table(tensors, as_stream(stream), 0, sizeof(int));
+  const int* flags = queue_nonfinite_flags(table, tensors.size());
   std::vector<int> host(tensors.size(), 0);
   ASYNCPP_CUDA_OK(cudaMemcpyAsync(host.data(), flags, host.size() * sizeof(int), cudaMemcpyDeviceToHost,
                                   table.stream));
@@ -422,13 +430,7 @@ void nonfinite_flag_cuda(const std::vector<ConstTensor>& tensors, int32_t* flag,
     return;
   }
   DeviceTable<ConstTensor> table(tensors, as_stream(stream), 0, sizeof(int));
-  int* flags = static_cast<int*>(table.scratch);  // one per tensor
-  ASYNCPP_CUDA_OK(cudaMemsetAsync(flags, 0, tensors.size() * sizeof(int), table.stream));
-  if (table.n_chunks > 0) {
-    nonfinite_kernel<<<table.blocks(), kThreads, 0, table.stream>>>(table.entries, table.chunks,
-                                                                     table.n_chunks, flags);
-    ASYNCPP_CUDA_OK(cudaGetLastError());
-  }
+  const int* flags = queue_nonfinite_flags(table, tensors.size());
   first_flag_kernel<<<1, kThreads, 0, table.stream>>>(flags, int(tensors.size()), flag);
   ASYNCPP_CUDA_OK(cudaGetLastError());
 }
