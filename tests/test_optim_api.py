@@ -174,6 +174,11 @@ def _nonfinite_cases():
             ts[where][-1] = value
         yield ts, -1 if where is None else where
     yield [], -1
+    for bad, first in (((559, 300, 45), 45), ((257, 1), 1), ((599,), 599)):  # more tensors than the
+        ts = [torch.zeros(1) for _ in range(600)]                             # flag kernel's threads,
+        for i in bad:                                                          # several bad: the least
+            ts[i][0] = float("nan")
+        yield ts, first
 
 
 def _flag_of(tensors, device="cpu"):
@@ -195,6 +200,9 @@ def test_nonfinite_flag_writes_the_first_bad_index_or_minus_one():
         k.nonfinite_flag([to_dlpack(x)], to_dlpack(torch.zeros(2, dtype=torch.int32)))
     with pytest.raises(ValueError, match=r"tensors\[0\]: expected dtype float32"):
         k.nonfinite_flag([to_dlpack(x.double())], to_dlpack(torch.zeros(1, dtype=torch.int32)))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="flag: on CUDA device 0 but tensors.0. is on the CPU"):
+            k.nonfinite_flag([to_dlpack(x)], to_dlpack(torch.zeros(1, dtype=torch.int32, device="cuda")))
     p, g, m, v = (torch.zeros(4) for _ in range(4))
     with pytest.raises(ValueError, match="skip: expected one int32 element"):
         k.adamw_step([to_dlpack(p)], [to_dlpack(g)], [to_dlpack(m)], [to_dlpack(v)], [], [1], [],

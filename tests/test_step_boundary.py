@@ -175,10 +175,11 @@ def _state_equal(a: dict, b: dict) -> bool:
     return True
 
 
-def _run_with_a_bad_step(optimizer: str, policy: str, device_skip: bool, bad: str, device: str = "cpu"):
-    """Four sync steps of the tiny GPT with a cosine lr schedule; step 3's gradient (or loss) is
-    made non-finite. device_skip=False takes the host's path (the optimizer said not to support the
-    device's)."""
+def _run_with_a_bad_step(optimizer: str, policy: str, device_skip: bool, bad: str, device: str = "cpu",
+                         bad_step: int = 3):
+    """Four sync steps of the tiny GPT with a cosine lr schedule; step ``bad_step``'s gradient (or
+    loss) is made non-finite. device_skip=False takes the host's path (the optimizer said not to
+    support the device's)."""
     from asyncpp_ext.optim.lr_schedule import LRSchedule
     from asyncpp_ext.pipeline.nonfinite import NonFiniteError
 
@@ -186,9 +187,9 @@ def _run_with_a_bad_step(optimizer: str, policy: str, device_skip: bool, bad: st
 
     def loss_fn(net, x, y):
         loss = _loss(net, x, y)
-        if state["step"] == 3 and bad == "loss":
+        if state["step"] == bad_step and bad == "loss":
             return loss * float("nan")  # a NaN loss and NaN gradients
-        if state["step"] == 3 and bad in ("nan-term", "nan-term-bf16"):
+        if state["step"] == bad_step and bad in ("nan-term", "nan-term-bf16"):
             loss = loss + float("nan")  # a NaN loss, finite gradients (a constant's derivative is 0)
         return loss.bfloat16() if bad == "nan-term-bf16" else loss
     model = GPT(CFG, seed=0).to(device)
@@ -199,7 +200,7 @@ def _run_with_a_bad_step(optimizer: str, policy: str, device_skip: bool, bad: st
                          lr_schedule=LRSchedule("cosine", steps=4, warmup_steps=1))
     assert sim._device_skip is device_skip
     if bad == "grad":
-        list(model.parameters())[2].register_hook(lambda g: g * float("inf") if state["step"] == 3 else g)
+        list(model.parameters())[2].register_hook(lambda g: g * float("inf") if state["step"] == bad_step else g)
     gen, losses, outcome = torch.Generator().manual_seed(0), [], None
     for step in range(1, 5):
         state["step"] = step
@@ -210,27 +211,30 @@ def _run_with_a_bad_step(optimizer: str, policy: str, device_skip: bool, bad: st
             outcome = str(exc)
             break
     return (losses, outcome, [p.detach().clone() for p in model.parameters()], opt.state_dict(),
-            [dict(g) for g in opt.param_groups])
+            [dict(g) for g in opt.param_groups], opt.orthogonalized_last_step)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-@pytest.mark.parametrize("policy,bad", [("skip", "grad"), ("skip", "loss"), ("stop", "grad"), ("skip", "nan-term"),
-                                        ("skip", "nan-term-bf16")])
-def test_a_step_skipped_on_the_device_leaves_everything_as_the_hosts_skip(optimizer, policy, bad):
+@pytest.mark.parametrize("policy,bad,bad_step", [
+    ("skip", "grad", 3), ("skip", "loss", 3), ("stop", "grad", 3), ("skip", "nan-term", 3), ("skip", "nan-term-bf16", 3),
+    ("skip", "grad", 1), ("stop", "grad", 1)])  # a bad first step: the state it creates, the lr base it sets
+def test_a_step_skipped_on_the_device_leaves_everything_as_the_hosts_skip(optimizer, policy, bad, bad_step):
     """The optimizer's step is queued before the host reads the scan and skipped by its kernels
     where the scan found a NaN/Inf: the weights, the optimizer's state (step counts, first-step
     state, EF's flags), the learning rates, the losses and the stop message are bit for bit those
     of the host deciding first. A NaN loss with finite gradients is caught by the scan the losses
     ride in; 16-bit losses, which it does not take, keep the host deciding first."""
-    device = _run_with_a_bad_step(optimizer, policy, True, bad)
-    host = _run_with_a_bad_step(optimizer, policy, False, bad)
+    device = _run_with_a_bad_step(optimizer, policy, True, bad, bad_step=bad_step)
+    host = _run_with_a_bad_step(optimizer, policy, False, bad, bad_step=bad_step)
     assert repr(device[0]) == repr(host[0]) and device[1] == host[1]  # (repr: a nan loss equals itself)
-    assert [s for _, s in device[0]] == ([False, False, True, False] if policy == "skip" else [False, False])
+    assert [s for _, s in device[0]] == ([i + 1 == bad_step for i in range(4)] if policy == "skip"
+                                         else [False] * (bad_step - 1))
     assert (device[1] is not None) == (policy == "stop")
     assert all(torch.equal(a, b) for a, b in zip(device[2], host[2]))
     assert _state_equal(device[3], host[3])
     assert [{k: v for k, v in g.items() if k != "params"} for g in device[4]] == \
         [{k: v for k, v in g.items() if k != "params"} for g in host[4]]
+    assert device[5] == host[5]  # the Newton-Schulz count a skipped Muon step ran, put back
 
 
 @pytest.mark.cuda

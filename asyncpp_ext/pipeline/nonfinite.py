@@ -97,9 +97,9 @@ class DeferredScan:
             self._host = (torch.empty(1, dtype=torch.int32, pin_memory=True),
                           torch.empty(losses.shape, dtype=losses.dtype, pin_memory=True))
             self._done = torch.cuda.Event()
-        self._host[0].copy_(self.flag, non_blocking=True)
-        self._host[1].copy_(losses, non_blocking=True)
-        self._done.record()
+        self._host[0].copy_(self.flag, non_blocking=True)  # on the current stream of the flag's device,
+        self._host[1].copy_(losses, non_blocking=True)     # as the scan and the fused kernels run
+        self._done.record(torch.cuda.current_stream(device))
         return self.flag
 
     def result(self) -> tuple[int, list[float]]:

@@ -336,8 +336,16 @@ void nonfinite_flag(const py::sequence& tensors_c, const py::handle& flag_c, int
   ASYNCPP_ARG_CHECK(flag.numel() == 1, "flag: expected one int32 element, got ", flag.numel());
   std::vector<ConstTensor> work(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    expect_like(tensors[i], flag, DType::f32, item("tensors", i));
+    expect_like(tensors[i], tensors[0], DType::f32, item("tensors", i));
     work[i] = ConstTensor{tensors[i].ptr<float>(), tensors[i].numel()};
+  }
+  if (!tensors.empty()) {
+    const auto where = [](const TensorView& t) {
+      return t.device == DeviceKind::cpu ? std::string("the CPU") : "CUDA device " + std::to_string(t.device_index);
+    };
+    ASYNCPP_ARG_CHECK(flag.device == tensors[0].device && flag.device_index == tensors[0].device_index,
+                      "flag: on ", where(flag), " but tensors[0] is on ", where(tensors[0]),
+                      "; put the flag on the tensors' device");
   }
   int32_t* out = flag.ptr<int32_t>();
   const bool cuda = flag.device == DeviceKind::cuda;
