@@ -68,9 +68,9 @@ class DeferredScan:
     queues the fused scan into a device flag (the index of the first tensor holding NaN/Inf, or -1)
     and the flag's and the losses' copies to pinned host memory; ``result`` waits for those copies
     only, not for what the caller queued after them -- an optimizer step the kernels skip where the
-    flag holds an index (``skip=flag``). The device then never waits for the host at a step's
-    boundary: the step is queued before the host knows whether it counts. On the CPU the work is
-    done by the time ``start`` returns."""
+    flag holds an index (``skip=flag``). The step is queued before the host knows whether it
+    counts, so the device need not wait at the step's boundary while the host decides and launches
+    it. On the CPU the work is done by the time ``start`` returns."""
 
     def __init__(self):
         self.flag: torch.Tensor | None = None
