@@ -200,8 +200,8 @@ class DelaySimulator:
         # the scan and the optimizer's kernels needs its answer -- no delayed versions to rotate, no
         # clipping by the step's norm -- and the optimizer's every change is in fused kernels that
         # read the scan's flag on the device.
-        skip_ok = getattr(optimizer, "supports_device_skip", None)
-        self._device_skip = bool(not self.delayed and self.clipper is None and skip_ok is not None and skip_ok())
+        # (The optimizer is asked at every step: a group added later may change its answer.)
+        self._device_skip = not self.delayed and self.clipper is None and hasattr(optimizer, "supports_device_skip")
         self._scan = DeferredScan()
         if hasattr(optimizer, "check_finite"):
             # step() scans every gradient and never lets a bad step reach the optimizer: the
@@ -323,7 +323,7 @@ class DelaySimulator:
         riders = [stacked] if stacked.dtype == torch.float32 else []  # what the fused scan takes
         scanned = [g for _, g in named] + riders
         undo = None
-        if self._device_skip and riders and DeferredScan.takes(scanned):
+        if self._device_skip and riders and self.optimizer.supports_device_skip() and DeferredScan.takes(scanned):
             # The optimizer step is queued before the host reads the scan, and skipped by its
             # kernels if the scan found a NaN/Inf: no idle device while the host decides and launches.
             # (Only with the losses in the scan: a bad loss the device did not see would be stepped.)
