@@ -216,8 +216,8 @@ def _run_with_a_bad_step(optimizer: str, policy: str, device_skip: bool, bad: st
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 @pytest.mark.parametrize("policy,bad,bad_step", [
-    ("skip", "grad", 3), ("skip", "loss", 3), ("stop", "grad", 3), ("skip", "nan-term", 3), ("skip", "nan-term-bf16", 3),
-    ("skip", "grad", 1), ("stop", "grad", 1)])  # a bad first step: the state it creates, the lr base it sets
+    ("skip", "grad", 3), ("skip", "loss", 3), ("stop", "grad", 3), ("skip", "nan-term", 3),
+    ("skip", "nan-term-bf16", 3), ("skip", "grad", 1), ("stop", "grad", 1)])  # a bad first step: the state it creates, the lr base it sets
 def test_a_step_skipped_on_the_device_leaves_everything_as_the_hosts_skip(optimizer, policy, bad, bad_step):
     """The optimizer's step is queued before the host reads the scan and skipped by its kernels
     where the scan found a NaN/Inf: the weights, the optimizer's state (step counts, first-step
