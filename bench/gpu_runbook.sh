@@ -108,14 +108,14 @@ bench() {  # bench NAME SECONDS [ENV=VALUE ...] -- ARGS...: gpu_throughput.py, i
 
 ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
            --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order")
+           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check")
 # (combo-kernels left out: a first compile of unknown length before the Hugging Face row, the
 # step's reason to be; block_step's combo-kernels form measures it first)
 ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --profile --only "ours sync adamw graphs,hf compile adamw"
            --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,mix-order")
 ROWS_PIPELINE_GRAPHS=(--models smollm-135m --seq-lens 1024 --row-timeout 80
                       --only "ours sync adamw graphs,ours 2bw 2st 1gpu adamw ipc graphs"
-                      --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order")
+                      --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check")
 ROWS_MPS=(--models smollm-135m --seq-lens 1024 --row-timeout 80 --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc"
           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order")
 
@@ -143,9 +143,9 @@ run_step() {
         quick-serial) bench quick-serial 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick --no-prestart ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
         profile) bench profile 150 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
-                     --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order" ;;
+                     --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check" ;;
         autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 330 --profile \
-                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order" ;;
+                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
         *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, blocks, code, pipeline-graphs, quick, quick-serial, head, profile, autotune, mps"

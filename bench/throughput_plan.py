@@ -28,7 +28,7 @@ def detect_cli_flags() -> dict:
             "ipc": ",ipc" in text, "compute_copies": "--no-compute-copies" in text,
             "bf16_params": "bf16-params" in text, "compile_scope": "--compile-scope" in text,
             "compile_mode": "--compile-mode" in text, "attention": "--attention" in text,
-            "inductor_option": "--inductor-option" in text,
+            "inductor_option": "--inductor-option" in text, "nonfinite_check": "--nonfinite-check" in text,
             "no_checkpoints": "--no-checkpoints" in text and "--eval-batches" in text}
 
 
@@ -60,7 +60,8 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                   + (" stage-compile" if kw.get("scope") == "stage" else "")
                   + (f" {kw['compile_mode']}" if kw.get("compile_mode") else "")
                   + (f" {kw['inductor']}" if kw.get("inductor") else "")
-                  + (f" {kw['attention']}-attention" if kw.get("attention") else ""))
+                  + (f" {kw['attention']}-attention" if kw.get("attention") else "")
+                  + (f" {kw['nonfinite_check']}-check" if kw.get("nonfinite_check") else ""))
         if kw.get("stages", 1) == 1:
             name = f"ours sync {opt}{suffix}"
             kw.setdefault("schedule", "sync")
@@ -157,6 +158,10 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     for preset in ("cat-fused", "combo-kernels", "pdl", "combo-kernels-pdl", "mix-order-64"):
                         if inductor_preset(preset):
                             ours(mdl, seq, "adamw", compile_=True, inductor=preset, graphs=graphs[-1])
+                if (mdl, seq) == last and dev == "cuda" and flags.get("nonfinite_check"):
+                    # the step's NaN/Inf check read on the host before the optimizer is queued (the
+                    # CLI's default queues it first): what the device-side skip is worth
+                    ours(mdl, seq, "adamw", compile_=True, graphs=graphs[-1], nonfinite_check="host")
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

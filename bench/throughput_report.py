@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from throughput_model import flops_per_token, matmul_params, model_shape, total_params
+from throughput_rows import INDUCTOR_PRESETS
 
 FIRST_LOSS_BAND = 0.10  # first-step loss within 10 % of ln V
 DECREASE_MIN_STEPS = 4  # the decrease is asked for from this many steps on
@@ -80,7 +81,8 @@ def _check_fused(fused: dict, plain) -> None:
 VARIANT_LOSS_TOL = 0.05
 """Largest relative difference, at any measured step, between the losses of an ours row and the
 row it varies in how it computes (same seed, data and update rule): CUDA graphs, a stage region,
-max-autotune, inductor options (cat-fused, combo-kernels), another attention kernel, the compute copies, ipc for gloo compute the same steps in
+max-autotune, inductor options (cat-fused, combo-kernels, pdl, ...), another attention kernel, the compute copies, ipc for gloo,
+the host's NaN/Inf check before the optimizer (host-check: the same numbers) compute the same steps in
 other kernels or another float order, and a bf16 run drifts from its twin by bf16 rounding only (the GPU kit's bound for
 bf16 against fp32 is 5 % per step). A broken variant is off by far more within a few steps: one
 computed on the previous weight version misses smollm's early losses by ~10 %. --dtype bf16-params
@@ -89,6 +91,8 @@ rounds differently by design: its difference is reported, not checked."""
 
 def _variant_suffix(r: dict) -> str:
     """The name suffix of the variant ``r`` is (the last one it adds), or "" for a plain row."""
+    if r.get("nonfinite_check"):
+        return f" {r['nonfinite_check']}-check"
     if r.get("attention"):
         return f" {r['attention']}-attention"
     if r.get("compile_mode"):
@@ -108,7 +112,10 @@ def _variant_suffix(r: dict) -> str:
     return ""
 
 
-_SUFFIXES = (" cudnn-attention", " flash-attention", " max-autotune", " cat-fused", " combo-kernels", " stage-compile", " graphs", " bf16-params", " no-copies", " ipc")
+_SUFFIXES = (" host-check", " cudnn-attention", " flash-attention", " max-autotune",
+             *(f" {name}" for name in INDUCTOR_PRESETS), " stage-compile", " graphs", " bf16-params", " no-copies",
+             " ipc")
+"""Every variant suffix a row name may end with (``_variant_suffix``'s), the outermost first."""
 
 
 def _plainer(r: dict, find):
@@ -156,7 +163,8 @@ def _one_stage_twin(r: dict, ok: list):
                  and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
                  and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
                  and b.get("copies") is not False and b.get("dtype") is None
-                 and b.get("scope") == r.get("scope") and not b.get("compile_mode") and not b.get("attention") and not b.get("inductor")),
+                 and b.get("scope") == r.get("scope") and not b.get("compile_mode") and not b.get("attention")
+                 and not b.get("inductor") and not b.get("nonfinite_check")),
                 None)
 
 

@@ -134,6 +134,8 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
         cmd += ["--compile-mode", r["compile_mode"]]
     if r.get("attention"):
         cmd += ["--attention", r["attention"]]
+    if r.get("nonfinite_check"):
+        cmd += ["--nonfinite-check", r["nonfinite_check"]]
     for name, value in inductor_preset(r.get("inductor")).items():
         cmd += ["--inductor-option", f"{name}={value}"]
     if args.profile:  # traced after the measured steps, which the tracing therefore never slows

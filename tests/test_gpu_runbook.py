@@ -31,7 +31,7 @@ ROWS = {
              f"ours 2bw 2st 1gpu adamw ipc {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs combo-kernels {R360}",
              f"ours sync adamw graphs pdl {R360}", f"ours sync adamw graphs combo-kernels-pdl {R360}",
-             f"hf compile adamw {R360}"],
+             f"ours sync adamw graphs host-check {R360}", f"hf compile adamw {R360}"],
     "pipeline-graphs": [f"ours sync adamw graphs {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "quick": [f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
               f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],

@@ -286,6 +286,16 @@ def test_plan_rows_compile_flags_and_gpu_counts():
         assert set(want) <= set(given) and "--compile" in cmd and "--cuda-graphs" in cmd
         assert all(g.partition("=")[0] in known for g in given)
     assert not any(r.get("inductor") for r in gt.build_plan(_plan_args(mode="quick"), with_options, gpus=1)[0])
+    # --nonfinite-check host: the step's check read on the host first, at the last CUDA point
+    with_check = dict(with_mode, nonfinite_check=True)
+    checked = [r for r in gt.build_plan(_plan_args(), with_check, gpus=1)[0] if r.get("nonfinite_check")]
+    assert [(r["name"], r["model"], r["seq_len"]) for r in checked] == [
+        ("ours sync adamw graphs host-check", "smollm-360m", 2048)]
+    cmd = gt.ours_command(checked[0], args, with_check, Path("o"), Path("p"))
+    assert cmd[cmd.index("--nonfinite-check") + 1] == "host" and "--cuda-graphs" in cmd
+    assert "--nonfinite-check" not in gt.ours_command(full[0], args, with_check, Path("o"), Path("p"))
+    assert not any(r.get("nonfinite_check") for r in gt.build_plan(_plan_args(mode="quick"), with_check, gpus=1)[0])
+    assert gt.detect_cli_flags()["nonfinite_check"]
     # --head-chunk-rows: one more fused head row per chunk size
     heads = [(r["name"], r["head_mode"]) for r in gt.build_plan(_plan_args(head_chunk_rows=[1365, 2730]), flags_on,
                                                                  gpus=1)[0] if r["impl"] == "head"]
@@ -387,15 +397,22 @@ def test_variant_rows_are_checked_against_the_row_they_vary():
             ours("ours 2bw 2st 1gpu adamw", base, stages=2, transport="gloo"),
             ours("ours 2bw 2st 1gpu adamw ipc", base, stages=2, transport="ipc"),
             ours("ours 2bw 2st 1gpu adamw ipc graphs", off, stages=2, transport="ipc", graphs=True),
-            ours("ours sync adamw graphs flash-attention", off, graphs=True, attention="flash")]
+            ours("ours sync adamw graphs flash-attention", off, graphs=True, attention="flash"),
+            ours("ours sync adamw graphs pdl", off, graphs=True, inductor="pdl"),
+            ours("ours sync adamw graphs combo-kernels-pdl", base, graphs=True, inductor="combo-kernels-pdl"),
+            ours("ours sync adamw graphs host-check", off, graphs=True, nonfinite_check="host")]
     variant_checks(rows)
     got = {r["name"]: (r["check"], r.get("loss_vs")) for r in rows}
     assert got["ours sync adamw"] == ("ok", None) and got["ours 2bw 2st 1gpu adamw"] == ("ok", None)
     assert got["ours sync adamw graphs"][0] == "ok"
     assert got["ours sync adamw graphs"][1] == dict(row="ours sync adamw", max_rel_diff=pytest.approx(1e-3))
     assert got["ours 2bw 2st 1gpu adamw ipc"] == ("ok", dict(row="ours 2bw 2st 1gpu adamw", max_rel_diff=0.0))
+    # every inductor preset and the host's check against the row they vary (pdl's was not checked)
+    assert got["ours sync adamw graphs combo-kernels-pdl"][1]["row"] == "ours sync adamw graphs"
     for name, against in (("ours sync adamw graphs stage-compile", "ours sync adamw graphs"),
                           ("ours sync adamw graphs flash-attention", "ours sync adamw graphs"),
+                          ("ours sync adamw graphs pdl", "ours sync adamw graphs"),
+                          ("ours sync adamw graphs host-check", "ours sync adamw graphs"),
                           ("ours 2bw 2st 1gpu adamw ipc graphs", "ours 2bw 2st 1gpu adamw ipc")):
         assert re.fullmatch(rf"FAIL: losses differ from {against}'s by up to (9\.9e-02|1\.0e-01) "
                             rf"\(> {VARIANT_LOSS_TOL:g}\)", got[name][0]), got[name]

@@ -273,3 +273,34 @@ def test_the_fused_step_refuses_a_skip_it_cannot_honour():
     sources = {p: p.detach().clone() for p in model.parameters()}
     with pytest.raises(ValueError, match="skip= needs an in-place step"):
         opt.step_from(sources, None, skip=flag)
+
+
+def test_the_cli_takes_the_device_path_unless_told_to_check_on_the_host(tmp_path, monkeypatch, capsys):
+    """--nonfinite-check host (for measuring the device-side skip against) reads the scan first;
+    the default queues the step first: the same losses either way; a bad value is one line."""
+    import json
+
+    from asyncpp_ext.pipeline import nonfinite
+    from asyncpp_ext.training.cli import main
+
+    started = []
+    real = nonfinite.DeferredScan.start
+    monkeypatch.setattr(nonfinite.DeferredScan, "start",
+                        lambda self, ts, losses: started.append(1) or real(self, ts, losses))
+    runs = {}
+    for check in (None, "host"):
+        out = tmp_path / f"run-{check}"
+        started.clear()
+        assert main(["--model", "llama-tiny", "--stages", "1", "--schedule", "sync", "--steps", "3",
+                     "--micro-batch-size", "2", "--microbatches", "2", "--data", "builtin", "--out", str(out),
+                     "--no-progress", "--eval-every", "0", "--ckpt-every", "0", "--no-checkpoints",
+                     *(["--nonfinite-check", check] if check else [])]) == 0
+        runs[check] = ([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()],
+                       len(started))
+    assert runs[None][1] == 3 and runs["host"][1] == 0
+    assert runs[None][0] == runs["host"][0] and len(runs[None][0]) == 3
+    capsys.readouterr()
+    assert main(["--model", "llama-tiny", "--nonfinite-check", "device", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and not (tmp_path / "bad").exists()
+    assert "--nonfinite-check" in err[-1] and "invalid choice" in err[-1]

@@ -8,7 +8,7 @@ from typing import Optional
 
 from ..models.attention import ATTENTION_BACKENDS
 from ..models.compile_support import parse_inductor_option
-from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
+from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_CHECKS, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
                      SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
 from ..data.batches import SAMPLINGS
 from ..models.registry import MODEL_PRESETS
@@ -233,6 +233,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--on-nonfinite", choices=NONFINITE_POLICIES,
                      help="NaN/Inf loss or gradient: stop the run, or skip that step's update on "
                           f"every stage (default {_D.train.on_nonfinite})")
+    run.add_argument("--nonfinite-check", choices=NONFINITE_CHECKS,
+                     help="one-process runs: auto queues the optimizer before the host reads the NaN/Inf "
+                          "scan, its kernels skipping a bad step on the device where that applies; host "
+                          f"reads the scan first (the same numbers) (default {_D.train.nonfinite_check})")
     return p
 
 
@@ -266,6 +270,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "progress"): None if args.no_progress is None else not args.no_progress,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
+        ("train", "nonfinite_check"): args.nonfinite_check,
         ("train", "compile"): args.compile, ("train", "compile_scope"): args.compile_scope,
         ("train", "compile_mode"): args.compile_mode,
         ("train", "inductor_options"): _inductor_options(args.inductor_option),
@@ -304,7 +309,8 @@ FIELD_FLAGS = {
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
     "data.eval_batches": "--eval-batches", "train.device": "--device", "train.timeout_s": "--timeout",
-    "train.on_nonfinite": "--on-nonfinite", "train.threads": "--threads", "model.n_layer": "--n-layer",
+    "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
+    "train.threads": "--threads", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",

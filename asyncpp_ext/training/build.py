@@ -217,7 +217,8 @@ def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None) -> D
         return maybe_compute_copies(module, dtype, compute.compute_copies or every, exclude=head, every=every)
     simulator = DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule,
                                loss_fn=simulator_loss(cfg, compute), compute_copies=copies,
-                               on_nonfinite=cfg.train.on_nonfinite, lr_schedule=cfg.lr_schedule(),
+                               on_nonfinite=cfg.train.on_nonfinite, device_skip=cfg.train.nonfinite_check == "auto",
+                               lr_schedule=cfg.lr_schedule(),
                                clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
                                delay_only=p.delay_only, **cfg.mitigation_kwargs())
     if compute.cuda_graphs and simulator.delayed:  # it swaps weight versions in, which a graph cannot see

@@ -23,6 +23,8 @@ SCHEDULES = schedule_names()
 """Every schedule a run can name (the schedule table, schedule/table.py; read there at validation
 time, so a row added to the table is accepted here too)."""
 NONFINITE_POLICIES = ("stop", "skip")
+NONFINITE_CHECKS = ("auto", "host")
+"""Where a one-process step's NaN/Inf check is decided (``TrainConfig.nonfinite_check``)."""
 OPTIMIZERS = optimizer_names()
 """Every optimizer name, in display order (the registry's, optim/registry.py)."""
 DEVICES = ("cpu", "cuda")
@@ -254,6 +256,11 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """NaN/Inf loss or gradient: "stop" the run naming stage and step, or "skip" that step's update
     on every stage (recorded as ``"skipped": true`` in its metrics row)."""
+    nonfinite_check: str = "auto"
+    """Where a one-process step learns whether to skip its update: "auto" queues the optimizer
+    before the host reads the gradients' scan, its fused kernels skipping a bad step on the device,
+    wherever that applies (docs/design.md §1.9); "host" reads the scan first, then steps -- the
+    same numbers, for measuring what the device-side skip is worth."""
     tensorboard: bool = False
     """Also write TensorBoard events (loss, eval loss, lr, tokens/s, each stage's compute and wait
     shares) under the run directory's tensorboard/ (needs ``pip install 'asyncpp_ext[tensorboard]'``)."""
@@ -408,6 +415,7 @@ class RunConfig:
             raise ConfigError(f"pipeline.transport='nccl' moves CUDA tensors but train.device="
                               f"{self.train.device!r}; use --device cuda, or --transport gloo (or torch) on cpu")
         choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
+        choice("train.nonfinite_check", self.train.nonfinite_check, NONFINITE_CHECKS)
         check_compute(self)
         positive_number("train.timeout_s", self.train.timeout_s)
         if self.train.threads is not None:
@@ -474,6 +482,6 @@ def get_field(cfg: RunConfig, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
-__all__ = ["SCHEDULES", "SYNC_SCHEDULES", "EF_BETA_MAX", "MUON_FAMILY", "NONFINITE_POLICIES", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
+__all__ = ["SCHEDULES", "SYNC_SCHEDULES", "EF_BETA_MAX", "MUON_FAMILY", "NONFINITE_POLICIES", "NONFINITE_CHECKS", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
            "get_field", "COMPILE_SCOPES", "COMPILE_MODES"]

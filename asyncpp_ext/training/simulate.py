@@ -122,7 +122,9 @@ class DelaySimulator:
     (optim/mitigations.py). ``compute_copies`` makes the 16-bit compute copies the training
     microbatches run on (pipeline/compute_copies.py; called with the untied model, may return
     None): refreshed at each step's start (after the delayed versions are swapped in), their
-    gradients added into the parameters' after each microbatch's backward.
+    gradients added into the parameters' after each microbatch's backward. ``device_skip`` (default
+    True) lets a step queue its optimizer before the host reads the gradients' scan where that
+    applies (``step``); False always reads the scan first (the same numbers).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: str,
@@ -131,7 +133,8 @@ class DelaySimulator:
                  stages: int | None = None, split_points: Sequence[int] | None = None,
                  delay: int | None = None, mitigation: str | None = None, dc_lambda: float = DEFAULT_DC_LAMBDA,
                  rescale_steps: int | None = None, delay_only: str | None = None,
-                 compute_copies: Callable[[nn.Module], Optional[ComputeCopies]] | None = None):
+                 compute_copies: Callable[[nn.Module], Optional[ComputeCopies]] | None = None,
+                 device_skip: bool = True):
         if schedule not in SCHEDULES:
             raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
         per_stage = SCHEDULES[schedule].lag_per_stage
@@ -201,7 +204,8 @@ class DelaySimulator:
         # clipping by the step's norm -- and the optimizer's every change is in fused kernels that
         # read the scan's flag on the device.
         # (The optimizer is asked at every step: a group added later may change its answer.)
-        self._device_skip = not self.delayed and self.clipper is None and hasattr(optimizer, "supports_device_skip")
+        self._device_skip = (device_skip and not self.delayed and self.clipper is None
+                             and hasattr(optimizer, "supports_device_skip"))
         self._scan = DeferredScan()
         if hasattr(optimizer, "check_finite"):
             # step() scans every gradient and never lets a bad step reach the optimizer: the
