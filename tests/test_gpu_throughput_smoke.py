@@ -158,6 +158,17 @@ def _plan_args(device="cuda", mode="full", **kw):
                            micro_batch_size=8, microbatches=8, cpu_compile=False, **kw)
 
 
+
+def _one_variant_at_the_last_point(flags, key, name, cli_flag, value, args, full):
+    """The plan's one row with ``key`` set: ``name`` at smollm-360m / 2048 of a full CUDA run, its
+    command passing ``cli_flag value`` (the plain row's without it); none in --quick."""
+    rows = [r for r in gt.build_plan(_plan_args(), flags, gpus=1)[0] if r.get(key)]
+    assert [(r["name"], r["model"], r["seq_len"]) for r in rows] == [(name, "smollm-360m", 2048)]
+    cmd = gt.ours_command(rows[0], args, flags, Path("o"), Path("p"))
+    assert cmd[cmd.index(cli_flag) + 1] == value and "--compile" in cmd and "--cuda-graphs" in cmd
+    assert cli_flag not in gt.ours_command(full[0], args, flags, Path("o"), Path("p"))
+    assert not any(r.get(key) for r in gt.build_plan(_plan_args(mode="quick"), flags, gpus=1)[0])
+
 def test_plan_rows_compile_flags_and_gpu_counts():
     flags_on, flags_off = dict(compile=True, head_loss=True), dict(compile=False, head_loss=False)
     rows, skipped = gt.build_plan(_plan_args(), flags_on, gpus=1)
@@ -261,14 +272,9 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     assert cpu_staged == [("ours sync adamw stage-compile", "llama-tiny", 64, True)]
     # --compile-mode max-autotune: one row, at the last (GPU-bound) point of a full CUDA run
     with_mode = dict(with_scope, compile_mode=True)
-    tuned = [r for r in gt.build_plan(_plan_args(), with_mode, gpus=1)[0] if r.get("compile_mode")]
-    assert [(r["name"], r["model"], r["seq_len"]) for r in tuned] == [
-        ("ours sync adamw graphs max-autotune", "smollm-360m", 2048)]
-    cmd = gt.ours_command(tuned[0], args, with_mode, Path("o"), Path("p"))
-    assert cmd[cmd.index("--compile-mode") + 1] == "max-autotune" and "--compile" in cmd
-    assert "--compile-mode" not in gt.ours_command(full[0], args, with_mode, Path("o"), Path("p"))
-    for mode_args, gpus in ((_plan_args(mode="quick"), 1), (_plan_args("cpu"), 0)):
-        assert not any(r.get("compile_mode") for r in gt.build_plan(mode_args, with_mode, gpus=gpus)[0])
+    _one_variant_at_the_last_point(with_mode, "compile_mode", "ours sync adamw graphs max-autotune",
+                                   "--compile-mode", "max-autotune", args, full)
+    assert not any(r.get("compile_mode") for r in gt.build_plan(_plan_args("cpu"), with_mode, gpus=0)[0])
     # --inductor-option: the cat-fused, combo-kernels, pdl, combo-kernels-pdl and mix-order-64 rows,
     # on top of the defaults, at the last CUDA point; their options those of this torch's inductor
     with_options = dict(with_mode, inductor_option=True)
@@ -287,14 +293,8 @@ def test_plan_rows_compile_flags_and_gpu_counts():
         assert all(g.partition("=")[0] in known for g in given)
     assert not any(r.get("inductor") for r in gt.build_plan(_plan_args(mode="quick"), with_options, gpus=1)[0])
     # --nonfinite-check host: the step's check read on the host first, at the last CUDA point
-    with_check = dict(with_mode, nonfinite_check=True)
-    checked = [r for r in gt.build_plan(_plan_args(), with_check, gpus=1)[0] if r.get("nonfinite_check")]
-    assert [(r["name"], r["model"], r["seq_len"]) for r in checked] == [
-        ("ours sync adamw graphs host-check", "smollm-360m", 2048)]
-    cmd = gt.ours_command(checked[0], args, with_check, Path("o"), Path("p"))
-    assert cmd[cmd.index("--nonfinite-check") + 1] == "host" and "--cuda-graphs" in cmd
-    assert "--nonfinite-check" not in gt.ours_command(full[0], args, with_check, Path("o"), Path("p"))
-    assert not any(r.get("nonfinite_check") for r in gt.build_plan(_plan_args(mode="quick"), with_check, gpus=1)[0])
+    _one_variant_at_the_last_point(dict(with_mode, nonfinite_check=True), "nonfinite_check",
+                                   "ours sync adamw graphs host-check", "--nonfinite-check", "host", args, full)
     assert gt.detect_cli_flags()["nonfinite_check"]
     # --head-chunk-rows: one more fused head row per chunk size
     heads = [(r["name"], r["head_mode"]) for r in gt.build_plan(_plan_args(head_chunk_rows=[1365, 2730]), flags_on,
