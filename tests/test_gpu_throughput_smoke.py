@@ -158,7 +158,6 @@ def _plan_args(device="cuda", mode="full", **kw):
                            micro_batch_size=8, microbatches=8, cpu_compile=False, **kw)
 
 
-
 def _one_variant_at_the_last_point(flags, key, name, cli_flag, value, args, full):
     """The plan's one row with ``key`` set: ``name`` at smollm-360m / 2048 of a full CUDA run, its
     command passing ``cli_flag value`` (the plain row's without it); none in --quick."""
@@ -168,6 +167,7 @@ def _one_variant_at_the_last_point(flags, key, name, cli_flag, value, args, full
     assert cmd[cmd.index(cli_flag) + 1] == value and "--compile" in cmd and "--cuda-graphs" in cmd
     assert cli_flag not in gt.ours_command(full[0], args, flags, Path("o"), Path("p"))
     assert not any(r.get(key) for r in gt.build_plan(_plan_args(mode="quick"), flags, gpus=1)[0])
+
 
 def test_plan_rows_compile_flags_and_gpu_counts():
     flags_on, flags_off = dict(compile=True, head_loss=True), dict(compile=False, head_loss=False)
