@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import re
 
-from throughput_rows import inductor_preset
+from throughput_rows import inductor_preset, variant_suffixes
 
 DEFAULTS = {  # per device: models, sequence lengths, micro-batch (at the first length), microbatches
     # --micro-batch-size counts sequences of the first default length (1024 / 64); other lengths take
@@ -54,14 +54,7 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
 
     def ours(model, seq, opt, compile_=True, **kw):
         c = (compile_ if flags["compile"] else None)
-        suffix = ((" eager" if c is False else "") + (" ipc" if kw.get("transport") == "ipc" else "")
-                  + (" graphs" if kw.get("graphs") else "") + (" no-copies" if kw.get("copies") is False else "")
-                  + (" bf16-params" if kw.get("dtype") == "bf16-params" else "")
-                  + (" stage-compile" if kw.get("scope") == "stage" else "")
-                  + (f" {kw['compile_mode']}" if kw.get("compile_mode") else "")
-                  + (f" {kw['inductor']}" if kw.get("inductor") else "")
-                  + (f" {kw['attention']}-attention" if kw.get("attention") else "")
-                  + (f" {kw['nonfinite_check']}-check" if kw.get("nonfinite_check") else ""))
+        suffix = "".join(variant_suffixes({**kw, "compile": c}))
         if kw.get("stages", 1) == 1:
             name = f"ours sync {opt}{suffix}"
             kw.setdefault("schedule", "sync")

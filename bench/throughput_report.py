@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from throughput_model import flops_per_token, matmul_params, model_shape, total_params
-from throughput_rows import INDUCTOR_PRESETS
+from throughput_rows import variant_suffixes
 
 FIRST_LOSS_BAND = 0.10  # first-step loss within 10 % of ln V
 DECREASE_MIN_STEPS = 4  # the decrease is asked for from this many steps on
@@ -89,51 +89,33 @@ computed on the previous weight version misses smollm's early losses by ~10 %. -
 rounds differently by design: its difference is reported, not checked."""
 
 
+def _variants(r: dict) -> list:
+    """The variant suffixes of ours row ``r``'s name, in name order (``eager`` is none: an eager row
+    is a plain one)."""
+    return [s for s in variant_suffixes(r) if s != " eager"]
+
+
 def _variant_suffix(r: dict) -> str:
     """The name suffix of the variant ``r`` is (the last one it adds), or "" for a plain row."""
-    if r.get("nonfinite_check"):
-        return f" {r['nonfinite_check']}-check"
-    if r.get("attention"):
-        return f" {r['attention']}-attention"
-    if r.get("compile_mode"):
-        return f" {r['compile_mode']}"
-    if r.get("inductor"):
-        return f" {r['inductor']}"
-    if r.get("scope") == "stage":
-        return " stage-compile"
-    if r.get("graphs"):
-        return " graphs"
-    if r.get("dtype") == "bf16-params":
-        return " bf16-params"
-    if r.get("copies") is False:
-        return " no-copies"
-    if r["stages"] == 2 and r.get("transport") == "ipc":
-        return " ipc"
-    return ""
-
-
-_SUFFIXES = (" host-check", " cudnn-attention", " flash-attention", " max-autotune",
-             *(f" {name}" for name in INDUCTOR_PRESETS), " stage-compile", " graphs", " bf16-params", " no-copies",
-             " ipc")
-"""Every variant suffix a row name may end with (``_variant_suffix``'s), the outermost first."""
+    variants = _variants(r)
+    return variants[-1] if variants else ""
 
 
 def _plainer(r: dict, find):
     """The row ``r`` varies: its name without its last variant suffix (graphs against none, bf16
     activations against autocast's, a stage region against blocks, max-autotune against inductor's
-    default mode, cat-fused and combo-kernels against the compiled blocks' default options, ipc against gloo); where this run has no such row, the next plainer one it has
-    (graphs with a stage region against the plain row); None for a plain row."""
-    if not _variant_suffix(r):
-        return None
+    default mode, an inductor preset against the compiled blocks' default options, ipc against
+    gloo, ...); where this run has no such row, the next plainer one it has (graphs with a stage
+    region against the plain row); None for a plain row."""
     name = r["name"]
-    while True:
-        suffix = next((s for s in _SUFFIXES if name.endswith(s)), None)
-        if suffix is None:
+    for suffix in reversed(_variants(r)):
+        if not name.endswith(suffix):  # a name the table did not make
             return None
         name = name.removesuffix(suffix)
         base = find(name, r["model"], r["seq_len"])
         if base is not None:
             return base
+    return None
 
 
 def variant_checks(rows: list) -> None:

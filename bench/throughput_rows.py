@@ -86,6 +86,32 @@ INDUCTOR_PRESETS = {
 """A row's ``inductor`` name -> the ``--inductor-option`` values it passes."""
 
 
+VARIANT_SUFFIXES = (
+    # (row field, its value -> the suffix it adds to an ours row's name, or ""), in the order the
+    # suffixes stand in a name, innermost first. ``eager`` is no variant of a row: an eager row is
+    # a plain row of its own (its losses are not checked against the compiled row's).
+    ("compile", lambda v: " eager" if v is False else ""),
+    ("transport", lambda v: " ipc" if v == "ipc" else ""),
+    ("graphs", lambda v: " graphs" if v else ""),
+    ("copies", lambda v: " no-copies" if v is False else ""),
+    ("dtype", lambda v: " bf16-params" if v == "bf16-params" else ""),
+    ("scope", lambda v: " stage-compile" if v == "stage" else ""),
+    ("compile_mode", lambda v: f" {v}" if v else ""),
+    ("inductor", lambda v: f" {v}" if v else ""),
+    ("attention", lambda v: f" {v}-attention" if v else ""),
+    ("nonfinite_check", lambda v: f" {v}-check" if v else ""),
+)
+"""How an ours row's name says how it computes: the one table the plan names rows by
+(throughput_plan.ours) and the report reads them back by (throughput_report: which row a variant
+varies)."""
+
+
+def variant_suffixes(fields: dict) -> list:
+    """The suffixes ``fields`` (a row, or the plan's keywords for one) add to an ours row's name, in
+    name order; ``eager`` included."""
+    return [s for s in (suffix(fields.get(key)) for key, suffix in VARIANT_SUFFIXES) if s]
+
+
 def inductor_preset(name) -> dict:
     """The options of INDUCTOR_PRESETS[name] this torch's inductor has (the names move between
     releases; asyncpp-train refuses a name it does not have), {} for None."""
