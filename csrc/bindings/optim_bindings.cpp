@@ -13,6 +13,7 @@
 #include "bindings/bindings.h"
 #include "bindings/tensor_args.h"
 #include "core/error.h"
+#include "kernels/cublas_wgrad.h"
 #include "kernels/optim_kernels.h"
 
 namespace py = pybind11;
@@ -387,6 +388,43 @@ void accumulate(const py::sequence& dsts_c, const py::sequence& srcs_c, intptr_t
 #endif
 }
 
+void expect_matrix(const TensorView& t, DType dtype, const TensorView& first, const char* name) {
+  expect_like(t, first, dtype, name);
+  ASYNCPP_ARG_CHECK(t.shape.ndim == 2, name, ": expected a matrix (2 dimensions), got ", t.shape.ndim,
+                    "; flatten the leading dimensions first");
+}
+
+// main_grad (out x in) += grad_output^T @ inputs, by cuBLAS (kernels/cublas_wgrad.h).
+void add_weight_gradient(py::handle main_grad_c, py::handle grad_output_c, py::handle inputs_c,
+                         intptr_t handle, intptr_t stream) {
+  const TensorView g = borrow_tensor(main_grad_c, "main_grad");
+  const TensorView dy = borrow_tensor(grad_output_c, "grad_output");
+  const TensorView x = borrow_tensor(inputs_c, "inputs");
+  ASYNCPP_ARG_CHECK(g.device == DeviceKind::cuda, "main_grad: a CUDA tensor is needed (cuBLAS adds the "
+                    "product); on the CPU torch computes it (asyncpp_ext.pipeline.main_grad)");
+  expect_matrix(g, DType::f32, g, "main_grad");
+  expect_matrix(dy, DType::bf16, g, "grad_output");
+  expect_matrix(x, DType::bf16, g, "inputs");
+  ASYNCPP_ARG_CHECK(dy.shape.dims[1] == g.shape.dims[0], "grad_output: ", dy.shape.dims[1],
+                    " columns, but main_grad has ", g.shape.dims[0], " rows (one per output feature)");
+  ASYNCPP_ARG_CHECK(x.shape.dims[1] == g.shape.dims[1], "inputs: ", x.shape.dims[1],
+                    " columns, but main_grad has ", g.shape.dims[1], " (one per input feature)");
+  ASYNCPP_ARG_CHECK(x.shape.dims[0] == dy.shape.dims[0], "inputs: ", x.shape.dims[0],
+                    " rows, but grad_output has ", dy.shape.dims[0], " (one per token)");
+  ASYNCPP_ARG_CHECK(handle != 0, "handle: expected torch.cuda.current_blas_handle(), got 0");
+  kernels::blas::WeightGradient w;
+  w.handle = reinterpret_cast<void*>(handle);
+  w.stream = reinterpret_cast<void*>(stream);
+  w.main_grad = g.ptr<float>();
+  w.grad_output = dy.data;
+  w.inputs = x.data;
+  w.rows = x.shape.dims[0];
+  w.out = g.shape.dims[0];
+  w.in = g.shape.dims[1];
+  py::gil_scoped_release release;
+  kernels::blas::add_weight_gradient(w);
+}
+
 }  // namespace
 
 void bind_optim(py::module_& m) {
@@ -418,6 +456,13 @@ void bind_optim(py::module_& m) {
   o.def("nonfinite_flag", &nonfinite_flag, py::arg("tensors"), py::arg("flag"), py::arg("stream") = 0,
         "flag (one int32 element on the tensors' device) <- the index of the first float32 tensor holding "
         "a NaN or Inf, or -1; on CUDA queued on the stream, the host not waiting (the fused steps' skip).");
+  o.def("add_weight_gradient", &add_weight_gradient, py::arg("main_grad"), py::arg("grad_output"),
+        py::arg("inputs"), py::arg("handle"), py::arg("stream"),
+        "main_grad (out x in, float32, CUDA) += grad_output^T (T x out, bfloat16) @ inputs (T x in, "
+        "bfloat16), summed in float32 by cuBLAS's GEMM (beta = 1) on torch's handle, which must be on "
+        "stream (torch.cuda.current_blas_handle()).");
+  o.def("cublas_library", &kernels::blas::cublas_library,
+        "The cuBLAS library add_weight_gradient calls (loading it on first use), or why none loads.");
   o.def("accumulate", &accumulate, py::arg("dsts"), py::arg("srcs"), py::arg("stream") = 0,
         "dsts[i] += srcs[i] over every tensor in one call: float32 dsts, srcs all float32 or all bfloat16 "
         "(widened exactly), each shaped like its dst.");
