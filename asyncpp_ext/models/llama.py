@@ -204,10 +204,17 @@ module, a view of the buffer where the copies lie side by side). ``fused_linear`
 instead of concatenating the weights in every call."""
 
 
-def fused_linear(x: torch.Tensor, *projections: nn.Linear,
-                 stacked: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+STACKED_PRODUCT = "stacked_product"
+"""Module a module with ``STACKED_WEIGHT`` may carry: called as ``product(x, stacked_weight)`` in
+place of ``F.linear`` (pipeline/main_grad.py registers one that adds the weight's gradient into the
+float32 gradients of the rows' weights itself: ``--gradient-accumulation-fusion``)."""
+
+
+def fused_linear(x: torch.Tensor, *projections: nn.Linear, stacked: torch.Tensor | None = None,
+                 product=None) -> tuple[torch.Tensor, ...]:
     """``tuple(p(x) for p in projections)`` as one matrix product with the weights stacked
-    (``stacked``: the stacked weight, where the caller holds one; else concatenated here).
+    (``stacked``: the stacked weight, where the caller holds one; else concatenated here), by
+    ``product(x, weight)`` where given (``STACKED_PRODUCT``), else ``F.linear``.
 
     Used inside compiled blocks only: there the stacking is free with the bf16 compute copies,
     the default under bf16, which hand in ``stacked`` (``STACKED_WEIGHT``), and otherwise one
@@ -236,8 +243,11 @@ def fused_linear(x: torch.Tensor, *projections: nn.Linear,
     bench/block_step.py's ``separate-gate-up`` form measures two products against it."""
     if any(p.bias is not None for p in projections):  # (the package's models have none)
         raise ValueError("fused_linear stacks bias-free projections only; one of them has a bias")
-    weight = stacked if stacked is not None else torch.cat([p.weight for p in projections])
-    return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
+    if stacked is None:
+        weight, product = torch.cat([p.weight for p in projections]), None  # (a product is for stacked)
+    else:
+        weight = stacked
+    return (product or F.linear)(x, weight).split([p.out_features for p in projections], dim=-1)
 
 
 class Attention(nn.Module):
@@ -263,7 +273,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         if torch.compiler.is_compiling():  # one product for q, k and v (see fused_linear)
             q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj,
-                                   stacked=getattr(self, STACKED_WEIGHT, None))
+                                   stacked=getattr(self, STACKED_WEIGHT, None),
+                                   product=getattr(self, STACKED_PRODUCT, None))
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return (q.view(b, t, self.n_head, self.head_dim).transpose(1, 2),
@@ -303,7 +314,8 @@ class SwiGLU(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, C) -> the gate and up projections, each (B, T, hidden)."""
         if torch.compiler.is_compiling():  # one product for both (see fused_linear)
-            return fused_linear(x, self.gate_proj, self.up_proj, stacked=getattr(self, STACKED_WEIGHT, None))
+            return fused_linear(x, self.gate_proj, self.up_proj, stacked=getattr(self, STACKED_WEIGHT, None),
+                                product=getattr(self, STACKED_PRODUCT, None))
         return self.gate_proj(x), self.up_proj(x)
 
 
@@ -400,5 +412,5 @@ def llama_init_(module: nn.Module, seed: int, cfg: LlamaConfig) -> None:
 
 
 __all__ = ["LlamaConfig", "LlamaConfigError", "LlamaInputError", "LLAMA_PRESETS", "llama_preset_config",
-           "RMSNorm", "STACKED_PROJECTIONS", "STACKED_WEIGHT", "fused_linear", "Attention", "SwiGLU", "LlamaEmbedding", "LlamaBlock", "LlamaHead", "Llama",
+           "RMSNorm", "STACKED_PROJECTIONS", "STACKED_WEIGHT", "STACKED_PRODUCT", "fused_linear", "Attention", "SwiGLU", "LlamaEmbedding", "LlamaBlock", "LlamaHead", "Llama",
            "llama_init_"]

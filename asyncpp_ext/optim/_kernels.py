@@ -197,3 +197,17 @@ def first_nonfinite(tensors) -> int:
         return _K.first_nonfinite(capsules(tensors), 0)
     with on_device_of(tensors[0]):
         return _K.first_nonfinite(capsules(tensors), stream_of(tensors[0]))
+
+
+def add_weight_gradient(main_grad, grad_output, inputs) -> None:
+    """main_grad (out x in, float32) += grad_output^T (T x out) @ inputs (T x in), bf16 operands summed
+    in float32 by cuBLAS on the current stream (CUDA only: pipeline/main_grad.py computes it with
+    torch elsewhere)."""
+    with on_device_of(main_grad):
+        _K.add_weight_gradient(to_dlpack(main_grad), to_dlpack(grad_output), to_dlpack(inputs),
+                               torch.cuda.current_blas_handle(), stream_of(main_grad))
+
+
+def cublas_library() -> str:
+    """The cuBLAS library ``add_weight_gradient`` calls, or why none loads (loads it on first use)."""
+    return _K.cublas_library()

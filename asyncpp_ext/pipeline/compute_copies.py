@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..models.graphs import GRADS_TAKEN  # the copies' ids, set on the compute module
-from ..models.llama import STACKED_PROJECTIONS, STACKED_WEIGHT
+from ..models.llama import STACKED_PRODUCT, STACKED_PROJECTIONS, STACKED_WEIGHT
 from ..optim import _kernels as K
 from .flat_buffers import views_of
 
@@ -70,7 +70,7 @@ class ComputeCopies:
     docstring. ``module`` keeps its float32 parameters (the optimizer's, the checkpoint's)."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype = torch.bfloat16,
-                 exclude: Iterable[nn.Module] = (), every: bool = False):
+                 exclude: Iterable[nn.Module] = (), every: bool = False, fuse_weight_gradients: bool = False):
         self.masters = copied_parameters(module, exclude, every)
         numel = sum(p.numel() for p in self.masters)
         device = self.masters[0].device if self.masters else torch.device("cpu")
@@ -92,6 +92,15 @@ class ComputeCopies:
                 frozenset(id(c) for c in self.copies) | frozenset(id(s) for s, _ in self.stacked))
         # whether our kernel adds the gradients (decided once: the device does not change)
         self.fused = dtype == torch.bfloat16 and K.kernels_usable(self.flat)
+        # --gradient-accumulation-fusion: the float32 gradients the products add into (main_grad.py),
+        # one per master; ``_own_grads``: this object's buffer (zeroed by begin_step), else the masters'
+        # own .grad (a pipeline stage's flat gradient buffer, which the stage zeroes)
+        self.main_grads: Optional[list[torch.Tensor]] = None
+        self._own_grads: Optional[torch.Tensor] = None
+        if fuse_weight_gradients:
+            if dtype != torch.bfloat16:
+                raise ValueError(f"gradient-accumulation fusion adds bf16 products; these copies are {dtype}")
+            self._fuse_weight_gradients()
 
     def __len__(self) -> int:
         return len(self.copies)
@@ -122,6 +131,48 @@ class ComputeCopies:
             owner.register_parameter(STACKED_WEIGHT, weight)
             stacked.append((weight, [self.masters[i] for i in at]))
         return stacked
+
+    def _fuse_weight_gradients(self) -> None:
+        """Make the compute module's bias-free linear layers over copies, and its stacked products,
+        add their weight gradients into the masters' float32 gradients themselves (main_grad.py).
+        The gradients: the masters' ``.grad`` where every master has one (a stage points them into
+        its flat buffer before it makes copies), else views of one buffer of this object's."""
+        from .main_grad import MainGradLinear, MainGradProduct
+
+        if self.masters and all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.is_contiguous()
+                                for p in self.masters):
+            self.main_grads = [p.grad for p in self.masters]
+        else:
+            self._own_grads = torch.zeros(sum(p.numel() for p in self.masters), dtype=torch.float32,
+                                          device=self.flat.device)
+            self.main_grads = views_of(self.masters, self._own_grads)
+        index = {id(c): i for i, c in enumerate(self.copies)}
+        for sub in self.module.modules():
+            if type(sub) is nn.Linear and sub.bias is None and id(sub.weight) in index:
+                sub.__class__ = MainGradLinear
+                sub.main_grad = self.main_grads[index[id(sub.weight)]]
+        for owner in self.module.modules():
+            weight = getattr(owner, STACKED_WEIGHT, None)
+            if weight is None:
+                continue
+            rows = [self.main_grads[index[id(getattr(owner, n).weight)]]
+                    for n in getattr(type(owner), STACKED_PROJECTIONS)]
+            side_by_side = all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+                               and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+                               for a, b in zip(rows, rows[1:]))
+            if side_by_side:  # else the stacked product's gradient goes the unfused way (accumulate)
+                grad = rows[0].new_empty(0).set_(rows[0].untyped_storage(), rows[0].storage_offset(), weight.shape)
+                owner.add_module(STACKED_PRODUCT, MainGradProduct(grad))
+
+    def begin_step(self) -> None:
+        """Before a step's first backward: with fused weight gradients into a buffer of this
+        object's, zero it and make it the masters' ``.grad`` again (an optimizer's
+        ``zero_grad(set_to_none=True)`` drops them); otherwise nothing."""
+        if self._own_grads is None:
+            return
+        self._own_grads.zero_()
+        for p, g in zip(self.masters, self.main_grads):
+            p.grad = g
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -203,12 +254,14 @@ class ReplicaCopies:
 
     @classmethod
     def build(cls, replicas, dtype: Optional[torch.dtype], enabled: bool, exclude_last: bool,
-              every: bool = False) -> Optional["ReplicaCopies"]:
+              every: bool = False, fuse_weight_gradients: bool = False) -> Optional["ReplicaCopies"]:
         """Copies of every replica, or None (off, float32, nothing to copy). ``exclude_last``
         leaves the replicas' last block (the fused head loss's) as it is; ``every`` copies every
-        parameter (``--dtype bf16-params``)."""
+        parameter (``--dtype bf16-params``); ``fuse_weight_gradients``: the products add into the
+        replicas' ``.grad`` (main_grad.py), which must exist (the stage's flat gradient buffer)."""
         sets = [maybe_compute_copies(r, dtype, enabled,
-                                     exclude=[list(r.children())[-1]] if exclude_last else [], every=every)
+                                     exclude=[list(r.children())[-1]] if exclude_last else [], every=every,
+                                     fuse_weight_gradients=fuse_weight_gradients)
                 for r in replicas]
         return cls(sets) if sets and all(s is not None for s in sets) else None
 
@@ -230,12 +283,13 @@ class ReplicaCopies:
 
 
 def maybe_compute_copies(module: nn.Module, dtype: Optional[torch.dtype], enabled: bool,
-                         exclude: Iterable[nn.Module] = (), every: bool = False) -> Optional[ComputeCopies]:
+                         exclude: Iterable[nn.Module] = (), every: bool = False,
+                         fuse_weight_gradients: bool = False) -> Optional[ComputeCopies]:
     """Compute copies for a run in ``dtype`` (autocast's; None = float32: nothing to copy), or
     None when off or when ``module`` has nothing to copy."""
     if not enabled or dtype is None:
         return None
-    copies = ComputeCopies(module, dtype, exclude, every)
+    copies = ComputeCopies(module, dtype, exclude, every, fuse_weight_gradients)
     return copies if len(copies) else None
 
 

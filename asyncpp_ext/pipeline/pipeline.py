@@ -143,6 +143,9 @@ class Pipeline:
         compute_copies: under bf16, run the stage's linear layers on bf16 copies of their weights
             made once per weight version instead of autocast casting them every microbatch (the
             same numbers; compute_copies.py). Not with dp > 1 (then autocast casts as before).
+        gradient_accumulation_fusion: with the compute copies, each linear layer's weight-gradient
+            product adds into the float32 gradient itself (main_grad.py: no bf16 rounding of each
+            microbatch's weight gradient; cuBLAS on CUDA).
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).
@@ -158,7 +161,8 @@ class Pipeline:
                  dc_lambda: float = DEFAULT_DC_LAMBDA, rescale_steps: int | None = None,
                  compile: bool = False, compile_scope: str = "block", compile_mode: str = "default",
                  compile_options: dict | None = None, head_loss: str = "plain",
-                 head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = True):
+                 head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = True,
+                 gradient_accumulation_fusion: bool = False):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
@@ -242,7 +246,7 @@ class Pipeline:
                               dp_group=self.dp_group, dp=dp, shard_optimizer=shard_optimizer,
                               head_loss=head_loss, head_loss_kernel=head_loss_kernel, cuda_graphs=cuda_graphs,
                               compute_copies=compute_copies, params_in_compute_dtype=every_param,
-                              device=self.device)
+                              gradient_accumulation_fusion=gradient_accumulation_fusion, device=self.device)
         self.transport = None
         # Boundary tensors between the host and the transport; receive slots are reused.
         self.board = C.MessageBoard(self.host)

@@ -88,7 +88,8 @@ class StageHost:
                  mitigation: MitigationSettings | None = None, exchange=None,
                  dp_group=None, dp: int = 1, shard_optimizer: bool = False, head_loss: str = "plain",
                  head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = False,
-                 params_in_compute_dtype: bool = False, device: torch.device | str | None = None):
+                 params_in_compute_dtype: bool = False, gradient_accumulation_fusion: bool = False,
+                 device: torch.device | str | None = None):
         """``device``: where the stage computes (default: where its first parameter lives; a stage
         without parameters needs it to set up autocast and its receive buffers there).
         ``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
@@ -104,7 +105,9 @@ class StageHost:
         bf16 autocast, without data parallelism) runs each replica's microbatches on bf16 copies of
         its linear weights, refreshed when the replica's buffer takes a new version
         (compute_copies.py; the same numbers as autocast's casts); ``params_in_compute_dtype``
-        (``--dtype bf16-params``) copies every parameter, with or without data parallelism."""
+        (``--dtype bf16-params``) copies every parameter, with or without data parallelism;
+        ``gradient_accumulation_fusion``: the copies' weight-gradient products add into the float32
+        gradient buffer themselves (main_grad.py)."""
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
         self.recompute, self.autocast_dtype = recompute, autocast_dtype
         self.exchange, self.lr_schedule = exchange, lr_schedule
@@ -158,7 +161,8 @@ class StageHost:
         every = params_in_compute_dtype
         self.copies = ReplicaCopies.build(replicas, autocast_dtype, (compute_copies and dp == 1) or every,
                                           exclude_last=self.is_last and head_loss == "fused" and not every,
-                                          every=every)  # the fused head casts its own weight
+                                          every=every,  # the fused head casts its own weight
+                                          fuse_weight_gradients=gradient_accumulation_fusion)
 
         # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
         held = list(self.flat) + ([c.flat for c in self.copies.sets] if self.copies else [])

@@ -227,6 +227,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--compute-copies", action=argparse.BooleanOptionalAction, default=None,
                      help="under bf16, run linear layers on bf16 copies of their weights made once per weight "
                           "change instead of casting every microbatch (same numbers, fewer kernels) (default on)")
+    run.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=None,
+                     help="with the compute copies, each linear layer's weight-gradient product adds into the "
+                          "float32 gradient itself (cuBLAS on cuda) instead of a bf16 gradient added after "
+                          "every microbatch: fewer bytes moved, and no bf16 rounding of each microbatch's "
+                          "weight gradient (so not autocast's numbers bit for bit) (default off)")
     run.add_argument("--profile-steps", metavar="FIRST:LAST",
                      help="trace those steps with torch.profiler into OUT/profile/: a Perfetto trace, the "
                           "operator table and the device-busy share per process (off by default)")
@@ -278,6 +283,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "attention"): args.attention,
         ("train", "profile_steps"): args.profile_steps, ("train", "cuda_graphs"): args.cuda_graphs,
         ("train", "compute_copies"): args.compute_copies,
+        ("train", "gradient_accumulation_fusion"): args.gradient_accumulation_fusion,
     }
     for (section, name), value in sets.items():
         if value is not None:
@@ -320,6 +326,7 @@ FIELD_FLAGS = {
     "train.compile_scope": "--compile-scope", "train.compile_mode": "--compile-mode", "train.inductor_options": "--inductor-option", "train.compile": "--compile", "train.head_loss": "--head-loss", "train.attention": "--attention",
     "train.profile_steps": "--profile-steps",
     "train.cuda_graphs": "--cuda-graphs", "train.compute_copies": "--compute-copies",
+    "train.gradient_accumulation_fusion": "--gradient-accumulation-fusion",
     "data.sampling": "--sampling",
 }
 

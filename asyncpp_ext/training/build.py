@@ -94,6 +94,9 @@ class StageCompute:
     attention: str = "default"
     """The attention kernel: "cudnn" (first), "flash" (cuDNN's off), or "default" (torch's own
     choice) (models/attention.py)."""
+    gradient_accumulation_fusion: bool = False
+    """The compute copies' weight gradients added into float32 by their products
+    (pipeline/main_grad.py)."""
 
 
 @contextlib.contextmanager
@@ -136,9 +139,27 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
         raise ValueError(f"{flag} {value} says how blocks are compiled, but {why}; add --compile or {drop}")
     with _refusals_name("--attention"):
         attention = resolve_attention(cfg.train.attention, device)
+    fusion = cfg.train.gradient_accumulation_fusion
+    if fusion:
+        check_gradient_accumulation_fusion(cfg, device)
     return StageCompute(compile_, head, kernel, cuda_graphs=graphs, compute_copies=cfg.train.compute_copies,
                         compile_scope=scope, compile_mode=compile_mode, inductor_options=options,
-                        attention=attention)
+                        attention=attention, gradient_accumulation_fusion=fusion)
+
+
+def check_gradient_accumulation_fusion(cfg: RunConfig, device) -> None:
+    """ValueError (one line) where --gradient-accumulation-fusion cannot run: no bf16 compute
+    copies (a float32 run), or no cuBLAS to call on CUDA."""
+    from ..pipeline.main_grad import fusion_available
+    from ..pipeline.recompute import resolve_autocast
+
+    if resolve_autocast(cfg.train.dtype, device) != torch.bfloat16:
+        raise ValueError(f"--gradient-accumulation-fusion adds the bf16 compute copies' weight gradients, but "
+                         f"--dtype {cfg.train.dtype} computes in float32 on {device.type}; use --dtype bf16 "
+                         "or drop --gradient-accumulation-fusion")
+    why = fusion_available(device)
+    if why is not None:
+        raise ValueError(f"--gradient-accumulation-fusion: {why}")
 
 
 def resolve_cuda_graphs(cfg: RunConfig, device) -> bool:
@@ -214,7 +235,8 @@ def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None) -> D
     def copies(module: nn.Module):  # made by the simulator once it has untied the model's ties
         # The fused head loss reads its projection weight itself (and keeps a float32 gradient).
         head = [module.blocks()[-1]] if compute.head_loss == "fused" and not every else []
-        return maybe_compute_copies(module, dtype, compute.compute_copies or every, exclude=head, every=every)
+        return maybe_compute_copies(module, dtype, compute.compute_copies or every, exclude=head, every=every,
+                                    fuse_weight_gradients=compute.gradient_accumulation_fusion)
     simulator = DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule,
                                loss_fn=simulator_loss(cfg, compute), compute_copies=copies,
                                on_nonfinite=cfg.train.on_nonfinite, device_skip=cfg.train.nonfinite_check == "auto",
@@ -256,6 +278,7 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: 
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
                     cuda_graphs=compute.cuda_graphs, compute_copies=compute.compute_copies,
+                    gradient_accumulation_fusion=compute.gradient_accumulation_fusion,
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
                     lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
                     **cfg.mitigation_kwargs())

@@ -315,6 +315,12 @@ class TrainConfig:
     casting each weight every microbatch and widening its gradient back. The same numbers bit for
     bit; fewer kernels, and 2 bytes per copied parameter per held version. Pipeline stages with
     --dp > 1 cast as before (their gradient buckets hook the weights' own gradients)."""
+    gradient_accumulation_fusion: bool = False
+    """With the compute copies: each linear layer's weight-gradient product adds into the float32
+    gradient itself (cuBLAS's GEMM with beta = 1 on CUDA; pipeline/main_grad.py) instead of writing a
+    bf16 gradient that a second kernel adds after every microbatch. More precise than autocast's (no
+    bf16 rounding of each microbatch's weight gradient), so not its numbers bit for bit; real ==
+    --simulate as ever. Needs bf16 compute copies (not pipelines with --dp > 1 under --dtype bf16)."""
     profile_steps: Optional[str] = None
     """"FIRST:LAST": trace those steps with torch.profiler into OUT/profile/ (a trace, the operator
     table, and the device-busy share and kernel time by kind; training/profiling.py). None = off."""

@@ -99,7 +99,8 @@ def check_delays(cfg: RunConfig) -> None:
 
 def check_compute(cfg: RunConfig) -> None:
     """How the stages compute: --head-loss, --attention, --compile, --compile-scope, --compile-mode,
-    --inductor-option, --cuda-graphs, --compute-copies, --profile-steps."""
+    --inductor-option, --cuda-graphs, --compute-copies, --gradient-accumulation-fusion,
+    --profile-steps."""
     t = cfg.train
     choice("train.head_loss", t.head_loss, HEAD_LOSSES)
     choice("train.attention", t.attention, ATTENTION_BACKENDS)
@@ -115,6 +116,17 @@ def check_compute(cfg: RunConfig) -> None:
         raise ConfigError(f"train.checkpoints must be true or false, got {t.checkpoints!r}")
     if not isinstance(t.compute_copies, bool):
         raise ConfigError(f"train.compute_copies must be true or false, got {t.compute_copies!r}")
+    if not isinstance(t.gradient_accumulation_fusion, bool):
+        raise ConfigError("train.gradient_accumulation_fusion must be true or false, "
+                          f"got {t.gradient_accumulation_fusion!r}")
+    if t.gradient_accumulation_fusion and not t.compute_copies and t.dtype != "bf16-params":
+        raise ConfigError("train.gradient_accumulation_fusion fuses the compute copies' weight gradients, "
+                          "but --no-compute-copies turns them off; drop one of them")
+    if (t.gradient_accumulation_fusion and cfg.pipeline.dp > 1 and cfg.pipeline.stages > 1
+            and t.dtype != "bf16-params"):
+        raise ConfigError("train.gradient_accumulation_fusion needs the compute copies, which pipeline "
+                          "stages with --dp > 1 do not use under --dtype bf16; use --dtype bf16-params, "
+                          "--dp 1, or drop --gradient-accumulation-fusion")
     if t.cuda_graphs is not None and not isinstance(t.cuda_graphs, bool):
         raise ConfigError(f"train.cuda_graphs must be true, false or null (auto), got {t.cuda_graphs!r}")
     if t.cuda_graphs and t.device != "cuda":

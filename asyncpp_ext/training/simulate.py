@@ -302,6 +302,7 @@ class DelaySimulator:
             self._swap_compute_versions(entering=True)  # params <- W(t - d_p) or its prediction
         compute = self.model
         if self.copies is not None:  # the weights this step computes on, rounded once
+            self.copies.begin_step()  # (fused weight gradients: the buffer they add into, zeroed)
             self.copies.refresh()
             compute = _train_mode(self.copies.module)
         # The losses stay on the device until the step's microbatches are queued: one host sync per

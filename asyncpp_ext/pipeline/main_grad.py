@@ -1,0 +1,109 @@
+"""Gradient-accumulation fusion (``--gradient-accumulation-fusion``): a compute copy's weight
+gradient added into the float32 gradient of the weight it copies by the weight-gradient product
+itself, instead of a bf16 product that a second kernel reads back and adds.
+
+Why: with bf16 compute copies (compute_copies.py) every linear layer's backward writes its weight
+gradient in bf16, and after each microbatch one multi-tensor kernel widens it and adds it into the
+float32 ``.grad`` -- per microbatch and copied weight 2 bytes written, then 2 + 4 read and 4
+written again: at smollm-360m 8.75 ms of a 453 ms step on an H100 (docs/gpu.md). Here the product
+``grad_output^T @ inputs`` runs with the float32 gradient as its accumulator's starting value
+(cuBLAS's GEMM with beta = 1 on CUDA, ``optim._kernels.add_weight_gradient``): the gradient is read
+and written once per product, inside the GEMM, and nothing else runs.
+
+The numbers differ from autocast's (and from the copies' default): each microbatch's weight
+gradient is no longer rounded to bf16 before it is added, so the float32 sum is the more precise
+one (the forward and the input gradients are the same products as autocast's). The same code runs
+in a pipeline's stages and in its ``--simulate`` run, so real == simulate holds with it as without.
+On the CPU torch computes the product (float32 of the bf16 operands, then one add).
+
+Pieces: ``linear_into_main_grad(x, weight, main_grad)`` (an autograd function: forward
+``F.linear``, backward the input's gradient and the fused weight gradient; ``weight`` itself gets
+no gradient), ``MainGradLinear`` (an ``nn.Linear`` whose forward is that; compute_copies.py turns
+the compute module's bias-free linear layers into it) and ``MainGradProduct`` (the same for a
+stacked weight: models/llama.STACKED_PRODUCT). The gradient buffer must keep its address: CUDA
+graphs replay the products into it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..optim import _kernels as K
+
+
+@torch.library.custom_op("asyncpp::add_weight_gradient", mutates_args=("main_grad",))
+def add_weight_gradient(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+    """main_grad (out, in) += grad_output (..., out)^T @ inputs (..., in), summed in float32."""
+    dy = grad_output.reshape(-1, grad_output.shape[-1])
+    x = inputs.reshape(-1, inputs.shape[-1])
+    if main_grad.device.type == "cuda":
+        K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
+    else:
+        main_grad.add_(torch.mm(dy.t().float(), x.float()))
+
+
+@add_weight_gradient.register_fake
+def _(main_grad, grad_output, inputs) -> None:
+    return None
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """``F.linear(x, weight)`` in ``weight``'s dtype (autocast's cast of x, made here), whose
+    backward adds the weight's gradient into ``main_grad`` and returns none for ``weight``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, main_grad):
+        x16 = x.to(weight.dtype)
+        ctx.save_for_backward(x16, weight)
+        # not a saved tensor: other microbatches' backwards add into it between this forward and
+        # this backward (1F1B), which a saved tensor's version check would refuse
+        ctx.main_grad = main_grad
+        ctx.x_dtype = x.dtype
+        return F.linear(x16, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x16, weight = ctx.saved_tensors
+        grad_output = grad_output.to(weight.dtype)
+        add_weight_gradient(ctx.main_grad, grad_output, x16)
+        return (grad_output @ weight).to(ctx.x_dtype), None, None
+
+
+def linear_into_main_grad(x: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` whose weight gradient is added into ``main_grad`` (float32, shaped like
+    ``weight``) by its backward; ``weight`` gets no ``.grad``."""
+    return _LinearIntoMainGrad.apply(x, weight, main_grad)
+
+
+class MainGradLinear(nn.Linear):
+    """A bias-free ``nn.Linear`` (a compute copy's) whose weight gradient goes into ``main_grad``."""
+
+    main_grad: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_into_main_grad(x, self.weight, self.main_grad)
+
+
+class MainGradProduct(nn.Module):
+    """``product(x, weight)`` for a stacked weight (models/llama.STACKED_PRODUCT), its gradient into
+    ``main_grad`` (the rows' float32 gradients, side by side)."""
+
+    def __init__(self, main_grad: torch.Tensor):
+        super().__init__()
+        self.main_grad = main_grad
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear_into_main_grad(x, weight, self.main_grad)
+
+
+def fusion_available(device) -> str | None:
+    """None where the fused product can run on ``device``, else why not (one line)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    library = K.cublas_library()
+    return None if library.startswith("libcublas") else library
+
+
+__all__ = ["MainGradLinear", "MainGradProduct", "add_weight_gradient", "fusion_available", "linear_into_main_grad"]
