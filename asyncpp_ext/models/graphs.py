@@ -40,6 +40,30 @@ from torch import nn
 
 from .compile import _describe
 
+_eager_capture_runs = 0  # > 0 while a capture runs the computation outside a graph
+
+
+def in_capture_warm_up() -> bool:
+    """True while a slot's capture runs its computation eagerly, outside the graph: the search for
+    what gets no gradient and ``make_graphed_callables``' warm-up iterations. A computation whose
+    backward changes state beyond the gradients it returns (the fused weight gradients' adds into
+    the float32 gradients, pipeline/main_grad.py) leaves that state alone then: those runs are no
+    microbatch of the step. The capture itself (the stream capturing) records it as usual."""
+    if _eager_capture_runs == 0:
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def _eager_capture_runs_inside():
+    global _eager_capture_runs
+    _eager_capture_runs += 1
+    try:
+        yield
+    finally:
+        _eager_capture_runs -= 1
+
+
 GRADS_TAKEN = "_asyncpp_grads_taken"
 """Attribute a module may carry: ids of its parameters whose ``.grad`` the owner takes and clears
 after every backward (pipeline/compute_copies.py); those may adopt a graph's gradient buffer."""
@@ -152,7 +176,7 @@ class GraphedCompute:
         slot.train(self.module.training)
         sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
         try:
-            with _callers_stream_kept(any(t.is_cuda for t in (*self.params, *sample))):
+            with _callers_stream_kept(any(t.is_cuda for t in (*self.params, *sample))), _eager_capture_runs_inside():
                 self._find_what_gets_no_gradient(slot, sample)
                 # allow_unused_input: a Parameter the stage does not use (a model's spare bias, say)
                 # gets no gradient from the replay instead of failing the capture
@@ -184,4 +208,4 @@ class GraphedCompute:
         slot.no_grad_args = frozenset(i for i, a in enumerate(sample) if id(a) in none)
 
 
-__all__ = ["GraphedCompute", "GRADS_TAKEN"]
+__all__ = ["GraphedCompute", "GRADS_TAKEN", "in_capture_warm_up"]

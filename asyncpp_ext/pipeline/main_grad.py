@@ -21,7 +21,8 @@ Pieces: ``linear_into_main_grad(x, weight, main_grad)`` (an autograd function: f
 no gradient), ``MainGradLinear`` (an ``nn.Linear`` whose forward is that; compute_copies.py turns
 the compute module's bias-free linear layers into it) and ``MainGradProduct`` (the same for a
 stacked weight: models/llama.STACKED_PRODUCT). The gradient buffer must keep its address: CUDA
-graphs replay the products into it.
+graphs replay the products into it (and a capture's eager warm-up runs add nothing,
+models/graphs.in_capture_warm_up).
 """
 from __future__ import annotations
 
@@ -29,12 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.graphs import in_capture_warm_up
 from ..optim import _kernels as K
 
 
 @torch.library.custom_op("asyncpp::add_weight_gradient", mutates_args=("main_grad",))
 def add_weight_gradient(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
-    """main_grad (out, in) += grad_output (..., out)^T @ inputs (..., in), summed in float32."""
+    """main_grad (out, in) += grad_output (..., out)^T @ inputs (..., in), summed in float32; nothing
+    while a CUDA graph's capture runs the computation eagerly (models/graphs.in_capture_warm_up)."""
+    if in_capture_warm_up():
+        return
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
     if main_grad.device.type == "cuda":
