@@ -8,7 +8,8 @@
 #   bench/gpu_runbook.sh [STEP ...]     default: build 135m (at most 540 s: one call of a machine lent
 #                                       for 10 minutes; the later calls, each <= 570 s, start with
 #                                       build again on a fresh machine:
-#                                         build 360m | build blocks head | build quick code
+#                                         build 360m | build 360m-more | build blocks head
+#                                         build quick code
 #                                         build quick-serial | quick (at once, on the warm machine)
 #                                         build mps | build profile | build attention pipeline-graphs
 #                                         build tests p2p | build autotune)
@@ -28,10 +29,14 @@
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
 #   360m    (420) ours with graphs (the default), the same with inductor's horizontal fusion (the
 #           combo-kernels row: fewer kernels per block, the one block_step form faster than the
-#           default on the H100), with programmatic dependent launch (the pdl row:
-#           --inductor-option triton.enable_pdl=True, the gaps between the graphs' kernels) and with
-#           both (combo-kernels-pdl), and the compiled Hugging Face model at smollm-360m / 2048,
-#           profiled (~5 min; the Hugging Face row 1.7 of them)
+#           default on the H100), with the weight gradients added into float32 by their products
+#           (grad-accum-fusion: no accumulate kernel after each microbatch), with both, and the
+#           compiled Hugging Face model at smollm-360m / 2048, profiled (~5 min; the Hugging Face
+#           row 1.7 of them)
+#   360m-more (330) ours with graphs (the default) beside programmatic dependent launch (the pdl
+#           row: --inductor-option triton.enable_pdl=True, the gaps between the graphs' kernels),
+#           pdl with combo-kernels, and the host reading the step's NaN/Inf scan before the
+#           optimizer is queued (host-check: what the device-side skip is worth), profiled
 #   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
 #           torch's own choice, --attention flash and cudnn: which runs, its time, its error against
 #           a float32 reference
@@ -108,16 +113,19 @@ bench() {  # bench NAME SECONDS [ENV=VALUE ...] -- ARGS...: gpu_throughput.py, i
 
 ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
            --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check")
+           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
 # (combo-kernels left out: a first compile of unknown length before the Hugging Face row, the
 # step's reason to be; block_step's combo-kernels form measures it first)
 ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --profile --only "ours sync adamw graphs,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,mix-order")
+           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,mix-order,pdl,host-check")
+# the launch-side variants, each beside the default row of the same run (ratios side by side)
+ROWS_360M_MORE=(--models smollm-360m --seq-lens 2048 --row-timeout 200 --profile --only "ours sync adamw graphs"
+                --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,mix-order,combo-kernels smollm,grad-accum-fusion")
 ROWS_PIPELINE_GRAPHS=(--models smollm-135m --seq-lens 1024 --row-timeout 80
                       --only "ours sync adamw graphs,ours 2bw 2st 1gpu adamw ipc graphs"
-                      --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check")
+                      --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
 ROWS_MPS=(--models smollm-135m --seq-lens 1024 --row-timeout 80 --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc"
-          --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order")
+          --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order,grad-accum-fusion")
 
 run_step() {
     case $1 in
@@ -131,9 +139,10 @@ run_step() {
                    tests/test_ipc_transport.py tests/test_stage_host.py tests/test_compute_copies.py \
                    tests/test_stage_compute.py tests/test_compile_cuda.py tests/test_head_loss.py \
                    tests/test_attention.py tests/test_optim_api.py tests/test_step_boundary.py \
-                   tests/test_cuda_graphs.py ;;
+                   tests/test_main_grad.py tests/test_cuda_graphs.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
+        360m-more) bench 360m-more 330 -- "${ROWS_360M_MORE[@]}" ;;
         attention) step attention 60 "$PY" bench/attention_kernels.py --json "$OUT/attention.json" ;;
         blocks) step blocks 200 "$PY" bench/block_step.py --json "$OUT/blocks.json" ;;
         code) step code 120 env TORCH_LOGS=output_code "$PY" bench/block_step.py --variants compiled --no-profile \
@@ -143,12 +152,12 @@ run_step() {
         quick-serial) bench quick-serial 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick --no-prestart ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
         profile) bench profile 150 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
-                     --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check" ;;
+                     --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion" ;;
         autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 330 --profile \
-                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check" ;;
+                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
-        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, attention, blocks, code, pipeline-graphs, quick, quick-serial, head, profile, autotune, mps"
+        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, 360m-more, attention, blocks, code, pipeline-graphs, quick, quick-serial, head, profile, autotune, mps"
            failed=$((failed + 1)) ;;
     esac
 }

@@ -29,6 +29,7 @@ def detect_cli_flags() -> dict:
             "bf16_params": "bf16-params" in text, "compile_scope": "--compile-scope" in text,
             "compile_mode": "--compile-mode" in text, "attention": "--attention" in text,
             "inductor_option": "--inductor-option" in text, "nonfinite_check": "--nonfinite-check" in text,
+            "gradient_accumulation_fusion": "--gradient-accumulation-fusion" in text,
             "no_checkpoints": "--no-checkpoints" in text and "--eval-batches" in text}
 
 
@@ -151,6 +152,14 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     for preset in ("cat-fused", "combo-kernels", "pdl", "combo-kernels-pdl", "mix-order-64"):
                         if inductor_preset(preset):
                             ours(mdl, seq, "adamw", compile_=True, inductor=preset, graphs=graphs[-1])
+                if (mdl, seq) == last and dev == "cuda" and flags.get("gradient_accumulation_fusion"):
+                    # the weight gradients added into float32 by their products (no accumulate
+                    # kernel after each microbatch), alone and with inductor's horizontal fusion:
+                    # the candidate defaults together
+                    for preset in (None, "combo-kernels"):
+                        if preset is None or inductor_preset(preset):
+                            ours(mdl, seq, "adamw", compile_=True, inductor=preset, graphs=graphs[-1],
+                                 gradient_accumulation_fusion=True)
                 if (mdl, seq) == last and dev == "cuda" and flags.get("nonfinite_check"):
                     # the step's NaN/Inf check read on the host before the optimizer is queued (the
                     # CLI's default queues it first): what the device-side skip is worth

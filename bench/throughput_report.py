@@ -82,8 +82,9 @@ VARIANT_LOSS_TOL = 0.05
 """Largest relative difference, at any measured step, between the losses of an ours row and the
 row it varies in how it computes (same seed, data and update rule): CUDA graphs, a stage region,
 max-autotune, inductor options (cat-fused, combo-kernels, pdl, ...), another attention kernel, the compute copies, ipc for gloo,
-the host's NaN/Inf check before the optimizer (host-check: the same numbers) compute the same steps in
-other kernels or another float order, and a bf16 run drifts from its twin by bf16 rounding only (the GPU kit's bound for
+the host's NaN/Inf check before the optimizer (host-check: the same numbers), the weight gradients
+summed in float32 by their products (grad-accum-fusion: without each microbatch's bf16 rounding)
+compute the same steps in other kernels or another float order, and a bf16 run drifts from its twin by bf16 rounding only (the GPU kit's bound for
 bf16 against fp32 is 5 % per step). A broken variant is off by far more within a few steps: one
 computed on the previous weight version misses smollm's early losses by ~10 %. --dtype bf16-params
 rounds differently by design: its difference is reported, not checked."""
@@ -146,7 +147,8 @@ def _one_stage_twin(r: dict, ok: list):
                  and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
                  and b.get("copies") is not False and b.get("dtype") is None
                  and b.get("scope") == r.get("scope") and not b.get("compile_mode") and not b.get("attention")
-                 and not b.get("inductor") and not b.get("nonfinite_check")),
+                 and not b.get("inductor") and not b.get("nonfinite_check")
+                 and not b.get("gradient_accumulation_fusion")),
                 None)
 
 

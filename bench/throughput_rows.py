@@ -98,6 +98,7 @@ VARIANT_SUFFIXES = (
     ("scope", lambda v: " stage-compile" if v == "stage" else ""),
     ("compile_mode", lambda v: f" {v}" if v else ""),
     ("inductor", lambda v: f" {v}" if v else ""),
+    ("gradient_accumulation_fusion", lambda v: " grad-accum-fusion" if v else ""),
     ("attention", lambda v: f" {v}-attention" if v else ""),
     ("nonfinite_check", lambda v: f" {v}-check" if v else ""),
 )
@@ -162,6 +163,8 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
         cmd += ["--attention", r["attention"]]
     if r.get("nonfinite_check"):
         cmd += ["--nonfinite-check", r["nonfinite_check"]]
+    if r.get("gradient_accumulation_fusion"):
+        cmd += ["--gradient-accumulation-fusion"]
     for name, value in inductor_preset(r.get("inductor")).items():
         cmd += ["--inductor-option", f"{name}={value}"]
     if args.profile:  # traced after the measured steps, which the tracing therefore never slows

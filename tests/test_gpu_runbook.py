@@ -19,19 +19,21 @@ import gpu_throughput as gt  # noqa: E402
 CALL_LIMIT_S = 590  # a device call runs at most 600 s; 10 s for copying its files back
 KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (timeout --kill-after)
 CALLS = [[], ["build", "blocks", "head"], ["build", "quick", "code"], ["build", "quick-serial"], ["build", "mps"],
-         ["build", "360m"], ["build", "profile"],
+         ["build", "360m"], ["build", "360m-more"], ["build", "profile"],
          ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "autotune"]]  # [] = build 135m
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
                  "ours sync adamw,ours 2bw 2st 1gpu adamw ipc", "--skip",
-                 "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order"]
+                 "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order,grad-accum-fusion"]
 R135, R360, HEAD = "smollm-135m 1024", "smollm-360m 2048", "head C=576 V=49152 1024"
 ROWS = {
     "135m": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
              f"ours 2bw 2st 1gpu adamw ipc {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "360m": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs combo-kernels {R360}",
-             f"ours sync adamw graphs pdl {R360}", f"ours sync adamw graphs combo-kernels-pdl {R360}",
-             f"ours sync adamw graphs host-check {R360}", f"hf compile adamw {R360}"],
+             f"ours sync adamw graphs grad-accum-fusion {R360}",
+             f"ours sync adamw graphs combo-kernels grad-accum-fusion {R360}", f"hf compile adamw {R360}"],
+    "360m-more": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs pdl {R360}",
+                  f"ours sync adamw graphs combo-kernels-pdl {R360}", f"ours sync adamw graphs host-check {R360}"],
     "pipeline-graphs": [f"ours sync adamw graphs {R135}", f"ours 2bw 2st 1gpu adamw ipc graphs {R135}"],
     "quick": [f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
               f"ours 2bw 2st 1gpu adamw ipc {R135}", f"head-loss plain {HEAD}", f"head-loss fused {HEAD}"],
