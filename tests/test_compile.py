@@ -497,3 +497,32 @@ def test_compiled_llama_block_stacks_its_projections():
     assert torch.allclose(gate, block.mlp.gate_proj(x), atol=1e-6) and torch.allclose(up, block.mlp.up_proj(x), atol=1e-6)
     with pytest.raises(ValueError, match="bias-free projections only"):  # it would drop the bias
         fused_linear(x, torch.nn.Linear(32, 4), torch.nn.Linear(32, 4, bias=False))
+
+
+def test_inductor_compiled_blocks_add_fused_weight_gradients_as_eager_blocks_do():
+    # --gradient-accumulation-fusion: the weight-gradient op (a custom op mutating the float32
+    # gradient, pipeline/main_grad.py) inside inductor's compiled backward, the stacked products
+    # included. bf16 autocast: compiled and eager round their pointwise ops apart, so the bound is
+    # bf16's (measured on the CPU: 6.6e-3 of a gradient's largest value at most).
+    from asyncpp_ext.pipeline.compute_copies import ComputeCopies
+    from asyncpp_ext.pipeline.main_grad import MainGradProduct
+
+    grads = []
+    for compiled in (False, True):
+        model = _model("llama-tiny")
+        copies = ComputeCopies(model, torch.bfloat16, fuse_weight_gradients=True)
+        if compiled:
+            report = compile_blocks(copies.module, device="cpu")
+            assert not report.fallbacks
+            assert sum(isinstance(m, MainGradProduct) for m in copies.module.modules()) == 2 * len(model.layers)
+        copies.begin_step()
+        copies.refresh()
+        for mb in range(2):
+            idx = _tokens(2, 17, seed=mb)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                copies.module(idx[:, :-1], idx[:, 1:])[1].backward()
+            copies.accumulate()
+        assert all(w.grad is None for w, _ in copies.stacked)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for (name, _), a, b in zip(model.named_parameters(), *grads):
+        assert (b - a).abs().max() <= 2e-2 * a.abs().max(), (name, ((b - a).abs().max() / a.abs().max()).item())
