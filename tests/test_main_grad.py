@@ -269,3 +269,34 @@ def test_cuda_graphs_replay_the_fused_products_into_the_gradients():
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)  # the same kernels, replayed
+
+
+def test_lost_sums_and_runs_without_copies_are_refused():
+    from asyncpp_ext.pipeline.stage import StageHost
+    from asyncpp_ext.training.config import ConfigError, RunConfig
+
+    # a step whose masters' .grad were dropped after begin_step: the products' sums would be lost
+    cfg, mode = MODELS["llama-tied-plain"]
+    model = build_model(cfg, seed=0)
+    copies = ComputeCopies(model, torch.bfloat16, fuse_weight_gradients=True)
+    copies.begin_step()
+    copies.refresh()
+    model.zero_grad(set_to_none=True)
+    x, y = _batches(0)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _loss(mode)(copies.module, x, y).backward()
+    with pytest.raises(RuntimeError, match="call begin_step"):
+        copies.accumulate()
+    # data parallelism under plain bf16 runs without copies, one stage or several
+    for stages in (1, 2):
+        run = RunConfig()
+        run.train.dtype, run.train.gradient_accumulation_fusion = "bf16", True
+        run.pipeline.stages, run.pipeline.dp, run.pipeline.schedule = stages, 2, "gpipe"
+        with pytest.raises(ConfigError, match="--dp > 1"):
+            run.validate()
+    # a stage asked for the fusion without copies to fuse (float32)
+    with pytest.raises(ValueError, match="this stage has none"):
+        StageHost(nn.Sequential(nn.Linear(4, 4)), stage=0, stages=1, schedule="gpipe", microbatches=1,
+                  optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                  loss_fn=nn.functional.mse_loss, batch_source=lambda step: None,
+                  gradient_accumulation_fusion=True)

@@ -203,11 +203,11 @@ def add_weight_gradient(main_grad, grad_output, inputs) -> None:
     """main_grad (out x in, float32) += grad_output^T (T x out) @ inputs (T x in), bf16 operands summed
     in float32 by cuBLAS on the current stream (CUDA only: pipeline/main_grad.py computes it with
     torch elsewhere)."""
-    with on_device_of(main_grad):
+    with torch.cuda.device(main_grad.device):  # (cuBLAS's product: none of this build's kernels)
         _K.add_weight_gradient(to_dlpack(main_grad), to_dlpack(grad_output), to_dlpack(inputs),
                                torch.cuda.current_blas_handle(), stream_of(main_grad))
 
 
 def cublas_library() -> str:
-    """The cuBLAS library ``add_weight_gradient`` calls, or why none loads (loads it on first use)."""
+    """The cuBLAS library ``add_weight_gradient`` calls (torch's, once loaded), or why none is found."""
     return _K.cublas_library()

@@ -189,6 +189,10 @@ class ComputeCopies:
         launch one kernel per tensor on a GPU); tensors it does not take (not contiguous, another
         dtype), or all of them where a build has no kernels for the device, go through torch,
         which gives the same sums."""
+        if self.main_grads is not None and any(p.grad is not g for p, g in zip(self.masters, self.main_grads)):
+            raise RuntimeError("the fused weight gradients went into tensors that are no longer the weights' "
+                               ".grad (zero_grad(set_to_none=True) or a new .grad since the step began): call "
+                               "begin_step() after zero_grad, before the step's first backward")
         pairs = []
         for c, p in zip(self.copies, self.masters):
             if c.grad is not None:

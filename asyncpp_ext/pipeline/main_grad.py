@@ -44,8 +44,9 @@ def add_weight_gradient(main_grad: torch.Tensor, grad_output: torch.Tensor, inpu
     x = inputs.reshape(-1, inputs.shape[-1])
     if main_grad.device.type == "cuda":
         K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
-    else:
-        main_grad.add_(torch.mm(dy.t().float(), x.float()))
+    else:  # float32, whatever autocast the caller's backward runs under
+        with torch.autocast(main_grad.device.type, enabled=False):
+            main_grad.add_(torch.mm(dy.t().float(), x.float()))
 
 
 @add_weight_gradient.register_fake
@@ -72,7 +73,8 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         x16, weight = ctx.saved_tensors
         grad_output = grad_output.to(weight.dtype)
         add_weight_gradient(ctx.main_grad, grad_output, x16)
-        return (grad_output @ weight).to(ctx.x_dtype), None, None
+        grad_input = (grad_output @ weight).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        return grad_input, None, None
 
 
 def linear_into_main_grad(x: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
@@ -103,10 +105,13 @@ class MainGradProduct(nn.Module):
 
 
 def fusion_available(device) -> str | None:
-    """None where the fused product can run on ``device``, else why not (one line)."""
+    """None where the fused product can run on ``device``, else why not (one line). On CUDA it
+    makes torch load its cuBLAS (a handle for the device), the library the product must use."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    with torch.cuda.device(device):
+        torch.cuda.current_blas_handle()
     library = K.cublas_library()
     return None if library.startswith("libcublas") else library
 

@@ -163,6 +163,9 @@ class StageHost:
                                           exclude_last=self.is_last and head_loss == "fused" and not every,
                                           every=every,  # the fused head casts its own weight
                                           fuse_weight_gradients=gradient_accumulation_fusion)
+        if gradient_accumulation_fusion and self.copies is None:
+            raise ValueError("gradient_accumulation_fusion fuses the bf16 compute copies' weight gradients, but "
+                             "this stage has none (float32, compute_copies off, or dp > 1 under plain bf16)")
 
         # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
         held = list(self.flat) + ([c.flat for c in self.copies.sets] if self.copies else [])

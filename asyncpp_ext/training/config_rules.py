@@ -122,8 +122,7 @@ def check_compute(cfg: RunConfig) -> None:
     if t.gradient_accumulation_fusion and not t.compute_copies and t.dtype != "bf16-params":
         raise ConfigError("train.gradient_accumulation_fusion fuses the compute copies' weight gradients, "
                           "but --no-compute-copies turns them off; drop one of them")
-    if (t.gradient_accumulation_fusion and cfg.pipeline.dp > 1 and cfg.pipeline.stages > 1
-            and t.dtype != "bf16-params"):
+    if t.gradient_accumulation_fusion and cfg.pipeline.dp > 1 and t.dtype != "bf16-params":
         raise ConfigError("train.gradient_accumulation_fusion needs the compute copies, which pipeline "
                           "stages with --dp > 1 do not use under --dtype bf16; use --dtype bf16-params, "
                           "--dp 1, or drop --gradient-accumulation-fusion")

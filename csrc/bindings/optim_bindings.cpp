@@ -462,7 +462,7 @@ void bind_optim(py::module_& m) {
         "bfloat16), summed in float32 by cuBLAS's GEMM (beta = 1) on torch's handle, which must be on "
         "stream (torch.cuda.current_blas_handle()).");
   o.def("cublas_library", &kernels::blas::cublas_library,
-        "The cuBLAS library add_weight_gradient calls (loading it on first use), or why none loads.");
+        "The cuBLAS library add_weight_gradient calls (torch's, among the loaded ones), or why none is found.");
   o.def("accumulate", &accumulate, py::arg("dsts"), py::arg("srcs"), py::arg("stream") = 0,
         "dsts[i] += srcs[i] over every tensor in one call: float32 dsts, srcs all float32 or all bfloat16 "
         "(widened exactly), each shaped like its dst.");

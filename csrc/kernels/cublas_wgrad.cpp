@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <climits>
+#include <mutex>
 
 #include "core/error.h"
 
@@ -30,42 +31,45 @@ struct Api {
   std::string error;
 };
 
-// torch's cuBLAS first (already in the process: RTLD_NOLOAD finds it by soname), then any on the
-// loader's path.
+// torch's cuBLAS, already in the process (RTLD_NOLOAD finds it by soname): the handle the call
+// gets is torch's, and only the library that made it may use it. Nothing else is loaded.
 Api load() {
   static const char* const kNames[] = {"libcublas.so.13", "libcublas.so.12", "libcublas.so.11", "libcublas.so"};
   Api api;
-  for (int flags : {RTLD_NOW | RTLD_NOLOAD, RTLD_NOW | RTLD_LOCAL}) {
-    for (const char* name : kNames) {
-      void* handle = dlopen(name, flags);
-      if (!handle) continue;
-      api.gemm_ex = reinterpret_cast<GemmEx>(dlsym(handle, "cublasGemmEx"));
-      api.get_stream = reinterpret_cast<GetStream>(dlsym(handle, "cublasGetStream_v2"));
-      if (api.gemm_ex && api.get_stream) {
-        api.library = name;
-        return api;
-      }
+  for (const char* name : kNames) {
+    void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+    if (!handle) continue;
+    api.gemm_ex = reinterpret_cast<GemmEx>(dlsym(handle, "cublasGemmEx"));
+    api.get_stream = reinterpret_cast<GetStream>(dlsym(handle, "cublasGetStream_v2"));
+    if (api.gemm_ex && api.get_stream) {
+      api.library = name;
+      return api;
     }
   }
-  api.error = "no cuBLAS library with cublasGemmEx could be loaded (tried libcublas.so.13/.12/.11/.so); "
-              "torch's CUDA build ships one: run on a CUDA torch, or turn off --gradient-accumulation-fusion";
+  api.error = "torch has no cuBLAS loaded in this process (libcublas.so.13/.12/.11 with cublasGemmEx); "
+              "the fusion multiplies with torch's own: run on a CUDA build of torch with a GPU, or turn off "
+              "--gradient-accumulation-fusion";
   return api;
 }
 
-const Api& api() {
-  static const Api loaded = load();  // once per process (a static's initialisation is thread-safe)
-  return loaded;
+std::mutex g_mutex;
+Api g_api;  // the library once found; looked for again until then (torch loads it at its first use)
+
+Api api() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_api.gemm_ex == nullptr) g_api = load();
+  return g_api;
 }
 
 }  // namespace
 
 std::string cublas_library() {
-  const Api& a = api();
+  const Api a = api();
   return a.error.empty() ? a.library : a.error;
 }
 
 void add_weight_gradient(const WeightGradient& w) {
-  const Api& a = api();
+  const Api a = api();
   ASYNCPP_CHECK(a.error.empty(), a.error);
   ASYNCPP_CHECK(w.rows <= INT_MAX && w.out <= INT_MAX && w.in <= INT_MAX,
                 "add_weight_gradient: a dimension over 2^31 - 1 (", w.rows, " x ", w.out, " x ", w.in, ")");

@@ -3,8 +3,8 @@
 // float32 and written once (cuBLAS's GEMM with beta = 1), instead of a bf16 product that a second
 // kernel reads back and adds (pipeline/main_grad.py; docs/design.md §2.13).
 //
-// cuBLAS is the library torch already loaded: found at run time with dlopen, so nothing links it
-// and a build without CUDA compiles this file too. The handle is torch's (its current stream and
+// cuBLAS is the library torch already loaded: found at run time with dlopen (RTLD_NOLOAD: no other
+// copy is ever loaded), so nothing links it and a build without CUDA compiles this file too. The handle is torch's (its current stream and
 // workspace already set by torch.cuda.current_blas_handle(), which is also what makes the call
 // legal inside a CUDA-graph capture: no workspace is allocated there).
 #pragma once
@@ -27,7 +27,7 @@ struct WeightGradient {
 // Throws asyncpp::Error (one line naming the cause) when cuBLAS cannot be found or refuses.
 void add_weight_gradient(const WeightGradient& args);
 
-// Which library add_weight_gradient uses, or why none: "" until the first call loads it.
+// The library add_weight_gradient uses (torch's, found among the loaded ones), or why none is found.
 std::string cublas_library();
 
 }  // namespace asyncpp::kernels::blas
