@@ -39,6 +39,9 @@ sequences; --tokens). Variants (all the same arithmetic; only kernels and their 
   expanded-kv           compiled, the key/value heads repeated for attention in the compiled graph
                         instead of SDPA's enable_gqa (whether the attention kernel then runs
                         without copies of its own around it)
+  grad-accum-fusion     compiled, the weight gradients added into float32 by their products
+                        (--gradient-accumulation-fusion, pipeline/main_grad.py) instead of bf16
+                        gradients that the accumulate kernel adds after the backward (bf16 only)
   max-autotune          compiled in max-autotune mode (GEMM templates and kernel configs searched)
 
 Per variant: the median milliseconds of a forward + backward, the device time by kind from one
@@ -198,8 +201,13 @@ VARIANTS = {
     "coordinate-descent": (LlamaBlock, {}, {"options": {"coordinate_descent_tuning": True}}),
     "rotary-halves": (RotaryHalvesBlock, {"attn": RotaryHalvesAttention}, {}),
     "expanded-kv": (ExpandedKVBlock, {"attn": ExpandedKVAttention}, {}),
+    "grad-accum-fusion": (LlamaBlock, {}, {}),  # (FUSED_GRADIENTS: the compute copies' option)
     "max-autotune": (LlamaBlock, {}, {"mode": "max-autotune"}),
 }
+
+
+FUSED_GRADIENTS = {"grad-accum-fusion"}
+"""The forms whose compute copies add their weight gradients into float32 in the products."""
 
 
 def missing_options(variant: str) -> list:
@@ -245,9 +253,10 @@ def measure(variant: str, model: str, seq: int, args, device: torch.device) -> d
     block = build_block(variant, cfg, reference, device)
     reference = reference.to(device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else None
-    copies = maybe_compute_copies(block, dtype, enabled=True)
+    copies = maybe_compute_copies(block, dtype, enabled=True, fuse_weight_gradients=variant in FUSED_GRADIENTS)
     module = copies.module if copies is not None else block
     if copies is not None:
+        copies.begin_step()  # (fused: the gradients the products add into; they go on adding, as in a step)
         copies.refresh()
     compile_kwargs = VARIANTS[variant][2]
     compile_s = None
@@ -335,6 +344,9 @@ def parse(argv=None):
     for v in args.variants:
         if v not in VARIANTS:
             raise BenchError(f"--variants: unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+        if v in FUSED_GRADIENTS and args.dtype != "bf16":
+            raise BenchError(f"--variants: {v} fuses the bf16 compute copies' weight gradients; "
+                             f"use --dtype bf16 or leave it out")
         if missing_options(v):
             raise BenchError(f"--variants: {v} needs inductor option(s) {', '.join(missing_options(v))}, which "
                              f"torch {torch.__version__} does not have; leave it out")

@@ -39,6 +39,8 @@ def test_cpu_row_checks_against_the_float32_block(capsys):
     (["--variants", "eager,fast"], "block_step: --variants: unknown variant 'fast'; choose from "),
     (["--models", "gpt9"], "block_step: --models: unknown model 'gpt9'; choose from "),
     (["--iters", "0"], "block_step: --iters must be at least 1, got 0"),
+    (["--variants", "grad-accum-fusion"], "block_step: --variants: grad-accum-fusion fuses the bf16 compute "
+                                          "copies' weight gradients; use --dtype bf16"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     # in this process (main's return value is the exit status the script passes to sys.exit):
