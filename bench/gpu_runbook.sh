@@ -42,7 +42,7 @@
 #           a float32 reference
 #   blocks  (200) bench/block_step.py: one smollm-360m block, forward + backward, compiled in each of
 #           the bench's forms (rotary layouts, q/k/v and gate/up products, stacked or concatenated
-#           weights, cat lowering, tuning, pdl, the norms' partial sums), kernel time by
+#           weights, cat lowering, tuning, pdl, the norms' partial sums, the fused weight gradients), kernel time by
 #           kind and the costliest kernels, each form's output against the float32 block
 #   code    (120) bench/block_step.py's compiled form alone (one smollm-360m block) under
 #           TORCH_LOGS=output_code: the code inductor generates for the block's forward and backward
