@@ -173,18 +173,22 @@ def test_a_2bw_pipeline_with_it_equals_its_simulation(tmp_path):
 
 
 @pytest.mark.cuda
-def test_cublas_adds_the_float32_sum_in_place_and_replays_under_a_cuda_graph():
+def test_the_gpu_adds_the_float32_sum_in_place_and_replays_under_a_cuda_graph():
+    # both ways: torch's addmm with a float32 output (where this torch has it) and cuBLAS's own
+    from asyncpp_ext.optim import _kernels as K
     from asyncpp_ext.pipeline.main_grad import add_weight_gradient
 
     g = torch.Generator().manual_seed(0)
     for t, out, inp in ((37, 24, 40), (8192, 960, 320), (5, 3, 7)):
-        dy = torch.randn(t, out, generator=g).bfloat16().cuda()
-        x = torch.randn(t, inp, generator=g).bfloat16().cuda()
-        main_grad = torch.randn(out, inp, generator=g).cuda()
-        exact = main_grad.double() + dy.double().t() @ x.double()
-        add_weight_gradient(main_grad, dy, x)
-        err = ((main_grad.double() - exact).abs().max() / exact.abs().max()).item()
-        assert err < 1e-5, (t, out, inp, err)
+        for way in (add_weight_gradient, K.add_weight_gradient):
+            dy = torch.randn(t, out, generator=g).bfloat16().cuda()
+            x = torch.randn(t, inp, generator=g).bfloat16().cuda()
+            main_grad = torch.randn(out, inp, generator=g).cuda()
+            exact = main_grad.double() + dy.double().t() @ x.double()
+            way(main_grad, dy, x)
+            err = ((main_grad.double() - exact).abs().max() / exact.abs().max()).item()
+            assert err < 1e-5, (way, t, out, inp, err)
+    assert K.cublas_library().startswith("libcublas")  # torch's, found once torch used it
     # in a captured graph (torch's handle and workspace on the capture stream): each replay adds once
     dy, x = dy.view(1, t, out), x.view(1, t, inp)  # leading dimensions flattened
     main_grad = torch.zeros(out, inp, device="cuda")

@@ -75,7 +75,7 @@ def _no_autocast(device: torch.device):
 
 
 @functools.lru_cache(maxsize=None)
-def _addmm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+def addmm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch's ``addmm(acc, a, b, out_dtype=float32, out=acc)`` takes ``dtype``
     operands with an fp32 accumulator on ``device`` (newer releases; older ones refuse the
     argument or the mixed dtypes). Asked once, on tiny tensors, so that an error in training (out
@@ -96,7 +96,7 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     fp32."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda and _addmm_writes_fp32(acc.device, a.dtype):
+    elif acc.is_cuda and addmm_writes_fp32(acc.device, a.dtype):
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc.add_(a @ b)
@@ -472,4 +472,5 @@ def measure_head_loss(mode: str, batch: int, seq: int, n_embd: int, vocab: int, 
 
 __all__ = ["HEAD_LOSS_MODES", "KERNELS", "FUSED_VOCAB_THRESHOLD", "CHUNK_BYTES", "EAGER_LOGIT_BYTES",
            "default_chunk_rows", "linear_cross_entropy", "fused_linear_cross_entropy", "fused_kernel_name",
-           "require_kernel", "kernel_for_graphs", "resolve_head_loss", "head_loss", "measure_head_loss"]
+           "require_kernel", "kernel_for_graphs", "resolve_head_loss", "head_loss", "measure_head_loss",
+           "addmm_writes_fp32"]

@@ -7,8 +7,11 @@ gradient in bf16, and after each microbatch one multi-tensor kernel widens it an
 float32 ``.grad`` -- per microbatch and copied weight 2 bytes written, then 2 + 4 read and 4
 written again: at smollm-360m 8.75 ms of a 453 ms step on an H100 (docs/gpu.md). Here the product
 ``grad_output^T @ inputs`` runs with the float32 gradient as its accumulator's starting value
-(cuBLAS's GEMM with beta = 1 on CUDA, ``optim._kernels.add_weight_gradient``): the gradient is read
-and written once per product, inside the GEMM, and nothing else runs.
+(one GEMM with bf16 operands, a float32 output and beta = 1 on CUDA: torch's ``addmm`` with
+``out_dtype=float32`` where this torch has it -- the head loss's gradient uses the same,
+models/head_loss.addmm_writes_fp32 -- else cuBLAS's own on torch's handle,
+``optim._kernels.add_weight_gradient``): the gradient is read and written once per product,
+inside the GEMM, and nothing else runs.
 
 The numbers differ from autocast's (and from the copies' default): each microbatch's weight
 gradient is no longer rounded to bf16 before it is added, so the float32 sum is the more precise
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.graphs import in_capture_warm_up
+from ..models.head_loss import addmm_writes_fp32
 from ..optim import _kernels as K
 
 
@@ -43,7 +47,10 @@ def add_weight_gradient(main_grad: torch.Tensor, grad_output: torch.Tensor, inpu
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
     if main_grad.device.type == "cuda":
-        K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
+        if addmm_writes_fp32(main_grad.device, dy.dtype):  # torch's GEMM with a float32 output, beta = 1
+            torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
+        else:  # a torch without it: cuBLAS's own, on torch's handle
+            K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
     else:  # float32, whatever autocast the caller's backward runs under
         with torch.autocast(main_grad.device.type, enabled=False):
             main_grad.add_(torch.mm(dy.t().float(), x.float()))
@@ -109,6 +116,8 @@ def fusion_available(device) -> str | None:
     makes torch load its cuBLAS (a handle for the device), the library the product must use."""
     device = torch.device(device)
     if device.type != "cuda":
+        return None
+    if addmm_writes_fp32(device, torch.bfloat16):
         return None
     with torch.cuda.device(device):
         torch.cuda.current_blas_handle()

@@ -1,7 +1,8 @@
 // A linear layer's weight gradient added into a float32 buffer by the matrix product itself:
 // main_grad (out x in, float32) += grad_output^T (out x T, bf16) @ inputs (T x in, bf16), summed in
 // float32 and written once (cuBLAS's GEMM with beta = 1), instead of a bf16 product that a second
-// kernel reads back and adds (pipeline/main_grad.py; docs/design.md §2.13).
+// kernel reads back and adds (pipeline/main_grad.py; docs/design.md §2.13). For a torch whose addmm
+// cannot write a float32 output from bf16 operands (out_dtype), which main_grad.py uses first.
 //
 // cuBLAS is the library torch already loaded: found at run time with dlopen (RTLD_NOLOAD: no other
 // copy is ever loaded), so nothing links it and a build without CUDA compiles this file too. The handle is torch's (its current stream and
