@@ -335,8 +335,13 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     shapes = CUDA_SHAPES if args.device == "cuda" else CPU_SHAPES
     args.models = args.models.split(",") if args.models else [next(iter(shapes))]
-    args.variants = args.variants.split(",") if args.variants else (CUDA_DEFAULT if args.device == "cuda" else ["eager"])
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    if args.variants:
+        args.variants = args.variants.split(",")
+    elif args.device == "cuda":  # every form this dtype has (the fused gradients' are bf16 only)
+        args.variants = [v for v in CUDA_DEFAULT if args.dtype == "bf16" or v not in FUSED_GRADIENTS]
+    else:
+        args.variants = ["eager"]
     args.tol = args.tol if args.tol is not None else (3e-2 if args.dtype == "bf16" else 1e-4)
     for m in args.models:
         if m not in CUDA_SHAPES and m not in CPU_SHAPES:

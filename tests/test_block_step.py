@@ -143,3 +143,12 @@ def test_a_preset_form_this_torch_cannot_set_is_refused_and_left_out_by_default(
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith("block_step: --variants: pdl needs inductor option(s) triton.no_such_option, which torch ")
+
+
+def test_the_cuda_default_forms_leave_the_fused_gradients_out_in_float32(monkeypatch):
+    # the default list is every form the dtype has: --dtype fp32 runs without the bf16-only one
+    bench = load_bench_script("block_step")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "grad-accum-fusion" in bench.parse([]).variants
+    fp32 = bench.parse(["--dtype", "fp32"]).variants
+    assert "grad-accum-fusion" not in fp32 and "compiled" in fp32

@@ -523,7 +523,7 @@ def test_inductor_compiled_blocks_add_fused_weight_gradients_as_eager_blocks_do(
                 copies.module(idx[:, :-1], idx[:, 1:])[1].backward()
             assert all(w.grad is None for w, _ in copies.stacked)  # the products took their gradients
             copies.accumulate()
-        if compiled:  # each layer's gradient tensor is an input of the one graph, not a reason to recompile
+        if compiled:  # one graph for both layers: each layer's gradient tensor is an input, no recompile
             layer_type = type(copies.module.layers[0]).__qualname__
             assert report.compiles[layer_type] - before.get(layer_type, 0) <= 1 and not report.fallbacks
         grads.append([p.grad.clone() for p in model.parameters()])

@@ -190,22 +190,23 @@ def test_the_gpu_adds_the_float32_sum_in_place_and_replays_under_a_cuda_graph():
             assert err < 1e-5, (way, t, out, inp, err)
     assert K.cublas_library().startswith("libcublas")  # torch's, found once torch used it
     # in a captured graph (torch's handle and workspace on the capture stream): each replay adds once
-    dy, x = dy.view(1, t, out), x.view(1, t, inp)  # leading dimensions flattened
-    main_grad = torch.zeros(out, inp, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        add_weight_gradient(main_grad, dy, x)  # warm-up outside the capture, as torch's docs ask
-        main_grad.zero_()
-        with torch.cuda.graph(graph, stream=stream):
-            add_weight_gradient(main_grad, dy, x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    graph.replay()
-    torch.cuda.synchronize()
-    once = dy[0].float().t() @ x[0].float()
-    torch.testing.assert_close(main_grad, 2 * once, rtol=1e-4, atol=1e-4)
+    once = dy.float().t() @ x.float()
+    for way, (dy_in, x_in) in ((add_weight_gradient, (dy.view(1, t, out), x.view(1, t, inp))),  # leading dims
+                               (K.add_weight_gradient, (dy, x))):
+        main_grad = torch.zeros(out, inp, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            way(main_grad, dy_in, x_in)  # warm-up outside the capture, as torch's docs ask
+            main_grad.zero_()
+            with torch.cuda.graph(graph, stream=stream):
+                way(main_grad, dy_in, x_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(main_grad, 2 * once, rtol=1e-4, atol=1e-4, msg=str(way))
 
 
 @pytest.mark.cuda

@@ -74,8 +74,16 @@ def _no_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+def addmm_writes_fp32(device, dtype: torch.dtype) -> bool:
+    """See ``_addmm_writes_fp32``; ``device`` as any spelling of it ("cuda" = the current one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _addmm_writes_fp32(device, dtype)
+
+
 @functools.lru_cache(maxsize=None)
-def addmm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+def _addmm_writes_fp32(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch's ``addmm(acc, a, b, out_dtype=float32, out=acc)`` takes ``dtype``
     operands with an fp32 accumulator on ``device`` (newer releases; older ones refuse the
     argument or the mixed dtypes). Asked once, on tiny tensors, so that an error in training (out

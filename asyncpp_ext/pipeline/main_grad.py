@@ -42,12 +42,14 @@ from ..optim import _kernels as K
 def add_weight_gradient(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
     """main_grad (out, in) += grad_output (..., out)^T @ inputs (..., in), summed in float32; nothing
     while a CUDA graph's capture runs the computation eagerly (models/graphs.in_capture_warm_up)."""
+    # (asked before the warm-up's return: the capture's eager runs ask first, never the capture)
+    by_torch = main_grad.device.type == "cuda" and addmm_writes_fp32(main_grad.device, grad_output.dtype)
     if in_capture_warm_up():
         return
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
     if main_grad.device.type == "cuda":
-        if addmm_writes_fp32(main_grad.device, dy.dtype):  # torch's GEMM with a float32 output, beta = 1
+        if by_torch:  # torch's GEMM with a float32 output, beta = 1
             torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
         else:  # a torch without it: cuBLAS's own, on torch's handle
             K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())

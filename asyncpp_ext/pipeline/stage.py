@@ -34,6 +34,7 @@ from ..optim.versioned import step_versioned, wants_previous_weights
 from ..schedule.table import schedule_spec
 from .data_parallel import GradientAverager
 from .compute_copies import ReplicaCopies
+from .main_grad import fusion_available
 from .flat_buffers import flatten_into, point_at, views_of
 from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
@@ -166,6 +167,8 @@ class StageHost:
         if gradient_accumulation_fusion and self.copies is None:
             raise ValueError("gradient_accumulation_fusion fuses the bf16 compute copies' weight gradients, but "
                              "this stage has none (float32, compute_copies off, or dp > 1 under plain bf16)")
+        if gradient_accumulation_fusion and (why := fusion_available(self.flat[0].device)) is not None:
+            raise ValueError(f"gradient_accumulation_fusion: {why}")
 
         # Opt-in: counts the bytes autograd keeps for in-flight microbatches (see memory.py).
         held = list(self.flat) + ([c.flat for c in self.copies.sets] if self.copies else [])
