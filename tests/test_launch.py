@@ -168,12 +168,12 @@ def _bad_fork_reports(tmp_path, name: str) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def _counting_probes(monkeypatch) -> list:
+def _counting_probes(monkeypatch, readiness: list | None = None) -> list:
+    """The probe children forked from now on (and, into ``readiness``, the readiness forks)."""
     probes = []
     real = launch._fork_one_child
     def counting(target=int):
-        if target is not int:  # a probe, not the readiness fork
-            probes.append(target)
+        (probes if target is not int else readiness if readiness is not None else []).append(target)
         return real(target)
     monkeypatch.setattr(launch, "_fork_one_child", counting)
     return probes
@@ -192,8 +192,10 @@ def test_a_forkserver_whose_preload_keeps_its_children_from_cuda_is_started_agai
     from that one, free to use CUDA; that server is not probed again."""
     if probe == "fails":
         monkeypatch.setenv("ASYNCPP_TEST_FORKSERVER_PROBE", "fails")
-    probes = _counting_probes(monkeypatch)
+    readiness = []
+    probes = _counting_probes(monkeypatch, readiness)
     assert launch.start_forkserver_early(preload=("cuda_in_forkserver",))
+    assert readiness == []  # the passing probe showed the server ready: no second child for that
     why = "cannot use CUDA" if probe == "bad-fork" else "fail to start (a probe exited with code 1)"
     assert _asyncpp_lines(capfd.readouterr().err) == [
         f"asyncpp: children of the forkserver {why} with cuda_in_forkserver preloaded: started again with "
@@ -232,9 +234,13 @@ def test_no_probe_where_torch_sees_no_gpu(tmp_path, monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
-    probes = _counting_probes(monkeypatch)
+    readiness = []
+    probes = _counting_probes(monkeypatch, readiness)
     _launch_and_read(tmp_path, "ranks")
     assert probes == []
+    monkeypatch.setenv("ASYNCPP_TEST_VALUE", "a server of its own")  # started early, then: readied by one child
+    assert launch.start_forkserver_early() and probes == [] and len(readiness) == 1
+    mp.forkserver._forkserver._stop()
 
 
 def fail_as_torch_in_a_bad_fork() -> None:

@@ -290,7 +290,11 @@ def start_forkserver_early(preload: tuple = ()) -> bool:
         mp.set_forkserver_preload(_FORKSERVER_PRELOAD + [m for m in preload if m not in _FORKSERVER_PRELOAD])
     if not _forkserver_children_can_use_cuda():
         return False
-    _fork_one_child()  # the server forks only once its imports are done: it is ready now
+    pid = mp.forkserver._forkserver._forkserver_pid
+    if pid is None or pid != _forkserver_checked_pid:
+        # no probe child came from this server (torch sees no GPU): one child now, which the server
+        # forks only once its imports are done; a probed server was ready when its probe ran
+        _fork_one_child()
     return True
 
 
