@@ -206,7 +206,8 @@ def test_the_gpu_adds_the_float32_sum_in_place_and_replays_under_a_cuda_graph():
         graph.replay()
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(main_grad, 2 * once, rtol=1e-4, atol=1e-4, msg=str(way))
+        err = ((main_grad - 2 * once).abs().max() / (2 * once).abs().max()).item()
+        assert err < 1e-5, (way, err)
 
 
 @pytest.mark.cuda
