@@ -140,15 +140,13 @@ def variant_checks(rows: list) -> None:
 def _one_stage_twin(r: dict, ok: list):
     """The one-stage ours row a two-stage row ``r`` is set against: same model, sequence and
     optimizer, computed alike (compiled or not, graphs or not, the same compile scope), without
-    the variants a 2bw row does not have (no-copies, bf16-params, max-autotune, inductor options,
-    another attention kernel); or None."""
+    any other variant of VARIANT_SUFFIXES (no-copies, bf16-params, max-autotune, inductor options,
+    another attention kernel, ...: a 2bw row has none of them); or None."""
     return next((b for b in ok if b["impl"] == "ours" and b["stages"] == 1 and b["model"] == r["model"]
                  and b["seq_len"] == r["seq_len"] and b["optimizer"] == r["optimizer"]
                  and b["compile"] == r["compile"] and bool(b.get("graphs")) == bool(r.get("graphs"))
-                 and b.get("copies") is not False and b.get("dtype") is None
-                 and b.get("scope") == r.get("scope") and not b.get("compile_mode") and not b.get("attention")
-                 and not b.get("inductor") and not b.get("nonfinite_check")
-                 and not b.get("gradient_accumulation_fusion")),
+                 and b.get("scope") == r.get("scope")
+                 and not set(_variants(b)) - {" graphs", " stage-compile"}),  # no variant a 2bw row lacks
                 None)
 
 

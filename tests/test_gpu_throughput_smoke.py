@@ -478,3 +478,21 @@ def test_head_profile_summarises_a_traced_call_per_call(monkeypatch):
     got = tr._profile_head("fused", spec, torch.device("cpu"), torch.float32)
     assert calls == [("fused", 1, 4, 4, 8, torch.device("cpu"), torch.float32)]
     assert got == {"kernels_per_call": 0, "device_ms_per_call": {}, "top_kernels_per_call": []}
+
+
+def test_a_2bw_row_is_set_against_the_one_stage_row_without_variants_it_lacks():
+    # every one-stage variant a 2bw row does not have listed before the plain row: none is its twin
+    from throughput_report import _one_stage_twin
+
+    def ours(name, **kw):
+        return dict(gt.row(name, "ours", "m", 1024, 8, 8, optimizer="adamw", compile=True, **kw), status="ok")
+    variants = [ours("ours sync adamw no-copies", copies=False), ours("ours sync adamw bf16-params", dtype="bf16-params"),
+                ours("ours sync adamw max-autotune", compile_mode="max-autotune"),
+                ours("ours sync adamw pdl", inductor="pdl"), ours("ours sync adamw flash-attention", attention="flash"),
+                ours("ours sync adamw host-check", nonfinite_check="host"),
+                ours("ours sync adamw grad-accum-fusion", gradient_accumulation_fusion=True),
+                ours("ours sync adamw graphs", graphs=True)]
+    plain = ours("ours sync adamw")
+    two = ours("ours 2bw 2st 1gpu adamw", stages=2, transport="gloo")
+    assert _one_stage_twin(two, variants + [plain]) is plain
+    assert _one_stage_twin(two, variants) is None
