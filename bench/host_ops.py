@@ -21,7 +21,7 @@ short).
 
     python bench/host_ops.py [--layers 30 --width 72 --heads 9 --kv-heads 3 --mlp 192 --vocab 256]
         [--seq-len 32 --micro-batch-size 1 --microbatches 8 --steps 30 --trace 2 --dtype fp32|bf16]
-        [--rows ours-block,ours-stage,hf] [--json]
+        [--rows ours-block,ours-stage,ours-block-fusion,hf] [--json]
 """
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-ROWS = ("ours-block", "ours-stage", "hf")
+# ours-block-fusion: ours-block with --gradient-accumulation-fusion (bf16 only): what the fused
+# weight-gradient products cost the host against the accumulate kernel they replace
+ROWS = ("ours-block", "ours-stage", "ours-block-fusion", "hf")
 # Operations that launch nothing on a GPU: views, aliases, allocations, host reads, casts' wrappers,
 # and the host's own bookkeeping around compiled calls and gradient accumulation (an AccumulateGrad
 # that takes the gradient over launches nothing; one that adds holds an add_, which counts).
@@ -83,11 +85,12 @@ def count_trace(events: list, steps: int) -> dict:
                 top=[(name, n / steps) for name, n in ops.most_common(6)])
 
 
-def _ours(args, scope: str, work: Path) -> dict:
+def _ours(args, row: str, work: Path) -> dict:
     from asyncpp_ext.training.arguments import build_parser, config_from_args
     from asyncpp_ext.training.run import preflight, train
 
-    out = work / f"ours-{scope}"
+    scope = row.split("-")[1]
+    out = work / row
     first = args.steps - args.trace + 1
     argv = ["--model", "smollm-135m", "--n-layer", str(args.layers), "--n-embd", str(args.width),
             "--n-head", str(args.heads), "--vocab-size", str(args.vocab), "--seq-len", str(args.seq_len),
@@ -95,7 +98,8 @@ def _ours(args, scope: str, work: Path) -> dict:
             "--stages", "1", "--schedule", "sync", "--optimizer", "adamw", "--ef-beta", "0", "--dtype", args.dtype,
             "--compile", "--compile-scope", scope, "--threads", "1", "--steps", str(args.steps),
             "--eval-batches", "0", "--no-checkpoints", "--no-progress", "--data", "builtin", "--out", str(out),
-            "--profile-steps", f"{first}:{args.steps}"]
+            "--profile-steps", f"{first}:{args.steps}"] + (["--gradient-accumulation-fusion"] if
+                                                           row.endswith("-fusion") else [])
     # asyncpp-train's flags, read as the command reads them: smollm-135m's structure (grouped-query
     # heads, tied head) at this shape; the key/value heads and SwiGLU width have no flags.
     cfg = config_from_args(build_parser().parse_args(argv))
@@ -145,13 +149,19 @@ def parse_args(argv):
                           ("steps", 30), ("trace", 2)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--rows", default=None, help=f"comma-separated, of {', '.join(ROWS)} (default: all that "
+                    "run at --dtype: the fusion row under bf16 only)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = ap.parse_args(argv)
+    if args.rows is None:
+        args.rows = ",".join(r for r in ROWS if args.dtype == "bf16" or not r.endswith("-fusion"))
     args.rows = [r for r in args.rows.split(",") if r]
     bad = [r for r in args.rows if r not in ROWS]
     if bad or not args.rows:
         ap.error(f"--rows: {', '.join(bad) or 'none given'}; choose from {', '.join(ROWS)}")
+    if args.dtype != "bf16" and any(r.endswith("-fusion") for r in args.rows):
+        ap.error(f"--rows ours-block-fusion: the fused weight gradients need bf16 compute copies; "
+                 f"add --dtype bf16 (given {args.dtype})")
     if not 1 <= args.trace <= args.steps // 3:
         ap.error(f"--trace {args.trace}: trace 1 to a third of --steps ({args.steps // 3}) steps; the "
                  "first third warms up, the traced steps come last")
@@ -166,7 +176,7 @@ def run(args) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for row in args.rows:
-            results[row] = _ours(args, row.split("-")[1], Path(tmp)) if row.startswith("ours") else _hf(args, Path(tmp))
+            results[row] = _ours(args, row, Path(tmp)) if row.startswith("ours") else _hf(args, Path(tmp))
     return results
 
 
@@ -179,10 +189,10 @@ def main(argv=None) -> int:
     print(f"# {args.layers} layers x width {args.width}, {args.heads}/{args.kv_heads} heads, SwiGLU {args.mlp}, "
           f"vocab {args.vocab}; {args.microbatches} microbatches of {args.micro_batch_size} x {args.seq_len}; "
           f"{args.dtype}, AdamW, one thread; ops = innermost compute operations (a GPU launch each)")
-    print(f"{'row':<12}{'ops/step':>10}{'compiled calls/step':>21}{'ms/step':>9}  most frequent ops")
+    print(f"{'row':<18}{'ops/step':>10}{'compiled calls/step':>21}{'ms/step':>9}  most frequent ops")
     for row, r in results.items():
         top = ", ".join(f"{name[:40]} {n:.0f}" for name, n in r["top"][:3])
-        print(f"{row:<12}{r['ops_per_step']:>10.0f}{r['compiled_calls_per_step']:>21.0f}{r['ms_per_step']:>9.1f}  {top}")
+        print(f"{row:<18}{r['ops_per_step']:>10.0f}{r['compiled_calls_per_step']:>21.0f}{r['ms_per_step']:>9.1f}  {top}")
     return 0
 
 

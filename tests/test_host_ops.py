@@ -34,10 +34,19 @@ def test_counts_the_innermost_compute_operations_per_step():
 def test_bad_inputs_are_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         host_ops.parse_args(["--rows", "ours-block,nope"])
-    assert exc.value.code == 2 and "--rows: nope; choose from ours-block, ours-stage, hf" in capsys.readouterr().err
+    assert exc.value.code == 2 and ("--rows: nope; choose from ours-block, ours-stage, ours-block-fusion, hf"
+                                    in capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exc:  # the fused weight gradients need bf16 compute copies
+        host_ops.parse_args(["--rows", "ours-block,ours-block-fusion"])
+    assert exc.value.code == 2 and "--rows ours-block-fusion: the fused weight gradients need bf16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         host_ops.parse_args(["--steps", "6", "--trace", "3"])
     assert "--trace 3: trace 1 to a third of --steps (2) steps" in capsys.readouterr().err
+
+
+def test_the_default_rows_are_those_that_run_at_the_dtype():
+    assert host_ops.parse_args([]).rows == ["ours-block", "ours-stage", "hf"]
+    assert host_ops.parse_args(["--dtype", "bf16"]).rows == ["ours-block", "ours-stage", "ours-block-fusion", "hf"]
 
 
 @pytest.mark.slow

@@ -38,29 +38,49 @@ from ..models.head_loss import addmm_writes_fp32
 from ..optim import _kernels as K
 
 
-@torch.library.custom_op("asyncpp::add_weight_gradient", mutates_args=("main_grad",))
-def add_weight_gradient(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
-    """main_grad (out, in) += grad_output (..., out)^T @ inputs (..., in), summed in float32; nothing
-    while a CUDA graph's capture runs the computation eagerly (models/graphs.in_capture_warm_up)."""
+def _add_on_cuda(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
     # (asked before the warm-up's return: the capture's eager runs ask first, never the capture)
-    by_torch = main_grad.device.type == "cuda" and addmm_writes_fp32(main_grad.device, grad_output.dtype)
+    by_torch = addmm_writes_fp32(main_grad.device, grad_output.dtype)
     if in_capture_warm_up():
         return
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
-    if main_grad.device.type == "cuda":
-        if by_torch:  # torch's GEMM with a float32 output, beta = 1
-            torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
-        else:  # a torch without it: cuBLAS's own, on torch's handle
-            K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
-    else:  # float32, whatever autocast the caller's backward runs under
-        with torch.autocast(main_grad.device.type, enabled=False):
-            main_grad.add_(torch.mm(dy.t().float(), x.float()))
+    if by_torch:  # torch's GEMM with a float32 output, beta = 1
+        torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
+    else:  # a torch without it: cuBLAS's own, on torch's handle
+        K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
 
 
-@add_weight_gradient.register_fake
+def _add_on_cpu(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+    if in_capture_warm_up():
+        return
+    dy = grad_output.reshape(-1, grad_output.shape[-1])
+    x = inputs.reshape(-1, inputs.shape[-1])
+    with torch.autocast("cpu", enabled=False):  # float32, whatever autocast the caller's backward runs under
+        main_grad.addmm_(dy.t().float(), x.float())
+
+
+# An operator of torch's dispatcher, so that dynamo and inductor keep it in their graphs as one call
+# that mutates ``main_grad``. Declared with torch.library's schema API rather than its
+# ``custom_op`` decorator: that one wraps every call in Python autograd and checking layers (about
+# 50 us per call on a CPU core, at ~128 products per smollm-360m microbatch a host cost that
+# pipelines without CUDA graphs pay), where a kernel registered per device key costs a few us over
+# the function itself. The op has no autograd formula of its own: it runs inside a backward.
+_LIBRARY = torch.library.Library("asyncpp", "FRAGMENT")
+_LIBRARY.define("add_weight_gradient(Tensor(a!) main_grad, Tensor grad_output, Tensor inputs) -> ()")
+_LIBRARY.impl("add_weight_gradient", _add_on_cuda, "CUDA")
+_LIBRARY.impl("add_weight_gradient", _add_on_cpu, "CPU")
+
+
+@torch.library.register_fake("asyncpp::add_weight_gradient")
 def _(main_grad, grad_output, inputs) -> None:
     return None
+
+
+add_weight_gradient = torch.ops.asyncpp.add_weight_gradient.default
+add_weight_gradient.__doc__ = """add_weight_gradient(main_grad, grad_output, inputs): main_grad (out, in)
++= grad_output (..., out)^T @ inputs (..., in), summed in float32; nothing while a CUDA graph's
+capture runs the computation eagerly (models/graphs.in_capture_warm_up)."""
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
