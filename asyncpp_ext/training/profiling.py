@@ -12,7 +12,8 @@ Each process that trains writes, under ``OUT/profile/``:
   waited on the device (``cudaStreamSynchronize``/``cudaDeviceSynchronize`` calls and
   ``aten::_local_scalar_dense``, i.e. ``.item()``), and the costliest kernels by name with their
   time and launches (``top_kernels``: which attention kernel ran, which fusions cost most; the
-  costliest overall, then each kind's costliest until it has a few named), and where the device
+  costliest overall, then each kind's costliest until a few are named and they hold most of
+  their kind's time), and where the device
   sat idle: at the window's edges (``idle_edges_ms``), between its work (``idle_between_ms``) and
   the longest such gaps with the work on either side, the host operator that overlapped each
   most and the few that overlapped it most, outermost first (``idle_gaps``: a host sync, a loss
@@ -64,7 +65,11 @@ TOP_KERNELS = 15
 TOP_GAPS = 6
 """Idle gaps of the device listed in a summary (``idle_gaps``), the longest first."""
 PER_KIND = 4
-"""... and beyond those, each kind's costliest until it has this many listed."""
+"""... and beyond those, each kind's costliest until it has this many listed,"""
+KIND_SHARE = 0.9
+"""... and on until the listed ones hold this share of their kind's time,"""
+PER_KIND_MAX = 12
+"""... but no more than this many of one kind (inductor's kernels: dozens of small ones)."""
 HOST_OPS_PER_GAP = 5
 """Host operators listed per idle gap (``host_ops``): those that overlapped it most, outermost first."""
 
@@ -112,11 +117,17 @@ def summarize_trace(events: list[dict]) -> dict:
             entry[1] += 1
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     top = ranked[:TOP_KERNELS]
-    # and each kind's costliest few beyond those, so that every kind's time has names (the "other"
-    # kind's leaders sit below the matrix products and attention in a large model's list)
-    for kind in kinds:
-        listed = sum(1 for n, _ in top if kernel_kind(n, "kernel") == kind)
-        top += [(n, v) for n, v in ranked[TOP_KERNELS:] if kernel_kind(n, "kernel") == kind][:max(0, PER_KIND - listed)]
+    # and each kind's costliest beyond those, so that most of every kind's time has names (the
+    # "other" kind's kernels sit below the matrix products and attention in a large model's list)
+    for kind, kind_ms in kinds.items():
+        listed = [v[0] for n, v in top if kernel_kind(n, "kernel") == kind]
+        for name, value in ranked[TOP_KERNELS:]:
+            if kernel_kind(name, "kernel") != kind:
+                continue
+            if len(listed) >= PER_KIND and (sum(listed) >= KIND_SHARE * kind_ms or len(listed) >= PER_KIND_MAX):
+                break
+            top.append((name, value))
+            listed.append(value[0])
     top.sort(key=lambda kv: -kv[1][0])
     names = [str(e.get("name", "")) for e in host]
     return {
