@@ -77,10 +77,10 @@ def _(main_grad, grad_output, inputs) -> None:
     return None
 
 
+# add_weight_gradient(main_grad, grad_output, inputs): main_grad (out, in) += grad_output (..., out)^T
+# @ inputs (..., in), summed in float32; nothing while a CUDA graph's capture runs the computation
+# eagerly (models/graphs.in_capture_warm_up)
 add_weight_gradient = torch.ops.asyncpp.add_weight_gradient.default
-add_weight_gradient.__doc__ = """add_weight_gradient(main_grad, grad_output, inputs): main_grad (out, in)
-+= grad_output (..., out)^T @ inputs (..., in), summed in float32; nothing while a CUDA graph's
-capture runs the computation eagerly (models/graphs.in_capture_warm_up)."""
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
