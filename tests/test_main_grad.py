@@ -306,3 +306,10 @@ def test_lost_sums_and_runs_without_copies_are_refused():
                   optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                   loss_fn=nn.functional.mse_loss, batch_source=lambda step: None,
                   gradient_accumulation_fusion=True)
+
+
+def test_the_fusion_names_the_devices_it_has_kernels_for():
+    from asyncpp_ext.pipeline.main_grad import fusion_available
+
+    assert fusion_available("cpu") is None
+    assert fusion_available("meta") == "the fused product has kernels for CPU and CUDA only, not meta"

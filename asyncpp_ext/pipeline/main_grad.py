@@ -137,8 +137,10 @@ def fusion_available(device) -> str | None:
     """None where the fused product can run on ``device``, else why not (one line). On CUDA it
     makes torch load its cuBLAS (a handle for the device), the library the product must use."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type == "cpu":
         return None
+    if device.type != "cuda":
+        return f"the fused product has kernels for CPU and CUDA only, not {device.type}"
     if addmm_writes_fp32(device, torch.bfloat16):
         return None
     with torch.cuda.device(device):
