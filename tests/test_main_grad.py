@@ -313,3 +313,18 @@ def test_the_fusion_names_the_devices_it_has_kernels_for():
 
     assert fusion_available("cpu") is None
     assert fusion_available("meta") == "the fused product has kernels for CPU and CUDA only, not meta"
+
+
+def test_the_op_never_puts_the_gradient_buffer_into_a_graph():
+    # called under grad mode with inputs that require grad (a double backward, a direct call): the
+    # float32 gradient stays a plain buffer, and its version counts the write
+    from asyncpp_ext.pipeline.main_grad import add_weight_gradient
+
+    main_grad = torch.zeros(8, 16)
+    x = torch.randn(5, 16, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(5, 8, dtype=torch.bfloat16, requires_grad=True)
+    before = main_grad._version
+    add_weight_gradient(main_grad, dy, x)
+    assert not main_grad.requires_grad and main_grad.grad_fn is None
+    assert main_grad._version > before
+    assert torch.allclose(main_grad, dy.detach().float().t() @ x.detach().float(), rtol=1e-5, atol=1e-6)

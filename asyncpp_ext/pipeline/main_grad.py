@@ -17,7 +17,7 @@ The numbers differ from autocast's (and from the copies' default): each microbat
 gradient is no longer rounded to bf16 before it is added, so the float32 sum is the more precise
 one (the forward and the input gradients are the same products as autocast's). The same code runs
 in a pipeline's stages and in its ``--simulate`` run, so real == simulate holds with it as without.
-On the CPU torch computes the product (float32 of the bf16 operands, then one add).
+On the CPU torch computes the product as one float32 ``addmm_`` of the widened bf16 operands.
 
 Pieces: ``linear_into_main_grad(x, weight, main_grad)`` (an autograd function: forward
 ``F.linear``, backward the input's gradient and the fused weight gradient; ``weight`` itself gets
@@ -45,10 +45,12 @@ def _add_on_cuda(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: tor
         return
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
-    if by_torch:  # torch's GEMM with a float32 output, beta = 1
-        torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
-    else:  # a torch without it: cuBLAS's own, on torch's handle
-        K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
+    with torch.no_grad():  # a gradient buffer, never part of a graph (kernels run in the caller's grad mode)
+        if by_torch:  # torch's GEMM with a float32 output, beta = 1
+            torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
+        else:  # a torch without it: cuBLAS's own, on torch's handle, which writes through a
+            K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
+            torch.autograd.graph.increment_version(main_grad)  # pointer: the version bumped here
 
 
 def _add_on_cpu(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
@@ -56,7 +58,8 @@ def _add_on_cpu(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torc
         return
     dy = grad_output.reshape(-1, grad_output.shape[-1])
     x = inputs.reshape(-1, inputs.shape[-1])
-    with torch.autocast("cpu", enabled=False):  # float32, whatever autocast the caller's backward runs under
+    # float32 whatever autocast the caller's backward runs under; never part of a graph
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
         main_grad.addmm_(dy.t().float(), x.float())
 
 
@@ -67,7 +70,8 @@ def _add_on_cpu(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torc
 # pipelines without CUDA graphs pay), where a kernel registered per device key costs a few us over
 # the function itself. The op has no autograd formula of its own: it runs inside a backward.
 _LIBRARY = torch.library.Library("asyncpp", "FRAGMENT")
-_LIBRARY.define("add_weight_gradient(Tensor(a!) main_grad, Tensor grad_output, Tensor inputs) -> ()")
+_LIBRARY.define("add_weight_gradient(Tensor(a!) main_grad, Tensor grad_output, Tensor inputs) -> ()",
+                tags=(torch.Tag.pt2_compliant_tag,))  # (what custom_op declares: a fake kernel, a schema)
 _LIBRARY.impl("add_weight_gradient", _add_on_cuda, "CUDA")
 _LIBRARY.impl("add_weight_gradient", _add_on_cpu, "CPU")
 
