@@ -157,10 +157,13 @@ def test_the_simulator_trains_with_it_and_the_cli_refuses_it_without_bf16_copies
 
 
 @pytest.mark.multiproc
-def test_a_2bw_pipeline_with_it_equals_its_simulation(tmp_path):
+@pytest.mark.parametrize("schedule,microbatches", [("2bw", 2), ("1f1b", 4)])
+def test_a_pipeline_with_it_equals_its_simulation(tmp_path, schedule, microbatches):
+    # 1f1b with 4 microbatches on 2 stages: backwards interleaved with forwards, each adding into
+    # the gradients in the order the simulator adds them
     from asyncpp_ext.training.cli import main
 
-    flags = ["--model", "llama-tiny", "--stages", "2", "--schedule", "2bw", "--microbatches", "2",
+    flags = ["--model", "llama-tiny", "--stages", "2", "--schedule", schedule, "--microbatches", str(microbatches),
              "--micro-batch-size", "2", "--seq-len", "16", "--steps", "4", "--threads", "1", "--dtype", "bf16",
              "--gradient-accumulation-fusion", "--eval-every", "4", "--ckpt-every", "0", "--no-progress"]
     losses = {}
