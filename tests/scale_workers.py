@@ -47,6 +47,7 @@ def run_configs(configs: list, steps: int, out_dir: str) -> None:
                          "params": state["params"], "memory": pipe.host.memory_report(),
                          "orthogonalized": getattr(pipe.host.optimizer, "orthogonalized_last_step", None),
                          "optimizer_scans_grads": pipe.host.optimizer.check_finite,
-                         "hook_launches": getattr(pipe.host.grad_sync, "hook_launches", None)}
+                         "hook_launches": getattr(pipe.host.grad_sync, "hook_launches", None),
+                         "compute_copies": pipe.host.copies is not None}
         dist.barrier()
     torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))

@@ -411,3 +411,48 @@ def test_without_usable_kernels_the_copies_add_through_torch(monkeypatch):
     _, losses, weights = _simulated("sync", True)
     _, ref_losses, ref_weights = _simulated("sync", False)
     assert losses == ref_losses and all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
+
+
+def test_in_a_final_backward_the_copies_announce_each_master_as_its_gradient_arrives():
+    # data parallelism's hooks (compute_copies.announce_final_grads): a copy's gradient, and a
+    # stacked weight's row blocks, go into the masters' .grad as autograd produces them, and each
+    # master is announced once; outside a final backward accumulate adds them as before
+    from asyncpp_ext.models.llama import fused_linear
+
+    model = build_model(_llama(False), seed=0)
+    copies = ComputeCopies(model, torch.bfloat16)
+    announced = []
+    copies.announce_final_grads(announced.append)
+    copies.refresh()
+    attn = copies.module.layers[0].attn
+    masters = dict(zip(map(id, copies.copies), copies.masters))
+    qkv = [masters[id(getattr(attn, n).weight)] for n in ("q_proj", "k_proj", "v_proj")]
+    x = torch.randn(3, attn.q_proj.in_features)
+    for final in (False, True):
+        for p in model.parameters():
+            p.grad = None
+        copies.start_final_backward(final)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            q, k, v = fused_linear(x, attn.q_proj, attn.k_proj, attn.v_proj, stacked=attn.stacked_weight)
+            o = attn.o_proj(q)
+        (o.float().sum() + k.float().square().sum() + v.float().sum()).backward()
+        if not final:
+            assert announced == [] and attn.stacked_weight.grad is not None
+            copies.accumulate()
+            plain = [p.grad.clone() for p in (*qkv, masters[id(attn.o_proj.weight)])]
+        else:
+            # o_proj's copy first (its gradient is final first), then the stacked rows in order
+            assert [id(p) for p in announced] == [id(masters[id(attn.o_proj.weight)])] + [id(p) for p in qkv]
+            assert attn.stacked_weight.grad is None and attn.o_proj.weight.grad is None
+            copies.accumulate()  # nothing left to add
+            got = [p.grad for p in (*qkv, masters[id(attn.o_proj.weight)])]
+            assert all(torch.equal(a, b) for a, b in zip(got, plain))  # the same sums
+    # a master reached through its copy and its stacked weight in one final backward: refused
+    for p in model.parameters():
+        p.grad = None
+    copies.start_final_backward(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        both = attn.q_proj(x).float().sum() + fused_linear(x, attn.q_proj, attn.k_proj, attn.v_proj,
+                                                           stacked=attn.stacked_weight)[0].float().sum()
+    with pytest.raises(RuntimeError, match="its compute copy and its stacked product in one backward"):
+        both.backward()

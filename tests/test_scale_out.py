@@ -18,7 +18,9 @@ STEPS = 5
 R1 = [("1f1b", dict(schedule="1f1b", stages=2)), ("2bw", dict(schedule="2bw", stages=2)),
       ("2bw-recompute", dict(schedule="2bw", stages=2, recompute=True))]
 R2 = [("1f1b", dict(schedule="1f1b", stages=2, dp=2)), ("2bw", dict(schedule="2bw", stages=2, dp=2)),
-      ("2bw-unsharded", dict(schedule="2bw", stages=2, dp=2, shard_optimizer=False))]
+      ("2bw-unsharded", dict(schedule="2bw", stages=2, dp=2, shard_optimizer=False)),
+      ("2bw-bf16", dict(schedule="2bw", stages=2, dp=2, dtype="bf16")),
+      ("2bw-bf16-casts", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", compute_copies=False))]
 
 
 def _rel(a, b):
@@ -122,6 +124,20 @@ def test_gradient_all_reduce_starts_inside_the_backward(runs):
     _, r2 = runs
     # Tiny stages fit one bucket: it starts from a gradient hook once per step, not after backward.
     assert all(r["2bw"]["hook_launches"] == STEPS for r in r2)
+
+
+def test_compute_copies_under_data_parallelism_keep_autocasts_numbers_and_the_overlap(runs):
+    # bf16: the linear layers on compute copies (their masters' gradients announced complete by
+    # the copies in each step's last backward) against autocast casting every weight: the same
+    # numbers bit for bit, and the one bucket's all-reduce still starts inside the backward
+    _, r2 = runs
+    for rank in range(4):
+        copies, casts = r2[rank]["2bw-bf16"], r2[rank]["2bw-bf16-casts"]
+        assert copies["compute_copies"] and not casts["compute_copies"]
+        assert copies["losses"] == casts["losses"]
+        for name, t in casts["params"].items():
+            assert torch.equal(copies["params"][name], t), name
+        assert copies["hook_launches"] == STEPS
 
 
 def test_recompute_keeps_losses_and_lowers_peak_activations(runs):

@@ -36,7 +36,8 @@ Use (one engine step)::
 from __future__ import annotations
 
 import copy
-from typing import Iterable, Optional
+import functools
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -97,6 +98,10 @@ class ComputeCopies:
         # own .grad (a pipeline stage's flat gradient buffer, which the stage zeroes)
         self.main_grads: Optional[list[torch.Tensor]] = None
         self._own_grads: Optional[torch.Tensor] = None
+        # data parallelism's early gradients (announce_final_grads): set for a step's last backward
+        self.final_backward = False
+        self._on_final: Optional[Callable[[nn.Parameter], None]] = None
+        self._announced: set[int] = set()  # ids of the masters announced in this final backward
         if fuse_weight_gradients:
             if dtype != torch.bfloat16:
                 raise ValueError(f"gradient-accumulation fusion adds bf16 products; these copies are {dtype}")
@@ -163,6 +168,41 @@ class ComputeCopies:
             if side_by_side:  # else the stacked product's gradient goes the unfused way (accumulate)
                 grad = rows[0].new_empty(0).set_(rows[0].untyped_storage(), rows[0].storage_offset(), weight.shape)
                 owner.add_module(STACKED_PRODUCT, MainGradProduct(grad))
+
+    def announce_final_grads(self, on_final: Callable[[nn.Parameter], None]) -> None:
+        """For data parallelism (data_parallel.py), whose gradient buckets start their all-reduce
+        inside a step's last backward as their weights' gradients become final, from hooks on
+        those weights: a weight computed on a copy gets no gradient of its own from autograd. So
+        in a backward run with ``final_backward`` set, each copy's (and stacked weight's) gradient
+        goes into its masters' float32 ``.grad`` as soon as autograd has it (a hook on the copy;
+        ``accumulate`` then has nothing left of it) and ``on_final(master)`` says that master's
+        gradient is complete. The fused products (main_grad.py) announce nothing: their
+        buckets start after the backward."""
+        self._on_final = on_final
+        for c, p in zip(self.copies, self.masters):
+            c.register_post_accumulate_grad_hook(functools.partial(self._final_gradient, [p]))
+        for weight, masters in self.stacked:
+            weight.register_post_accumulate_grad_hook(functools.partial(self._final_gradient, masters))
+
+    def start_final_backward(self, final: bool) -> None:
+        """Before each backward: whether it is the step's last (see announce_final_grads)."""
+        self.final_backward = final
+        self._announced = set()
+
+    def _final_gradient(self, masters: list[nn.Parameter], weight: nn.Parameter) -> None:
+        if not self.final_backward or self._on_final is None:
+            return  # accumulate adds it after the backward
+        again = [p for p in masters if id(p) in self._announced]
+        if again:  # its bucket may already be summing over the replicas without this part
+            raise RuntimeError("a weight got gradients through its compute copy and its stacked product in "
+                               "one backward (an eager and a compiled use of one block) after its gradient "
+                               "was announced complete to data parallelism; run such a stage with --dp 1")
+        grads = [weight.grad] if len(masters) == 1 else weight.grad.split([p.shape[0] for p in masters])
+        self._add(list(zip(grads, masters)))
+        weight.grad = None
+        for p in masters:
+            self._announced.add(id(p))
+            self._on_final(p)
 
     def begin_step(self) -> None:
         """Before a step's first backward: with fused weight gradients into a buffer of this

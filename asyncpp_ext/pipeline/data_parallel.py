@@ -113,7 +113,7 @@ class GradientAverager:
         self.hook_launches = 0             # buckets started from inside backward (overlapped)
         for params in replica_params:
             for i, p in enumerate(params):
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad_final(i))
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self.grad_final(i))
 
     def arm(self, local_loss_mean: float | None = None) -> None:
         """Called just before a step's last backward; starts the loss all-reduce (last stage)."""
@@ -126,7 +126,9 @@ class GradientAverager:
             t = torch.tensor([local_loss_mean], dtype=torch.float64)
             self._loss = (dist.all_reduce(t, group=self.group, async_op=True), t)
 
-    def _on_grad_final(self, i: int) -> None:
+    def grad_final(self, i: int) -> None:
+        """Parameter ``i``'s gradient is complete for this step (autograd's hook on it, or the
+        compute copies' for a weight the backward computed on a copy: compute_copies.py)."""
         if not self._armed:
             return
         self._waiting[self.bucket_of[i]] -= 1

@@ -142,10 +142,11 @@ class Pipeline:
             with recompute or track_memory; models/graphs.py).
         compute_copies: under bf16, run the stage's linear layers on bf16 copies of their weights
             made once per weight version instead of autocast casting them every microbatch (the
-            same numbers; compute_copies.py). Not with dp > 1 (then autocast casts as before).
+            same numbers; compute_copies.py). With dp > 1 the copies announce their weights'
+            gradients complete to the gradient buckets, whose all-reduce still overlaps the backward.
         gradient_accumulation_fusion: with the compute copies, each linear layer's weight-gradient
             product adds into the float32 gradient itself (main_grad.py: no bf16 rounding of each
-            microbatch's weight gradient; cuBLAS on CUDA).
+            microbatch's weight gradient; cuBLAS on CUDA). Not with dp > 1.
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).

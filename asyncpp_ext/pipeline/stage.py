@@ -156,17 +156,20 @@ class StageHost:
         self._held_views = [{p: v for p, v in zip(self.opt_params, vs) if id(p) in held} for vs in views]
         self._other_views = [[v for p, v in zip(self.opt_params, vs) if id(p) not in held] for vs in views]
 
-        # bf16 compute copies, one set per replica (= weight buffer). Under plain bf16 not with data
-        # parallelism: its buckets start from hooks on the replicas' own gradients, which the copies
-        # bypass (bf16-params needs them anyway; its buckets then start after the backward).
+        # bf16 compute copies, one set per replica (= weight buffer). With data parallelism they
+        # announce their masters' gradients complete in each step's last backward (below).
         every = params_in_compute_dtype
-        self.copies = ReplicaCopies.build(replicas, autocast_dtype, (compute_copies and dp == 1) or every,
+        self.copies = ReplicaCopies.build(replicas, autocast_dtype, compute_copies or every,
                                           exclude_last=self.is_last and head_loss == "fused" and not every,
                                           every=every,  # the fused head casts its own weight
                                           fuse_weight_gradients=gradient_accumulation_fusion)
         if gradient_accumulation_fusion and self.copies is None:
             raise ValueError("gradient_accumulation_fusion fuses the bf16 compute copies' weight gradients, but "
-                             "this stage has none (float32, compute_copies off, or dp > 1 under plain bf16)")
+                             "this stage has none (float32, or compute_copies off)")
+        if gradient_accumulation_fusion and dp > 1:
+            raise ValueError(f"gradient_accumulation_fusion with dp={dp}: the fused products add into the "
+                             "gradients outside autograd, so the gradient all-reduce could start only after "
+                             "the backward instead of during it; use dp=1 or leave the fusion off")
         if gradient_accumulation_fusion and (why := fusion_available(self.flat[0].device)) is not None:
             raise ValueError(f"gradient_accumulation_fusion: {why}")
 
@@ -183,6 +186,13 @@ class StageHost:
         # Under data parallelism: averages grad_flat over the stage's replicas.
         self.grad_sync = GradientAverager(self.grad_flat, [list(r.parameters()) for r in self.replicas],
                                           dp_group, dp) if dp > 1 else None
+        if self.grad_sync is not None and self.copies is not None:
+            # the weights computed on copies get no gradient from autograd, so no hook of the
+            # averager's fires for them: the copies say when each is complete, and its bucket's
+            # all-reduce still starts inside the backward
+            for replica, copies in zip(self.replicas, self.copies.sets):
+                index = {id(p): i for i, p in enumerate(replica.parameters())}
+                copies.announce_final_grads(lambda p, index=index: self.grad_sync.grad_final(index[id(p)]))
         if dp > 1 and shard_optimizer and hasattr(self.optimizer, "shard_across"):
             self.optimizer.shard_across(dp_group)
         if cuda_graphs and recompute:
@@ -362,13 +372,16 @@ class StageHost:
             self._read_losses(step)
         if last and self.grad_sync is not None:  # gradient all-reduce overlaps this backward
             self.grad_sync.arm(_mean_loss(self._losses[step]) if self.is_last else None)
+        copies = self.copies.sets[version % len(self.replicas)] if self.copies is not None else None
+        if copies is not None and self.grad_sync is not None:
+            copies.start_final_backward(last)
         if self.is_last:
             run_backward(out, self._loss_gradient(out))
         else:
             self.nonfinite.note_received_gradient(step, mb, received)
             run_backward(out, received)
-        if self.copies is not None:  # the copies' bf16 gradients into the float32 buffer
-            self.copies.sets[version % len(self.replicas)].accumulate()
+        if copies is not None:  # the copies' bf16 gradients into the float32 buffer
+            copies.accumulate()
         self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)
         if last and self.grad_sync is not None:
             self.grad_sync.launch_rest()

@@ -313,14 +313,16 @@ class TrainConfig:
     """Under bf16: keep a bf16 copy of every nn.Linear weight per weight version, refreshed when the
     weights change, and run the blocks on it (pipeline/compute_copies.py), instead of autocast
     casting each weight every microbatch and widening its gradient back. The same numbers bit for
-    bit; fewer kernels, and 2 bytes per copied parameter per held version. Pipeline stages with
-    --dp > 1 cast as before (their gradient buckets hook the weights' own gradients)."""
+    bit; fewer kernels, and 2 bytes per copied parameter per held version. With --dp > 1 the copies
+    tell the gradient buckets when each weight's gradient is complete, so their all-reduce still
+    overlaps the backward."""
     gradient_accumulation_fusion: bool = False
     """With the compute copies: each linear layer's weight-gradient product adds into the float32
     gradient itself (cuBLAS's GEMM with beta = 1 on CUDA; pipeline/main_grad.py) instead of writing a
     bf16 gradient that a second kernel adds after every microbatch. More precise than autocast's (no
     bf16 rounding of each microbatch's weight gradient), so not its numbers bit for bit; real ==
-    --simulate as ever. Needs bf16 compute copies (not pipelines with --dp > 1 under --dtype bf16)."""
+    --simulate as ever. Needs bf16 compute copies; not with --dp > 1 (the fused products add outside
+    autograd, so the gradient all-reduce could not overlap the backward)."""
     profile_steps: Optional[str] = None
     """"FIRST:LAST": trace those steps with torch.profiler into OUT/profile/ (a trace, the operator
     table, and the device-busy share and kernel time by kind; training/profiling.py). None = off."""
