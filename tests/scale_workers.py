@@ -9,10 +9,15 @@ import torch
 import torch.distributed as dist
 
 from asyncpp_ext.models import GPT, GPTConfig
+from asyncpp_ext.models.registry import ModelConfig, build_model
 from asyncpp_ext.optim import build_optimizer
 from asyncpp_ext.pipeline import Pipeline, init_distributed
 
 CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=2, seq_len=16)
+# bias-free linear layers (the fused weight gradients' kind), same vocabulary and context
+LLAMA = ModelConfig(arch="llama", vocab_size=CONFIG.vocab_size, seq_len=CONFIG.seq_len, n_layer=2, n_embd=32,
+                    n_head=2, n_kv_head=1, intermediate_size=64, tie_embeddings=False, rope_theta=10000.0,
+                    norm_eps=1e-5)
 GLOBAL_MICRO_BATCH = 4   # sequences per microbatch over all replicas
 MICROBATCHES = 4
 ADAMW_LR = 3e-3          # the hybrid's AdamW part (embeddings, head, vectors)
@@ -37,7 +42,12 @@ def run_configs(configs: list, steps: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     results = {}
     for name, kwargs in configs:
-        pipe = Pipeline(GPT(CONFIG, seed=0), loss_fn=GPT.loss, optimizer=muon_factory,
+        kwargs = dict(kwargs)
+        model = build_model(LLAMA, seed=0) if kwargs.pop("llama", False) else GPT(CONFIG, seed=0)
+        if not kwargs.pop("announce", True):  # the reference: every bucket started after the backward
+            from asyncpp_ext.pipeline.compute_copies import ComputeCopies
+            ComputeCopies.announce_final_grads = lambda self, on_final: None
+        pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=muon_factory,
                         microbatches=MICROBATCHES, track_memory=True, **kwargs)
         losses = [s.loss for s in pipe.train(global_batches(steps), steps)]
         x, y = next(global_batches(1, seed=9))

@@ -282,7 +282,6 @@ def test_cuda_graphs_replay_the_fused_products_into_the_gradients():
 
 def test_lost_sums_and_runs_without_copies_are_refused():
     from asyncpp_ext.pipeline.stage import StageHost
-    from asyncpp_ext.training.config import ConfigError, RunConfig
 
     # a step whose masters' .grad were dropped after begin_step: the products' sums would be lost
     cfg, mode = MODELS["llama-tied-plain"]
@@ -296,25 +295,12 @@ def test_lost_sums_and_runs_without_copies_are_refused():
         _loss(mode)(copies.module, x, y).backward()
     with pytest.raises(RuntimeError, match="call begin_step"):
         copies.accumulate()
-    # data parallelism: the fused products announce no gradient to its buckets (one stage or
-    # several, either bf16 form)
-    for stages, dtype in ((1, "bf16"), (2, "bf16"), (2, "bf16-params")):
-        run = RunConfig()
-        run.train.dtype, run.train.gradient_accumulation_fusion = dtype, True
-        run.pipeline.stages, run.pipeline.dp, run.pipeline.schedule = stages, 2, "gpipe"
-        with pytest.raises(ConfigError, match="with --dp 2: the fused products add into the gradients outside"):
-            run.validate()
-    # a stage asked for the fusion without copies to fuse (float32), or with data parallelism
+    # a stage asked for the fusion without copies to fuse (float32)
     with pytest.raises(ValueError, match="this stage has none"):
         StageHost(nn.Sequential(nn.Linear(4, 4)), stage=0, stages=1, schedule="gpipe", microbatches=1,
                   optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                   loss_fn=nn.functional.mse_loss, batch_source=lambda step: None,
                   gradient_accumulation_fusion=True)
-    with pytest.raises(ValueError, match="with dp=2: the fused products add into the gradients outside"):
-        StageHost(nn.Sequential(nn.Linear(4, 4, bias=False)), stage=0, stages=1, schedule="gpipe", microbatches=1,
-                  optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                  loss_fn=nn.functional.mse_loss, batch_source=lambda step: None, autocast_dtype=torch.bfloat16,
-                  compute_copies=True, dp=2, gradient_accumulation_fusion=True)
 
 
 def test_the_fusion_names_the_devices_it_has_kernels_for():

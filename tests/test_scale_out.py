@@ -20,7 +20,13 @@ R1 = [("1f1b", dict(schedule="1f1b", stages=2)), ("2bw", dict(schedule="2bw", st
 R2 = [("1f1b", dict(schedule="1f1b", stages=2, dp=2)), ("2bw", dict(schedule="2bw", stages=2, dp=2)),
       ("2bw-unsharded", dict(schedule="2bw", stages=2, dp=2, shard_optimizer=False)),
       ("2bw-bf16", dict(schedule="2bw", stages=2, dp=2, dtype="bf16")),
-      ("2bw-bf16-casts", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", compute_copies=False))]
+      ("2bw-bf16-casts", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", compute_copies=False)),
+      # the fused weight gradients on a llama (bias-free layers); last: the reference turns the
+      # copies' announcements off for the rest of its processes
+      ("2bw-fused", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", gradient_accumulation_fusion=True,
+                         llama=True)),
+      ("2bw-fused-after", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", gradient_accumulation_fusion=True,
+                               llama=True, announce=False))]
 
 
 def _rel(a, b):
@@ -138,6 +144,19 @@ def test_compute_copies_under_data_parallelism_keep_autocasts_numbers_and_the_ov
         for name, t in casts["params"].items():
             assert torch.equal(copies["params"][name], t), name
         assert copies["hook_launches"] == STEPS
+
+
+def test_fused_weight_gradients_under_data_parallelism_announce_their_weights(runs):
+    # the products that add into the float32 gradients announce their weights complete (the op's
+    # callbacks, main_grad.after_add_into): the bucket starts inside the backward every step, and
+    # the numbers equal those of every bucket started after the backward, bit for bit
+    _, r2 = runs
+    for rank in range(4):
+        early, after = r2[rank]["2bw-fused"], r2[rank]["2bw-fused-after"]
+        assert early["compute_copies"] and early["losses"] == after["losses"]
+        for name, t in after["params"].items():
+            assert torch.equal(early["params"][name], t), name
+        assert early["hook_launches"] == STEPS and after["hook_launches"] == 0
 
 
 def test_recompute_keeps_losses_and_lowers_peak_activations(runs):

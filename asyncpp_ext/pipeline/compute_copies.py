@@ -102,6 +102,7 @@ class ComputeCopies:
         self.final_backward = False
         self._on_final: Optional[Callable[[nn.Parameter], None]] = None
         self._announced: set[int] = set()  # ids of the masters announced in this final backward
+        self._fused_masters: dict[tuple[int, int], list[nn.Parameter]] = {}  # a fused product's masters
         if fuse_weight_gradients:
             if dtype != torch.bfloat16:
                 raise ValueError(f"gradient-accumulation fusion adds bf16 products; these copies are {dtype}")
@@ -176,30 +177,64 @@ class ComputeCopies:
         in a backward run with ``final_backward`` set, each copy's (and stacked weight's) gradient
         goes into its masters' float32 ``.grad`` as soon as autograd has it (a hook on the copy;
         ``accumulate`` then has nothing left of it) and ``on_final(master)`` says that master's
-        gradient is complete. The fused products (main_grad.py) announce nothing: their
-        buckets start after the backward."""
+        gradient is complete; with fused weight gradients (main_grad.py) the product that adds a
+        layer's gradient announces its masters right after (``main_grad.after_add_into``)."""
+        from .main_grad import MainGradLinear, MainGradProduct, added_into_key, after_add_into
+
         self._on_final = on_final
         for c, p in zip(self.copies, self.masters):
             c.register_post_accumulate_grad_hook(functools.partial(self._final_gradient, [p]))
         for weight, masters in self.stacked:
             weight.register_post_accumulate_grad_hook(functools.partial(self._final_gradient, masters))
+        if self.main_grads is None:
+            return
+        index = {id(c): i for i, c in enumerate(self.copies)}
+        for owner in self.module.modules():
+            if isinstance(owner, MainGradLinear):
+                fused = (owner.main_grad, [self.masters[index[id(owner.weight)]]])
+            elif isinstance(getattr(owner, STACKED_PRODUCT, None), MainGradProduct):
+                fused = (getattr(owner, STACKED_PRODUCT).main_grad,
+                         [self.masters[index[id(getattr(owner, n).weight)]]
+                          for n in getattr(type(owner), STACKED_PROJECTIONS)])
+            else:
+                continue
+            key = added_into_key(fused[0])
+            if key not in self._fused_masters:
+                self._fused_masters[key] = fused[1]
+                after_add_into(fused[0], self._fused_gradient)
 
     def start_final_backward(self, final: bool) -> None:
-        """Before each backward: whether it is the step's last (see announce_final_grads)."""
+        """Before each backward: whether it is the step's last (see announce_final_grads); and
+        False after it (a 2bw stage's two sets of copies share the gradients their products add
+        into, so the set not computing must not announce)."""
         self.final_backward = final
         self._announced = set()
 
     def _final_gradient(self, masters: list[nn.Parameter], weight: nn.Parameter) -> None:
         if not self.final_backward or self._on_final is None:
             return  # accumulate adds it after the backward
-        again = [p for p in masters if id(p) in self._announced]
-        if again:  # its bucket may already be summing over the replicas without this part
-            raise RuntimeError("a weight got gradients through its compute copy and its stacked product in "
-                               "one backward (an eager and a compiled use of one block) after its gradient "
-                               "was announced complete to data parallelism; run such a stage with --dp 1")
+        if weight.grad is None:  # a fused product's copy: autograd's hook runs with no gradient
+            return
+        self._check_not_announced(masters)
         grads = [weight.grad] if len(masters) == 1 else weight.grad.split([p.shape[0] for p in masters])
         self._add(list(zip(grads, masters)))
         weight.grad = None
+        self._announce(masters)
+
+    def _fused_gradient(self, key: tuple[int, int]) -> None:
+        if self.final_backward and self._on_final is not None:
+            masters = self._fused_masters[key]
+            self._check_not_announced(masters)
+            self._announce(masters)
+
+    def _check_not_announced(self, masters: list[nn.Parameter]) -> None:
+        if any(id(p) in self._announced for p in masters):  # its bucket may be summing without this part
+            raise RuntimeError("a weight's gradient grew after it was announced complete to data parallelism "
+                               "(its layer used twice in one backward with fused weight gradients, or through "
+                               "its compute copy and its stacked product: an eager and a compiled use of one "
+                               "block); run such a stage with --dp 1 or without --gradient-accumulation-fusion")
+
+    def _announce(self, masters: list[nn.Parameter]) -> None:
         for p in masters:
             self._announced.add(id(p))
             self._on_final(p)

@@ -29,6 +29,8 @@ models/graphs.in_capture_warm_up).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +38,35 @@ from torch import nn
 from ..models.graphs import in_capture_warm_up
 from ..models.head_loss import addmm_writes_fp32
 from ..optim import _kernels as K
+
+
+# After a product added into a gradient: callbacks by (address, elements) of that gradient, which
+# data parallelism's compute copies register (compute_copies.announce_final_grads) to hear that the
+# weights whose float32 gradient it spans are complete. A lookup here, in the op's kernel, because
+# that is the one place that runs both eagerly and inside compiled code (not under a CUDA graph's
+# replay, which runs no Python: those buckets start after the backward). Weak references: a
+# registering object that is gone is skipped.
+_ADDED_INTO: dict[tuple[int, int], list] = {}
+
+
+def added_into_key(main_grad: torch.Tensor) -> tuple[int, int]:
+    """What ``after_add_into`` knows a gradient by: its address and its number of elements (a
+    stacked product's gradient starts where its first row block's does)."""
+    return main_grad.data_ptr(), main_grad.numel()
+
+
+def after_add_into(main_grad: torch.Tensor, callback) -> None:
+    """Call ``callback(added_into_key(main_grad))`` (a bound method, held weakly) after each
+    product that adds into ``main_grad``."""
+    _ADDED_INTO.setdefault(added_into_key(main_grad), []).append(weakref.WeakMethod(callback))
+
+
+def _added_into(main_grad: torch.Tensor) -> None:
+    key = added_into_key(main_grad)
+    for ref in _ADDED_INTO.get(key, ()):
+        callback = ref()
+        if callback is not None:
+            callback(key)
 
 
 def _add_on_cuda(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
@@ -51,6 +82,8 @@ def _add_on_cuda(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: tor
         else:  # a torch without it: cuBLAS's own, on torch's handle, which writes through a
             K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
             torch.autograd.graph.increment_version(main_grad)  # pointer: the version bumped here
+    if _ADDED_INTO:
+        _added_into(main_grad)
 
 
 def _add_on_cpu(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
@@ -61,6 +94,8 @@ def _add_on_cpu(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: torc
     # float32 whatever autocast the caller's backward runs under; never part of a graph
     with torch.autocast("cpu", enabled=False), torch.no_grad():
         main_grad.addmm_(dy.t().float(), x.float())
+    if _ADDED_INTO:
+        _added_into(main_grad)
 
 
 # An operator of torch's dispatcher, so that dynamo and inductor keep it in their graphs as one call
@@ -153,4 +188,5 @@ def fusion_available(device) -> str | None:
     return None if library.startswith("libcublas") else library
 
 
-__all__ = ["MainGradLinear", "MainGradProduct", "add_weight_gradient", "fusion_available", "linear_into_main_grad"]
+__all__ = ["MainGradLinear", "MainGradProduct", "add_weight_gradient", "added_into_key", "after_add_into", "fusion_available",
+           "linear_into_main_grad"]

@@ -146,7 +146,8 @@ class Pipeline:
             gradients complete to the gradient buckets, whose all-reduce still overlaps the backward.
         gradient_accumulation_fusion: with the compute copies, each linear layer's weight-gradient
             product adds into the float32 gradient itself (main_grad.py: no bf16 rounding of each
-            microbatch's weight gradient; cuBLAS on CUDA). Not with dp > 1.
+            microbatch's weight gradient; cuBLAS on CUDA). With dp > 1 each product announces its
+            weights' gradients complete to the buckets.
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).

@@ -166,10 +166,6 @@ class StageHost:
         if gradient_accumulation_fusion and self.copies is None:
             raise ValueError("gradient_accumulation_fusion fuses the bf16 compute copies' weight gradients, but "
                              "this stage has none (float32, or compute_copies off)")
-        if gradient_accumulation_fusion and dp > 1:
-            raise ValueError(f"gradient_accumulation_fusion with dp={dp}: the fused products add into the "
-                             "gradients outside autograd, so the gradient all-reduce could start only after "
-                             "the backward instead of during it; use dp=1 or leave the fusion off")
         if gradient_accumulation_fusion and (why := fusion_available(self.flat[0].device)) is not None:
             raise ValueError(f"gradient_accumulation_fusion: {why}")
 
@@ -187,9 +183,10 @@ class StageHost:
         self.grad_sync = GradientAverager(self.grad_flat, [list(r.parameters()) for r in self.replicas],
                                           dp_group, dp) if dp > 1 else None
         if self.grad_sync is not None and self.copies is not None:
-            # the weights computed on copies get no gradient from autograd, so no hook of the
-            # averager's fires for them: the copies say when each is complete, and its bucket's
-            # all-reduce still starts inside the backward
+            # the weights computed on copies get no gradient from autograd (nor, fused, a .grad
+            # it adds into), so no hook of the averager's fires for them: the copies and the
+            # fused products say when each is complete, and its bucket's all-reduce still starts
+            # inside the backward
             for replica, copies in zip(self.replicas, self.copies.sets):
                 index = {id(p): i for i, p in enumerate(replica.parameters())}
                 copies.announce_final_grads(lambda p, index=index: self.grad_sync.grad_final(index[id(p)]))
@@ -380,6 +377,8 @@ class StageHost:
         else:
             self.nonfinite.note_received_gradient(step, mb, received)
             run_backward(out, received)
+        if copies is not None and self.grad_sync is not None:
+            copies.start_final_backward(False)
         if copies is not None:  # the copies' bf16 gradients into the float32 buffer
             copies.accumulate()
         self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)

@@ -321,8 +321,7 @@ class TrainConfig:
     gradient itself (cuBLAS's GEMM with beta = 1 on CUDA; pipeline/main_grad.py) instead of writing a
     bf16 gradient that a second kernel adds after every microbatch. More precise than autocast's (no
     bf16 rounding of each microbatch's weight gradient), so not its numbers bit for bit; real ==
-    --simulate as ever. Needs bf16 compute copies; not with --dp > 1 (the fused products add outside
-    autograd, so the gradient all-reduce could not overlap the backward)."""
+    --simulate as ever. Needs bf16 compute copies."""
     profile_steps: Optional[str] = None
     """"FIRST:LAST": trace those steps with torch.profiler into OUT/profile/ (a trace, the operator
     table, and the device-busy share and kernel time by kind; training/profiling.py). None = off."""

@@ -122,11 +122,6 @@ def check_compute(cfg: RunConfig) -> None:
     if t.gradient_accumulation_fusion and not t.compute_copies and t.dtype != "bf16-params":
         raise ConfigError("train.gradient_accumulation_fusion fuses the compute copies' weight gradients, "
                           "but --no-compute-copies turns them off; drop one of them")
-    if t.gradient_accumulation_fusion and cfg.pipeline.dp > 1:
-        raise ConfigError(f"train.gradient_accumulation_fusion with --dp {cfg.pipeline.dp}: the fused products "
-                          f"add into the gradients outside autograd, so data parallelism's gradient all-reduce "
-                          f"could start only after the backward instead of during it; use --dp 1 or drop "
-                          f"--gradient-accumulation-fusion")
     if t.cuda_graphs is not None and not isinstance(t.cuda_graphs, bool):
         raise ConfigError(f"train.cuda_graphs must be true, false or null (auto), got {t.cuda_graphs!r}")
     if t.cuda_graphs and t.device != "cuda":
