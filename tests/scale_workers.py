@@ -3,6 +3,7 @@
 One spawn runs several pipeline configurations in turn inside the same world, so the slow part
 (starting processes and importing torch) is paid once per world size.
 """
+import functools
 import os
 
 import torch
@@ -47,8 +48,15 @@ def run_configs(configs: list, steps: int, out_dir: str) -> None:
         if not kwargs.pop("announce", True):  # the reference: every bucket started after the backward
             from asyncpp_ext.pipeline.compute_copies import ComputeCopies
             ComputeCopies.announce_final_grads = lambda self, on_final: None
-        pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=muon_factory,
-                        microbatches=MICROBATCHES, track_memory=True, **kwargs)
+        import asyncpp_ext.pipeline.stage as stage_module
+        averager = stage_module.GradientAverager
+        if "bucket_bytes" in kwargs:  # several buckets for these tiny stages (the default fits one)
+            stage_module.GradientAverager = functools.partial(averager, bucket_bytes=kwargs.pop("bucket_bytes"))
+        try:
+            pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=muon_factory,
+                            microbatches=MICROBATCHES, track_memory=True, **kwargs)
+        finally:
+            stage_module.GradientAverager = averager
         losses = [s.loss for s in pipe.train(global_batches(steps), steps)]
         x, y = next(global_batches(1, seed=9))
         eval_loss = pipe.evaluate(list(zip(x.split(GLOBAL_MICRO_BATCH), y.split(GLOBAL_MICRO_BATCH)))[:2])
@@ -58,6 +66,7 @@ def run_configs(configs: list, steps: int, out_dir: str) -> None:
                          "orthogonalized": getattr(pipe.host.optimizer, "orthogonalized_last_step", None),
                          "optimizer_scans_grads": pipe.host.optimizer.check_finite,
                          "hook_launches": getattr(pipe.host.grad_sync, "hook_launches", None),
+                         "buckets": len(getattr(pipe.host.grad_sync, "ranges", ())),
                          "compute_copies": pipe.host.copies is not None}
         dist.barrier()
     torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))

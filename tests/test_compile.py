@@ -517,12 +517,17 @@ def test_inductor_compiled_blocks_add_fused_weight_gradients_as_eager_blocks_do(
             assert sum(isinstance(m, MainGradProduct) for m in copies.module.modules()) == 2 * len(model.layers)
         copies.begin_step()
         copies.refresh()
+        announced = []  # data parallelism's hears of each weight from the op's kernel, compiled too
+        copies.announce_final_grads(announced.append)
         for mb in range(2):
             idx = _tokens(2, 17, seed=mb)
+            copies.start_final_backward(mb == 1)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 copies.module(idx[:, :-1], idx[:, 1:])[1].backward()
+            copies.start_final_backward(False)
             assert all(w.grad is None for w, _ in copies.stacked)  # the products took their gradients
             copies.accumulate()
+        assert sorted(map(id, announced)) == sorted(map(id, copies.masters)), (compiled, len(announced))
         if compiled:  # one graph for both layers: each layer's gradient tensor is an input, no recompile
             layer_type = type(copies.module.layers[0]).__qualname__
             assert report.compiles[layer_type] - before.get(layer_type, 0) <= 1 and not report.fallbacks

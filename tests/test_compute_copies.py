@@ -454,5 +454,6 @@ def test_in_a_final_backward_the_copies_announce_each_master_as_its_gradient_arr
     with torch.autocast("cpu", dtype=torch.bfloat16):
         both = attn.q_proj(x).float().sum() + fused_linear(x, attn.q_proj, attn.k_proj, attn.v_proj,
                                                            stacked=attn.stacked_weight)[0].float().sum()
-    with pytest.raises(RuntimeError, match="its compute copy and its stacked product in one backward"):
+    with pytest.raises(RuntimeError, match="grew after it was announced complete to data parallelism, through "
+                                           "its compute copy and its stacked product"):
         both.backward()

@@ -19,14 +19,16 @@ R1 = [("1f1b", dict(schedule="1f1b", stages=2)), ("2bw", dict(schedule="2bw", st
       ("2bw-recompute", dict(schedule="2bw", stages=2, recompute=True))]
 R2 = [("1f1b", dict(schedule="1f1b", stages=2, dp=2)), ("2bw", dict(schedule="2bw", stages=2, dp=2)),
       ("2bw-unsharded", dict(schedule="2bw", stages=2, dp=2, shard_optimizer=False)),
-      ("2bw-bf16", dict(schedule="2bw", stages=2, dp=2, dtype="bf16")),
-      ("2bw-bf16-casts", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", compute_copies=False)),
+      # bf16: several 16 KB buckets per stage, each to start inside the backward
+      ("2bw-bf16", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", bucket_bytes=16384)),
+      ("2bw-bf16-casts", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", compute_copies=False,
+                              bucket_bytes=16384)),
       # the fused weight gradients on a llama (bias-free layers); last: the reference turns the
       # copies' announcements off for the rest of its processes
       ("2bw-fused", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", gradient_accumulation_fusion=True,
-                         llama=True)),
+                         llama=True, bucket_bytes=16384)),
       ("2bw-fused-after", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", gradient_accumulation_fusion=True,
-                               llama=True, announce=False))]
+                               llama=True, announce=False, bucket_bytes=16384))]
 
 
 def _rel(a, b):
@@ -135,7 +137,7 @@ def test_gradient_all_reduce_starts_inside_the_backward(runs):
 def test_compute_copies_under_data_parallelism_keep_autocasts_numbers_and_the_overlap(runs):
     # bf16: the linear layers on compute copies (their masters' gradients announced complete by
     # the copies in each step's last backward) against autocast casting every weight: the same
-    # numbers bit for bit, and the one bucket's all-reduce still starts inside the backward
+    # numbers bit for bit, and every bucket's all-reduce still starts inside the backward
     _, r2 = runs
     for rank in range(4):
         copies, casts = r2[rank]["2bw-bf16"], r2[rank]["2bw-bf16-casts"]
@@ -143,20 +145,22 @@ def test_compute_copies_under_data_parallelism_keep_autocasts_numbers_and_the_ov
         assert copies["losses"] == casts["losses"]
         for name, t in casts["params"].items():
             assert torch.equal(copies["params"][name], t), name
-        assert copies["hook_launches"] == STEPS
+        assert copies["buckets"] > 2 and copies["hook_launches"] == STEPS * copies["buckets"]  # every one
 
 
 def test_fused_weight_gradients_under_data_parallelism_announce_their_weights(runs):
     # the products that add into the float32 gradients announce their weights complete (the op's
     # callbacks, main_grad.after_add_into): the bucket starts inside the backward every step, and
-    # the numbers equal those of every bucket started after the backward, bit for bit
+    # the numbers equal those of every bucket started after the backward, bit for bit (several
+    # buckets a stage, every one started inside the backward)
     _, r2 = runs
     for rank in range(4):
         early, after = r2[rank]["2bw-fused"], r2[rank]["2bw-fused-after"]
         assert early["compute_copies"] and early["losses"] == after["losses"]
         for name, t in after["params"].items():
             assert torch.equal(early["params"][name], t), name
-        assert early["hook_launches"] == STEPS and after["hook_launches"] == 0
+        assert early["buckets"] > 2 and early["hook_launches"] == STEPS * early["buckets"]
+        assert after["hook_launches"] == 0
 
 
 def test_recompute_keeps_losses_and_lowers_peak_activations(runs):

@@ -215,7 +215,8 @@ class ComputeCopies:
             return  # accumulate adds it after the backward
         if weight.grad is None:  # a fused product's copy: autograd's hook runs with no gradient
             return
-        self._check_not_announced(masters)
+        self._check_not_announced(masters, "through its compute copy and its stacked product (an eager "
+                                           "and a compiled use of one block); use --no-compute-copies or --dp 1")
         grads = [weight.grad] if len(masters) == 1 else weight.grad.split([p.shape[0] for p in masters])
         self._add(list(zip(grads, masters)))
         weight.grad = None
@@ -224,15 +225,13 @@ class ComputeCopies:
     def _fused_gradient(self, key: tuple[int, int]) -> None:
         if self.final_backward and self._on_final is not None:
             masters = self._fused_masters[key]
-            self._check_not_announced(masters)
+            self._check_not_announced(masters, "by a fused product called twice in one backward (a layer used "
+                                               "twice); drop --gradient-accumulation-fusion or use --dp 1")
             self._announce(masters)
 
-    def _check_not_announced(self, masters: list[nn.Parameter]) -> None:
+    def _check_not_announced(self, masters: list[nn.Parameter], how: str) -> None:
         if any(id(p) in self._announced for p in masters):  # its bucket may be summing without this part
-            raise RuntimeError("a weight's gradient grew after it was announced complete to data parallelism "
-                               "(its layer used twice in one backward with fused weight gradients, or through "
-                               "its compute copy and its stacked product: an eager and a compiled use of one "
-                               "block); run such a stage with --dp 1 or without --gradient-accumulation-fusion")
+            raise RuntimeError(f"a weight's gradient grew after it was announced complete to data parallelism, {how}")
 
     def _announce(self, masters: list[nn.Parameter]) -> None:
         for p in masters:

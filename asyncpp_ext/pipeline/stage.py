@@ -103,12 +103,12 @@ class StageHost:
         (models/head_loss.py, with ``head_loss_kernel``); "plain" is ``loss_fn(blocks(x), targets)``.
         ``cuda_graphs`` replays each microbatch's forward and backward from CUDA graphs, per
         weight-version replica (models/graphs.py); not with ``recompute``. ``compute_copies`` (under
-        bf16 autocast, without data parallelism) runs each replica's microbatches on bf16 copies of
-        its linear weights, refreshed when the replica's buffer takes a new version
-        (compute_copies.py; the same numbers as autocast's casts); ``params_in_compute_dtype``
-        (``--dtype bf16-params``) copies every parameter, with or without data parallelism;
-        ``gradient_accumulation_fusion``: the copies' weight-gradient products add into the float32
-        gradient buffer themselves (main_grad.py)."""
+        bf16 autocast) runs each replica's microbatches on bf16 copies of its linear weights,
+        refreshed when the replica's buffer takes a new version (compute_copies.py; the same
+        numbers as autocast's casts; with data parallelism they announce their weights' gradients
+        complete to its buckets); ``params_in_compute_dtype`` (``--dtype bf16-params``) copies
+        every parameter; ``gradient_accumulation_fusion``: the copies' weight-gradient products add
+        into the float32 gradient buffer themselves (main_grad.py)."""
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
         self.recompute, self.autocast_dtype = recompute, autocast_dtype
         self.exchange, self.lr_schedule = exchange, lr_schedule
@@ -372,13 +372,15 @@ class StageHost:
         copies = self.copies.sets[version % len(self.replicas)] if self.copies is not None else None
         if copies is not None and self.grad_sync is not None:
             copies.start_final_backward(last)
-        if self.is_last:
-            run_backward(out, self._loss_gradient(out))
-        else:
-            self.nonfinite.note_received_gradient(step, mb, received)
-            run_backward(out, received)
-        if copies is not None and self.grad_sync is not None:
-            copies.start_final_backward(False)
+        try:
+            if self.is_last:
+                run_backward(out, self._loss_gradient(out))
+            else:
+                self.nonfinite.note_received_gradient(step, mb, received)
+                run_backward(out, received)
+        finally:
+            if copies is not None and self.grad_sync is not None:
+                copies.start_final_backward(False)
         if copies is not None:  # the copies' bf16 gradients into the float32 buffer
             copies.accumulate()
         self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)
