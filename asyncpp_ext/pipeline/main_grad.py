@@ -79,9 +79,9 @@ def _add_on_cuda(main_grad: torch.Tensor, grad_output: torch.Tensor, inputs: tor
     with torch.no_grad():  # a gradient buffer, never part of a graph (kernels run in the caller's grad mode)
         if by_torch:  # torch's GEMM with a float32 output, beta = 1
             torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
-        else:  # a torch without it: cuBLAS's own, on torch's handle, which writes through a
+        else:  # a torch without it: cuBLAS's own, on torch's handle
             K.add_weight_gradient(main_grad, dy.contiguous(), x.contiguous())
-            torch.autograd.graph.increment_version(main_grad)  # pointer: the version bumped here
+            torch.autograd.graph.increment_version(main_grad)  # (it wrote through a raw pointer)
     if _ADDED_INTO:
         _added_into(main_grad)
 
