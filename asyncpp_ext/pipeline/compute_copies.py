@@ -102,7 +102,8 @@ class ComputeCopies:
         self.final_backward = False
         self._on_final: Optional[Callable[[nn.Parameter], None]] = None
         self._announced: set[int] = set()  # ids of the masters announced in this final backward
-        self._fused_masters: dict[tuple[int, int], list[nn.Parameter]] = {}  # a fused product's masters
+        # each fused product's gradient (by main_grad.added_into_key) and the masters it spans
+        self._fused: dict[tuple[int, int], tuple[torch.Tensor, list[nn.Parameter]]] = {}
         if fuse_weight_gradients:
             if dtype != torch.bfloat16:
                 raise ValueError(f"gradient-accumulation fusion adds bf16 products; these copies are {dtype}")
@@ -143,7 +144,7 @@ class ComputeCopies:
         add their weight gradients into the masters' float32 gradients themselves (main_grad.py).
         The gradients: the masters' ``.grad`` where every master has one (a stage points them into
         its flat buffer before it makes copies), else views of one buffer of this object's."""
-        from .main_grad import MainGradLinear, MainGradProduct
+        from .main_grad import MainGradLinear, MainGradProduct, added_into_key
 
         if self.masters and all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.is_contiguous()
                                 for p in self.masters):
@@ -157,18 +158,21 @@ class ComputeCopies:
             if type(sub) is nn.Linear and sub.bias is None and id(sub.weight) in index:
                 sub.__class__ = MainGradLinear
                 sub.main_grad = self.main_grads[index[id(sub.weight)]]
+                self._fused.setdefault(added_into_key(sub.main_grad),
+                                       (sub.main_grad, [self.masters[index[id(sub.weight)]]]))
         for owner in self.module.modules():
             weight = getattr(owner, STACKED_WEIGHT, None)
             if weight is None:
                 continue
-            rows = [self.main_grads[index[id(getattr(owner, n).weight)]]
-                    for n in getattr(type(owner), STACKED_PROJECTIONS)]
+            at = [index[id(getattr(owner, n).weight)] for n in getattr(type(owner), STACKED_PROJECTIONS)]
+            rows = [self.main_grads[i] for i in at]
             side_by_side = all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
                                and b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
                                for a, b in zip(rows, rows[1:]))
             if side_by_side:  # else the stacked product's gradient goes the unfused way (accumulate)
                 grad = rows[0].new_empty(0).set_(rows[0].untyped_storage(), rows[0].storage_offset(), weight.shape)
                 owner.add_module(STACKED_PRODUCT, MainGradProduct(grad))
+                self._fused.setdefault(added_into_key(grad), (grad, [self.masters[i] for i in at]))
 
     def announce_final_grads(self, on_final: Callable[[nn.Parameter], None]) -> None:
         """For data parallelism (data_parallel.py), whose gradient buckets start their all-reduce
@@ -179,29 +183,15 @@ class ComputeCopies:
         ``accumulate`` then has nothing left of it) and ``on_final(master)`` says that master's
         gradient is complete; with fused weight gradients (main_grad.py) the product that adds a
         layer's gradient announces its masters right after (``main_grad.after_add_into``)."""
-        from .main_grad import MainGradLinear, MainGradProduct, added_into_key, after_add_into
+        from .main_grad import after_add_into
 
         self._on_final = on_final
         for c, p in zip(self.copies, self.masters):
             c.register_post_accumulate_grad_hook(functools.partial(self._final_gradient, [p]))
         for weight, masters in self.stacked:
             weight.register_post_accumulate_grad_hook(functools.partial(self._final_gradient, masters))
-        if self.main_grads is None:
-            return
-        index = {id(c): i for i, c in enumerate(self.copies)}
-        for owner in self.module.modules():
-            if isinstance(owner, MainGradLinear):
-                fused = (owner.main_grad, [self.masters[index[id(owner.weight)]]])
-            elif isinstance(getattr(owner, STACKED_PRODUCT, None), MainGradProduct):
-                fused = (getattr(owner, STACKED_PRODUCT).main_grad,
-                         [self.masters[index[id(getattr(owner, n).weight)]]
-                          for n in getattr(type(owner), STACKED_PROJECTIONS)])
-            else:
-                continue
-            key = added_into_key(fused[0])
-            if key not in self._fused_masters:
-                self._fused_masters[key] = fused[1]
-                after_add_into(fused[0], self._fused_gradient)
+        for main_grad, _ in self._fused.values():
+            after_add_into(main_grad, self._fused_gradient)
 
     def start_final_backward(self, final: bool) -> None:
         """Before each backward: whether it is the step's last (see announce_final_grads); and
@@ -217,14 +207,13 @@ class ComputeCopies:
             return
         self._check_not_announced(masters, "through its compute copy and its stacked product (an eager "
                                            "and a compiled use of one block); use --no-compute-copies or --dp 1")
-        grads = [weight.grad] if len(masters) == 1 else weight.grad.split([p.shape[0] for p in masters])
-        self._add(list(zip(grads, masters)))
+        self._add(_row_blocks(weight.grad, masters))
         weight.grad = None
         self._announce(masters)
 
     def _fused_gradient(self, key: tuple[int, int]) -> None:
         if self.final_backward and self._on_final is not None:
-            masters = self._fused_masters[key]
+            masters = self._fused[key][1]
             self._check_not_announced(masters, "by a fused product called twice in one backward (a layer used "
                                                "twice); drop --gradient-accumulation-fusion or use --dp 1")
             self._announce(masters)
@@ -275,7 +264,7 @@ class ComputeCopies:
         stacked = []  # a stacked weight's gradient (a compiled block's), row block by row block
         for weight, masters in self.stacked:
             if weight.grad is not None:
-                stacked += zip(weight.grad.split([p.shape[0] for p in masters]), masters)
+                stacked += _row_blocks(weight.grad, masters)
                 weight.grad = None
         if {id(p) for _, p in pairs} & {id(p) for _, p in stacked}:
             # a master given a gradient both ways in one backward (an eager and a compiled use of
@@ -319,6 +308,14 @@ class ComputeCopies:
         torch._foreach_copy_(views, [g for _, g in fresh])
         for (p, _), view in zip(fresh, views):
             p.grad = view
+
+
+def _row_blocks(grad: torch.Tensor, masters: list[nn.Parameter]) -> list[tuple[torch.Tensor, nn.Parameter]]:
+    """(gradient, master) pairs of a weight over ``masters``' rows: a copy's one master takes it
+    whole, a stacked weight's masters take their row blocks in order."""
+    if len(masters) == 1:
+        return [(grad, masters[0])]
+    return list(zip(grad.split([p.shape[0] for p in masters]), masters))
 
 
 class ReplicaCopies:
