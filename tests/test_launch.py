@@ -19,6 +19,16 @@ def report_environment(out_dir: str) -> None:
                    "training_loaded": "asyncpp_ext.training.distributed" in sys.modules}, f)
 
 
+def fail_beside_a_collective() -> None:
+    """Rank 1 fails by itself; rank 0 is left in an all-reduce with it."""
+    import torch
+    import torch.distributed as dist
+    launch.init_distributed(30)
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1's own failure")
+    dist.all_reduce(torch.ones(4))
+
+
 def say(word: str) -> None:
     sys.stderr.write(f"rank {os.environ['RANK']} says {word}\n")
     sys.stderr.flush()
@@ -255,3 +265,22 @@ def test_a_rank_refused_cuda_in_a_fork_gets_the_way_out_named(monkeypatch):
     with pytest.raises(launch.LaunchError, match=r"forked subprocess.*all ranks have stopped; set "
                                                  r"ASYNCPP_START_METHOD=spawn to start ranks from fresh interpreters"):
         spawn(fail_as_torch_in_a_bad_fork, 2)
+
+
+def test_a_collective_that_loses_its_peer_names_the_peers_failure_not_its_own(capfd):
+    # rank 0's all-reduce fails when rank 1's process goes (gloo: the connection closed or reset by
+    # the peer, depending on when the socket is read): rank 0
+    # exits as one that lost a peer, so the launcher names rank 1's failure though both exit
+    with pytest.raises(launch.LaunchError, match=r"rank 1 exited with code 1 \(rank 1's own failure\)"):
+        spawn(fail_beside_a_collective, 2, grace_s=20)
+    err = capfd.readouterr().err
+    rank0 = next(line for line in err.splitlines() if line.startswith("asyncpp: rank 0: "))
+    assert "Connection closed by peer" in rank0 or "Connection reset by peer" in rank0, rank0
+
+
+def test_what_counts_as_losing_a_peer():
+    from asyncpp_ext.pipeline.transport import TransportError
+    assert launch.lost_a_peer(TransportError("recv failed"))
+    assert launch.lost_a_peer(RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert not launch.lost_a_peer(RuntimeError("CUDA out of memory"))
+    assert not launch.lost_a_peer(ValueError("Connection closed by peer"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncpp_ext.optim.sharding import assign_owners, newton_schulz_cost
-from asyncpp_ext.pipeline.data_parallel import Layout, _bucket_ranges, replica_share
+from asyncpp_ext.pipeline.data_parallel import GradientAverager, Layout, _bucket_ranges, replica_share
 from asyncpp_ext.pipeline.recompute import resolve_autocast
 from asyncpp_ext.training.cli import main
 
@@ -35,6 +35,36 @@ def test_buckets_are_contiguous_last_parameter_first():
     ranges, bucket_of = _bucket_ranges([5, 3, 4, 2], bucket_elems=5)
     assert ranges == [(8, 14), (0, 8)]   # [p2, p3] then [p0, p1]: together the whole buffer
     assert bucket_of == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the fused scan; torch's
+def test_the_averager_judges_each_bucket_by_this_replicas_values_before_its_all_reduce(dtype):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sizes = [5, 3, 4, 2]
+        params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
+        grad_flat = torch.zeros(sum(sizes), dtype=dtype)
+        avg = GradientAverager(grad_flat, [params], dist.group.WORLD, replicas=2,
+                               bucket_bytes=5 * grad_flat.element_size())
+        assert avg.ranges == [(8, 14), (0, 8)]
+        for bad, expected in ((None, -1), ({1: 2, 3: 0}, 1), ({2: 1}, 2)):
+            grad_flat.fill_(1.0)
+            for i, j in (bad or {}).items():  # parameter i's element j
+                grad_flat[sum(sizes[:i]) + j] = float("nan") if i % 2 else float("inf")
+            avg.arm()
+            for i in reversed(range(len(sizes))):
+                avg.grad_final(i)
+                if i == 2:  # the first bucket's all-reduce has started: what arrives later is not ours
+                    assert avg.hook_launches and avg._launched == 1
+                    grad_flat[8:14] = float("nan")
+            with pytest.raises(RuntimeError, match="call it after launch_rest"):
+                avg.own_first_nonfinite()
+            avg.launch_rest()
+            assert avg.own_first_nonfinite() == expected
+            avg.finish()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_muon_shards_are_balanced_and_cover_every_matrix():

@@ -196,10 +196,22 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
         sys.stderr.write(f"asyncpp: rank {rank}: {msg}\n")
         sys.stderr.flush()
         tell_launcher(msg)
-        os._exit(EXIT_PEER_LOST if isinstance(e, TransportError) else EXIT_FAILED)
+        os._exit(EXIT_PEER_LOST if lost_a_peer(e) else EXIT_FAILED)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# What torch's collectives raise (a plain RuntimeError) when the peer's process is gone: gloo's
+# socket closed or reset, NCCL's remote error.
+_PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "ncclRemoteError")
+
+
+def lost_a_peer(e: BaseException) -> bool:
+    """Whether ``e`` stopped this rank because a peer failed (a consequence, not a cause): a
+    transport's error, or a collective whose peer's connection went away."""
+    return isinstance(e, TransportError) or (isinstance(e, RuntimeError)
+                                             and any(m in str(e) for m in _PEER_GONE_MARKERS))
 
 
 def start_method() -> str:

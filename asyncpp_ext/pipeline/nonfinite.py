@@ -8,7 +8,8 @@ own stream. How the stages agree: non-finite values reach every earlier stage th
 gradients it receives, and a stage that marks a step bad makes sure of that by *poisoning* (filling
 with NaN) the input gradient it sends for the step's last microbatch. A stage marks step t bad when
 its loss (last stage), a gradient it received, or its own accumulated parameter gradient (checked
-after the step's last backward, on the last stage) is non-finite. All three are read from the
+after the step's last backward, on the last stage; under data parallelism, as each bucket's
+all-reduce starts, before other replicas' values arrive) is non-finite. All three are read from the
 device at the step's last backward, so a stage on a GPU waits for its device once per step rather
 than once per microbatch (a wait per microbatch would keep the host from queueing work ahead).
 Every stage then skips t at its optimizer step: the optimizer does not run, and for 2bw the new
@@ -25,7 +26,7 @@ Step numbers in messages count minibatches from 1, like the metrics rows (``step
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,6 +46,20 @@ def all_finite(t: torch.Tensor) -> bool:
     if t.dtype == torch.float32 and t.is_contiguous() and (t.is_cuda or t.is_cpu):
         return K.first_nonfinite([t]) < 0
     return bool(torch.isfinite(t).all())
+
+
+def queue_first_nonfinite(tensors: Sequence[torch.Tensor], flag: torch.Tensor) -> None:
+    """flag (one int32 element on the tensors' device) <- the index of the first tensor holding
+    NaN/Inf, or -1, without the host waiting for it: the fused scan where it takes the tensors, else
+    torch's per-tensor check reduced on the device."""
+    if not tensors:
+        flag.fill_(-1)
+    elif _fused_scan_takes(tensors):
+        K.nonfinite_flag(list(tensors), flag)
+    else:
+        bad = torch.stack([~torch.isfinite(t).all() for t in tensors])
+        first = torch.argmax(bad.to(torch.int32)).to(torch.int32)
+        flag.copy_(torch.where(bad.any(), first, torch.full_like(first, -1)).reshape(1))
 
 
 def first_nonfinite_index(tensors: Sequence[torch.Tensor]) -> int:
@@ -184,14 +199,22 @@ class NonFiniteGuard:
             self._stop(what, step)
         self._bad[step] = what
 
-    def after_backward(self, step: int, mb: int, grad_flat: torch.Tensor, input_grad) -> None:
+    def after_backward(self, step: int, mb: int, grad_flat: torch.Tensor, input_grad,
+                       own_first_nonfinite: Callable[[], int] | None = None) -> None:
         """After microbatch ``mb``'s backward: at the step's last microbatch, find a gradient that
-        arose here, and poison the gradient sent upstream when the step is bad."""
+        arose here, and poison the gradient sent upstream when the step is bad.
+        ``own_first_nonfinite``: under data parallelism, where grad_flat already holds the other
+        replicas' values, the index of the first parameter whose gradient held NaN/Inf on this
+        replica (GradientAverager.own_first_nonfinite), or -1."""
         if mb != self.m - 1:
             return
         self._check_received(step)
         if step not in self._bad:
-            name = first_nonfinite_name(grad_flat, self.names, self.sizes)
+            if own_first_nonfinite is None:
+                name = first_nonfinite_name(grad_flat, self.names, self.sizes)
+            else:
+                index = own_first_nonfinite()
+                name = None if index < 0 else self.names[index]
             if name is not None:
                 what = f"non-finite gradient in {name}"
                 if self.policy == "stop":

@@ -383,9 +383,11 @@ class StageHost:
                 copies.start_final_backward(False)
         if copies is not None:  # the copies' bf16 gradients into the float32 buffer
             copies.accumulate()
-        self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad)
+        own = None
         if last and self.grad_sync is not None:
             self.grad_sync.launch_rest()
+            own = self.grad_sync.own_first_nonfinite  # grad_flat is being averaged: judge what was ours
+        self.nonfinite.after_backward(step, mb, self.grad_flat, None if self.is_first else x.grad, own)
         if last:
             self._batches.pop(step, None)
         return None if self.is_first else x.grad.contiguous()

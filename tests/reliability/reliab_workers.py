@@ -119,26 +119,61 @@ def nan_blocks(m: int, nan_grad_block: int | None, nan_grad_step: int) -> list:
     return blocks
 
 
-def nan_batches(steps: int, m: int, nan_input_step: int | None):
-    """pipeline_workers.batches with one NaN input microbatch in step ``nan_input_step``."""
+def nan_batches(steps: int, m: int, nan_input_step: int | None, nan_rows: tuple = (2, 4)):
+    """pipeline_workers.batches with NaN input rows ``nan_rows`` (default: all of microbatch 1, at
+    micro-batch size 2) in step ``nan_input_step``."""
     for t, (x, y) in enumerate(batches(steps, m)):
         if t == nan_input_step:
             x = x.clone()
-            x[2:4] = float("nan")  # microbatch 1 (micro-batch size 2)
+            x[nan_rows[0]:nan_rows[1]] = float("nan")
         yield x, y
 
 
 def nonfinite_worker(policy: str, m: int, steps: int, nan_input_step, nan_grad_block, nan_grad_step,
-                     out_dir: str) -> None:
+                     out_dir: str, dp: int = 1, nan_rows: tuple = (2, 4), bucket_bytes: int | None = None,
+                     optimizer: str = "adamw", race_step: int | None = None) -> None:
+    """``race_step`` (S = 2 x R = 2): at that step, replica 0's last stage starts its last backward
+    0.3 s late and replica 1's first stage judges its gradients 1 s after its last backward, so
+    that replica 1's last stage judges before its all-reduces can finish (it waits on replica 0's
+    last stage) and replica 1's first stage after its own have finished (replica 0's first stage has
+    long launched its part)."""
+    import functools
     import json
+    import time
+    import torch.distributed as dist
+    import asyncpp_ext.pipeline.stage as stage_module
+    from asyncpp_ext.pipeline.nonfinite import NonFiniteGuard
     init_distributed(60)
-    pipe = Pipeline(nan_blocks(m, nan_grad_block, nan_grad_step), loss_fn=nn.functional.mse_loss,
-                    optimizer=optimizer_factory("adamw"), schedule="2bw", microbatches=m,
-                    on_nonfinite=policy, timeout_s=60)
-    stats = list(pipe.train(nan_batches(steps, m, nan_input_step), steps))
+    rank = dist.get_rank()
+    if race_step is not None and rank == 1:
+        backward = stage_module.StageHost.backward
+
+        def late_backward(self, step, mb, *args, **kwargs):
+            if step == race_step and mb == self.m - 1:
+                time.sleep(0.3)
+            return backward(self, step, mb, *args, **kwargs)
+        stage_module.StageHost.backward = late_backward
+    if race_step is not None and rank == 2:
+        judge = NonFiniteGuard.after_backward
+
+        def late_judge(self, step, mb, *args, **kwargs):
+            if step == race_step and mb == self.m - 1:
+                time.sleep(1.0)
+            return judge(self, step, mb, *args, **kwargs)
+        NonFiniteGuard.after_backward = late_judge
+    averager = stage_module.GradientAverager
+    if bucket_bytes is not None:  # several buckets for these tiny stages (the default fits one)
+        stage_module.GradientAverager = functools.partial(averager, bucket_bytes=bucket_bytes)
+    try:
+        pipe = Pipeline(nan_blocks(m, nan_grad_block, nan_grad_step), loss_fn=nn.functional.mse_loss,
+                        optimizer=optimizer_factory(optimizer), schedule="2bw", microbatches=m,
+                        on_nonfinite=policy, timeout_s=60, dp=dp)
+    finally:
+        stage_module.GradientAverager = averager
+    stats = list(pipe.train(nan_batches(steps, m, nan_input_step, nan_rows), steps))
     params = {n: t for n, t in pipe.state_dict()["params"].items()}
     torch.save({"params": params, "skipped": pipe.host.nonfinite.skipped},
-               os.path.join(out_dir, f"stage{pipe.stage}.pt"))
-    if pipe.host.is_last:
+               os.path.join(out_dir, f"stage{pipe.stage}" + (f"_replica{pipe.replica}" if dp > 1 else "") + ".pt"))
+    if pipe.host.is_last and pipe.replica == 0:
         with open(os.path.join(out_dir, "stats.json"), "w") as f:
             json.dump([[s.loss, s.skipped] for s in stats], f)

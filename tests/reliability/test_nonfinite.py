@@ -18,12 +18,12 @@ from . import reliab_workers as rw
 M, STEPS = 3, 6
 
 
-def _simulate(policy, nan_input_step, nan_grad_block, nan_grad_step):
+def _simulate(policy, nan_input_step, nan_grad_block, nan_grad_step, nan_rows=(2, 4), optimizer="adamw"):
     model = nn.Sequential(*rw.nan_blocks(M, nan_grad_block, nan_grad_step))
-    sim = DelaySimulator(model, pw.optimizer_factory("adamw")(model), "2bw", on_nonfinite=policy,
+    sim = DelaySimulator(model, pw.optimizer_factory(optimizer)(model), "2bw", on_nonfinite=policy,
                          loss_fn=lambda mod, x, y: nn.functional.mse_loss(mod(x), y))
     losses, skipped = [], []
-    for x, y in rw.nan_batches(STEPS, M, nan_input_step):
+    for x, y in rw.nan_batches(STEPS, M, nan_input_step, nan_rows):
         losses.append(sim.step(list(zip(x.chunk(M), y.chunk(M)))))
         skipped.append(sim.last_skipped)
     return losses, skipped, [p.detach().clone() for p in model.parameters()]
@@ -56,6 +56,38 @@ def test_skip_is_applied_on_every_stage_and_matches_the_simulator(tmp_path, monk
 
 
 @pytest.mark.multiproc
+@pytest.mark.usefixtures("one_intra_op_thread")
+def test_under_data_parallelism_one_replicas_bad_step_is_skipped_by_every_rank(tmp_path, monkeypatch):
+    # S = 2 x R = 2. Step 2: a NaN input row in replica 0's share of microbatch 1 only (each replica
+    # takes one of a global microbatch's two rows). Replica 0's last stage sees a NaN loss and poisons
+    # the gradient it sends upstream; replica 1's stages see finite values of their own and learn of
+    # the step from the averaged gradients. 256-byte buckets: several per stage, started inside the
+    # backward. Replica 1's first stage judges its gradients only after those all-reduces are done
+    # (and its last stage before): what it judges must be its own values, not an average holding
+    # replica 0's NaN, or it would stop the run as if the NaN had arisen there. SGD, whose update follows the gradient's
+    # rounding linearly (AdamW's per-element normalisation can magnify the replicas' other summation
+    # order in an element whose gradient nearly cancels).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    nan_rows = (2, 3)
+    spawn(rw.nonfinite_worker, 4, ("skip", M, STEPS, 2, None, 0, str(tmp_path), 2, nan_rows, 256, "sgd", 2))
+    shards = [[torch.load(tmp_path / f"stage{s}_replica{r}.pt") for s in range(2)] for r in range(2)]
+    assert [[s["skipped"] for s in replica] for replica in shards] == [[[2], [2]]] * 2
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    ref_losses, ref_skipped, ref_params = _simulate("skip", 2, None, 0, nan_rows, "sgd")
+    assert [sk for _, sk in stats] == ref_skipped == [False, False, True, False, False, False]
+    for (loss, _), ref in zip(stats, ref_losses):
+        assert (math.isnan(loss) and math.isnan(ref)) or loss == pytest.approx(ref, rel=1e-6)
+    for r in range(2):  # the replicas hold the same weights, those of one process on the global batches
+        got = [t for s in shards[r] for t in s["params"].values()]
+        assert len(got) == len(ref_params)
+        for g, ref in zip(got, ref_params):
+            assert torch.isfinite(g).all() and torch.allclose(g, ref, rtol=1e-5, atol=1e-6)
+        if r:
+            base = [t for s in shards[0] for t in s["params"].values()]
+            assert all(torch.equal(g, b) for g, b in zip(got, base))
+
+
+@pytest.mark.multiproc
 def test_stop_names_the_stage_and_step_and_every_rank_exits(tmp_path, capfd):
     with pytest.raises(LaunchError, match=r"rank 1 exited with code 1 \(stage 1: non-finite loss "
                                           r"\(nan\) in microbatch 1 at step 3; stopping \(use "
@@ -69,11 +101,13 @@ def test_stop_names_the_stage_and_step_and_every_rank_exits(tmp_path, capfd):
 
 
 @pytest.mark.multiproc
-def test_a_gradient_that_turns_nan_on_an_early_stage_only_stops_even_when_skipping(tmp_path, capfd):
-    with pytest.raises(LaunchError, match=r"rank 0 exited with code 1 \(stage 0: non-finite gradient "
+@pytest.mark.parametrize("dp", [1, 2])  # dp 2: judged from each bucket's scan before its all-reduce
+def test_a_gradient_that_turns_nan_on_an_early_stage_only_stops_even_when_skipping(tmp_path, capfd, dp):
+    with pytest.raises(LaunchError, match=r"rank [02] exited with code 1 \(stage 0: non-finite gradient "
                                           r"in 0\.1\.w at step 2 arose on this stage while stage 1 .* cannot be "
                                           r"skipped on every stage; stopping\)"):
-        spawn(rw.nonfinite_worker, 2, ("skip", M, STEPS, None, 0, 1, str(tmp_path)), grace_s=20)
+        spawn(rw.nonfinite_worker, 2 * dp, ("skip", M, STEPS, None, 0, 1, str(tmp_path), dp, (2, 4), 256),
+              grace_s=20)
     assert "Traceback" not in capfd.readouterr().err
 
 
