@@ -9,6 +9,7 @@
   normuon=False leaves Muon exactly as it was;
 - a missing extra fails early with the install command.
 """
+import contextlib
 import copy
 import importlib.util
 import math
@@ -364,11 +365,22 @@ def _sharded_normuon_worker(weights, grads, out_path):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    params, opt = run_fused(lambda ps: Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, normuon=True,
-                                            shard_group=dist.group.WORLD), weights, grads)
+    waits = []
+
+    @contextlib.contextmanager
+    def record(what):  # a pipeline's watchdog: a stall inside is reported as waiting on a peer
+        waits.append(what)
+        yield
+
+    def sharded(ps):
+        opt = Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, normuon=True,
+                   shard_group=dist.group.WORLD)
+        opt.peer_wait = record
+        return opt
+    params, opt = run_fused(sharded, weights, grads)
     assert opt.orthogonalized_last_step < len(params)  # this rank really did only a share
     states = [opt.state[p]["normuon_v"] for p in opt.param_groups[0]["params"]]
-    torch.save({"params": params, "v": states}, f"{out_path}.{dist.get_rank()}")
+    torch.save({"params": params, "v": states, "waits": waits}, f"{out_path}.{dist.get_rank()}")
 
 
 @pytest.mark.multiproc
@@ -382,6 +394,9 @@ def test_sharded_normuon_equals_unsharded_on_every_rank(tmp_path):
     want_v = [opt.state[p]["normuon_v"] for p in opt.param_groups[0]["params"]]
     for rank in range(2):
         got = torch.load(tmp_path / f"rank.{rank}")
+        # each step's all-gather marked as a wait on the other ranks
+        assert got["waits"] == ["waiting for the sharded optimizer's all-gather of updates with the "
+                                "data-parallel replicas"] * 3
         for a, b in zip(got["params"], want):
             assert torch.equal(a, b)
         for a, b in zip(got["v"], want_v):

@@ -137,3 +137,4 @@ def test_stage_forward_under_autocast_on_cuda():
     assert host.flat[0].dtype == torch.float32   # master weights stay fp32
     host.backward(0, 0, 0, torch.ones_like(out))  # recomputed under autocast, grads in fp32
     assert host.grad_flat.dtype == torch.float32 and host.grad_flat.abs().sum() > 0
+

@@ -16,6 +16,7 @@ E = W(t) - W(t-1), the update applied last step, read from the previous version)
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from typing import Mapping, NamedTuple
@@ -145,6 +146,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         # the same gradients and keeps a bad step from reaching step() (the pipeline's NaN/Inf
         # guard) turns it off to save a read of all gradients (and a host sync on CUDA).
         self.check_finite = True
+        # A context around waits on other ranks (the sharded step's all-gather), given what is
+        # awaited: a pipeline's watchdog then reports a stall there as waiting on a peer.
+        self.peer_wait = lambda what: contextlib.nullcontext()
         if shard_group is not None:
             self.shard_across(shard_group)
 
@@ -401,8 +405,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.orthogonalized_last_step = sum(u is not None for u in updates)
         if owners is not None:
             mine = {i: u for i, u in enumerate(updates) if u is not None}
-            updates = gather_updates(mine, [p.shape for p in params], owners, self.shard_group,
-                                     storage, device)
+            with self.peer_wait("waiting for the sharded optimizer's all-gather of updates with the data-parallel replicas"):
+                updates = gather_updates(mine, [p.shape for p in params], owners, self.shard_group,
+                                         storage, device)
         if group.get("normuon", False):
             # After the gather: every rank normalises every matrix, so "normuon_v" stays replicated.
             updates = normuon_updates(updates, [self.state[p] for p in params],

@@ -261,6 +261,8 @@ class Pipeline:
         self.watchdog.follow(self.progress.snapshot)
         from .launch import tell_launcher
         self.watchdog.on_report = tell_launcher
+        # the optimizer step's waits on other ranks: a stall there is a peer's
+        self.host.watch_peer_waits(lambda what: self.watchdog.doing(what, True, instruction=False))
         self.transport = create_transport(transport, TransportContext(
             host=self.host, board=self.board, stage=self.stage, stages=self.stages, stage_ranks=self.stage_ranks,
             replica=self.replica, dp=dp, layout=self.layout, device=self.device, run_id=run_id,

@@ -112,6 +112,7 @@ class StageHost:
         self.stage, self.stages, self.schedule, self.m = stage, stages, schedule, microbatches
         self.recompute, self.autocast_dtype = recompute, autocast_dtype
         self.exchange, self.lr_schedule = exchange, lr_schedule
+        self.peer_wait = lambda what: contextlib.nullcontext()  # see watch_peer_waits
         self.mitigation = MitigationSettings() if mitigation is None else mitigation
         self._dc_workspace: torch.Tensor | None = None
         self.is_first, self.is_last = stage == 0, stage == stages - 1
@@ -392,8 +393,21 @@ class StageHost:
             self._batches.pop(step, None)
         return None if self.is_first else x.grad.contiguous()
 
+    def watch_peer_waits(self, peer_wait: Callable[[str], contextlib.AbstractContextManager]) -> None:
+        """``peer_wait(what)``: a context around each wait of this stage's optimizer step on other
+        ranks (the data-parallel all-reduce, the tied weights' exchange, a sharded optimizer's
+        gather), so that a watchdog reports a stall there as waiting on a peer, not as this rank's."""
+        self.peer_wait = peer_wait
+        if self.exchange is not None:
+            self.exchange.peer_wait = peer_wait
+        if hasattr(self.optimizer, "peer_wait"):
+            self.optimizer.peer_wait = peer_wait
+
     def optimizer_step(self, step: int, new_version: int) -> None:
-        global_loss = self.grad_sync.finish() if self.grad_sync is not None else None
+        global_loss = None
+        if self.grad_sync is not None:
+            with self.peer_wait(f"waiting for the data-parallel all-reduce of stage {self.stage}'s gradients (step {step})"):
+                global_loss = self.grad_sync.finish()
         if self.grad_sync is not None:  # a replica's bad step reaches every replica through the average
             self.nonfinite.after_average(step, self.grad_flat)
         skip = self.nonfinite.skip_step(step)  # then W(t+1) = W(t): no update on any stage

@@ -13,6 +13,7 @@ never queue behind the pipeline's activations.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import Optional, Sequence
 
@@ -44,6 +45,7 @@ class StepExchange:
                  norm_terms_per_stage: Sequence[int], clip_grad_norm: Optional[float], timeout_s: float):
         self.stage, self.stages = stage, len(partition)
         self.timeout = datetime.timedelta(seconds=2 * timeout_s)  # the watchdog reports first
+        self.peer_wait = lambda what: contextlib.nullcontext()  # the watchdog's, set by the stage host
         stage_of_block = {b: s for s, blocks in enumerate(partition) for b in blocks}
         offsets, offset = {}, 0
         for name, n in zip(names, sizes):
@@ -98,7 +100,8 @@ class StepExchange:
 
     def _wait(self, work, what: str, peer: int) -> None:
         try:
-            work.wait(self.timeout)
+            with self.peer_wait(f"waiting for {what}" + (f" with stage {peer}" if peer >= 0 else "")):
+                work.wait(self.timeout)
         except RuntimeError as e:
             raise TransportError(f"stage {self.stage}: {what} with stage {peer} failed -- the peer has "
                                  f"probably exited: {peer_failure_reason(e)}") from None

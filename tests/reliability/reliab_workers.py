@@ -29,13 +29,16 @@ class SleepAt(nn.Module):
         return x
 
 
-def stalling_worker(stall_stage: int, m: int, timeout_s: float, marker: str) -> None:
-    rank, _ = init_distributed(60)
+def stalling_worker(stall_stage: int, m: int, timeout_s: float, marker: str, dp: int = 1,
+                    optimizer: str = "sgd") -> None:
+    """Block ``stall_stage`` (the block index) stalls in step 2 (with ``dp`` > 1: in the last replica only)."""
+    rank, world = init_distributed(60)
     write_rendezvous(os.path.dirname(marker), rank)
     blocks = make_blocks()
-    blocks[stall_stage] = nn.Sequential(blocks[stall_stage], SleepAt(2 * m + 1, marker))  # in step 2
-    pipe = Pipeline(blocks, loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory("sgd"),
-                    schedule="2bw", microbatches=m, timeout_s=timeout_s)
+    if rank >= world - world // dp:  # the last replica's ranks
+        blocks[stall_stage] = nn.Sequential(blocks[stall_stage], SleepAt(2 * m + 1, marker))  # in step 2
+    pipe = Pipeline(blocks, loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory(optimizer),
+                    schedule="2bw", microbatches=m, timeout_s=timeout_s, dp=dp)
     for _ in pipe.train(batches(50, m), 50):
         pass
 

@@ -3,6 +3,7 @@ fast, naming it, with no process left and the previous checkpoint loadable; loca
 listens on 127.0.0.1 only."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,27 @@ def test_a_stage_stuck_in_forward_makes_every_rank_report_and_exit(tmp_path, cap
         info = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert info["MASTER_ADDR"] == "127.0.0.1"
         assert info["listening"] and all(a == "127.0.0.1" for a, _ in info["listening"]), info
+
+
+def test_under_data_parallelism_the_stalled_rank_is_named_and_its_replicas_wait_on_it(tmp_path, capfd):
+    # S = 2 x R = 2; replica 1's last stage (rank 3) stalls in a forward. Replica 0 goes
+    # on until its optimizer step waits in the gradient all-reduce with replica 1: those ranks wait
+    # on a peer (exit code 3), so the launcher names rank 3, the one that stalled.
+    marker = tmp_path / "stalled_at"
+    with pytest.raises(LaunchError, match=r"^rank 3 stalled \(exit code 4\) \(watchdog: no instruction "
+                                          r"completed for 3\.\d s; in progress: forward \(step \d, "):
+        spawn(rw.stalling_worker, 4, (3, 3, 3.0, str(marker), 2), grace_s=20)  # block 3: stage 1
+    err = capfd.readouterr().err
+    blocks = {c[0]: c for c in err.split("asyncpp: rank ")[1:] if "\n  last completed: " in c}
+    assert sorted(blocks) == ["0", "1", "2", "3"], err
+    assert "exit code 4: this rank stalled" in blocks["3"]
+    for rank in "012":
+        assert "exit code 3: waiting on a peer" in blocks[rank] or "lost a peer: " in blocks[rank], blocks[rank]
+    # replica 0's stages finished the step's backwards and wait on replica 1's for the average
+    for rank in "01":
+        assert re.search(rf"in progress:    waiting for the data-parallel all-reduce of stage {rank}'s "
+                         r"gradients \(step \d\)", blocks[rank]), blocks[rank]
+    assert "Traceback" not in err
 
 
 def _children(pid: int) -> list[int]:
