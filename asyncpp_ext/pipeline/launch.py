@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from .transport import TransportError
+from .peer_errors import TransportError, peer_gone
 from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, default_timeout_s
 
 
@@ -202,16 +202,10 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
             dist.destroy_process_group()
 
 
-# What torch's collectives raise (a plain RuntimeError) when the peer's process is gone: gloo's
-# socket closed or reset, NCCL's remote error.
-_PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "ncclRemoteError")
-
-
 def lost_a_peer(e: BaseException) -> bool:
     """Whether ``e`` stopped this rank because a peer failed (a consequence, not a cause): a
     transport's error, or a collective whose peer's connection went away."""
-    return isinstance(e, TransportError) or (isinstance(e, RuntimeError)
-                                             and any(m in str(e) for m in _PEER_GONE_MARKERS))
+    return isinstance(e, TransportError) or peer_gone(e)
 
 
 def start_method() -> str:

@@ -40,6 +40,7 @@ from .memory import ActivationMeter
 from .recompute import RngState, autocast_context
 from .stage_state import load_stage_state, stage_state_dict
 from .nonfinite import NonFiniteGuard
+from .peer_errors import TransportError, peer_failure_reason, peer_gone
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -407,7 +408,14 @@ class StageHost:
         global_loss = None
         if self.grad_sync is not None:
             with self.peer_wait(f"waiting for the data-parallel all-reduce of stage {self.stage}'s gradients (step {step})"):
-                global_loss = self.grad_sync.finish()
+                try:
+                    global_loss = self.grad_sync.finish()
+                except RuntimeError as e:
+                    if not peer_gone(e):
+                        raise
+                    raise TransportError(f"stage {self.stage}: the data-parallel all-reduce of its gradients (step "
+                                         f"{step}) failed -- a replica has probably exited: "
+                                         f"{peer_failure_reason(e)}") from None
         if self.grad_sync is not None:  # a replica's bad step reaches every replica through the average
             self.nonfinite.after_average(step, self.grad_flat)
         skip = self.nonfinite.skip_step(step)  # then W(t+1) = W(t): no update on any stage

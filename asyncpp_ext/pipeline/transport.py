@@ -15,28 +15,16 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import re
 
 import torch
 import torch.distributed as dist
 
 from .._ext import C
 from .stage import ACTIVATION, GRADIENT, StageHost
+from .peer_errors import TransportError, peer_failure_reason  # noqa: F401 (re-exported)
 from .watchdog import WatchedTransport
 
 KIND_NAMES = {0: "activation", 1: "gradient"}
-
-
-class TransportError(RuntimeError):
-    pass
-
-
-def peer_failure_reason(error: BaseException) -> str:
-    """The useful part of a gloo error, on one line (gloo prefixes a source location and appends
-    advice meant for gloo's own users)."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
-    return text.split(". This is typically")[0]
 
 
 class GlooTransport:

@@ -43,6 +43,17 @@ def stalling_worker(stall_stage: int, m: int, timeout_s: float, marker: str, dp:
         pass
 
 
+def dp_killed_worker(kill_rank: int, kill_after_steps: int) -> None:
+    """S = 2 x R = 2; rank ``kill_rank`` (a last stage) kills itself with SIGKILL after that many steps."""
+    import signal
+    rank, _ = init_distributed(60)
+    pipe = Pipeline(make_blocks(), loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory("sgd"),
+                    schedule="2bw", microbatches=3, timeout_s=20, dp=2)
+    for i, _ in enumerate(pipe.train(batches(10_000, 3), 10_000)):
+        if rank == kill_rank and i + 1 == kill_after_steps:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def listening_addresses() -> list:
     """(address, port) of every TCP socket this process listens on, from /proc."""
     inodes = set()

@@ -80,6 +80,21 @@ def test_under_data_parallelism_the_stalled_rank_is_named_and_its_replicas_wait_
     assert "Traceback" not in err
 
 
+def test_under_data_parallelism_a_killed_rank_is_named_and_its_replica_says_what_failed(capfd):
+    # S = 2 x R = 2; rank 3 (replica 1's last stage) dies. Rank 1, replica 0's last stage, talks to
+    # rank 3 only through the gradient all-reduce: its one line names that, without gloo's own text.
+    with pytest.raises(LaunchError, match=r"^rank 3 was killed by signal 9; all ranks have stopped"):
+        spawn(rw.dp_killed_worker, 4, (3, 5), grace_s=20)
+    lines = capfd.readouterr().err.splitlines()
+    for rank in (0, 1, 2):
+        mine = [l for l in lines if l.startswith(f"asyncpp: rank {rank}: ")]
+        assert len(mine) == 1 and "has probably exited" in mine[0], lines
+    (rank1,) = [l for l in lines if l.startswith("asyncpp: rank 1: ")]
+    assert re.match(r"asyncpp: rank 1: stage 1: the data-parallel all-reduce of its gradients \(step \d+\) "
+                    r"failed -- a replica has probably exited: .*by peer", rank1), rank1
+    assert "This is typically caused" not in rank1 and "Traceback" not in "\n".join(lines)
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for task in os.listdir(f"/proc/{pid}/task"):
