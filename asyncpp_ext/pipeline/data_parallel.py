@@ -14,10 +14,11 @@ all-reduce starts as soon as its gradients are final, overlapping the rest of th
 optimizer step waits for them and divides by R. Buckets are launched strictly in order so every
 rank of a group issues the same collectives in the same order.
 
-Right before a bucket's all-reduce starts, its gradients are scanned for NaN/Inf into a flag on
-the device (no host wait): once the all-reduce runs, the buffer holds the other replicas' values
-too, and whether a non-finite gradient arose on this replica -- which decides whether its step can
-be skipped (nonfinite.py) -- can no longer be read from it.
+Right before a bucket's all-reduce starts, its gradients are checked for NaN/Inf into a flag on
+the device (torch's own kernels, no host wait, nothing uploaded): once the all-reduce runs, the
+buffer holds the other replicas' values too, and whether a non-finite gradient arose on this
+replica -- which decides whether its step can be skipped (nonfinite.py) -- can no longer be read
+from it.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .nonfinite import queue_first_nonfinite
+from .nonfinite import first_nonfinite_index
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
@@ -119,14 +120,14 @@ class GradientAverager:
         self._loss = None                  # (work, tensor) of the last stage's loss all-reduce
         self.hook_launches = 0             # buckets started from inside backward (overlapped)
         # per bucket: its parameters' slices of grad_flat in flat order, the first one's index, and
-        # a device flag for the scan of this replica's own values before the all-reduce
+        # a device flag: whether this replica's own values held NaN/Inf before the all-reduce
         starts = [0] * len(sizes)
         for i in range(1, len(sizes)):
             starts[i] = starts[i - 1] + sizes[i - 1]
         members = [[i for i, k in enumerate(self.bucket_of) if k == b] for b in range(len(self.ranges))]
         self._first = [m[0] for m in members]
         self._views = [[grad_flat[starts[i]:starts[i] + sizes[i]] for i in m] for m in members]
-        self._own_flags = torch.full((len(self.ranges),), -1, dtype=torch.int32, device=grad_flat.device)
+        self._own_bad = torch.zeros(len(self.ranges), dtype=torch.bool, device=grad_flat.device)
         for params in replica_params:
             for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(lambda _p, i=i: self.grad_final(i))
@@ -155,7 +156,7 @@ class GradientAverager:
     def _launch_next(self) -> None:
         k = self._launched
         lo, hi = self.ranges[k]
-        queue_first_nonfinite(self._views[k], self._own_flags[k:k + 1])  # this replica's values
+        torch.logical_not(torch.isfinite(self.grad_flat[lo:hi]).all(), out=self._own_bad[k])  # ours alone
         self._works.append(dist.all_reduce(self.grad_flat[lo:hi], group=self.group, async_op=True))
         self._launched += 1
 
@@ -166,13 +167,19 @@ class GradientAverager:
         self._armed = False
 
     def own_first_nonfinite(self) -> int:
-        """After ``launch_rest``: the index (flat order) of the first parameter whose gradient held
-        NaN/Inf on this replica before the all-reduces, or -1. One read from the device."""
+        """After ``launch_rest``: -1 when no bucket held NaN/Inf on this replica before its
+        all-reduce (one read from the device); else a parameter (its flat-order index) to name: the
+        first non-finite one of the first such bucket, found after that bucket's average (a NaN/Inf
+        of ours stays one; a parameter only another replica made non-finite may come first)."""
         if self._armed or self._launched < len(self.ranges):
-            raise RuntimeError("own_first_nonfinite() reads the scans made as each bucket's all-reduce "
+            raise RuntimeError("own_first_nonfinite() reads the checks made as each bucket's all-reduce "
                                "starts: call it after launch_rest()")
-        bad = [self._first[k] + v for k, v in enumerate(self._own_flags.tolist()) if v >= 0]
-        return min(bad, default=-1)
+        bad = [k for k, b in enumerate(self._own_bad.tolist()) if b]
+        if not bad:
+            return -1
+        k = min(bad, key=lambda b: self.ranges[b][0])  # the first in flat order
+        self._works[k].wait()
+        return self._first[k] + max(0, first_nonfinite_index(self._views[k]))
 
     def finish(self) -> float | None:
         """Wait for every all-reduce and divide by R; returns the global mean loss on the last

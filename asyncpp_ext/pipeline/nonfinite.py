@@ -48,20 +48,6 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def queue_first_nonfinite(tensors: Sequence[torch.Tensor], flag: torch.Tensor) -> None:
-    """flag (one int32 element on the tensors' device) <- the index of the first tensor holding
-    NaN/Inf, or -1, without the host waiting for it: the fused scan where it takes the tensors, else
-    torch's per-tensor check reduced on the device."""
-    if not tensors:
-        flag.fill_(-1)
-    elif _fused_scan_takes(tensors):
-        K.nonfinite_flag(list(tensors), flag)
-    else:
-        bad = torch.stack([~torch.isfinite(t).all() for t in tensors])
-        first = torch.argmax(bad.to(torch.int32)).to(torch.int32)
-        flag.copy_(torch.where(bad.any(), first, torch.full_like(first, -1)).reshape(1))
-
-
 def first_nonfinite_index(tensors: Sequence[torch.Tensor]) -> int:
     """Index of the first tensor holding NaN/Inf, or -1: one fused scan (one host sync) when every
     tensor is contiguous float32 on the first one's device, else a torch check per tensor."""
