@@ -199,6 +199,14 @@ def first_nonfinite(tensors) -> int:
         return _K.first_nonfinite(capsules(tensors), stream_of(tensors[0]))
 
 
+def torch_cublas_soname() -> str:
+    """The cuBLAS soname torch's CUDA version links (libcublas.so.<major>), "" for a CPU build."""
+    return f"libcublas.so.{torch.version.cuda.split('.')[0]}" if torch.version.cuda else ""
+
+
+_K.set_cublas_soname(torch_cublas_soname())  # torch's own cuBLAS, never another loaded major version
+
+
 def add_weight_gradient(main_grad, grad_output, inputs) -> None:
     """main_grad (out x in, float32) += grad_output^T (T x out) @ inputs (T x in), bf16 operands summed
     in float32 by cuBLAS on the current stream (CUDA only: pipeline/main_grad.py computes it with

@@ -463,6 +463,9 @@ void bind_optim(py::module_& m) {
         "stream (torch.cuda.current_blas_handle()).");
   o.def("cublas_library", &kernels::blas::cublas_library,
         "The cuBLAS library add_weight_gradient calls (torch's, among the loaded ones), or why none is found.");
+  o.def("set_cublas_soname", &kernels::blas::set_cublas_soname, py::arg("soname"),
+        "Take only this cuBLAS soname (the one torch's CUDA version links, e.g. libcublas.so.12); \"\" = the "
+        "newest loaded one.");
   o.def("accumulate", &accumulate, py::arg("dsts"), py::arg("srcs"), py::arg("stream") = 0,
         "dsts[i] += srcs[i] over every tensor in one call: float32 dsts, srcs all float32 or all bfloat16 "
         "(widened exactly), each shaped like its dst.");

@@ -4,6 +4,7 @@
 
 #include <climits>
 #include <mutex>
+#include <vector>
 
 #include "core/error.h"
 
@@ -32,12 +33,15 @@ struct Api {
 };
 
 // torch's cuBLAS, already in the process (RTLD_NOLOAD finds it by soname): the handle the call
-// gets is torch's, and only the library that made it may use it. Nothing else is loaded.
-Api load() {
-  static const char* const kNames[] = {"libcublas.so.13", "libcublas.so.12", "libcublas.so.11", "libcublas.so"};
+// gets is torch's, and only the library that made it may use it. Nothing else is loaded. With a
+// soname given (`prefer`: the one torch's CUDA version links), only that one is taken, so another
+// major version another library may have loaded is never paired with torch's handle.
+Api load(const std::string& prefer) {
+  static const std::vector<std::string> kNames = {"libcublas.so.13", "libcublas.so.12", "libcublas.so.11",
+                                                  "libcublas.so"};
   Api api;
-  for (const char* name : kNames) {
-    void* handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+  for (const std::string& name : prefer.empty() ? kNames : std::vector<std::string>{prefer}) {
+    void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_NOLOAD);
     if (!handle) continue;
     api.gemm_ex = reinterpret_cast<GemmEx>(dlsym(handle, "cublasGemmEx"));
     api.get_stream = reinterpret_cast<GetStream>(dlsym(handle, "cublasGetStream_v2"));
@@ -46,22 +50,31 @@ Api load() {
       return api;
     }
   }
-  api.error = "torch has no cuBLAS loaded in this process (libcublas.so.13/.12/.11 with cublasGemmEx); "
-              "the fusion multiplies with torch's own: run on a CUDA build of torch with a GPU, or turn off "
-              "--gradient-accumulation-fusion";
+  api.error = "torch has no cuBLAS loaded in this process (" +
+              (prefer.empty() ? std::string("libcublas.so.13/.12/.11") : prefer) +
+              " with cublasGemmEx); the fusion multiplies with torch's own: run on a CUDA build of torch with a "
+              "GPU, or turn off --gradient-accumulation-fusion";
   return api;
 }
 
 std::mutex g_mutex;
+std::string g_prefer;  // set_cublas_soname's
 Api g_api;  // the library once found; looked for again until then (torch loads it at its first use)
 
 Api api() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (g_api.gemm_ex == nullptr) g_api = load();
+  if (g_api.gemm_ex == nullptr) g_api = load(g_prefer);
   return g_api;
 }
 
 }  // namespace
+
+void set_cublas_soname(const std::string& soname) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (soname == g_prefer) return;
+  g_prefer = soname;
+  g_api = Api{};  // looked for again under the new name
+}
 
 std::string cublas_library() {
   const Api a = api();

@@ -5,7 +5,7 @@
 // cannot write a float32 output from bf16 operands (out_dtype), which main_grad.py uses first.
 //
 // cuBLAS is the library torch already loaded: found at run time with dlopen (RTLD_NOLOAD: no other
-// copy is ever loaded), so nothing links it and a build without CUDA compiles this file too. The handle is torch's (its current stream and
+// copy is ever loaded; by the soname of torch's CUDA major version, set_cublas_soname), so nothing links it and a build without CUDA compiles this file too. The handle is torch's (its current stream and
 // workspace already set by torch.cuda.current_blas_handle(), which is also what makes the call
 // legal inside a CUDA-graph capture: no workspace is allocated there).
 #pragma once
@@ -30,5 +30,9 @@ void add_weight_gradient(const WeightGradient& args);
 
 // The library add_weight_gradient uses (torch's, found among the loaded ones), or why none is found.
 std::string cublas_library();
+
+// Take only this soname (e.g. "libcublas.so.12": the one torch's CUDA version links); "" = the
+// newest loaded one.
+void set_cublas_soname(const std::string& soname);
 
 }  // namespace asyncpp::kernels::blas
