@@ -45,6 +45,8 @@ def run_configs(configs: list, steps: int, out_dir: str) -> None:
     for name, kwargs in configs:
         kwargs = dict(kwargs)
         model = build_model(LLAMA, seed=0) if kwargs.pop("llama", False) else GPT(CONFIG, seed=0)
+        if "freeze" in kwargs:  # a parameter that trains not at all (no gradient, no hook)
+            dict(model.named_parameters())[kwargs.pop("freeze")].requires_grad_(False)
         if not kwargs.pop("announce", True):  # the reference: every bucket started after the backward
             from asyncpp_ext.pipeline.compute_copies import ComputeCopies
             ComputeCopies.announce_final_grads = lambda self, on_final: None

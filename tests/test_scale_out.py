@@ -15,14 +15,17 @@ import scale_workers as w
 pytestmark = pytest.mark.multiproc
 
 STEPS = 5
+FROZEN = "embed.pos.weight"  # a parameter that does not train (requires_grad=False)
 R1 = [("1f1b", dict(schedule="1f1b", stages=2)), ("2bw", dict(schedule="2bw", stages=2)),
-      ("2bw-recompute", dict(schedule="2bw", stages=2, recompute=True))]
+      ("2bw-recompute", dict(schedule="2bw", stages=2, recompute=True)),
+      ("2bw-frozen", dict(schedule="2bw", stages=2, freeze=FROZEN))]
 R2 = [("1f1b", dict(schedule="1f1b", stages=2, dp=2)), ("2bw", dict(schedule="2bw", stages=2, dp=2)),
       ("2bw-unsharded", dict(schedule="2bw", stages=2, dp=2, shard_optimizer=False)),
       # bf16: several 16 KB buckets per stage, each to start inside the backward
       ("2bw-bf16", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", bucket_bytes=16384)),
       ("2bw-bf16-casts", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", compute_copies=False,
                               bucket_bytes=16384)),
+      ("2bw-frozen", dict(schedule="2bw", stages=2, dp=2, freeze=FROZEN, bucket_bytes=16384)),
       # the fused weight gradients on a llama (bias-free layers); last: the reference turns the
       # copies' announcements off for the rest of its processes
       ("2bw-fused", dict(schedule="2bw", stages=2, dp=2, dtype="bf16", gradient_accumulation_fusion=True,
@@ -132,6 +135,23 @@ def test_gradient_all_reduce_starts_inside_the_backward(runs):
     _, r2 = runs
     # Tiny stages fit one bucket: it starts from a gradient hook once per step, not after backward.
     assert all(r["2bw"]["hook_launches"] == STEPS for r in r2)
+
+
+def test_a_frozen_parameter_under_data_parallelism(runs):
+    # no gradient hook on it (torch refuses one); its bucket starts once the bucket's trainable
+    # parameters are final, still inside the backward; it never moves, and the run equals one
+    # replica's
+    r1, r2 = runs
+    initial = dict(w.GPT(w.CONFIG, seed=0).named_parameters())[FROZEN].detach()
+    one = _last_stage(r1, "2bw-frozen")
+    for replica in (0, 1):
+        assert _rel(_last_stage(r2, "2bw-frozen", replica)["losses"], one["losses"]) <= 1e-6
+    for r in r2:
+        run = r["2bw-frozen"]
+        assert run["buckets"] > 2 and run["hook_launches"] == STEPS * run["buckets"]
+        if FROZEN in run["params"]:
+            assert torch.equal(run["params"][FROZEN], initial)
+    assert sum(FROZEN in r["2bw-frozen"]["params"] for r in r2) == 2  # stage 0 of each replica
 
 
 def test_compute_copies_under_data_parallelism_keep_autocasts_numbers_and_the_overlap(runs):

@@ -12,7 +12,8 @@ Gradient averaging: the stage's gradients live in one flat buffer. During a step
 the buffer is cut into buckets (last parameters first, as backward produces them) and each bucket's
 all-reduce starts as soon as its gradients are final, overlapping the rest of that backward; the
 optimizer step waits for them and divides by R. Buckets are launched strictly in order so every
-rank of a group issues the same collectives in the same order.
+rank of a group issues the same collectives in the same order. A frozen parameter
+(``requires_grad=False``) has no hook and is not waited for: its slice stays zero.
 
 Right before a bucket's all-reduce starts, its gradients are checked for NaN/Inf into a flag on
 the device (torch's own kernels, no host wait, nothing uploaded): once the all-reduce runs, the
@@ -128,16 +129,19 @@ class GradientAverager:
         self._first = [m[0] for m in members]
         self._views = [[grad_flat[starts[i]:starts[i] + sizes[i]] for i in m] for m in members]
         self._own_bad = torch.zeros(len(self.ranges), dtype=torch.bool, device=grad_flat.device)
+        # a frozen parameter gets no gradient and no hook: its bucket waits for the others only
+        self._trainable = [p.requires_grad for p in replica_params[0]] if replica_params else []
         for params in replica_params:
             for i, p in enumerate(params):
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self.grad_final(i))
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda _p, i=i: self.grad_final(i))
 
     def arm(self, local_loss_mean: float | None = None) -> None:
         """Called just before a step's last backward; starts the loss all-reduce (last stage)."""
         self._armed = True
         self._waiting = [0] * len(self.ranges)
-        for k in self.bucket_of:
-            self._waiting[k] += 1
+        for k, trainable in zip(self.bucket_of, self._trainable):
+            self._waiting[k] += trainable
         self._launched, self._works = 0, []
         if local_loss_mean is not None:
             t = torch.tensor([local_loss_mean], dtype=torch.float64)

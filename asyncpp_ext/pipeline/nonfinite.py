@@ -216,12 +216,20 @@ class NonFiniteGuard:
         if step in self._bad and input_grad is not None:
             input_grad.fill_(float("nan"))  # every earlier stage sees the step is bad
 
-    def after_average(self, step: int, grad_flat: torch.Tensor) -> None:
+    def after_average(self, step: int, grad_flat: torch.Tensor, global_loss: float | None = None) -> None:
         """With data parallelism: a bad step on any replica makes the averaged gradient
-        non-finite on every replica's same stage, so all of them stop or skip together."""
-        if step in self._bad or all_finite(grad_flat):
+        non-finite on every replica's same stage, so all of them stop or skip together. On the
+        last stages also the loss averaged over the replicas (``global_loss``): a non-finite loss
+        may come with finite gradients (every target of a replica's share ignored: 0/0, and a zero
+        gradient), which only that replica's own check would see."""
+        if step in self._bad:
             return
-        what = "non-finite gradient averaged over the data-parallel replicas"
+        if global_loss is not None and not math.isfinite(global_loss):
+            what = f"non-finite loss ({global_loss:g}) averaged over the data-parallel replicas"
+        elif not all_finite(grad_flat):
+            what = "non-finite gradient averaged over the data-parallel replicas"
+        else:
+            return
         if self.policy == "stop":
             self._stop(what, step)
         self._bad[step] = what

@@ -417,7 +417,7 @@ class StageHost:
                                          f"{step}) failed -- a replica has probably exited: "
                                          f"{peer_failure_reason(e)}") from None
         if self.grad_sync is not None:  # a replica's bad step reaches every replica through the average
-            self.nonfinite.after_average(step, self.grad_flat)
+            self.nonfinite.after_average(step, self.grad_flat, global_loss)
         skip = self.nonfinite.skip_step(step)  # then W(t+1) = W(t): no update on any stage
         if self.exchange is not None:  # tied gradients summed, gradient clipped
             self.exchange.before_step(step, self.grad_flat, skip)

@@ -43,6 +43,27 @@ def stalling_worker(stall_stage: int, m: int, timeout_s: float, marker: str, dp:
         pass
 
 
+def ignored_targets_worker(out_dir: str, step: int, row: int) -> None:
+    """S = 2 x R = 2, cross entropy with ignored targets (-100), skip policy: at ``step`` row ``row``
+    of the global batch has its target ignored -- the whole of one replica's share of a microbatch
+    (micro-batch size 2 globally, 1 per replica), whose loss is then 0/0 = NaN with a zero gradient."""
+    import torch.distributed as dist
+    init_distributed(60)
+
+    def targets(steps):
+        for t, (x, y) in enumerate(batches(steps, 3)):
+            target = y.argmax(-1)
+            if t == step:
+                target[row] = -100
+            yield x, target
+    pipe = Pipeline(make_blocks(), loss_fn=lambda out, t: nn.functional.cross_entropy(out, t, ignore_index=-100),
+                    optimizer=optimizer_factory("adamw"), schedule="2bw", microbatches=3, on_nonfinite="skip",
+                    timeout_s=60, dp=2)
+    stats = [(s.loss, s.skipped) for s in pipe.train(targets(5), 5)]
+    torch.save({"params": dict(pipe.state_dict()["params"]), "skipped": pipe.host.nonfinite.skipped,
+                "stats": stats}, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+
+
 def dp_killed_worker(kill_rank: int, kill_after_steps: int) -> None:
     """S = 2 x R = 2; rank ``kill_rank`` (a last stage) kills itself with SIGKILL after that many steps."""
     import signal

@@ -88,6 +88,25 @@ def test_under_data_parallelism_one_replicas_bad_step_is_skipped_by_every_rank(t
 
 
 @pytest.mark.multiproc
+def test_under_data_parallelism_a_nan_loss_with_finite_gradients_is_skipped_by_every_rank(tmp_path):
+    # step 2: every target of replica 0's share of microbatch 1 ignored: its loss is 0/0 = NaN, its
+    # gradient zero, so no gradient, received or averaged, shows it. Replica 1's last stage learns of
+    # it from the loss averaged over the replicas; without that it would apply the step that every
+    # other rank skips, and the replicas' weights would part.
+    spawn(rw.ignored_targets_worker, 4, (str(tmp_path), 2, 2))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert [g["skipped"] for g in got] == [[2]] * 4
+    for stage in (0, 1):
+        a, b = got[stage]["params"], got[2 + stage]["params"]
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.isfinite(a[name]).all() and torch.equal(a[name], b[name]), name
+    for last in (got[1], got[3]):  # both last stages report the step's mean loss as NaN, and skipped
+        assert [sk for _, sk in last["stats"]] == [False, False, True, False, False]
+        assert math.isnan(last["stats"][2][0])
+
+
+@pytest.mark.multiproc
 def test_stop_names_the_stage_and_step_and_every_rank_exits(tmp_path, capfd):
     with pytest.raises(LaunchError, match=r"rank 1 exited with code 1 \(stage 1: non-finite loss "
                                           r"\(nan\) in microbatch 1 at step 3; stopping \(use "
