@@ -325,9 +325,23 @@ def test_delay_only_matrices_or_others_splits_the_delays_by_muon_routing():
     assert len({tuple(v) for v in runs.values()}) == 4  # each set of delays is its own run
 
 
+def test_the_simulator_refuses_lr_rescale_over_different_delays():
+    # its optimizer has one lr: the rescale would also slow the parameters computed on the newest
+    # weights ("others"), or leave the delayed ones alone ("matrices")
+    from asyncpp_ext.training.simulate import DelaySimulatorError
+    m = _gpt()
+    with pytest.raises(DelaySimulatorError, match=r"lr-rescale .* different delays \(\[0, 1\]\)"):
+        DelaySimulator(m, _adamw(m), "2bw", delay_only="matrices", mitigation="lr-rescale", rescale_steps=10)
+    m = _gpt()
+    assert DelaySimulator(m, _adamw(m), "2bw", mitigation="lr-rescale", rescale_steps=10).mitigation.rescales_lr
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--delay-only", "matrices"], ["--delay-only", "simulator knob", "--schedule 2bw --simulate"]),
     (["--delay-only", "matrices", "--simulate", "--schedule", "sync"], ["--delay-only", "got sync"]),
+    # one lr for parameters of which only some are delayed
+    (["--delay-only", "matrices", "--simulate", "--schedule", "2bw", "--optimizer", "muon", "--mitigation",
+      "lr-rescale"], ["lr-rescale", "--delay-only matrices", "drop one"]),
 ])
 def test_delay_only_outside_a_simulated_2bw_run_is_one_line(tmp_path, capsys, flags, words):
     from asyncpp_ext.training.cli import main

@@ -86,6 +86,11 @@ def check_delays(cfg: RunConfig) -> None:
             raise ConfigError(f"pipeline.delay_only={p.delay_only!r} is a simulator knob; use it with "
                               f"--schedule 2bw --simulate (got {p.schedule}"
                               f"{'' if cfg.train.simulate else ' on a real multi-process run'})")
+        if cfg.optim.effective_mitigation() == "lr-rescale":
+            raise ConfigError(f"optim.mitigation='lr-rescale' scales the learning rate by the delay, but "
+                              f"--delay-only {p.delay_only} delays only some parameters (the optimizer's "
+                              "one lr would be rescaled for the undelayed too, or for none); drop one of "
+                              "the two")
     if not spec.lag_per_stage:
         return
     if cfg.optim.clip_grad_norm is not None:

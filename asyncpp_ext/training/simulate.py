@@ -185,6 +185,10 @@ class DelaySimulator:
         if delay_only is not None:
             self.delays = _only_some_delayed(model, named, self.delays, delay_only, per_stage)
         self.delayed = any(d > 0 for d in self.delays)
+        if self.mitigation.rescales_lr and len(set(self.delays)) > 1:
+            raise DelaySimulatorError("mitigation lr-rescale scales the learning rate by the delay, but these "
+                                      f"parameters have different delays ({sorted(set(self.delays))}); "
+                                      "rescaling needs one delay for every parameter")
         self.copies = compute_copies(model) if compute_copies is not None else None
         self.wants_previous = wants_previous_weights(optimizer)
         # Versions before 0 are W(0): the first d_p steps compute on the initial weights.

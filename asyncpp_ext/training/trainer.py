@@ -141,6 +141,7 @@ class Trainer:
         metrics = open(self.run_dir / METRICS_NAME, "a") if self.writes_metrics else None
         last_elapsed = self.elapsed_before
         profiler = self._profiler()
+        pending = []  # this segment's rows, written at its end (with its checkpoint)
         try:
             while self.step < total:
                 end = self._segment_end()
@@ -174,19 +175,24 @@ class Trainer:
                     eval_loss = self.engine.eval_loss(self.eval_set)
                     if eval_loss is not None:
                         pending[-1]["eval_loss"] = eval_loss
+                written, pending = pending, []
                 if metrics is not None:
-                    for row in pending:
+                    for row in written:
                         metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
                     os.fsync(metrics.fileno())  # metrics up to a checkpoint survive with it
-                rows += pending
-                self._log_tensorboard(pending)
+                rows += written
+                self._log_tensorboard(written)
                 if self.cfg.train.checkpoints and self._is_due(end, self.cfg.train.ckpt_every):
                     self.save(self.elapsed_before + time.perf_counter() - start)
         finally:
-            profiler.close()
             if metrics is not None:
+                # stopped inside a segment (a NaN/Inf stop, an interrupt): its finished steps' rows
+                # still go in (a resume drops rows past its checkpoint's step)
+                for row in pending:
+                    metrics.write(json.dumps(row) + "\n")
                 metrics.close()
+            profiler.close()
             for logger in (self.tensorboard, self.tensorboard_stage):
                 if logger is not None:
                     logger.close()

@@ -177,6 +177,25 @@ def test_trainer_records_the_skip_and_checkpoints_refuse_nan_weights(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if "ckpt" in p.name) == ["ckpt-000003"]
 
 
+def test_a_stop_inside_a_segment_keeps_the_rows_of_the_steps_before_it(tmp_path):
+    # the rows are written at a segment's end (with its checkpoint): a NaN/Inf stop in the middle of
+    # one still writes those of the steps that finished
+    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.run_files import read_metrics
+    from asyncpp_ext.training.trainer import Trainer
+
+    model = nn.Sequential(*pw.make_blocks())
+    sim = DelaySimulator(model, pw.optimizer_factory("sgd")(model), "sync", on_nonfinite="stop",
+                         loss_fn=lambda mod, x, y: nn.functional.mse_loss(mod(x), y))
+    minibatches = [list(zip(x.chunk(2), y.chunk(2))) for x, y in rw.nan_batches(4, 2, 2)]
+    cfg = RunConfig()
+    cfg.train.steps, cfg.train.eval_every, cfg.train.ckpt_every = 4, 0, 0  # one segment of 4 steps
+    with pytest.raises(NonFiniteError, match="at step 3"):
+        Trainer(cfg, sim, _ListStream(minibatches), [], tmp_path).run()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stage_gradient_scan_names_the_first_bad_parameter(dtype):
     from asyncpp_ext.pipeline.nonfinite import all_finite, first_nonfinite_name
