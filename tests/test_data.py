@@ -8,7 +8,8 @@ import torch
 
 from asyncpp_ext.data import (BUILTIN_MAX_BYTES, BatchStream, DataError, builtin_corpus,
                               eval_batches, load_tokens, min_tokens_needed, scan_max_token_id,
-                              sidecar_path, split_tokens, token_dtype_for_vocab, token_file_info)
+                              sidecar_path, split_tokens, token_dtype_for_vocab, token_file_info,
+                              token_fingerprint)
 
 
 def test_builtin_corpus_is_capped_utf8_text_and_deterministic():
@@ -189,7 +190,11 @@ def test_batch_order_is_seeded_and_resumes_exactly():
             assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert not torch.equal(first[0][0][0], other.next()[0][0])
     state = a.state_dict()
-    assert state == {"seed": 1, "position": 4}
+    assert state == {"seed": 1, "position": 4, "num_tokens": len(a.tokens), "shards": 1,
+                     "fingerprint": token_fingerprint(a.tokens)}
+    old_format = _stream(seed=1)  # a checkpoint that recorded seed and position only still resumes
+    old_format.load_state_dict({"seed": 1, "position": 4})
+    assert old_format.position == 4
     resumed = _stream(seed=1)
     resumed.load_state_dict(state)
     for _ in range(3):
@@ -197,6 +202,35 @@ def test_batch_order_is_seeded_and_resumes_exactly():
             assert torch.equal(xa, xr)
     with pytest.raises(DataError, match="seed"):
         _stream(seed=9).load_state_dict(state)
+
+
+def test_a_resume_over_other_data_is_refused():
+    # one array (a .bin file, a text, the builtin corpus): its length and a fingerprint of its
+    # contents are recorded, so a file that grew or changed since is named, not silently trained on
+    a = _stream(seed=1)
+    a.next()
+    state = a.state_dict()
+    grown = BatchStream(np.concatenate([a.tokens, a.tokens[:100]]), a.microbatches, a.micro_batch_size,
+                        a.seq_len, seed=1)
+    with pytest.raises(DataError, match=r"ran over 5000 training tokens in 1 shard\(s\) but the data now "
+                                        r"gives 5100 in 1; .*a file may have grown"):
+        grown.load_state_dict(state)
+    changed_tokens = a.tokens.copy()
+    changed_tokens[2500] += 1  # one token in the middle: a piece the fingerprint reads (the array is small)
+    changed = BatchStream(changed_tokens, a.microbatches, a.micro_batch_size, a.seq_len, seed=1)
+    with pytest.raises(DataError, match=r"other training tokens than the data now gives \(the same 5000"):
+        changed.load_state_dict(state)
+
+
+def test_the_fingerprint_samples_large_arrays_evenly():
+    big = np.zeros(2_000_000, dtype=np.uint16)  # 4 MB: 64 pieces of 16 KiB are read
+    base = token_fingerprint(big)
+    last = big.copy()
+    last[-1] = 1  # the last piece ends at the array's end
+    first = big.copy()
+    first[0] = 1
+    assert len({base, token_fingerprint(last), token_fingerprint(first)}) == 3
+    assert token_fingerprint(big.astype(np.uint32)) != base  # the dtype counts
 
 
 def test_eval_batches_are_fixed_and_inside_the_eval_split():

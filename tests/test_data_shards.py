@@ -198,3 +198,46 @@ def test_resume_over_shard_boundaries_matches_uninterrupted(tmp_path, capsys, on
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
     meta = json.loads(next((tmp_path / "cut").glob("ckpt-000004/meta.json")).read_text())
     assert meta["data"] == {"seed": 0, "position": 4, "num_tokens": 2700, "shards": 12}
+
+
+def test_a_validation_file_inside_the_training_data_is_refused(tmp_path, capsys):
+    # a directory takes every .bin in it: asyncpp-prepare-data's validation shards beside the
+    # training ones would be trained on as well as evaluated
+    from asyncpp_ext.training.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    _ours(data / "t_000000.bin", np.arange(4000) % 500)
+    _ours(data / "t.val_000000.bin", np.arange(1000) % 500)
+    run = tmp_path / "run"
+    flags = ["--vocab-size", "512", "--seq-len", "16", "--micro-batch-size", "2", "--microbatches", "2",
+             "--steps", "1", "--eval-every", "0", "--no-progress", "--simulate", "--no-compile", "--out", str(run)]
+    assert main(["--data", str(data), "--val-data", str(data / "t.val_000000.bin")] + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "share 1 file(s), e.g. " in err and "t.val_000000.bin" in err, err
+    assert not run.exists()
+    # the training shards alone: accepted
+    assert main(["--data", str(data / "t_*.bin"), "--val-data", str(data / "t.val_000000.bin")] + flags) == 0
+
+
+@pytest.mark.multiproc
+def test_a_pipeline_resume_over_grown_data_is_refused_before_any_rank_starts(tmp_path, capsys):
+    # the data is checked against the checkpoint before the ranks start and before the run
+    # directory's config and metrics are touched
+    from asyncpp_ext.training.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be, that is the question. " * 400)
+    run = tmp_path / "run"
+    flags = ["--model", "tiny", "--seq-len", "16", "--micro-batch-size", "2", "--microbatches", "2",
+             "--stages", "2", "--no-compile", "--eval-every", "0", "--no-progress"]
+    assert main(["--data", str(text), "--steps", "2", "--ckpt-every", "2", "--out", str(run)] + flags) == 0
+    before = {p.name: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")}
+    with open(text, "a") as f:
+        f.write("whether 'tis nobler in the mind to suffer. " * 50)
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--steps", "4", "--no-progress", "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "does not fit this run" in err and "a file may have grown" in err, err
+    assert "rank" not in err  # refused in the launcher, not by the ranks
+    assert {p.name: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")} == before

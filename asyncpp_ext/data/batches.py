@@ -7,13 +7,15 @@ checkpoint's state yields exactly the batches the original would have. Two order
 (``SAMPLINGS``): "random" draws each window's start uniformly (windows may overlap and repeat,
 nanoGPT's way); "epoch" cuts the tokens into consecutive windows of ``seq_len`` inputs and visits
 them in a seeded permutation per epoch, so no token is an input twice before every token has
-been one (the order long pretraining runs use).
+been one (the order long pretraining runs use), but the last (n - 1) mod seq_len of the n tokens,
+which fill no window.
 
 The tokens may be one array or several shards joined (``shards.TokenShards``): offsets index the
-concatenation, so a window may cross a shard boundary and resuming needs nothing per shard. Over
-shards the state also records ``num_tokens`` and ``shards``, and a resume over a different set
-(a glob that now matches more files) is refused; states without them (older checkpoints, single
-files) load as before.
+concatenation, so a window may cross a shard boundary and resuming needs nothing per shard. The
+state also records ``num_tokens`` and ``shards`` (and, over one array, a fingerprint of its
+contents: ``token_fingerprint``), and a resume over other data (a glob that now matches more
+files, a file that grew or changed) is refused; states without them (older checkpoints) load as
+before.
 """
 from __future__ import annotations
 
@@ -129,8 +131,10 @@ class BatchStream:
         state = {"seed": self.seed, "position": self.position}
         if self.sampling != "random":  # older checkpoints, and random-order ones, carry no key
             state["sampling"] = self.sampling
-        if isinstance(self.tokens, TokenShards):
-            state.update(num_tokens=len(self.tokens), shards=self.tokens.num_shards)
+        shards = self.tokens.num_shards if isinstance(self.tokens, TokenShards) else 1
+        state.update(num_tokens=len(self.tokens), shards=shards)
+        if not isinstance(self.tokens, TokenShards):  # one array: a file, a text or the builtin corpus
+            state["fingerprint"] = token_fingerprint(self.tokens)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -141,14 +145,38 @@ class BatchStream:
             raise DataError(f"batch stream state has sampling {state.get('sampling', 'random')!r} but "
                             f"this stream uses {self.sampling!r}; resume with the --sampling the run "
                             "started with")
-        if "num_tokens" in state:  # written over shards: the same shards must be there
+        if "num_tokens" in state:  # the same data must be there (older checkpoints: over shards only)
             shards = self.tokens.num_shards if isinstance(self.tokens, TokenShards) else 1
             if (state["num_tokens"], state.get("shards")) != (len(self.tokens), shards):
                 raise DataError(f"the checkpoint's data stream ran over {state['num_tokens']} training "
                                 f"tokens in {state.get('shards')} shard(s) but the data now gives "
-                                f"{len(self.tokens)} in {shards}; resume with the shards the run "
-                                "started with (a glob may match files added since)")
+                                f"{len(self.tokens)} in {shards}; resume with the data the run "
+                                "started with (a file may have grown, a glob may match files added since)")
+        if "fingerprint" in state and not isinstance(self.tokens, TokenShards) \
+                and state["fingerprint"] != token_fingerprint(self.tokens):
+            raise DataError(f"the checkpoint's data stream ran over other training tokens than the data now "
+                            f"gives (the same {len(self.tokens)} of them, other contents); resume with the data "
+                            "the run started with")
         self.position = int(state["position"])
+
+
+FINGERPRINT_PIECES, FINGERPRINT_PIECE_BYTES = 64, 16 << 10
+
+
+def token_fingerprint(tokens: np.ndarray) -> str:
+    """A short sha256 of a token array's dtype, length and bytes -- all of them up to 1 MiB, else
+    64 evenly spaced 16 KiB pieces: what a resume compares to know the data is the run's, at a
+    cost that does not grow with the file."""
+    import hashlib
+
+    raw = np.ascontiguousarray(tokens).reshape(-1).view(np.uint8)
+    h = hashlib.sha256(f"{np.dtype(tokens.dtype).str}:{len(tokens)}".encode())
+    if raw.size <= FINGERPRINT_PIECES * FINGERPRINT_PIECE_BYTES:
+        h.update(raw.tobytes())
+    else:
+        for start in np.linspace(0, raw.size - FINGERPRINT_PIECE_BYTES, FINGERPRINT_PIECES).astype(np.int64):
+            h.update(raw[start:start + FINGERPRINT_PIECE_BYTES].tobytes())
+    return h.hexdigest()[:16]
 
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int) -> list[Microbatch]:
@@ -164,4 +192,5 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int) 
             for i in range(count)]
 
 
-__all__ = ["Microbatch", "SAMPLINGS", "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches"]
+__all__ = ["Microbatch", "SAMPLINGS", "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches",
+           "token_fingerprint"]

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..data import BatchStream, DataError, eval_batches, load_tokens, split_tokens
+from ..data import BatchStream, DataError, eval_batches, load_tokens, resolve_token_paths, split_tokens
 from ..models.attention import resolve_attention
 from ..models.base import forward_through
 from ..models.compile import inductor_mode, resolve_compile
@@ -47,6 +47,7 @@ def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
         train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, batch, cfg.model.seq_len,
                                                  source=cfg.data.source)
     else:  # a separate validation file: every token of --data trains
+        _refuse_shared_files(cfg.data.source, cfg.data.val_source)
         train_tokens, eval_tokens = tokens, load_tokens(cfg.data.val_source, cfg.model.vocab_size,
                                                      flag="--val-data")
         for what, part, need in (("--data", train_tokens, batch), ("--val-data", eval_tokens, 1)):
@@ -56,6 +57,21 @@ def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
     stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed,
                          sampling=cfg.data.sampling)
     return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
+
+
+def _refuse_shared_files(train: str, val: str) -> None:
+    """DataError when a file --val-data names is also one --data names (a directory of shards
+    takes every .bin in it, asyncpp-prepare-data's validation shards beside the training ones
+    included): what is evaluated must not be trained on."""
+    try:
+        train_files = {p.resolve() for p in resolve_token_paths(train)[0]}
+        val_files = [p for p in resolve_token_paths(val, "--val-data")[0] if p.resolve() in train_files]
+    except DataError:
+        return  # named by the loading that follows
+    if val_files:
+        raise DataError(f"--val-data {val} and --data {train} share {len(val_files)} file(s), e.g. "
+                        f"{val_files[0]}: the evaluation would be trained on; point --data at the training "
+                        "shards only (a glob like 'dir/train_*.bin', or their manifest)")
 
 
 # ---- optimizer ------------------------------------------------------------------------------

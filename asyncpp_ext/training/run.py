@@ -18,7 +18,7 @@ from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline import under_launcher
 from .build import build_data, build_simulator, resume, stage_compute
-from .checkpoint import load_checkpoint, restore_rng_state
+from .checkpoint import CheckpointError, load_checkpoint, restore_rng_state
 from .config import ConfigError, RunConfig
 from .run_files import CONFIG_NAME, prepare_run_dir, read_metrics, truncate_metrics, write_text_atomic
 
@@ -143,8 +143,15 @@ def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     from .distributed import launch
 
     # Every check that can fail on bad input happens before any process starts.
-    build_data(cfg)
-    start_step = int(load_checkpoint(resume_dir)[0]["step"]) if resume_dir is not None else 0  # verifies shards
+    stream, _ = build_data(cfg)
+    start_step = 0
+    if resume_dir is not None:
+        meta = load_checkpoint(resume_dir)[0]  # verifies the checkpoint's shard files
+        try:  # and that the data is the run's (the ranks check it again)
+            stream.load_state_dict(meta["data"])
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {resume_dir} does not fit this run ({exc})") from None
+        start_step = int(meta["step"])
     launch(cfg, resume_dir, lambda: start_run_dir(cfg, resume_dir, start_step))
     if not under_launcher() or os.environ.get("RANK") == "0":
         print_summary(Path(cfg.train.out), cfg, start_step)
