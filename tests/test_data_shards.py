@@ -241,3 +241,25 @@ def test_a_pipeline_resume_over_grown_data_is_refused_before_any_rank_starts(tmp
     assert err.count("\n") == 0 and "does not fit this run" in err and "a file may have grown" in err, err
     assert "rank" not in err  # refused in the launcher, not by the ranks
     assert {p.name: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")} == before
+
+
+def _stream_per_rank(differ: bool) -> None:
+    import torch.distributed as dist
+    from asyncpp_ext.pipeline import init_distributed
+    from asyncpp_ext.training.distributed import check_same_data
+
+    init_distributed(30)
+    tokens = np.arange(3000, dtype=np.uint16) % 500
+    if differ and dist.get_rank() == 1:
+        tokens[1500] += 1  # this rank's copy of the data differs in one token
+    check_same_data(BatchStream(tokens, 2, 2, 16, seed=0))
+
+
+@pytest.mark.multiproc
+def test_ranks_reading_other_data_are_stopped_at_start():
+    from asyncpp_ext.pipeline import LaunchError, spawn
+
+    spawn(_stream_per_rank, 2, (False,))
+    with pytest.raises(LaunchError, match=r"rank 1 reads other training data than rank 0 .* every rank must "
+                                          r"read the same --data"):
+        spawn(_stream_per_rank, 2, (True,))

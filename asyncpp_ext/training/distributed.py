@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.attention import attention_preference
+from ..data import DataError
 from .build import build_data, build_pipeline_engine, resume, stage_compute
 from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
                          restore_rng_state, temp_checkpoint_path, write_shard)
@@ -69,6 +70,22 @@ def rank_placement(cfg: RunConfig) -> tuple[str, str, str]:
     return device, transport, process_group_backend(transport, device)
 
 
+def check_same_data(stream) -> None:
+    """Every rank reads the same training tokens (stage 0 the inputs, the last stage the targets,
+    every replica its rows of one draw): their count, shards and fingerprint are compared over
+    the world once, at start. On several nodes each reads its own copy of --data (and the builtin
+    corpus is built from the Python installation's files), so they can differ."""
+    state = stream.state_dict()
+    mine = {k: state.get(k) for k in ("num_tokens", "shards", "fingerprint")}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    other = next((r for r, theirs in enumerate(every) if theirs != every[0]), None)
+    if other is not None:
+        raise DataError(f"rank {other} reads other training data than rank 0 ({every[other]} against "
+                        f"{every[0]}): every rank must read the same --data (on several nodes, the same "
+                        "files on each; the builtin corpus depends on the Python installation)")
+
+
 def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
     """One rank of a pipeline run (under torchrun or spawned by ``launch``)."""
     cfg = RunConfig.from_dict(cfg_dict)
@@ -80,6 +97,7 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
     # Every replica draws the same stream and takes its rows; every replica evaluates the whole
     # set (same weights, same numbers) so none waits for another.
     stream, eval_set = build_data(cfg)
+    check_same_data(stream)
     compute = stage_compute(cfg, device)
     with attention_preference(compute.attention):  # as its --simulate run, from the compile on
         engine = build_pipeline_engine(cfg, device, transport, compute)
