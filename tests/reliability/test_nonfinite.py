@@ -153,18 +153,26 @@ class _ListStream:
         return {"i": self.i}
 
 
-def test_trainer_records_the_skip_and_checkpoints_refuse_nan_weights(tmp_path):
+def _trainer(tmp_path, schedule, policy, steps, nan_input_step):
+    """A Trainer over the simulator on the reliability blocks, one segment of ``steps`` steps
+    (no evaluation or checkpoint inside it), step ``nan_input_step``'s input NaN; and the sim."""
     from asyncpp_ext.training.config import RunConfig
-    from asyncpp_ext.training.run_files import read_metrics
     from asyncpp_ext.training.trainer import Trainer
 
     model = nn.Sequential(*pw.make_blocks())
-    sim = DelaySimulator(model, pw.optimizer_factory("sgd")(model), "2bw", on_nonfinite="skip",
+    sim = DelaySimulator(model, pw.optimizer_factory("sgd")(model), schedule, on_nonfinite=policy,
                          loss_fn=lambda mod, x, y: nn.functional.mse_loss(mod(x), y))
-    minibatches = [list(zip(x.chunk(2), y.chunk(2))) for x, y in rw.nan_batches(3, 2, 1)]
+    minibatches = [list(zip(x.chunk(2), y.chunk(2))) for x, y in rw.nan_batches(steps, 2, nan_input_step)]
     cfg = RunConfig()
-    cfg.train.steps, cfg.train.eval_every, cfg.train.ckpt_every = 3, 0, 0
-    Trainer(cfg, sim, _ListStream(minibatches), [], tmp_path).run()
+    cfg.train.steps, cfg.train.eval_every, cfg.train.ckpt_every = steps, 0, 0
+    return Trainer(cfg, sim, _ListStream(minibatches), [], tmp_path), sim
+
+
+def test_trainer_records_the_skip_and_checkpoints_refuse_nan_weights(tmp_path):
+    from asyncpp_ext.training.run_files import read_metrics
+
+    trainer, sim = _trainer(tmp_path, "2bw", "skip", 3, 1)
+    trainer.run()
     rows = read_metrics(tmp_path)
     assert [r.get("skipped", False) for r in rows] == [False, True, False]
     assert rows[1]["loss"] is None and all(r["loss"] is not None for r in (rows[0], rows[2]))
@@ -180,18 +188,11 @@ def test_trainer_records_the_skip_and_checkpoints_refuse_nan_weights(tmp_path):
 def test_a_stop_inside_a_segment_keeps_the_rows_of_the_steps_before_it(tmp_path):
     # the rows are written at a segment's end (with its checkpoint): a NaN/Inf stop in the middle of
     # one still writes those of the steps that finished
-    from asyncpp_ext.training.config import RunConfig
     from asyncpp_ext.training.run_files import read_metrics
-    from asyncpp_ext.training.trainer import Trainer
 
-    model = nn.Sequential(*pw.make_blocks())
-    sim = DelaySimulator(model, pw.optimizer_factory("sgd")(model), "sync", on_nonfinite="stop",
-                         loss_fn=lambda mod, x, y: nn.functional.mse_loss(mod(x), y))
-    minibatches = [list(zip(x.chunk(2), y.chunk(2))) for x, y in rw.nan_batches(4, 2, 2)]
-    cfg = RunConfig()
-    cfg.train.steps, cfg.train.eval_every, cfg.train.ckpt_every = 4, 0, 0  # one segment of 4 steps
+    trainer, _ = _trainer(tmp_path, "sync", "stop", 4, 2)
     with pytest.raises(NonFiniteError, match="at step 3"):
-        Trainer(cfg, sim, _ListStream(minibatches), [], tmp_path).run()
+        trainer.run()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
 
