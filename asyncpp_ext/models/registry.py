@@ -88,6 +88,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {value!r}")
+            if value > MODEL_LIMITS[name]:
+                raise ValueError(f"model.{name} must be at most {MODEL_LIMITS[name]}, got {value!r}")
         if self.arch == "hf":
             if not isinstance(self.hf_config, dict):
                 raise ValueError("model.arch='hf' needs model.hf_config (pass --hf-config FILE or --hf-model DIR)")
@@ -97,6 +99,11 @@ class ModelConfig:
         if not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
             raise ValueError(f"model.init_std must be a positive number, got {self.init_std!r}")
         self.arch_config().validate()
+
+
+MODEL_LIMITS = {"vocab_size": 2**24, "seq_len": 2**24, "n_layer": 4096}
+"""Largest values accepted, far above any model's (a vocabulary of 16M ids, 4096 layers): beyond
+them a typo, whose model would exhaust memory or take hours to build before failing."""
 
 
 def as_model_config(cfg) -> ModelConfig:

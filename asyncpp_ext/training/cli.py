@@ -85,6 +85,13 @@ def main(argv=None) -> int:
     except LaunchError as exc:  # each rank has already printed its own line
         sys.stderr.write(f"{PROG}: error: the pipeline run failed: {exc}\n")
         return 1
+    except (MemoryError, RuntimeError) as exc:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if not (isinstance(exc, MemoryError) or "allocate" in text or "out of memory" in text):
+            raise
+        sys.stderr.write(f"{PROG}: error: out of memory ({text[:300]}); use a smaller model (--n-embd, "
+                         "--n-layer, --vocab-size), --micro-batch-size or --seq-len\n")
+        return 1
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ DELAY_ONLY = ("matrices", "others")
 """Values of PipelineConfig.delay_only: the parameter set a simulated 2bw run delays."""
 SYNC_SCHEDULES = tuple(n for n, spec in SCHEDULE_TABLE.items() if not spec.delayed())
 """Schedules without a weight delay (every computation on the newest weights)."""
+MIN_TIMEOUT_S = 1.0
+"""Shortest --timeout accepted: the start-up handshake and every collective wait under it."""
+MAX_THREADS = 1024
+"""Most intra-op threads a process may ask for (--threads): beyond the cores of any machine, and
+the OpenMP runtime fails to create such counts (a crash, not a message)."""
 EF_BETA_MAX = 2.0
 """Largest error-feedback strength accepted: beyond it the correction outweighs the update."""
 MUON_FAMILY = muon_family()
@@ -405,8 +410,7 @@ class RunConfig:
         non_negative_int("train.eval_every", self.train.eval_every)
         non_negative_int("train.ckpt_every", self.train.ckpt_every)
         non_negative_int("data.eval_batches", self.data.eval_batches)
-        if not isinstance(self.train.seed, int) or self.train.seed < 0:
-            raise ConfigError(f"train.seed must be a non-negative integer, got {self.train.seed!r}")
+        non_negative_int("train.seed", self.train.seed, limit=2**63 - 1)  # torch's and numpy's seeds
         choice("pipeline.schedule", self.pipeline.schedule, schedule_names())
         choice("optim.name", self.optim.name, OPTIMIZERS)
         _check_optimizer_available(self.optim.name)
@@ -426,9 +430,12 @@ class RunConfig:
         check_compute(self)
         positive_number("train.timeout_s", self.train.timeout_s)
         if self.train.threads is not None:
-            positive_int("train.threads", self.train.threads)
-        if self.train.timeout_s == float("inf"):
-            raise ConfigError("train.timeout_s must be a finite number of seconds, got inf")
+            positive_int("train.threads", self.train.threads, limit=MAX_THREADS)
+        if self.train.timeout_s < MIN_TIMEOUT_S:
+            raise ConfigError(f"train.timeout_s must be at least {MIN_TIMEOUT_S:g} s (the process group's "
+                              f"collectives use it too), got {self.train.timeout_s!r}")
+        if not isinstance(self.train.out, str) or not self.train.out.strip():
+            raise ConfigError(f"train.out must name the run directory, got {self.train.out!r}")
         if self.optim.lr is not None:
             positive_number("optim.lr", self.optim.lr)
         if self.optim.adamw_lr is not None:

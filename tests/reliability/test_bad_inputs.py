@@ -91,6 +91,8 @@ def _setup(tmp_path, finished_runs, kind, monkeypatch):
         if files[kind] is not None:
             path.write_bytes(files[kind])
         return FAST + ["--data", str(path), "--out", out], None
+    if kind == "--out=":  # an empty run directory (it would be the current one)
+        return FAST + ["--out="], None
     if kind == "unwritable":
         (tmp_path / "afile").write_text("x")
         return FAST + ["--out", str(tmp_path / "afile" / "run")], None
@@ -168,7 +170,16 @@ BAD_INPUTS = [
     ("--microbatches 0", "pipeline.microbatches must be a positive integer"),
     ("--weight-decay -1", "optim.weight_decay must be a non-negative number"),
     ("--timeout 0", "--timeout: train.timeout_s must be a positive number, got 0.0"),
-    ("--timeout inf", "--timeout: train.timeout_s must be a finite number of seconds"),
+    ("--timeout inf", "--timeout: train.timeout_s must be finite, got inf"),
+    ("--timeout 1e-9", "--timeout: train.timeout_s must be at least 1 s"),
+    ("--lr inf", "--lr: optim.lr must be finite, got inf"),
+    ("--weight-decay inf", "--weight-decay: optim.weight_decay must be finite, got inf"),
+    ("--seed 99999999999999999999", "--seed: train.seed must be at most 9223372036854775807"),
+    ("--microbatches 99999999999999999999", "--microbatches: pipeline.microbatches must be at most 2147483647"),
+    ("--threads 5000", "--threads: train.threads must be at most 1024, got 5000"),
+    ("--vocab-size 2000000000", "--vocab-size: model.vocab_size must be at most 16777216"),
+    ("--n-layer 100000", "--n-layer: model.n_layer must be at most 4096"),
+    ("--out=", "--out: train.out must name the run directory, got ''"),
     ("--optimizer adamw --ns-dtype bf16", "optim.ns_dtype='bf16' sets muon's Newton-Schulz dtype, but the "
                                           "optimizer is 'adamw'"),
     ("--ns-dtype fp64", "invalid choice: 'fp64'"),
@@ -224,4 +235,13 @@ def test_unknown_cpu_isa_is_one_clean_error_line(tmp_path, layout):
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("asyncpp-train: error: ASYNCPP_CPU_ISA=sse9: not a known ISA; "
                                                    "use one of auto, baseline"), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_too_large_for_memory_is_one_line(tmp_path, capsys):
+    # a run failure (exit 1), not a traceback: 1,000,000-wide layers do not fit this machine
+    assert main(FAST + ["--n-embd", "1000000", "--n-head", "1", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("asyncpp-train: error: out of memory ("), err
+    assert "use a smaller model" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
