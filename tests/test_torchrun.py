@@ -54,3 +54,18 @@ def test_torchrun_without_out_is_refused(tmp_path, free_port):
     ours = [line for line in r.stderr.splitlines() if line.startswith("asyncpp-train: error: ")]
     assert 1 <= len(ours) <= 2 and all("under torchrun pass --out DIR" in line for line in ours), r.stderr
     assert "[rank" not in r.stderr
+
+
+def test_a_rank_whose_peers_never_come_stops_after_timeout_in_one_line(tmp_path, free_port):
+    # the environment torchrun gives rank 0 of 2, and no rank 1: the rendezvous waits --timeout,
+    # not the default 300 s, and the rank says so in one line, having written nothing
+    import os
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port))
+    r = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", *FLAGS, "--timeout", "2",
+                        "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("asyncpp-train: error: torchrun's process group did not "
+                                                   "form within --timeout 2 s ("), r.stderr
+    assert not (tmp_path / "run").exists()

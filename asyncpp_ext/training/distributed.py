@@ -130,7 +130,14 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:
         prepare()
         spawn(rank_main, cfg.pipeline.stages * cfg.pipeline.dp, args)
         return
-    rank, world = init_distributed(backend=rank_placement(cfg)[2])
+    try:  # torchrun's world: its rendezvous waits --timeout for the other ranks, no longer
+        rank, world = init_distributed(cfg.train.timeout_s, backend=rank_placement(cfg)[2])
+    except (RuntimeError, ValueError, OSError) as exc:  # torch's store and socket errors: one line
+        from .run import RunSetupError
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise RunSetupError(f"torchrun's process group did not form within --timeout {cfg.train.timeout_s:g} s "
+                            f"({reason}); start every rank (--nproc-per-node times --nnodes) with the same "
+                            "MASTER_ADDR and MASTER_PORT") from None
     need = cfg.pipeline.stages * cfg.pipeline.dp
     if world != need:
         raise ConfigError(f"torchrun started {world} processes but --stages {cfg.pipeline.stages} x --dp "
