@@ -232,6 +232,12 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
     missing = [k for k in ("step", "config", "data") if k not in meta]
     if missing:
         raise CheckpointError(f"checkpoint {meta_path} lacks {missing}; the checkpoint is damaged")
+    wrong = [(k, what) for k, t, what in (("step", int, "an integer"), ("config", dict, "a mapping"),
+                                          ("data", dict, "a mapping"))
+             if not isinstance(meta[k], t) or isinstance(meta[k], bool)]
+    if wrong:
+        raise CheckpointError(f"checkpoint {meta_path} has {wrong[0][0]}={meta[wrong[0][0]]!r}, not "
+                              f"{wrong[0][1]}; the checkpoint is damaged")
     return meta
 
 

@@ -173,8 +173,8 @@ class Trainer:
                             bar.set_postfix(loss=f"{loss:.4f}")
                 if self.eval_set and self._is_due(end, self.cfg.train.eval_every):
                     eval_loss = self.engine.eval_loss(self.eval_set)
-                    if eval_loss is not None:
-                        pending[-1]["eval_loss"] = eval_loss
+                    if eval_loss is not None:  # JSON has no NaN: a non-finite one is written null
+                        pending[-1]["eval_loss"] = eval_loss if math.isfinite(eval_loss) else None
                 written, pending = pending, []
                 if metrics is not None:
                     for row in written:

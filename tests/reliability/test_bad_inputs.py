@@ -60,6 +60,10 @@ def _damage(run, kind):
         meta = json.loads((ckpt / "meta.json").read_text())
         meta["config"]["train"]["bogus"] = 1
         (ckpt / "meta.json").write_text(json.dumps(meta))
+    elif kind == "meta-step":
+        meta = json.loads((ckpt / "meta.json").read_text())
+        meta["step"] = "two"
+        (ckpt / "meta.json").write_text(json.dumps(meta))
     elif kind == "pipe-missing-shard":
         shard.unlink()
 
@@ -67,7 +71,7 @@ def _damage(run, kind):
 RESUME_KINDS = {  # kind -> (which finished run, extra argv)
     "corrupt": ("single", []), "truncate": ("single", []), "nockpt": ("single", []),
     "mismatch": ("single", ["--n-layer", "2"]), "backwards": ("single", ["--steps", "2"]),
-    "meta-garbage": ("single", []), "meta-config": ("single", []),
+    "meta-garbage": ("single", []), "meta-config": ("single", []), "meta-step": ("single", []),
     "corrupt-pipe": ("pipeline", []), "truncate-pipe": ("pipeline", []),
     "pipe-missing-shard": ("pipeline", []), "mismatch-pipe": ("pipeline", ["--n-embd", "64"]),
     "timeout-resume": ("pipeline", ["--timeout", "-1"]),
@@ -130,6 +134,7 @@ BAD_INPUTS = [
     # single-process checkpoints
     ("corrupt", "stage-00.pt is corrupted"),
     ("truncate", "stage-00.pt is truncated"),
+    ("meta-step", "has step='two', not an integer; the checkpoint is damaged"),
     ("mismatch", "model.n_layer=1 but this run has 2"),
     ("nockpt", "no checkpoint"),
     ("backwards", "--steps 2 is before the checkpoint's step 3"),

@@ -210,3 +210,15 @@ def test_stage_gradient_scan_names_the_first_bad_parameter(dtype):
             poisoned[index] = bad
             assert not all_finite(poisoned)
             assert first_nonfinite_name(poisoned, names, sizes) == name
+
+
+def test_a_non_finite_evaluation_loss_is_written_null(tmp_path):
+    # JSON has no NaN: strict readers of metrics.jsonl would refuse the file
+    from asyncpp_ext.training.run_files import read_metrics
+
+    trainer, sim = _trainer(tmp_path, "sync", "skip", 2, None)
+    trainer.eval_set, trainer.cfg.train.eval_every = [("batch",)], 2
+    sim.eval_loss = lambda eval_set: float("nan")
+    trainer.run()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and read_metrics(tmp_path)[-1]["eval_loss"] is None
