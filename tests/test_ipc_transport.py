@@ -196,8 +196,10 @@ def test_counters_load_and_store_and_refuse_a_misaligned_address():
 
 def test_slots_from_the_environment():
     assert slots_from_env({}) == 3 and slots_from_env({IPC_SLOTS_ENV: " 5 "}) == 5
-    with pytest.raises(ValueError, match=f"{IPC_SLOTS_ENV}='0' is not a positive integer"):
-        slots_from_env({IPC_SLOTS_ENV: "0"})
+    for bad in ("0", "65", "abc"):  # a slot holds a whole message in shared memory: at most 64
+        with pytest.raises(ValueError, match=f"{IPC_SLOTS_ENV}='{bad}' is not an integer from 1 to 64"):
+            slots_from_env({IPC_SLOTS_ENV: bad})
+    assert slots_from_env({IPC_SLOTS_ENV: "64"}) == 64
 
 
 @pytest.mark.multiproc

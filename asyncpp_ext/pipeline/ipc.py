@@ -49,6 +49,7 @@ from .transport import KIND_NAMES, GlooTransport, TransportError, peer_failure_r
 
 IPC_SLOTS_ENV = "ASYNCPP_IPC_SLOTS"
 DEFAULT_SLOTS = 3
+MAX_SLOTS = 64  # each slot holds a whole message in shared memory: more is a typo
 _FULL, _FREE = 0, 8  # int64 offsets of the two counters: a cache line apart (two writers)
 _CONTROL_BYTES = 128
 _SPIN_S, _MAX_PAUSE_S = 200e-6, 250e-6  # how a wait polls (see IpcTransport.wait)
@@ -60,8 +61,8 @@ def slots_from_env(environ=os.environ) -> int:
     value = environ.get(IPC_SLOTS_ENV, "").strip()
     if not value:
         return DEFAULT_SLOTS
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{IPC_SLOTS_ENV}={value!r} is not a positive integer; unset it or give "
+    if not value.isdigit() or not 1 <= int(value) <= MAX_SLOTS:
+        raise ValueError(f"{IPC_SLOTS_ENV}={value!r} is not an integer from 1 to {MAX_SLOTS}; unset it or give "
                          "the slots per channel, e.g. 3")
     return int(value)
 

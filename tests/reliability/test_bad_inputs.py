@@ -198,6 +198,9 @@ BAD_INPUTS = [
      "ASYNCPP_START_METHOD='fork' is not one of auto, forkserver, spawn"),
     ("env ASYNCPP_RECV_SPIN_US=fast pipe --stages 2",
      "ASYNCPP_RECV_SPIN_US='fast': use auto or a whole number of microseconds from 0 to 1000000"),
+    ("env ASYNCPP_INLINE_RECV_BYTES=abc pipe --stages 2", "ASYNCPP_INLINE_RECV_BYTES='abc': use a whole number of bytes"),
+    ("env ASYNCPP_IPC_SLOTS=99999999999 pipe --stages 2",
+     "ASYNCPP_IPC_SLOTS='99999999999' is not an integer from 1 to 64"),
     # command line
     ("--steps ten", "invalid int value: 'ten'"),
     ("--schedule async", "invalid choice: 'async'"),
