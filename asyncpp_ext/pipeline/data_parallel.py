@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .flat_buffers import views_of
 from .nonfinite import first_nonfinite_index
 
 DEFAULT_BUCKET_BYTES = 4 << 20
@@ -122,12 +123,10 @@ class GradientAverager:
         self.hook_launches = 0             # buckets started from inside backward (overlapped)
         # per bucket: its parameters' slices of grad_flat in flat order, the first one's index, and
         # a device flag: whether this replica's own values held NaN/Inf before the all-reduce
-        starts = [0] * len(sizes)
-        for i in range(1, len(sizes)):
-            starts[i] = starts[i - 1] + sizes[i - 1]
+        views = views_of(replica_params[0], grad_flat) if replica_params else []
         members = [[i for i, k in enumerate(self.bucket_of) if k == b] for b in range(len(self.ranges))]
         self._first = [m[0] for m in members]
-        self._views = [[grad_flat[starts[i]:starts[i] + sizes[i]] for i in m] for m in members]
+        self._views = [[views[i] for i in m] for m in members]
         self._own_bad = torch.zeros(len(self.ranges), dtype=torch.bool, device=grad_flat.device)
         # a frozen parameter gets no gradient and no hook: its bucket waits for the others only
         self._trainable = [p.requires_grad for p in replica_params[0]] if replica_params else []
