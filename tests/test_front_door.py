@@ -155,6 +155,37 @@ def test_missing_transformers_names_the_extra(tmp_path):
     _refused_without("transformers", ["--hf-config", str(tmp_path / "llama.json")], "hf", tmp_path / "o")
 
 
+def test_hf_models_that_cannot_run_are_refused_before_any_rank_starts(tmp_path, capsys):
+    """A config transformers accepts but whose layers cannot run, a damaged weights file and weights
+    of another shape: one line, exit 2, nothing written, for a pipeline run too (its ranks would
+    otherwise find them after config.json was written)."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    pipe = ["--stages", "2", "--steps", "1"]
+    uneven = {**LLAMA_HF, "num_key_value_heads": 3}  # 4 query heads cannot share 3 key/value heads
+    (tmp_path / "uneven.json").write_text(json.dumps(uneven))
+    _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "uneven.json")] + pipe, out, "uneven.json",
+                   "cannot run", "fix the config")
+    with torch.random.fork_rng():
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{
+            k: v for k, v in LLAMA_HF.items() if k != "model_type"}))
+    model.save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # transformers' progress bar
+    weights = tmp_path / "model" / "model.safetensors"
+    shutil.copytree(tmp_path / "model", tmp_path / "cut")
+    with open(tmp_path / "cut" / "model.safetensors", "r+b") as f:
+        f.truncate(weights.stat().st_size - 100)
+    _fails_cleanly(capsys, ["--hf-model", str(tmp_path / "cut")] + pipe, out, "model.safetensors",
+                   "cannot be read", "save_pretrained")
+    shutil.copytree(tmp_path / "model", tmp_path / "wider")
+    config = json.loads((tmp_path / "wider" / "config.json").read_text())
+    (tmp_path / "wider" / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    _fails_cleanly(capsys, ["--hf-model", str(tmp_path / "wider")] + pipe, out, "do not fit",
+                   "mlp.up_proj.weight (64, 32) (config: (96, 32))")
+    assert main(["--hf-model", str(tmp_path / "model"), "--steps", "1", "--schedule", "sync", "--simulate",
+                 "--eval-every", "0", "--no-progress", "--out", str(out)]) == 0  # the intact model runs
+
+
 def test_lr_schedule_values_used_by_the_cli_are_the_library_schedule():
     s = LRSchedule(kind="wsd", steps=12, warmup_steps=4, decay_steps=4)
     assert [s.multiplier(t) for t in range(4)] == [0.25, 0.5, 0.75, 1.0]

@@ -401,6 +401,47 @@ def from_config(path_or_dict: Union[str, os.PathLike, dict], seed: int = 0) -> H
     return HFCausalLM(hf_model)
 
 
+def check_runs(config: dict, directory: Union[str, os.PathLike, None] = None) -> None:
+    """Raise HFModelError (one line) unless the model of ``config`` runs a forward pass and the
+    ``*.safetensors`` files in ``directory`` (when given) can be read and fit its shapes.
+
+    The model is built and run on the meta device, so nothing is allocated or computed: what a
+    config's fields allow but its layers cannot run (e.g. attention heads that are not a multiple of
+    the key/value heads) is found before any process starts or any file is written. Only the
+    files' headers are read."""
+    transformers = _transformers()
+    hf_config = _hf_config(config)
+    try:
+        with torch.device("meta"):
+            hf_model = transformers.AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation="sdpa", dtype=torch.float32)
+            model = HFCausalLM(hf_model)
+            model(torch.zeros(1, min(4, model.seq_len), dtype=torch.long))
+    except HFModelError:
+        raise
+    except Exception as exc:  # whatever the layers raise on shapes they cannot combine
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise HFModelError(f"the {config['model_type']} model this config describes cannot run ({reason}); "
+                           "fix the config's shape fields") from None
+    if directory is None:
+        return
+    from safetensors import SafetensorError, safe_open
+
+    shapes = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                found = {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise HFModelError(f"weights file {file} cannot be read ({' '.join(str(exc).split())[:200]}); "
+                               "save the model again with save_pretrained()") from None
+        wrong = [f"{name} {shape} (config: {shapes[name]})" for name, shape in sorted(found.items())
+                 if name in shapes and shapes[name] != shape]
+        if wrong:
+            raise HFModelError(f"weights in {file} do not fit its config.json ({'; '.join(wrong[:3])}); "
+                               "save the model again with save_pretrained()")
+
+
 def from_pretrained(directory: Union[str, os.PathLike]) -> HFCausalLM:
     """The model saved in a local directory (config.json + ``*.safetensors``), for continued
     pretraining. Never touches the network; weights load as float32 with dropout off."""
@@ -431,4 +472,4 @@ def from_pretrained(directory: Union[str, os.PathLike]) -> HFCausalLM:
 
 
 __all__ = ["HFModelError", "HFCausalLM", "from_config", "from_pretrained", "read_config",
-           "check_config", "config_shape", "SUPPORTED_MODEL_TYPES", "MIN_TRANSFORMERS"]
+           "check_config", "check_runs", "config_shape", "SUPPORTED_MODEL_TYPES", "MIN_TRANSFORMERS"]

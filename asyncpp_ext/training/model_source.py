@@ -50,8 +50,16 @@ def _hf_shape(config: dict, source: str) -> dict:
 
 
 def hf_model_config(config: dict, source: str, model_dir: Optional[str] = None) -> ModelConfig:
-    """A ModelConfig of arch ``hf`` for a transformers config dict (and optional weights dir)."""
+    """A ModelConfig of arch ``hf`` for a transformers config dict (and optional weights dir),
+    after a forward pass on the meta device and a read of the weight files' headers (the ranks
+    would otherwise find a shape the layers cannot run, or a damaged file, after the run started)."""
+    from ..models import hf
+
     shape = _hf_shape(config, source)
+    try:
+        hf.check_runs(config, model_dir)
+    except ValueError as exc:
+        raise ModelSourceError(f"{source}: {exc}") from None
     return ModelConfig(arch="hf", vocab_size=shape["vocab_size"], seq_len=shape["max_positions"],
                        n_layer=shape["n_layer"], n_embd=shape["n_embd"], n_head=shape["n_head"],
                        mlp_ratio=None, tie_embeddings=shape["tie_embeddings"], hf_config=config,
