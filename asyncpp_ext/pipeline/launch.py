@@ -66,6 +66,20 @@ def _listening_socket(addr: str, port: int, backlog: int) -> socket.socket:
     return listener
 
 
+def check_local_address(environ=os.environ) -> str:
+    """The address a local launch's ranks meet on (MASTER_ADDR, default 127.0.0.1), checked to name
+    this machine: ValueError naming the variable when it does not resolve or cannot be bound here.
+    ``spawn`` binds it again; calling this first lets a launcher refuse before it writes anything."""
+    addr = environ.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    try:
+        _listening_socket(addr, 0, 1).close()
+    except OSError as exc:  # socket.gaierror (no such name) or EADDRNOTAVAIL (not this machine's)
+        raise ValueError(f"MASTER_ADDR={addr!r} is not an address of this machine ({exc.strerror or exc}); "
+                         "unset it for a one-machine run (ranks then meet on 127.0.0.1) or start the ranks "
+                         "with torchrun") from None
+    return addr
+
+
 def under_launcher() -> bool:
     """True when torchrun (or our spawn) set up the rendezvous environment."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_PORT"))

@@ -54,15 +54,24 @@ def _is_loopback(name: str) -> bool:
         return False
 
 
+def explicit_host(environ=os.environ) -> str | None:
+    """``ASYNCPP_SOCKET_HOST`` resolved to an IPv4 address, or None when unset; SocketSetupError
+    naming the variable when it does not resolve."""
+    explicit = environ.get(HOST_ENV, "").strip()
+    if not explicit:
+        return None
+    try:
+        return str(ipaddress.IPv4Address(socket.gethostbyname(explicit)))
+    except (OSError, ValueError):
+        raise SocketSetupError(f"{HOST_ENV}={explicit!r} is not an IPv4 address or resolvable host name "
+                               "of this machine; unset it or give this machine's address") from None
+
+
 def advertised_host() -> str:
     """The IPv4 address this rank's neighbours connect to (see the module docstring)."""
-    explicit = os.environ.get(HOST_ENV, "").strip()
-    if explicit:
-        try:
-            return str(ipaddress.IPv4Address(socket.gethostbyname(explicit)))
-        except (OSError, ValueError):
-            raise SocketSetupError(f"{HOST_ENV}={explicit!r} is not an IPv4 address or resolvable host name "
-                                   "of this machine") from None
+    explicit = explicit_host()
+    if explicit is not None:
+        return explicit
     master = os.environ.get("MASTER_ADDR", "")
     if _is_loopback(master):
         return "127.0.0.1"
@@ -191,6 +200,6 @@ def create_socket_transport(board, stage: int, stages: int, stage_ranks: Sequenc
     return SocketTransport(impl)
 
 
-__all__ = ["SocketTransport", "SocketSetupError", "create_socket_transport", "advertised_host", "rendezvous_key",
-           "run_token", "recv_spin_us", "recv_spin_of_local_launch", "inline_recv_bytes", "HOST_ENV",
+__all__ = ["SocketTransport", "SocketSetupError", "create_socket_transport", "advertised_host", "explicit_host",
+           "rendezvous_key", "run_token", "recv_spin_us", "recv_spin_of_local_launch", "inline_recv_bytes", "HOST_ENV",
            "RECV_SPIN_ENV", "INLINE_RECV_ENV"]

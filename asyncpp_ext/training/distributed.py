@@ -25,9 +25,9 @@ from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, f
 from .config import ConfigError, RunConfig
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
-from ..pipeline.launch import spawned_locally, start_method
+from ..pipeline.launch import check_local_address, spawned_locally, start_method
 from ..pipeline.ipc import slots_from_env
-from ..pipeline.sockets import inline_recv_bytes, recv_spin_us
+from ..pipeline.sockets import SocketSetupError, explicit_host, inline_recv_bytes, recv_spin_us
 from ..pipeline.transport import TransportError, peer_failure_reason
 from .trainer import Trainer
 
@@ -121,13 +121,15 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:
     ``prepare()`` creates the run directory and config.json: here in the parent for a local
     launch, on rank 0 (the others wait) under torchrun."""
     args = (cfg.to_dict(), str(resume_dir) if resume_dir is not None else None)
-    try:  # a bad ASYNCPP_START_METHOD, RECV_SPIN_US, INLINE_RECV_BYTES or IPC_SLOTS stops the run before
-        recv_spin_us()  # anything is written (the ranks read them again)
+    try:  # a bad ASYNCPP_START_METHOD, RECV_SPIN_US, INLINE_RECV_BYTES, IPC_SLOTS, SOCKET_HOST or a
+        recv_spin_us()  # local MASTER_ADDR stops the run before anything is written (the ranks read them again)
         inline_recv_bytes()
         slots_from_env()
+        explicit_host()
         if not under_launcher():
             start_method()
-    except ValueError as exc:
+            check_local_address()
+    except (ValueError, SocketSetupError) as exc:
         raise ConfigError(str(exc)) from None
     if not under_launcher():
         prepare()

@@ -201,6 +201,12 @@ BAD_INPUTS = [
     ("env ASYNCPP_INLINE_RECV_BYTES=abc pipe --stages 2", "ASYNCPP_INLINE_RECV_BYTES='abc': use a whole number of bytes"),
     ("env ASYNCPP_IPC_SLOTS=99999999999 pipe --stages 2",
      "ASYNCPP_IPC_SLOTS='99999999999' is not an integer from 1 to 64"),
+    ("env MASTER_ADDR=bad.invalid pipe --stages 2",
+     "MASTER_ADDR='bad.invalid' is not an address of this machine (Name or service not known)"),
+    ("env MASTER_ADDR=192.0.2.1 pipe --stages 2",  # a documentation address: never this machine's
+     "MASTER_ADDR='192.0.2.1' is not an address of this machine (Cannot assign requested address)"),
+    ("env ASYNCPP_SOCKET_HOST=bad.invalid pipe --stages 2",
+     "ASYNCPP_SOCKET_HOST='bad.invalid' is not an IPv4 address or resolvable host name of this machine"),
     # command line
     ("--steps ten", "invalid int value: 'ten'"),
     ("--schedule async", "invalid choice: 'async'"),
