@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncpp_ext.data import (BUILTIN_MAX_BYTES, BatchStream, DataError, builtin_corpus,
+from asyncpp_ext.data import (BUILTIN_MAX_BYTES, DEFAULT_EVAL_BATCHES, BatchStream, DataError, builtin_corpus,
                               eval_batches, load_tokens, min_tokens_needed, scan_max_token_id,
                               sidecar_path, split_tokens, token_dtype_for_vocab, token_file_info,
                               token_fingerprint)
@@ -240,3 +240,18 @@ def test_eval_batches_are_fixed_and_inside_the_eval_split():
     for (x1, y1), (x2, y2) in zip(one, two):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
         assert x1.min() >= 1000 and y1.max() < 2000
+
+
+def test_eval_batches_past_one_pass_over_the_split_are_refused():
+    """More batches than the split's distinct windows fill would only repeat them (and a huge
+    count would build gigabytes): refused with the largest count that fits; a split too small for
+    the default count still gets it."""
+    held = np.arange(100, dtype=np.int64)  # 100 - 17 + 1 = 84 distinct windows of 16 + 1
+    assert len(eval_batches(held, 4, 16, 21)) == 21  # 84 windows: 21 batches of 4
+    with pytest.raises(DataError, match="needs 88 windows but the eval split has 84 distinct ones; "
+                                        "pass --eval-batches 21 or fewer"):
+        eval_batches(held, 4, 16, 22)
+    tiny = np.arange(20, dtype=np.int64)  # 4 windows: not one batch of 8
+    assert len(eval_batches(tiny, 8, 16, DEFAULT_EVAL_BATCHES)) == DEFAULT_EVAL_BATCHES
+    with pytest.raises(DataError, match=f"pass --eval-batches {DEFAULT_EVAL_BATCHES} or fewer"):
+        eval_batches(tiny, 8, 16, DEFAULT_EVAL_BATCHES + 1)

@@ -9,7 +9,8 @@ from .sources import (BUILTIN, BUILTIN_MAX_BYTES, TOKEN_DTYPES, TOKEN_FORMAT, TO
                       DataError, builtin_corpus, load_shards, load_tokens, scan_max_token_id,
                       sidecar_path, token_dtype_for_vocab, token_file_info)
 
-_BATCH_NAMES = ("BatchStream", "Microbatch", "eval_batches", "min_tokens_needed", "split_tokens", "token_fingerprint")
+_BATCH_NAMES = ("BatchStream", "DEFAULT_EVAL_BATCHES", "Microbatch", "eval_batches", "min_tokens_needed",
+                "split_tokens", "token_fingerprint")
 
 
 def __getattr__(name: str):

@@ -179,18 +179,28 @@ def token_fingerprint(tokens: np.ndarray) -> str:
     return h.hexdigest()[:16]
 
 
+DEFAULT_EVAL_BATCHES = 4  # evaluation batches per evaluation unless the run says otherwise
+
+
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int) -> list[Microbatch]:
-    """A fixed evaluation set: ``count`` batches of windows spread evenly over the eval split."""
+    """A fixed evaluation set: ``count`` batches of windows spread evenly over the eval split.
+    DataError when ``count`` is more than one pass over the split's windows needs (a split too
+    small for ``DEFAULT_EVAL_BATCHES`` distinct batches still gets that many, with repeats)."""
     if count == 0:  # a run that never evaluates reads none of the split
         return []
     window = seq_len + 1
     max_start = len(tokens) - window
     if max_start < 0:
         raise DataError(f"eval split has {len(tokens)} tokens, fewer than one window of {window}")
+    limit = max((max_start + 1) // batch_size, DEFAULT_EVAL_BATCHES)
+    if count > limit:  # past one pass over the split's windows, more batches only repeat them
+        raise DataError(f"--eval-batches {count} needs {count * batch_size} windows but the eval split has "
+                        f"{max_start + 1} distinct ones; pass --eval-batches {limit} or fewer (or a larger "
+                        "--val-data)")
     starts = np.linspace(0, max_start, num=count * batch_size).astype(np.int64)
     return [_windows(tokens, starts[i * batch_size:(i + 1) * batch_size], seq_len)
             for i in range(count)]
 
 
-__all__ = ["Microbatch", "SAMPLINGS", "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches",
+__all__ = ["Microbatch", "SAMPLINGS", "DEFAULT_EVAL_BATCHES", "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches",
            "token_fingerprint"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
-from ..data.batches import SAMPLINGS
+from ..data.batches import DEFAULT_EVAL_BATCHES, SAMPLINGS
 from ..models.compile_support import MODES as COMPILE_MODES  # TrainConfig.compile_mode's values
 from ..models.registry import ModelConfig, as_model_config
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
@@ -60,7 +60,7 @@ class DataConfig:
     """Share of the tokens, taken from the end, held out for evaluation (when val_source is None)."""
     val_source: Optional[str] = None
     """A separate evaluation file (same formats as ``source``); then all of ``source`` trains."""
-    eval_batches: int = 4
+    eval_batches: int = DEFAULT_EVAL_BATCHES
     """Number of evaluation batches (each of micro_batch_size windows) per evaluation; 0 = the run
     never evaluates (a throughput measurement: under ``--compile`` the first evaluation compiles
     each region's no-grad graph, seconds on a GPU)."""

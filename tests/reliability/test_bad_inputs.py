@@ -185,6 +185,7 @@ BAD_INPUTS = [
     ("--vocab-size 2000000000", "--vocab-size: model.vocab_size must be at most 16777216"),
     ("--n-layer 100000", "--n-layer: model.n_layer must be at most 4096"),
     ("--out=", "--out: train.out must name the run directory, got ''"),
+    ("--eval-batches 99999999", "--eval-batches 99999999 needs"),
     ("--optimizer adamw --ns-dtype bf16", "optim.ns_dtype='bf16' sets muon's Newton-Schulz dtype, but the "
                                           "optimizer is 'adamw'"),
     ("--ns-dtype fp64", "invalid choice: 'fp64'"),
