@@ -58,8 +58,9 @@ def _check_finite_weights(stage: int, engine_state: dict) -> None:
                 which = "weight" if section == "params" else "older weight version (stash) of"
                 raise NonFiniteCheckpointError(
                     f"refusing to write a checkpoint: the {which} {name!r} of stage {stage} holds "
-                    "NaN/Inf; the previous checkpoint is kept (the run diverged: lower --lr, or use "
-                    "--on-nonfinite)")
+                    "NaN/Inf; the previous checkpoint is kept (the run diverged: an update from finite "
+                    "gradients overflowed the weights, which --on-nonfinite does not catch; lower --lr or "
+                    "clip with --clip-grad-norm)")
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
