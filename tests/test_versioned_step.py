@@ -177,6 +177,9 @@ def test_buffer_ef_ignores_previous_and_wants_previous_weights_says_who_reads_it
     sgd = torch.optim.SGD(p, lr=0.1)
     assert wants_previous_weights(ErrorFeedback(sgd, 0.5, ef_source="weights"))
     assert not wants_previous_weights(ErrorFeedback(sgd, 0.5)) and not wants_previous_weights(sgd)
+    # the wrapper's beta decides, also over a fused base whose own groups carry ef_beta 0
+    assert wants_previous_weights(ErrorFeedback(AdamW(p), 0.5, ef_source="weights"))
+    assert not wants_previous_weights(ErrorFeedback(AdamW(p), 0.0, ef_source="weights"))
 
 
 def test_step_versioned_copies_for_an_optimizer_without_step_from():

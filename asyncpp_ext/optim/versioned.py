@@ -30,8 +30,12 @@ class VersionedStepError(ValueError):
 def wants_previous_weights(optimizer) -> bool:
     """True when ``optimizer`` runs error feedback with ef_source "weights", so the engine must pass
     W(t-1) as ``previous`` (from the second step on; the first step has no previous update)."""
-    return getattr(optimizer, "ef_source", "buffer") == "weights" and any(
-        g.get("ef_beta", getattr(optimizer, "beta", 0.0)) > 0 for g in optimizer.param_groups)
+    if getattr(optimizer, "ef_source", "buffer") != "weights":
+        return False
+    beta = getattr(optimizer, "beta", None)
+    if beta is not None:  # the ErrorFeedback wrapper: its beta, not its base's groups' ef_beta (0 there)
+        return beta > 0
+    return any(g.get("ef_beta", 0.0) > 0 for g in optimizer.param_groups)
 
 
 @torch.no_grad()
