@@ -125,6 +125,27 @@ def test_nonfinite_gradient_raises_and_changes_nothing(name):
             assert torch.equal(v, after["state"][pid][k]) if torch.is_tensor(v) else v == after["state"][pid][k]
 
 
+def test_a_parameter_made_unfit_after_construction_is_refused_before_any_kernel_runs():
+    """p.data swapped for a column-major view after the optimizer was built: the step refuses it,
+    naming it, before the AdamW group or the Muon momentum move (no half-applied step)."""
+    model = TinyGPT()
+    opt = build_optimizer(model, "muon", lr=0.01, ef_beta=0.5)
+    loss_of(model).backward()
+    opt.step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    loss_of(model, 1).backward()
+    fc = model.blocks[1].fc.weight
+    fc.data = fc.data.t().contiguous().t()  # same values, not contiguous
+    with pytest.raises(ValueError, match=r"blocks\.1\.fc\.weight.*need contiguous parameters"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    after = opt.state_dict()
+    for pid, st in state["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, after["state"][pid][k]) if torch.is_tensor(v) else v == after["state"][pid][k]
+
+
 def test_bad_arguments_are_named():
     model = TinyGPT()
     with pytest.raises(ValueError, match=r"shape \(16,\).*AdamW"):

@@ -183,17 +183,22 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             check_adamw_args(group["betas"], group["eps"])
         for pi, p in enumerate(group["params"]):
-            name = self._param_name(group, gi, pi)
-            if p.dtype != torch.float32:
-                raise ValueError(f"{name}: the fused optimizers keep float32 weights, got {p.dtype}; "
-                                 "convert the model with .float()")
-            if algo == MUON and p.ndim != 2:
-                raise ValueError(
-                    f"{name}: Muon only updates 2-D matrices, got shape {tuple(p.shape)}; put this "
-                    "tensor in an AdamW group (use MuonHybrid / build_optimizer(name='muon'))")
-            if not p.is_contiguous():
-                raise ValueError(f"{name}: the fused kernels need contiguous parameters; "
-                                 "call .data = p.data.contiguous() on it first")
+            self._check_param(group, gi, pi, p)
+
+    def _check_param(self, group, gi, pi, p) -> None:
+        """What the kernels need of a parameter; checked when its group is added and again at each
+        step before any kernel runs (``p.data`` may have been replaced since)."""
+        if p.dtype != torch.float32:
+            raise ValueError(f"{self._param_name(group, gi, pi)}: the fused optimizers keep float32 weights, "
+                             f"got {p.dtype}; convert the model with .float()")
+        if group["algorithm"] == MUON and p.ndim != 2:
+            raise ValueError(
+                f"{self._param_name(group, gi, pi)}: Muon only updates 2-D matrices, got shape "
+                f"{tuple(p.shape)}; put this tensor in an AdamW group (use MuonHybrid / "
+                "build_optimizer(name='muon'))")
+        if not p.is_contiguous():
+            raise ValueError(f"{self._param_name(group, gi, pi)}: the fused kernels need contiguous "
+                             "parameters; call .data = p.data.contiguous() on it first")
 
     _param_name = staticmethod(param_label)
 
@@ -243,6 +248,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
+                self._check_param(group, gi, pi, p)  # every check before the first kernel: no half step
                 g = p.grad
                 if g.is_sparse:
                     raise ValueError(f"{self._param_name(group, gi, pi)}: sparse gradients are not supported")
