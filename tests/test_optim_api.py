@@ -8,7 +8,7 @@ from torch.utils.dlpack import to_dlpack
 
 from asyncpp_ext._ext import C
 from asyncpp_ext.optim import (AdamW, ErrorFeedback, Muon, MuonHybrid, NonFiniteGradientError,
-                               build_optimizer)
+                               build_optimizer, split_named_parameters)
 
 
 class Block(nn.Module):
@@ -61,6 +61,19 @@ def test_hybrid_routing_on_gpt():
     loss_of(model).backward()
     opt.step()
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_routing_from_name_pairs_finds_a_top_level_head_like_the_module_rule():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 8)
+            self.body = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 10))
+
+    net = Net()
+    from_module, from_pairs = split_named_parameters(net)[0], split_named_parameters(list(net.named_parameters()))[0]
+    assert [n for n, _ in from_module] == [n for n, _ in from_pairs] == ["body.weight"]
 
 
 def test_routing_on_a_pipeline_stage_and_overrides():

@@ -15,6 +15,13 @@ def _looks_like_embedding(name: str) -> bool:
     return any("emb" in part or part in EMBEDDING_NAMES for part in parts)
 
 
+def _looks_like_head(name: str) -> bool:
+    """A parameter name from (name, parameter) pairs that the module rule would call a head's: its
+    module's own name, or the top-level module holding it, is one of HEAD_NAMES."""
+    parts = name.split(".")
+    return len(parts) >= 2 and (parts[-2] in HEAD_NAMES or parts[0] in HEAD_NAMES)
+
+
 def _module_facts(model: nn.Module):
     """ids of embedding weights and of head weights (a Linear named like a head, or tied to an
     embedding)."""
@@ -41,8 +48,9 @@ def split_named_parameters(model_or_named_params, is_muon=None, adamw_names=(), 
     the output head (a Linear whose own name, or the top-level module holding it, is one of
     `HEAD_NAMES`, or one tied to an embedding).
     Embeddings held as bare parameters are recognised by name (a component containing "emb" or
-    equal to one of `EMBEDDING_NAMES`); given only (name, param) pairs, heads are too (a last-but-one
-    component in `HEAD_NAMES`). Overrides, strongest first: exact names in
+    equal to one of `EMBEDDING_NAMES`); given only (name, param) pairs, heads are too (the
+    last-but-one or the first component in `HEAD_NAMES`), but an nn.Embedding cannot be told by its
+    type there: pass the module, or name it with `adamw_names`. Overrides, strongest first: exact names in
     `muon_names` / `adamw_names`, then `is_muon(name, param)` if given (replaces the default rule).
     Tied weights appear once.
     """
@@ -57,7 +65,7 @@ def split_named_parameters(model_or_named_params, is_muon=None, adamw_names=(), 
                 raise ValueError("MuonHybrid needs an nn.Module or (name, parameter) pairs, "
                                  f"e.g. model.named_parameters(); got an element {type(item).__name__}")
         embedding_ids = {id(p) for n, p in named if _looks_like_embedding(n)}
-        head_ids = {id(p) for n, p in named if len(n.split(".")) >= 2 and n.split(".")[-2] in HEAD_NAMES}
+        head_ids = {id(p) for n, p in named if _looks_like_head(n)}
     overlap = set(muon_names) & set(adamw_names)
     if overlap:
         raise ValueError(f"parameters named in both muon_names and adamw_names: {sorted(overlap)}")
