@@ -73,6 +73,8 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, sche
     part = tmp_path / "part"
     assert main(args + ["--steps", "15", "--out", str(part)]) == 0
     shutil.rmtree(part / "ckpt-000015")
+    with open(part / "metrics.jsonl", "a") as f:  # killed while appending step 16's row
+        f.write('{"step": 16, "loss": 5.1, "lr"')
     assert main(["--resume", str(part), "--steps", "20", "--no-progress"]) == 0
     full, resumed = _metrics(tmp_path / "full"), _metrics(part)
     assert [r["step"] for r in resumed] == list(range(1, 21))
@@ -83,6 +85,16 @@ def test_stop_and_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path, sche
     b = torch.load(part / "ckpt-000020/stage-00.pt", weights_only=True)
     for name, t in a["engine"]["params"].items():
         assert torch.equal(t, b["engine"]["params"][name]), name
+
+
+def test_a_damaged_metrics_line_before_the_last_is_named_not_dropped(tmp_path):
+    from asyncpp_ext.training.run_files import RunDirError, read_metrics, truncate_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(RunDirError, match=r"metrics.jsonl line 2 is not a metrics row"):
+        truncate_metrics(tmp_path, 3)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]  # a torn last line is no row
 
 
 def test_module_entry_point_and_help(tmp_path):

@@ -1,7 +1,8 @@
 """The files of a run directory: metrics.jsonl, config.json, loss.png, and the directory itself.
 
 Checkpoints (ckpt-NNNNNN/) are checkpoint.py's. Everything here writes atomically (temporary file
-+ rename), so a reader or a resumed run never sees a half-written file.
++ rename), so a reader or a resumed run never sees a half-written file; metrics.jsonl, which the
+trainer appends to, is read up to its last complete line (see ``_metric_lines``).
 """
 from __future__ import annotations
 
@@ -31,20 +32,41 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _metric_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) for each complete line of metrics.jsonl. The file is only ever appended to, a
+    segment's rows at a time, so a line without its newline is the tail of a write that a crash cut
+    short: its segment has no checkpoint, so it is dropped here as a resume would drop it.
+    RunDirError naming the line for a complete line that is not a JSON row with a step."""
+    lines = path.read_text().split("\n")[:-1]  # the last piece ends without a newline: torn or empty
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            int(row["step"])
+        except (ValueError, TypeError, KeyError):
+            raise RunDirError(f"{path} line {number} is not a metrics row ({line[:60]!r}); the file is "
+                              "damaged: repair or delete that line") from None
+        rows.append((line, row))
+    return rows
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The rows of the run's metrics.jsonl (none when it does not exist)."""
     path = Path(run_dir) / METRICS_NAME
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for _, row in _metric_lines(path)]
 
 
 def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
-    """Drop metrics rows after ``last_step`` (steps a resumed run will compute again)."""
+    """Drop metrics rows after ``last_step`` (steps a resumed run will compute again), and a last
+    line that a crash cut short."""
     path = Path(run_dir) / METRICS_NAME
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+    kept = [line for line, row in _metric_lines(path) if row["step"] <= last_step]
     write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 

@@ -177,8 +177,7 @@ class Trainer:
                         pending[-1]["eval_loss"] = eval_loss if math.isfinite(eval_loss) else None
                 written, pending = pending, []
                 if metrics is not None:
-                    for row in written:
-                        metrics.write(json.dumps(row) + "\n")
+                    metrics.write("".join(json.dumps(row) + "\n" for row in written))  # one write
                     metrics.flush()
                     os.fsync(metrics.fileno())  # metrics up to a checkpoint survive with it
                 rows += written
@@ -189,8 +188,7 @@ class Trainer:
             if metrics is not None:
                 # stopped inside a segment (a NaN/Inf stop, an interrupt): its finished steps' rows
                 # still go in (a resume drops rows past its checkpoint's step)
-                for row in pending:
-                    metrics.write(json.dumps(row) + "\n")
+                metrics.write("".join(json.dumps(row) + "\n" for row in pending))
                 metrics.close()
             profiler.close()
             for logger in (self.tensorboard, self.tensorboard_stage):
