@@ -167,3 +167,16 @@ def test_an_interrupted_run_names_resume_only_when_it_has_a_checkpoint(tmp_path,
     assert main([*FAST, "--steps", "4", "--out", str(out)]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and (f"--resume {out}" in err) is checkpointed, err
+
+
+@pytest.mark.multiproc
+def test_switches_of_a_resumed_run_turn_off_as_well_as_on(tmp_path):
+    """Every on/off flag has its --no- form, so a resume can leave the simulator (or recompute)
+    that the checkpoint's config had on: the real pipeline then continues the simulated steps."""
+    tiny = ["--model", "llama-tiny", "--stages", "2", "--no-progress", "--ckpt-every", "2"]
+    assert main(tiny + ["--simulate", "--recompute", "--steps", "2", "--out", str(tmp_path / "sim")]) == 0
+    assert main(["--resume", str(tmp_path / "sim"), "--steps", "4", "--no-simulate", "--no-recompute"]) == 0
+    cfg = json.loads((tmp_path / "sim" / "config.json").read_text())
+    assert cfg["train"]["simulate"] is False and cfg["pipeline"]["recompute"] is False
+    assert main(tiny + ["--steps", "4", "--out", str(tmp_path / "real")]) == 0
+    assert [r["loss"] for r in _metrics(tmp_path / "sim")] == [r["loss"] for r in _metrics(tmp_path / "real")]

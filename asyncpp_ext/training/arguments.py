@@ -80,9 +80,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     pipe.add_argument("--dp", type=int,
                       help="data-parallel replicas of the pipeline; stages x dp processes, each step "
                            "takes microbatches x dp x micro-batch-size sequences (default 1)")
-    pipe.add_argument("--no-shard-muon", action="store_true", default=None,
-                      help="with --dp > 1, every replica runs all Muon orthogonalisations itself "
-                           "(default: each runs a share and they are gathered)")
+    pipe.add_argument("--shard-muon", action=argparse.BooleanOptionalAction, default=None,
+                      help="with --dp > 1, each replica runs a share of the Muon orthogonalisations and "
+                           "they are gathered; --no-shard-muon: every replica runs all of them itself "
+                           "(default on)")
     pipe.add_argument("--transport", choices=TRANSPORTS,
                       help="how stage processes exchange activations and gradients: auto (nccl on "
                            "cuda, socket on cpu), nccl (C++ NCCL, one GPU per rank), torch "
@@ -90,7 +91,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                            "gloo (on cuda via host copies: ranks may share a GPU), socket (C++ TCP, "
                            "cpu), ipc (shared memory between stages on one host: CUDA IPC, so ranks "
                            "may share a GPU without host copies) (default auto)")
-    pipe.add_argument("--recompute", action="store_true", default=None,
+    pipe.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                       help="recompute each stage's forward before its backward: same losses, less "
                            "activation memory")
     # No argparse choices= for names other engineers' lists grow: the config names the valid ones.
@@ -180,9 +181,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "weights and optimizer state (slow on cpu); bf16-params: every parameter copied to "
                           "bf16 per weight version, activations and residual stream bf16, fp32 master weights "
                           "and optimizer state (default auto)")
-    run.add_argument("--simulate", action="store_true", default=None,
+    run.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=None,
                      help="run the schedule's update rule in one process (delay simulator)")
-    run.add_argument("--no-progress", action="store_true", default=None, help="no progress bar")
+    run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="a progress bar on a terminal; --no-progress: none (default on)")
     run.add_argument("--timeout", type=float, metavar="SECONDS",
                      help=f"abort every rank with a report when no pipeline instruction completes "
                           f"for this long (default {_D.train.timeout_s:g}, or $ASYNCPP_TIMEOUT)")
@@ -190,7 +192,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="intra-op threads per process (default: cores / (stages x dp) for each rank "
                           "of a multi-process run, torch's default for one process); runs match "
                           "bitwise only at equal counts")
-    run.add_argument("--tensorboard", action="store_true", default=None,
+    run.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                      help="also write TensorBoard events to OUT/tensorboard (pip install "
                           "'asyncpp_ext[tensorboard]')")
     run.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -254,7 +256,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("pipeline", "delay"): args.delay, ("pipeline", "delay_only"): args.delay_only,
         ("pipeline", "microbatches"): args.microbatches,
         ("pipeline", "micro_batch_size"): args.micro_batch_size, ("pipeline", "dp"): args.dp,
-        ("pipeline", "shard_muon"): None if args.no_shard_muon is None else not args.no_shard_muon,
+        ("pipeline", "shard_muon"): args.shard_muon,
         ("pipeline", "recompute"): args.recompute, ("pipeline", "transport"): args.transport,
         ("train", "dtype"): args.dtype,
         ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
@@ -272,7 +274,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "checkpoints"): args.checkpoints, ("data", "eval_batches"): args.eval_batches,
         ("train", "out"): args.out, ("train", "device"): args.device,
         ("train", "simulate"): args.simulate,
-        ("train", "progress"): None if args.no_progress is None else not args.no_progress,
+        ("train", "progress"): args.progress,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
         ("train", "nonfinite_check"): args.nonfinite_check,
