@@ -239,6 +239,13 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
     if wrong:
         raise CheckpointError(f"checkpoint {meta_path} has {wrong[0][0]}={meta[wrong[0][0]]!r}, not "
                               f"{wrong[0][1]}; the checkpoint is damaged")
+    shards = meta["shards"]
+    fit = isinstance(shards, dict) and shards and all(
+        isinstance(info, dict) and isinstance(info.get("bytes"), int) and not isinstance(info["bytes"], bool)
+        and isinstance(info.get("sha256"), str) for info in shards.values())
+    if not fit:
+        raise CheckpointError(f"checkpoint {meta_path} has shards={str(shards)[:80]}, not a mapping of each "
+                              "shard to its bytes and sha256; the checkpoint is damaged")
     return meta
 
 

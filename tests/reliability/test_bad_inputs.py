@@ -64,6 +64,13 @@ def _damage(run, kind):
         meta = json.loads((ckpt / "meta.json").read_text())
         meta["step"] = "two"
         (ckpt / "meta.json").write_text(json.dumps(meta))
+    elif kind in ("meta-shard-entry", "meta-no-shards"):
+        meta = json.loads((ckpt / "meta.json").read_text())
+        if kind == "meta-no-shards":
+            meta["shards"] = {}
+        else:
+            del meta["shards"]["stage-00.pt"]["bytes"]
+        (ckpt / "meta.json").write_text(json.dumps(meta))
     elif kind == "pipe-missing-shard":
         shard.unlink()
 
@@ -72,6 +79,7 @@ RESUME_KINDS = {  # kind -> (which finished run, extra argv)
     "corrupt": ("single", []), "truncate": ("single", []), "nockpt": ("single", []),
     "mismatch": ("single", ["--n-layer", "2"]), "backwards": ("single", ["--steps", "2"]),
     "meta-garbage": ("single", []), "meta-config": ("single", []), "meta-step": ("single", []),
+    "meta-shard-entry": ("single", []), "meta-no-shards": ("single", []),
     "corrupt-pipe": ("pipeline", []), "truncate-pipe": ("pipeline", []),
     "pipe-missing-shard": ("pipeline", []), "mismatch-pipe": ("pipeline", ["--n-embd", "64"]),
     "timeout-resume": ("pipeline", ["--timeout", "-1"]),
@@ -140,6 +148,8 @@ BAD_INPUTS = [
     ("backwards", "--steps 2 is before the checkpoint's step 3"),
     ("meta-garbage", "meta.json is unreadable or corrupted"),
     ("meta-config", "holds an unusable config (unknown field(s) train.bogus"),
+    ("meta-shard-entry", "has shards={'stage-00.pt': {'sha256':"),
+    ("meta-no-shards", "has shards={}, not a mapping of each shard to its bytes and sha256"),
     # 2-stage pipeline checkpoints (resumed as a multi-process run)
     ("corrupt-pipe", "stage-01.pt is corrupted"),
     ("truncate-pipe", "stage-01.pt is truncated"),
