@@ -133,3 +133,29 @@ def test_config_mismatch_names_the_field(tmp_path):
     run.pipeline.schedule = "sync"
     with pytest.raises(CheckpointError, match="pipeline.schedule='2bw'"):
         check_resume_config(tmp_path, saved_cfg, run)
+
+
+def test_auto_precisions_are_compared_as_what_they_ran_at(tmp_path):
+    """"auto" is bf16 on cuda and fp32 on cpu (autocast, and Muon's Newton-Schulz): a cpu checkpoint
+    resumes with --dtype/--ns-dtype fp32 but not as "auto" on cuda, which would change the numbers."""
+    saved = RunConfig()
+    saved.optim.name = "muon"
+    saved_cfg = saved.to_dict()
+
+    def run(device, dtype="auto", ns_dtype="auto", optimizer="muon"):
+        cfg = RunConfig.from_dict(saved_cfg)
+        cfg.train.device, cfg.train.dtype, cfg.optim.ns_dtype, cfg.optim.name = device, dtype, ns_dtype, optimizer
+        return cfg
+
+    check_resume_config(tmp_path, saved_cfg, run("cpu", "fp32", "fp32"))
+    check_resume_config(tmp_path, saved_cfg, run("cuda", "fp32", "fp32"))
+    with pytest.raises(CheckpointError, match=r"train.dtype='auto' \(fp32 on cpu\) but this run has 'auto' "
+                                              r"\(bf16 on cuda\); pass --dtype fp32"):
+        check_resume_config(tmp_path, saved_cfg, run("cuda", ns_dtype="fp32"))
+    with pytest.raises(CheckpointError, match=r"optim.ns_dtype='auto' \(fp32 on cpu\) .*pass --ns-dtype fp32"):
+        check_resume_config(tmp_path, saved_cfg, run("cuda", "fp32"))
+    with pytest.raises(CheckpointError, match=r"train.dtype='auto' \(fp32 on cpu\) but this run has 'bf16'"):
+        check_resume_config(tmp_path, saved_cfg, run("cpu", "bf16"))
+    saved.optim.name = "adamw"  # no Newton-Schulz: its "auto" means nothing on either device
+    saved_cfg = saved.to_dict()
+    check_resume_config(tmp_path, saved_cfg, run("cuda", "fp32", optimizer="adamw"))

@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from ..schedule.table import schedule_spec
-from .config import RESUME_MUST_MATCH, ConfigError, RunConfig, get_field
+from .config import RESUME_MUST_MATCH, ConfigError, RunConfig, get_field, resolved_field
 
 FORMAT_VERSION = 1
 META_NAME = "meta.json"
@@ -293,10 +293,15 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
                 f"checkpoint {ckpt_dir} was written with --dp {was.dp} x --micro-batch-size "
                 f"{was.micro_batch_size} = {before} sequences per microbatch but this run has --dp "
                 f"{new.dp} x --micro-batch-size {new.micro_batch_size} = {now}; keep the product{fit}")
-        if before != now:
-            raise CheckpointError(f"checkpoint {ckpt_dir} was written with {name}={before!r} but "
-                                  f"this run has {now!r}; resume with the same value (or leave "
-                                  "that flag out)")
+        if resolved_field(saved_cfg, name) != resolved_field(run, name):  # "auto" as the precision it is
+            was, new = (f"{v!r}" + (f" ({resolved_field(c, name)} on {c.train.device})" if v == "auto" else "")
+                        for v, c in ((before, saved_cfg), (now, run)))
+            fix = "resume with the same value (or leave that flag out)"
+            if "auto" in (before, now):  # another device: "auto" ran at another precision there
+                flag = {"train.dtype": "--dtype", "optim.ns_dtype": "--ns-dtype"}[name]
+                fix = f"pass {flag} {resolved_field(saved_cfg, name)} to resume at the checkpoint's precision"
+            raise CheckpointError(f"checkpoint {ckpt_dir} was written with {name}={was} but "
+                                  f"this run has {new}; {fix}")
     if schedule_spec(saved_cfg.pipeline.schedule).lag_per_stage and saved_cfg.pipeline.stages != run.pipeline.stages:
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by a {saved_cfg.pipeline.schedule} run of --stages "
                               f"{saved_cfg.pipeline.stages}, whose depth sets each stage's delay and the "

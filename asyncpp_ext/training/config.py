@@ -496,6 +496,18 @@ def get_field(cfg: RunConfig, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
+def resolved_field(cfg: RunConfig, dotted: str):
+    """``get_field``, with an "auto" precision replaced by what it runs as on ``cfg``'s device
+    (bf16 on cuda, fp32 on cpu): the autocast dtype, and a Muon-family optimizer's Newton-Schulz
+    dtype. A resume compares these, so "auto" on cpu and "fp32" count as the same run and "auto" on
+    cpu and on cuda do not."""
+    value = get_field(cfg, dotted)
+    auto_precision = dotted == "train.dtype" or (dotted == "optim.ns_dtype" and cfg.optim.name in MUON_FAMILY)
+    if value == "auto" and auto_precision:
+        return "bf16" if cfg.train.device == "cuda" else "fp32"
+    return value
+
+
 __all__ = ["SCHEDULES", "SYNC_SCHEDULES", "EF_BETA_MAX", "MUON_FAMILY", "NONFINITE_POLICIES", "NONFINITE_CHECKS", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
-           "get_field", "COMPILE_SCOPES", "COMPILE_MODES"]
+           "get_field", "resolved_field", "COMPILE_SCOPES", "COMPILE_MODES"]
