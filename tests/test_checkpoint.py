@@ -159,3 +159,21 @@ def test_auto_precisions_are_compared_as_what_they_ran_at(tmp_path):
     saved.optim.name = "adamw"  # no Newton-Schulz: its "auto" means nothing on either device
     saved_cfg = saved.to_dict()
     check_resume_config(tmp_path, saved_cfg, run("cuda", "fp32", optimizer="adamw"))
+
+
+def test_cuda_generator_states_of_a_machine_with_more_gpus_restore_on_the_devices_present(monkeypatch):
+    """A checkpoint written where two GPUs were visible, resumed where one is: that one's state is
+    restored (torch's set_rng_state_all would ask for a device that does not exist)."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((device, state)))
+    state = {"torch": torch.get_rng_state(), "python": [3, [0] * 625, None],
+             "cuda": [torch.zeros(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8)]}
+    import random
+    before = random.getstate()
+    try:
+        ckpt.restore_rng_state(state)
+    finally:
+        random.setstate(before)
+    assert [(d, int(s[0])) for d, s in restored] == [(0, 0)]

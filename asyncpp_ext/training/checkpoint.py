@@ -101,7 +101,9 @@ def restore_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # the devices both machines have: a checkpoint from a machine with more GPUs still resumes
+        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
 
 
 # -- writing ------------------------------------------------------------------------------------
