@@ -22,6 +22,8 @@ PIPEDREAM = ["--schedule", "pipedream", "--microbatches", "1", "--stages", "2"]
     (["--ef-source", "weights", "--schedule", "sync"], ["--ef-source", "--schedule sync", "2bw"]),
     (["--ef-source", "weights", "--schedule", "1f1b", "--simulate"], ["--ef-source", "--schedule 1f1b"]),
     (["--ef-source", "weights", "--ef-beta", "0"], ["--ef-source", "--ef-beta"]),
+    (["--ef-source", "weights", "--schedule", "pipedream", "--microbatches", "1"],  # one stage: no delay
+     ["--ef-source", "--schedule pipedream at --stages 1 keeps one version"]),
     (["--mitigation", "predict", "--stages", "2"], ["--mitigation", "'predict'", "--simulate"]),
     (["--mitigation", "dc", "--ef-beta", "0.5"], ["--mitigation", "--ef-beta 0.5"]),
     (["--mitigation", "ef", "--optimizer", "sgd"], ["--mitigation", "--ef-beta"]),

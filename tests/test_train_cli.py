@@ -180,3 +180,15 @@ def test_switches_of_a_resumed_run_turn_off_as_well_as_on(tmp_path):
     assert cfg["train"]["simulate"] is False and cfg["pipeline"]["recompute"] is False
     assert main(tiny + ["--steps", "4", "--out", str(tmp_path / "real")]) == 0
     assert [r["loss"] for r in _metrics(tmp_path / "sim")] == [r["loss"] for r in _metrics(tmp_path / "real")]
+
+
+def test_the_summary_line_of_a_run_whose_last_evaluation_was_non_finite(tmp_path, capsys):
+    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.run import print_summary
+
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 5.0, "elapsed_s": 0.1}\n'
+        '{"step": 2, "loss": null, "skipped": true, "eval_loss": null, "elapsed_s": 0.2}\n')
+    print_summary(tmp_path, RunConfig(), 0)
+    line = capsys.readouterr().out
+    assert "step 2 loss skipped eval_loss non-finite (1 step skipped: non-finite values)" in line, line

@@ -31,10 +31,11 @@ def check_mitigation(cfg: RunConfig) -> None:
         raise ConfigError(f"optim.mitigation='ef' needs error feedback on, but --ef-beta is 0 for "
                           f"optimizer {o.name!r}; pass --ef-beta > 0 (e.g. 0.5)")
     if o.ef_source == "weights":
-        if not schedule_spec(schedule).delayed(max(2, cfg.pipeline.stages)):
+        if not schedule_spec(schedule).delayed(cfg.pipeline.stages):  # pipedream's one stage is not
             raise ConfigError(f"optim.ef_source='weights' reads the previous update from the weight versions "
-                              f"of a delayed schedule, but --schedule {schedule} keeps one version; use "
-                              "--schedule 2bw or pipedream, or --ef-source buffer")
+                              f"of a delayed schedule, but --schedule {schedule} at --stages {cfg.pipeline.stages} "
+                              "keeps one version; use --schedule 2bw, pipedream over several stages, or "
+                              "--ef-source buffer")
         if o.effective_ef_beta() == 0:
             raise ConfigError(f"optim.ef_source='weights' chooses where error feedback reads its previous "
                               f"update, but EF is off (--ef-beta 0, --mitigation {o.effective_mitigation()}); "

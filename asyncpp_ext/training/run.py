@@ -165,7 +165,9 @@ def print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
         print(f"{out}: already at step {start_step} of {cfg.train.steps}; nothing to do")
         return
     last = rows[-1]
-    shown = f" eval_loss {last['eval_loss']:.4f}" if "eval_loss" in last else ""
+    shown = ""
+    if "eval_loss" in last:  # written null when non-finite
+        shown = " eval_loss non-finite" if last["eval_loss"] is None else f" eval_loss {last['eval_loss']:.4f}"
     skipped = sum(1 for r in rows if r.get("skipped"))
     shown += f" ({skipped} step{'s' if skipped != 1 else ''} skipped: non-finite values)" if skipped else ""
     loss = "skipped" if last["loss"] is None else f"{last['loss']:.4f}"
