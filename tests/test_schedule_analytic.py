@@ -82,6 +82,17 @@ def test_ours_without_a_closed_form_are_refused_by_name():
         an.makespan("2bw", 4, 2)  # 2bw needs m >= S: the table's own rule
 
 
+def test_zero_costs_have_no_bubble_and_misspelled_names_are_refused():
+    assert an.bubble_fraction("gpipe", 2, 2, fwd=0, bwd=0) == 0.0 == sc.simulate(
+        "gpipe", stages=2, microbatches=2, fwd=0, bwd=0).bubble_fraction
+    assert an.PEER_FORMULAS["1f1b"].rate(2, 2, 0, 0, 0) == 0.0
+    with pytest.raises(ValueError, match="unknown schedule '2BW'"):
+        an.weight_versions("2BW", 0, 4)
+    assert an.weight_versions("zb-h1", 0, 4) == 1  # a synchronous peer keeps one version
+    with pytest.raises(ValueError, match="steps=5 contradicts the schedule's steps=1"):
+        sc.simulate(sc.build("2bw", 2, 2, 1), steps=5)
+
+
 def _torch_orders(name, S, m):
     import sys
     from pathlib import Path

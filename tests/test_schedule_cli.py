@@ -116,6 +116,8 @@ def test_pipedream_plot_labels_boxes_by_step_and_stashed_version(tmp_path):
     (["--schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--plot",
       "/nonexistent-dir/t.png"], "cannot write plot to '/nonexistent-dir/t.png'"),
     (["--stages", "2", "--microbatches", "2"], "the following arguments are required: --schedule"),
+    (["--schedule", "gpipe", "-S", "3000000000", "-m", "1"], "--stages 3000000000 is more than 2147483647"),
+    (["--schedule", "gpipe", "-S", "2", "-m", "2", "--timeline"], "--timeline adds the timeline to the JSON"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
     assert main(argv) == 2
@@ -123,6 +125,7 @@ def test_bad_input_exits_2_with_one_line(argv, needle, capsys):
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("asyncpp-schedule: error: "), err
     assert needle in err and "Traceback" not in err and "[" not in err.split(": error: ")[1][:1]
+    assert ".cpp:" not in err  # the core's source location is for debugging, not for the user
 
 
 def test_module_and_console_script_run_as_processes(tmp_path):

@@ -85,6 +85,8 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, steps: int = 
                     bwd: float = 2.0, opt: float = 0.0) -> float:
     """idle / (stages x makespan): equals ``simulate(...).bubble_fraction``."""
     span = makespan(schedule, stages, microbatches, steps, fwd=fwd, bwd=bwd, opt=opt)
+    if span == 0:  # nothing to run (every cost zero): no idle time either, as simulate() says
+        return 0.0
     return 1.0 - busy_per_stage(schedule, stages, microbatches, steps, fwd=fwd, bwd=bwd, opt=opt) / span
 
 
@@ -119,7 +121,7 @@ class PeerFormula:
                 "zb-h1": (p - 1) * (F + B - W),
                 "zb-h2": (p - 1) * max(F + B - 2 * W, 0.0),
                 "zbv": 0.0}[self.name]
-        return max(idle, 0.0) / (m * total)
+        return max(idle, 0.0) / (m * total) if total > 0 else 0.0  # no compute: no bubble
 
     def fraction(self, stages: int, microbatches: int, F: float = 1.0, B: float = 1.0, W: float = 1.0) -> float:
         r = self.rate(stages, microbatches, F, B, W)
@@ -139,8 +141,9 @@ PEER_FORMULAS: Dict[str, PeerFormula] = {f.name: f for f in (
 # ---- memory per stage ----------------------------------------------------------------------
 
 def activations_in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
-    """Most microbatches whose activations a stage holds at once (units of A, the stage's
-    activation bytes for one microbatch; docs/design.md §3). Peers: as published (zb-h1 = 1F1B's,
+    """Most microbatches whose activations a stage holds at once in the steady state (units of A,
+    the stage's activation bytes for one microbatch; docs/design.md §3; a first step may hold
+    fewer). Peers: as published (zb-h1 = 1F1B's,
     zb-h2 = 2p - 1 on the first stage, zbv = p on every rank in units of a whole rank's A)."""
     S, m, s = stages, microbatches, stage
     if not 0 <= s < S:
@@ -157,6 +160,8 @@ def weight_versions(schedule: str, stage: int, stages: int) -> int:
     synchronous peer keeps 1."""
     if schedule in OURS:
         return schedule_spec(schedule).stage_lags(stages)[stage].versions
+    if schedule not in PEER_FORMULAS:
+        raise ValueError(f"unknown schedule {schedule!r}: one of {', '.join(OURS + tuple(PEER_FORMULAS))}")
     return 1
 
 

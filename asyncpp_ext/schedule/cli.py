@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import List, Optional
 
+from .._ext import without_source_location
 from .table import schedule_names
 
 PROG = "asyncpp-schedule"
+MAX_COUNT = 2**31 - 1
 SCHEDULE_CHOICES = schedule_names(pipeline_only=True)  # the pipeline rows of the schedule table
 
 
@@ -51,12 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _clean(message: str) -> str:
-    """One line without the C++ source location suffix ' [file.cpp:12: cond]'."""
-    message = re.sub(r"\s*\[[\w.]+:\d+: [^\]]*\]\s*$", "", str(message))
-    return " ".join(message.split())
-
-
 def _table(res) -> str:
     head = f"{'stage':>5}  {'busy':>10}  {'idle':>10}  {'peak in-flight':>14}  {'max versions':>12}"
     lines = [f"schedule {res.schedule}: S={res.stages} m={res.microbatches} K={res.steps} "
@@ -76,6 +71,12 @@ def _run(args) -> str:
         value = getattr(args, name)
         if not value >= 0 or value == float("inf"):
             raise ValueError(f"--{name} must be a finite cost >= 0 (got {value})")
+    for name in ("stages", "microbatches", "steps"):  # the C++ core counts in 32-bit integers
+        if getattr(args, name) > MAX_COUNT:
+            raise ValueError(f"--{name} {getattr(args, name)} is more than {MAX_COUNT}; pass a smaller count")
+    if args.timeline and not args.json:
+        raise ValueError("--timeline adds the timeline to the JSON output; add --json (or use --plot PATH "
+                         "for a picture)")
     res = sc.simulate(args.schedule, stages=args.stages, microbatches=args.microbatches,
                       steps=args.steps, fwd=args.fwd, bwd=args.bwd, p2p=args.p2p, opt=args.opt)
     if args.plot:  # before printing, so a bad path leaves no half-finished output behind
@@ -105,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return int(e.code or 0)
         out = _run(args)
     except (_UsageError, ValueError, TypeError) as e:
-        print(f"{PROG}: error: {_clean(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {without_source_location(e)}", file=sys.stderr)
         return 2
     print(out)
     return 0

@@ -163,7 +163,7 @@ def _per_stage(value, stages: int, name: str) -> List[float]:
 
 
 def simulate(sched_or_name: Union[Schedule, str], stages: Optional[int] = None,
-             microbatches: Optional[int] = None, steps: int = 1, *, fwd=1.0, bwd=2.0,
+             microbatches: Optional[int] = None, steps: Optional[int] = None, *, fwd=1.0, bwd=2.0,
              p2p: float = 0.0, opt=0.0) -> SimResult:
     """Simulate a schedule (or build one by name first) with the given compute costs.
 
@@ -176,11 +176,12 @@ def simulate(sched_or_name: Union[Schedule, str], stages: Optional[int] = None,
         if stages is None or microbatches is None:
             raise ValueError("simulate(name, ...) needs stages= and microbatches= "
                              "(or pass a Schedule from schedule.build)")
-        sched = build(sched_or_name, stages, microbatches, steps)
+        sched = build(sched_or_name, stages, microbatches, 1 if steps is None else steps)
     elif isinstance(sched_or_name, Schedule):
         sched = sched_or_name
         for given, actual, name in ((stages, sched.stages, "stages"),
-                                    (microbatches, sched.microbatches, "microbatches")):
+                                    (microbatches, sched.microbatches, "microbatches"),
+                                    (steps, sched.steps, "steps")):
             if given is not None and given != actual:
                 raise ValueError(f"{name}={given} contradicts the schedule's {name}={actual}: "
                                  f"leave it out when passing a Schedule")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .._ext import C
+from .._ext import C, without_source_location
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,10 @@ class ScheduleSpec:
 
     def check(self, stages: int, microbatches: int) -> None:
         """ValueError naming the fix when (stages, microbatches) cannot run this schedule."""
-        C.check_schedule_shape(self.kind, stages, microbatches)
+        try:
+            C.check_schedule_shape(self.kind, stages, microbatches)
+        except ValueError as exc:
+            raise ValueError(without_source_location(exc)) from None
 
     def stage_lags(self, stages: int) -> tuple[StageLag, ...]:
         """Per stage of ``stages``: its lag and the versions it keeps (from the C++ core)."""

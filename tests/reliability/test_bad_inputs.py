@@ -241,6 +241,7 @@ def test_bad_input_is_one_clean_error_line(tmp_path, finished_runs, capsys, monk
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("asyncpp-train: error: ") and message in lines[0], lines[0]
+    assert ".cpp:" not in lines[0], lines[0]  # the core's source location is for debugging
     assert "Traceback" not in captured.err + captured.out
     assert not (tmp_path / "out").exists()
     if kept_run:
