@@ -115,8 +115,8 @@ def test_state_dict_round_trip_is_bitwise(name):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
 
 
-@pytest.mark.parametrize("name", ["muon", "adamw", "sgd"])
-def test_nonfinite_gradient_raises_and_changes_nothing(name):
+def _one_step_then_gradients(name):
+    """(model, optimizer, a check that nothing moved): one step taken, the next gradients in place."""
     model = TinyGPT()
     opt = build_optimizer(model, name, lr=0.01, ef_beta=0.5)
     loss_of(model).backward()
@@ -124,6 +124,19 @@ def test_nonfinite_gradient_raises_and_changes_nothing(name):
     weights = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict())
     loss_of(model, 1).backward()
+
+    def nothing_moved():
+        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+        after = opt.state_dict()
+        for pid, st in state["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, after["state"][pid][k]) if torch.is_tensor(v) else v == after["state"][pid][k]
+    return model, opt, nothing_moved
+
+
+@pytest.mark.parametrize("name", ["muon", "adamw", "sgd"])
+def test_nonfinite_gradient_raises_and_changes_nothing(name):
+    model, opt, nothing_moved = _one_step_then_gradients(name)
     model.blocks[1].fc.weight.grad[3, 2] = float("nan")
     with pytest.raises(NonFiniteGradientError, match=r"blocks\.1\.fc\.weight"):
         opt.step()
@@ -131,32 +144,18 @@ def test_nonfinite_gradient_raises_and_changes_nothing(name):
     model.ln_f.bias.grad[0] = float("-inf")
     with pytest.raises(FloatingPointError, match=r"ln_f\.bias"):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
-    after = opt.state_dict()
-    for pid, st in state["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, after["state"][pid][k]) if torch.is_tensor(v) else v == after["state"][pid][k]
+    nothing_moved()
 
 
 def test_a_parameter_made_unfit_after_construction_is_refused_before_any_kernel_runs():
     """p.data swapped for a column-major view after the optimizer was built: the step refuses it,
     naming it, before the AdamW group or the Muon momentum move (no half-applied step)."""
-    model = TinyGPT()
-    opt = build_optimizer(model, "muon", lr=0.01, ef_beta=0.5)
-    loss_of(model).backward()
-    opt.step()
-    weights = [p.detach().clone() for p in model.parameters()]
-    state = copy.deepcopy(opt.state_dict())
-    loss_of(model, 1).backward()
+    model, opt, nothing_moved = _one_step_then_gradients("muon")
     fc = model.blocks[1].fc.weight
     fc.data = fc.data.t().contiguous().t()  # same values, not contiguous
     with pytest.raises(ValueError, match=r"blocks\.1\.fc\.weight.*need contiguous parameters"):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
-    after = opt.state_dict()
-    for pid, st in state["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, after["state"][pid][k]) if torch.is_tensor(v) else v == after["state"][pid][k]
+    nothing_moved()
 
 
 def test_bad_arguments_are_named():
