@@ -305,3 +305,17 @@ def test_the_python_api_checks_the_shard_size_too(tmp_path):
     with pytest.raises(prep.PrepareError, match="--shard-tokens 0 is not positive"):
         prep.prepare("bytes", [str(tmp_path / "in.txt")], str(tmp_path / "out.bin"), shard_tokens=0)
     assert list(tmp_path.iterdir()) == [tmp_path / "in.txt"]
+
+
+def test_a_path_this_user_may_not_read_is_one_line(tmp_path, capsys, monkeypatch):
+    """Python raises PermissionError from Path.is_file()/is_dir() on an unreadable directory, before
+    any file is opened: one line naming the path, exit 2 (root cannot be denied, so it is raised here)."""
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/data/locked/a.txt")
+
+    monkeypatch.setattr(prep, "prepare", denied)
+    assert prep.main(["--tokenizer", "bytes", "--input", "/data/locked/a.txt", "--out", str(tmp_path / "o.bin")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("asyncpp-prepare-data: error: cannot use /data/locked/a.txt "
+                                                   "(Permission denied)"), err
+    assert list(tmp_path.iterdir()) == []

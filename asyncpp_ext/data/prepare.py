@@ -466,6 +466,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except DataError as exc:  # PrepareError, or a vocabulary no token dtype holds
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path this user may not read or write, found before any file is opened
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"{PROG}: error: cannot use{where} ({exc.strerror or exc}); check that path and its "
+              "permissions", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; no file written", file=sys.stderr)
         return 130
