@@ -133,6 +133,16 @@ def test_ignored_targets_drop_out_of_the_mean_as_in_cross_entropy():
     assert torch.count_nonzero(got_grads[0][::3]) == 0  # ignored rows get no gradient
 
 
+def test_every_target_ignored_gives_a_nan_loss_and_zero_gradients_as_cross_entropy():
+    leaves, t = _problem()
+    t = torch.full_like(t, -100)
+    want, want_grads = _loss_and_grads(_plain, leaves, t)
+    got, got_grads = _loss_and_grads(_chunked(7), leaves, t)
+    assert torch.isnan(want) and torch.isnan(got)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in got_grads)  # finite: nothing poisons the stages
+    assert all(torch.equal(w, torch.zeros_like(w)) for w in want_grads)
+
+
 def test_shapes_batched_input_and_bad_inputs():
     leaves, t = _problem()
     h, w = leaves

@@ -252,7 +252,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         valid, count, g_w, grad_w, grad_b = ctx.saved_tensors
         hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
-        scale = grad_loss.to(torch.float32) / count
+        # every target ignored: the loss is 0/0 = nan but the gradient zero, as F.cross_entropy's
+        scale = torch.where(count > 0, grad_loss.to(torch.float32) / count.clamp(min=1), 0.0)
         grad_h = None
         if g_w is not None:
             grad_h = torch.empty(g_w.shape, dtype=hidden_dtype, device=g_w.device)
