@@ -392,13 +392,17 @@ def from_config(path_or_dict: Union[str, os.PathLike, dict], seed: int = 0) -> H
         _check_model_type(config, "config dict")
     else:
         config = read_config(path_or_dict)
-    transformers = _transformers()
-    hf_config = _hf_config(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        hf_model = transformers.AutoModelForCausalLM.from_config(
-            hf_config, attn_implementation="sdpa", dtype=torch.float32)
+        hf_model = _random_model(config)
     return HFCausalLM(hf_model)
+
+
+def _random_model(config: dict) -> nn.Module:
+    """The transformers causal LM of ``config`` (a checked dict), randomly initialised on the
+    current default device, float32, sdpa attention, dropout off."""
+    return _transformers().AutoModelForCausalLM.from_config(
+        _hf_config(config), attn_implementation="sdpa", dtype=torch.float32)
 
 
 def check_runs(config: dict, directory: Union[str, os.PathLike, None] = None) -> None:
@@ -409,12 +413,9 @@ def check_runs(config: dict, directory: Union[str, os.PathLike, None] = None) ->
     config's fields allow but its layers cannot run (e.g. attention heads that are not a multiple of
     the key/value heads) is found before any process starts or any file is written. Only the
     files' headers are read."""
-    transformers = _transformers()
-    hf_config = _hf_config(config)
     try:
         with torch.device("meta"):
-            hf_model = transformers.AutoModelForCausalLM.from_config(
-                hf_config, attn_implementation="sdpa", dtype=torch.float32)
+            hf_model = _random_model(config)
             model = HFCausalLM(hf_model)
             model(torch.zeros(1, min(4, model.seq_len), dtype=torch.long))
     except HFModelError:
