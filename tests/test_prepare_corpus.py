@@ -4,6 +4,7 @@ and save_to_disk inputs, directories and globs; documents each followed by one e
 whole documents; bad records named by file and line, exit 2 and no file left, or skipped and counted."""
 import gzip
 import json
+import os
 import re
 import subprocess
 import sys
@@ -296,6 +297,25 @@ def test_in_flight_tasks_are_bounded(tmp_path):
         seen.append(bytes(ids.astype(np.uint8)).decode())
         assert len(pulled) - len(seen) <= 2 * 2 + 1  # never more than 2N + 1 in flight
     assert seen == [f"piece {i}\n" for i in range(40)]
+
+
+class _KillsTheWorker:
+    """Task items whose unpickling ends the worker process at once, as a kill -9 or the kernel's
+    out-of-memory killer would."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_ends_the_run_with_one_line_not_a_hang(tmp_path):
+    from asyncpp_ext.data.encode import ByteTokenizer, PrepareError
+
+    tasks = [Task("text", [f"piece {i}\n"], "x.txt", 0, [True]) for i in range(3)]
+    tasks.insert(1, Task("text", _KillsTheWorker(), "x.txt", 0, [True]))
+    with pytest.raises(PrepareError, match="a tokenizer worker process stopped .*fewer --workers"):
+        for _ in ordered_encode(iter(tasks), ByteTokenizer(), "bytes", "text", 2):
+            pass
 
 
 def _bad_case(tmp_path, case, tok, monkeypatch=None):

@@ -280,26 +280,32 @@ def ordered_encode(tasks: Iterable[Task], tokenizer, tokenizer_spec: str, text_f
             yield task, encode_task(tokenizer, task, text_field)
         return
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     # spawn: a fresh interpreter per worker; fork could copy a parent's locked mutexes (torch,
-    # tokenizers' thread pool) into the child.
-    ctx = multiprocessing.get_context("spawn")
-    pool = ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer_spec, text_field))
+    # tokenizers' thread pool) into the child. An executor rather than multiprocessing.Pool: a
+    # worker that dies (killed, out of memory) breaks the pool and every pending result raises,
+    # where a Pool would start a replacement and wait for the lost result forever.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_init, initargs=(tokenizer_spec, text_field))
     try:
         pending: deque = deque()
         for task in tasks:
             pending.append((Task(task.kind, (), task.path, task.first, task.ends),
-                            pool.apply_async(_worker_encode, (task,))))
+                            pool.submit(_worker_encode, task)))
             if len(pending) > 2 * workers:
                 head, result = pending.popleft()
-                yield head, result.get()
+                yield head, result.result()
         while pending:
             head, result = pending.popleft()
-            yield head, result.get()
-        pool.close()
+            yield head, result.result()
+    except BrokenProcessPool:
+        raise PrepareError(f"a tokenizer worker process stopped (killed, out of memory, or its "
+                           f"tokenizer failed to load) with {workers} workers; run again, with "
+                           "fewer --workers if memory is short") from None
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 __all__ = ["BAD", "BLANK", "BOS_NAMES", "BYTES", "ByteTokenizer", "EOS_NAMES", "HFTokenizer",
