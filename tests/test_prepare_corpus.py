@@ -318,6 +318,27 @@ def test_a_worker_that_dies_ends_the_run_with_one_line_not_a_hang(tmp_path):
             pass
 
 
+def test_an_unreadable_directory_inside_an_input_directory_is_named(tmp_path, capsys, monkeypatch):
+    """Running as root, permissions cannot be taken away: the directory listing fails instead."""
+    (tmp_path / "corpus" / "locked").mkdir(parents=True)
+    (tmp_path / "corpus" / "a.txt").write_text("readable text\n")
+    (tmp_path / "corpus" / "locked" / "b.txt").write_text("text that must not go missing\n")
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    rc, out, err = _run(["--tokenizer", "bytes", "--input", tmp_path / "corpus", "--out",
+                         tmp_path / "o.bin"], capsys)
+    assert rc == 2 and out == [] and len(err) == 1, err
+    assert re.search("input directory .*corpus/locked could not be read \\(Permission denied\\)",
+                     err[0]), err[0]
+    assert not (tmp_path / "o.bin").exists()
+
+
 def _bad_case(tmp_path, case, tok, monkeypatch=None):
     good = [json.dumps({"text": "good text"}) + "\n"] * 3
     path = tmp_path / "in.jsonl"

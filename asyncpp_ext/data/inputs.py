@@ -5,7 +5,8 @@ directory) that cut them into ``Task``s of consecutive records. Text files are r
 
 Expansion (``expand_inputs``): each ``--input`` is a file, a directory or a glob, in the order
 given; a directory expands to its data files (``DATA_SUFFIXES``, hidden entries skipped), a glob
-to its matches, both in sorted path order. A directory saved by ``datasets``' ``save_to_disk``
+to its matches, both in sorted path order; a subdirectory that cannot be listed is an error, not
+skipped. A directory saved by ``datasets``' ``save_to_disk``
 (``state.json`` + ``dataset_info.json``) expands to its Arrow files in the dataset's order.
 """
 from __future__ import annotations
@@ -94,7 +95,11 @@ def _expand_directory(directory: Path) -> list[Input]:
     if saved is not None:
         return saved
     found: list[tuple[str, list[Input]]] = []
-    for dirpath, dirnames, filenames in os.walk(directory):
+    def unreadable(exc: OSError):  # os.walk would skip the directory and read the rest
+        raise PrepareError(f"input directory {exc.filename} could not be read ({exc.strerror}); "
+                           "fix its permissions, or pass the files or directories to read")
+
+    for dirpath, dirnames, filenames in os.walk(directory, onerror=unreadable):
         here = Path(dirpath)
         keep = []
         for d in sorted(dirnames):
