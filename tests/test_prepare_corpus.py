@@ -339,6 +339,22 @@ def test_an_unreadable_directory_inside_an_input_directory_is_named(tmp_path, ca
     assert not (tmp_path / "o.bin").exists()
 
 
+@pytest.mark.parametrize("spec", ["corpus", "corpus/*"])
+def test_outputs_inside_the_input_directory_are_not_read_back_as_input(tmp_path, eot_tok, capsys, spec):
+    """Token files, sidecars and manifests this tool wrote are not inputs of its next run."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    _jsonl(corpus / "d.jsonl", _docs(40))
+    argv = ["--tokenizer", eot_tok, "--input", tmp_path / spec, "--out", corpus / "o.bin",
+            "--shard-tokens", "300", "--val-fraction", "0.1"]
+    assert _run(argv, capsys)[0] == 0
+    written = {p.name: p.read_bytes() for p in corpus.iterdir() if p.name != "d.jsonl"}
+    assert {"o.manifest.json", "o_000000.bin.json", "o.val_000000.bin"} <= set(written)
+    rc, out, err = _run(argv, capsys)
+    assert rc == 0 and "from 1 input file(s)" in out[0], err
+    assert {p.name: p.read_bytes() for p in corpus.iterdir() if p.name != "d.jsonl"} == written
+
+
 def _bad_case(tmp_path, case, tok, monkeypatch=None):
     good = [json.dumps({"text": "good text"}) + "\n"] * 3
     path = tmp_path / "in.jsonl"

@@ -5,9 +5,10 @@ directory) that cut them into ``Task``s of consecutive records. Text files are r
 
 Expansion (``expand_inputs``): each ``--input`` is a file, a directory or a glob, in the order
 given; a directory expands to its data files (``DATA_SUFFIXES``, hidden entries skipped), a glob
-to its matches, both in sorted path order; a subdirectory that cannot be listed is an error, not
-skipped. A directory saved by ``datasets``' ``save_to_disk``
-(``state.json`` + ``dataset_info.json``) expands to its Arrow files in the dataset's order.
+to its matches, both in sorted path order, leaving out the token files, sidecars and manifests
+this tool writes (``TOKEN_OUTPUT_SUFFIXES``); a subdirectory that cannot be listed is an error, not
+skipped. A directory saved by ``datasets``' ``save_to_disk`` (``state.json`` +
+``dataset_info.json``) expands to its Arrow files in the dataset's order.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from .encode import PrepareError, Task
 from .errors import first_line
+from .shards import MANIFEST_SUFFIX
 
 TEXT, JSONL, PARQUET, ARROW = "text", "jsonl", "parquet", "arrow"
 COMPRESSION_SUFFIXES = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
@@ -58,7 +60,19 @@ def classify(path: Path) -> Input:
     return Input(path, kind, compression)
 
 
+TOKEN_OUTPUT_SUFFIXES = (".bin", ".bin.json", MANIFEST_SUFFIX)
+"""What ``asyncpp-prepare-data`` itself writes (token files, their sidecars, shard manifests): never
+read from a directory or glob, so a run whose --out lies inside its input directory reads the same
+inputs when it is run again."""
+
+
+def _is_token_output(path: Path) -> bool:
+    return path.name.lower().endswith(TOKEN_OUTPUT_SUFFIXES)
+
+
 def _is_data_file(path: Path) -> bool:
+    if _is_token_output(path):
+        return False
     name = path.name.lower()
     for suffix in COMPRESSION_SUFFIXES:
         if name.endswith(suffix):
@@ -139,7 +153,8 @@ def expand_inputs(specs: Sequence[str]) -> list[Input]:
             found = []
             for match in map(Path, matches):
                 found.extend(_expand_directory(match) if match.is_dir() else
-                             [classify(match)] if match.is_file() else [])
+                             [classify(match)] if match.is_file() and not _is_token_output(match)
+                             else [])
             if not found:
                 raise PrepareError(f"input {spec} matches no readable input file; check the pattern")
         else:

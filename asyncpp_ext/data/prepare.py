@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "UTF-8 bytes, vocabulary 256)")
     parser.add_argument("--input", required=True, nargs="+", metavar="PATH",
                         help="files, directories or globs, read in the order given (a directory or "
-                             "glob in sorted order): text (*.txt, or any other name), JSON lines "
+                             "glob in sorted order, leaving out .bin token files, sidecars and manifests): text (*.txt, or any other name), JSON lines "
                              "(*.jsonl, *.json, *.ndjson, optionally .gz/.zst), Parquet (*.parquet), "
                              "Arrow / a save_to_disk directory")
     parser.add_argument("--out", required=True, metavar="PATH", help="token file to write (.bin)")
