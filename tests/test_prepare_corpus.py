@@ -373,6 +373,11 @@ def _bad_case(tmp_path, case, tok, monkeypatch=None):
         path = tmp_path / "in.jsonl.gz"
         data = gzip.compress(("".join(good) * 200).encode())
         path.write_bytes(data[: len(data) // 2])
+    elif case == "truncated zstd":
+        zstandard = pytest.importorskip("zstandard")
+        path = tmp_path / "in.jsonl.zst"
+        data = zstandard.ZstdCompressor().compress(("".join(good) * 200).encode())
+        path.write_bytes(data[: len(data) // 2])
     elif case == "truncated parquet":
         pa = pytest.importorskip("pyarrow")
         import pyarrow.parquet as pq
@@ -416,6 +421,7 @@ BAD = [
     ("non-UTF-8 record", "in.jsonl line 4 is not UTF-8 \\(byte 13 of the line\\)"),
     ("not an object", "in.jsonl line 4 is a JSON list, not an object"),
     ("truncated gzip", "in.jsonl.gz is damaged or cut short"),
+    ("truncated zstd", "in.jsonl.zst is damaged or cut short \\(it ends inside a frame"),
     ("truncated parquet", "in.parquet is not a readable Parquet file .*download it again"),
     ("parquet without the column", "in.parquet has no column 'text' \\(columns: content\\)"),
     ("empty glob", "input .*nothing/\\*.parquet matches no file"),
@@ -441,6 +447,7 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, eot_tok, capsys, mon
     ("non-UTF-8 record", "skipped 1 bad record(s)"),
     ("missing text field", "skipped 1 bad record(s)"),
     ("truncated parquet", "skipped 0 bad record(s) and 1 damaged file(s)"),
+    ("truncated zstd", "skipped 0 bad record(s) and 1 damaged file(s)"),
 ])
 def test_skip_bad_records_counts_and_keeps_the_rest(tmp_path, eot_tok, capsys, case, skipped):
     argv = _bad_case(tmp_path, case, eot_tok)
@@ -451,7 +458,7 @@ def test_skip_bad_records_counts_and_keeps_the_rest(tmp_path, eot_tok, capsys, c
     assert skipped in out[0]
     ids = load_tokens(str(tmp_path / "o.bin"), VOCAB).tolist()
     kept = _expected(eot_tok, ["kept document"])
-    good_before = 0 if "parquet" in case else (4 if case in ("malformed JSON", "non-UTF-8 record") else 3)
+    good_before = 0 if "parquet" in case or "zstd" in case else (4 if case in ("malformed JSON", "non-UTF-8 record") else 3)
     assert ids == _expected(eot_tok, ["good text"] * good_before) + kept
 
 

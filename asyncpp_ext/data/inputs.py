@@ -172,6 +172,47 @@ def expand_inputs(specs: Sequence[str]) -> list[Input]:
 
 
 # ---- opening ----------------------------------------------------------------------------------
+ZSTD_MAGIC = 0xFD2FB528
+ZSTD_SKIPPABLE = 0x184D2A50
+"""A skippable frame's magic, with any value in its low four bits."""
+
+
+def zstd_cut_short(path: Path, zstandard) -> Optional[str]:
+    """Why ``path`` is not whole zstd frames end to end, or None when it is. Read from the frame
+    and block headers alone (a seek per block): zstandard's stream readers end quietly where a
+    cut-short file ends, so a truncated download would otherwise pass for a shorter corpus."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        at = 0
+        while at < size:
+            f.seek(at)
+            head = f.read(18)  # the longest frame header
+            magic = int.from_bytes(head[:4], "little")
+            if magic & 0xFFFFFFF0 == ZSTD_SKIPPABLE:
+                at += 8 + int.from_bytes(head[4:8], "little")
+                continue
+            if magic != ZSTD_MAGIC:
+                return f"byte {at} does not start a zstd frame"
+            try:
+                at += zstandard.frame_header_size(head)
+                checksum = zstandard.get_frame_parameters(head).has_checksum
+            except zstandard.ZstdError:
+                return f"it ends inside the frame header at byte {at}"
+            last = False
+            while not last:
+                f.seek(at)
+                block = f.read(3)
+                if len(block) < 3:
+                    return f"it ends inside a frame ({size} bytes)"
+                value = int.from_bytes(block, "little")
+                last, kind, length = value & 1, (value >> 1) & 3, value >> 3
+                at += 3 + (1 if kind == 1 else length)  # an RLE block stores its one byte
+            at += 4 if checksum else 0
+        if at > size:
+            return f"it ends inside a frame ({size} bytes)"
+    return None
+
+
 class _Opened:
     """A binary reader of an input, decompressed, and the raw file under it (its position is the
     progress through the file)."""
@@ -187,6 +228,10 @@ class _Opened:
                 except ImportError:
                     raise PrepareError(f"input {item.path} is zstd-compressed and the zstandard "
                                        f"package is not installed; {DATA_EXTRA}") from None
+                reason = zstd_cut_short(item.path, zstandard)
+                if reason is not None:
+                    raise PrepareError(f"input {item.path} is damaged or cut short ({reason}); "
+                                       "download it again")
                 stream = zstandard.ZstdDecompressor().stream_reader(self.raw, read_across_frames=True)
                 self.reader = io.BufferedReader(stream, buffer_size=1 << 20)
             else:
