@@ -509,7 +509,7 @@ def test_rerun_with_fewer_shards_removes_the_earlier_runs_extra_shards(tmp_path,
     assert _run(argv + ["--shard-tokens", "100"], capsys)[0] == 0
     assert len(list(tmp_path.glob("o_*.bin"))) == 10
     rc, lines, _ = _run(argv + ["--shard-tokens", "400"], capsys)
-    assert rc == 0 and "removed 7 shard(s) of an earlier run" in lines[0]
+    assert rc == 0 and "removed 7 token file(s) of an earlier run" in lines[0]
     assert sorted(p.name for p in tmp_path.glob("o_*")) == [
         f"o_00000{i}.bin{s}" for i in range(3) for s in ("", ".json")]
     assert len(load_tokens(str(tmp_path / "o_*.bin"))) == 950

@@ -35,7 +35,8 @@ batches are in flight, so memory stays bounded. ``--shard-tokens N`` writes shar
 ``<stem>_000000.bin`` ..., each with a sidecar, and ``<stem>.manifest.json``.
 
 Outputs are written to temporary files that are renamed only once everything succeeded, so a
-failure or Ctrl-C leaves no partial file behind. Bad input ends with one line naming the file (and
+failure, Ctrl-C, SIGTERM or SIGHUP leaves no partial file behind; the renames hold those signals,
+and shards or a single file of an earlier run with the same ``--out`` are removed with them. Bad input ends with one line naming the file (and
 line or row) and exit status 2; ``--skip-bad-records`` skips bad records (and damaged files) and
 counts them instead.
 """
@@ -46,6 +47,7 @@ import contextlib
 import math
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -57,7 +59,7 @@ from . import inputs as inp
 from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, Task,  # noqa: F401
                      load_tokenizer, ordered_encode)
 from .errors import first_line
-from .sinks import TokenSink, base_header, commit_outputs
+from .sinks import StoppedAfterCommit, TokenSink, base_header, commit_outputs
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
 from .text_pieces import read_pieces, read_text_pieces  # noqa: F401 (read_pieces: public here too)
 
@@ -446,23 +448,63 @@ def _summary(result: PrepareResult) -> str:
         line += (f"; skipped {result.skipped_records:,} bad record(s) and {result.skipped_files:,} "
                  f"damaged file(s) (first: {result.first_skip})")
     if result.stale_removed:
-        line += f"; removed {len(result.stale_removed)} shard(s) of an earlier run"
+        line += f"; removed {len(result.stale_removed)} token file(s) of an earlier run"
     return line
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (``signum``), raised where the run is so its temporary files go, as
+    Ctrl-C's do."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_raise():
+    """SIGTERM and SIGHUP raise ``_Stopped`` for the block (their default would end the process
+    with the temporary outputs left behind); the earlier handlers come back after it."""
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    names = [n for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    try:
+        previous = {n: signal.signal(getattr(signal, n), stop) for n in names}
+    except ValueError:  # not the main thread: Python's handlers cannot be set here
+        previous = {}
+    try:
+        yield
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``asyncpp-prepare-data``; returns the exit status (0 ok, 2 bad input)."""
+    """Entry point of ``asyncpp-prepare-data``; returns the exit status (0 ok, 2 bad input, 128 +
+    the signal's number when SIGINT, SIGTERM or SIGHUP stopped it)."""
     try:
         args = build_parser().parse_args(argv)
     except _UsageError as exc:
         print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
         return 2
+    result = None
     try:
-        result = prepare(args.tokenizer, args.input, args.out, args.val_fraction, args.val_out,
-                         text_field=args.text_field, doc_separator=args.doc_separator,
-                         doc_boundary=args.doc_boundary, boundary_token=args.boundary_token,
-                         shard_tokens=args.shard_tokens, workers=args.workers,
-                         skip_bad_records=args.skip_bad_records)
+        with _stop_signals_raise():
+            result = prepare(args.tokenizer, args.input, args.out, args.val_fraction, args.val_out,
+                             text_field=args.text_field, doc_separator=args.doc_separator,
+                             doc_boundary=args.doc_boundary, boundary_token=args.boundary_token,
+                             shard_tokens=args.shard_tokens, workers=args.workers,
+                             skip_bad_records=args.skip_bad_records)
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        if result is None and not isinstance(exc, StoppedAfterCommit):
+            what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            print(f"{PROG}: {what}; no file written", file=sys.stderr)
+        else:  # held until every output was in place
+            print(f"{PROG}: {signal.Signals(signum).name} arrived as the outputs were put in place; "
+                  "they are complete", file=sys.stderr)
+        return 128 + signum
     except DataError as exc:  # PrepareError, or a vocabulary no token dtype holds
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -471,9 +513,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: error: cannot use{where} ({exc.strerror or exc}); check that path and its "
               "permissions", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; no file written", file=sys.stderr)
-        return 130
     print(_summary(result))
     return 0
 

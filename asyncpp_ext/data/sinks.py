@@ -1,15 +1,18 @@
 """Where ``asyncpp-prepare-data`` writes tokens: one ``.bin`` or shards of ``--shard-tokens`` ids
 (``<stem>_000000.bin``, ...), each with its sidecar, plus a manifest for shards. Everything is
 written to hidden temporary files beside the outputs and renamed only by ``commit_outputs`` once
-the whole input succeeded; ``discard`` removes them. Memory: one open file per output, nothing
+the whole input succeeded (a failure removes them). Memory: one open file per output, nothing
 held.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -102,22 +105,62 @@ class TokenSink:
         return [f.tmp for f in self.files]
 
 
-def _stale_shards(sink: TokenSink) -> list[Path]:
-    """Shards of an earlier run with the same name beyond the ones this run wrote."""
+def _stale_outputs(sink: TokenSink) -> list[Path]:
+    """Token files an earlier run with the same ``--out`` left that this run does not replace: the
+    shards beyond the ones it wrote, and the outputs of the other mode (the single file when this
+    run writes shards; every shard and the manifest when it writes one file). A directory or glob
+    would read them with the new ones."""
     pattern = re.compile(re.escape(sink.final.stem) + r"_(\d{6})" + re.escape(sink.final.suffix) + "$")
-    stale = []
-    for path in sink.final.parent.iterdir():
-        match = pattern.match(path.name)
-        if match and int(match.group(1)) >= len(sink.files):
-            stale.append(path)
+    keep = len(sink.files) if sink.shard_tokens else 0
+    stale = [path for path in sink.final.parent.iterdir()
+             if (match := pattern.match(path.name)) and int(match.group(1)) >= keep]
+    if sink.shard_tokens and sink.final.exists():
+        stale.append(sink.final)
     return sorted(stale)
+
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                     if hasattr(signal, name))
+
+
+class StoppedAfterCommit(KeyboardInterrupt):
+    """A stop signal (``signum``) arrived while the outputs were put in place; it was held until
+    they all were, so they are complete."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_held():
+    """Holds SIGINT, SIGTERM and SIGHUP so a stop request cannot leave the outputs half renamed:
+    for the block their handlers only note the signal, and ``StoppedAfterCommit`` is raised once
+    it is done. (Python runs handlers in the main thread only; elsewhere nothing is held.)"""
+    arrived: list = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, lambda number, frame: arrived.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():  # None: a handler not set from Python
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    if arrived:
+        raise StoppedAfterCommit(arrived[0])
 
 
 def commit_outputs(sinks: list[TokenSink], base: dict, doc_fields: Optional[dict],
                    temps: list) -> tuple[dict, list, list]:
-    """Write sidecars (and manifests) for every output file, then rename everything into place:
-    token files, sidecars, manifests last. Returns ({token file: sidecar}, manifests, stale
-    shards removed). ``temps`` collects the temporary names so a failure can remove them."""
+    """Write sidecars (and manifests) for every output file, then put everything in place: an
+    earlier run's stale outputs removed, then each sidecar and its token file, manifests last.
+    Returns ({token file: sidecar}, manifests, stale token files removed). ``temps`` collects the
+    temporary names so a failure can remove them.
+
+    The renames hold the stop signals. Should the process die all the same (SIGKILL, power),
+    what is left reads as missing or as a size that disagrees with its sidecar or manifest,
+    never as a token file without its sidecar (which would read as uint16 whatever it holds)."""
     headers, renames, manifests = {}, [], []
     for sink in sinks:
         sink.close()
@@ -131,8 +174,8 @@ def commit_outputs(sinks: list[TokenSink], base: dict, doc_fields: Optional[dict
             side_tmp = temp_beside(sidecar_path(f.final))
             temps.append(side_tmp)
             side_tmp.write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
-            renames.append((f.tmp, f.final))
             renames.append((side_tmp, sidecar_path(f.final)))
+            renames.append((f.tmp, f.final))
         if sink.shard_tokens:
             manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
                         "dtype": base["dtype"], "vocab_size": base["vocab_size"],
@@ -148,16 +191,20 @@ def commit_outputs(sinks: list[TokenSink], base: dict, doc_fields: Optional[dict
             temps.append(tmp)
             tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
             manifests.append((tmp, path))
-    stale = [p for sink in sinks if sink.shard_tokens for p in _stale_shards(sink)]
+    stale = [p for sink in sinks for p in _stale_outputs(sink)]
+    stale_manifests = [manifest_path(sink.final) for sink in sinks if not sink.shard_tokens]
     umask = os.umask(0)
     os.umask(umask)
-    for tmp, final in renames + manifests:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files
-        os.replace(tmp, final)
-    temps.clear()
-    for path in stale:  # an earlier, longer run's shards would join a glob of these
-        path.unlink(missing_ok=True)
-        sidecar_path(path).unlink(missing_ok=True)
+    with _stop_signals_held():
+        for path in stale:  # removed first: a stop in between leaves data missing, never doubled
+            sidecar_path(path).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        for path in stale_manifests:
+            path.unlink(missing_ok=True)
+        for tmp, final in renames + manifests:
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files
+            os.replace(tmp, final)
+        temps.clear()
     return headers, [final for _, final in manifests], stale
 
 
@@ -166,4 +213,5 @@ def base_header(dtype_name: str, vocab_size: int, tokenizer: str) -> dict:
             "num_tokens": 0, "vocab_size": vocab_size, "max_token_id": 0, "tokenizer": tokenizer}
 
 
-__all__ = ["TokenSink", "base_header", "commit_outputs", "temp_beside"]
+__all__ = ["STOP_SIGNALS", "StoppedAfterCommit", "TokenSink", "base_header", "commit_outputs",
+           "temp_beside"]
