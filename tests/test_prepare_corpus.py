@@ -462,6 +462,16 @@ def test_skip_bad_records_counts_and_keeps_the_rest(tmp_path, eot_tok, capsys, c
     assert ids == _expected(eot_tok, ["good text"] * good_before) + kept
 
 
+def test_a_missing_column_is_not_skipped_as_a_damaged_file(tmp_path, eot_tok, capsys):
+    """A wrong --text-field (or a file of another schema) is the user's to fix, skipping or not."""
+    argv = _bad_case(tmp_path, "parquet without the column", eot_tok)
+    _jsonl(tmp_path / "good.jsonl", ["kept document"])
+    rc, out, err = _run(argv[:4] + [tmp_path / "good.jsonl"] + argv[4:] + ["--skip-bad-records"], capsys)
+    assert rc == 2 and out == [] and len(err) == 1, err
+    assert re.search("in.parquet has no column 'text' \\(columns: content\\); pass --text-field", err[0])
+    assert not (tmp_path / "o.bin").exists()
+
+
 def test_progress_shows_documents_and_tokens_per_second(tmp_path, eot_tok, capsys):
     _jsonl(tmp_path / "d.jsonl", _docs(8))
     prep.prepare(str(eot_tok), [str(tmp_path / "d.jsonl")], str(tmp_path / "t.bin"), progress=True)

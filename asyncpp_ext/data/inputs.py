@@ -302,16 +302,21 @@ def _pyarrow(item: Input):
     return pyarrow
 
 
+class ColumnError(PrepareError):
+    """A Parquet / Arrow file without a text column named ``--text-field``: a wrong flag or a
+    corpus of mixed schemas, not a damaged file, so ``--skip-bad-records`` does not skip it."""
+
+
 def _check_column(item: Input, schema, text_field: str, pa) -> None:
     if text_field not in schema.names:
-        raise PrepareError(f"input {item.path} has no column {text_field!r} (columns: "
+        raise ColumnError(f"input {item.path} has no column {text_field!r} (columns: "
                            f"{', '.join(schema.names[:12])}); pass --text-field NAME")
     kind = schema.field(text_field).type
     textual = [pa.types.is_string, pa.types.is_large_string]
     if hasattr(pa.types, "is_string_view"):
         textual.append(pa.types.is_string_view)
     if not any(test(kind) for test in textual):
-        raise PrepareError(f"input {item.path}: column {text_field!r} holds {kind}, not text; "
+        raise ColumnError(f"input {item.path}: column {text_field!r} holds {kind}, not text; "
                            "pass --text-field with the column of the documents' text")
 
 
@@ -381,6 +386,6 @@ def read_arrow_tasks(item: Input, text_field: str, on_bytes: Callable[[int], Non
         on_bytes(size - reported)
 
 
-__all__ = ["ARROW", "Input", "JSONL", "PARQUET", "TEXT", "classify", "expand_inputs", "open_input",
+__all__ = ["ARROW", "ColumnError", "Input", "JSONL", "PARQUET", "TEXT", "classify", "expand_inputs", "open_input",
            "read_arrow_tasks", "read_jsonl_tasks", "read_parquet_tasks", "saved_dataset_files",
            "stream_errors"]

@@ -36,9 +36,10 @@ batches are in flight, so memory stays bounded. ``--shard-tokens N`` writes shar
 
 Outputs are written to temporary files that are renamed only once everything succeeded, so a
 failure, Ctrl-C, SIGTERM or SIGHUP leaves no partial file behind; the renames hold those signals,
-and shards or a single file of an earlier run with the same ``--out`` are removed with them. Bad input ends with one line naming the file (and
-line or row) and exit status 2; ``--skip-bad-records`` skips bad records (and damaged files) and
-counts them instead.
+and shards or a single file of an earlier run with the same ``--out`` are removed with them. Bad
+input ends with one line naming the file (and line or row) and exit status 2;
+``--skip-bad-records`` skips bad records (and damaged files) and counts them instead; a file
+without the ``--text-field`` column is never skipped.
 """
 from __future__ import annotations
 
@@ -177,6 +178,8 @@ def _tasks(items: list, separator: Optional[str], text_field: str, skips: _Skips
                 yield from inp.read_parquet_tasks(item, text_field, on_bytes)
             else:
                 yield from inp.read_arrow_tasks(item, text_field, on_bytes)
+        except inp.ColumnError:
+            raise  # the flag or the schema is wrong, not the file: skipping would hide it
         except PrepareError as exc:
             if item.kind == inp.TEXT and "not UTF-8" in str(exc):
                 raise  # a text file's earlier pieces are already written: not skippable
