@@ -199,6 +199,8 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
         return base + ["--no-such-flag"]
     if case == "workers 0":
         return base + ["--workers", "0"]
+    if case == "workers far above the cores":
+        return base + ["--workers", str(4 * len(os.sched_getaffinity(0)) + 1)]
     if case == "empty separator":
         return base + ["--doc-separator", ""]
     raise AssertionError(case)
@@ -225,6 +227,8 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
     ("shard tokens 0", "argument --shard-tokens: '0' is not a positive whole number of tokens"),
     ("unknown flag", "unrecognized arguments: --no-such-flag"),
     ("workers 0", "--workers 0 is not positive"),
+    ("workers far above the cores", "--workers \\d+ is more than 4 per core for the \\d+ core\\(s\\) here; "
+                                    "use at most \\d+"),
     ("empty separator", "--doc-separator is empty"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, bpe_path, monkeypatch, capsys,

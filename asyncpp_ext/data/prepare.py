@@ -235,13 +235,22 @@ class _Documents:
                 (self.val if to_val else self.train).write(block)
 
 
+MAX_WORKERS_PER_CORE = 4
+"""--workers above this many per core is refused: each worker is a process with its own tokenizer
+(tens of MB), and more workers than cores only add memory."""
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def _default_workers(tokenizer, items: list) -> int:
     if isinstance(tokenizer, ByteTokenizer):
         return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = _cores()
     size = sum(i.path.stat().st_size for i in items)
     return cores if size >= PARALLEL_MIN_BYTES else 1
 
@@ -291,6 +300,9 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         raise PrepareError(f"--shard-tokens {shard_tokens} is not positive; use e.g. 100M")
     if workers is not None and workers < 1:
         raise PrepareError(f"--workers {workers} is not positive; use 1 or more (default: the cores)")
+    if workers is not None and workers > MAX_WORKERS_PER_CORE * _cores():
+        raise PrepareError(f"--workers {workers} is more than {MAX_WORKERS_PER_CORE} per core for "
+                           f"the {_cores()} core(s) here; use at most {_cores()} (the default)")
     if doc_separator == "":
         raise PrepareError("--doc-separator is empty; give the text between documents, e.g. '\\n\\n'")
     separator = _unescape(doc_separator) if doc_separator else None
@@ -416,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write shards of N tokens (e.g. 100M): <stem>_000000.bin, ... each with "
                              "its sidecar, and <stem>.manifest.json (default: one file)")
     parser.add_argument("--workers", type=int, metavar="N",
-                        help="tokenizer processes (default: the cores; 1 for inputs under 1 MiB); "
+                        help="tokenizer processes (default: the cores; 1 for inputs under 1 MiB; "
+                             "at most 4 per core); "
                              "the output is the same for every N")
     parser.add_argument("--skip-bad-records", action="store_true",
                         help="skip malformed records and damaged files, and count them, instead of "
