@@ -38,10 +38,10 @@ PROMISED = {
 ALLOWED_IMPORTS = {
     "data": set(),
     "models": set(),
-    "optim": {"_ext"},
+    "optim": {"_ext", "precision"},  # precision.py: the "auto" dtype rule, torch only
     "schedule": {"_ext"},
-    "pipeline": {"_ext", "optim", "models", "schedule"},
-    "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule"},
+    "pipeline": {"_ext", "optim", "models", "schedule", "precision"},
+    "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision"},
     "gpu_check": {"info", "optim"},  # runs everything else in subprocesses
 }
 

@@ -24,6 +24,7 @@ from typing import Mapping, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..precision import auto_dtype
 from . import _kernels as K
 from .errors import NonFiniteGradientError
 from .newton_schulz import Workspace, orthogonalize
@@ -365,7 +366,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         params = [it[0] for it in items]
         grads = [it[1] for it in items]
         device = params[0].device
-        ns_dtype = group["ns_dtype"] or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        ns_dtype = group["ns_dtype"] or auto_dtype(device)
         storage = torch.bfloat16 if ns_dtype == torch.bfloat16 else torch.float32
         bufs = []
         for p in params:

@@ -12,6 +12,8 @@ import contextlib
 
 import torch
 
+from ..precision import auto_precision_name
+
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "bf16-params": torch.bfloat16}
 PARAMS_IN_COMPUTE_DTYPE = ("bf16-params",)
 """The dtypes that compute from 16-bit copies of *every* parameter (activations, the residual stream
@@ -30,10 +32,11 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None, cache: boo
 
 
 def resolve_autocast(dtype: str, device: torch.device) -> torch.dtype | None:
-    """"auto" -> bf16 on CUDA, float32 on CPU; "fp32" / "bf16" / "bf16-params" as asked (bf16 on
-    CPU is allowed when asked for explicitly, but bf16 matrix products are very slow on most CPUs)."""
+    """"auto" -> bf16 on CUDA, float32 on CPU (``precision.auto_precision_name``); "fp32" / "bf16" /
+    "bf16-params" as asked (bf16 on CPU is allowed when asked for explicitly, but bf16 matrix
+    products are very slow on most CPUs). None: no autocast."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else None
+        dtype = auto_precision_name(device)
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, fp32, bf16 or bf16-params")
     return AUTOCAST_DTYPES[dtype]

@@ -15,6 +15,7 @@ from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
                               muon_family, optimizer_names, optimizer_spec)
 from ..pipeline.devices import TRANSPORTS
+from ..precision import auto_precision_name
 from ..schedule.table import SCHEDULES as SCHEDULE_TABLE, schedule_names
 from .field_checks import (ConfigError, choice, non_negative_int, non_negative_number, positive_int,
                            positive_number)
@@ -504,7 +505,7 @@ def resolved_field(cfg: RunConfig, dotted: str):
     value = get_field(cfg, dotted)
     auto_precision = dotted == "train.dtype" or (dotted == "optim.ns_dtype" and cfg.optim.name in MUON_FAMILY)
     if value == "auto" and auto_precision:
-        return "bf16" if cfg.train.device == "cuda" else "fp32"
+        return auto_precision_name(cfg.train.device)
     return value
 
 
