@@ -15,6 +15,11 @@ except ImportError as e:  # pragma: no cover - exercised only on broken installs
 
 C = _C
 
+MAX_COUNT = 2**31 - 1
+"""The largest count (steps, microbatches, stages, sizes) the core takes: its counts are C++ ints
+(and torch's tensor sizes per dimension end there on some paths). Both command lines refuse more
+with their own one-line message."""
+
 
 def without_source_location(message) -> str:
     """A core error's message on one line, without the ' [file.cpp:12: cond]' the C++ checks append

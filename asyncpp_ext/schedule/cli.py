@@ -14,11 +14,10 @@ import json
 import sys
 from typing import List, Optional
 
-from .._ext import without_source_location
+from .._ext import MAX_COUNT, without_source_location
 from .table import schedule_names
 
 PROG = "asyncpp-schedule"
-MAX_COUNT = 2**31 - 1
 SCHEDULE_CHOICES = schedule_names(pipeline_only=True)  # the pipeline rows of the schedule table
 
 

@@ -1,14 +1,11 @@
 """Checks of single configuration fields; each raises ConfigError naming the field and the value."""
 from __future__ import annotations
 
+from .._ext import MAX_COUNT  # counts above it are refused: the core's counts are C++ ints
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot run; the message names the field."""
-
-
-# Counts (steps, microbatches, sizes, ...) above this are refused: a C++ int (and torch's tensor
-# sizes per dimension on some paths) ends there, and no run needs more.
-MAX_COUNT = 2**31 - 1
 
 
 def _too_large(name, value, limit=MAX_COUNT):
