@@ -99,9 +99,11 @@ def test_a_rerun_in_the_other_mode_removes_the_earlier_outputs(tmp_path, capsys)
     argv = ["--tokenizer", "bytes", "--input", tmp_path / "in.txt", "--out", tmp_path / "data" / "o.bin"]
     (tmp_path / "data").mkdir()
     assert _run(argv + ["--shard-tokens", "300"], capsys)[0] == 0
+    (tmp_path / "data" / "o_000009.bin").write_bytes(b"\0\0" * 10)  # not ours: no sidecar
     rc, out, _ = _run(argv, capsys)  # one file now: the shards and their manifest go
     assert rc == 0 and "removed 5 token file(s) of an earlier run" in out[0]
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["o.bin", "o.bin.json"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["o.bin", "o.bin.json", "o_000009.bin"]
+    (tmp_path / "data" / "o_000009.bin").unlink()
     assert len(load_tokens(str(tmp_path / "data"))) == len(TEXT)  # read once, not twice
     rc, out, _ = _run(argv + ["--shard-tokens", "1000"], capsys)  # shards again: the file goes
     assert rc == 0 and "removed 1 token file(s) of an earlier run" in out[0]

@@ -105,18 +105,26 @@ class TokenSink:
         return [f.tmp for f in self.files]
 
 
+def _ours(path: Path, fmt: str) -> bool:
+    """True when ``path`` (a sidecar or manifest) is JSON of format ``fmt``: written by this tool."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("format") == fmt
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _stale_outputs(sink: TokenSink) -> list[Path]:
     """Token files an earlier run with the same ``--out`` left that this run does not replace: the
     shards beyond the ones it wrote, and the outputs of the other mode (the single file when this
-    run writes shards; every shard and the manifest when it writes one file). A directory or glob
-    would read them with the new ones."""
+    run writes shards; every shard when it writes one file). A directory or glob would read them
+    with the new ones. Only files with this tool's sidecar count: llm.c shards named alike stay."""
     pattern = re.compile(re.escape(sink.final.stem) + r"_(\d{6})" + re.escape(sink.final.suffix) + "$")
     keep = len(sink.files) if sink.shard_tokens else 0
     stale = [path for path in sink.final.parent.iterdir()
              if (match := pattern.match(path.name)) and int(match.group(1)) >= keep]
     if sink.shard_tokens and sink.final.exists():
         stale.append(sink.final)
-    return sorted(stale)
+    return sorted(p for p in stale if _ours(sidecar_path(p), TOKEN_FORMAT))
 
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
@@ -192,13 +200,14 @@ def commit_outputs(sinks: list[TokenSink], base: dict, doc_fields: Optional[dict
             tmp.write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
             manifests.append((tmp, path))
     stale = [p for sink in sinks for p in _stale_outputs(sink)]
-    stale_manifests = [manifest_path(sink.final) for sink in sinks if not sink.shard_tokens]
+    stale_manifests = [manifest_path(sink.final) for sink in sinks if not sink.shard_tokens
+                       and _ours(manifest_path(sink.final), MANIFEST_FORMAT)]
     umask = os.umask(0)
     os.umask(umask)
     with _stop_signals_held():
         for path in stale:  # removed first: a stop in between leaves data missing, never doubled
+            path.unlink(missing_ok=True)  # before its sidecar, as placing goes the other way
             sidecar_path(path).unlink(missing_ok=True)
-            path.unlink(missing_ok=True)
         for path in stale_manifests:
             path.unlink(missing_ok=True)
         for tmp, final in renames + manifests:
