@@ -300,9 +300,10 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         raise PrepareError(f"--shard-tokens {shard_tokens} is not positive; use e.g. 100M")
     if workers is not None and workers < 1:
         raise PrepareError(f"--workers {workers} is not positive; use 1 or more (default: the cores)")
-    if workers is not None and workers > MAX_WORKERS_PER_CORE * _cores():
+    cores = _cores()
+    if workers is not None and workers > MAX_WORKERS_PER_CORE * cores:
         raise PrepareError(f"--workers {workers} is more than {MAX_WORKERS_PER_CORE} per core for "
-                           f"the {_cores()} core(s) here; use at most {_cores()} (the default)")
+                           f"the {cores} core(s) here; use at most {cores} (the default)")
     if doc_separator == "":
         raise PrepareError("--doc-separator is empty; give the text between documents, e.g. '\\n\\n'")
     separator = _unescape(doc_separator) if doc_separator else None
@@ -403,9 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "UTF-8 bytes, vocabulary 256)")
     parser.add_argument("--input", required=True, nargs="+", metavar="PATH",
                         help="files, directories or globs, read in the order given (a directory or "
-                             "glob in sorted order, leaving out .bin token files, sidecars and manifests): text (*.txt, or any other name), JSON lines "
-                             "(*.jsonl, *.json, *.ndjson, optionally .gz/.zst), Parquet (*.parquet), "
-                             "Arrow / a save_to_disk directory")
+                             "glob in sorted order, leaving out .bin token files, sidecars and "
+                             "manifests): text (*.txt, or any other name), JSON lines (*.jsonl, "
+                             "*.json, *.ndjson, optionally .gz/.zst), Parquet (*.parquet), Arrow / a "
+                             "save_to_disk directory")
     parser.add_argument("--out", required=True, metavar="PATH", help="token file to write (.bin)")
     parser.add_argument("--text-field", default="text", metavar="NAME",
                         help="the JSON field / column holding each document's text (default text)")
