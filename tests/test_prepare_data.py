@@ -176,6 +176,11 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
         bad = b"abcdef\xe2\x82X\n" if case.startswith("character") else b"abcdefghij\xe2\x82"
         (tmp_path / "split.txt").write_bytes(bad)
         return base[:3] + [tmp_path / "split.txt"] + base[4:]
+    if case == "UTF-16 text after good blocks":
+        # Valid UTF-8 byte for byte (no BOM), but every other byte is a NUL.
+        monkeypatch.setattr(text_pieces, "READ_BLOCK_BYTES", 64)
+        (tmp_path / "utf16.txt").write_bytes(b"abc\n" * 100 + "plain ASCII\n".encode("utf-16-le"))
+        return base[:3] + [tmp_path / "utf16.txt"] + base[4:]
     if case == "val fraction 1":
         return base + ["--val-fraction", "1"]
     if case == "val fraction negative":
@@ -216,6 +221,8 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
     ("non-UTF-8 after good text", "latin1.txt is not UTF-8 text \\(byte 403\\)"),
     ("character split across blocks", "split.txt is not UTF-8 text \\(byte 6\\)"),
     ("truncated character at the end", "split.txt is not UTF-8 text \\(byte 10\\)"),
+    ("UTF-16 text after good blocks", "utf16.txt is not UTF-8 text: it holds a NUL byte \\(byte 401\\), as "
+                                      "UTF-16 and binary files do"),
     ("val fraction 1", "--val-fraction 1.0 is outside \\[0, 1\\)"),
     ("val fraction negative", "--val-fraction -0.1 is outside"),
     ("val-out without fraction", "--val-out needs --val-fraction > 0"),

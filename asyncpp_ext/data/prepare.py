@@ -62,7 +62,7 @@ from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError
 from .errors import first_line
 from .sinks import StoppedAfterCommit, TokenSink, base_header, commit_outputs
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
-from .text_pieces import read_pieces, read_text_pieces  # noqa: F401 (read_pieces: public here too)
+from .text_pieces import NotTextError, read_pieces, read_text_pieces  # noqa: F401 (read_pieces: public here too)
 
 PROG = "asyncpp-prepare-data"
 PIECES_PER_BATCH = 32
@@ -180,9 +180,9 @@ def _tasks(items: list, separator: Optional[str], text_field: str, skips: _Skips
                 yield from inp.read_arrow_tasks(item, text_field, on_bytes)
         except inp.ColumnError:
             raise  # the flag or the schema is wrong, not the file: skipping would hide it
+        except NotTextError:
+            raise  # a text file's earlier pieces are already written: not skippable
         except PrepareError as exc:
-            if item.kind == inp.TEXT and "not UTF-8" in str(exc):
-                raise  # a text file's earlier pieces are already written: not skippable
             skips.file(exc)
 
 

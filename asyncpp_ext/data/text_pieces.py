@@ -20,6 +20,11 @@ MAX_CARRY_CHARS = 4 * PIECE_CHARS
 """Text kept waiting for a line end; beyond it a line is cut at whitespace (or anywhere)."""
 
 
+class NotTextError(PrepareError):
+    """A text input that is not UTF-8 text: an invalid byte, or a NUL (UTF-16 and binary files
+    decode as UTF-8 full of NULs). Never skipped: the file's earlier pieces are already written."""
+
+
 def _cut(text: str, final: bool) -> int:
     """Length of the next piece of ``text``: up to the last line end within PIECE_CHARS, else to
     the first line end after it; a line longer than MAX_CARRY_CHARS is cut before a space (or
@@ -46,7 +51,7 @@ def read_text_pieces(path: Path, on_bytes=lambda n: None, separator: Optional[st
     """(piece, ends a document) of a UTF-8 text file: the whole file is one document, or the
     text between ``separator``s is (a trailing separator ends the last document). Pieces end at
     a line end where possible. ``on_bytes(n)``: n more bytes of the file were read. Raises
-    ``PrepareError`` at the first non-UTF-8 byte."""
+    ``NotTextError`` at the first non-UTF-8 or NUL byte."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     pending, offset, seen_separator = "", 0, False
     keep = len(separator) - 1 if separator else 0  # a separator may straddle the block end
@@ -60,11 +65,16 @@ def read_text_pieces(path: Path, on_bytes=lambda n: None, separator: Optional[st
                                    "again") from None
             held = len(decoder.getstate()[0])  # bytes of a character split by the last block
             try:
-                pending += decoder.decode(block, final=not block)
+                text = decoder.decode(block, final=not block)
             except UnicodeDecodeError as exc:
                 # exc.start counts from the held-back bytes, which precede this block.
-                raise PrepareError(f"input {path} is not UTF-8 text (byte {offset - held + exc.start}); "
+                raise NotTextError(f"input {path} is not UTF-8 text (byte {offset - held + exc.start}); "
                                    "convert it to UTF-8") from None
+            if "\0" in text:
+                at = offset - held + len(text[: text.index("\0")].encode("utf-8"))
+                raise NotTextError(f"input {path} is not UTF-8 text: it holds a NUL byte (byte {at}), "
+                                   "as UTF-16 and binary files do; convert it to UTF-8")
+            pending += text
             offset += len(block)
             now = opened.position()
             on_bytes(now - last)
