@@ -60,7 +60,7 @@ from . import inputs as inp
 from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, Task,  # noqa: F401
                      load_tokenizer, ordered_encode)
 from .errors import first_line
-from .sinks import StoppedAfterCommit, TokenSink, base_header, commit_outputs
+from .sinks import Stopped, StoppedAfterCommit, TokenSink, base_header, commit_outputs
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
 from .text_pieces import NotTextError, read_pieces, read_text_pieces  # noqa: F401 (read_pieces: public here too)
 
@@ -470,21 +470,12 @@ def _summary(result: PrepareResult) -> str:
     return line
 
 
-class _Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (``signum``), raised where the run is so its temporary files go, as
-    Ctrl-C's do."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
 @contextlib.contextmanager
 def _stop_signals_raise():
-    """SIGTERM and SIGHUP raise ``_Stopped`` for the block (their default would end the process
+    """SIGTERM and SIGHUP raise ``Stopped`` for the block (their default would end the process
     with the temporary outputs left behind); the earlier handlers come back after it."""
     def stop(signum, frame):
-        raise _Stopped(signum)
+        raise Stopped(signum)
 
     names = [n for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
     try:
