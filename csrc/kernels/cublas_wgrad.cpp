@@ -44,7 +44,10 @@ Api load(const std::string& prefer) {
     void* handle = dlopen(name.c_str(), RTLD_NOW | RTLD_NOLOAD);
     if (!handle) continue;
     api.gemm_ex = reinterpret_cast<GemmEx>(dlsym(handle, "cublasGemmEx"));
-    api.get_stream = reinterpret_cast<GetStream>(dlsym(handle, "cublasGetStream_v2"));
+    // The header maps cublasGetStream to the _v2 symbol; the plain name is the fallback should a
+    // release export only that.
+    void* get_stream = dlsym(handle, "cublasGetStream_v2");
+    api.get_stream = reinterpret_cast<GetStream>(get_stream ? get_stream : dlsym(handle, "cublasGetStream"));
     if (api.gemm_ex && api.get_stream) {
       api.library = name;
       return api;
@@ -52,7 +55,7 @@ Api load(const std::string& prefer) {
   }
   api.error = "torch has no cuBLAS loaded in this process (" +
               (prefer.empty() ? std::string("libcublas.so.13/.12/.11") : prefer) +
-              " with cublasGemmEx); the fusion multiplies with torch's own: run on a CUDA build of torch with a "
+              " with cublasGemmEx and cublasGetStream); the fusion multiplies with torch's own: run on a CUDA build of torch with a "
               "GPU, or turn off --gradient-accumulation-fusion";
   return api;
 }
