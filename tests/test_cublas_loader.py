@@ -12,9 +12,9 @@ import pytest
 STAND_IN = "int cublasGemmEx(void) { return 0; }\nint cublasGetStream_v2(void) { return 0; }\n"
 
 
-def _stand_in(tmp_path, soname: str) -> str:
+def _stand_in(tmp_path, soname: str, source: str = STAND_IN) -> str:
     src = tmp_path / "stand_in.c"
-    src.write_text(STAND_IN)
+    src.write_text(source)
     out = tmp_path / soname
     subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", str(out),
                     str(src)], check=True)
@@ -35,7 +35,8 @@ def test_only_torchs_cublas_major_version_is_taken(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     under12, under13, unset = out.splitlines()
     # torch built for CUDA 12: the loaded 13 is not taken, and the message names what was looked for
-    assert under12.startswith("torch has no cuBLAS loaded in this process (libcublas.so.12 with cublasGemmEx)")
+    assert under12.startswith("torch has no cuBLAS loaded in this process (libcublas.so.12 with cublasGemmEx "
+                              "and cublasGetStream)")
     assert under13 == "libcublas.so.13" and unset == "libcublas.so.13"
 
 
@@ -46,3 +47,17 @@ def test_the_soname_follows_torchs_cuda_version(monkeypatch):
     assert K.torch_cublas_soname() == "libcublas.so.12"
     monkeypatch.setattr(torch.version, "cuda", None)  # a CPU build: any loaded one (none will be)
     assert K.torch_cublas_soname() == ""
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="needs a C compiler")
+def test_a_cublas_exporting_the_stream_getter_under_its_plain_name_is_taken(tmp_path):
+    lib = _stand_in(tmp_path, "libcublas.so.13", STAND_IN.replace("cublasGetStream_v2", "cublasGetStream"))
+    script = textwrap.dedent(f"""
+        import ctypes
+        ctypes.CDLL({lib!r}, mode=ctypes.RTLD_GLOBAL)
+        from asyncpp_ext.optim import _kernels as K
+        K._K.set_cublas_soname("libcublas.so.13")
+        print(K.cublas_library())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["libcublas.so.13"]
