@@ -36,12 +36,12 @@ PROMISED = {
 # training drives pipelines; pipelines run optimizers, the models' compile and head-loss helpers and
 # the schedule table; optim, models, data and schedule stand alone.
 ALLOWED_IMPORTS = {
-    "data": set(),
+    "data": {"stop_signals"},  # stop_signals.py: SIGTERM/SIGHUP as an exception, stdlib only
     "models": set(),
     "optim": {"_ext", "precision"},  # precision.py: the "auto" dtype rule, torch only
     "schedule": {"_ext"},
-    "pipeline": {"_ext", "optim", "models", "schedule", "precision"},
-    "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision"},
+    "pipeline": {"_ext", "optim", "models", "schedule", "precision", "stop_signals"},
+    "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision", "stop_signals"},
     "gpu_check": {"info", "optim"},  # runs everything else in subprocesses
 }
 

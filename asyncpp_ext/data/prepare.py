@@ -60,7 +60,8 @@ from . import inputs as inp
 from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, Task,  # noqa: F401
                      load_tokenizer, ordered_encode)
 from .errors import first_line
-from .sinks import Stopped, StoppedAfterCommit, TokenSink, base_header, commit_outputs
+from ..stop_signals import stop_signals_raise
+from .sinks import StoppedAfterCommit, TokenSink, base_header, commit_outputs
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
 from .text_pieces import NotTextError, read_pieces, read_text_pieces  # noqa: F401 (read_pieces: public here too)
 
@@ -470,25 +471,6 @@ def _summary(result: PrepareResult) -> str:
     return line
 
 
-@contextlib.contextmanager
-def _stop_signals_raise():
-    """SIGTERM and SIGHUP raise ``Stopped`` for the block (their default would end the process
-    with the temporary outputs left behind); the earlier handlers come back after it."""
-    def stop(signum, frame):
-        raise Stopped(signum)
-
-    names = [n for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
-    try:
-        previous = {n: signal.signal(getattr(signal, n), stop) for n in names}
-    except ValueError:  # not the main thread: Python's handlers cannot be set here
-        previous = {}
-    try:
-        yield
-    finally:
-        for name, handler in previous.items():
-            signal.signal(getattr(signal, name), handler)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``asyncpp-prepare-data``; returns the exit status (0 ok, 2 bad input, 128 +
     the signal's number when SIGINT, SIGTERM or SIGHUP stopped it)."""
@@ -499,7 +481,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     result = None
     try:
-        with _stop_signals_raise():
+        with stop_signals_raise():
             result = prepare(args.tokenizer, args.input, args.out, args.val_fraction, args.val_out,
                              text_field=args.text_field, doc_separator=args.doc_separator,
                              doc_boundary=args.doc_boundary, boundary_token=args.boundary_token,

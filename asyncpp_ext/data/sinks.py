@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from ..stop_signals import Stopped
 from .shards import MANIFEST_FORMAT, MANIFEST_VERSION, manifest_path, shard_path
 from .sources import TOKEN_FORMAT, TOKEN_FORMAT_VERSION, scan_max_token_id, sidecar_path
 
@@ -131,15 +132,6 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
                      if hasattr(signal, name))
 
 
-class Stopped(KeyboardInterrupt):
-    """A stop signal (``signum``: SIGTERM, SIGHUP) raised where the run is, so its temporary
-    files go as Ctrl-C's do."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
 class StoppedAfterCommit(Stopped):
     """A stop signal arrived while the outputs were put in place; it was held until they all
     were, so they are complete."""
@@ -227,5 +219,5 @@ def base_header(dtype_name: str, vocab_size: int, tokenizer: str) -> dict:
             "num_tokens": 0, "vocab_size": vocab_size, "max_token_id": 0, "tokenizer": tokenizer}
 
 
-__all__ = ["STOP_SIGNALS", "Stopped", "StoppedAfterCommit", "TokenSink", "base_header", "commit_outputs",
+__all__ = ["STOP_SIGNALS", "StoppedAfterCommit", "TokenSink", "base_header", "commit_outputs",
            "temp_beside"]

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from ..stop_signals import Stopped
 from .peer_errors import TransportError, peer_gone
 from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, default_timeout_s
 
@@ -37,6 +38,7 @@ EXIT_FAILED = 1        # the rank itself failed
 # EXIT_PEER_LOST (3): the rank stopped because a peer failed or stalled (a consequence, not a cause)
 # EXIT_STALLED (4): the rank's own instruction never completed (its watchdog fired)
 _SPAWNED_ENV = "ASYNCPP_LOCAL_SPAWN"
+STOP_GRACE_S = 5.0  # seconds the ranks have, after the Ctrl-C a launcher's SIGTERM sends them
 _failure_channel = None  # a spawned rank's line back to the launcher
 _store_listener = None  # rank 0 of a spawned run: the store's socket, bound by the launcher
 START_METHOD_ENV = "ASYNCPP_START_METHOD"
@@ -406,6 +408,15 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
             if deadline is not None and time.monotonic() > deadline:
                 break
             time.sleep(0.05)
+    except Stopped:
+        # A stop request to this process alone (SIGTERM, SIGHUP; Ctrl-C reaches the whole process
+        # group): the ranks get a Ctrl-C, which each answers with its line, and a moment for it.
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGINT)
+        for p in procs:
+            p.join(STOP_GRACE_S)
+        raise
     finally:
         exit_codes = [p.exitcode for p in procs]  # before any rank is stopped by us
         for p in procs:

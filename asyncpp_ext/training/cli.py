@@ -22,6 +22,7 @@ from ..data import DataError
 from .model_source import ModelSourceError
 from ..pipeline import LaunchError, under_launcher
 from ..pipeline.nonfinite import NonFiniteError
+from ..stop_signals import Stopped, stop_signals_raise
 from .run import RunSetupError, preflight, train
 from .run_files import RunDirError
 
@@ -65,14 +66,18 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
 def main(argv=None) -> int:
     cfg = None
     try:
-        cfg, resume_dir = resolve(argv)
-        return train(cfg, resume_dir)
+        with stop_signals_raise():  # SIGTERM / SIGHUP end the run as Ctrl-C does
+            cfg, resume_dir = resolve(argv)
+            return train(cfg, resume_dir)
     except (NonFiniteError, NonFiniteCheckpointError) as exc:  # a run failure, not a bad input
         sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         resumable = cfg is not None and list_checkpoints(cfg.train.out)  # what --resume would find
         where = f"; continue with --resume {cfg.train.out}" if resumable else ""
+        if isinstance(exc, Stopped):
+            sys.stderr.write(f"\n{PROG}: stopped by {exc.name}{where}\n")
+            return 128 + exc.signum
         sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
         return 130
     except (UsageError, RunSetupError, RunDirError, ConfigError, DataError, CheckpointError,
