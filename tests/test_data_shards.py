@@ -120,7 +120,8 @@ def test_stream_state_over_shards_refuses_another_set(tmp_path):
     stream = BatchStream(TokenShards(parts), 2, 2, 8, seed=1)
     stream.next()
     state = stream.state_dict()
-    assert state == {"seed": 1, "position": 1, "num_tokens": 1000, "shards": 2}
+    assert state == {"seed": 1, "position": 1, "num_tokens": 1000, "shards": 2,
+                     "fingerprint": state["fingerprint"]}
     same = BatchStream(TokenShards(parts), 2, 2, 8, seed=1)
     same.load_state_dict(state)
     assert same.position == 1
@@ -197,7 +198,34 @@ def test_resume_over_shard_boundaries_matches_uninterrupted(tmp_path, capsys, on
                       tmp_path / "cut"], capsys)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
     meta = json.loads(next((tmp_path / "cut").glob("ckpt-000004/meta.json")).read_text())
+    fingerprint = meta["data"].pop("fingerprint")
     assert meta["data"] == {"seed": 0, "position": 4, "num_tokens": 2700, "shards": 12}
+    assert len(fingerprint) == 16 and int(fingerprint, 16) >= 0
+
+
+@pytest.mark.parametrize("change", ["swapped", "one id changed", "in range of a slice"])
+def test_a_resume_over_changed_shards_is_refused(tmp_path, change):
+    parts = [(np.arange(4000) * (i + 3)) % 500 for i in range(3)]
+    paths = [_ours(tmp_path / f"s_{i:06d}.bin", part) for i, part in enumerate(parts)]
+    glob = str(tmp_path / "s_*.bin")
+
+    def stream():
+        tokens = load_tokens(glob, vocab_size=512)
+        if change == "in range of a slice":  # a train split: the last shard only partly in range
+            tokens = tokens[: 10_000]
+        return BatchStream(tokens, microbatches=2, micro_batch_size=2, seq_len=16)
+
+    state = stream().state_dict()
+    stream().load_state_dict(state)  # the same data: accepted
+    if change == "swapped":
+        _ours(paths[0], parts[1])
+        _ours(paths[1], parts[0])
+    else:
+        ids = parts[2].copy()
+        ids[-5 if change == "one id changed" else 1_500] += 1  # near the end, or inside the slice's range
+        _ours(paths[2], ids)
+    with pytest.raises(DataError, match="other training tokens than the data now gives"):
+        stream().load_state_dict(state)
 
 
 def test_a_validation_file_inside_the_training_data_is_refused(tmp_path, capsys):

@@ -12,10 +12,10 @@ which fill no window.
 
 The tokens may be one array or several shards joined (``shards.TokenShards``): offsets index the
 concatenation, so a window may cross a shard boundary and resuming needs nothing per shard. The
-state also records ``num_tokens`` and ``shards`` (and, over one array, a fingerprint of its
-contents: ``token_fingerprint``), and a resume over other data (a glob that now matches more
-files, a file that grew or changed) is refused; states without them (older checkpoints) load as
-before.
+state also records ``num_tokens``, ``shards`` and a fingerprint of the contents
+(``token_fingerprint``), and a resume over other data (a glob that now matches more files, a file
+that grew or changed, shards swapped) is refused; states without them (older checkpoints, and
+shards' before their fingerprint was kept) load as before.
 """
 from __future__ import annotations
 
@@ -132,10 +132,14 @@ class BatchStream:
         if self.sampling != "random":  # older checkpoints, and random-order ones, carry no key
             state["sampling"] = self.sampling
         shards = self.tokens.num_shards if isinstance(self.tokens, TokenShards) else 1
-        state.update(num_tokens=len(self.tokens), shards=shards)
-        if not isinstance(self.tokens, TokenShards):  # one array: a file, a text or the builtin corpus
-            state["fingerprint"] = token_fingerprint(self.tokens)
+        state.update(num_tokens=len(self.tokens), shards=shards, fingerprint=self._fingerprint())
         return state
+
+    def _fingerprint(self) -> str:
+        """``token_fingerprint`` of the tokens, taken once: the data is the run's from its start."""
+        if getattr(self, "_fingerprint_of", None) is None:
+            self._fingerprint_of = token_fingerprint(self.tokens)
+        return self._fingerprint_of
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed") != self.seed:
@@ -152,8 +156,7 @@ class BatchStream:
                                 f"tokens in {state.get('shards')} shard(s) but the data now gives "
                                 f"{len(self.tokens)} in {shards}; resume with the data the run "
                                 "started with (a file may have grown, a glob may match files added since)")
-        if "fingerprint" in state and not isinstance(self.tokens, TokenShards) \
-                and state["fingerprint"] != token_fingerprint(self.tokens):
+        if "fingerprint" in state and state["fingerprint"] != self._fingerprint():
             raise DataError(f"the checkpoint's data stream ran over other training tokens than the data now "
                             f"gives (the same {len(self.tokens)} of them, other contents); resume with the data "
                             "the run started with")
@@ -163,12 +166,21 @@ class BatchStream:
 FINGERPRINT_PIECES, FINGERPRINT_PIECE_BYTES = 64, 16 << 10
 
 
-def token_fingerprint(tokens: np.ndarray) -> str:
+def token_fingerprint(tokens) -> str:
     """A short sha256 of a token array's dtype, length and bytes -- all of them up to 1 MiB, else
     64 evenly spaced 16 KiB pieces: what a resume compares to know the data is the run's, at a
-    cost that does not grow with the file."""
+    cost that does not grow with the file. Over shards (``TokenShards``), each shard's part in
+    range counts by its dtype, length and first and last 16 KiB, so a shard changed, swapped or
+    reordered is seen whatever the number of shards (32 KiB read per shard)."""
     import hashlib
 
+    if isinstance(tokens, TokenShards):
+        h = hashlib.sha256(b"shards")
+        for part in tokens.chunks(size=len(tokens) or 1):  # one view per shard
+            raw = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+            h.update(f"{np.dtype(part.dtype).str}:{len(part)}".encode())
+            h.update(raw[:FINGERPRINT_PIECE_BYTES].tobytes() + raw[-FINGERPRINT_PIECE_BYTES:].tobytes())
+        return h.hexdigest()[:16]
     raw = np.ascontiguousarray(tokens).reshape(-1).view(np.uint8)
     h = hashlib.sha256(f"{np.dtype(tokens.dtype).str}:{len(tokens)}".encode())
     if raw.size <= FINGERPRINT_PIECES * FINGERPRINT_PIECE_BYTES:
