@@ -291,3 +291,19 @@ def test_ranks_reading_other_data_are_stopped_at_start():
     with pytest.raises(LaunchError, match=r"rank 1 reads other training data than rank 0 .* every rank must "
                                           r"read the same --data"):
         spawn(_stream_per_rank, 2, (True,))
+
+
+def test_a_sidecar_that_understates_the_ids_is_one_line_not_an_index_error(tmp_path, capsys):
+    """The load trusts a sidecar's max_token_id (no scan); the windows are checked as they are cut."""
+    from asyncpp_ext.training.cli import main
+
+    ids = np.arange(6000) % 256
+    ids[::50] = 300
+    path = _ours(tmp_path / "lie.bin", ids, vocab=256)
+    header = json.loads(sidecar_path(path).read_text())
+    sidecar_path(path).write_text(json.dumps(dict(header, max_token_id=255)))
+    rc = main(["--data", str(path), "--vocab-size", "256", "--model", "tiny", "--seq-len", "32", "--steps", "2",
+               "--no-checkpoints", "--no-progress", "--simulate", "--no-compile", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0, err
+    assert "holds token id 300 >= vocab_size 256, above the max_token_id its sidecar gives" in err

@@ -54,9 +54,10 @@ def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
             if len(part) < need * (cfg.model.seq_len + 1):
                 raise DataError(f"{what} holds {len(part)} tokens, fewer than {need} window(s) of "
                                 f"seq_len {cfg.model.seq_len} + 1; use more data or a smaller --seq-len")
+    vocab = cfg.model.vocab_size
     stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed,
-                         sampling=cfg.data.sampling)
-    return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches)
+                         sampling=cfg.data.sampling, vocab_size=vocab)
+    return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches, vocab)
 
 
 def _refuse_shared_files(train: str, val: str) -> None:
