@@ -316,7 +316,7 @@ FIELD_FLAGS = {
     "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta", "optim.ns_dtype": "--ns-dtype",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
-    "data.eval_batches": "--eval-batches", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
+    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",

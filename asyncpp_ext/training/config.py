@@ -437,6 +437,10 @@ class RunConfig:
                               f"collectives use it too), got {self.train.timeout_s!r}")
         if not isinstance(self.train.out, str) or not self.train.out.strip():
             raise ConfigError(f"train.out must name the run directory, got {self.train.out!r}")
+        for name, value in (("data.source", self.data.source), ("data.val_source", self.data.val_source)):
+            if value is not None and (not isinstance(value, str) or not value.strip()):  # '' reads as '.'
+                raise ConfigError(f"{name} must name a file, directory, glob or manifest (or builtin), "
+                                  f"got {value!r}")
         if self.optim.lr is not None:
             positive_number("optim.lr", self.optim.lr)
         if self.optim.adamw_lr is not None:

@@ -137,6 +137,8 @@ BAD_INPUTS = [
     ("short", "has 120 tokens but one batch needs at least"),
     ("latin1", "is not UTF-8"),
     ("oddbin", "odd byte length"),
+    ("--data=", "--data: data.source must name a file, directory, glob or manifest (or builtin), got ''"),
+    ("--val-data=", "--val-data: data.val_source must name a file, directory, glob or manifest"),
     # run directory
     ("unwritable", "cannot write to --out"),
     # single-process checkpoints
