@@ -192,3 +192,39 @@ def test_the_summary_line_of_a_run_whose_last_evaluation_was_non_finite(tmp_path
     print_summary(tmp_path, RunConfig(), 0)
     line = capsys.readouterr().out
     assert "step 2 loss skipped eval_loss non-finite (1 step skipped: non-finite values)" in line, line
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    """A full disk shows in torch.save as "enforce fail at inline_container.cc"; the line names the
+    shard and the space left instead."""
+    import torch
+
+    from asyncpp_ext.training import checkpoint
+
+    def full_disk(obj, f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 586944 vs 586832")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    rc = main(["--model", "tiny", "--seq-len", "16", "--steps", "2", "--ckpt-every", "2", "--no-progress",
+               "--no-compile", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.count("\n") == 0 and "Traceback" not in err, err
+    assert "could not write checkpoint shard" in err and "MiB are free there" in err, err
+    assert torch.save is full_disk
+
+
+def test_a_metrics_write_that_fails_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    from asyncpp_ext.training import trainer
+
+    real_open = open
+
+    def open_full(path, *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and args and "a" in args[0]:
+            raise OSError(28, "No space left on device", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "open", open_full, raising=False)
+    rc = main(["--model", "tiny", "--seq-len", "16", "--steps", "2", "--no-checkpoints", "--no-progress",
+               "--no-compile", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.count("\n") == 0 and "No space left on device" in err, err

@@ -45,6 +45,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed; the message names the file or field and the fix."""
 
 
+class CheckpointWriteError(OSError):
+    """A shard that could not be written (a full disk, most often); the message names the file and
+    the space left there. A run failure, not a bad input."""
+
+
 class NonFiniteCheckpointError(RuntimeError):
     """A checkpoint write refused because a weight holds NaN/Inf (nothing was written)."""
 
@@ -141,10 +146,16 @@ def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict |
     path = Path(tmp_dir) / shard_name(stage)
     payload = {"format": FORMAT_VERSION, "stage": stage, "engine": to_cpu(engine_state),
                "rng": capture_rng_state() if rng_state is None else rng_state}
-    with open(path, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            torch.save(payload, f)  # a full disk reads "enforce fail at inline_container.cc" here
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:
+        reason = " ".join(str(exc).split())[:160] or type(exc).__name__
+        free = shutil.disk_usage(path.parent).free / 2**20
+        raise CheckpointWriteError(f"could not write checkpoint shard {path} ({reason}); {free:.0f} MiB are "
+                                   "free there: free disk space or choose another --out") from None
 
 
 def finalize_checkpoint(run_dir: str | os.PathLike, tmp_dir: Path, step: int, meta: dict) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from .arguments import PROG, UsageError, build_parser, config_from_args, name_flag
-from .checkpoint import (CheckpointError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint,
+from .checkpoint import (CheckpointError, CheckpointWriteError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint,
                          list_checkpoints, read_meta)
 from .config import ConfigError, RunConfig
 from ..data import DataError
@@ -87,6 +87,14 @@ def main(argv=None) -> int:
             message = name_flag(message)
         sys.stderr.write(f"{PROG}: error: {message}\n")
         return 2
+    except CheckpointWriteError as exc:  # the message names the shard and the space left
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return 1
+    except OSError as exc:  # a full disk, most often: the run failed, the input was fine
+        where = f" ({exc.filename})" if exc.filename else ""
+        sys.stderr.write(f"{PROG}: error: {exc.strerror or exc}{where}; free disk space or choose another "
+                         "--out\n")
+        return 1
     except LaunchError as exc:  # each rank has already printed its own line
         sys.stderr.write(f"{PROG}: error: the pipeline run failed: {exc}\n")
         return 1
