@@ -228,3 +228,27 @@ def test_a_metrics_write_that_fails_is_one_line_and_exit_1(tmp_path, monkeypatch
                "--no-compile", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and err.count("\n") == 0 and "No space left on device" in err, err
+
+
+def test_a_resume_reads_the_same_data_under_another_path(tmp_path, monkeypatch, capsys):
+    """A relative --data resumed from another directory, or data that moved: the path may change,
+    the tokens may not."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    (first / "text.txt").write_text("to be or not to be, that is the question. " * 300)
+    flags = ["--model", "tiny", "--seq-len", "16", "--no-progress", "--no-compile", "--threads", "1"]
+    monkeypatch.chdir(first)
+    assert main(["--data", "text.txt", "--steps", "4", "--out", str(tmp_path / "whole")] + flags) == 0
+    assert main(["--data", "text.txt", "--steps", "2", "--ckpt-every", "2", "--out", str(tmp_path / "cut")] + flags) == 0
+    monkeypatch.chdir(second)
+    moved = second / "moved.txt"
+    shutil.copy(first / "text.txt", moved)
+    assert main(["--resume", str(tmp_path / "cut"), "--steps", "4", "--data", str(moved), "--no-progress"]) == 0
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("whole", "cut")]
+    assert losses[0] == losses[1]
+    moved.write_text(moved.read_text().replace("question", "quest1on"))  # other tokens, same count
+    capsys.readouterr()
+    assert main(["--resume", str(tmp_path / "cut"), "--steps", "6", "--data", str(moved), "--no-progress"]) == 2
+    assert "other training tokens than the data now gives" in capsys.readouterr().err

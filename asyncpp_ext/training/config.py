@@ -486,10 +486,14 @@ def _check_optimizer_available(name: str) -> None:
 # micro_batch_size as long as their product, the sequences the stream draws per microbatch, stays:
 # every replica holds the same state, and R replicas of B sequences average the gradient of the
 # same R*B sequences (equal up to float summation order). data.eval_batches may differ too: it
-# says how much of the held-out split an evaluation reads, not what trains.
+# says how much of the held-out split an evaluation reads, not what trains. So may the data's
+# paths (data.source, data.val_source): a relative path read from another directory, or data
+# moved, is the same data, and what trains is compared itself (the stream's token count, shards
+# and fingerprint, data/batches.py), while --val-data only says what is evaluated.
+RESUME_MAY_DIFFER_DATA = ("eval_batches", "source", "val_source")
 RESUME_MUST_MATCH = (
     [f"model.{f.name}" for f in fields(ModelConfig)]
-    + [f"data.{f.name}" for f in fields(DataConfig) if f.name != "eval_batches"]  # what is evaluated, not trained
+    + [f"data.{f.name}" for f in fields(DataConfig) if f.name not in RESUME_MAY_DIFFER_DATA]
     + [f"optim.{f.name}" for f in fields(OptimConfig)]
     + ["pipeline.schedule", "pipeline.microbatches", "pipeline.global_micro_batch_size", "pipeline.delay",
        "pipeline.delay_only", "train.seed", "train.dtype"]
