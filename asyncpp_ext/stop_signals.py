@@ -24,6 +24,9 @@ class Stopped(KeyboardInterrupt):
     def name(self) -> str:
         return signal.Signals(self.signum).name
 
+    def __str__(self) -> str:
+        return f"stopped by {self.name}"
+
 
 @contextlib.contextmanager
 def stop_signals_raise():

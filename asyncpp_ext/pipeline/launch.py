@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ..stop_signals import Stopped
+from ..stop_signals import Stopped, stop_signals_raise
 from .peer_errors import TransportError, peer_gone
 from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, default_timeout_s
 
@@ -38,7 +38,7 @@ EXIT_FAILED = 1        # the rank itself failed
 # EXIT_PEER_LOST (3): the rank stopped because a peer failed or stalled (a consequence, not a cause)
 # EXIT_STALLED (4): the rank's own instruction never completed (its watchdog fired)
 _SPAWNED_ENV = "ASYNCPP_LOCAL_SPAWN"
-STOP_GRACE_S = 5.0  # seconds the ranks have, after the Ctrl-C a launcher's SIGTERM sends them
+STOP_GRACE_S = 5.0  # seconds the ranks have to stop after the launcher passes its SIGTERM on
 _failure_channel = None  # a spawned rank's line back to the launcher
 _store_listener = None  # rank 0 of a spawned run: the store's socket, bound by the launcher
 START_METHOD_ENV = "ASYNCPP_START_METHOD"
@@ -204,7 +204,8 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
     if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost") and loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # gloo's sockets on loopback too
     try:
-        fn(*args)
+        with stop_signals_raise():  # SIGTERM: a line and a clean end, as a Ctrl-C gives
+            fn(*args)
     except BaseException as e:  # report one line per rank; tracebacks only when debugging
         if os.environ.get("ASYNCPP_DEBUG"):
             traceback.print_exc()
@@ -410,10 +411,11 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
             time.sleep(0.05)
     except Stopped:
         # A stop request to this process alone (SIGTERM, SIGHUP; Ctrl-C reaches the whole process
-        # group): the ranks get a Ctrl-C, which each answers with its line, and a moment for it.
+        # group): passed on as SIGTERM, which each rank answers with its line (not SIGINT: a run
+        # started in the background of a script inherits SIGINT ignored), and a moment for it.
         for p in procs:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGINT)
+                os.kill(p.pid, signal.SIGTERM)
         for p in procs:
             p.join(STOP_GRACE_S)
         raise
