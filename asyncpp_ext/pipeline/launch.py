@@ -4,8 +4,9 @@
 the rendezvous store and gloo's sockets listen on that address only, never on every interface.
 When one rank fails, the others get a grace period to report their own view (e.g. "peer exited")
 and are then killed, so no orphan is ever left behind; children also die with the launcher
-(PR_SET_PDEATHSIG). Each failing rank prints one line (a stalled one its watchdog report) and
-tells the launcher why it failed, so the launcher's error names the root cause.
+(PR_SET_PDEATHSIG, and a watch on the launcher's pid where a forkserver is the parent). Each
+failing rank prints one line (a stalled one its watchdog report) and tells the launcher why it
+failed, so the launcher's error names the root cause.
 
 Ranks start from a forkserver with torch (and torch._dynamo, which every optimizer's creation
 imports) already imported where the platform has one (Linux), so a launch costs a fork instead of a
@@ -20,9 +21,11 @@ import datetime
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Callable
@@ -167,6 +170,27 @@ def _die_with_parent() -> None:
             os._exit(EXIT_FAILED)
 
 
+def _die_with_launcher(launcher: int) -> None:
+    """SIGKILL when the launcher exits, where it is not this rank's parent (a forkserver's rank):
+    the death signal set by ``_die_with_parent`` fires only once the forkserver has exited too,
+    which takes it a second or more (its interpreter tears torch down), time in which the ranks
+    would train on and write files. A thread waits on the launcher's pidfd instead."""
+    if launcher == os.getppid() or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except ProcessLookupError:  # the launcher was gone before this rank started
+        os._exit(EXIT_FAILED)
+    except OSError:  # a kernel without pidfds (before Linux 5.3): the forkserver's exit ends the rank
+        return
+
+    def wait_then_die() -> None:
+        select.select([pidfd], [], [])  # readable once the launcher has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_then_die, name="asyncpp-launcher-watch", daemon=True).start()
+
+
 class _LauncherStdio:
     """The launcher's standard output and error as they are at launch time, handed to a
     forkserver's rank, which would otherwise write where the server's went (multiprocessing
@@ -184,9 +208,11 @@ def _launcher_stdio_in_rank(out, err) -> tuple:
 
 def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel=None,
            listener: socket.socket | None = None, environ: dict | None = None,
-           stdio: tuple | None = None) -> None:
+           stdio: tuple | None = None, launcher: int | None = None) -> None:
     global _failure_channel, _store_listener
     _die_with_parent()
+    if launcher is not None:
+        _die_with_launcher(launcher)
     if environ is not None and environ != dict(os.environ):  # the launcher's at launch time
         os.environ.clear()
         os.environ.update(environ)
@@ -392,7 +418,8 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
     environ = dict(os.environ)
     stdio = _LauncherStdio() if ctx.get_start_method() == "forkserver" and _stdout_and_stderr_open() else None
     procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, channel, listener if r == 0 else None,
-                                              environ, stdio), daemon=False) for r in range(nprocs)]
+                                              environ, stdio, os.getpid()), daemon=False)
+             for r in range(nprocs)]
     try:
         for p in procs:
             p.start()  # rank 0 gets its own duplicate of the listening socket
