@@ -247,9 +247,11 @@ def test_no_probe_where_torch_sees_no_gpu(tmp_path, monkeypatch):
     readiness = []
     probes = _counting_probes(monkeypatch, readiness)
     _launch_and_read(tmp_path, "ranks")
-    assert probes == []
+    assert probes == [] and len(readiness) == 1  # the ranks start once the server is ready
+    _launch_and_read(tmp_path, "again")
+    assert probes == [] and len(readiness) == 1  # a server seen ready is not waited for again
     monkeypatch.setenv("ASYNCPP_TEST_VALUE", "a server of its own")  # started early, then: readied by one child
-    assert launch.start_forkserver_early() and probes == [] and len(readiness) == 1
+    assert launch.start_forkserver_early() and probes == [] and len(readiness) == 2
     mp.forkserver._forkserver._stop()
 
 

@@ -49,12 +49,15 @@ START_METHODS = ("auto", "forkserver", "spawn")
 # torch._dynamo: torch.optim.Optimizer.add_param_group is wrapped by torch._disable_dynamo, which
 # imports torch._dynamo on its first call -- 1.9-2.2 s in every rank that builds an optimizer.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# Imported by every forkserver before its preload: the server and its ranks' start-up ignore
+# Ctrl-C, which is the launcher's to handle (otherwise each prints an import's traceback).
+_SERVER_SETUP = "asyncpp_ext.forkserver_start"
 # Variables that change from one launch to the next without meaning anything to a rank's imports:
 # pytest's per-test bookkeeping (PYTEST_CURRENT_TEST is rewritten for every test; xdist's worker
 # ids). A change of one does not restart the forkserver; the rank still sees the launcher's value.
 _PER_LAUNCH_ENV_PREFIXES = ("PYTEST_",)
 _forkserver_started_under: tuple | None = None  # what the forkserver we use started under (_server_key)
-_forkserver_checked_pid: int | None = None  # the server whose children were seen free to use CUDA
+_forkserver_checked_pid: int | None = None  # the server whose children were seen to start (and use CUDA)
 _forkserver_refused_under: tuple | None = None  # the environment whose server's children could not use CUDA
 
 
@@ -208,9 +211,11 @@ def _launcher_stdio_in_rank(out, err) -> tuple:
 
 def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel=None,
            listener: socket.socket | None = None, environ: dict | None = None,
-           stdio: tuple | None = None, launcher: int | None = None) -> None:
+           stdio: tuple | None = None, launcher: int | None = None, interruptible: bool = True) -> None:
     global _failure_channel, _store_listener
     _die_with_parent()
+    if interruptible:  # a forkserver's ranks start with SIGINT ignored (forkserver_start.py)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if launcher is not None:
         _die_with_launcher(launcher)
     if environ is not None and environ != dict(os.environ):  # the launcher's at launch time
@@ -235,7 +240,8 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
     except BaseException as e:  # report one line per rank; tracebacks only when debugging
         if os.environ.get("ASYNCPP_DEBUG"):
             traceback.print_exc()
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = ("interrupted" if type(e) is KeyboardInterrupt else  # Ctrl-C; Stopped names its signal
+               str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         sys.stderr.write(f"asyncpp: rank {rank}: {msg}\n")
         sys.stderr.flush()
         tell_launcher(msg)
@@ -266,11 +272,37 @@ def start_method() -> str:
     return raw
 
 
-def _context():
+def _context(preload: tuple = ()):
     method = start_method()
-    if method == "forkserver" and not (_forkserver_for_this_environment() and _forkserver_children_can_use_cuda()):
+    if method == "forkserver" and not _forkserver_ready(preload):
         method = "spawn"
     return mp.get_context(method)
+
+
+def _set_preload(modules: list) -> None:
+    """What the next forkserver started imports: ``_SERVER_SETUP``, then ``modules``."""
+    mp.set_forkserver_preload([_SERVER_SETUP] + modules)
+
+
+def _forkserver_ready(preload: tuple = ()) -> bool:
+    """Whether a forkserver for this environment runs, or can be started, with children free to use
+    CUDA; one started now imports ``preload``'s modules too (a running one keeps its imports)."""
+    if not _forkserver_for_this_environment():
+        return False
+    global _forkserver_checked_pid
+    if preload and mp.forkserver._forkserver._forkserver_pid is None:
+        _set_preload(_FORKSERVER_PRELOAD + [m for m in preload if m not in _FORKSERVER_PRELOAD])
+    if not _forkserver_children_can_use_cuda():
+        return False
+    pid = mp.forkserver._forkserver._forkserver_pid
+    if pid is None or pid != _forkserver_checked_pid:
+        # One child first, which the server forks once its imports are done (a probed server was
+        # ready when its probe ran): the ranks are then started at once, so a Ctrl-C cannot leave
+        # a rank's start queued at a server whose launcher is gone (it would fork the rank,
+        # which finds the launcher's queue removed: a traceback).
+        _fork_one_child()
+        _forkserver_checked_pid = mp.forkserver._forkserver._forkserver_pid
+    return True
 
 
 def _stdout_and_stderr_open() -> bool:
@@ -320,7 +352,7 @@ def _forkserver_for_this_environment() -> bool:
         if stop is None:
             return False
         stop()
-    mp.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    _set_preload(_FORKSERVER_PRELOAD)
     _forkserver_started_under = now
     return True
 
@@ -333,18 +365,7 @@ def start_forkserver_early(preload: tuple = ()) -> bool:
     ``_forkserver_children_can_use_cuda``); returns once it is ready. The launch reuses it while
     the environment stays as it is now (``_forkserver_for_this_environment``). True if a
     forkserver runs; False where ranks start another way."""
-    if start_method() != "forkserver" or not _forkserver_for_this_environment():
-        return False
-    if preload and mp.forkserver._forkserver._forkserver_pid is None:  # a running one keeps its imports
-        mp.set_forkserver_preload(_FORKSERVER_PRELOAD + [m for m in preload if m not in _FORKSERVER_PRELOAD])
-    if not _forkserver_children_can_use_cuda():
-        return False
-    pid = mp.forkserver._forkserver._forkserver_pid
-    if pid is None or pid != _forkserver_checked_pid:
-        # no probe child came from this server (torch sees no GPU): one child now, which the server
-        # forks only once its imports are done; a probed server was ready when its probe ran
-        _fork_one_child()
-    return True
+    return start_method() == "forkserver" and _forkserver_ready(preload)
 
 
 def _exit_code_for_fork_state() -> None:
@@ -392,14 +413,14 @@ def _forkserver_children_can_use_cuda() -> bool:
             return True
         why = "cannot use CUDA" if code == 3 else f"fail to start (a probe exited with code {code})"
         preloaded = list(getattr(server, "_preload_modules", ()))
-        extra = [m for m in preloaded if m not in _FORKSERVER_PRELOAD]
+        extra = [m for m in preloaded if m not in _FORKSERVER_PRELOAD and m != _SERVER_SETUP]
         if stop is not None:
             stop()
         if not extra or stop is None:
             break
         print(f"asyncpp: children of the forkserver {why} with {', '.join(extra)} preloaded: started again "
               f"with {', '.join(_FORKSERVER_PRELOAD)} only", file=sys.stderr, flush=True)
-        mp.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        _set_preload(_FORKSERVER_PRELOAD)
     print(f"asyncpp: children of the forkserver {why} with {', '.join(_FORKSERVER_PRELOAD)} preloaded: ranks "
           f"start from fresh interpreters (set {START_METHOD_ENV}=spawn to skip the forkserver)",
           file=sys.stderr, flush=True)
@@ -409,24 +430,31 @@ def _forkserver_children_can_use_cuda() -> bool:
 
 def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0) -> None:
     """Run ``fn(*args)`` in ``nprocs`` local ranks; raise LaunchError if any rank fails
-    (ValueError, before anything starts, if ``ASYNCPP_START_METHOD`` is not a valid choice)."""
-    ctx = _context()
+    (ValueError, before anything starts, if ``ASYNCPP_START_METHOD`` is not a valid choice).
+    A forkserver started here imports ``fn``'s module where it is part of this package (the ranks
+    then start with it imported: no second of imports each, in which a Ctrl-C would print a
+    traceback); other modules, which could resolve differently from another working directory,
+    are imported by each rank."""
+    ctx = _context((fn.__module__,) if fn.__module__.startswith(__package__.split(".")[0] + ".") else ())
     listener = _listening_socket(os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, max(64, nprocs))
     port = listener.getsockname()[1]
     channel = ctx.SimpleQueue()
     reasons: dict[int, str] = {}
     environ = dict(os.environ)
     stdio = _LauncherStdio() if ctx.get_start_method() == "forkserver" and _stdout_and_stderr_open() else None
+    interruptible = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # a background job's is not
     procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, channel, listener if r == 0 else None,
-                                              environ, stdio, os.getpid()), daemon=False)
+                                              environ, stdio, os.getpid(), interruptible), daemon=False)
              for r in range(nprocs)]
-    try:
-        for p in procs:
-            p.start()  # rank 0 gets its own duplicate of the listening socket
-    finally:
-        listener.close()
+    started = []  # a Ctrl-C can come between two starts: the ranks already started stop too
     deadline = None
     try:
+        try:
+            for p in procs:
+                p.start()  # rank 0 gets its own duplicate of the listening socket
+                started.append(p)
+        finally:
+            listener.close()
         while any(p.is_alive() for p in procs):
             while not channel.empty():
                 r, message = channel.get()
@@ -440,18 +468,18 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
         # A stop request to this process alone (SIGTERM, SIGHUP; Ctrl-C reaches the whole process
         # group): passed on as SIGTERM, which each rank answers with its line (not SIGINT: a run
         # started in the background of a script inherits SIGINT ignored), and a moment for it.
-        for p in procs:
+        for p in started:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
-        for p in procs:
+        for p in started:
             p.join(STOP_GRACE_S)
         raise
     finally:
         exit_codes = [p.exitcode for p in procs]  # before any rank is stopped by us
-        for p in procs:
+        for p in started:
             if p.is_alive():
                 p.terminate()
-        for p in procs:
+        for p in started:
             p.join(2.0)
             if p.is_alive():
                 p.kill()

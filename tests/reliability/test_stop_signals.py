@@ -94,3 +94,70 @@ def _running(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as at a terminal (a background job ignores it)
+
+
+def test_ctrl_c_while_the_ranks_forkserver_starts_is_one_line(tmp_path):
+    """Ctrl-C to the whole process group (a terminal's) while the forkserver imports torch: the
+    launcher's line only; neither the server nor a rank whose start was queued there prints a
+    traceback."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "asyncpp_ext.train", "--model", "tiny", "--seq-len", "32", "--stages", "2",
+         "--schedule", "2bw", "--steps", "100000", "--threads", "1", "--no-progress", "--out", str(tmp_path / "run")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=_default_sigint, env={**os.environ, "ASYNCPP_START_METHOD": "forkserver"})
+    try:
+        deadline = time.monotonic() + 60
+        while not any("forkserver" in open(f"/proc/{p}/cmdline").read() for p in _children(launcher.pid)
+                      if os.path.exists(f"/proc/{p}/cmdline")):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.01)
+        time.sleep(0.3)  # the server is importing torch (seconds)
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    time.sleep(1)  # anything a leftover process would still print has reached the pipe's end by now
+    assert launcher.returncode == 130, err
+    assert err.strip().splitlines() == ["asyncpp-train: interrupted"], err
+
+
+_SWALLOWING_IMPORT = """
+import os, signal, sys, time
+from asyncpp_ext.commands import _import_then_run
+
+def load():  # an import that catches everything, as torch's import of numpy does
+    try:
+        os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+        time.sleep(5)
+    except BaseException:
+        pass
+    return lambda argv: 0
+
+raise SystemExit(_import_then_run("prog", load, []))
+"""
+
+
+def test_a_stop_signal_during_the_imports_ends_with_one_line_even_if_an_import_swallows_it():
+    for name, code, line in [("SIGINT", 130, "prog: interrupted while starting"),
+                             ("SIGTERM", 143, "prog: stopped by SIGTERM while starting")]:
+        r = subprocess.run([sys.executable, "-c", _SWALLOWING_IMPORT, name], capture_output=True, text=True,
+                           timeout=60, preexec_fn=_default_sigint)
+        assert (r.returncode, r.stderr.strip()) == (code, line), (name, r.returncode, r.stderr)
+    # a process that ignores SIGINT (a background job) goes on ignoring it
+    r = subprocess.run([sys.executable, "-c", _SWALLOWING_IMPORT, "SIGINT"], capture_output=True, text=True,
+                       timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr
+
+
+def test_ctrl_c_during_asyncpp_trains_imports_is_one_line():
+    r = subprocess.Popen([sys.executable, "-m", "asyncpp_ext.train", "--help"], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    time.sleep(0.5)  # importing torch takes seconds
+    r.send_signal(signal.SIGINT)
+    _, err = r.communicate(timeout=60)
+    assert (r.returncode, err.strip()) == (130, "asyncpp-train: interrupted while starting"), err
