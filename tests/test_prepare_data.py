@@ -81,9 +81,56 @@ def test_bpe_train_and_val_round_trip_with_sidecars(tmp_path, bpe_path, capsys):
         header = json.loads(sidecar_path(path).read_text())
         assert header == {"format": "asyncpp-tokens", "version": 1, "dtype": "uint16",
                           "num_tokens": len(ids), "vocab_size": BPE_VOCAB,
-                          "max_token_id": int(ids.max()), "tokenizer": str(bpe_path.resolve())}
+                          "max_token_id": int(ids.max()), "tokenizer": str(bpe_path.resolve()),
+                          "tokenizer_sha256": _serialised_sha256(bpe_path)}
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "in.txt", "train.bin", "train.bin.json", "val.bin", "val.bin.json"]
+
+
+def _serialised_sha256(tokenizer_path) -> str:
+    import hashlib
+
+    return hashlib.sha256(tokenizers.Tokenizer.from_file(str(tokenizer_path)).to_str().encode()).hexdigest()
+
+
+def test_shards_and_validation_data_of_another_tokenizer_are_refused(tmp_path, bpe_path, capsys):
+    """Token files of two tokenizers in one --data, or a --val-data of another tokenizer, would
+    train or score ids that mean different things: one line naming both. The same tokenizer saved
+    at another path is the same tokenizer."""
+    from asyncpp_ext.data import DataError
+    from asyncpp_ext.training.cli import main as train_main
+
+    source = tmp_path / "in.txt"
+    source.write_text(_corpus_text(0, 60_000), encoding="utf-8")
+    copy = tmp_path / "copy" / "tokenizer.json"
+    copy.parent.mkdir()
+    copy.write_bytes(bpe_path.read_bytes())
+    data = tmp_path / "data"
+    data.mkdir()
+    for tok, out in ((bpe_path, "a_1.bin"), (copy, "a_2.bin"), ("bytes", "b_1.bin")):
+        assert prep.main(["--tokenizer", str(tok), "--input", str(source), "--out", str(data / out)]) == 0
+    assert len(load_tokens(str(data / "a_*.bin"), BPE_VOCAB)) > 0  # one tokenizer, two paths
+    with pytest.raises(DataError, match=r"mixes token files of different tokenizers: a_1.bin \(tokenizer "
+                                        r".*tokenizer.json \(vocabulary 512\)\) and b_1.bin \(UTF-8 bytes\)"):
+        load_tokens(str(data), BPE_VOCAB)
+    # another tokenizer of the same vocabulary size: told apart by its serialised form
+    other = json.loads(bpe_path.read_text())
+    other["model"]["vocab"] = {tok: (i + 1) % len(other["model"]["vocab"])
+                               for tok, i in other["model"]["vocab"].items()}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert prep.main(["--tokenizer", str(tmp_path / "other.json"), "--input", str(source),
+                      "--out", str(data / "a_3.bin")]) == 0
+    with pytest.raises(DataError, match="a_1.bin .* and a_3.bin .*other.json"):
+        load_tokens(str(data / "a_*.bin"), BPE_VOCAB)
+    capsys.readouterr()
+    run = tmp_path / "run"
+    flags = ["--vocab-size", str(BPE_VOCAB), "--seq-len", "16", "--steps", "1", "--no-progress", "--simulate",
+             "--no-compile", "--out", str(run)]
+    assert train_main(["--data", str(data / "a_1.bin"), "--val-data", str(source)] + flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--val-data {source} holds ids of UTF-8 bytes but --data" in err[0], err
+    assert not run.exists()
+    assert train_main(["--data", str(data / "a_1.bin"), "--val-data", str(data / "a_2.bin")] + flags) == 0
 
 
 def test_long_input_is_read_in_pieces_that_rejoin_exactly(tmp_path, bpe_path, monkeypatch, capsys):

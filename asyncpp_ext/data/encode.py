@@ -10,6 +10,7 @@ does not depend on the number of workers.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -22,8 +23,9 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from .errors import DataError, first_line
+from .sources import BYTES_TOKENIZER
 
-BYTES = "bytes"
+BYTES = BYTES_TOKENIZER
 BAD, BLANK = -1, -2
 """Item lengths that mark a bad record and a blank JSON line."""
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -82,6 +84,7 @@ class ByteTokenizer(_Encoder):
 
     name = BYTES
     vocab_size = 256
+    sha256 = None  # nothing to tell apart
 
     def encode(self, pieces: list[str]) -> list[np.ndarray]:
         """Token ids of each piece."""
@@ -104,6 +107,8 @@ class HFTokenizer(_Encoder):
             raise PrepareError(f"tokenizer {path} is not a tokenizers tokenizer.json ({reason}); "
                                "pass the tokenizer.json of a Hugging Face tokenizer") from None
         self.name = os.path.abspath(path)
+        # the same tokenizer at another path, or re-saved, serialises alike (sidecars compare this)
+        self.sha256 = hashlib.sha256(self.tokenizer.to_str().encode("utf-8")).hexdigest()
         # Added tokens may sit above the base vocabulary; the id range is what a model must embed.
         ids = self.tokenizer.get_vocab(with_added_tokens=True).values()
         self.vocab_size = max(self.tokenizer.get_vocab_size(with_added_tokens=True),

@@ -366,7 +366,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         if mode != "none":
             doc_fields = {"doc_boundary": mode, "boundary_token": token, "boundary_token_id": token_id}
         headers, manifests, stale = commit_outputs(
-            sinks, base_header(dtype_name, tokenizer.vocab_size, tokenizer.name), doc_fields, temps)
+            sinks, base_header(dtype_name, tokenizer.vocab_size, tokenizer.name, tokenizer.sha256), doc_fields, temps)
         result = PrepareResult(headers)
         result.inputs, result.documents, result.empty = len(items), docs.documents, docs.empty
         result.skipped_records, result.skipped_files, result.first_skip = (skips.records, skips.files,

@@ -214,9 +214,12 @@ def commit_outputs(sinks: list[TokenSink], base: dict, doc_fields: Optional[dict
     return headers, [final for _, final in manifests], stale
 
 
-def base_header(dtype_name: str, vocab_size: int, tokenizer: str) -> dict:
-    return {"format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION, "dtype": dtype_name,
-            "num_tokens": 0, "vocab_size": vocab_size, "max_token_id": 0, "tokenizer": tokenizer}
+def base_header(dtype_name: str, vocab_size: int, tokenizer: str, tokenizer_sha256: Optional[str] = None) -> dict:
+    header = {"format": TOKEN_FORMAT, "version": TOKEN_FORMAT_VERSION, "dtype": dtype_name,
+              "num_tokens": 0, "vocab_size": vocab_size, "max_token_id": 0, "tokenizer": tokenizer}
+    if tokenizer_sha256 is not None:
+        header["tokenizer_sha256"] = tokenizer_sha256
+    return header
 
 
 __all__ = ["STOP_SIGNALS", "StoppedAfterCommit", "TokenSink", "base_header", "commit_outputs",

@@ -20,6 +20,13 @@ next to it, named ``<file>.bin.json`` (``asyncpp-prepare-data`` writes one)::
 * ``vocab_size``: size of the tokenizer's vocabulary (the ``--vocab-size`` a model needs).
 * ``max_token_id``: largest id in the file; lets the id check skip a pass over a huge file.
 * ``tokenizer``: the tokenizer.json it was made with, or ``"bytes"`` (ids are UTF-8 bytes).
+* ``tokenizer_sha256`` (optional, Hugging Face tokenizers): the SHA-256 of the tokenizer's
+  serialised form (``Tokenizer.to_str()``), so the same tokenizer at another path is recognised.
+
+Shards of one ``--data``, and ``--data`` against ``--val-data``, must come from one tokenizer: a
+difference the sidecars show (bytes against a tokenizer, another vocabulary size, another
+``tokenizer_sha256``) is a ``DataError`` (``tokenizer_of``, ``tokenizers_differ``). Text files
+and the built-in corpus count as ``"bytes"``; a file without a sidecar says nothing.
 
 Without a sidecar the file is read as uint16 (nanoGPT's format) and its largest id is found by
 scanning it in chunks. Every inconsistency (bad sidecar, size not matching the dtype or the sidecar,
@@ -271,13 +278,65 @@ def _check_vocab(source, tokens, header: Optional[dict], vocab_size: int) -> Non
         raise _vocab_error(source, top, vocab_size, (header or {}).get("vocab_size") or 0)
 
 
+BYTES_TOKENIZER = "bytes"
+"""The ``tokenizer`` of ids that are UTF-8 bytes: text files, the built-in corpus, ``--tokenizer bytes``."""
+
+
+def _tokenizer_mark(header: Optional[dict]) -> Optional[dict]:
+    """What a sidecar says of the tokenizer that made its ids (None without a sidecar)."""
+    if not header:
+        return None
+    return {k: header.get(k) for k in ("tokenizer", "tokenizer_sha256", "vocab_size")}
+
+
+def tokenizers_differ(a: Optional[dict], b: Optional[dict]) -> bool:
+    """Whether two ``tokenizer_of`` marks show different tokenizers: bytes against a tokenizer,
+    different vocabulary sizes, or different ``tokenizer_sha256`` (paths alone may differ: a
+    tokenizer.json moved or copied is the same tokenizer). False where either says nothing."""
+    if a is None or b is None:
+        return False
+    bytes_a, bytes_b = a["tokenizer"] == BYTES_TOKENIZER, b["tokenizer"] == BYTES_TOKENIZER
+    if bytes_a or bytes_b:
+        return bytes_a != bytes_b
+    if a["vocab_size"] and b["vocab_size"] and a["vocab_size"] != b["vocab_size"]:
+        return True
+    return bool(a["tokenizer_sha256"] and b["tokenizer_sha256"] and a["tokenizer_sha256"] != b["tokenizer_sha256"])
+
+
+def describe_tokenizer(mark: dict) -> str:
+    """A tokenizer mark for a message: "bytes", or "tokenizer PATH (vocabulary N)"."""
+    if mark["tokenizer"] == BYTES_TOKENIZER:
+        return "UTF-8 bytes"
+    return f"tokenizer {mark['tokenizer']} (vocabulary {mark['vocab_size']})"
+
+
+def tokenizer_of(source: str, flag: str = "--data") -> Optional[dict]:
+    """Which tokenizer made ``source``'s ids, as its sidecars say: a dict of ``tokenizer``,
+    ``tokenizer_sha256`` and ``vocab_size`` (``"bytes"`` for a text file and the built-in corpus),
+    or None where no sidecar says (an llm.c shard, a nanoGPT ``.bin``). For several shards, the
+    first that says; ``load_tokens`` refuses shards that differ. Problems with the files are left
+    to ``load_tokens`` (None here)."""
+    from .shards import is_multi_spec, resolve_token_paths
+
+    if source == BUILTIN or (not is_multi_spec(source) and Path(source).suffix != ".bin"):
+        return {"tokenizer": BYTES_TOKENIZER, "tokenizer_sha256": None, "vocab_size": 256}
+    try:
+        for path in resolve_token_paths(source, flag)[0]:
+            mark = _tokenizer_mark(_read_sidecar(path))
+            if mark is not None:
+                return mark
+    except DataError:
+        return None
+    return None
+
+
 def load_shards(spec: str, vocab_size: int = 256, flag: str = "--data"):
     """The token files a glob, directory or manifest names, as one ``TokenShards`` (a single
     match: that file's memmap). Every shard is checked like a single ``.bin``."""
     from .shards import TokenShards, resolve_token_paths
 
     paths, counts = resolve_token_paths(spec, flag)
-    parts, worst, header_vocab = [], (-1, None), 0
+    parts, worst, header_vocab, first_mark = [], (-1, None), 0, None
     for i, path in enumerate(paths):
         if not path.is_file():
             raise DataError(f"{flag} {spec}: shard {path} does not exist (or is not a file); "
@@ -288,6 +347,13 @@ def load_shards(spec: str, vocab_size: int = 256, flag: str = "--data"):
         if counts is not None and len(tokens) != counts[i]:
             raise DataError(f"{flag} {spec}: shard {path} holds {len(tokens)} tokens but the "
                             f"manifest says {counts[i]}; regenerate the shards")
+        mark = _tokenizer_mark(header)
+        if first_mark is None and mark is not None:
+            first_mark = (mark, path)
+        elif first_mark is not None and tokenizers_differ(first_mark[0], mark):
+            raise DataError(f"{flag} {spec} mixes token files of different tokenizers: {first_mark[1].name} "
+                            f"({describe_tokenizer(first_mark[0])}) and {path.name} ({describe_tokenizer(mark)}); "
+                            "give one tokenizer's shards (a narrower glob, or their manifest)")
         top = _token_top(tokens, header, vocab_size)
         if top >= vocab_size and top > worst[0]:
             worst = (top, path)
@@ -334,7 +400,8 @@ def load_tokens(source: str, vocab_size: int = 256, flag: str = "--data") -> np.
     return tokens
 
 
-__all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "DataError", "LLMC_FORMATS", "LLMC_HEADER_INTS",
+__all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "BYTES_TOKENIZER", "DataError", "LLMC_FORMATS", "LLMC_HEADER_INTS",
            "SCAN_CHUNK_TOKENS", "TOKEN_DTYPES", "TOKEN_FORMAT", "TOKEN_FORMAT_VERSION",
            "builtin_corpus", "load_shards", "load_tokens",
-           "scan_max_token_id", "sidecar_path", "token_dtype_for_vocab", "token_file_info"]
+           "scan_max_token_id", "sidecar_path", "token_dtype_for_vocab", "token_file_info", "tokenizer_of",
+           "tokenizers_differ", "describe_tokenizer"]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..data import BatchStream, DataError, eval_batches, load_tokens, resolve_token_paths, split_tokens
+from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.attention import resolve_attention
 from ..models.base import forward_through
 from ..models.compile import inductor_mode, resolve_compile
@@ -48,6 +49,7 @@ def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
                                                  source=cfg.data.source)
     else:  # a separate validation file: every token of --data trains
         _refuse_shared_files(cfg.data.source, cfg.data.val_source)
+        _refuse_other_tokenizer(cfg.data.source, cfg.data.val_source)
         train_tokens, eval_tokens = tokens, load_tokens(cfg.data.val_source, cfg.model.vocab_size,
                                                      flag="--val-data")
         for what, part, need in (("--data", train_tokens, batch), ("--val-data", eval_tokens, 1)):
@@ -73,6 +75,16 @@ def _refuse_shared_files(train: str, val: str) -> None:
         raise DataError(f"--val-data {val} and --data {train} share {len(val_files)} file(s), e.g. "
                         f"{val_files[0]}: the evaluation would be trained on; point --data at the training "
                         "shards only (a glob like 'dir/train_*.bin', or their manifest)")
+
+
+def _refuse_other_tokenizer(train: str, val: str) -> None:
+    """DataError when --val-data's sidecars show another tokenizer than --data's (a text file is
+    UTF-8 bytes): its loss would score ids of another vocabulary."""
+    train_mark, val_mark = tokenizer_of(train), tokenizer_of(val, "--val-data")
+    if tokenizers_differ(train_mark, val_mark):
+        raise DataError(f"--val-data {val} holds ids of {describe_tokenizer(val_mark)} but --data {train} "
+                        f"those of {describe_tokenizer(train_mark)}: its loss would mean nothing; make both "
+                        "with the same tokenizer (asyncpp-prepare-data --val-fraction writes both)")
 
 
 # ---- optimizer ------------------------------------------------------------------------------
