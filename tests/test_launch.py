@@ -34,6 +34,42 @@ def say(word: str) -> None:
     sys.stderr.flush()
 
 
+def read_a_file_cut_short(path: str) -> None:
+    """Rank 1 memory-maps a token file, which is then cut short, and reads past the cut (SIGBUS)."""
+    if os.environ["RANK"] != "1":
+        return
+    import numpy as np
+
+    tokens = np.memmap(path, dtype="<u2", mode="r")
+    os.truncate(path, 0)
+    int(tokens[len(tokens) - 1])
+
+
+def test_a_rank_killed_by_sigbus_is_named_with_the_likely_cause(tmp_path):
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(b"\1\0" * 100_000)
+    with pytest.raises(launch.LaunchError, match=r"^rank 1 was killed by signal 7 \(SIGBUS: a memory-mapped "
+                                                 r"file, such as a token file, was cut short while the rank read it\)"):
+        spawn(read_a_file_cut_short, 2, (str(path),))
+
+
+def die_before_the_rendezvous() -> None:
+    """Rank 0, which serves the rendezvous, dies first; rank 1 waits in torch's store client,
+    native code where no Python signal handler runs, so it cannot say anything itself."""
+    import signal
+
+    if os.environ["RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    launch.init_distributed(120)
+
+
+def test_a_rank_the_launcher_has_to_end_gets_a_line_all_the_same(capfd):
+    with pytest.raises(launch.LaunchError, match=r"^rank 0 was killed by signal 9"):
+        spawn(die_before_the_rendezvous, 2, grace_s=1)
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("asyncpp: ")]
+    assert lines == ["asyncpp: rank 1: stopped by the launcher 1 s after rank 0 failed, without a line of its own"]
+
+
 def _launch_and_read(tmp_path, name: str) -> list[dict]:
     out = tmp_path / name
     out.mkdir()

@@ -251,6 +251,23 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
             dist.destroy_process_group()
 
 
+# What a signal that killed a rank most often means, where its name alone does not say.
+_SIGNAL_CAUSES = {
+    "SIGKILL": "the kernel's out-of-memory killer sends it, as does kill -9",
+    "SIGBUS": "a memory-mapped file, such as a token file, was cut short while the rank read it",
+}
+
+
+def killed_by(signum: int) -> str:
+    """"signal N (NAME: what it usually means)" for a rank's death by ``signum``."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+    cause = _SIGNAL_CAUSES.get(name)
+    return f"signal {signum} ({name}: {cause})" if cause else f"signal {signum} ({name})"
+
+
 def lost_a_peer(e: BaseException) -> bool:
     """Whether ``e`` stopped this rank because a peer failed (a consequence, not a cause): a
     transport's error, or a collective whose peer's connection went away."""
@@ -476,6 +493,7 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
         raise
     finally:
         exit_codes = [p.exitcode for p in procs]  # before any rank is stopped by us
+        ended_by_us = [r for r, p in enumerate(procs) if p in started and p.is_alive()]
         for p in started:
             if p.is_alive():
                 p.terminate()
@@ -494,7 +512,12 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
     first_failure = min(failed, key=lambda f: (f[1] >= 0, f[1] == EXIT_PEER_LOST, f[0])) if failed else None
     if first_failure is not None:
         rank, code = first_failure
-        how = (f"was killed by signal {-code}" if code < 0 else
+        for r in ended_by_us:
+            if r not in reasons:  # blocked where no Python runs (a rendezvous, a native call): its line
+                sys.stderr.write(f"asyncpp: rank {r}: stopped by the launcher {grace_s:g} s after rank {rank} "
+                                 "failed, without a line of its own\n")
+        sys.stderr.flush()
+        how = (f"was killed by {killed_by(-code)}" if code < 0 else
                f"stalled (exit code {code})" if code == EXIT_STALLED else f"exited with code {code}")
         why = f" ({reasons[rank]})" if rank in reasons else ""
         hint = ""

@@ -83,7 +83,7 @@ def test_under_data_parallelism_the_stalled_rank_is_named_and_its_replicas_wait_
 def test_under_data_parallelism_a_killed_rank_is_named_and_its_replica_says_what_failed(capfd):
     # S = 2 x R = 2; rank 3 (replica 1's last stage) dies. Rank 1, replica 0's last stage, talks to
     # rank 3 only through the gradient all-reduce: its one line names that, without gloo's own text.
-    with pytest.raises(LaunchError, match=r"^rank 3 was killed by signal 9; all ranks have stopped"):
+    with pytest.raises(LaunchError, match=r"^rank 3 was killed by signal 9 \(SIGKILL: the kernel's out-of-memory killer sends it, as does kill -9\); all ranks have stopped"):
         spawn(rw.dp_killed_worker, 4, (3, 5), grace_s=20)
     lines = capfd.readouterr().err.splitlines()
     for rank in (0, 1, 2):
@@ -150,8 +150,8 @@ def test_sigkill_of_one_rank_ends_the_cli_run_naming_it(tmp_path):
     print(f"peer death: the CLI exited {time_to_exit:.2f} s after SIGKILL of rank 1")
     assert cli.returncode == 1 and time_to_exit < 30, (cli.returncode, time_to_exit, err)
     lines = err.splitlines()
-    assert lines[-1] == ("asyncpp-train: error: the pipeline run failed: rank 1 was killed by signal 9; "
-                         "all ranks have stopped"), err
+    assert lines[-1] == ("asyncpp-train: error: the pipeline run failed: rank 1 was killed by signal 9 (SIGKILL: "
+                         "the kernel's out-of-memory killer sends it, as does kill -9); all ranks have stopped"), err
     for rank in (0, 2):  # each survivor exited by itself, with a message that it lost a peer
         mine = [l for l in lines if l.startswith(f"asyncpp: rank {rank}: ")]
         assert len(mine) == 1 and "has probably exited" in mine[0], err
