@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from typing import Callable, Optional, Sequence
 
-from .stop_signals import SIGNAL_NAMES
+from .stop_signals import signals_handled
 
 
 def _import_then_run(prog: str, load: Callable[[], Callable], argv: Optional[Sequence[str]]) -> int:
@@ -26,17 +25,8 @@ def _import_then_run(prog: str, load: Callable[[], Callable], argv: Optional[Seq
         os.write(2, f"\n{prog}: {what} while starting\n".encode())
         os._exit(128 + signum)
 
-    numbers = [getattr(signal, n) for n in ("SIGINT", *SIGNAL_NAMES) if hasattr(signal, n)]
-    in_main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
-    previous = {n: signal.getsignal(n) for n in numbers} if in_main_thread else {}
-    try:
-        for number, handler in previous.items():
-            if handler is not signal.SIG_IGN:
-                signal.signal(number, stop_now)
+    with signals_handled(stop_now):
         main = load()
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, signal.SIG_DFL if handler is None else handler)
     return main(argv)
 
 

@@ -1,16 +1,26 @@
-"""SIGTERM and SIGHUP as a ``KeyboardInterrupt`` (``Stopped``), for the command lines.
+"""Stop requests (Ctrl-C, SIGTERM, SIGHUP) for the command lines: one place that sets their handlers.
 
-Their default ends the process where it stands: temporary files stay behind, a pipeline's ranks
-run on until they notice their launcher is gone, and nothing says what happened. Raised as an
-exception instead, they take the path Ctrl-C takes: cleanup in ``finally`` blocks, the ranks
-stopped, one line, exit 128 + the signal's number.
+A SIGTERM's or SIGHUP's default ends the process where it stands: temporary files stay behind, a
+pipeline's ranks run on until they notice their launcher is gone, and nothing says what happened.
+``stop_signals_raise`` raises them as an exception (``Stopped``, a KeyboardInterrupt) instead, so
+they take the path Ctrl-C takes: cleanup in ``finally`` blocks, the ranks stopped, one line, exit
+128 + the signal's number. ``signals_handled`` is the building block the other uses share (the
+commands' start-up, asyncpp-prepare-data's final renames).
+
+A signal the process ignores stays ignored: ``nohup`` sets SIGHUP ignored so that a closed terminal
+does not stop the run, and a script's background job ignores SIGINT.
 """
 from __future__ import annotations
 
 import contextlib
 import signal
+import threading
+from typing import Callable, Iterator
 
 SIGNAL_NAMES = ("SIGTERM", "SIGHUP")
+"""Raised as ``Stopped`` by ``stop_signals_raise``."""
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", *SIGNAL_NAMES) if hasattr(signal, name))
+"""Every stop request: Ctrl-C, SIGTERM and SIGHUP (where the platform has them)."""
 
 
 class Stopped(KeyboardInterrupt):
@@ -29,22 +39,28 @@ class Stopped(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def stop_signals_raise():
-    """SIGTERM and SIGHUP raise ``Stopped`` for the block; the earlier handlers come back after
-    it. Outside the main thread (where Python cannot set handlers) nothing changes."""
-    def stop(signum, frame):
-        raise Stopped(signum)
-
-    numbers = [getattr(signal, n) for n in SIGNAL_NAMES if hasattr(signal, n)]
-    try:
-        previous = {n: signal.signal(n, stop) for n in numbers}
-    except ValueError:  # not the main thread
-        previous = {}
+def signals_handled(handler: Callable, numbers=STOP_SIGNALS) -> Iterator[None]:
+    """``handler`` for the signals ``numbers`` during the block, except those the process ignores;
+    the earlier handlers come back after it. Outside the main thread (where Python cannot set
+    handlers) nothing changes."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for number in numbers:
+            if signal.getsignal(number) is not signal.SIG_IGN:
+                previous[number] = signal.signal(number, handler)
     try:
         yield
     finally:
-        for number, handler in previous.items():  # None: a handler not set from Python
-            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+        for number, earlier in previous.items():  # None: a handler not set from Python
+            signal.signal(number, signal.SIG_DFL if earlier is None else earlier)
 
 
-__all__ = ["SIGNAL_NAMES", "Stopped", "stop_signals_raise"]
+def stop_signals_raise():
+    """SIGTERM and SIGHUP raise ``Stopped`` for the block (a context manager)."""
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    return signals_handled(stop, [getattr(signal, n) for n in SIGNAL_NAMES if hasattr(signal, n)])
+
+
+__all__ = ["SIGNAL_NAMES", "STOP_SIGNALS", "Stopped", "signals_handled", "stop_signals_raise"]

@@ -10,16 +10,14 @@ import contextlib
 import json
 import os
 import re
-import signal
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 
-from ..stop_signals import Stopped
+from ..stop_signals import Stopped, signals_handled
 from .shards import MANIFEST_FORMAT, MANIFEST_VERSION, manifest_path, shard_path
 from .sources import TOKEN_FORMAT, TOKEN_FORMAT_VERSION, scan_max_token_id, sidecar_path
 
@@ -128,10 +126,6 @@ def _stale_outputs(sink: TokenSink) -> list[Path]:
     return sorted(p for p in stale if _ours(sidecar_path(p), TOKEN_FORMAT))
 
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
-                     if hasattr(signal, name))
-
-
 class StoppedAfterCommit(Stopped):
     """A stop signal arrived while the outputs were put in place; it was held until they all
     were, so they are complete."""
@@ -141,17 +135,11 @@ class StoppedAfterCommit(Stopped):
 def _stop_signals_held():
     """Holds SIGINT, SIGTERM and SIGHUP so a stop request cannot leave the outputs half renamed:
     for the block their handlers only note the signal, and ``StoppedAfterCommit`` is raised once
-    it is done. (Python runs handlers in the main thread only; elsewhere nothing is held.)"""
+    it is done. (Python runs handlers in the main thread only; elsewhere nothing is held. An
+    ignored signal stays ignored.)"""
     arrived: list = []
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in STOP_SIGNALS:
-            previous[signum] = signal.signal(signum, lambda number, frame: arrived.append(number))
-    try:
+    with signals_handled(lambda number, frame: arrived.append(number)):
         yield
-    finally:
-        for signum, handler in previous.items():  # None: a handler not set from Python
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
     if arrived:
         raise StoppedAfterCommit(arrived[0])
 
@@ -222,5 +210,5 @@ def base_header(dtype_name: str, vocab_size: int, tokenizer: str, tokenizer_sha2
     return header
 
 
-__all__ = ["STOP_SIGNALS", "StoppedAfterCommit", "TokenSink", "base_header", "commit_outputs",
+__all__ = ["StoppedAfterCommit", "TokenSink", "base_header", "commit_outputs",
            "temp_beside"]

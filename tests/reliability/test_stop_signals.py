@@ -161,3 +161,24 @@ def test_ctrl_c_during_asyncpp_trains_imports_is_one_line():
     r.send_signal(signal.SIGINT)
     _, err = r.communicate(timeout=60)
     assert (r.returncode, err.strip()) == (130, "asyncpp-train: interrupted while starting"), err
+
+
+def test_a_stop_signal_the_process_ignores_stays_ignored():
+    """nohup sets SIGHUP ignored so a closed terminal does not stop the run; a background job
+    ignores SIGINT. The handlers set for a block leave those alone, and come back after it."""
+    from asyncpp_ext.stop_signals import signals_handled, stop_signals_raise
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stop_signals_raise():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert callable(signal.getsignal(signal.SIGTERM))  # not ignored: raised as Stopped
+        with signals_handled(lambda *_: None):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGINT) is not before[signal.SIGINT]
+        assert {s: signal.getsignal(s) for s in before} == {**before, signal.SIGHUP: signal.SIG_IGN}
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
