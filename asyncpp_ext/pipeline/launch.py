@@ -448,10 +448,10 @@ def _forkserver_children_can_use_cuda() -> bool:
 def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0) -> None:
     """Run ``fn(*args)`` in ``nprocs`` local ranks; raise LaunchError if any rank fails
     (ValueError, before anything starts, if ``ASYNCPP_START_METHOD`` is not a valid choice).
-    A forkserver started here imports ``fn``'s module where it is part of this package (the ranks
-    then start with it imported: no second of imports each, in which a Ctrl-C would print a
-    traceback); other modules, which could resolve differently from another working directory,
-    are imported by each rank."""
+    A forkserver started here imports ``fn``'s module where it is part of this package, so a rank
+    starts with nothing left to import (a Ctrl-C then finds no import of a rank in progress);
+    other modules, which could resolve differently from another working directory, are imported
+    by each rank."""
     ctx = _context((fn.__module__,) if fn.__module__.startswith(__package__.split(".")[0] + ".") else ())
     listener = _listening_socket(os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, max(64, nprocs))
     port = listener.getsockname()[1]
