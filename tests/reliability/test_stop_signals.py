@@ -15,20 +15,29 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_sigterm_to_the_launcher_stops_every_rank_with_a_line(tmp_path):
-    run = tmp_path / "run"
-    launcher = subprocess.Popen(
+def _start_training(run, **popen) -> subprocess.Popen:
+    """A 2-stage 2bw run of many steps (a checkpoint every 5) in a session of its own."""
+    return subprocess.Popen(
         [sys.executable, "-m", "asyncpp_ext.train", "--model", "tiny", "--seq-len", "32", "--stages", "2",
          "--schedule", "2bw", "--steps", "100000", "--ckpt-every", "5", "--threads", "1", "--no-progress",
          "--out", str(run)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        # as a script's background job runs (and CI's): SIGINT ignored, inherited by every rank
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        stderr=subprocess.PIPE, text=True, start_new_session=True, **popen)
+
+
+def _wait_for_rows(launcher: subprocess.Popen, run, rows: int = 3) -> None:
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < rows:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.2)
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_with_a_line(tmp_path):
+    run = tmp_path / "run"
+    launcher = _start_training(run, stdout=subprocess.PIPE,
+                               # as a script's background job runs (and CI's): SIGINT ignored, inherited by every rank
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        deadline = time.monotonic() + 120
-        while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < 3:
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.2)
+        _wait_for_rows(launcher, run)
         family = {launcher.pid} | {c for p in _children(launcher.pid) for c in [p, *_children(p)]}
         os.kill(launcher.pid, signal.SIGTERM)  # to the launcher only, not its process group
         out, err = launcher.communicate(timeout=60)
@@ -52,18 +61,10 @@ def test_ranks_die_with_a_killed_launcher_at_once(tmp_path):
     forkserver itself has gone (it takes a second or more to exit, time in which a rank would train
     and write on). The forkserver is held stopped here, so a rank that waited for it lives on."""
     run = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "asyncpp_ext.train", "--model", "tiny", "--seq-len", "32", "--stages", "2",
-         "--schedule", "2bw", "--steps", "100000", "--ckpt-every", "5", "--threads", "1", "--no-progress",
-         "--out", str(run)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "ASYNCPP_START_METHOD": "forkserver"})
+    launcher = _start_training(run, stdout=subprocess.DEVNULL, env={**os.environ, "ASYNCPP_START_METHOD": "forkserver"})
     servers = []
     try:
-        deadline = time.monotonic() + 120
-        while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < 3:
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.2)
+        _wait_for_rows(launcher, run)
         servers = [p for p in _children(launcher.pid) if len(_children(p)) == 2]
         assert len(servers) == 1, "expected one forkserver holding both ranks"
         ranks = _children(servers[0])
@@ -104,11 +105,8 @@ def test_ctrl_c_while_the_ranks_forkserver_starts_is_one_line(tmp_path):
     """Ctrl-C to the whole process group (a terminal's) while the forkserver imports torch: the
     launcher's line only; neither the server nor a rank whose start was queued there prints a
     traceback."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "asyncpp_ext.train", "--model", "tiny", "--seq-len", "32", "--stages", "2",
-         "--schedule", "2bw", "--steps", "100000", "--threads", "1", "--no-progress", "--out", str(tmp_path / "run")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        preexec_fn=_default_sigint, env={**os.environ, "ASYNCPP_START_METHOD": "forkserver"})
+    launcher = _start_training(tmp_path / "run", stdout=subprocess.DEVNULL, preexec_fn=_default_sigint,
+                               env={**os.environ, "ASYNCPP_START_METHOD": "forkserver"})
     try:
         deadline = time.monotonic() + 60
         while not any("forkserver" in open(f"/proc/{p}/cmdline").read() for p in _children(launcher.pid)
