@@ -283,8 +283,9 @@ BYTES_TOKENIZER = "bytes"
 
 
 def _tokenizer_mark(header: Optional[dict]) -> Optional[dict]:
-    """What a sidecar says of the tokenizer that made its ids (None without a sidecar)."""
-    if not header:
+    """What a sidecar says of the tokenizer that made its ids (None where nothing says: no
+    sidecar, an llm.c shard's header)."""
+    if not header or header.get("tokenizer") is None:
         return None
     return {k: header.get(k) for k in ("tokenizer", "tokenizer_sha256", "vocab_size")}
 
