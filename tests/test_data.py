@@ -255,3 +255,30 @@ def test_eval_batches_past_one_pass_over_the_split_are_refused():
     assert len(eval_batches(tiny, 8, 16, DEFAULT_EVAL_BATCHES)) == DEFAULT_EVAL_BATCHES
     with pytest.raises(DataError, match=f"pass --eval-batches {DEFAULT_EVAL_BATCHES} or fewer"):
         eval_batches(tiny, 8, 16, DEFAULT_EVAL_BATCHES + 1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"seq_len": 0}, "seq_len must be an integer >= 1, got 0"),
+    ({"microbatches": 0}, "microbatches must be an integer >= 1, got 0"),
+    ({"micro_batch_size": 2.0}, "micro_batch_size must be an integer >= 1, got 2.0"),
+    ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+    ({"position": -3}, "position must be an integer >= 0, got -3"),
+    ({"tokens": np.zeros((4, 100), dtype=np.int64)}, "tokens must be a 1-D array of integer ids, got 2-D int64"),
+    ({"tokens": np.zeros(400, dtype=np.float32)}, "tokens must be a 1-D array of integer ids, got 1-D float32"),
+])
+def test_batch_stream_names_a_bad_argument(kwargs, match):
+    args = dict(tokens=np.arange(400) % 50, microbatches=2, micro_batch_size=2, seq_len=8)
+    with pytest.raises(DataError, match=match):
+        BatchStream(**{**args, **kwargs})
+
+
+def test_load_tokens_takes_a_path_object_and_names_a_bad_source(tmp_path):
+    (tmp_path / "t.txt").write_text("hello world\n" * 10)
+    assert load_tokens(tmp_path / "t.txt").tolist() == load_tokens(str(tmp_path / "t.txt")).tolist()
+    with pytest.raises(TypeError, match="source must be a path .* got NoneType"):
+        load_tokens(None)
+    with pytest.raises(ValueError, match="vocab_size must be an integer >= 1, got -1"):
+        load_tokens(str(tmp_path / "t.txt"), vocab_size=-1)
+    stream = BatchStream(np.arange(400) % 50, 2, 2, 8)
+    with pytest.raises(DataError, match="position None, not an integer >= 0"):
+        stream.load_state_dict({"seed": 0})

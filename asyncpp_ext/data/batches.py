@@ -95,6 +95,13 @@ class BatchStream:
     def __post_init__(self):
         if self.sampling not in SAMPLINGS:
             raise DataError(f"sampling {self.sampling!r} is not one of {', '.join(SAMPLINGS)}")
+        for name in ("microbatches", "micro_batch_size", "seq_len", "seed", "position"):
+            value, least = getattr(self, name), 0 if name in ("seed", "position") else 1
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise DataError(f"BatchStream: {name} must be an integer >= {least}, got {value!r}")
+        if getattr(self.tokens, "ndim", 1) != 1 or np.dtype(self.tokens.dtype).kind not in "ui":
+            raise DataError(f"BatchStream: tokens must be a 1-D array of integer ids, got "
+                            f"{getattr(self.tokens, 'ndim', '?')}-D {self.tokens.dtype}")
         self.max_start = len(self.tokens) - (self.seq_len + 1)
         if self.max_start < 0:
             raise DataError(f"training split has {len(self.tokens)} tokens, fewer than one window "
@@ -170,7 +177,11 @@ class BatchStream:
             raise DataError(f"the checkpoint's data stream ran over other training tokens than the data now "
                             f"gives (the same {len(self.tokens)} of them, other contents); resume with the data "
                             "the run started with")
-        self.position = int(state["position"])
+        position = state.get("position")
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise DataError(f"batch stream state has position {position!r}, not an integer >= 0; pass a "
+                            "state saved by BatchStream.state_dict()")
+        self.position = position
 
 
 FINGERPRINT_PIECES, FINGERPRINT_PIECE_BYTES = 64, 16 << 10

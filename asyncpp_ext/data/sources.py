@@ -368,13 +368,20 @@ def load_shards(spec: str, vocab_size: int = 256, flag: str = "--data"):
     return TokenShards(parts, [str(p) for p in paths])
 
 
-def load_tokens(source: str, vocab_size: int = 256, flag: str = "--data") -> np.ndarray:
+def load_tokens(source: str | os.PathLike, vocab_size: int = 256, flag: str = "--data") -> np.ndarray:
     """Token ids of ``source``: "builtin", a UTF-8 text file, a ``.bin`` token file (returned
     as a read-only ``np.memmap``), or a glob / directory / manifest of ``.bin`` shards (a
     ``shards.TokenShards`` over their memmaps). Raises ``DataError`` if an id is >= ``vocab_size``;
     ``flag`` names the option in messages about a glob, directory or manifest."""
     from .shards import is_multi_spec
 
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if not isinstance(source, str):
+        raise TypeError(f"load_tokens: source must be a path (str or os.PathLike) or 'builtin', "
+                        f"got {type(source).__name__}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"load_tokens: vocab_size must be an integer >= 1, got {vocab_size!r}")
     header = None
     if source != BUILTIN and is_multi_spec(source):
         return load_shards(source, vocab_size, flag)

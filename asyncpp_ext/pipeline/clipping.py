@@ -42,13 +42,19 @@ def clip_coefficient(max_norm: float, previous_norm: Optional[float]) -> float:
     return min(1.0, max_norm / (previous_norm + EPS))
 
 
+def check_max_norm(max_norm) -> float:
+    """``max_norm`` as a float; ValueError unless it is a finite number > 0."""
+    if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+            and math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"clip_grad_norm must be a finite number > 0 (or None: no clipping), got {max_norm!r}")
+    return float(max_norm)
+
+
 class PreviousNormClipper:
     """The rule for one process that sees every gradient (the simulator)."""
 
     def __init__(self, max_norm: float):
-        if not (isinstance(max_norm, (int, float)) and math.isfinite(max_norm) and max_norm > 0):
-            raise ValueError(f"clip_grad_norm must be a finite number > 0, got {max_norm!r}")
-        self.max_norm = float(max_norm)
+        self.max_norm = check_max_norm(max_norm)
         self.previous_norm: Optional[float] = None
 
     @torch.no_grad()

@@ -26,6 +26,7 @@ from ..models.base import BlockSequence
 from ..models.compile_support import check_inductor_options, inductor_mode
 from ..models.regions import compile_regions, scope_regions
 from ..schedule.table import schedule_names, schedule_spec
+from .clipping import check_max_norm
 from .data_parallel import Layout, create_dp_group, replica_share
 from .partition import GlobalView, as_blocks, split
 from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
@@ -64,14 +65,45 @@ class StepStats:
 
 def split_minibatch(batch, microbatches: int) -> tuple[list, list]:
     """(inputs, targets) of leading size m*B -> m microbatches each; a list of m pairs is kept."""
-    if isinstance(batch, (list, tuple)) and len(batch) == microbatches and \
-            all(isinstance(b, (list, tuple)) and len(b) == 2 for b in batch):
+    if isinstance(batch, (list, tuple)) and batch and all(isinstance(b, (list, tuple)) and len(b) == 2
+                                                          for b in batch):
+        if len(batch) != microbatches:
+            raise ValueError(f"a minibatch of {len(batch)} (inputs, targets) microbatches, but the pipeline "
+                             f"runs microbatches={microbatches} per step; build both with the same count")
         return [b[0] for b in batch], [b[1] for b in batch]
+    if not (isinstance(batch, (list, tuple)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
+        raise ValueError(f"a minibatch must be (inputs, targets) tensors or a list of {microbatches} such "
+                         f"pairs, got {type(batch).__name__}"
+                         + (f" of {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
     x, y = batch
     if x.shape[0] % microbatches:
         raise ValueError(f"a minibatch of {x.shape[0]} sequences cannot be split into {microbatches} "
                          "equal microbatches")
     return list(x.chunk(microbatches)), list(y.chunk(microbatches))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(*, optimizer, loss_fn, microbatches, stages, recv_ahead, lr_schedule) -> None:
+    """TypeError / ValueError naming the argument, before anything is built (the C++ core would
+    answer with a binding's signature, or a rank would fail later)."""
+    if isinstance(optimizer, (torch.optim.Optimizer, type)) or not callable(optimizer):
+        what = (f"the class {optimizer.__name__}" if isinstance(optimizer, type) else
+                f"an optimizer instance ({type(optimizer).__name__})" if isinstance(optimizer, torch.optim.Optimizer)
+                else repr(optimizer)[:60])
+        raise TypeError(f"optimizer must be a factory, module -> torch.optim.Optimizer (each stage builds its own "
+                        f"over its parameters), got {what}; pass e.g. lambda m: build_optimizer(m, 'adamw')")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, (outputs, targets) -> loss, got {type(loss_fn).__name__}")
+    for name, value in (("microbatches", microbatches), ("recv_ahead", recv_ahead)) + \
+            ((("stages", stages),) if stages is not None else ()):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if lr_schedule is not None and not callable(getattr(lr_schedule, "multiplier", None)):
+        raise TypeError(f"lr_schedule must be an LRSchedule (asyncpp_ext.optim.lr_schedule) or None, "
+                        f"got {type(lr_schedule).__name__}")
 
 
 class Pipeline:
@@ -168,6 +200,10 @@ class Pipeline:
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
+        _check_arguments(optimizer=optimizer, loss_fn=loss_fn, microbatches=microbatches, stages=stages,
+                         recv_ahead=recv_ahead, lr_schedule=lr_schedule)
+        if clip_grad_norm is not None:
+            clip_grad_norm = check_max_norm(clip_grad_norm)
         spec = schedule_spec(schedule)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: launch with torchrun or "
@@ -229,7 +265,13 @@ class Pipeline:
 
         def optimizer(stage_module):
             view = GlobalView(stage_module, prefixes, hidden=self.mirror_of)
-            return user_factory(view) if any(True for _ in view.parameters()) else None
+            if not any(True for _ in view.parameters()):
+                return None
+            built = user_factory(view)
+            if not isinstance(built, torch.optim.Optimizer):  # a factory without its return: nothing would train
+                raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer; "
+                                "return the optimizer it builds (lambda m: build_optimizer(m, 'adamw'))")
+            return built
         self.exchange = StepExchange(
             stage=self.stage, replica=self.replica, layout=self.layout, partition=self.partition, ties=ties,
             names=self.param_names, sizes=[p.numel() for p in module.parameters()],
@@ -402,8 +444,8 @@ class Pipeline:
         ``batches`` yields one minibatch per step: ``(inputs, targets)`` with leading size m*B, or a
         list of m ``(inputs, targets)`` pairs. Stage 0 uses the inputs, the last stage the targets.
         """
-        if steps < 1:
-            raise ValueError(f"steps must be >= 1 (got {steps})")
+        if not _is_int(steps) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
         with self.watchdog.armed(f"training steps {self.next_step}..{self.next_step + steps - 1}"):
             yield from self._train(batches, steps)
 

@@ -137,6 +137,12 @@ class DelaySimulator:
                  device_skip: bool = True):
         if schedule not in SCHEDULES:
             raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise DelaySimulatorError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
+                                      f"got {type(optimizer).__name__}")
+        if lr_schedule is not None and not callable(getattr(lr_schedule, "multiplier", None)):
+            raise DelaySimulatorError(f"lr_schedule must be an LRSchedule (asyncpp_ext.optim.lr_schedule) or None, "
+                                      f"got {type(lr_schedule).__name__}")
         per_stage = SCHEDULES[schedule].lag_per_stage
         if on_nonfinite not in POLICIES:
             raise DelaySimulatorError(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(POLICIES)}")

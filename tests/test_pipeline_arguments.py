@@ -1,0 +1,82 @@
+"""``Pipeline``'s arguments are checked where they are given, each error naming the argument and
+the fix: an optimizer factory that returns nothing would otherwise train nothing, a negative
+clipping norm would clip nothing, and other mistakes would surface as a binding's signature or a
+tuple-unpacking error deep in a rank."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncpp_ext.data import BatchStream, builtin_corpus
+from asyncpp_ext.models import GPT, preset_config
+from asyncpp_ext.optim import build_optimizer
+from asyncpp_ext.pipeline import Pipeline
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(preset_config("tiny"))
+
+
+def _pipeline(**overrides):
+    kwargs = dict(loss_fn=GPT.loss, optimizer=lambda m: build_optimizer(m, "adamw"), microbatches=2,
+                  schedule="2bw", timeout_s=60)
+    return Pipeline(_model(), **{**kwargs, **overrides})
+
+
+@pytest.mark.parametrize("overrides, error, match", [
+    ({"optimizer": None}, TypeError, "optimizer must be a factory, module -> torch.optim.Optimizer .* got None"),
+    ({"optimizer": torch.optim.AdamW}, TypeError, "got the class AdamW; pass e.g. lambda m: build_optimizer"),
+    ({"loss_fn": None}, TypeError, "loss_fn must be callable"),
+    ({"microbatches": 2.0}, ValueError, "microbatches must be an integer >= 1, got 2.0"),
+    ({"recv_ahead": 0}, ValueError, "recv_ahead must be an integer >= 1, got 0"),
+    ({"stages": "1"}, ValueError, "stages must be an integer >= 1, got '1'"),
+    ({"clip_grad_norm": -1.0}, ValueError, "clip_grad_norm must be a finite number > 0 .*got -1.0"),
+    ({"clip_grad_norm": float("nan")}, ValueError, "clip_grad_norm must be a finite number > 0"),
+    ({"lr_schedule": "cosine"}, TypeError, "lr_schedule must be an LRSchedule .* got str"),
+])
+def test_bad_arguments_are_named_at_construction(one_rank, overrides, error, match):
+    with pytest.raises(error, match=match):
+        _pipeline(**overrides)
+
+
+def test_an_optimizer_instance_or_a_factory_without_its_return_is_refused(one_rank):
+    model = _model()
+    with pytest.raises(TypeError, match=r"got an optimizer instance \(AdamW\)"):
+        Pipeline(model, loss_fn=GPT.loss, optimizer=torch.optim.AdamW(model.parameters()), microbatches=2)
+
+    def forgot_return(m):
+        build_optimizer(m, "adamw")
+
+    with pytest.raises(TypeError, match="the optimizer factory returned NoneType, not a torch.optim.Optimizer"):
+        _pipeline(optimizer=forgot_return)
+
+
+def test_minibatches_that_do_not_fit_the_pipeline_are_named(one_rank):
+    tokens = torch.as_tensor(builtin_corpus()[:20_000].astype("int64")).numpy()
+    pipe = _pipeline()
+    with pipe:
+        with pytest.raises(ValueError, match=r"a minibatch of 3 \(inputs, targets\) microbatches, but the "
+                                             r"pipeline runs microbatches=2 per step"):
+            list(pipe.train(BatchStream(tokens, 3, 2, 32), steps=1))
+        with pytest.raises(ValueError, match="steps must be an integer >= 1 \\(got 1.5\\)"):
+            list(pipe.train(BatchStream(tokens, 2, 2, 32), steps=1.5))
+        stats = list(pipe.train(BatchStream(tokens, 2, 2, 32), steps=1))  # the right count trains
+        assert len(stats) == 1 and stats[0].loss is not None
+
+
+def test_the_simulator_names_an_optimizer_or_schedule_of_the_wrong_kind():
+    from asyncpp_ext.training import DelaySimulator
+    from asyncpp_ext.training.simulate import DelaySimulatorError
+
+    model = _model()
+    with pytest.raises(DelaySimulatorError, match="optimizer must be a torch.optim.Optimizer .* got function"):
+        DelaySimulator(model, lambda m: build_optimizer(m, "adamw"), "2bw")
+    with pytest.raises(DelaySimulatorError, match="lr_schedule must be an LRSchedule .* got str"):
+        DelaySimulator(model, build_optimizer(model, "adamw"), "2bw", lr_schedule="cosine")
