@@ -174,6 +174,32 @@ def test_bad_arguments_are_named():
         ErrorFeedback(torch.optim.SGD(model.parameters(), lr=0.1), -1.0)
     with pytest.raises(ValueError, match="float32"):
         AdamW([nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    for bad in ((float("nan"), 1.0, 1.0), (1e30, 1.0, float("inf")), "abc"):
+        with pytest.raises(ValueError, match="ns_coefficients must be three finite floats"):
+            Muon([nn.Parameter(torch.zeros(3, 3))], ns_coefficients=bad)
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0, got inf"):
+        Muon([nn.Parameter(torch.zeros(3, 3))], eps=float("inf"))
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0, got inf"):
+        AdamW([nn.Parameter(torch.zeros(3))], eps=float("inf"))
+
+
+def test_a_state_of_another_optimizer_or_with_a_key_missing_is_named_when_loaded():
+    model = nn.Linear(4, 3, bias=False)
+    model.weight.grad = torch.ones_like(model.weight)
+    theirs = torch.optim.AdamW(model.parameters())
+    theirs.step()
+    with pytest.raises(ValueError, match="param group 0 of the state has no 'algorithm' .* this AdamW runs 'adamw'"):
+        AdamW(model.parameters()).load_state_dict(theirs.state_dict())
+    with pytest.raises(ValueError, match="param group 0 of the state has the algorithm 'adamw' where this Muon runs 'muon'"):
+        Muon(model.parameters()).load_state_dict(AdamW(model.parameters()).state_dict())
+    state = AdamW(model.parameters()).state_dict()
+    del state["param_groups"][0]["betas"]
+    with pytest.raises(ValueError, match="param group 0 of the state has no 'betas'; load a state saved by AdamW"):
+        AdamW(model.parameters()).load_state_dict(state)
+    state = AdamW(model.parameters(), lr=0.5).state_dict()
+    state["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr must be a finite float > 0, got -1.0"):
+        AdamW(model.parameters()).load_state_dict(state)
 
 
 def test_kernel_bindings_name_the_bad_argument():

@@ -63,10 +63,11 @@ def check_muon_args(momentum, ns_steps, adjust_lr_fn, ns_dtype, eps, ns_coeffici
         raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
     if ns_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"ns_dtype must be torch.float32, torch.bfloat16 or None (auto), got {ns_dtype!r}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    if len(tuple(ns_coefficients)) != 3:
-        raise ValueError(f"ns_coefficients must be three floats (a, b, c), got {ns_coefficients!r}")
+    check_eps(eps)
+    coefficients = tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list)) else ()
+    if len(coefficients) != 3 or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                                         and math.isfinite(c) for c in coefficients):
+        raise ValueError(f"ns_coefficients must be three finite floats (a, b, c), got {ns_coefficients!r}")
 
 
 def check_ef_source(ef_source) -> str:
@@ -126,8 +127,12 @@ class FinalArgs(NamedTuple):
 def check_adamw_args(betas, eps):
     if len(tuple(betas)) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    check_eps(eps)
+
+
+def check_eps(eps) -> None:
+    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -170,6 +175,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if hasattr(self, "_validated"):
             self._validate_group(len(self.param_groups) - 1, self.param_groups[-1])
+
+    def load_state_dict(self, state_dict):
+        """torch's load, with each group checked as a new one is: a state of another optimizer
+        (torch's AdamW, or AdamW's loaded into a Muon) or with a key missing is one ValueError
+        naming the group, instead of a KeyError, or another algorithm, at the next step."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups or [])):
+            if saved.get("algorithm") != mine["algorithm"]:
+                found = (f"the algorithm {saved['algorithm']!r}" if "algorithm" in saved
+                         else "no 'algorithm' (a state of another optimizer, such as torch.optim's?)")
+                raise ValueError(f"param group {gi} of the state has {found} where this {type(self).__name__} "
+                                 f"runs {mine['algorithm']!r}; load a state saved by the same optimizer")
+        super().load_state_dict(state_dict)
+        for gi, group in enumerate(self.param_groups):
+            try:
+                self._validate_group(gi, group)
+            except KeyError as exc:
+                raise ValueError(f"param group {gi} of the state has no {exc.args[0]!r}; load a state saved by "
+                                 f"{type(self).__name__}.state_dict()") from None
 
     def _validate_group(self, gi, group):
         self._validated = True
