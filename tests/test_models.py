@@ -121,3 +121,13 @@ def test_unknown_preset():
     with pytest.raises(ValueError, match="tiny, small"):
         preset_config("huge")
     assert GPTConfig().num_blocks == 4
+
+
+def test_a_zero_size_is_refused_not_replaced_by_the_default_and_build_model_takes_a_preset():
+    from asyncpp_ext.models import PRESETS, GPT
+    from asyncpp_ext.models.registry import build_model, model_config
+
+    for name, field in (("llama-tiny", "n_kv_head"), ("llama-tiny", "intermediate_size"), ("tiny", "mlp_ratio")):
+        with pytest.raises(ValueError, match=f"model.{field} must be a positive integer, got 0"):
+            build_model(model_config(name, **{field: 0}))
+    assert isinstance(build_model(PRESETS["tiny"]), GPT)

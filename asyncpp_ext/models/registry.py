@@ -66,14 +66,15 @@ class ModelConfig:
         """The architecture's own config object (GPTConfig, LlamaConfig, or the hf dict)."""
         if self.arch == "gpt":
             return GPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, n_layer=self.n_layer,
-                             n_embd=self.n_embd, n_head=self.n_head, mlp_ratio=self.mlp_ratio or 4,
+                             n_embd=self.n_embd, n_head=self.n_head, mlp_ratio=4 if self.mlp_ratio is None else self.mlp_ratio,
                              init_std=self.init_std)
         if self.arch == "llama":
             from .llama import LlamaConfig
             return LlamaConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, n_layer=self.n_layer,
                                n_embd=self.n_embd, n_head=self.n_head,
-                               n_kv_head=self.n_kv_head or self.n_head,
-                               intermediate_size=self.intermediate_size or 4 * self.n_embd,
+                               n_kv_head=self.n_head if self.n_kv_head is None else self.n_kv_head,
+                               intermediate_size=(4 * self.n_embd if self.intermediate_size is None
+                                                  else self.intermediate_size),
                                tie_embeddings=self.tie_embeddings,
                                rope_theta=10000.0 if self.rope_theta is None else self.rope_theta,
                                norm_eps=1e-5 if self.norm_eps is None else self.norm_eps,
@@ -154,7 +155,9 @@ def model_config(name: str, **overrides) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
-    """The model of ``cfg``, initialised from ``seed`` (or loaded from ``cfg.hf_model``)."""
+    """The model of ``cfg`` (a ModelConfig, or a GPTConfig / LlamaConfig), initialised from
+    ``seed`` (or loaded from ``cfg.hf_model``)."""
+    cfg = as_model_config(cfg)
     cfg.validate()
     if cfg.arch == "gpt":
         return GPT(cfg.arch_config(), seed=seed)
