@@ -510,3 +510,21 @@ def test_cuda_kernels_are_bitwise_the_cpu_kernels_on_awkward_sizes():
     for a, b, c in zip(cpu["sumsq"], gpu["sumsq"], again["sumsq"]):
         assert torch.equal(b, c)
         assert torch.allclose(a, b, rtol=1e-5, atol=0), (a, b)
+
+
+def test_orthogonalize_names_a_bad_argument():
+    from asyncpp_ext.optim import orthogonalize
+
+    v = torch.randn(2, 4, 3)
+    norms = v.flatten(1).norm(dim=1)
+    for args, kwargs, match in [
+            ((torch.randn(4, 3), norms), {}, r"v must be a \(batch, rows, cols\) floating-point tensor .* got 2-D"),
+            ((torch.ones(1, 4, 3, dtype=torch.int64), torch.ones(1)), {}, "got 3-D torch.int64"),
+            ((v, torch.ones(3)), {}, r"norms must hold one Frobenius norm per matrix, shape \(2,\), got \(3,\)"),
+            ((v, None), {}, "got NoneType"),
+            ((v, norms), {"steps": -1}, "steps must be an integer >= 0, got -1"),
+            ((v, norms), {"ns_dtype": torch.float16}, "ns_dtype must be torch.float32 or torch.bfloat16"),
+            ((v, norms), {"eps": -1.0}, "eps must be a finite number >= 0, got -1.0")]:
+        with pytest.raises(ValueError, match=match):
+            orthogonalize(*args, **kwargs)
+    assert orthogonalize(v, norms).shape == v.shape

@@ -15,6 +15,7 @@ copies), float32 0.94-1.13x. It does not pay, so it is not used.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -90,6 +91,25 @@ class Workspace:
         self._buffers.clear()
 
 
+def _check_orthogonalize_arguments(v, norms, steps, ns_dtype, eps) -> None:
+    """ValueError naming the argument of ``orthogonalize`` that it cannot run on (a few checks of
+    Python values, nothing read from the tensors)."""
+    if not (torch.is_tensor(v) and v.dim() == 3 and v.is_floating_point()):
+        got = f"{v.dim()}-D {v.dtype}" if torch.is_tensor(v) else type(v).__name__
+        raise ValueError(f"orthogonalize: v must be a (batch, rows, cols) floating-point tensor (one matrix: "
+                         f"v[None]), got {got}")
+    if not (torch.is_tensor(norms) and tuple(norms.shape) == (v.shape[0],)):
+        got = tuple(norms.shape) if torch.is_tensor(norms) else type(norms).__name__
+        raise ValueError(f"orthogonalize: norms must hold one Frobenius norm per matrix, shape ({v.shape[0]},), "
+                         f"got {got}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"orthogonalize: steps must be an integer >= 0, got {steps!r}")
+    if ns_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"orthogonalize: ns_dtype must be torch.float32 or torch.bfloat16, got {ns_dtype!r}")
+    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"orthogonalize: eps must be a finite number >= 0, got {eps!r}")
+
+
 def orthogonalize(v: torch.Tensor, norms: torch.Tensor, *, steps: int = 5,
                   coefficients=NS_COEFFICIENTS, eps: float = 1e-7,
                   ns_dtype: torch.dtype = torch.float32, bf16_matmul: str = "auto",
@@ -109,6 +129,7 @@ def orthogonalize(v: torch.Tensor, norms: torch.Tensor, *, steps: int = 5,
     float32, plus a bfloat16 buffer of v's shape to round through unless v may be overwritten.
     `overwrite_input`: v may be scaled in place and reused as a buffer.
     """
+    _check_orthogonalize_arguments(v, norms, steps, ns_dtype, eps)
     mode, _ = bf16_matmul_choice(bf16_matmul)
     batch, rows, cols = v.shape
     emulate = ns_dtype == torch.bfloat16 and v.device.type == "cpu" and mode == "emulated"
