@@ -99,6 +99,15 @@ def failing_worker(fail_stage: int, m: int) -> None:
         pass
 
 
+def split_points_worker(points_by_rank: list) -> None:
+    """Each rank splits the four blocks at its own points (they should all be the same)."""
+    rank, _ = init_distributed(60)
+    pipe = Pipeline(make_blocks(), loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory("sgd"),
+                    schedule="2bw", microbatches=2, split_points=points_by_rank[rank], timeout_s=60)
+    for _ in pipe.train(batches(2, 2), 2):
+        pass
+
+
 # ---- the product's default path: the GPT under MuonHybrid + EF, as asyncpp-train builds it -----
 GPT_CONFIG = GPTConfig(n_layer=2, n_embd=16, n_head=2, seq_len=8)
 

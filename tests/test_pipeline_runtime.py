@@ -92,3 +92,12 @@ def test_default_path_equals_the_two_model_reference_bitwise(tmp_path, schedule,
     for (n, want), (_, want_old) in zip(ref_model.named_parameters(), ref_previous.named_parameters()):
         assert torch.equal(params[n], want), n  # W(T)
         assert torch.equal(stash[n], want_old), n  # W(T-1)
+
+
+def test_ranks_that_split_the_blocks_differently_are_stopped_at_the_handshake():
+    # rank 0 keeps block 0, rank 1 blocks 2 and 3: block 1 would belong to no stage, and the
+    # shapes fit, so nothing else would notice
+    with pytest.raises(LaunchError, match=r"rank 1 exited with code 1 \(stage 1 and stage 0 split the model's "
+                                          r"blocks differently \(this stage's split: 0,1 \| 2,3\)"):
+        spawn(w.split_points_worker, 2, ([[1], [2]],), grace_s=10)
+    spawn(w.split_points_worker, 2, ([[2], [2]],))  # the same split: trains

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -364,6 +365,14 @@ class Pipeline:
         self.next_step = int(state["steps_done"])
 
     # ---- start-up agreement ----------------------------------------------------------------
+    def _partition_text(self) -> str:
+        return " | ".join(",".join(map(str, blocks)) for blocks in self.partition)
+
+    def _partition_checksum(self) -> int:
+        """The block split every rank must share (a rank with other split_points would leave a
+        block to no stage, or to two), as one number for the handshake."""
+        return zlib.crc32(self._partition_text().encode())
+
     def _handshake(self, first_input: torch.Tensor) -> None:
         """Chain stage 0 -> S-1: settings and boundary signatures; any disagreement is an error."""
         h = self.host
@@ -380,6 +389,10 @@ class Pipeline:
                 diffs = [f"{n} {a} vs {b}" for n, a, b in zip(names, got, settings) if a != b]
                 raise StageError(f"stage {self.stage} and stage {self.stage - 1} disagree on "
                                  f"{', '.join(diffs)}: launch every rank with the same settings")
+            if int(msg[-2]) != self._partition_checksum():
+                raise StageError(f"stage {self.stage} and stage {self.stage - 1} split the model's blocks "
+                                 f"differently (this stage's split: {self._partition_text()}); pass every rank "
+                                 "the same split_points and the same model")
             self.tokens_per_microbatch = int(msg[-1])
             ndim = int(msg[4])
             h.in_sig = Signature(tuple(msg[5:5 + ndim].tolist()), _DTYPES[int(msg[3])])
@@ -403,6 +416,7 @@ class Pipeline:
         msg[3] = _DTYPES.index(probe.dtype)
         msg[4] = probe.dim()
         msg[5:5 + probe.dim()] = torch.tensor(probe.shape)
+        msg[-2] = self._partition_checksum()
         msg[-1] = self.tokens_per_microbatch
         self._p2p(dist.send, msg, self.stage + 1, "start-up handshake")
 
