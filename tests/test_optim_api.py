@@ -181,6 +181,8 @@ def test_bad_arguments_are_named():
         Muon([nn.Parameter(torch.zeros(3, 3))], eps=float("inf"))
     with pytest.raises(ValueError, match="eps must be a finite number >= 0, got inf"):
         AdamW([nn.Parameter(torch.zeros(3))], eps=float("inf"))
+    with pytest.raises(ValueError, match="nesterov must be True or False, got 'no'"):
+        Muon([nn.Parameter(torch.zeros(3, 3))], nesterov="no")
 
 
 def test_a_state_of_another_optimizer_or_with_a_key_missing_is_named_when_loaded():

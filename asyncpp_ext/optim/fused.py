@@ -205,6 +205,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             check_muon_args(group["momentum"], group["ns_steps"], group["adjust_lr_fn"],
                             group["ns_dtype"], group["eps"], group["ns_coefficients"])
             check_normuon_args(group.get("normuon", False), group.get("normuon_beta2", NORMUON_BETA2))
+            if not isinstance(group["nesterov"], bool):
+                raise ValueError(f"nesterov must be True or False, got {group['nesterov']!r}")
         else:
             check_adamw_args(group["betas"], group["eps"])
         for pi, p in enumerate(group["params"]):
