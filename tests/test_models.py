@@ -131,3 +131,12 @@ def test_a_zero_size_is_refused_not_replaced_by_the_default_and_build_model_take
         with pytest.raises(ValueError, match=f"model.{field} must be a positive integer, got 0"):
             build_model(model_config(name, **{field: 0}))
     assert isinstance(build_model(PRESETS["tiny"]), GPT)
+
+
+@pytest.mark.parametrize("name, field", [("tiny", "init_std"), ("llama-tiny", "init_std"),
+                                         ("llama-tiny", "norm_eps"), ("llama-tiny", "rope_theta")])
+def test_an_infinite_scale_is_refused(name, field):
+    from asyncpp_ext.models.registry import build_model, model_config
+
+    with pytest.raises(ValueError, match=f"model.{field} must be a finite positive number, got inf"):
+        build_model(model_config(name, **{field: float("inf")}))

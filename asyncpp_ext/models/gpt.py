@@ -13,6 +13,7 @@ execute the very same operations. Parameter names (``embed.tok.weight``, ``layer
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -50,8 +51,8 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}; "
                              "pick a width that is a multiple of the head count")
-        if not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
-            raise ValueError(f"model.init_std must be a positive number, got {self.init_std!r}")
+        if not (isinstance(self.init_std, (int, float)) and 0 < self.init_std < math.inf):
+            raise ValueError(f"model.init_std must be a finite positive number, got {self.init_std!r}")
 
     @property
     def num_blocks(self) -> int:

@@ -21,6 +21,7 @@ Parameter names are global and stable: ``embed.tok.weight``, ``layers.3.attn_nor
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -92,8 +93,8 @@ class LlamaConfig:
             raise LlamaConfigError(f"model.tie_embeddings must be True or False, got {self.tie_embeddings!r}")
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise LlamaConfigError(f"model.{name} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise LlamaConfigError(f"model.{name} must be a finite positive number, got {value!r}")
 
     @property
     def head_dim(self) -> int:

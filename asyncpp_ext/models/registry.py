@@ -8,6 +8,7 @@ and a static ``loss(logits, targets)``, ready for the partitioner.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
@@ -97,8 +98,8 @@ class ModelConfig:
             return
         if self.hf_config is not None or self.hf_model is not None:
             raise ValueError(f"model.hf_config/hf_model only apply to arch 'hf', not {self.arch!r}")
-        if not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
-            raise ValueError(f"model.init_std must be a positive number, got {self.init_std!r}")
+        if not (isinstance(self.init_std, (int, float)) and 0 < self.init_std < math.inf):
+            raise ValueError(f"model.init_std must be a finite positive number, got {self.init_std!r}")
         self.arch_config().validate()
 
 
