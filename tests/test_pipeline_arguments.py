@@ -80,3 +80,11 @@ def test_the_simulator_names_an_optimizer_or_schedule_of_the_wrong_kind():
         DelaySimulator(model, lambda m: build_optimizer(m, "adamw"), "2bw")
     with pytest.raises(DelaySimulatorError, match="lr_schedule must be an LRSchedule .* got str"):
         DelaySimulator(model, build_optimizer(model, "adamw"), "2bw", lr_schedule="cosine")
+
+
+def test_a_fused_head_loss_needs_a_head_that_has_one(one_rank):
+    blocks = [torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64)]
+    with pytest.raises(ValueError, match=r"head_loss='fused' needs a last block with features\(x\), output_weight "
+                                         r"and output_bias .* not Linear; use head_loss='plain'"):
+        Pipeline(blocks, loss_fn=GPT.loss, optimizer=lambda m: build_optimizer(m, "adamw"), microbatches=2,
+                 head_loss="fused")
