@@ -117,6 +117,10 @@ def test_bad_model_inputs_are_one_line_and_write_nothing(tmp_path, capsys):
     _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "bad.json")], out, "not valid JSON")
     (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 256}))
     _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "bert.json")], out, "bert", "llama")
+    if importlib.util.find_spec("transformers") is not None:  # sizes left to transformers' defaults (7B)
+        (tmp_path / "bare.json").write_text(json.dumps({"model_type": "llama"}))
+        _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "bare.json")], out,
+                       "gives no vocab_size, hidden_size, num_hidden_layers, num_attention_heads")
     (tmp_path / "llama.json").write_text(json.dumps(LLAMA_HF))
     _fails_cleanly(capsys, ["--hf-config", str(tmp_path / "llama.json"), "--model", "tiny"], out, "only one")
     if importlib.util.find_spec("transformers") is not None:  # else the missing package is the one line

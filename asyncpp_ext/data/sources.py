@@ -390,18 +390,19 @@ def load_tokens(source: str | os.PathLike, vocab_size: int = 256, flag: str = "-
     else:
         path = Path(source)
         if not path.is_file():
-            raise DataError(f"data file {source} does not exist (or is not a file); "
-                            "pass an existing text/.bin file or --data builtin")
+            builtin = " or --data builtin" if flag == "--data" else ""
+            raise DataError(f"{flag} {source} does not exist (or is not a file); "
+                            f"pass an existing text/.bin file{builtin}")
         if path.suffix == ".bin":
             tokens, header = _open_token_file(path)
         else:
             if path.stat().st_size == 0:
-                raise DataError(f"data file {source} is empty; pass a file with text in it")
+                raise DataError(f"{flag} {source} is empty; pass a file with text in it")
             raw = path.read_bytes()
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise DataError(f"data file {source} is not UTF-8 text (byte {exc.start}); convert "
+                raise DataError(f"{flag} {source} is not UTF-8 text (byte {exc.start}); convert "
                                 "it to UTF-8 or give a pre-tokenized .bin file") from None
             tokens = np.frombuffer(raw, dtype=np.uint8)
     _check_vocab(source, tokens, header, vocab_size)

@@ -98,14 +98,17 @@ class ModelConfig:
             return
         if self.hf_config is not None or self.hf_model is not None:
             raise ValueError(f"model.hf_config/hf_model only apply to arch 'hf', not {self.arch!r}")
+        if isinstance(self.n_embd, int) and self.n_embd > MODEL_LIMITS["n_embd"]:
+            raise ValueError(f"model.n_embd must be at most {MODEL_LIMITS['n_embd']}, got {self.n_embd!r}")
         if not (isinstance(self.init_std, (int, float)) and 0 < self.init_std < math.inf):
             raise ValueError(f"model.init_std must be a finite positive number, got {self.init_std!r}")
         self.arch_config().validate()
 
 
-MODEL_LIMITS = {"vocab_size": 2**24, "seq_len": 2**24, "n_layer": 4096}
-"""Largest values accepted, far above any model's (a vocabulary of 16M ids, 4096 layers): beyond
-them a typo, whose model would exhaust memory or take hours to build before failing."""
+MODEL_LIMITS = {"vocab_size": 2**24, "seq_len": 2**24, "n_layer": 4096, "n_embd": 2**16}
+"""Largest values accepted, far above any model's (a vocabulary of 16M ids, 4096 layers, a width
+of 65536): beyond them a typo, whose model would exhaust memory or take hours to build before
+failing."""
 
 
 def as_model_config(cfg) -> ModelConfig:

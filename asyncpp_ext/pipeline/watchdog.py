@@ -43,14 +43,22 @@ def default_timeout_s() -> float:
     return check_timeout(raw, f"{TIMEOUT_ENV}={raw!r}")
 
 
+MAX_TIMEOUT_S = 1e8
+"""Longest timeout accepted (about 3 years, for "never"): torch.distributed's store and sockets
+keep it in milliseconds in C integers, and fail on values of 1e10 s and more."""
+
+
 def check_timeout(value, what: str) -> float:
-    """``value`` as a positive finite number of seconds, else ValueError naming ``what``."""
+    """``value`` as a positive number of seconds up to MAX_TIMEOUT_S, else ValueError naming ``what``."""
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
     if isinstance(value, bool) or not (0 < seconds < float("inf")):
         raise ValueError(f"{what} is not a positive number of seconds; use e.g. 300")
+    if seconds > MAX_TIMEOUT_S:
+        raise ValueError(f"{what} is more than {MAX_TIMEOUT_S:g} s (about 3 years), the longest the process "
+                         f"group can wait; use {MAX_TIMEOUT_S:g} for no practical limit")
     return seconds
 
 

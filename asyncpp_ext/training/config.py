@@ -15,6 +15,7 @@ from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
                               muon_family, optimizer_names, optimizer_spec)
 from ..pipeline.devices import TRANSPORTS
+from ..pipeline.watchdog import MAX_TIMEOUT_S
 from ..precision import auto_precision_name
 from ..schedule.table import SCHEDULES as SCHEDULE_TABLE, schedule_names
 from .field_checks import (ConfigError, choice, non_negative_int, non_negative_number, positive_int,
@@ -435,6 +436,10 @@ class RunConfig:
         if self.train.timeout_s < MIN_TIMEOUT_S:
             raise ConfigError(f"train.timeout_s must be at least {MIN_TIMEOUT_S:g} s (the process group's "
                               f"collectives use it too), got {self.train.timeout_s!r}")
+        if self.train.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"train.timeout_s must be at most {MAX_TIMEOUT_S:g} s (about 3 years, the longest "
+                              f"the process group can wait), got {self.train.timeout_s!r}; use {MAX_TIMEOUT_S:g} "
+                              "for no practical limit")
         if not isinstance(self.train.out, str) or not self.train.out.strip():
             raise ConfigError(f"train.out must name the run directory, got {self.train.out!r}")
         for name, value in (("data.source", self.data.source), ("data.val_source", self.data.val_source)):

@@ -77,6 +77,10 @@ def check_delays(cfg: RunConfig) -> None:
         raise ConfigError(f"pipeline.microbatches={p.microbatches}: {exc}") from None
     if p.delay is not None:
         positive_int("pipeline.delay", p.delay)
+        if isinstance(cfg.train.steps, int) and p.delay > cfg.train.steps:
+            # the simulator keeps delay + 1 copies of the weights: a delay past the run is memory for nothing
+            raise ConfigError(f"pipeline.delay={p.delay} is longer than the run (train.steps={cfg.train.steps}): "
+                              "every update would come from the initial weights; use a delay <= --steps")
         if spec.lag_per_stage or not spec.delayed() or not cfg.train.simulate:
             raise ConfigError(f"pipeline.delay={p.delay} is a simulator knob generalising 2bw's one-step "
                               f"delay; use it with --schedule 2bw --simulate (got --schedule {p.schedule}"
@@ -137,9 +141,12 @@ def check_compute(cfg: RunConfig) -> None:
                           "together with its backward); drop one of them")
     if t.profile_steps is not None:
         try:
-            parse_profile_steps(t.profile_steps)
+            first, _ = parse_profile_steps(t.profile_steps)
         except ProfileSpecError as exc:
             raise ConfigError(str(exc)) from None
+        if isinstance(t.steps, int) and first > t.steps:
+            raise ConfigError(f"train.profile_steps={t.profile_steps} starts after the run's last step "
+                              f"(train.steps={t.steps}): nothing would be profiled; profile steps 1..{t.steps}")
 
 
 __all__ = ["check_compute", "check_delays", "check_mitigation"]

@@ -189,6 +189,11 @@ BAD_INPUTS = [
     ("--timeout 0", "--timeout: train.timeout_s must be a positive number, got 0.0"),
     ("--timeout inf", "--timeout: train.timeout_s must be finite, got inf"),
     ("--timeout 1e-9", "--timeout: train.timeout_s must be at least 1 s"),
+    ("pipe --timeout 1e10", "--timeout: train.timeout_s must be at most 1e+08 s (about 3 years"),
+    ("--n-embd 2147483647 --n-head 1", "--n-embd: model.n_embd must be at most 65536, got 2147483647"),
+    ("--delay 2147483647 --steps 2", "--delay: pipeline.delay=2147483647 is longer than the run"),
+    ("--profile-steps 3:10 --steps 2", "--profile-steps: train.profile_steps=3:10 starts after the run's last step"),
+    ("--val-data nope.bin", "--val-data nope.bin does not exist (or is not a file); pass an existing text/.bin file"),
     ("--lr inf", "--lr: optim.lr must be finite, got inf"),
     ("--weight-decay inf", "--weight-decay: optim.weight_decay must be finite, got inf"),
     ("--seed 99999999999999999999", "--seed: train.seed must be at most 9223372036854775807"),
@@ -267,8 +272,9 @@ def test_unknown_cpu_isa_is_one_clean_error_line(tmp_path, layout):
 
 
 def test_a_model_too_large_for_memory_is_one_line(tmp_path, capsys):
-    # a run failure (exit 1), not a traceback: 1,000,000-wide layers do not fit this machine
-    assert main(FAST + ["--n-embd", "1000000", "--n-head", "1", "--out", str(tmp_path / "out")]) == 1
+    # a run failure (exit 1), not a traceback: a 16M x 65536 embedding (4 TiB) fits no machine
+    assert main(FAST + ["--vocab-size", "16777216", "--n-embd", "65536", "--n-head", "1",
+                        "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("asyncpp-train: error: out of memory ("), err
     assert "use a smaller model" in err and "Traceback" not in err
