@@ -107,6 +107,8 @@ def test_unloadable_shard_with_matching_checksum_is_reported(saved):
     (lambda d: os.remove(d / "meta.json"), "no meta.json"),
     (lambda d: (d / "meta.json").write_text("{trunc"), "unreadable or corrupted"),
     (lambda d: os.remove(d / "stage-00.pt"), "is missing"),
+    (lambda d: (d / "meta.json").write_text(json.dumps({**json.loads((d / "meta.json").read_text()), "step": -3})),
+     "has step=-3, below 0; the checkpoint is damaged"),
 ])
 def test_missing_or_broken_files_are_detected(saved, damage, match):
     damage(saved)

@@ -306,4 +306,4 @@ def test_a_sidecar_that_understates_the_ids_is_one_line_not_an_index_error(tmp_p
                "--no-checkpoints", "--no-progress", "--simulate", "--no-compile", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("\n") == 0, err
-    assert "holds token id 300 >= vocab_size 256, above the max_token_id its sidecar gives" in err
+    assert f"--data {path} holds token id 300 >= vocab_size 256, above the max_token_id its sidecar gives" in err

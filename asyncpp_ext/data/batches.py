@@ -63,12 +63,12 @@ def split_tokens(tokens: np.ndarray, eval_fraction: float, micro_batch_size: int
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
-             vocab_size: Optional[int] = None) -> Microbatch:
+             vocab_size: Optional[int] = None, source: Optional[str] = None) -> Microbatch:
     rows = np.stack([np.asarray(tokens[s: s + seq_len + 1], dtype=np.int64) for s in starts])
     # The load checked the ids against the vocabulary by the sidecar's max_token_id, not by a
     # scan: a sidecar that understates it would otherwise reach the embedding as an IndexError.
     if vocab_size is not None and rows.size and int(rows.max()) >= vocab_size:
-        raise DataError(f"the data holds token id {int(rows.max())} >= vocab_size {vocab_size}, above the "
+        raise DataError(f"{source or 'the data'} holds token id {int(rows.max())} >= vocab_size {vocab_size}, above the "
                         "max_token_id its sidecar gives; regenerate the token file and its sidecar "
                         f"(asyncpp-prepare-data), or train with --vocab-size {int(rows.max()) + 1}")
     block = torch.from_numpy(rows)
@@ -91,6 +91,8 @@ class BatchStream:
     """Window order, one of SAMPLINGS (see the module docstring)."""
     vocab_size: Optional[int] = None
     """Every window's ids are checked to be below it (None: not checked)."""
+    source: Optional[str] = None
+    """What the tokens came from, for messages (e.g. "--data train_*.bin")."""
 
     def __post_init__(self):
         if self.sampling not in SAMPLINGS:
@@ -129,7 +131,7 @@ class BatchStream:
             starts = np.concatenate([self._epoch_order(int(e))[slots[epochs == e]]
                                      for e in np.unique(epochs)]) * self.seq_len
             starts = starts.reshape(shape)
-        return [_windows(self.tokens, row, self.seq_len, self.vocab_size) for row in starts]
+        return [_windows(self.tokens, row, self.seq_len, self.vocab_size, self.source) for row in starts]
 
     def tokens_per_epoch(self) -> int:
         """Input tokens an epoch of the "epoch" order covers (every training token but the last)."""
@@ -216,7 +218,7 @@ DEFAULT_EVAL_BATCHES = 4  # evaluation batches per evaluation unless the run say
 
 
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int,
-                 vocab_size: Optional[int] = None) -> list[Microbatch]:
+                 vocab_size: Optional[int] = None, source: Optional[str] = None) -> list[Microbatch]:
     """A fixed evaluation set: ``count`` batches of windows spread evenly over the eval split.
     DataError when ``count`` is more than one pass over the split's windows needs (a split too
     small for ``DEFAULT_EVAL_BATCHES`` distinct batches still gets that many, with repeats)."""
@@ -232,7 +234,7 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int,
                         f"{max_start + 1} distinct ones; pass --eval-batches {limit} or fewer (or a larger "
                         "--val-data)")
     starts = np.linspace(0, max_start, num=count * batch_size).astype(np.int64)
-    return [_windows(tokens, starts[i * batch_size:(i + 1) * batch_size], seq_len, vocab_size)
+    return [_windows(tokens, starts[i * batch_size:(i + 1) * batch_size], seq_len, vocab_size, source)
             for i in range(count)]
 
 

@@ -58,8 +58,9 @@ def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
                                 f"seq_len {cfg.model.seq_len} + 1; use more data or a smaller --seq-len")
     vocab = cfg.model.vocab_size
     stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed,
-                         sampling=cfg.data.sampling, vocab_size=vocab)
-    return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches, vocab)
+                         sampling=cfg.data.sampling, vocab_size=vocab, source=f"--data {cfg.data.source}")
+    held_out = f"--data {cfg.data.source}" if cfg.data.val_source is None else f"--val-data {cfg.data.val_source}"
+    return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches, vocab, held_out)
 
 
 def _refuse_shared_files(train: str, val: str) -> None:

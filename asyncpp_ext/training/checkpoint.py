@@ -252,6 +252,9 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
     if wrong:
         raise CheckpointError(f"checkpoint {meta_path} has {wrong[0][0]}={meta[wrong[0][0]]!r}, not "
                               f"{wrong[0][1]}; the checkpoint is damaged")
+    if meta["step"] < 0:
+        raise CheckpointError(f"checkpoint {meta_path} has step={meta['step']}, below 0; the checkpoint is "
+                              f"damaged: delete {ckpt_dir} to resume from the previous one")
     shards = meta["shards"]
     fit = isinstance(shards, dict) and shards and all(
         isinstance(info, dict) and isinstance(info.get("bytes"), int) and not isinstance(info["bytes"], bool)
