@@ -141,6 +141,20 @@ def test_existing_run_is_not_overwritten(tmp_path, finished_run, capsys):
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
 
 
+def test_a_run_that_failed_before_its_first_step_leaves_its_out_free_and_a_long_name_is_named(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("")  # no row: the run never finished a step
+    assert main(FAST + ["--out", str(run)]) == 0
+    capsys.readouterr()
+    long = tmp_path / "new" / ("x" * 300)
+    assert main(FAST + ["--out", str(long)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "File name too long); choose a shorter name" in err, err
+    assert not (tmp_path / "new").exists()  # the parent made for it is gone again
+
+
 def test_checkpoints_must_be_a_bool_in_a_config():
     # A config.json's "checkpoints": "false" is a string, truthy: refused rather than checkpointing.
     from asyncpp_ext.training.config import ConfigError, RunConfig

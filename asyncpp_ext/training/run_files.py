@@ -6,6 +6,7 @@ trainer appends to, is read up to its last complete line (see ``_metric_lines``)
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -101,20 +102,28 @@ def prepare_run_dir(out: str | os.PathLike, resuming: bool) -> Path:
     """Create (or check) the run directory; callers do this only after every other check passed,
     so a bad input leaves nothing behind."""
     out = Path(out)
-    if not resuming and out.exists() and ((out / METRICS_NAME).exists() or any(out.glob("ckpt-*"))):
-        hint = f"continue it with --resume {out} or " if list_checkpoints(out) else ""  # what --resume finds
-        raise RunDirError(f"--out {out} already holds a run; {hint}choose another --out")
-    created = not out.exists()
+    created = []  # the directories made here, deepest last: removed again if --out cannot be written
     try:
+        # A run "is there" once it has a metrics row or a checkpoint: one that failed before its
+        # first step (bad data found in its first window, say) leaves its --out free for the next.
+        metrics = out / METRICS_NAME
+        if not resuming and out.exists() and ((metrics.exists() and metrics.stat().st_size > 0)
+                                              or any(out.glob("ckpt-*"))):
+            hint = f"continue it with --resume {out} or " if list_checkpoints(out) else ""  # what --resume finds
+            raise RunDirError(f"--out {out} already holds a run; {hint}choose another --out")
+        created = [d for d in (out, *out.parents) if not d.exists()][::-1]
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-probe"
         probe.write_text("")
         probe.unlink()
-    except OSError as exc:
-        if created and out.is_dir():
-            out.rmdir()
-        raise RunDirError(f"cannot write to --out {out} ({exc.strerror or exc}); choose a "
-                          "writable directory") from None
+    except OSError as exc:  # unwritable, or a name too long for the file system
+        for directory in reversed(created):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
+        fix = "a shorter name" if exc.errno == errno.ENAMETOOLONG else "a writable directory"
+        raise RunDirError(f"cannot write to --out {out} ({exc.strerror or exc}); choose {fix}") from None
     return out
 
 
