@@ -37,8 +37,16 @@ def _in_a_child(tmp_path, patch: str):
                             "--out", {str(tmp_path / 'o.bin')!r}, "--shard-tokens", "300",
                             "--val-fraction", "0.1"]))
         """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=_stop_signals_by_default)
     return done.returncode, done.stderr.splitlines()
+
+
+def _stop_signals_by_default() -> None:
+    """The stop signals as a terminal delivers them: a suite run under nohup (or as a background
+    job) ignores SIGHUP (SIGINT), and a child that inherits that goes on ignoring them."""
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])

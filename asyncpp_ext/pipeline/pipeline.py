@@ -252,6 +252,11 @@ class Pipeline:
         if spec.lag_per_stage:  # a tie across stages would join two weight versions
             check_ties_on_one_stage(ties, self.partition)
         self.block_indices = self.partition[self.stage]
+        head = blocks[-1]
+        if head_loss == "fused" and not all(hasattr(head, a) for a in ("features", "output_weight", "output_bias")):
+            raise ValueError(f"head_loss='fused' needs a last block with features(x), output_weight and "
+                             f"output_bias (the package's models' heads), not {type(head).__name__}; "
+                             "use head_loss='plain'")
         module = BlockSequence(*[blocks[i] for i in self.block_indices]).to(self.device)
         regions = scope_regions(compile_scope, [self.block_indices], len(blocks), first=self.block_indices[0])
         mode = inductor_mode(compile_mode)  # a bad value is refused whether or not compile is on

@@ -121,11 +121,6 @@ class StageHost:
         if head_loss not in ("plain", "fused"):
             raise ValueError(f"head_loss must be 'plain' or 'fused', got {head_loss!r}")
         self.head_loss, self.head_loss_kernel = head_loss, kernel_for_graphs(head_loss_kernel, cuda_graphs)
-        if head_loss == "fused" and self.is_last and len(module) and not all(
-                hasattr(module[-1], a) for a in ("features", "output_weight", "output_bias")):
-            raise ValueError(f"head_loss='fused' needs a last block with features(x), output_weight and "
-                             f"output_bias (the package's models' heads), not {type(module[-1]).__name__}; "
-                             "use head_loss='plain'")
         self.num_versions = schedule_spec(schedule).stage_lags(stages)[stage].versions
         self.ring = self.num_versions > 1
 

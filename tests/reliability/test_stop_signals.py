@@ -167,6 +167,7 @@ def test_a_stop_signal_the_process_ignores_stays_ignored():
     from asyncpp_ext.stop_signals import signals_handled, stop_signals_raise
 
     before = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (CI's job ignores it)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         with stop_signals_raise():
@@ -175,7 +176,8 @@ def test_a_stop_signal_the_process_ignores_stays_ignored():
         with signals_handled(lambda *_: None):
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGINT) is not before[signal.SIGINT]
-        assert {s: signal.getsignal(s) for s in before} == {**before, signal.SIGHUP: signal.SIG_IGN}
+        assert {s: signal.getsignal(s) for s in before} == {**before, signal.SIGHUP: signal.SIG_IGN,
+                                                             signal.SIGINT: signal.default_int_handler}
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
