@@ -59,7 +59,7 @@ def test_an_optimizer_instance_or_a_factory_without_its_return_is_refused(one_ra
 
 
 def test_minibatches_that_do_not_fit_the_pipeline_are_named(one_rank):
-    tokens = torch.as_tensor(builtin_corpus()[:20_000].astype("int64")).numpy()
+    tokens = builtin_corpus()[:20_000].astype("int64")
     pipe = _pipeline()
     with pipe:
         with pytest.raises(ValueError, match=r"a minibatch of 3 \(inputs, targets\) microbatches, but the "
