@@ -9,6 +9,7 @@ import torch.distributed as dist
 from asyncpp_ext.data import BatchStream, builtin_corpus
 from asyncpp_ext.models import GPT, preset_config
 from asyncpp_ext.optim import build_optimizer
+from asyncpp_ext.optim.lr_schedule import LRSchedule
 from asyncpp_ext.pipeline import Pipeline
 
 
@@ -40,6 +41,7 @@ def _pipeline(**overrides):
     ({"clip_grad_norm": -1.0}, ValueError, "clip_grad_norm must be a finite number > 0 .*got -1.0"),
     ({"clip_grad_norm": float("nan")}, ValueError, "clip_grad_norm must be a finite number > 0"),
     ({"lr_schedule": "cosine"}, TypeError, "lr_schedule must be an LRSchedule .* got str"),
+    ({"lr_schedule": LRSchedule("constant", -5)}, ValueError, "--steps must be a positive integer, got -5"),
 ])
 def test_bad_arguments_are_named_at_construction(one_rank, overrides, error, match):
     with pytest.raises(error, match=match):
@@ -80,6 +82,8 @@ def test_the_simulator_names_an_optimizer_or_schedule_of_the_wrong_kind():
         DelaySimulator(model, lambda m: build_optimizer(m, "adamw"), "2bw")
     with pytest.raises(DelaySimulatorError, match="lr_schedule must be an LRSchedule .* got str"):
         DelaySimulator(model, build_optimizer(model, "adamw"), "2bw", lr_schedule="cosine")
+    with pytest.raises(ValueError, match="--warmup-steps 9 exceeds --steps 4"):
+        DelaySimulator(model, build_optimizer(model, "adamw"), "2bw", lr_schedule=LRSchedule("cosine", 4, 9))
 
 
 def test_a_fused_head_loss_needs_a_head_that_has_one(one_rank):

@@ -105,6 +105,8 @@ def _check_arguments(*, optimizer, loss_fn, microbatches, stages, recv_ahead, lr
     if lr_schedule is not None and not callable(getattr(lr_schedule, "multiplier", None)):
         raise TypeError(f"lr_schedule must be an LRSchedule (asyncpp_ext.optim.lr_schedule) or None, "
                         f"got {type(lr_schedule).__name__}")
+    if callable(getattr(lr_schedule, "validate", None)):
+        lr_schedule.validate()  # LRScheduleError naming what cannot run (steps <= 0 gave no multipliers)
 
 
 class Pipeline:

@@ -143,6 +143,8 @@ class DelaySimulator:
         if lr_schedule is not None and not callable(getattr(lr_schedule, "multiplier", None)):
             raise DelaySimulatorError(f"lr_schedule must be an LRSchedule (asyncpp_ext.optim.lr_schedule) or None, "
                                       f"got {type(lr_schedule).__name__}")
+        if callable(getattr(lr_schedule, "validate", None)):
+            lr_schedule.validate()
         per_stage = SCHEDULES[schedule].lag_per_stage
         if on_nonfinite not in POLICIES:
             raise DelaySimulatorError(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(POLICIES)}")
