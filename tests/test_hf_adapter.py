@@ -298,3 +298,10 @@ def test_importing_the_package_does_not_import_transformers():
     code = ("import sys, asyncpp_ext, asyncpp_ext.models, asyncpp_ext.models.hf; "
             "sys.exit('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@needs_transformers
+@pytest.mark.parametrize("field, value", [("hidden_size", -4), ("num_hidden_layers", 0), ("vocab_size", 0)])
+def test_a_size_that_is_not_positive_gives_one_line(field, value):
+    _one_line_error(lambda: hf.from_config({**CONFIGS["llama"], field: value}),
+                    f"({field} must be a positive integer, got {value}|transformers rejects the llama config)")

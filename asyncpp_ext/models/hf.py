@@ -142,10 +142,16 @@ def config_shape(config: dict) -> dict:
                            "pass the contents of config.json")
     _check_model_type(config, "config")
     hf_config = _hf_config(config)
-    return {"vocab_size": int(hf_config.vocab_size), "n_layer": int(hf_config.num_hidden_layers),
-            "max_positions": int(hf_config.max_position_embeddings),
-            "n_embd": int(hf_config.hidden_size), "n_head": int(hf_config.num_attention_heads),
-            "tie_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False))}
+    shape = {"vocab_size": hf_config.vocab_size, "n_layer": hf_config.num_hidden_layers,
+             "max_positions": hf_config.max_position_embeddings,
+             "n_embd": hf_config.hidden_size, "n_head": hf_config.num_attention_heads}
+    names = {"vocab_size": "vocab_size", "n_layer": "num_hidden_layers", "max_positions": "max_position_embeddings",
+             "n_embd": "hidden_size", "n_head": "num_attention_heads"}
+    for key, value in shape.items():  # torch's "negative dimension" or an IndexError otherwise, much later
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HFModelError(f"config {names[key]} must be a positive integer, got {value!r}; "
+                               "fix the config.json")
+    return {**shape, "tie_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,6 +398,7 @@ def from_config(path_or_dict: Union[str, os.PathLike, dict], seed: int = 0) -> H
         _check_model_type(config, "config dict")
     else:
         config = read_config(path_or_dict)
+    config_shape(config)  # sizes checked before transformers builds anything
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf_model = _random_model(config)
