@@ -142,16 +142,19 @@ def config_shape(config: dict) -> dict:
                            "pass the contents of config.json")
     _check_model_type(config, "config")
     hf_config = _hf_config(config)
-    shape = {"vocab_size": hf_config.vocab_size, "n_layer": hf_config.num_hidden_layers,
-             "max_positions": hf_config.max_position_embeddings,
-             "n_embd": hf_config.hidden_size, "n_head": hf_config.num_attention_heads}
-    names = {"vocab_size": "vocab_size", "n_layer": "num_hidden_layers", "max_positions": "max_position_embeddings",
-             "n_embd": "hidden_size", "n_head": "num_attention_heads"}
-    for key, value in shape.items():  # torch's "negative dimension" or an IndexError otherwise, much later
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise HFModelError(f"config {names[key]} must be a positive integer, got {value!r}; "
-                               "fix the config.json")
+    shape = {}
+    for key, attribute in _SHAPE_ATTRIBUTES.items():
+        value = getattr(hf_config, attribute)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # else torch's "negative dimension", later
+            raise HFModelError(f"config {attribute} must be a positive integer, got {value!r}; fix the config.json")
+        shape[key] = value
     return {**shape, "tie_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False))}
+
+
+# config_shape's keys -> the transformers config attribute each is read from
+_SHAPE_ATTRIBUTES = {"vocab_size": "vocab_size", "n_layer": "num_hidden_layers",
+                     "max_positions": "max_position_embeddings", "n_embd": "hidden_size",
+                     "n_head": "num_attention_heads"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..precision import auto_dtype
 from . import _kernels as K
 from .errors import NonFiniteGradientError
-from .newton_schulz import Workspace, orthogonalize
+from .newton_schulz import Workspace, check_eps, orthogonalize
 from .normuon import NORMUON_BETA2, check_normuon_args, normuon_updates
 from .param_groups import named_param_groups
 from .sharding import assign_owners, gather_updates
@@ -128,11 +128,6 @@ def check_adamw_args(betas, eps):
     if len(tuple(betas)) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
     check_eps(eps)
-
-
-def check_eps(eps) -> None:
-    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 
 class FusedOptimizer(torch.optim.Optimizer):

@@ -121,6 +121,17 @@ class LRSchedule:
         return [self.multiplier(t) for t in range(self.steps)]
 
 
+def check_lr_schedule(schedule) -> None:
+    """What a Pipeline or a simulator is given as its schedule: None, or an object with
+    ``multiplier(step)`` (TypeError otherwise), validated where it can say (``LRScheduleError``:
+    a schedule of no steps would give no multipliers)."""
+    if schedule is not None and not callable(getattr(schedule, "multiplier", None)):
+        raise TypeError(f"lr_schedule must be an LRSchedule (asyncpp_ext.optim.lr_schedule) or None, "
+                        f"got {type(schedule).__name__}")
+    if callable(getattr(schedule, "validate", None)):
+        schedule.validate()
+
+
 def apply_lr(optimizer, multiplier: float) -> list[float]:
     """Set every param group's ``lr`` to its base learning rate times ``multiplier``.
 
@@ -141,4 +152,4 @@ def apply_lr(optimizer, multiplier: float) -> list[float]:
     return lrs
 
 
-__all__ = ["LR_SCHEDULES", "LRSchedule", "LRScheduleError", "apply_lr"]
+__all__ = ["LR_SCHEDULES", "LRSchedule", "LRScheduleError", "apply_lr", "check_lr_schedule"]

@@ -106,8 +106,13 @@ def _check_orthogonalize_arguments(v, norms, steps, ns_dtype, eps) -> None:
         raise ValueError(f"orthogonalize: steps must be an integer >= 0, got {steps!r}")
     if ns_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"orthogonalize: ns_dtype must be torch.float32 or torch.bfloat16, got {ns_dtype!r}")
+    check_eps(eps, "orthogonalize: eps")
+
+
+def check_eps(eps, what: str = "eps") -> None:
+    """ValueError naming ``what`` unless ``eps`` is a finite number >= 0."""
     if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"orthogonalize: eps must be a finite number >= 0, got {eps!r}")
+        raise ValueError(f"{what} must be a finite number >= 0, got {eps!r}")
 
 
 def orthogonalize(v: torch.Tensor, norms: torch.Tensor, *, steps: int = 5,

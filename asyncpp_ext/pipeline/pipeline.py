@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._ext import C
+from ..optim.lr_schedule import check_lr_schedule
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
 from ..models.base import BlockSequence
@@ -102,11 +103,7 @@ def _check_arguments(*, optimizer, loss_fn, microbatches, stages, recv_ahead, lr
             ((("stages", stages),) if stages is not None else ()):
         if not _is_int(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if lr_schedule is not None and not callable(getattr(lr_schedule, "multiplier", None)):
-        raise TypeError(f"lr_schedule must be an LRSchedule (asyncpp_ext.optim.lr_schedule) or None, "
-                        f"got {type(lr_schedule).__name__}")
-    if callable(getattr(lr_schedule, "validate", None)):
-        lr_schedule.validate()  # LRScheduleError naming what cannot run (steps <= 0 gave no multipliers)
+    check_lr_schedule(lr_schedule)
 
 
 class Pipeline:

@@ -44,7 +44,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..optim.lr_schedule import apply_lr
+from ..optim.lr_schedule import apply_lr, check_lr_schedule
 from ..optim.routing import split_named_parameters
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compensate_, predicted_weights,
                                  resolve_mitigation)
@@ -140,11 +140,10 @@ class DelaySimulator:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise DelaySimulatorError(f"optimizer must be a torch.optim.Optimizer over the model's parameters, "
                                       f"got {type(optimizer).__name__}")
-        if lr_schedule is not None and not callable(getattr(lr_schedule, "multiplier", None)):
-            raise DelaySimulatorError(f"lr_schedule must be an LRSchedule (asyncpp_ext.optim.lr_schedule) or None, "
-                                      f"got {type(lr_schedule).__name__}")
-        if callable(getattr(lr_schedule, "validate", None)):
-            lr_schedule.validate()
+        try:
+            check_lr_schedule(lr_schedule)
+        except TypeError as exc:
+            raise DelaySimulatorError(str(exc)) from None
         per_stage = SCHEDULES[schedule].lag_per_stage
         if on_nonfinite not in POLICIES:
             raise DelaySimulatorError(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(POLICIES)}")
