@@ -9,10 +9,8 @@ receives per-step statistics as steps complete.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -32,27 +30,19 @@ from .clipping import check_max_norm
 from .data_parallel import Layout, create_dp_group, replica_share
 from .partition import GlobalView, as_blocks, split
 from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
-from .stage import Signature, StageError, StageHost
+from .handshake import agree, p2p
+from .stage import StageError, StageHost
 from .step_feed import StepFeed
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, choose_transport, to_device  # noqa: F401 (TRANSPORTS: public name kept here)
-from .transport import TransportError, peer_failure_reason
+from .transport import TransportError
 from .transports import TransportContext, create_transport
 from .watchdog import Watchdog, check_timeout, default_timeout_s
 
 SCHEDULES = schedule_names(pipeline_only=True)
 """The schedules a Pipeline runs: the pipeline rows of the schedule table (schedule/table.py)."""
-_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
-_HANDSHAKE_LEN = 16
 _EVAL_TAG = 2
-
-
-def _eagerly():
-    """Compiled code run as plain eager code inside (``torch.compiler.set_stance``, torch >= 2.6;
-    a no-op before)."""
-    stance = getattr(torch.compiler, "set_stance", None)
-    return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
 @dataclass
@@ -368,73 +358,9 @@ class Pipeline:
         self.exchange.load_state_dict(state.get("clip"))
         self.next_step = int(state["steps_done"])
 
-    # ---- start-up agreement ----------------------------------------------------------------
-    def _partition_text(self) -> str:
-        return " | ".join(",".join(map(str, blocks)) for blocks in self.partition)
-
-    def _partition_checksum(self) -> int:
-        """The block split every rank must share (a rank with other split_points would leave a
-        block to no stage, or to two), as one number for the handshake."""
-        return zlib.crc32(self._partition_text().encode())
-
-    def _handshake(self, first_input: torch.Tensor) -> None:
-        """Chain stage 0 -> S-1: settings and boundary signatures; any disagreement is an error."""
-        h = self.host
-        settings = [int(C.parse_schedule_kind(self.core_schedule)), self.m, self.stages]
-        if h.is_first:
-            h.in_sig = Signature(tuple(first_input.shape), first_input.dtype)
-            self.tokens_per_microbatch = first_input.numel()
-        else:
-            msg = torch.zeros(_HANDSHAKE_LEN, dtype=torch.int64)
-            self._p2p(dist.recv, msg, self.stage - 1, "start-up handshake")
-            got = msg[:3].tolist()
-            if got != settings:
-                names = ("schedule", "microbatches", "stages")
-                diffs = [f"{n} {a} vs {b}" for n, a, b in zip(names, got, settings) if a != b]
-                raise StageError(f"stage {self.stage} and stage {self.stage - 1} disagree on "
-                                 f"{', '.join(diffs)}: launch every rank with the same settings")
-            if int(msg[-2]) != self._partition_checksum():
-                raise StageError(f"stage {self.stage} and stage {self.stage - 1} split the model's blocks "
-                                 f"differently (this stage's split: {self._partition_text()}); pass every rank "
-                                 "the same split_points and the same model")
-            self.tokens_per_microbatch = int(msg[-1])
-            ndim = int(msg[4])
-            h.in_sig = Signature(tuple(msg[5:5 + ndim].tolist()), _DTYPES[int(msg[3])])
-        if h.is_last:
-            return
-        # eagerly even where the blocks are compiled: the probe wants a shape and a dtype, and a
-        # compiled no-grad graph for it would cost a compile of seconds (a minute on a CPU) that
-        # training uses only with --recompute (made here, outside the try: its failure is no
-        # disagreement about the model)
-        eagerly = _eagerly()
-        try:
-            with torch.no_grad(), h.autocast(), eagerly:
-                probe = h.compute_module(h.newest_version())(
-                    torch.zeros(h.in_sig.shape, dtype=h.in_sig.dtype, device=self.device))
-        except Exception as e:  # the blocks cannot consume what the previous stage sends
-            raise StageError(f"stage {self.stage} cannot run its blocks on input {h.in_sig.describe()}: "
-                             f"{str(e).splitlines()[0]}; the stages disagree about the model") from None
-        h.out_sig = Signature(tuple(probe.shape), probe.dtype)
-        msg = torch.zeros(_HANDSHAKE_LEN, dtype=torch.int64)
-        msg[:3] = torch.tensor(settings)
-        msg[3] = _DTYPES.index(probe.dtype)
-        msg[4] = probe.dim()
-        msg[5:5 + probe.dim()] = torch.tensor(probe.shape)
-        msg[-2] = self._partition_checksum()
-        msg[-1] = self.tokens_per_microbatch
-        self._p2p(dist.send, msg, self.stage + 1, "start-up handshake")
-
+    # ---- start-up agreement (handshake.py) ---------------------------------------------------
     def _p2p(self, op, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> None:
-        """A blocking send/recv outside the executor, failing with the peer named."""
-        try:
-            if op is dist.recv:
-                op(tensor, src=self.stage_ranks[peer], tag=tag)
-            else:
-                op(tensor, dst=self.stage_ranks[peer], tag=tag)
-        except RuntimeError as e:
-            raise TransportError(f"stage {self.stage}: {what} with stage {peer} (rank "
-                                 f"{self.stage_ranks[peer]}) failed -- the peer has probably exited: "
-                                 f"{peer_failure_reason(e)}") from None
+        p2p(op, tensor, stage=self.stage, stage_ranks=self.stage_ranks, peer=peer, what=what, tag=tag)
 
     # ---- data --------------------------------------------------------------------------------
     def _next_batch(self, step: int) -> tuple:
@@ -474,7 +400,10 @@ class Pipeline:
             first = self._next_batch(self.next_step) if self.host.is_first or self.host.is_last else None
             if first is not None:
                 self._pulled[self.next_step] = first
-            self._handshake(first[0][0] if self.host.is_first else None)
+            self.tokens_per_microbatch = agree(
+                self.host, stage=self.stage, stages=self.stages, stage_ranks=self.stage_ranks,
+                core_schedule=self.core_schedule, microbatches=self.m, partition=self.partition,
+                device=self.device, first_input=first[0][0] if self.host.is_first else None)
         first_step, feed = self.next_step, StepFeed()
         start = time.monotonic()
         tokens_per_step = self.m * self.tokens_per_microbatch * self.dp
