@@ -30,7 +30,7 @@ if os.environ.get("GPU_THROUGHPUT_GATED"):  # started ahead: the imports now, th
     matplotlib.use("Agg")  # as the end's loss.png has it (training/run_files.py)
     import matplotlib.pyplot
     if os.environ["GPU_THROUGHPUT_GATED"] == "forkserver":
-        from asyncpp_ext.pipeline.launch import start_forkserver_early
+        from asyncpp_ext.pipeline.start_method import start_forkserver_early
         start_forkserver_early(("asyncpp_ext.training.distributed", "torch._inductor.compile_fx"))
     sys.path.insert(0, os.environ["GPU_THROUGHPUT_BENCH_DIR"])
     from row_process import wait_for_turn

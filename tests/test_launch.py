@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from asyncpp_ext.pipeline import launch, spawn
+from asyncpp_ext.pipeline import launch, spawn, start_method as starts
 
 
 def report_environment(out_dir: str) -> None:
@@ -81,7 +81,7 @@ def _launch_and_read(tmp_path, name: str) -> list[dict]:
 def test_ranks_see_the_launchers_environment_at_each_launch(method, tmp_path, monkeypatch):
     if method not in mp.get_all_start_methods():
         pytest.skip(f"no {method} on this platform")
-    monkeypatch.setenv(launch.START_METHOD_ENV, method)
+    monkeypatch.setenv(starts.START_METHOD_ENV, method)
     monkeypatch.setenv("ASYNCPP_TEST_VALUE", "first")
     first = _launch_and_read(tmp_path, "first")
     server_pid = mp.forkserver._forkserver._forkserver_pid
@@ -103,15 +103,15 @@ def test_ranks_see_the_launchers_environment_at_each_launch(method, tmp_path, mo
 @pytest.mark.parametrize("value, expected", [("", None), ("auto", None), (" Spawn ", "spawn"),
                                              ("forkserver", "forkserver")])
 def test_start_method_from_the_environment(value, expected, monkeypatch):
-    monkeypatch.setenv(launch.START_METHOD_ENV, value)
+    monkeypatch.setenv(starts.START_METHOD_ENV, value)
     if expected == "forkserver" and "forkserver" not in mp.get_all_start_methods():
         pytest.skip("no forkserver on this platform")
     auto = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    assert launch.start_method() == (expected or auto)
+    assert starts.start_method() == (expected or auto)
 
 
 def test_unknown_start_method_is_refused_before_any_rank_starts(monkeypatch, tmp_path):
-    monkeypatch.setenv(launch.START_METHOD_ENV, "fork")
+    monkeypatch.setenv(starts.START_METHOD_ENV, "fork")
     with pytest.raises(ValueError, match="ASYNCPP_START_METHOD='fork' is not one of auto, forkserver, spawn"):
         spawn(report_environment, 2, (str(tmp_path),))
     assert list(tmp_path.iterdir()) == []
@@ -133,7 +133,7 @@ def test_ranks_write_to_the_launchers_current_stderr(tmp_path):
         os.close(saved)
     lines = sorted((tmp_path / "stderr.txt").read_text().splitlines())
     assert lines == ["rank 0 says after", "rank 1 says after"], lines
-    if launch.start_method() == "forkserver":
+    if starts.start_method() == "forkserver":
         assert mp.forkserver._forkserver._forkserver_pid == server_pid
 
 
@@ -143,7 +143,7 @@ def test_a_per_test_variable_keeps_the_forkserver_and_still_reaches_the_ranks(tm
     working directory of the moment."""
     if "forkserver" not in mp.get_all_start_methods():
         pytest.skip("no forkserver on this platform")
-    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv(starts.START_METHOD_ENV, "forkserver")
     monkeypatch.setenv("PYTEST_ASYNCPP_PROBE", "one")
     first = _launch_and_read(tmp_path, "first")
     server_pid = mp.forkserver._forkserver._forkserver_pid
@@ -159,7 +159,7 @@ def test_forkserver_ranks_find_torch_dynamo_imported(tmp_path, monkeypatch):
     """Creating any torch optimizer imports torch._dynamo (seconds); the server has done it."""
     if "forkserver" not in mp.get_all_start_methods():
         pytest.skip("no forkserver on this platform")
-    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv(starts.START_METHOD_ENV, "forkserver")
     assert [r["dynamo_loaded"] for r in _launch_and_read(tmp_path, "ranks")] == [True, True]
 
 
@@ -168,17 +168,17 @@ def test_a_forkserver_started_early_is_the_one_the_launch_forks_from(tmp_path, m
     ready; the launch that follows in the same environment forks its ranks from it."""
     if "forkserver" not in mp.get_all_start_methods():
         pytest.skip("no forkserver on this platform")
-    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv(starts.START_METHOD_ENV, "forkserver")
     monkeypatch.setenv("ASYNCPP_TEST_VALUE", "early")  # an environment no earlier test's server started under
-    assert launch.start_forkserver_early(preload=("asyncpp_ext.training.distributed",))
+    assert starts.start_forkserver_early(preload=("asyncpp_ext.training.distributed",))
     early = mp.forkserver._forkserver._forkserver_pid
     assert early is not None
     ranks = _launch_and_read(tmp_path, "ranks")
     assert {r["parent"] for r in ranks} == {early} and [r["value"] for r in ranks] == ["early"] * 2
     # the server's own preload, with the module asked for (which nothing else here imports)
     assert all(r["dynamo_loaded"] and r["training_loaded"] for r in ranks)
-    monkeypatch.setenv(launch.START_METHOD_ENV, "spawn")
-    assert not launch.start_forkserver_early()  # ranks would not start from a server
+    monkeypatch.setenv(starts.START_METHOD_ENV, "spawn")
+    assert not starts.start_forkserver_early()  # ranks would not start from a server
 
 
 def report_bad_fork(out_dir: str) -> None:
@@ -196,9 +196,9 @@ def gpu_seen_and_fresh_servers(monkeypatch):
         pytest.skip("no forkserver on this platform")
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(launch, "_forkserver_checked_pid", None)  # both restored afterwards
-    monkeypatch.setattr(launch, "_forkserver_refused_under", None)
-    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    monkeypatch.setattr(starts, "_forkserver_checked_pid", None)  # both restored afterwards
+    monkeypatch.setattr(starts, "_forkserver_refused_under", None)
+    monkeypatch.setenv(starts.START_METHOD_ENV, "forkserver")
     monkeypatch.setenv("ASYNCPP_TEST_VALUE", "poisoned")  # no earlier test's server is reused
     # the server imports its preload from a fresh interpreter's path: tests/cuda_in_forkserver.py on it
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.path.dirname(__file__),
@@ -217,11 +217,11 @@ def _bad_fork_reports(tmp_path, name: str) -> list[dict]:
 def _counting_probes(monkeypatch, readiness: list | None = None) -> list:
     """The probe children forked from now on (and, into ``readiness``, the readiness forks)."""
     probes = []
-    real = launch._fork_one_child
+    real = starts._fork_one_child
     def counting(target=int):
         (probes if target is not int else readiness if readiness is not None else []).append(target)
         return real(target)
-    monkeypatch.setattr(launch, "_fork_one_child", counting)
+    monkeypatch.setattr(starts, "_fork_one_child", counting)
     return probes
 
 
@@ -240,7 +240,7 @@ def test_a_forkserver_whose_preload_keeps_its_children_from_cuda_is_started_agai
         monkeypatch.setenv("ASYNCPP_TEST_FORKSERVER_PROBE", "fails")
     readiness = []
     probes = _counting_probes(monkeypatch, readiness)
-    assert launch.start_forkserver_early(preload=("cuda_in_forkserver",))
+    assert starts.start_forkserver_early(preload=("cuda_in_forkserver",))
     assert readiness == []  # the passing probe showed the server ready: no second child for that
     why = "cannot use CUDA" if probe == "bad-fork" else "fail to start (a probe exited with code 1)"
     assert _asyncpp_lines(capfd.readouterr().err) == [
@@ -258,12 +258,12 @@ def test_a_forkserver_whose_own_preload_keeps_its_children_from_cuda_gives_way_t
     """Where even the server with only torch's imports has children that cannot use CUDA, ranks
     start from fresh interpreters instead (one line says so; no restart of a server like it), not
     from a server whose children cannot use CUDA."""
-    monkeypatch.setattr(launch, "_FORKSERVER_PRELOAD", launch._FORKSERVER_PRELOAD + ["cuda_in_forkserver"])
+    monkeypatch.setattr(starts, "_FORKSERVER_PRELOAD", starts._FORKSERVER_PRELOAD + ["cuda_in_forkserver"])
     probes = _counting_probes(monkeypatch)
     ranks = _bad_fork_reports(tmp_path, "ranks")
     assert _asyncpp_lines(capfd.readouterr().err) == [
         "asyncpp: children of the forkserver cannot use CUDA with torch, torch.distributed, torch._dynamo, "
-        f"cuda_in_forkserver preloaded: ranks start from fresh interpreters (set {launch.START_METHOD_ENV}=spawn "
+        f"cuda_in_forkserver preloaded: ranks start from fresh interpreters (set {starts.START_METHOD_ENV}=spawn "
         "to skip the forkserver)"]
     assert len(probes) == 1
     assert [r["bad_fork"] for r in ranks] == [False, False]
@@ -279,7 +279,7 @@ def test_no_probe_where_torch_sees_no_gpu(tmp_path, monkeypatch):
         pytest.skip("no forkserver on this platform")
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv(starts.START_METHOD_ENV, "forkserver")
     readiness = []
     probes = _counting_probes(monkeypatch, readiness)
     _launch_and_read(tmp_path, "ranks")
@@ -287,7 +287,7 @@ def test_no_probe_where_torch_sees_no_gpu(tmp_path, monkeypatch):
     _launch_and_read(tmp_path, "again")
     assert probes == [] and len(readiness) == 1  # a server seen ready is not waited for again
     monkeypatch.setenv("ASYNCPP_TEST_VALUE", "a server of its own")  # started early, then: readied by one child
-    assert launch.start_forkserver_early() and probes == [] and len(readiness) == 2
+    assert starts.start_forkserver_early() and probes == [] and len(readiness) == 2
     mp.forkserver._forkserver._stop()
 
 
@@ -299,7 +299,7 @@ def fail_as_torch_in_a_bad_fork() -> None:
 def test_a_rank_refused_cuda_in_a_fork_gets_the_way_out_named(monkeypatch):
     if "forkserver" not in mp.get_all_start_methods():
         pytest.skip("no forkserver on this platform")
-    monkeypatch.setenv(launch.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv(starts.START_METHOD_ENV, "forkserver")
     with pytest.raises(launch.LaunchError, match=r"forked subprocess.*all ranks have stopped; set "
                                                  r"ASYNCPP_START_METHOD=spawn to start ranks from fresh interpreters"):
         spawn(fail_as_torch_in_a_bad_fork, 2)

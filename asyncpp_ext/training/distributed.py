@@ -25,7 +25,8 @@ from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, f
 from .config import ConfigError, RunConfig
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
-from ..pipeline.launch import check_local_address, spawned_locally, start_method
+from ..pipeline.launch import check_local_address, spawned_locally
+from ..pipeline.start_method import start_method
 from ..pipeline.ipc import slots_from_env
 from ..pipeline.sockets import SocketSetupError, explicit_host, inline_recv_bytes, recv_spin_us
 from ..pipeline.transport import TransportError, peer_failure_reason
