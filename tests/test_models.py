@@ -140,3 +140,17 @@ def test_an_infinite_scale_is_refused(name, field):
 
     with pytest.raises(ValueError, match=f"model.{field} must be a finite positive number, got inf"):
         build_model(model_config(name, **{field: float("inf")}))
+
+
+@pytest.mark.parametrize("seed", [2**70, -1, 1.5, True])
+def test_a_seed_outside_what_the_generators_take_is_named(seed):
+    """torch's generator answers 2**70 with "Overflow when unpacking long"; a float or a bool
+    would be taken as another seed than meant."""
+    from asyncpp_ext.models import Llama, llama_preset_config
+
+    for build in (lambda: GPT(preset_config("tiny"), seed=seed),
+                  lambda: Llama(llama_preset_config("llama-tiny"), seed=seed)):
+        with pytest.raises(ValueError, match=r"^seed must be an integer in 0..2\*\*63-1, got "):
+            build()
+    largest = [next(GPT(preset_config("tiny"), seed=2**63 - 1).parameters()) for _ in range(2)]
+    assert torch.equal(*largest) and not torch.equal(largest[0], next(GPT(preset_config("tiny"), seed=0).parameters()))

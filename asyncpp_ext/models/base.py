@@ -103,6 +103,17 @@ def skip_default_init():
     return _SkipDefaultInit()
 
 
+MAX_SEED = 2**63 - 1  # what torch's and numpy's generators both take
+
+
+def check_seed(seed) -> int:
+    """``seed`` if it is an integer in 0..MAX_SEED, else ValueError naming it (torch's generator
+    answers a larger one with "Overflow when unpacking long")."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an integer in 0..2**63-1, got {seed!r}")
+    return seed
+
+
 @torch.no_grad()
 def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
                  is_one: Callable[[str], bool], is_residual_out: Callable[[str], bool],
@@ -112,7 +123,7 @@ def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
     output projections at std / sqrt(2 * n_layer) so the residual stream does not grow with depth.
     Parameters are visited in ``named_parameters`` order (a tied tensor once), so the same seed
     gives the same values."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(check_seed(seed))
     residual_std = std / math.sqrt(2 * n_layer)
     for name, p in model.named_parameters():
         if is_zero(name):
@@ -125,5 +136,5 @@ def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
             p.copy_(values)
 
 
-__all__ = ["REGION_MARK", "forward_through", "BlockSequence", "BlockModel", "ProjectionHead", "skip_default_init",
+__all__ = ["MAX_SEED", "check_seed", "REGION_MARK", "forward_through", "BlockSequence", "BlockModel", "ProjectionHead", "skip_default_init",
            "init_normal_"]

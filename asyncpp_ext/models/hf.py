@@ -36,7 +36,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from .base import BlockModel
+from .base import BlockModel, check_seed
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 """model_types whose decoder layers take (hidden_states, attention_mask, position_ids,
@@ -402,6 +402,7 @@ def from_config(path_or_dict: Union[str, os.PathLike, dict], seed: int = 0) -> H
     else:
         config = read_config(path_or_dict)
     config_shape(config)  # sizes checked before transformers builds anything
+    check_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf_model = _random_model(config)

@@ -10,6 +10,7 @@ from typing import Optional
 
 from ..data.batches import DEFAULT_EVAL_BATCHES, SAMPLINGS
 from ..models.compile_support import MODES as COMPILE_MODES  # TrainConfig.compile_mode's values
+from ..models.base import MAX_SEED
 from ..models.registry import ModelConfig, as_model_config
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
@@ -412,7 +413,7 @@ class RunConfig:
         non_negative_int("train.eval_every", self.train.eval_every)
         non_negative_int("train.ckpt_every", self.train.ckpt_every)
         non_negative_int("data.eval_batches", self.data.eval_batches)
-        non_negative_int("train.seed", self.train.seed, limit=2**63 - 1)  # torch's and numpy's seeds
+        non_negative_int("train.seed", self.train.seed, limit=MAX_SEED)  # torch's and numpy's seeds
         choice("pipeline.schedule", self.pipeline.schedule, schedule_names())
         choice("optim.name", self.optim.name, OPTIMIZERS)
         _check_optimizer_available(self.optim.name)
