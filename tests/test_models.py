@@ -10,9 +10,13 @@ from asyncpp_ext.models import GPT, GPTConfig, preset_config
 TINY = preset_config("tiny")
 
 
-def test_blocks_composed_in_order_equal_forward_bitwise():
-    model = GPT(TINY, seed=3)
-    idx = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_blocks_composed_in_order_equal_forward_bitwise(family):
+    from asyncpp_ext.models import Llama, llama_preset_config
+
+    cfg = TINY if family == "gpt" else llama_preset_config("llama-tiny")
+    model = (GPT if family == "gpt" else Llama)(cfg, seed=3)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     x = idx
     for block in model.blocks():
         x = block(x)
