@@ -236,8 +236,9 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
         return base + ["--val-out", tmp_path / "v.bin"]
     if case == "out not .bin":
         return base[:-1] + [tmp_path / "out.txt"]
-    if case == "out directory missing":
-        return base[:-1] + [tmp_path / "no" / "out.bin"]
+    if case == "out under a file":
+        (tmp_path / "a_file").write_text("x")
+        return base[:-1] + [tmp_path / "a_file" / "sub" / "out.bin"]
     if case == "empty result":
         (tmp_path / "empty.txt").write_text("")
         return base[:3] + [tmp_path / "empty.txt"] + base[4:]
@@ -274,7 +275,7 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
     ("val fraction negative", "--val-fraction -0.1 is outside"),
     ("val-out without fraction", "--val-out needs --val-fraction > 0"),
     ("out not .bin", "out.txt does not end in .bin"),
-    ("out directory missing", "directory .*no does not exist or is not writable"),
+    ("out under a file", "--out .*out.bin: .*a_file is not a writable directory; choose another place"),
     ("empty result", "gave no tokens"),
     ("empty validation file", "leaves the validation file empty"),
     ("val-out is the out file", "--val-out .*out.bin is the --out file"),
@@ -307,6 +308,23 @@ def test_unwritable_directory_is_refused(tmp_path, capsys):
     assert rc == 2 and "is not writable" in err[0] and list(locked.iterdir()) == []
 
 
+def test_missing_output_directories_are_created_and_removed_again_when_it_fails(tmp_path, capsys):
+    """``--out data/train.bin`` in a fresh checkout: the directories are made, as asyncpp-train
+    makes its --out; a preparation that fails leaves none of them behind."""
+    (tmp_path / "in.txt").write_text("text\n" * 10)
+    (tmp_path / "empty.txt").write_text("")
+    rc, _, err = _run(["--tokenizer", "bytes", "--input", tmp_path / "empty.txt",
+                       "--out", tmp_path / "new" / "deeper" / "t.bin", "--val-fraction", "0.5",
+                       "--val-out", tmp_path / "other" / "v.bin"], capsys)
+    assert rc == 2 and "gave no tokens" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "in.txt"]
+    rc, out, _ = _run(["--tokenizer", "bytes", "--input", tmp_path / "in.txt",
+                       "--out", tmp_path / "new" / "deeper" / "t.bin", "--val-fraction", "0.5",
+                       "--val-out", tmp_path / "other" / "v.bin"], capsys)
+    assert rc == 0 and "wrote 50 tokens" in out[0]
+    assert (tmp_path / "new" / "deeper" / "t.bin").is_file() and (tmp_path / "other" / "v.bin").is_file()
+
+
 def test_ctrl_c_midway_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(text_pieces, "READ_BLOCK_BYTES", 32)
     monkeypatch.setattr(text_pieces, "PIECE_CHARS", 16)
@@ -322,7 +340,7 @@ def test_ctrl_c_midway_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(prep.ByteTokenizer, "encode", encode_then_interrupt)
     (tmp_path / "in.txt").write_text("a line of text\n" * 50)
     rc, out, err = _run(["--tokenizer", "bytes", "--input", tmp_path / "in.txt",
-                         "--out", tmp_path / "t.bin", "--val-fraction", "0.1"], capsys)
+                         "--out", tmp_path / "new" / "t.bin", "--val-fraction", "0.1"], capsys)
     assert rc == 130 and len(calls) == 5 and err == ["asyncpp-prepare-data: interrupted; no file written"]
     assert [p.name for p in tmp_path.iterdir()] == ["in.txt"]
 

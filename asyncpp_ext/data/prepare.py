@@ -85,15 +85,42 @@ def _batched(pieces, size: int):
         yield batch
 
 
-def _check_output(path: Path, flag: str) -> None:
+def _check_output(path: Path, flag: str) -> list:
+    """The directories to create for ``path`` (missing ancestors, outermost first), after checking
+    that the name is a token file's and that the nearest existing ancestor is a writable directory."""
     if path.suffix != ".bin":
         raise PrepareError(f"{flag} {path} does not end in .bin; name the token file like train.bin")
     if path.is_dir():
         raise PrepareError(f"{flag} {path} is a directory; name a file inside it, like train.bin")
-    parent = path.parent
+    missing, parent = [], path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise PrepareError(f"{flag} {path}: directory {parent} does not exist or is not writable; "
-                           "create it or choose another place")
+        raise PrepareError(f"{flag} {path}: {parent} is not a writable directory; choose another place")
+    return missing[::-1]
+
+
+def _make_directories(directories: list) -> list:
+    """Create ``directories`` (outermost first); returns those created, for ``_remove_directories``."""
+    made = []
+    for directory in directories:
+        try:
+            directory.mkdir()
+        except FileExistsError:  # another output's, or made meanwhile
+            continue
+        made.append(directory)
+    return made
+
+
+def _remove_directories(made: list) -> None:
+    """Remove the directories ``_make_directories`` created that are still empty (a failed or
+    stopped preparation leaves nothing behind), innermost first."""
+    for directory in reversed(made):
+        try:
+            directory.rmdir()
+        except OSError:  # holds the outputs (they were put in place), or someone else's files
+            pass
 
 
 def _unescape(separator: str) -> str:
@@ -288,13 +315,13 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
     if not 0.0 <= val_fraction < 1.0:
         raise PrepareError(f"--val-fraction {val_fraction} is outside [0, 1); use e.g. 0.1 or 0")
     out_path = Path(out)
-    _check_output(out_path, "--out")
+    directories = _check_output(out_path, "--out")
     val_path = None
     if val_out is not None and val_fraction == 0.0:
         raise PrepareError("--val-out needs --val-fraction > 0; give both or neither")
     if val_fraction > 0.0:
         val_path = Path(val_out) if val_out else out_path.with_name(f"{out_path.stem}.val.bin")
-        _check_output(val_path, "--val-out")
+        directories += _check_output(val_path, "--val-out")
         if val_path.resolve() == out_path.resolve():
             raise PrepareError(f"--val-out {val_path} is the --out file; name another file")
     if shard_tokens is not None and shard_tokens < 1:
@@ -319,12 +346,15 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
 
     show = sys.stderr.isatty() if progress is None else progress
     skips = _Skips(skip_bad_records)
-    train = TokenSink(out_path, dtype, shard_tokens)
-    val = TokenSink(val_path, dtype, shard_tokens) if val_path is not None else None
-    sinks = [train] + ([val] if val is not None else [])
+    sinks: list = []
     temps: list = []
-    docs = _Documents(mode, token_id, val_fraction, train, val, skips, dtype)
+    made: list = []
     try:
+        made = _make_directories(directories)
+        train = TokenSink(out_path, dtype, shard_tokens)
+        val = TokenSink(val_path, dtype, shard_tokens) if val_path is not None else None
+        sinks = [train] + ([val] if val is not None else [])
+        docs = _Documents(mode, token_id, val_fraction, train, val, skips, dtype)
         bar = None
         if show:
             from tqdm import tqdm
@@ -384,6 +414,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
             temps.extend(sink.temps())
         for tmp in temps:
             tmp.unlink(missing_ok=True)
+        _remove_directories(made)
 
 
 class _UsageError(Exception):
@@ -409,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "manifests): text (*.txt, or any other name), JSON lines (*.jsonl, "
                              "*.json, *.ndjson, optionally .gz/.zst), Parquet (*.parquet), Arrow / a "
                              "save_to_disk directory")
-    parser.add_argument("--out", required=True, metavar="PATH", help="token file to write (.bin)")
+    parser.add_argument("--out", required=True, metavar="PATH",
+                        help="token file to write (.bin); missing directories are created")
     parser.add_argument("--text-field", default="text", metavar="NAME",
                         help="the JSON field / column holding each document's text (default text)")
     parser.add_argument("--doc-separator", metavar="SEP",
