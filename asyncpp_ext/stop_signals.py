@@ -13,7 +13,10 @@ does not stop the run, and a script's background job ignores SIGINT.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import signal
+import sys
 import threading
 from typing import Callable, Iterator
 
@@ -63,4 +66,20 @@ def stop_signals_raise():
     return signals_handled(stop, [getattr(signal, n) for n in SIGNAL_NAMES if hasattr(signal, n)])
 
 
-__all__ = ["SIGNAL_NAMES", "STOP_SIGNALS", "Stopped", "signals_handled", "stop_signals_raise"]
+def die_with_parent(parent: int, exit_code: int = 1) -> None:
+    """SIGKILL this process when its parent exits (Linux's PR_SET_PDEATHSIG; elsewhere nothing): a
+    helper process -- a pipeline rank, a tokenizer worker -- must not run on, holding memory and
+    writing files, after the process that started it was killed outright (SIGKILL, the kernel's
+    out-of-memory killer), which leaves it no chance to stop its helpers. ``parent`` is the pid
+    the parent had when it started this one: if that one is gone already, exit with ``exit_code``."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent was gone before the request took effect
+        os._exit(exit_code)
+
+
+__all__ = ["SIGNAL_NAMES", "STOP_SIGNALS", "Stopped", "die_with_parent", "signals_handled", "stop_signals_raise"]

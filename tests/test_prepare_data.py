@@ -209,6 +209,29 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
         return ["--tokenizer", tmp_path / "bad.json", "--input", good, "--out", out]
     if case == "missing input":
         return base[:3] + [good, tmp_path / "gone.txt"] + base[4:]
+    if case == "a folder without tokenizer.json":
+        (tmp_path / "tok").mkdir()
+        return ["--tokenizer", tmp_path / "tok", "--input", good, "--out", out]
+    if case == "the tokenizer's settings":
+        (tmp_path / "tokenizer_config.json").write_text('{"model_max_length": 2048, "bos_token": null}')
+        return ["--tokenizer", tmp_path / "tokenizer_config.json", "--input", good, "--out", out]
+    if case == "a JSON array of records":
+        (tmp_path / "records.json").write_text('[\n  {"text": "one"},\n  {"text": "two"}\n]\n')
+        return base[:3] + [tmp_path / "records.json"] + base[4:] + ["--skip-bad-records"]
+    if case == "a pretty-printed object":
+        (tmp_path / "record.json").write_text('{\n  "text": "one"\n}\n')
+        return base[:3] + [tmp_path / "record.json"] + base[4:]
+    if case == "an input named twice":
+        return base[:3] + [good, tmp_path / "*.txt"] + base[4:]
+    if case == "an xz file":
+        (tmp_path / "corpus.txt.xz").write_bytes(b"\xfd7zXZ\x00\x00")
+        return base[:3] + [tmp_path / "corpus.txt.xz"] + base[4:]
+    if case == "a pipe":
+        os.mkfifo(tmp_path / "fifo")
+        return base[:3] + [tmp_path / "fifo"] + base[4:]
+    if case == "a token file":
+        (tmp_path / "tokens.bin").write_bytes(b"\x00" * 16)
+        return base[:3] + [tmp_path / "tokens.bin"] + base[4:]
     if case == "input is a directory":
         (tmp_path / "dir").mkdir()
         return base[:3] + [tmp_path / "dir"] + base[4:]
@@ -264,6 +287,16 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
     ("tokenizers not installed", r"pip install 'asyncpp_ext\[hf\]'"),
     ("not a tokenizer", "bad.json is not a tokenizers tokenizer.json"),
     ("missing input", "input .*gone.txt does not exist"),
+    ("a folder without tokenizer.json", "tokenizer .*tok is a directory without a tokenizer.json; pass the "
+                                        "tokenizer.json file"),
+    ("the tokenizer's settings", "tokenizer_config.json is a tokenizer's settings, not the tokenizer; pass the "
+                                 "tokenizer.json beside it"),
+    ("a JSON array of records", "records.json is one JSON document, not JSON lines .*jq -c '.\\[\\]' "),
+    ("a pretty-printed object", "record.json is one JSON document, not JSON lines .*jq -c \\. "),
+    ("an input named twice", "good.txt is named twice \\(by .*good.txt and by .*\\*.txt\\); name each file once"),
+    ("an xz file", "corpus.txt.xz is xz, which is not read; unpack or decompress it"),
+    ("a pipe", "fifo is not a regular file \\(pipes, devices and standard input are not read\\)"),
+    ("a token file", "tokens.bin is a token file \\(.bin\\), not text"),
     # Directories are inputs (their data files, sorted); one without any is refused.
     ("input is a directory", "input .*dir is a directory with no input files"),
     ("non-UTF-8 after good text", "latin1.txt is not UTF-8 text \\(byte 403\\)"),
@@ -395,3 +428,30 @@ def test_a_path_this_user_may_not_read_is_one_line(tmp_path, capsys, monkeypatch
     assert err.count("\n") == 1 and err.startswith("asyncpp-prepare-data: error: cannot use /data/locked/a.txt "
                                                    "(Permission denied)"), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_holding_tokenizer_json_is_its_tokenizer(tmp_path, bpe_path, capsys):
+    """What `hf download ... tokenizer.json --local-dir tok` leaves: --tokenizer tok reads tok/tokenizer.json."""
+    import shutil
+
+    (tmp_path / "tok").mkdir()
+    shutil.copy(bpe_path, tmp_path / "tok" / "tokenizer.json")
+    (tmp_path / "in.txt").write_text("the same text twice\n")
+    outputs = {}
+    for name, tokenizer in (("folder", tmp_path / "tok"), ("file", bpe_path)):
+        assert _run(["--tokenizer", tokenizer, "--input", tmp_path / "in.txt", "--out", tmp_path / f"{name}.bin"],
+                    capsys)[0] == 0
+        outputs[name] = (tmp_path / f"{name}.bin").read_bytes()
+    assert outputs["folder"] == outputs["file"]
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_a_lone_surrogate_is_named_as_such(tmp_path, bpe_path, capsys, tokenizer):
+    """A JSON escape \\ud800 without its partner decodes to a string no encoder takes; the line says
+    so instead of quoting the tokenizer's type error."""
+    (tmp_path / "s.jsonl").write_text('{"text": "a \\ud800 b"}\n{"text": "fine"}\n')
+    rc, _, err = _run(["--tokenizer", bpe_path if tokenizer == "bpe" else "bytes", "--input", tmp_path / "s.jsonl",
+                       "--out", tmp_path / "o.bin"], capsys)
+    assert rc == 2 and err == [f"asyncpp-prepare-data: error: input {tmp_path / 's.jsonl'} line 1 holds a lone "
+                               "surrogate (\\ud800 at character 2), which is not valid Unicode; fix or delete it, "
+                               "or pass --skip-bad-records to skip such records"]

@@ -40,7 +40,7 @@ ALLOWED_IMPORTS = {
     "data": {"stop_signals"},  # stop_signals.py: SIGTERM/SIGHUP as an exception, stdlib only
     "models": set(),
     "optim": {"_ext", "precision"},  # precision.py: the "auto" dtype rule, torch only
-    "schedule": {"_ext"},
+    "schedule": {"_ext", "stop_signals"},
     "pipeline": {"_ext", "optim", "models", "schedule", "precision", "stop_signals"},
     "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision", "stop_signals"},
     "gpu_check": {"info", "optim"},  # runs everything else in subprocesses

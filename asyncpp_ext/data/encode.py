@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import multiprocessing.context
 import os
 import signal
 from collections import deque
@@ -22,6 +23,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
+from ..stop_signals import die_with_parent
 from .errors import DataError, first_line
 from .sources import BYTES_TOKENIZER
 
@@ -101,8 +103,16 @@ class HFTokenizer(_Encoder):
             raise PrepareError("the tokenizers package is not installed; "
                                "pip install 'asyncpp_ext[hf]' (or use --tokenizer bytes)") from None
         try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise PrepareError(f"tokenizer {path} is not readable ({exc.strerror}); fix its permissions") from None
+        try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises plain Exception for malformed files
+            if path.name == "tokenizer_config.json":  # the settings beside it, not the tokenizer
+                raise PrepareError(f"tokenizer {path} is a tokenizer's settings, not the tokenizer; pass the "
+                                   "tokenizer.json beside it") from None
             reason = first_line(exc)
             raise PrepareError(f"tokenizer {path} is not a tokenizers tokenizer.json ({reason}); "
                                "pass the tokenizer.json of a Hugging Face tokenizer") from None
@@ -164,7 +174,12 @@ def load_tokenizer(spec: str):
     if spec == BYTES:
         return ByteTokenizer()
     path = Path(spec)
-    if not path.is_file():
+    if path.is_dir():  # a model's folder, as a download of its tokenizer leaves it
+        if not (path / "tokenizer.json").is_file():
+            raise PrepareError(f"tokenizer {spec} is a directory without a tokenizer.json; pass the "
+                               "tokenizer.json file, or --tokenizer bytes")
+        path = path / "tokenizer.json"
+    elif not path.is_file():
         raise PrepareError(f"tokenizer file {spec} does not exist (or is not a file); pass a "
                            "tokenizer.json or --tokenizer bytes")
     return HFTokenizer(path)
@@ -198,6 +213,8 @@ def _texts_of(task: Task, text_field: str, lengths: np.ndarray, bad: list) -> tu
         else:
             if i == 0 and task.first == 1 and line.startswith("\ufeff"):
                 line = line[1:]  # a byte-order mark at the start of the file
+            if i == 0 and task.first == 1:
+                _check_json_lines(task.path, line)
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -221,6 +238,27 @@ def _texts_of(task: Task, text_field: str, lengths: np.ndarray, bad: list) -> tu
     return texts, index
 
 
+def _why_not_encodable(text: str, exc: BaseException) -> str:
+    """Why the tokenizer refused ``text``: a lone surrogate (a JSON escape such as \\ud800 with no
+    partner) is not Unicode any encoder takes; anything else, the tokenizer's own words."""
+    for position, char in enumerate(text):
+        if "\ud800" <= char <= "\udfff":
+            return (f"holds a lone surrogate ({ascii(char)[1:-1]} at character {position}), which is not valid "
+                    "Unicode")
+    return f"has text the tokenizer cannot encode ({first_line(exc)})"
+
+
+def _check_json_lines(path: str, first_line: str) -> None:
+    """PrepareError where a .json file's first line shows one JSON document (an array of records,
+    or an object spread over lines) rather than JSON lines: skipping its "bad lines" would keep
+    whichever lines happen to parse."""
+    start = first_line.strip()
+    if start in ("[", "{") or (start.startswith("[") and start.endswith("]")):
+        how = "jq -c '.[]'" if start.startswith("[") else "jq -c ."
+        raise PrepareError(f"input {path} is one JSON document, not JSON lines (one object per line); convert "
+                           f"it, e.g. {how} {path} > {Path(path).stem}.jsonl")
+
+
 def encode_task(tokenizer, task: Task, text_field: str = "text"):
     """(ids in the token file's dtype, lengths int64 per item, bad [(index, reason)]) of one task."""
     n = len(task.items)
@@ -239,7 +277,7 @@ def encode_task(tokenizer, task: Task, text_field: str = "text"):
                 one, count = tokenizer.encode_many([text])
             except Exception:
                 lengths[i] = BAD
-                bad.append((i, f"has text the tokenizer cannot encode ({str(exc).splitlines()[0][:80]})"))
+                bad.append((i, _why_not_encodable(text, exc)))
                 index.remove(i)
                 continue
             parts.append(one)
@@ -265,8 +303,11 @@ def _token_dtype(vocab_size: int) -> np.dtype:
 _WORKER: dict = {}
 
 
-def _worker_init(tokenizer_spec: str, text_field: str) -> None:
+def _worker_init(tokenizer_spec: str, text_field: str, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if hasattr(signal, "pthread_sigmask"):  # started with it blocked (_WorkerProcess): a pending one is dropped
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    die_with_parent(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     _WORKER["tokenizer"] = load_tokenizer(tokenizer_spec)
     _WORKER["text_field"] = text_field
@@ -274,6 +315,26 @@ def _worker_init(tokenizer_spec: str, text_field: str) -> None:
 
 def _worker_encode(task: Task):
     return encode_task(_WORKER["tokenizer"], task, _WORKER["text_field"])
+
+
+class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A tokenizer worker started with SIGINT blocked, which the fresh interpreter inherits: a
+    Ctrl-C while it imports and unpickles would otherwise print its KeyboardInterrupt traceback
+    beside the parent's one line. In the parent the signal waits out the start and is then
+    delivered as usual; the worker ignores it (``_worker_init``)."""
+
+    def start(self) -> None:
+        if not hasattr(signal, "pthread_sigmask"):
+            return super().start()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class _WorkerContext(multiprocessing.context.SpawnContext):
+    Process = _WorkerProcess
 
 
 def ordered_encode(tasks: Iterable[Task], tokenizer, tokenizer_spec: str, text_field: str,
@@ -284,7 +345,6 @@ def ordered_encode(tasks: Iterable[Task], tokenizer, tokenizer_spec: str, text_f
         for task in tasks:
             yield task, encode_task(tokenizer, task, text_field)
         return
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
@@ -292,8 +352,8 @@ def ordered_encode(tasks: Iterable[Task], tokenizer, tokenizer_spec: str, text_f
     # tokenizers' thread pool) into the child. An executor rather than multiprocessing.Pool: a
     # worker that dies (killed, out of memory) breaks the pool and every pending result raises,
     # where a Pool would start a replacement and wait for the lost result forever.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_worker_init, initargs=(tokenizer_spec, text_field))
+    pool = ProcessPoolExecutor(workers, mp_context=_WorkerContext(),
+                               initializer=_worker_init, initargs=(tokenizer_spec, text_field, os.getpid()))
     try:
         pending: deque = deque()
         for task in tasks:

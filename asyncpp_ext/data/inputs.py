@@ -47,8 +47,20 @@ class Input:
     compression: Optional[str] = None
 
 
+UNREAD_COMPRESSION = {".xz": "xz", ".lzma": "xz", ".bz2": "bzip2", ".zip": "zip", ".7z": "7-Zip",
+                      ".tar": "tar", ".tgz": "tar.gz", ".lz4": "lz4", ".br": "brotli"}
+"""Archives and compressions read as nothing but bytes: named, not taken for text that is not UTF-8."""
+
+
 def classify(path: Path) -> Input:
     """The reader for a file: by its suffixes (``x.jsonl.zst`` is zstd-compressed JSON lines)."""
+    unread = UNREAD_COMPRESSION.get(path.suffix.lower())
+    if unread is not None:
+        raise PrepareError(f"input {path} is {unread}, which is not read; unpack or decompress it (.gz and .zst "
+                           "JSON lines are read as they are)")
+    if _is_token_output(path) and path.suffix.lower() == ".bin":
+        raise PrepareError(f"input {path} is a token file (.bin), not text; name the text it was made from, "
+                           "or pass the token file to asyncpp-train --data")
     suffixes = [s.lower() for s in path.suffixes[-2:]]
     compression = COMPRESSION_SUFFIXES.get(suffixes[-1]) if suffixes else None
     if compression:
@@ -136,6 +148,7 @@ def expand_inputs(specs: Sequence[str]) -> list[Input]:
     """Every file the ``--input`` specs name, in reading order. PrepareError for a spec that
     names nothing, or a file that cannot be opened."""
     inputs: list[Input] = []
+    named_by: dict[Path, str] = {}  # resolved path -> the spec that named it
     for spec in specs:
         path = Path(spec)
         if path.is_dir():
@@ -157,9 +170,12 @@ def expand_inputs(specs: Sequence[str]) -> list[Input]:
                              else [])
             if not found:
                 raise PrepareError(f"input {spec} matches no readable input file; check the pattern")
+        elif path.exists():  # a pipe, a device, standard input
+            raise PrepareError(f"input {spec} is not a regular file (pipes, devices and standard input are "
+                               "not read); write it to a file first")
         else:
-            raise PrepareError(f"input {spec} does not exist (or is not a file); pass files, "
-                               "directories or globs of text, JSONL or Parquet")
+            raise PrepareError(f"input {spec} does not exist; pass files, directories or globs of text, "
+                               "JSONL or Parquet")
         for item in found:
             try:
                 with open(item.path, "rb"):
@@ -167,6 +183,12 @@ def expand_inputs(specs: Sequence[str]) -> list[Input]:
             except OSError as exc:
                 raise PrepareError(f"input {item.path} is not readable ({exc.strerror}); fix its "
                                    "permissions") from None
+        for item in found:  # read twice, its documents would train twice, or in both splits
+            key = item.path.resolve()
+            if key in named_by:
+                by = "" if named_by[key] == spec else f" (by {named_by[key]} and by {spec})"
+                raise PrepareError(f"input {item.path} is named twice{by}; name each file once")
+            named_by[key] = spec
         inputs.extend(found)
     return inputs
 

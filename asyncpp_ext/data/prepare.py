@@ -61,7 +61,7 @@ from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError
                      load_tokenizer, ordered_encode)
 from .errors import first_line
 from ..stop_signals import stop_signals_raise
-from .sinks import StoppedAfterCommit, TokenSink, base_header, commit_outputs
+from .sinks import StoppedAfterCommit, TokenSink, base_header, commit_outputs, remove_orphaned_temps
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
 from .text_pieces import NotTextError, read_pieces, read_text_pieces  # noqa: F401 (read_pieces: public here too)
 
@@ -294,6 +294,7 @@ class PrepareResult(dict):
     first_skip: Optional[str] = None
     manifests: list = []
     stale_removed: list = []
+    orphans_removed: list = []  # temporary files of runs killed outright
     boundary: str = "none"
     boundary_token: Optional[str] = None
     boundary_token_id: Optional[int] = None
@@ -331,7 +332,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
     cores = _cores()
     if workers is not None and workers > MAX_WORKERS_PER_CORE * cores:
         raise PrepareError(f"--workers {workers} is more than {MAX_WORKERS_PER_CORE} per core for "
-                           f"the {cores} core(s) here; use at most {cores} (the default)")
+                           f"the {cores} core(s) here; use at most {MAX_WORKERS_PER_CORE * cores} (the default is {cores})")
     if doc_separator == "":
         raise PrepareError("--doc-separator is empty; give the text between documents, e.g. '\\n\\n'")
     separator = _unescape(doc_separator) if doc_separator else None
@@ -402,11 +403,13 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         result.skipped_records, result.skipped_files, result.first_skip = (skips.records, skips.files,
                                                                            skips.first)
         result.manifests, result.stale_removed = manifests, stale
+        result.orphans_removed = [p for d in sorted({s.final.parent for s in sinks}) for p in remove_orphaned_temps(d)]
         result.boundary, result.boundary_token, result.boundary_token_id = mode, token, token_id
         result.workers, result.seconds = n_workers, time.perf_counter() - began
         return result
     except OSError as exc:
-        raise PrepareError(f"could not read or write {exc.filename or out_path} ({exc.strerror}); "
+        reason = exc.strerror or first_line(exc)  # numpy's write errors carry no strerror
+        raise PrepareError(f"could not read or write {exc.filename or out_path} ({reason}); "
                            "check the files, the output directory and free disk space") from None
     finally:
         for sink in sinks:
@@ -432,8 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description="Tokenize text, JSON lines (.gz/.zst), Parquet or a save_to_disk "
         "dataset into .bin token files (+ .bin.json sidecars) for asyncpp-train --data.")
     parser.add_argument("--tokenizer", required=True, metavar="TOKENIZER",
-                        help="path of a Hugging Face tokenizer.json, or 'bytes' (ids are the "
-                             "UTF-8 bytes, vocabulary 256)")
+                        help="path of a Hugging Face tokenizer.json (or the folder holding it), or 'bytes' "
+                             "(ids are the UTF-8 bytes, vocabulary 256)")
     parser.add_argument("--input", required=True, nargs="+", metavar="PATH",
                         help="files, directories or globs, read in the order given (a directory or "
                              "glob in sorted order, leaving out .bin token files, sidecars and "
@@ -500,6 +503,8 @@ def _summary(result: PrepareResult) -> str:
                  f"damaged file(s) (first: {result.first_skip})")
     if result.stale_removed:
         line += f"; removed {len(result.stale_removed)} token file(s) of an earlier run"
+    if result.orphans_removed:
+        line += f"; removed {len(result.orphans_removed)} temporary file(s) of a run killed before it ended"
     return line
 
 
@@ -536,7 +541,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: error: cannot use{where} ({exc.strerror or exc}); check that path and its "
               "permissions", file=sys.stderr)
         return 2
-    print(_summary(result))
+    try:
+        print(_summary(result), flush=True)
+    except OSError as exc:
+        # the summary stays in stdout's buffer: the interpreter's flush at exit would fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if isinstance(exc, BrokenPipeError):  # the reader (| head) went away; the outputs are complete
+            return 0
+        print(f"{PROG}: the outputs are complete, but the summary could not be written ({exc.strerror})",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +26,44 @@ COPY_CHUNK = 1 << 22
 """Tokens copied at a time when the tail of the output moves to the validation file."""
 
 
+def _this_host() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+
+
 def temp_beside(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """A new hidden temporary file beside ``path``, named after it, this host and this process
+    (``.<name>.<host>-<pid>-<random>.tmp``), so that a later run can tell one whose process is
+    gone (``remove_orphaned_temps``)."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_this_host()}-{os.getpid()}-",
+                                suffix=".tmp")
     os.close(fd)
     return Path(name)
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def remove_orphaned_temps(directory: Path) -> list:
+    """Remove the temporary files that runs on this host left in ``directory`` when they were killed
+    outright (SIGKILL, the out-of-memory killer: no ``finally`` ran), each as large as the output
+    it was becoming; a live run's (its process still runs, or it runs on another host of a
+    shared file system) are left alone. Returns those removed."""
+    pattern = re.compile(rf"\..+\.{re.escape(_this_host())}-(\d+)-[A-Za-z0-9_]+\.tmp")
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in directory.iterdir():
+            match = pattern.fullmatch(entry.name)
+            if match and not _process_runs(int(match[1])) and entry.is_file():
+                entry.unlink(missing_ok=True)
+                removed.append(entry)
+    return removed
 
 
 @dataclass
@@ -210,5 +245,5 @@ def base_header(dtype_name: str, vocab_size: int, tokenizer: str, tokenizer_sha2
     return header
 
 
-__all__ = ["StoppedAfterCommit", "TokenSink", "base_header", "commit_outputs",
+__all__ = ["StoppedAfterCommit", "TokenSink", "base_header", "commit_outputs", "remove_orphaned_temps",
            "temp_beside"]

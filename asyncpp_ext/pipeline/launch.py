@@ -12,7 +12,6 @@ How ranks start (a forkserver with torch imported, or fresh interpreters): start
 """
 from __future__ import annotations
 
-import ctypes
 import datetime
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -28,7 +27,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ..stop_signals import Stopped, stop_signals_raise
+from ..stop_signals import Stopped, die_with_parent, stop_signals_raise
 from .peer_errors import TransportError, peer_gone
 from .start_method import START_METHOD_ENV, _context, _stdout_and_stderr_open
 from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, default_timeout_s
@@ -145,14 +144,7 @@ def _die_with_parent() -> None:
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
-    if sys.platform.startswith("linux"):
-        parent = os.getppid()
-        try:
-            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            return
-        if os.getppid() != parent:  # the parent was gone before the request took effect
-            os._exit(EXIT_FAILED)
+    die_with_parent(os.getppid(), EXIT_FAILED)
 
 
 def _die_with_launcher(launcher: int) -> None:

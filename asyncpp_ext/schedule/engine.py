@@ -205,7 +205,8 @@ def simulate(sched_or_name: Union[Schedule, str], stages: Optional[int] = None,
 
 
 def plot_timeline(result: SimResult, path, *, title: Optional[str] = None) -> str:
-    """Draw the simulated timeline to ``path`` (PNG, SVG, PDF... by extension); returns the path.
+    """Draw the simulated timeline to ``path`` (PNG, SVG, PDF... by extension; ``.png`` is added
+    to a name without one) and return the name of the file written.
 
     One row per stage (stage 0 on top). Boxes are coloured by microbatch, forwards light and
     backwards dark, labelled with the microbatch and the weight version (``3|v1``); with one

@@ -1,11 +1,50 @@
 """Timeline drawing for :func:`asyncpp_ext.schedule.plot_timeline` (matplotlib, Agg backend)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
 _ROW_HEIGHT = 0.8
 _MAX_WIDTH_IN = 40.0  # beyond this the picture is unreadable anyway; labels are dropped instead
+
+MAX_PLOT_BOXES = 10_000
+"""The most boxes ``asyncpp-schedule --plot`` draws. Matplotlib takes about 2 s plus 2 ms a box:
+10,020 boxes (1f1b, S=20 m=250) took 18 s and 410 MB on two cores, 40,020 took 85 s and 730 MB;
+far fewer than that already make a picture too dense to read."""
+
+
+def plot_boxes(stages: int, microbatches: int, steps: int) -> int:
+    """Boxes in a timeline: per stage and step, a forward and a backward per microbatch and one
+    optimizer step -- known before simulating, so a plot too large to draw is refused at once."""
+    return stages * steps * (2 * microbatches + 1)
+
+
+def check_plot_path(path: str) -> None:
+    """ValueError (one line, starting with the path) unless ``path`` names a file whose suffix
+    matplotlib writes, in a directory that exists or can be made. Without a suffix matplotlib
+    would write ``path.png`` instead: a name like ``-``, ``/dev/full`` or ``out/timeline`` is more
+    likely a mistake than a wish for that file."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if not path:
+        raise ValueError("'' names no file; name one such as timeline.png")
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ValueError(f"{path} is a directory; name a file such as "
+                         f"{os.path.join(path, 'timeline.png')}")
+    suffix = os.path.splitext(path)[1][1:].lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if not suffix:
+        raise ValueError(f"{path} has no suffix to choose the format by; name the file with one, "
+                         f"such as {path}.png")
+    if suffix not in formats:
+        raise ValueError(f"{path}: matplotlib cannot write .{suffix} files; use one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: {parent} is not a writable directory; choose another place")
 
 
 def _microbatch_colors(m: int):
@@ -23,6 +62,34 @@ def _lighten(rgba, amount: float):
 def _darken(rgba, factor: float):
     r, g, b, _ = rgba
     return (r * factor, g * factor, b * factor, 1.0)
+
+
+def _save(fig, path: str) -> str:
+    """``fig`` to ``path`` -- with matplotlib's ``.png`` added when it has no suffix -- creating
+    missing directories; returns the file's name. It is written beside the final name and renamed
+    at the end, so a stop or a failure part-way leaves neither a partial file nor new directories."""
+    import matplotlib
+
+    fmt = os.path.splitext(path)[1][1:].lower()
+    if not fmt:
+        fmt = matplotlib.rcParams["savefig.format"]
+        path = f"{path}.{fmt}"
+    made, parent = [], os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        made.insert(0, parent)
+        parent = os.path.dirname(parent)
+    partial = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.partial")
+    try:
+        for directory in made:
+            os.mkdir(directory)
+        fig.savefig(partial, dpi=110, format=fmt)
+        os.replace(partial, path)
+    except BaseException:
+        for remove, name in [(os.remove, partial)] + [(os.rmdir, d) for d in reversed(made)]:
+            with contextlib.suppress(OSError):  # not made yet, or (a directory) no longer empty
+                remove(name)
+        raise
+    return path
 
 
 def draw_timeline(result, path, *, title: Optional[str] = None) -> str:
@@ -98,7 +165,6 @@ def draw_timeline(result, path, *, title: Optional[str] = None) -> str:
               title_fontsize=8)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=110)
+        return _save(fig, path)
     finally:
         plt.close(fig)
-    return path
