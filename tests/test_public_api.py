@@ -37,12 +37,12 @@ PROMISED = {
 # training drives pipelines; pipelines run optimizers, the models' compile and head-loss helpers and
 # the schedule table; optim, models, data and schedule stand alone.
 ALLOWED_IMPORTS = {
-    "data": {"stop_signals"},  # stop_signals.py: SIGTERM/SIGHUP as an exception, stdlib only
+    "data": {"stop_signals", "directories"},  # stop_signals.py, directories.py: stdlib only
     "models": set(),
     "optim": {"_ext", "precision"},  # precision.py: the "auto" dtype rule, torch only
-    "schedule": {"_ext", "stop_signals"},
+    "schedule": {"_ext", "stop_signals", "directories"},
     "pipeline": {"_ext", "optim", "models", "schedule", "precision", "stop_signals"},
-    "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision", "stop_signals"},
+    "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision", "stop_signals", "directories"},
     "gpu_check": {"info", "optim"},  # runs everything else in subprocesses
 }
 

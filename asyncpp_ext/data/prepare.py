@@ -60,6 +60,7 @@ from . import inputs as inp
 from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, Task,  # noqa: F401
                      load_tokenizer, ordered_encode)
 from .errors import first_line
+from ..directories import make_directories, missing_directories, remove_directories
 from ..stop_signals import stop_signals_raise
 from .sinks import StoppedAfterCommit, TokenSink, base_header, commit_outputs, remove_orphaned_temps
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
@@ -92,35 +93,11 @@ def _check_output(path: Path, flag: str) -> list:
         raise PrepareError(f"{flag} {path} does not end in .bin; name the token file like train.bin")
     if path.is_dir():
         raise PrepareError(f"{flag} {path} is a directory; name a file inside it, like train.bin")
-    missing, parent = [], path.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        missing.append(parent)
-        parent = parent.parent
+    missing = missing_directories(path.parent)
+    parent = (missing[0] if missing else path.absolute()).parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise PrepareError(f"{flag} {path}: {parent} is not a writable directory; choose another place")
-    return missing[::-1]
-
-
-def _make_directories(directories: list) -> list:
-    """Create ``directories`` (outermost first); returns those created, for ``_remove_directories``."""
-    made = []
-    for directory in directories:
-        try:
-            directory.mkdir()
-        except FileExistsError:  # another output's, or made meanwhile
-            continue
-        made.append(directory)
-    return made
-
-
-def _remove_directories(made: list) -> None:
-    """Remove the directories ``_make_directories`` created that are still empty (a failed or
-    stopped preparation leaves nothing behind), innermost first."""
-    for directory in reversed(made):
-        try:
-            directory.rmdir()
-        except OSError:  # holds the outputs (they were put in place), or someone else's files
-            pass
+    return missing
 
 
 def _unescape(separator: str) -> str:
@@ -351,7 +328,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
     temps: list = []
     made: list = []
     try:
-        made = _make_directories(directories)
+        made = make_directories(directories)
         train = TokenSink(out_path, dtype, shard_tokens)
         val = TokenSink(val_path, dtype, shard_tokens) if val_path is not None else None
         sinks = [train] + ([val] if val is not None else [])
@@ -417,7 +394,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
             temps.extend(sink.temps())
         for tmp in temps:
             tmp.unlink(missing_ok=True)
-        _remove_directories(made)
+        remove_directories(made)
 
 
 class _UsageError(Exception):

@@ -5,6 +5,8 @@ import contextlib
 import os
 from typing import Optional
 
+from ..directories import make_directories, missing_directories, remove_directories
+
 _ROW_HEIGHT = 0.8
 _MAX_WIDTH_IN = 40.0  # beyond this the picture is unreadable anyway; labels are dropped instead
 
@@ -40,9 +42,8 @@ def check_plot_path(path: str) -> None:
     if suffix not in formats:
         raise ValueError(f"{path}: matplotlib cannot write .{suffix} files; use one of "
                          f"{', '.join('.' + f for f in sorted(formats))}")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    missing = missing_directories(os.path.dirname(os.path.abspath(path)))
+    parent = os.path.dirname(missing[0]) if missing else os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{path}: {parent} is not a writable directory; choose another place")
 
@@ -74,20 +75,16 @@ def _save(fig, path: str) -> str:
     if not fmt:
         fmt = matplotlib.rcParams["savefig.format"]
         path = f"{path}.{fmt}"
-    made, parent = [], os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        made.insert(0, parent)
-        parent = os.path.dirname(parent)
     partial = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.partial")
+    made = []
     try:
-        for directory in made:
-            os.mkdir(directory)
+        made = make_directories(missing_directories(os.path.dirname(os.path.abspath(path))))
         fig.savefig(partial, dpi=110, format=fmt)
         os.replace(partial, path)
     except BaseException:
-        for remove, name in [(os.remove, partial)] + [(os.rmdir, d) for d in reversed(made)]:
-            with contextlib.suppress(OSError):  # not made yet, or (a directory) no longer empty
-                remove(name)
+        with contextlib.suppress(OSError):  # not made yet
+            os.remove(partial)
+        remove_directories(made)
         raise
     return path
 

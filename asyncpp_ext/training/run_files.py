@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from ..directories import make_directories, missing_directories, remove_directories
 from .checkpoint import list_checkpoints
 
 METRICS_NAME = "metrics.jsonl"
@@ -111,17 +112,12 @@ def prepare_run_dir(out: str | os.PathLike, resuming: bool) -> Path:
                                               or any(out.glob("ckpt-*"))):
             hint = f"continue it with --resume {out} or " if list_checkpoints(out) else ""  # what --resume finds
             raise RunDirError(f"--out {out} already holds a run; {hint}choose another --out")
-        created = [d for d in (out, *out.parents) if not d.exists()][::-1]
-        out.mkdir(parents=True, exist_ok=True)
+        created = make_directories(missing_directories(out))
         probe = out / ".write-probe"
         probe.write_text("")
         probe.unlink()
     except OSError as exc:  # unwritable, or a name too long for the file system
-        for directory in reversed(created):
-            try:
-                directory.rmdir()
-            except OSError:
-                pass
+        remove_directories(created)
         fix = "a shorter name" if exc.errno == errno.ENAMETOOLONG else "a writable directory"
         raise RunDirError(f"cannot write to --out {out} ({exc.strerror or exc}); choose {fix}") from None
     return out
