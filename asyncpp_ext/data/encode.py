@@ -40,6 +40,11 @@ class PrepareError(DataError):
     what to do."""
 
 
+class PrepareFailed(PrepareError):
+    """A preparation that failed on good input: a file could not be read or written part-way (a
+    full disk, an I/O error). The command exits 1 for it, as asyncpp-train does, not 2."""
+
+
 @dataclass
 class Task:
     """Consecutive items of one input, encoded together."""
@@ -374,4 +379,4 @@ def ordered_encode(tasks: Iterable[Task], tokenizer, tokenizer_spec: str, text_f
 
 
 __all__ = ["BAD", "BLANK", "BOS_NAMES", "BYTES", "ByteTokenizer", "EOS_NAMES", "HFTokenizer",
-           "PrepareError", "Task", "encode_task", "load_tokenizer", "ordered_encode"]
+           "PrepareError", "PrepareFailed", "Task", "encode_task", "load_tokenizer", "ordered_encode"]

@@ -57,8 +57,8 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from . import inputs as inp
-from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, Task,  # noqa: F401
-                     load_tokenizer, ordered_encode)
+from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, PrepareFailed,  # noqa: F401
+                     Task, load_tokenizer, ordered_encode)
 from .errors import first_line
 from ..directories import make_directories, missing_directories, remove_directories
 from ..stop_signals import stop_signals_raise
@@ -386,7 +386,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         return result
     except OSError as exc:
         reason = exc.strerror or first_line(exc)  # numpy's write errors carry no strerror
-        raise PrepareError(f"could not read or write {exc.filename or out_path} ({reason}); "
+        raise PrepareFailed(f"could not read or write {exc.filename or out_path} ({reason}); "
                            "check the files, the output directory and free disk space") from None
     finally:
         for sink in sinks:
@@ -486,8 +486,9 @@ def _summary(result: PrepareResult) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of ``asyncpp-prepare-data``; returns the exit status (0 ok, 2 bad input, 128 +
-    the signal's number when SIGINT, SIGTERM or SIGHUP stopped it)."""
+    """Entry point of ``asyncpp-prepare-data``; returns the exit status (0 ok, 1 a file could not be
+    read or written part-way, 2 bad input, 128 + the signal's number when SIGINT, SIGTERM or
+    SIGHUP stopped it)."""
     try:
         args = build_parser().parse_args(argv)
     except _UsageError as exc:
@@ -510,6 +511,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{PROG}: {signal.Signals(signum).name} arrived as the outputs were put in place; "
                   "they are complete", file=sys.stderr)
         return 128 + signum
+    except PrepareFailed as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     except DataError as exc:  # PrepareError, or a vocabulary no token dtype holds
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
