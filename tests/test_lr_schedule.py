@@ -140,6 +140,8 @@ def test_validate_names_the_flag_in_one_line(kwargs, fragment):
     assert isinstance(info.value, ValueError)
     with pytest.raises(LRScheduleError):  # multiplier never computes from a bad schedule
         sched.multiplier(0)
+    with pytest.raises(LRScheduleError):  # nor multipliers, which for steps <= 0 would be an empty list
+        sched.multipliers()
 
 
 def test_edge_settings_validate():

@@ -117,7 +117,9 @@ class LRSchedule:
         return r + (1.0 - r) * (T - 1 - t) / D  # this order gives exactly r at t = T - 1
 
     def multipliers(self) -> list[float]:
-        """``multiplier(t)`` for every step of the run, t = 0..steps-1."""
+        """``multiplier(t)`` for every step of the run, t = 0..steps-1 (validated first: a schedule
+        of no steps or fewer than none would otherwise give an empty list, silently)."""
+        self.validate()
         return [self.multiplier(t) for t in range(self.steps)]
 
 
