@@ -193,7 +193,25 @@ def parse_args(argv):
     args.head_chunk_rows = _list(args.head_chunk_rows, int, "--head-chunk-rows") if args.head_chunk_rows else []
     if any(n < 1 for n in args.head_chunk_rows):
         raise BenchError(f"--head-chunk-rows: every chunk must hold >= 1 row, got {args.head_chunk_rows}")
+    if args.json is not None:
+        _check_report_path(args.json)
     return args
+
+
+def _check_report_path(path: str) -> None:
+    """BenchError unless ``--json PATH`` can be written as ``write_json`` writes it (PATH.tmp, then
+    renamed over PATH): found out before the first row, not after it (a row is minutes on a
+    GPU), and never a rename over a device such as /dev/full."""
+    target = Path(path)
+    if target.exists() and not target.is_file():
+        what = "a directory" if target.is_dir() else "not a regular file"
+        raise BenchError(f"--json {path} is {what}; name a file such as gpu_throughput.json")
+    probe = Path(f"{path}.tmp")
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise BenchError(f"--json {path} cannot be written ({exc.strerror or exc}); choose a writable place") from None
 
 
 def _scratch_dir():
@@ -277,7 +295,10 @@ def run(args) -> dict:
         return dict(info=info, rows=rows, skipped=skipped, dry_run=True)
     work_ctx = tempfile.TemporaryDirectory(prefix="gpu_throughput-", dir=_scratch_dir()) if not args.workdir else None
     work = Path(args.workdir or work_ctx.name)
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BenchError(f"--workdir {work} cannot be made ({exc.strerror or exc}); choose a writable directory") from None
     done, head_results, ahead = [], None, None
     # Rows that start a process of their own: the head-loss pair shares one (it measures every mode).
     first_head = next((i for i, r in enumerate(rows) if r["impl"] == "head"), None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import re
 
+from throughput_model import BenchError
 from throughput_rows import inductor_preset, variant_suffixes
 
 DEFAULTS = {  # per device: models, sequence lengths, micro-batch (at the first length), microbatches
@@ -203,6 +204,9 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
     if args.only:
         keep = [s.strip() for s in args.only.split(",") if s.strip()]
         rows = [r for r in rows if any(k in named(r) for k in keep)]
+        if not rows:  # a mistyped name would run nothing and write an empty report
+            raise BenchError(f"--only {args.only}: no row's 'name model T=seq' holds any of these; --dry-run "
+                             "lists the rows")
     if args.skip:
         drop = [s.strip() for s in args.skip.split(",") if s.strip()]
         rows = [r for r in rows if not any(k in named(r) for k in drop)]

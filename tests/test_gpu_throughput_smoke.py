@@ -337,6 +337,7 @@ def test_ours_command_passes_the_new_flags_only_when_the_cli_has_them(tmp_path):
     (["--device", "tpu"], "invalid choice"),
     (["--quick", "--smoke"], "not allowed with"),
     (["--device", "cuda"], "no CUDA GPU is visible"),
+    (["--device", "cpu", "--smoke", "--only", "zzzz"], "--only zzzz: no row's"),
 ])
 def test_bad_inputs_give_one_line_and_exit_2(argv, words, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine with a GPU
@@ -344,6 +345,23 @@ def test_bad_inputs_give_one_line_and_exit_2(argv, words, capsys, monkeypatch):
     assert gt.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("gpu_throughput.py: error: ") and words in err, err
+
+
+@pytest.mark.parametrize("kind, words", [("fifo", "is not a regular file"), ("directory", "is a directory"),
+                                         ("missing directory", "cannot be written (No such file or directory)")])
+def test_a_json_path_that_cannot_take_the_report_is_refused_before_any_row(tmp_path, capsys, kind, words):
+    """Found before the first row (minutes on a GPU), and never a rename over what is not a file
+    (a device such as /dev/full: the paths here are in tmp_path, so a regression cannot harm one)."""
+    path = tmp_path / "report.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path = tmp_path / "missing" / "report.json"
+    assert gt.main(["--device", "cpu", "--smoke", "--json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: --json {path} {words}" in err, err
 
 
 def test_an_unbuilt_extension_stops_the_bench_before_any_row(capsys, monkeypatch):
