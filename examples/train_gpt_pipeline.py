@@ -12,19 +12,22 @@ and the loss; the script prints from the last stage.
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import sys
 
 import torch
 
 from asyncpp_ext.data import BatchStream, eval_batches, load_tokens, split_tokens
 from asyncpp_ext.models import GPT, preset_config
 from asyncpp_ext.optim import build_optimizer
-from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn, under_launcher
+from asyncpp_ext.pipeline import LaunchError, Pipeline, init_distributed, spawn, under_launcher
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--text", default="builtin", help="a UTF-8 text file, or 'builtin' (Python's stdlib source)")
-    ap.add_argument("--model", default="small", help="model preset: tiny | small")
+    ap.add_argument("--model", default="small", choices=("tiny", "small"), help="model preset")
     ap.add_argument("--stages", type=int, default=2, help="pipeline stages = processes")
     ap.add_argument("--microbatches", type=int, default=4, help="microbatches per step (2bw: >= stages)")
     ap.add_argument("--micro-batch-size", type=int, default=8, help="sequences per microbatch")
@@ -32,7 +35,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (AdamW part: 3e-3)")
     ap.add_argument("--ef-beta", type=float, default=0.5, help="error-feedback strength, 0 = off")
     ap.add_argument("--seed", type=int, default=0, help="model init and batch order")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # Checked here, once, rather than by every rank after it started (seconds, and one line per rank).
+    for flag, value, low in (("--stages", args.stages, 1), ("--micro-batch-size", args.micro_batch_size, 1),
+                             ("--steps", args.steps, 1), ("--microbatches", args.microbatches, args.stages)):
+        if value < low:
+            ap.error(f"{flag} must be >= {low}, got {value}" + (" (2bw needs a microbatch per stage)"
+                                                                 if flag == "--microbatches" else ""))
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        ap.error(f"--lr must be a positive number, got {args.lr}")
+    if args.text != "builtin" and not os.path.isfile(args.text):
+        ap.error(f"--text {args.text} is not a file; pass a UTF-8 text file or 'builtin'")
+    return args
 
 
 def train(args: argparse.Namespace) -> None:
@@ -58,13 +72,18 @@ def train(args: argparse.Namespace) -> None:
             print(f"eval loss {eval_loss:.4f} after {args.steps} steps", flush=True)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     if under_launcher():
         train(args)  # torchrun started this process as one rank
-    else:
+        return 0
+    try:
         spawn(train, args.stages, (args,))  # start the ranks here, on 127.0.0.1
+    except LaunchError as e:  # each rank printed its own line; this one names the first failure
+        print(f"train_gpt_pipeline.py: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

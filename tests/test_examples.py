@@ -29,3 +29,15 @@ def test_example_trains_and_torchrun_gives_the_same_numbers(free_port):
     assert len(losses) == 2 and len(evals) == 1
     assert losses[1] < losses[0] < 5.6  # it learns (random init: ln 256 = 5.55)
     assert under_torchrun == plain
+
+
+def test_bad_arguments_are_one_line_before_any_rank_starts():
+    """--stages 0 started no rank and exited 0 silently; --steps -1 came back from a rank as a
+    LaunchError traceback seconds later."""
+    for argv, words in ((["--stages", "0"], "--stages must be >= 1, got 0"),
+                        (["--steps", "-1"], "--steps must be >= 1, got -1"),
+                        (["--text", "/no/such/file.txt"], "--text /no/such/file.txt is not a file")):
+        r = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and lines[-1] == f"train_gpt_pipeline.py: error: {words}" + (
+            "; pass a UTF-8 text file or 'builtin'" if argv[0] == "--text" else ""), r.stderr
