@@ -184,9 +184,9 @@ def main(argv=None) -> int:
                         "from the weight versions; delayed schedules only), both = off+on, all (default)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)
-    for name in ("stages", "microbatches", "micro_batch_size", "steps"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    for name, low in (("stages", 1), ("microbatches", 1), ("micro_batch_size", 1), ("steps", 2)):
+        if getattr(a, name) < low:  # steps: the memory 2bw and EF hold from their second step on
+            p.error(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(a, name)})")
     if a.microbatches < a.stages:
         p.error(f"--microbatches must be >= --stages ({a.stages}): 2bw needs one microbatch per stage")
     ef_settings = {"off": ("off",), "on": ("on",), "weights": ("weights",), "both": ("off", "on"),

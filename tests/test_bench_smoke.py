@@ -259,3 +259,23 @@ def test_gpu_runbook_notes_a_failed_step_and_goes_on(tmp_path):
     if not torch.cuda.is_available():
         assert r.returncode == 2 and "no CUDA GPU is visible" in (tmp_path / "head.log").read_text()
     assert "step(s) failed; logs and JSON in" in r.stdout
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--stages", "0"], "--stages must be >= 1, got 0"),
+    (["--steps", "-1"], "--steps must be >= 1, got -1"),
+    (["--fwd-ms", "nan"], "--fwd-ms must be a positive number of milliseconds, got nan"),
+])
+def test_schedule_efficiency_bad_inputs_are_one_line_before_any_rank(capsys, argv, words):
+    """--stages 0 was a rank's FileNotFoundError traceback after 12 s; --fwd-ms nan printed a table of nan."""
+    with pytest.raises(SystemExit) as info:
+        schedule_efficiency.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and err[-1].endswith(f"error: {words}"), err
+
+
+def test_memory_refuses_one_step(capsys):
+    """One step shows neither 2bw's second weight version nor EF's buffer, which its table reports."""
+    with pytest.raises(SystemExit) as info:
+        memory_bench.main(["--steps", "1"])
+    assert info.value.code == 2 and capsys.readouterr().err.strip().endswith("error: --steps must be >= 2 (got 1)")
