@@ -123,7 +123,7 @@ def own_forms() -> list:
 
 
 def parse(argv=None):
-    ap = _Parser(description=__doc__.splitlines()[0])
+    ap = _Parser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--forms", default=",".join(DEFAULT_FORMS),
                     help=f"comma-separated compiled forms of bench/block_step.py (default {','.join(DEFAULT_FORMS)})")
     ap.add_argument("--model", default="smollm-360m", help="a Llama preset (default smollm-360m)")

@@ -319,7 +319,7 @@ def write(args, device: torch.device, rows: list) -> None:
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--models", default=None, help="comma-separated presets (cuda: smollm-360m; cpu: llama-tiny)")
     ap.add_argument("--variants", default=None, help=f"comma-separated, of {', '.join(VARIANTS)} "

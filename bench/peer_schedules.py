@@ -378,7 +378,7 @@ def plot(result: dict, path: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--stages", default="2,4,8", help="comma-separated depths S (default 2,4,8)")
     p.add_argument("--microbatches", default=None,
                    help="comma-separated m for every S (default: S, 2S, 4S)")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import subprocess
@@ -198,10 +199,24 @@ def main() -> None:
         _baseline_child(*args.baseline_child)
         return
     cores = len(os.sched_getaffinity(0))
-    workers = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, cores})
+    try:
+        workers = [int(w) for w in args.workers.split(",")] if args.workers else sorted({1, cores})
+    except ValueError:
+        parser.error(f"--workers must be comma-separated whole numbers, got {args.workers!r}")
+    # checked before the corpus is written and the tokenizer trained (a minute at the defaults)
+    if not (math.isfinite(args.mb) and args.mb > 0):
+        parser.error(f"--mb must be a positive number of megabytes, got {args.mb}")
+    for flag, value, low in (("--files", args.files, 1), ("--repeats", args.repeats, 1), ("--vocab", args.vocab, 257),
+                             ("--workers", min(workers), 1)):
+        if value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}"
+                         + (" (the 256 bytes and an end-of-text token)" if flag == "--vocab" else ""))
     tmp = None if args.dir else tempfile.TemporaryDirectory(prefix="prep-bench-")
     work = Path(args.dir or tmp.name)
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--dir {work} cannot be made ({exc.strerror or exc}); choose a writable directory")
     try:
         docs, source = _documents()
         tok = work / "tokenizer.json"

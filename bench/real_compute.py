@@ -376,6 +376,8 @@ def main(argv=None) -> int:
         p.error("--model does not apply with --ties (the Llama's shape is fixed); drop it or drop --ties")
     if not a.ties and a.vocab_size is not None:
         p.error("--vocab-size only applies with --ties; add --ties or drop --vocab-size")
+    if a.vocab_size is not None and a.vocab_size < 1:
+        p.error(f"--vocab-size must be >= 1, got {a.vocab_size}")
     if a.ties:
         try:
             result = measure_ties(a.vocab_size or DEFAULT_VOCAB_SIZE, a.microbatches, a.micro_batch_size,

@@ -279,3 +279,16 @@ def test_memory_refuses_one_step(capsys):
     with pytest.raises(SystemExit) as info:
         memory_bench.main(["--steps", "1"])
     assert info.value.code == 2 and capsys.readouterr().err.strip().endswith("error: --steps must be >= 2 (got 1)")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["prepare_data.py", "--mb", "0"], "--mb must be a positive number of megabytes, got 0.0"),
+    (["prepare_data.py", "--workers", "0"], "--workers must be >= 1, got 0"),
+    (["real_compute.py", "--ties", "--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+])
+def test_bench_sizes_are_checked_before_the_work_starts(argv, words):
+    """Each ran on at its default size before (a corpus of 200 MB written and tokenized, or a
+    pipeline started), to fail late or not at all."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(f"error: {words}"), r.stderr
