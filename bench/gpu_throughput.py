@@ -201,16 +201,21 @@ def parse_args(argv):
 def _check_report_path(path: str) -> None:
     """BenchError unless ``--json PATH`` can be written as ``write_json`` writes it (PATH.tmp, then
     renamed over PATH): found out before the first row, not after it (a row is minutes on a
-    GPU), and never a rename over a device such as /dev/full."""
+    GPU), and never a rename over a device such as /dev/full. Missing directories are made (as
+    the package's commands make theirs), and removed again if the file cannot be written there."""
+    from asyncpp_ext.directories import make_directories, missing_directories, remove_directories
+
     target = Path(path)
     if target.exists() and not target.is_file():
         what = "a directory" if target.is_dir() else "not a regular file"
         raise BenchError(f"--json {path} is {what}; name a file such as gpu_throughput.json")
-    probe = Path(f"{path}.tmp")
+    probe, made = Path(f"{path}.tmp"), []
     try:
+        made = make_directories(missing_directories(target.absolute().parent))
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
+        remove_directories(made)
         raise BenchError(f"--json {path} cannot be written ({exc.strerror or exc}); choose a writable place") from None
 
 
@@ -298,7 +303,8 @@ def run(args) -> dict:
     try:
         work.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise BenchError(f"--workdir {work} cannot be made ({exc.strerror or exc}); choose a writable directory") from None
+        raise BenchError(f"--workdir {work} cannot be made ({exc.strerror or exc}); "
+                         "choose a writable directory") from None
     done, head_results, ahead = [], None, None
     # Rows that start a process of their own: the head-loss pair shares one (it measures every mode).
     first_head = next((i for i, r in enumerate(rows) if r["impl"] == "head"), None)

@@ -348,7 +348,7 @@ def test_bad_inputs_give_one_line_and_exit_2(argv, words, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("kind, words", [("fifo", "is not a regular file"), ("directory", "is a directory"),
-                                         ("missing directory", "cannot be written (No such file or directory)")])
+                                         ("under a file", "cannot be written (Not a directory)")])
 def test_a_json_path_that_cannot_take_the_report_is_refused_before_any_row(tmp_path, capsys, kind, words):
     """Found before the first row (minutes on a GPU), and never a rename over what is not a file
     (a device such as /dev/full: the paths here are in tmp_path, so a regression cannot harm one)."""
@@ -357,11 +357,20 @@ def test_a_json_path_that_cannot_take_the_report_is_refused_before_any_row(tmp_p
         os.mkfifo(path)
     elif kind == "directory":
         path.mkdir()
-    else:
-        path = tmp_path / "missing" / "report.json"
+    else:  # a missing directory is made; one under a file cannot be
+        (tmp_path / "a_file").write_text("")
+        path = tmp_path / "a_file" / "new" / "report.json"
     assert gt.main(["--device", "cpu", "--smoke", "--json", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"error: --json {path} {words}" in err, err
+    assert not (tmp_path / "report.json.tmp").exists()
+
+
+def test_a_json_path_in_missing_directories_makes_them_before_any_row(tmp_path):
+    """What the GPU runbook passes (OUT/<step>.json, OUT not yet made in its plan mode)."""
+    path = tmp_path / "out" / "sub" / "report.json"
+    args = gt.parse_args(["--device", "cpu", "--smoke", "--json", str(path)])
+    assert args.json == str(path) and path.parent.is_dir() and list(path.parent.iterdir()) == []
 
 
 def test_an_unbuilt_extension_stops_the_bench_before_any_row(capsys, monkeypatch):

@@ -308,8 +308,8 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         raise PrepareError(f"--workers {workers} is not positive; use 1 or more (default: the cores)")
     cores = _cores()
     if workers is not None and workers > MAX_WORKERS_PER_CORE * cores:
-        raise PrepareError(f"--workers {workers} is more than {MAX_WORKERS_PER_CORE} per core for "
-                           f"the {cores} core(s) here; use at most {MAX_WORKERS_PER_CORE * cores} (the default is {cores})")
+        raise PrepareError(f"--workers {workers} is more than {MAX_WORKERS_PER_CORE} per core for the {cores} "
+                           f"core(s) here; use at most {MAX_WORKERS_PER_CORE * cores} (the default is {cores})")
     if doc_separator == "":
         raise PrepareError("--doc-separator is empty; give the text between documents, e.g. '\\n\\n'")
     separator = _unescape(doc_separator) if doc_separator else None
@@ -380,7 +380,8 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         result.skipped_records, result.skipped_files, result.first_skip = (skips.records, skips.files,
                                                                            skips.first)
         result.manifests, result.stale_removed = manifests, stale
-        result.orphans_removed = [p for d in sorted({s.final.parent for s in sinks}) for p in remove_orphaned_temps(d)]
+        result.orphans_removed = [p for directory in sorted({s.final.parent for s in sinks})
+                                  for p in remove_orphaned_temps(directory)]
         result.boundary, result.boundary_token, result.boundary_token_id = mode, token, token_id
         result.workers, result.seconds = n_workers, time.perf_counter() - began
         return result

@@ -136,5 +136,5 @@ def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
             p.copy_(values)
 
 
-__all__ = ["MAX_SEED", "check_seed", "REGION_MARK", "forward_through", "BlockSequence", "BlockModel", "ProjectionHead", "skip_default_init",
-           "init_normal_"]
+__all__ = ["MAX_SEED", "check_seed", "REGION_MARK", "forward_through", "BlockSequence", "BlockModel", "ProjectionHead",
+           "skip_default_init", "init_normal_"]
