@@ -20,6 +20,15 @@ def missing_directories(directory: str | os.PathLike) -> list:
     return missing[::-1]
 
 
+def unwritable_ancestor(directory: str | os.PathLike):
+    """None where ``directory`` exists as a writable directory or can be made; else the nearest
+    existing ancestor that stops it (a file, or a directory this user cannot write), for the
+    caller's one-line refusal."""
+    missing = missing_directories(directory)
+    nearest = missing[0].parent if missing else Path(directory).absolute()
+    return None if nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK) else nearest
+
+
 def make_directories(directories: list) -> list:
     """Create ``directories`` (outermost first); returns those this call created, which
     ``remove_directories`` takes (one that appeared meanwhile is not ours to remove). If one cannot
@@ -48,4 +57,4 @@ def remove_directories(made: list) -> None:
             pass
 
 
-__all__ = ["make_directories", "missing_directories", "remove_directories"]
+__all__ = ["make_directories", "missing_directories", "remove_directories", "unwritable_ancestor"]

@@ -60,7 +60,7 @@ from . import inputs as inp
 from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, PrepareFailed,  # noqa: F401
                      Task, load_tokenizer, ordered_encode)
 from .errors import first_line
-from ..directories import make_directories, missing_directories, remove_directories
+from ..directories import make_directories, missing_directories, remove_directories, unwritable_ancestor
 from ..stop_signals import stop_signals_raise
 from .sinks import StoppedAfterCommit, TokenSink, base_header, commit_outputs, remove_orphaned_temps
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
@@ -93,11 +93,10 @@ def _check_output(path: Path, flag: str) -> list:
         raise PrepareError(f"{flag} {path} does not end in .bin; name the token file like train.bin")
     if path.is_dir():
         raise PrepareError(f"{flag} {path} is a directory; name a file inside it, like train.bin")
-    missing = missing_directories(path.parent)
-    parent = (missing[0] if missing else path.absolute()).parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise PrepareError(f"{flag} {path}: {parent} is not a writable directory; choose another place")
-    return missing
+    blocked = unwritable_ancestor(path.parent)
+    if blocked is not None:
+        raise PrepareError(f"{flag} {path}: {blocked} is not a writable directory; choose another place")
+    return missing_directories(path.parent)
 
 
 def _unescape(separator: str) -> str:

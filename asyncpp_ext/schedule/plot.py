@@ -5,7 +5,7 @@ import contextlib
 import os
 from typing import Optional
 
-from ..directories import make_directories, missing_directories, remove_directories
+from ..directories import make_directories, missing_directories, remove_directories, unwritable_ancestor
 
 _ROW_HEIGHT = 0.8
 _MAX_WIDTH_IN = 40.0  # beyond this the picture is unreadable anyway; labels are dropped instead
@@ -42,10 +42,9 @@ def check_plot_path(path: str) -> None:
     if suffix not in formats:
         raise ValueError(f"{path}: matplotlib cannot write .{suffix} files; use one of "
                          f"{', '.join('.' + f for f in sorted(formats))}")
-    missing = missing_directories(os.path.dirname(os.path.abspath(path)))
-    parent = os.path.dirname(missing[0]) if missing else os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{path}: {parent} is not a writable directory; choose another place")
+    blocked = unwritable_ancestor(os.path.dirname(os.path.abspath(path)))
+    if blocked is not None:
+        raise ValueError(f"{path}: {blocked} is not a writable directory; choose another place")
 
 
 def _microbatch_colors(m: int):
