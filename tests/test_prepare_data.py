@@ -174,6 +174,36 @@ def test_bytes_tokenizer_concatenates_inputs_and_names_val_after_out(tmp_path, c
     assert (header["tokenizer"], header["vocab_size"], header["dtype"]) == ("bytes", 256, "uint16")
 
 
+@pytest.mark.parametrize("block", [1, 2, 1 << 20])  # the mark split across reads, or not
+def test_a_byte_order_mark_at_the_start_of_a_file_is_not_a_token(tmp_path, capsys, monkeypatch, block):
+    """Editors on Windows start UTF-8 files with EF BB BF; it is not text. Further in, the same
+    character (a zero-width no-break space) is text and stays."""
+    monkeypatch.setattr(text_pieces, "READ_BLOCK_BYTES", block)
+    text = "hello\nworld \ufeff!\n"
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    (tmp_path / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": text}).encode() + b"\n")
+    for name in ("a.txt", "b.jsonl"):
+        out = tmp_path / (name + ".bin")
+        rc, _, err = _run(["--tokenizer", "bytes", "--input", tmp_path / name, "--out", out,
+                           "--doc-boundary", "none"], capsys)
+        assert rc == 0, err
+        assert bytes(load_tokens(str(out)).astype(np.uint8)) == text.encode("utf-8"), name
+    # Byte offsets in a refusal still count the mark: the NUL is byte 3 + 6 of the file.
+    (tmp_path / "nul.txt").write_bytes(b"\xef\xbb\xbfhello\n\0")
+    rc, _, err = _run(["--tokenizer", "bytes", "--input", tmp_path / "nul.txt", "--out", tmp_path / "n.bin"],
+                      capsys)
+    assert rc == 2 and len(err) == 1 and "(byte 9)" in err[0]
+
+
+@pytest.mark.parametrize("flag, separator", [("\\x1e", "\x1e"), ("\\u2029", "\u2029"), ("<\\\\s>", "<\\s>")])
+def test_separator_escapes_name_any_character(tmp_path, capsys, flag, separator):
+    (tmp_path / "a.txt").write_text(separator.join(["one", "two", "three"]), encoding="utf-8")
+    rc, lines, err = _run(["--tokenizer", "bytes", "--input", tmp_path / "a.txt", "--out", tmp_path / "a.bin",
+                           "--doc-separator", flag], capsys)
+    assert rc == 0, err  # the separators are cut out: three documents, no boundary token (bytes)
+    assert bytes(load_tokens(str(tmp_path / "a.bin")).astype(np.uint8)) == b"onetwothree"
+
+
 def test_vocabulary_above_16_bits_writes_uint32(tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -279,6 +309,13 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
         return base + ["--workers", str(4 * len(os.sched_getaffinity(0)) + 1)]
     if case == "empty separator":
         return base + ["--doc-separator", ""]
+    if case == "separator for JSON lines only":
+        (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+        return base[:3] + [tmp_path / "a.jsonl"] + base[4:] + ["--doc-separator", "\\n\\n"]
+    if case == "text field for text files only":
+        return base + ["--text-field", "body"]
+    if case.startswith("separator "):
+        return base + ["--doc-separator", case.split(" ", 1)[1]]
     raise AssertionError(case)
 
 
@@ -318,6 +355,14 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
     ("workers far above the cores", "--workers \\d+ is more than 4 per core for the \\d+ core\\(s\\) here; "
                                     "use at most \\d+"),
     ("empty separator", "--doc-separator is empty"),
+    # A separator that can never match would leave each file one document, without a word.
+    ("separator \\x1", r"--doc-separator '\\\\x1': unknown escape '\\x'; use \\n \\t \\r \\xHH \\uHHHH"),
+    ("separator a\\sb", r"--doc-separator 'a\\\\sb': unknown escape '\\s'"),
+    ("separator end\\", r"--doc-separator 'end\\\\': a lone '\\' at the end"),
+    ("separator \\u0000", r"--doc-separator '\\\\u0000' holds a NUL, which text files never do"),
+    ("separator for JSON lines only", "--doc-separator splits text files, and no input is one"),
+    ("text field for text files only", "--text-field body names a JSON field or column, and every input is a "
+                                       "text file; drop it"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, bpe_path, monkeypatch, capsys,
                                                             case, match):

@@ -99,10 +99,40 @@ def _check_output(path: Path, flag: str) -> list:
     return missing_directories(path.parent)
 
 
-def _unescape(separator: str) -> str:
-    """``--doc-separator`` with the escapes \\n, \\t, \\r and \\\\ turned into their characters."""
-    table = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
-    return re.sub(r"\\[ntr\\]", lambda m: table[m.group(0)], separator)
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.?)", re.DOTALL)
+
+
+def parse_separator(separator: str) -> str:
+    """``--doc-separator`` with its escapes turned into characters: \\n \\t \\r \\\\, \\xHH and
+    \\uHHHH. Any other backslash, and a NUL (text files hold none), is refused rather than kept:
+    a separator that never matches would make each file one document without a word."""
+    def replace(match):
+        code = match.group(1)
+        if code[:1] in ("x", "u") and len(code) > 1:
+            return chr(int(code[1:], 16))
+        if code in _ESCAPES:
+            return _ESCAPES[code]
+        what = f"unknown escape '\\{code}'" if code else "a lone '\\' at the end"
+        raise PrepareError(f"--doc-separator {separator!r}: {what}; use \\n \\t \\r \\xHH \\uHHHH, "
+                           "or \\\\ for a backslash")
+    parsed = _ESCAPE.sub(replace, separator)
+    if "\0" in parsed:
+        raise PrepareError(f"--doc-separator {separator!r} holds a NUL, which text files never do "
+                           "(they are refused); choose text that separates the documents")
+    return parsed
+
+
+def _check_flags_apply(items: list, text_field: Optional[str], separator: Optional[str]) -> None:
+    """--text-field and --doc-separator each apply to some kinds of input; given for inputs none
+    of which is such a kind, the flag would be ignored, so it is refused."""
+    kinds = {item.kind for item in items}
+    if separator is not None and inp.TEXT not in kinds:
+        raise PrepareError("--doc-separator splits text files, and no input is one (each JSON "
+                           "line, Parquet or Arrow row is a document already); drop it")
+    if text_field is not None and kinds == {inp.TEXT}:
+        raise PrepareError(f"--text-field {text_field} names a JSON field or column, and every "
+                           "input is a text file; drop it")
 
 
 def parse_token_count(text: str) -> int:
@@ -280,7 +310,7 @@ class PrepareResult(dict):
 
 def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: float = 0.0,
             val_out: Optional[str] = None, progress: Optional[bool] = None, *,
-            text_field: str = "text", doc_separator: Optional[str] = None,
+            text_field: Optional[str] = None, doc_separator: Optional[str] = None,
             doc_boundary: str = "auto", boundary_token: Optional[str] = None,
             shard_tokens: Optional[int] = None, workers: Optional[int] = None,
             skip_bad_records: bool = False) -> PrepareResult:
@@ -311,8 +341,10 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
                            f"core(s) here; use at most {MAX_WORKERS_PER_CORE * cores} (the default is {cores})")
     if doc_separator == "":
         raise PrepareError("--doc-separator is empty; give the text between documents, e.g. '\\n\\n'")
-    separator = _unescape(doc_separator) if doc_separator else None
+    separator = parse_separator(doc_separator) if doc_separator else None
     items = inp.expand_inputs(inputs)
+    _check_flags_apply(items, text_field, separator)
+    text_field = text_field if text_field is not None else "text"
     tokenizer = load_tokenizer(tokenizer_spec)
     mode, token_id, token = resolve_boundary(tokenizer, doc_boundary, boundary_token)
     dtype_name = token_dtype_for_vocab(tokenizer.vocab_size)
@@ -422,11 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "save_to_disk directory")
     parser.add_argument("--out", required=True, metavar="PATH",
                         help="token file to write (.bin); missing directories are created")
-    parser.add_argument("--text-field", default="text", metavar="NAME",
+    parser.add_argument("--text-field", metavar="NAME",
                         help="the JSON field / column holding each document's text (default text)")
     parser.add_argument("--doc-separator", metavar="SEP",
-                        help="split text files into documents at SEP (escapes \\n \\t \\r \\\\; e.g. "
-                             "'\\n\\n' or '<|endoftext|>'; default: one document per file)")
+                        help="split text files into documents at SEP (escapes \\n \\t \\r \\xHH \\uHHHH "
+                             "\\\\; e.g. '\\n\\n' or '<|endoftext|>'; default: one document per file)")
     parser.add_argument("--doc-boundary", choices=BOUNDARIES, default="auto",
                         help="mark documents with the end-of-text token after each (eos), the "
                              "beginning-of-text token before each (bos), or nothing (none); auto "

@@ -51,9 +51,10 @@ def read_text_pieces(path: Path, on_bytes=lambda n: None, separator: Optional[st
     """(piece, ends a document) of a UTF-8 text file: the whole file is one document, or the
     text between ``separator``s is (a trailing separator ends the last document). Pieces end at
     a line end where possible. ``on_bytes(n)``: n more bytes of the file were read. Raises
-    ``NotTextError`` at the first non-UTF-8 or NUL byte."""
+    ``NotTextError`` at the first non-UTF-8 or NUL byte. A byte-order mark at the start of the
+    file (editors on Windows write one) is not text: it is left out."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    pending, offset, seen_separator = "", 0, False
+    pending, offset, seen_separator, at_start = "", 0, False, True
     keep = len(separator) - 1 if separator else 0  # a separator may straddle the block end
     with inp.open_input(inp.Input(path, inp.TEXT, compression)) as opened:
         last = 0
@@ -74,6 +75,8 @@ def read_text_pieces(path: Path, on_bytes=lambda n: None, separator: Optional[st
                 at = offset - held + len(text[: text.index("\0")].encode("utf-8"))
                 raise NotTextError(f"input {path} is not UTF-8 text: it holds a NUL byte (byte {at}), "
                                    "as UTF-16 and binary files do; convert it to UTF-8")
+            if at_start and text:
+                text, at_start = text.removeprefix("\ufeff"), False
             pending += text
             offset += len(block)
             now = opened.position()
