@@ -35,8 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(Path(__file__).resolve().parent) not in sys.path:  # the shared study code next to this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_runs import (build_config, mean_std, plot_curve_panels, progress_reporter,  # noqa: E402
-                        run_pool, train_run)
+from study_runs import (StudyError, build_config, check_plot_argument, mean_std,  # noqa: E402
+                        plot_curve_panels, progress_reporter, run_pool, save_figure, train_run)
 
 DEFAULT_DATA = "builtin"  # the package's built-in corpus: runs on any machine, no download
 
@@ -244,8 +244,7 @@ def plot_depth(summary: dict, path: Path, title: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    save_figure(fig, path, dpi=90)
     plt.close(fig)
 
 
@@ -362,6 +361,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--stages {','.join(map(str, a.stages))} must lie in 1..{blocks} (the "
                          f"{a.model} model's blocks); lower --stages or raise --n-layer to "
                          f"{a.stages[-1] - 2} or more")
+    try:
+        check_plot_argument(a.plot)
+    except StudyError as exc:
+        parser.error(str(exc))
     if a.microbatches < 2 and a.spot_check_steps > 0:
         parser.error("the 2-stage spot check needs --microbatches >= 2 (or --spot-check-steps 0)")
     return a

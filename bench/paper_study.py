@@ -60,8 +60,8 @@ from pathlib import Path
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the shared study code next to this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_runs import (StudyError, build_config, build_engine, parse_value, progress_reporter,  # noqa: E402
-                        run_overrides, run_pool)
+from study_runs import (StudyError, build_config, build_engine, check_plot_argument, parse_value,  # noqa: E402
+                        progress_reporter, run_overrides, run_pool)
 from study_report import (_duration, check_settings, format_flattening, format_table, format_trend,  # noqa: E402
                           plot_table, summarize, summarize_trend, sync_flattening)
 from study_scales import GPU_VOCAB, SCALES  # noqa: E402
@@ -305,6 +305,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not torch.cuda.is_available():
             raise StudyError(f"--scale {a.scale} trains on a CUDA GPU and torch.cuda.is_available() is False "
                              "here; run it on a GPU machine, or use --scale cpu / cpu-long")
+    check_plot_argument(a.plot)
     if a.data not in ("builtin", "corpus") and not Path(a.data).is_file():
         raise StudyError(f"--data {a.data} does not exist; pass a UTF-8 text or .bin file, --data builtin "
                          "or --data corpus")

@@ -57,6 +57,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from asyncpp_ext.figures import check_figure_path, save_figure  # noqa: E402
 from asyncpp_ext.pipeline import spawn  # noqa: E402
 from asyncpp_ext.schedule import analytic  # noqa: E402
 from gpt_workload import cpu_model  # noqa: E402
@@ -372,7 +373,7 @@ def plot(result: dict, path: str) -> str:
     fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.suptitle("measured (markers) vs analytic model (lines: ours solid, torch dashed)")
     fig.tight_layout(rect=(0, 0, 1 - 3.0 / (4.2 * len(stage_list) + 3.2), 1))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -415,6 +416,11 @@ def main(argv=None) -> int:
     costs = {"fwd": a.fwd_ms, "bwd_input": a.bwd_input_ms, "bwd_weight": a.bwd_weight_ms}
     if any(v < 0 for v in costs.values()) or (a.model_only and sum(costs.values()) <= 0):
         p.error("the emulated costs must be >= 0 (and not all 0 for --model-only)")
+    if a.plot is not None:
+        try:
+            check_figure_path(a.plot, example="peer_schedules.png")
+        except ValueError as exc:
+            p.error(f"--plot {exc}")
     if a.model_only:
         rows, skipped = model_rows(stage_list, lambda S: ms or [S, 2 * S, 4 * S], costs, peers)
         print(json.dumps({"costs_ms": costs, "rows": rows, "skipped": skipped}, indent=2) if a.json

@@ -22,6 +22,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
+from asyncpp_ext.figures import check_figure_path, save_figure
+
 RUN_ARGS = ("model", "n_layer", "data", "steps", "microbatches", "micro_batch_size", "eval_every",
             "eval_batches")
 """The keys of the ``args`` dict every run takes (n_layer may be None: the preset's own)."""
@@ -29,6 +31,16 @@ RUN_ARGS = ("model", "n_layer", "data", "steps", "microbatches", "micro_batch_si
 
 class StudyError(ValueError):
     """A study setting that cannot run; the message is one line saying what to change."""
+
+
+def check_plot_argument(path: str | None, example: str = "curves.png") -> None:
+    """StudyError unless ``--plot`` (when given) names a figure file that can be written: checked
+    before the runs, which take minutes to hours, rather than when the figure is drawn."""
+    if path is not None:
+        try:
+            check_figure_path(path, example)
+        except ValueError as exc:
+            raise StudyError(f"--plot {exc}") from None
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -259,8 +271,7 @@ def plot_curve_panels(panels: Sequence[tuple[str, Sequence[tuple[str, str | None
         axes[0, 0].set_ylim(min(finals) - 0.1, max(finals) + 0.6)
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    save_figure(fig, path, dpi=90)
     plt.close(fig)
 
 

@@ -134,6 +134,8 @@ def test_a_pipedream_step_takes_the_windows_of_m_microbatches(text_file):
     (["--schedules", "2bw,pipedream"], "sync included"),
     (["--schedules", "sync,async"], "sync included"),
     (["--stages", "two"], "comma-separated integers"),
+    (["--plot", "/"], "--plot / is a directory; name a file such as /curves.png"),
+    (["--plot", "curves.nope"], "--plot curves.nope: matplotlib cannot write .nope files"),
 ])
 def test_bad_schedule_or_depth_arguments_are_clear_errors(study, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

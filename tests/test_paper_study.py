@@ -125,6 +125,9 @@ def test_missing_extra_is_one_line_and_exit_2(study, no_runs, monkeypatch, capsy
     (["momentum", "--optimizers", "adamw"], "muon_momentum"),
     (["optimizers", "--seeds", "0"], "--seeds must be >= 1"),
     (["tables"], "invalid choice"),
+    # Found before the runs (minutes to hours), not when the figure is drawn at the end.
+    (["optimizers", "--plot", "/"], "--plot / is a directory; name a file such as /curves.png"),
+    (["optimizers", "--plot", "curves"], "--plot curves has no suffix to choose the format by"),
 ])
 def test_bad_input_is_one_line_and_exit_2(study, no_runs, capsys, argv, message):
     assert study.main(argv + ["--model", "tiny"]) == 2

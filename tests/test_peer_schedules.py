@@ -102,6 +102,14 @@ def test_bad_settings_stop_with_one_line(capsys):
         assert "error:" in capsys.readouterr().err
 
 
+def test_a_plot_that_cannot_be_written_is_refused_before_measuring(capsys, monkeypatch):
+    monkeypatch.setattr(ps, "measure", lambda *a, **k: pytest.fail("measured before --plot was checked"))
+    for path, message in (("/", "--plot / is a directory"), ("fig", "--plot fig has no suffix")):
+        with pytest.raises(SystemExit) as exc:
+            ps.main(["--quick", "--plot", path])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_model_only_table_needs_no_processes(capsys):
     assert ps.main(["--model-only", "--json", "--stages", "4", "--microbatches", "8"]) == 0
     result = json.loads(capsys.readouterr().out)

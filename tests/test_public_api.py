@@ -40,7 +40,7 @@ ALLOWED_IMPORTS = {
     "data": {"stop_signals", "directories"},  # stop_signals.py, directories.py: stdlib only
     "models": set(),
     "optim": {"_ext", "precision"},  # precision.py: the "auto" dtype rule, torch only
-    "schedule": {"_ext", "stop_signals", "directories"},
+    "schedule": {"_ext", "stop_signals", "figures"},  # figures.py: matplotlib + directories.py
     "pipeline": {"_ext", "optim", "models", "schedule", "precision", "stop_signals"},
     "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision", "stop_signals", "directories"},
     "gpu_check": {"info", "optim"},  # runs everything else in subprocesses

@@ -1,11 +1,10 @@
 """Timeline drawing for :func:`asyncpp_ext.schedule.plot_timeline` (matplotlib, Agg backend)."""
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Optional
 
-from ..directories import make_directories, missing_directories, remove_directories, unwritable_ancestor
+from ..figures import check_figure_path, save_figure
 
 _ROW_HEIGHT = 0.8
 _MAX_WIDTH_IN = 40.0  # beyond this the picture is unreadable anyway; labels are dropped instead
@@ -23,28 +22,9 @@ def plot_boxes(stages: int, microbatches: int, steps: int) -> int:
 
 
 def check_plot_path(path: str) -> None:
-    """ValueError (one line, starting with the path) unless ``path`` names a file whose suffix
-    matplotlib writes, in a directory that exists or can be made. Without a suffix matplotlib
-    would write ``path.png`` instead: a name like ``-``, ``/dev/full`` or ``out/timeline`` is more
-    likely a mistake than a wish for that file."""
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    if not path:
-        raise ValueError("'' names no file; name one such as timeline.png")
-    if os.path.isdir(path) or path.endswith(os.sep):
-        raise ValueError(f"{path} is a directory; name a file such as "
-                         f"{os.path.join(path, 'timeline.png')}")
-    suffix = os.path.splitext(path)[1][1:].lower()
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if not suffix:
-        raise ValueError(f"{path} has no suffix to choose the format by; name the file with one, "
-                         f"such as {path}.png")
-    if suffix not in formats:
-        raise ValueError(f"{path}: matplotlib cannot write .{suffix} files; use one of "
-                         f"{', '.join('.' + f for f in sorted(formats))}")
-    blocked = unwritable_ancestor(os.path.dirname(os.path.abspath(path)))
-    if blocked is not None:
-        raise ValueError(f"{path}: {blocked} is not a writable directory; choose another place")
+    """ValueError (one line, starting with the path) unless ``path`` names a file matplotlib
+    writes, in a directory that exists or can be made (``figures.check_figure_path``)."""
+    check_figure_path(path, example="timeline.png")
 
 
 def _microbatch_colors(m: int):
@@ -62,30 +42,6 @@ def _lighten(rgba, amount: float):
 def _darken(rgba, factor: float):
     r, g, b, _ = rgba
     return (r * factor, g * factor, b * factor, 1.0)
-
-
-def _save(fig, path: str) -> str:
-    """``fig`` to ``path`` -- with matplotlib's ``.png`` added when it has no suffix -- creating
-    missing directories; returns the file's name. It is written beside the final name and renamed
-    at the end, so a stop or a failure part-way leaves neither a partial file nor new directories."""
-    import matplotlib
-
-    fmt = os.path.splitext(path)[1][1:].lower()
-    if not fmt:
-        fmt = matplotlib.rcParams["savefig.format"]
-        path = f"{path}.{fmt}"
-    partial = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.partial")
-    made = []
-    try:
-        made = make_directories(missing_directories(os.path.dirname(os.path.abspath(path))))
-        fig.savefig(partial, dpi=110, format=fmt)
-        os.replace(partial, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # not made yet
-            os.remove(partial)
-        remove_directories(made)
-        raise
-    return path
 
 
 def draw_timeline(result, path, *, title: Optional[str] = None) -> str:
@@ -161,6 +117,6 @@ def draw_timeline(result, path, *, title: Optional[str] = None) -> str:
               title_fontsize=8)
     fig.tight_layout()
     try:
-        return _save(fig, path)
+        return save_figure(fig, path, dpi=110)
     finally:
         plt.close(fig)
