@@ -290,6 +290,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.model = a.model or scale.model or plan.model
     a.steps = a.steps if a.steps is not None else (
         plan.full_steps if a.full else scale.steps.get(a.table, plan.steps))
+    device_given = a.device is not None
     for name in ("seeds", "microbatches", "micro_batch_size", "eval_batches", "workers", "threads", "data",
                  "device"):  # what the command line left unset comes from the scale
         if getattr(a, name) is None:
@@ -303,8 +304,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         import torch
 
         if not torch.cuda.is_available():
-            raise StudyError(f"--scale {a.scale} trains on a CUDA GPU and torch.cuda.is_available() is False "
-                             "here; run it on a GPU machine, or use --scale cpu / cpu-long")
+            why = "--device cuda" if device_given else f"--scale {a.scale}"
+            instead = "--device cpu" if device_given else "--scale cpu / cpu-long"
+            raise StudyError(f"{why} trains on a CUDA GPU and torch.cuda.is_available() is False here; "
+                             f"run it on a GPU machine, or use {instead}")
     check_plot_argument(a.plot)
     if a.data not in ("builtin", "corpus") and not Path(a.data).is_file():
         raise StudyError(f"--data {a.data} does not exist; pass a UTF-8 text or .bin file, --data builtin "

@@ -53,6 +53,9 @@ def test_gpu_scale_is_refused_without_a_gpu(study, monkeypatch, capsys):
     assert study.main(["ef", "--scale", "gpu"]) == 2
     line = _one_error_line(capsys)
     assert "--scale gpu trains on a CUDA GPU" in line and "--scale cpu" in line
+    assert study.main(["ef", "--device", "cuda"]) == 2  # the flag the user gave is the one named
+    line = _one_error_line(capsys)
+    assert "--device cuda trains on a CUDA GPU" in line and "use --device cpu" in line
 
 
 @pytest.mark.parametrize("argv, message", [
