@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -313,6 +314,7 @@ class Pipeline:
         self._batches: Iterator | None = None
         self._pulled: dict[int, tuple] = {}
         self._pull_step = 0
+        self._stopped_part_way: str | None = None  # why a stream ended before its last step
 
     def _pending_transfers(self) -> list:
         pending = getattr(self.transport, "pending_transfers", None)  # None while it is being set up
@@ -387,9 +389,15 @@ class Pipeline:
 
         ``batches`` yields one minibatch per step: ``(inputs, targets)`` with leading size m*B, or a
         list of m ``(inputs, targets)`` pairs. Stage 0 uses the inputs, the last stage the targets.
+        A stream cannot stop part-way (every rank runs all of it, and a step has no drain):
+        leaving the loop early runs the remaining steps to the end without their stats, with a
+        warning -- to train fewer steps, ask for fewer. A step that fails, or a KeyboardInterrupt
+        while the stream runs, leaves this pipeline mid-step: later calls raise ``StageError``
+        (build a new Pipeline and load a checkpoint's state into it).
         """
         if not _is_int(steps) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
+        self._check_whole()
         with self.watchdog.armed(f"training steps {self.next_step}..{self.next_step + steps - 1}"):
             yield from self._train(batches, steps)
 
@@ -449,17 +457,42 @@ class Pipeline:
             self.exchange.begin_segment(first_step, steps)
         thread = threading.Thread(target=worker, name=f"asyncpp-stage{self.stage}", daemon=True)
         thread.start()
-        for item in feed.items():
-            if item is done:
-                break
-            if isinstance(item, BaseException):
-                thread.join()
-                raise item
-            yield item
+        last = first_step - 1
+        try:
+            for item in feed.items():
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    thread.join()
+                    self._stopped_part_way = _why(last + 1, item)
+                    raise item
+                last = item.step
+                yield item
+        except GeneratorExit:  # the caller left the loop: the stream's steps run to the end
+            warnings.warn(f"Pipeline.train left after step {last} of {first_step}..{first_step + steps - 1}: "
+                          "the remaining steps ran to the end (a stream cannot stop part-way); ask for "
+                          "fewer steps to train fewer", stacklevel=2)
+            for item in feed.items():
+                if isinstance(item, BaseException):
+                    self._stopped_part_way = _why(last + 1, item)
+                    thread.join()
+                    return
+                last = item.step if isinstance(item, StepStats) else last
+        except BaseException as exc:  # KeyboardInterrupt: the worker goes on in the background
+            self._stopped_part_way = self._stopped_part_way or _why(last + 1, exc)
+            raise
         thread.join()
         if self.host.exchange is not None:  # the segment drains: tied copies equal, norms known
             self.exchange.end_segment(self.host.buffer_for)
         self.next_step = first_step + steps
+
+    def _check_whole(self) -> None:
+        """StageError once a stream stopped part-way: the weights, the optimizer and the other
+        ranks are mid-step, and a new stream would start from an inconsistent state."""
+        if self._stopped_part_way is not None:
+            raise StageError(f"stage {self.stage}: this Pipeline stopped part-way through a stream "
+                             f"({self._stopped_part_way}); build a new Pipeline (load_state_dict a "
+                             "checkpoint into it to go on)")
 
     # ---- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -467,6 +500,7 @@ class Pipeline:
         """Mean loss of the newest weights over ``batches`` (microbatch-sized (x, y) pairs, of R*B
         sequences with dp = R: each replica evaluates its rows), run forward-only through the
         pipeline. Returns the loss on the last stages, None elsewhere."""
+        self._check_whole()
         h = self.host
         model = h.compute_module(h.newest_version())  # what training computes with (its copies)
         losses = []
@@ -496,6 +530,12 @@ class Pipeline:
             dist.all_reduce(mean, group=self.dp_group)
             mean /= self.dp
         return float(mean.item())
+
+
+def _why(step: int, exc: BaseException) -> str:
+    """What stopped a stream, for ``_check_whole``: the step and the exception's first line."""
+    line = (str(exc).strip().splitlines() or [""])[0][:200]
+    return f"step {step}: {type(exc).__name__}" + (f": {line}" if line else "")
 
 
 def _choose_transport(transport: str, device: torch.device) -> str:

@@ -1,0 +1,98 @@
+"""A ``Pipeline.train`` stream ends consistently whatever the caller does: leaving the loop early
+runs the stream's remaining steps (every rank runs all of them) and the pipeline goes on exactly,
+and a stream that fails part-way leaves a pipeline that says so rather than one that replays the
+failed batch or reports a version-rule error on the next call."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncpp_ext.models import GPT, preset_config
+from asyncpp_ext.optim import build_optimizer
+from asyncpp_ext.pipeline import Pipeline, StageError
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _pipeline(loss_fn=GPT.loss):
+    torch.manual_seed(0)
+    return Pipeline(GPT(preset_config("tiny")), loss_fn=loss_fn, microbatches=2, schedule="2bw",
+                    optimizer=lambda m: build_optimizer(m, "adamw", lr=1e-3), timeout_s=60)
+
+
+def _batches(first, count):
+    """Minibatch k of a fixed sequence (4 sequences of 8 tokens), for k in first..first+count-1."""
+    out = []
+    for k in range(first, first + count):
+        g = torch.Generator().manual_seed(k)
+        x = torch.randint(0, 256, (4, 9), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+def test_leaving_the_loop_early_runs_the_stream_out_and_training_goes_on_exactly(one_rank):
+    whole = [s.loss for s in _pipeline().train(_batches(0, 8), steps=8)]
+    p = _pipeline()
+    with pytest.warns(UserWarning, match=r"left after step 1 of 0..5: the remaining steps ran to the end"):
+        for stats in p.train(_batches(0, 6), steps=6):
+            if stats.step == 1:
+                break
+    assert p.next_step == 6
+    after = [s.loss for s in p.train(_batches(6, 2), steps=2)]
+    assert after == whole[6:]  # the same arithmetic as one uninterrupted stream
+
+
+def test_a_stream_that_failed_part_way_is_named_on_the_next_call(one_rank):
+    calls = []
+
+    def loss_failing_on_step_2(out, targets):
+        calls.append(1)
+        if len(calls) == 5:  # two microbatches a step: the first of step 2
+            raise ValueError("the loss cannot be computed")
+        return GPT.loss(out, targets)
+
+    p = _pipeline(loss_failing_on_step_2)
+    with pytest.raises(ValueError, match="the loss cannot be computed"):
+        list(p.train(_batches(0, 4), steps=4))
+    for again in (lambda: list(p.train(_batches(0, 1), steps=1)), lambda: p.evaluate(_batches(0, 1))):
+        with pytest.raises(StageError, match=r"this Pipeline stopped part-way through a stream \(step 2: "
+                                             r"ValueError: the loss cannot be computed\); build a new "
+                                             r"Pipeline"):
+            again()
+
+
+def test_an_iterator_that_runs_out_is_named_and_not_a_version_error_next(one_rank):
+    p = _pipeline()
+    with pytest.raises(StageError, match="the batch iterator ran out before step 2"):
+        list(p.train(_batches(0, 2), steps=4))
+    with pytest.raises(StageError, match="stopped part-way"):
+        list(p.train(_batches(0, 4), steps=4))
+
+
+def test_breaking_out_of_many_streams_then_exiting_is_a_clean_exit(tmp_path):
+    script = textwrap.dedent("""
+        import torch, torch.distributed as dist, warnings
+        from asyncpp_ext.models import GPT, preset_config
+        from asyncpp_ext.optim import build_optimizer
+        from asyncpp_ext.pipeline import Pipeline
+        warnings.simplefilter("ignore")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        x = torch.randint(0, 256, (4, 8))
+        for _ in range(5):
+            p = Pipeline(GPT(preset_config("tiny")), loss_fn=GPT.loss, microbatches=2, schedule="2bw",
+                         optimizer=lambda m: build_optimizer(m, "adamw"), timeout_s=60)
+            for stats in p.train([(x, x)] * 20, steps=20):
+                break
+        print("done", p.next_step)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout.split()) == (0, ["done", "20"]), r.stderr[-2000:]
+    assert "terminate called" not in r.stderr
