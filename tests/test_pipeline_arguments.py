@@ -42,6 +42,10 @@ def _pipeline(**overrides):
     ({"clip_grad_norm": float("nan")}, ValueError, "clip_grad_norm must be a finite number > 0"),
     ({"lr_schedule": "cosine"}, TypeError, "lr_schedule must be an LRSchedule .* got str"),
     ({"lr_schedule": LRSchedule("constant", -5)}, ValueError, "--steps must be a positive integer, got -5"),
+    ({"microbatches": 2**40}, ValueError, "microbatches must be at most 2147483647, got 1099511627776"),
+    ({"recompute": "no"}, TypeError, "recompute must be True or False, got 'no'"),
+    ({"compile": 1}, TypeError, "compile must be True or False, got 1"),
+    ({"dp": True}, ValueError, "dp must be a positive integer dividing the world size 1, got True"),
 ])
 def test_bad_arguments_are_named_at_construction(one_rank, overrides, error, match):
     with pytest.raises(error, match=match):

@@ -79,7 +79,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_arguments(*, optimizer, loss_fn, microbatches, stages, recv_ahead, lr_schedule) -> None:
+MAX_COUNT = 2**31 - 1
+"""The largest microbatches / stages / recv_ahead: the C++ core counts them in 32-bit integers."""
+
+
+def _check_arguments(*, optimizer, loss_fn, microbatches, stages, recv_ahead, lr_schedule, flags) -> None:
     """TypeError / ValueError naming the argument, before anything is built (the C++ core would
     answer with a binding's signature, or a rank would fail later)."""
     if isinstance(optimizer, (torch.optim.Optimizer, type)) or not callable(optimizer):
@@ -94,6 +98,11 @@ def _check_arguments(*, optimizer, loss_fn, microbatches, stages, recv_ahead, lr
             ((("stages", stages),) if stages is not None else ()):
         if not _is_int(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if value > MAX_COUNT:
+            raise ValueError(f"{name} must be at most {MAX_COUNT}, got {value}")
+    for name, value in flags.items():  # "no" or 0.5 would be truthy: a switch turned on by mistake
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
     check_lr_schedule(lr_schedule)
 
 
@@ -192,7 +201,10 @@ class Pipeline:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
         _check_arguments(optimizer=optimizer, loss_fn=loss_fn, microbatches=microbatches, stages=stages,
-                         recv_ahead=recv_ahead, lr_schedule=lr_schedule)
+                         recv_ahead=recv_ahead, lr_schedule=lr_schedule, flags=dict(
+                             track_memory=track_memory, shard_optimizer=shard_optimizer, recompute=recompute,
+                             compile=compile, cuda_graphs=cuda_graphs, compute_copies=compute_copies,
+                             gradient_accumulation_fusion=gradient_accumulation_fusion))
         if clip_grad_norm is not None:
             clip_grad_norm = check_max_norm(clip_grad_norm)
         spec = schedule_spec(schedule)
@@ -200,7 +212,7 @@ class Pipeline:
             raise RuntimeError("torch.distributed is not initialised: launch with torchrun or "
                                "asyncpp_ext.pipeline.spawn, or call init_distributed() first")
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        if not isinstance(dp, int) or dp < 1 or world % dp:
+        if not _is_int(dp) or dp < 1 or world % dp:
             raise ValueError(f"dp must be a positive integer dividing the world size {world}, got {dp!r}")
         self.stages = world // dp if stages is None else stages
         if self.stages * dp != world:
