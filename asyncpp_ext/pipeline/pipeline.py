@@ -20,13 +20,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._ext import C
-from ..optim.lr_schedule import check_lr_schedule
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
 from ..models.base import BlockSequence
 from ..models.compile_support import check_inductor_options, inductor_mode
 from ..models.regions import compile_regions, scope_regions
 from ..schedule.table import schedule_names, schedule_spec
+from .arguments import check_arguments, is_int, split_minibatch
 from .clipping import check_max_norm
 from .data_parallel import Layout, create_dp_group, replica_share
 from .partition import GlobalView, as_blocks, split
@@ -54,56 +54,6 @@ class StepStats:
     elapsed_s: float          # since the start of this train() call
     stage: int
     skipped: bool = False     # the update was skipped (non-finite values, --on-nonfinite skip)
-
-
-def split_minibatch(batch, microbatches: int) -> tuple[list, list]:
-    """(inputs, targets) of leading size m*B -> m microbatches each; a list of m pairs is kept."""
-    if isinstance(batch, (list, tuple)) and batch and all(isinstance(b, (list, tuple)) and len(b) == 2
-                                                          for b in batch):
-        if len(batch) != microbatches:
-            raise ValueError(f"a minibatch of {len(batch)} (inputs, targets) microbatches, but the pipeline "
-                             f"runs microbatches={microbatches} per step; build both with the same count")
-        return [b[0] for b in batch], [b[1] for b in batch]
-    if not (isinstance(batch, (list, tuple)) and len(batch) == 2 and all(torch.is_tensor(t) for t in batch)):
-        raise ValueError(f"a minibatch must be (inputs, targets) tensors or a list of {microbatches} such "
-                         f"pairs, got {type(batch).__name__}"
-                         + (f" of {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
-    x, y = batch
-    if x.shape[0] % microbatches:
-        raise ValueError(f"a minibatch of {x.shape[0]} sequences cannot be split into {microbatches} "
-                         "equal microbatches")
-    return list(x.chunk(microbatches)), list(y.chunk(microbatches))
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-MAX_COUNT = 2**31 - 1
-"""The largest microbatches / stages / recv_ahead: the C++ core counts them in 32-bit integers."""
-
-
-def _check_arguments(*, optimizer, loss_fn, microbatches, stages, recv_ahead, lr_schedule, flags) -> None:
-    """TypeError / ValueError naming the argument, before anything is built (the C++ core would
-    answer with a binding's signature, or a rank would fail later)."""
-    if isinstance(optimizer, (torch.optim.Optimizer, type)) or not callable(optimizer):
-        what = (f"the class {optimizer.__name__}" if isinstance(optimizer, type) else
-                f"an optimizer instance ({type(optimizer).__name__})" if isinstance(optimizer, torch.optim.Optimizer)
-                else repr(optimizer)[:60])
-        raise TypeError(f"optimizer must be a factory, module -> torch.optim.Optimizer (each stage builds its own "
-                        f"over its parameters), got {what}; pass e.g. lambda m: build_optimizer(m, 'adamw')")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, (outputs, targets) -> loss, got {type(loss_fn).__name__}")
-    for name, value in (("microbatches", microbatches), ("recv_ahead", recv_ahead)) + \
-            ((("stages", stages),) if stages is not None else ()):
-        if not _is_int(value) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if value > MAX_COUNT:
-            raise ValueError(f"{name} must be at most {MAX_COUNT}, got {value}")
-    for name, value in flags.items():  # "no" or 0.5 would be truthy: a switch turned on by mistake
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-    check_lr_schedule(lr_schedule)
 
 
 class Pipeline:
@@ -200,7 +150,7 @@ class Pipeline:
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
-        _check_arguments(optimizer=optimizer, loss_fn=loss_fn, microbatches=microbatches, stages=stages,
+        check_arguments(optimizer=optimizer, loss_fn=loss_fn, microbatches=microbatches, stages=stages,
                          recv_ahead=recv_ahead, lr_schedule=lr_schedule, flags=dict(
                              track_memory=track_memory, shard_optimizer=shard_optimizer, recompute=recompute,
                              compile=compile, cuda_graphs=cuda_graphs, compute_copies=compute_copies,
@@ -212,7 +162,7 @@ class Pipeline:
             raise RuntimeError("torch.distributed is not initialised: launch with torchrun or "
                                "asyncpp_ext.pipeline.spawn, or call init_distributed() first")
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        if not _is_int(dp) or dp < 1 or world % dp:
+        if not is_int(dp) or dp < 1 or world % dp:
             raise ValueError(f"dp must be a positive integer dividing the world size {world}, got {dp!r}")
         self.stages = world // dp if stages is None else stages
         if self.stages * dp != world:
@@ -407,7 +357,7 @@ class Pipeline:
         while the stream runs, leaves this pipeline mid-step: later calls raise ``StageError``
         (build a new Pipeline and load a checkpoint's state into it).
         """
-        if not _is_int(steps) or steps < 1:
+        if not is_int(steps) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
         self._check_whole()
         with self.watchdog.armed(f"training steps {self.next_step}..{self.next_step + steps - 1}"):
