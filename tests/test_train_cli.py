@@ -141,6 +141,50 @@ def test_existing_run_is_not_overwritten(tmp_path, finished_run, capsys):
     assert "already holds a run; continue it with --resume" in capsys.readouterr().err
 
 
+def test_a_run_in_progress_keeps_its_out_from_a_second_run(tmp_path, capsys):
+    """Two runs started together into one --out would each pass the "already holds a run" check
+    and write their rows and checkpoints among the other's; the second is refused, naming the
+    first, and the --out is free again once the first ends."""
+    run = tmp_path / "r"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from asyncpp_ext.training.run_files import prepare_run_dir; "
+         f"prepare_run_dir({str(run)!r}, resuming=False); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for argv in (FAST + ["--steps", "2", "--out", str(run)], FAST + ["--stages", "2", "--steps", "2", "--out",
+                                                                       str(run)]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and f"--out {run} is in use by another run (pid {holder.pid} on " in err[0], err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (run / "metrics.jsonl").exists()
+    assert main(FAST + ["--steps", "2", "--out", str(run)]) == 0  # the kernel let go of the lock
+    assert main(["--resume", str(run), "--steps", "3", "--no-progress"]) == 0  # this process's own, in turn
+
+
+def test_resume_names_a_checkpoint_given_for_its_run_and_an_empty_path(finished_run, capsys):
+    assert main(["--resume", str(finished_run / "ckpt-000003"), "--steps", "4"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"asyncpp-train: error: {finished_run / 'ckpt-000003'} is a checkpoint; pass its run's "
+                   f"directory, --resume {finished_run} (its latest checkpoint is taken)"]
+    assert main(["--resume", "", "--steps", "4"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "asyncpp-train: error: --resume is empty; pass the --out directory of an earlier run"]
+
+
+def test_a_resume_removes_the_checkpoint_temporaries_a_killed_run_left(tmp_path, finished_run, capsys):
+    run = tmp_path / "r"
+    shutil.copytree(finished_run, run)
+    (run / ".tmp-ckpt-000002").mkdir()  # a run killed while it wrote its checkpoint of step 2
+    (run / ".tmp-ckpt-000002" / "stage-00.pt").write_bytes(b"x" * 1000)
+    assert main(["--resume", str(run), "--steps", "4", "--no-progress"]) == 0
+    assert not (run / ".tmp-ckpt-000002").exists()
+    assert "removed 1 unfinished checkpoint(s) (.tmp-ckpt-000002) that a stopped run left" in capsys.readouterr().err
+
+
 def test_a_run_that_failed_before_its_first_step_leaves_its_out_free_and_a_long_name_is_named(tmp_path, capsys):
     run = tmp_path / "r"
     run.mkdir()

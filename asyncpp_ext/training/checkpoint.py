@@ -223,6 +223,9 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path:
     found = list_checkpoints(run_dir)
     if not found:
+        if (Path(run_dir) / "meta.json").is_file() and list_checkpoints(Path(run_dir).resolve().parent):
+            raise CheckpointError(f"{run_dir} is a checkpoint; pass its run's directory, --resume "
+                                  f"{Path(run_dir).resolve().parent} (its latest checkpoint is taken)")
         raise CheckpointError(f"no checkpoint (ckpt-NNNNNN/) in {run_dir}; pass the --out "
                               "directory of a run that saved one, or start a fresh run")
     return found[-1][1]
@@ -280,9 +283,10 @@ def load_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
                                   "resume from the previous checkpoint")
         size = path.stat().st_size
         if size != info["bytes"] or _sha256(path) != info["sha256"]:
-            what = "truncated" if size < info["bytes"] else "corrupted"
-            raise CheckpointError(f"checkpoint shard {path} is {what} ({size} bytes, "
-                                  f"{info['bytes']} expected or checksum differs); delete "
+            what = ("truncated" if size < info["bytes"] else "corrupted",
+                    f"{size} bytes, {info['bytes']} expected" if size != info["bytes"] else
+                    "its checksum differs from meta.json's")
+            raise CheckpointError(f"checkpoint shard {path} is {what[0]} ({what[1]}); delete "
                                   f"{ckpt_dir} to resume from the previous checkpoint")
         try:
             shards.append(torch.load(path, map_location="cpu", weights_only=True))

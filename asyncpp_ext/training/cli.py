@@ -34,6 +34,8 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
     resume_dir = None
     if args.resume is not None:
         run_dir = Path(args.resume)
+        if not args.resume:  # Path("") is the working directory
+            raise UsageError("--resume is empty; pass the --out directory of an earlier run")
         if not run_dir.is_dir():
             raise UsageError(f"--resume {run_dir} is not a directory; pass the --out directory "
                              "of an earlier run")

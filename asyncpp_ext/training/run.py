@@ -20,7 +20,8 @@ from ..pipeline import under_launcher
 from .build import build_data, build_simulator, resume, stage_compute
 from .checkpoint import CheckpointError, load_checkpoint, restore_rng_state
 from .config import ConfigError, RunConfig
-from .run_files import CONFIG_NAME, prepare_run_dir, read_metrics, truncate_metrics, write_text_atomic
+from .run_files import (CONFIG_NAME, prepare_run_dir, read_metrics, release_run_dir, remove_unfinished_checkpoints,
+                        truncate_metrics, write_text_atomic)
 
 
 class RunSetupError(ValueError):
@@ -103,6 +104,7 @@ def start_run_dir(cfg: RunConfig, resume_dir: Optional[Path], start_step: int) -
     out = prepare_run_dir(cfg.train.out, resuming=resume_dir is not None)
     if resume_dir is not None:
         truncate_metrics(out, start_step)
+        remove_unfinished_checkpoints(out)
     write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
     return out
 
@@ -110,15 +112,16 @@ def start_run_dir(cfg: RunConfig, resume_dir: Optional[Path], start_step: int) -
 def train(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
     """Run ``cfg`` (validated) to the end: one process (the simulator, or a 1-stage 1-replica
     run), or one process per stage and replica (spawned here, or torchrun's). Returns 0."""
-    if cfg.runs_multi_process():
-        return _train_pipeline(cfg, resume_dir)
     threads = torch.get_num_threads()
-    if cfg.train.threads is not None:
-        torch.set_num_threads(cfg.train.threads)
     try:
+        if cfg.runs_multi_process():
+            return _train_pipeline(cfg, resume_dir)
+        if cfg.train.threads is not None:
+            torch.set_num_threads(cfg.train.threads)
         return _train_single_process(cfg, resume_dir)
     finally:  # train() may be called as a library function: leave the caller's setting as it was
         torch.set_num_threads(threads)
+        release_run_dir(cfg.train.out)  # held from start_run_dir on
 
 
 def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:

@@ -6,9 +6,14 @@ trainer appends to, is read up to its last complete line (see ``_metric_lines``)
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
+import shutil
+import socket
+import sys
 from pathlib import Path
 
 from ..directories import make_directories, missing_directories, remove_directories
@@ -17,6 +22,12 @@ from .checkpoint import list_checkpoints
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
 PLOT_NAME = "loss.png"
+LOCK_NAME = ".lock"
+"""Held (flock) by the process that made or resumed the run, while it runs: a second run with the
+same --out is refused instead of writing its rows and checkpoints among the first's. Removed when
+the run ends; the kernel releases the lock of a process that ends otherwise (a file left by a
+killed run is taken over by the next)."""
+_HELD: dict[str, int] = {}  # run directory -> the lock file this process holds open
 
 
 
@@ -107,15 +118,13 @@ def prepare_run_dir(out: str | os.PathLike, resuming: bool) -> Path:
     try:
         # A run "is there" once it has a metrics row or a checkpoint: one that failed before its
         # first step (bad data found in its first window, say) leaves its --out free for the next.
+        created = make_directories(missing_directories(out))
+        _hold(out)  # first: a run in progress is named as such; also the write probe (a new file)
         metrics = out / METRICS_NAME
-        if not resuming and out.exists() and ((metrics.exists() and metrics.stat().st_size > 0)
-                                              or any(out.glob("ckpt-*"))):
+        if not resuming and ((metrics.exists() and metrics.stat().st_size > 0) or any(out.glob("ckpt-*"))):
+            release_run_dir(out)
             hint = f"continue it with --resume {out} or " if list_checkpoints(out) else ""  # what --resume finds
             raise RunDirError(f"--out {out} already holds a run; {hint}choose another --out")
-        created = make_directories(missing_directories(out))
-        probe = out / ".write-probe"
-        probe.write_text("")
-        probe.unlink()
     except OSError as exc:  # unwritable, or a name too long for the file system
         remove_directories(created)
         fix = "a shorter name" if exc.errno == errno.ENAMETOOLONG else "a writable directory"
@@ -123,5 +132,56 @@ def prepare_run_dir(out: str | os.PathLike, resuming: bool) -> Path:
     return out
 
 
-__all__ = ["METRICS_NAME", "CONFIG_NAME", "PLOT_NAME", "RunDirError", "write_text_atomic", "read_metrics",
-           "truncate_metrics", "plot_losses", "prepare_run_dir"]
+def _hold(out: Path) -> None:
+    """Take the run directory's lock for this process, or RunDirError naming who holds it."""
+    key = str(out.resolve())
+    if key in _HELD:  # this process's own earlier run (train, then resume, from Python)
+        return
+    while True:
+        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirError(f"--out {out} is in use by another run ({holder}); wait for it to end, "
+                              "or choose another --out") from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):  # a file system without locks: go on
+                os.close(fd)
+                raise
+        try:  # the file locked is still the one named: not one a finishing run removed meanwhile
+            if os.fstat(fd).st_ino == os.stat(out / LOCK_NAME).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    _HELD[key] = fd
+
+
+def release_run_dir(out: str | os.PathLike) -> None:
+    """Let go of the run directory's lock (the run is over); nothing if this process holds none."""
+    key = str(Path(out).resolve())
+    fd = _HELD.pop(key, None)
+    if fd is not None:
+        with contextlib.suppress(OSError):  # removed before the lock goes: see _hold's inode check
+            os.unlink(os.path.join(key, LOCK_NAME))
+        os.close(fd)
+
+
+def remove_unfinished_checkpoints(out: Path) -> None:
+    """Remove the temporaries of checkpoints whose writing a killed run left (``.tmp-ckpt-*``,
+    as large as a checkpoint); a resume never reads them. Only with the run's lock held."""
+    stale = sorted(out.glob(".tmp-ckpt-*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    if stale:
+        print(f"asyncpp-train: removed {len(stale)} unfinished checkpoint(s) ({stale[0].name}"
+              f"{', ...' if len(stale) > 1 else ''}) that a stopped run left in {out}", file=sys.stderr)
+
+
+__all__ = ["METRICS_NAME", "CONFIG_NAME", "PLOT_NAME", "LOCK_NAME", "RunDirError", "write_text_atomic",
+           "read_metrics", "truncate_metrics", "plot_losses", "prepare_run_dir", "release_run_dir",
+           "remove_unfinished_checkpoints"]
