@@ -325,6 +325,15 @@ def test_delay_only_matrices_or_others_splits_the_delays_by_muon_routing():
     assert len({tuple(v) for v in runs.values()}) == 4  # each set of delays is its own run
 
 
+def test_a_delay_whose_weight_versions_cannot_fit_is_refused_before_any_copy():
+    m = _gpt()
+    with pytest.raises(DelaySimulatorError, match=r"the delays keep 1000000000 older version\(s\) of the "
+                                                  r"weights, .* GiB, more than this machine's memory .*; use a "
+                                                  r"smaller delay"):
+        DelaySimulator(m, _adamw(m), "2bw", delay=10**9)
+    assert len(DelaySimulator(m, _adamw(m), "2bw", delay=3).history[0]) == 3
+
+
 def test_the_simulator_refuses_lr_rescale_over_different_delays():
     # its optimizer has one lr: the rescale would also slow the parameters computed on the newest
     # weights ("others"), or leave the delayed ones alone ("matrices")

@@ -45,7 +45,6 @@ import torch
 from torch import nn
 
 from ..optim.lr_schedule import apply_lr, check_lr_schedule
-from ..optim.routing import split_named_parameters
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compensate_, predicted_weights,
                                  resolve_mitigation)
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
@@ -56,7 +55,9 @@ from ..pipeline.devices import to_device
 from ..pipeline.nonfinite import POLICIES, DeferredScan, NonFiniteError, first_nonfinite_index
 from ..pipeline.partition import as_blocks, split
 from ..pipeline.ties import TieError, check_ties_on_one_stage, find_ties, sum_tied_gradients, untie
-from ..schedule.table import SCHEDULES, schedule_spec
+from ..schedule.table import SCHEDULES
+from .delays import (DelaySimulatorError, check_delay_arguments, check_versions_fit, only_some_delayed,  # noqa: F401
+                     per_stage_delays, stage_delay)  # DelaySimulatorError, stage_delay: public names kept here
 from .trainer import StepOutcome
 
 SIMULATED_SCHEDULES = tuple(SCHEDULES)
@@ -69,29 +70,6 @@ def _train_mode(module: nn.Module) -> nn.Module:
     in it (the simulator puts every submodule in training mode once, and eval_loss puts the mode
     back; a submodule switched to eval mode alone by the caller stays so)."""
     return module if module.training else module.train()
-
-
-class DelaySimulatorError(ValueError):
-    """A simulator argument, input or saved state that cannot run; the message says what to change."""
-
-
-def _only_some_delayed(model, named, delays: list, delay_only: str, per_stage: bool) -> list:
-    """``delays`` with every parameter outside the ``delay_only`` set ("matrices": those Muon
-    updates; "others": the rest) put back to 0 (the attribution knob, PipelineConfig.delay_only)."""
-    if per_stage or delay_only not in ("matrices", "others"):
-        raise DelaySimulatorError(f"delay_only={delay_only!r}: use 'matrices' or 'others', with a 2bw-like "
-                                  "schedule (one delay for every parameter)")
-    muon_ids = {id(p) for _, p in split_named_parameters(model)[0]}
-    keep = (lambda p: id(p) in muon_ids) if delay_only == "matrices" else (lambda p: id(p) not in muon_ids)
-    return [d if keep(p) else 0 for (_, p), d in zip(named, delays)]
-
-
-def stage_delay(schedule: str, stage: int, stages: int, delay: int | None = None) -> int:
-    """Steps by which ``stage`` (of ``stages``) computes behind the newest weights, from the
-    schedule table (0 for the synchronous schedules, 1 for 2bw, ``stages - 1 - stage`` for
-    pipedream); ``delay`` replaces a delayed schedule's uniform lag (the --delay K knob)."""
-    lag = schedule_spec(schedule).stage_lags(stages)[stage].lag
-    return delay if delay is not None and lag else lag
 
 
 def default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -147,7 +125,7 @@ class DelaySimulator:
         per_stage = SCHEDULES[schedule].lag_per_stage
         if on_nonfinite not in POLICIES:
             raise DelaySimulatorError(f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(POLICIES)}")
-        _check_delay_arguments(schedule, stages, delay)
+        check_delay_arguments(schedule, stages, delay)
         try:
             self.mitigation = resolve_mitigation(mitigation, dc_lambda, rescale_steps)
         except MitigationError as exc:
@@ -186,11 +164,11 @@ class DelaySimulator:
         self.params = [p for _, p in named]
         self._check_optimizer_covers_model()
         if per_stage:
-            self.delays = _per_stage_delays(schedule, named, blocks, partition)
+            self.delays = per_stage_delays(schedule, named, blocks, partition)
         else:
             self.delays = [stage_delay(schedule, 0, 1, delay)] * len(self.params)
         if delay_only is not None:
-            self.delays = _only_some_delayed(model, named, self.delays, delay_only, per_stage)
+            self.delays = only_some_delayed(model, named, self.delays, delay_only, per_stage)
         self.delayed = any(d > 0 for d in self.delays)
         if self.mitigation.rescales_lr and len(set(self.delays)) > 1:
             raise DelaySimulatorError("mitigation lr-rescale scales the learning rate by the delay, but these "
@@ -198,6 +176,7 @@ class DelaySimulator:
                                       "rescaling needs one delay for every parameter")
         self.copies = compute_copies(model) if compute_copies is not None else None
         self.wants_previous = wants_previous_weights(optimizer)
+        check_versions_fit(self.params, [self._versions_kept(d) for d in self.delays])
         # Versions before 0 are W(0): the first d_p steps compute on the initial weights.
         self.history = [[p.detach().clone() for _ in range(self._versions_kept(d))] for p, d in
                         zip(self.params, self.delays)]
@@ -472,40 +451,6 @@ class DelaySimulator:
         if self.clipper is not None:
             self.clipper.load_state_dict(state.get("clip"))
         self.steps_done = int(state["steps_done"])
-
-
-def _check_delay_arguments(schedule: str, stages, delay) -> None:
-    spec = SCHEDULES[schedule]
-    if delay is not None:
-        if spec.lag_per_stage or not spec.delayed():
-            raise DelaySimulatorError(f"delay={delay!r} sets 2bw's constant K-step delay; it does not "
-                                      f"apply to schedule {schedule!r} (use schedule '2bw' or drop delay)")
-        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 1:
-            raise DelaySimulatorError(f"delay must be an integer >= 1 (1 is plain 2bw), got {delay!r}")
-    if spec.lag_per_stage:
-        if stages is None:
-            raise DelaySimulatorError(f"schedule {schedule!r} needs stages=S: its stages lag by different "
-                                      "amounts (pipedream: stage s of S computes S-1-s steps behind); pass "
-                                      "the pipeline depth")
-        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-            raise DelaySimulatorError(f"stages must be an integer >= 1, got {stages!r}")
-
-
-def _per_stage_delays(schedule: str, named, blocks, partition: list[list[int]]) -> list[int]:
-    """d_p = the lag of p's stage (pipedream: S-1-s) for each parameter of ``named``, s its
-    block's stage in ``partition``."""
-    stages = len(partition)
-    delay_of_block = {b: stage_delay(schedule, s, stages) for s, indices in enumerate(partition)
-                      for b in indices}
-    delay_of = {}
-    for b, block in enumerate(blocks):
-        for p in block.parameters():
-            delay_of.setdefault(id(p), delay_of_block[b])
-    outside = [n for n, p in named if id(p) not in delay_of]
-    if outside:
-        raise DelaySimulatorError(f"parameter(s) {outside[:3]} belong to no block of the model, so "
-                                  "pipedream cannot place them on a stage; keep every parameter in a block")
-    return [delay_of[id(p)] for _, p in named]
 
 
 def _check_names(what: str, saved: dict, expected: list[str],
