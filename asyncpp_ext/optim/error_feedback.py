@@ -1,13 +1,13 @@
 """ErrorFeedback: the EF delay correction around ANY torch.optim.Optimizer."""
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Mapping
 
 import torch
 
 from . import _kernels as K
+from .checks import non_negative, real_number
 from .errors import NonFiniteGradientError
 from .fused import check_ef_source, check_versions
 from .versioned import copy_sources
@@ -42,8 +42,7 @@ class ErrorFeedback(torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, beta: float, ef_source: str = "buffer"):
         if not isinstance(base, torch.optim.Optimizer):
             raise ValueError(f"ErrorFeedback wraps a torch.optim.Optimizer, got {type(base).__name__}")
-        if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta >= 0):
-            raise ValueError(f"beta must be a finite float >= 0 (0 turns error feedback off), got {beta!r}")
+        beta = real_number(beta, "beta", "a finite float >= 0 (0 turns error feedback off)", non_negative)
         # Deliberately no Optimizer.__init__: this object shares the base's groups and state.
         self.base = base
         self.beta = float(beta)

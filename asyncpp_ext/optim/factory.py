@@ -1,10 +1,9 @@
 """build_optimizer: the one constructor the trainer calls; every default comes from the registry."""
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .checks import non_negative, positive, real_number, unit_interval
 from .error_feedback import ErrorFeedback
 from .library import build_library_optimizer
 from .optimizers import AdamW, MuonHybrid
@@ -49,20 +48,17 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float | None = None,
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     spec = optimizer_spec(name)  # a ValueError naming the valid names
-    lr = spec.lr if lr is None else lr
-    ef_beta = spec.ef_beta if ef_beta is None else ef_beta
-    if spec.momentum is not None:
-        kwargs.setdefault("momentum", spec.momentum)
-    for arg, value in (("lr", lr), ("adamw_lr", adamw_lr)):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{arg} must be a finite number > 0, got {value!r}")
-    if not (math.isfinite(weight_decay) and weight_decay >= 0):
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-    if not (math.isfinite(ef_beta) and ef_beta >= 0):
-        raise ValueError(f"ef_beta must be >= 0 (0 = off), got {ef_beta!r}")
-    momentum = kwargs.get("momentum")
-    if momentum is not None and not (0.0 <= momentum < 1.0):
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    # The numbers as Python floats (a NumPy scalar becomes one), or one ValueError naming the argument.
+    lr = real_number(spec.lr if lr is None else lr, "lr", "a finite number > 0", positive)
+    if adamw_lr is not None:
+        adamw_lr = real_number(adamw_lr, "adamw_lr", "a finite number > 0", positive)
+    weight_decay = real_number(weight_decay, "weight_decay", "a finite number >= 0", non_negative)
+    ef_beta = real_number(spec.ef_beta if ef_beta is None else ef_beta, "ef_beta",
+                          "a finite number >= 0 (0 = off)", non_negative)
+    if spec.momentum is not None and kwargs.get("momentum") is None:
+        kwargs["momentum"] = spec.momentum
+    if kwargs.get("momentum") is not None:
+        kwargs["momentum"] = real_number(kwargs["momentum"], "momentum", "in [0, 1)", unit_interval)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("model has no trainable parameters")

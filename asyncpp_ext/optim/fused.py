@@ -26,16 +26,24 @@ import torch.distributed as dist
 
 from ..precision import auto_dtype
 from . import _kernels as K
+from .checks import non_negative, positive, real_number, unit_interval, whole_number
 from .errors import NonFiniteGradientError
 from .newton_schulz import Workspace, check_eps, orthogonalize
 from .normuon import NORMUON_BETA2, check_normuon_args, normuon_updates
-from .param_groups import named_param_groups
+from .param_groups import check_listed_once, named_param_groups, param_label
 from .sharding import assign_owners, gather_updates
 from .versioned import EF_SOURCES, copy_sources
 
 MUON = "muon"
 ADAMW = "adamw"
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+_COMMON_KEYS = ("params", "param_names", "algorithm", "lr", "weight_decay", "ef_beta", "eps",
+                "initial_lr")  # initial_lr: the base lr of lr_schedule.apply_lr and torch's schedulers
+GROUP_KEYS = {MUON: _COMMON_KEYS + ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn",
+                                    "ns_dtype", "normuon", "normuon_beta2"),
+              ADAMW: _COMMON_KEYS + ("betas",)}
+"""The keys a param group of each algorithm may hold; add_param_group refuses any other (a
+misspelt option would otherwise leave the default in force)."""
 
 
 def muon_lr_scale(shape, adjust_lr_fn) -> float:
@@ -45,29 +53,31 @@ def muon_lr_scale(shape, adjust_lr_fn) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-def check_common(lr, weight_decay, ef_beta):
-    if isinstance(lr, torch.Tensor) or not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a finite float > 0, got {lr!r}")
-    if not (math.isfinite(weight_decay) and weight_decay >= 0):
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-    if not (math.isfinite(ef_beta) and ef_beta >= 0):
-        raise ValueError(f"ef_beta must be >= 0 (0 turns error feedback off), got {ef_beta!r}")
+def check_common(lr, weight_decay, ef_beta) -> dict:
+    """lr, weight_decay and ef_beta as floats, or a ValueError naming the one that cannot run."""
+    return dict(lr=real_number(lr, "lr", "a finite float > 0", positive),
+                weight_decay=real_number(weight_decay, "weight_decay", "a finite number >= 0", non_negative),
+                ef_beta=real_number(ef_beta, "ef_beta", "a finite number >= 0 (0 turns error feedback off)",
+                                    non_negative))
 
 
-def check_muon_args(momentum, ns_steps, adjust_lr_fn, ns_dtype, eps, ns_coefficients):
-    if not (0.0 <= momentum < 1.0):
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-    if not (isinstance(ns_steps, int) and 0 <= ns_steps < 100):
-        raise ValueError(f"ns_steps must be an int in [0, 100), got {ns_steps!r}")
+def check_muon_args(momentum, ns_steps, adjust_lr_fn, ns_dtype, eps, ns_coefficients) -> dict:
+    """A Muon group's numbers as Python floats and ints, or a ValueError naming the one that cannot run."""
+    momentum = real_number(momentum, "momentum", "in [0, 1)", unit_interval)
+    ns_steps = whole_number(ns_steps, "ns_steps", "an int in [0, 100)", lambda n: 0 <= n < 100)
     if adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
     if ns_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"ns_dtype must be torch.float32, torch.bfloat16 or None (auto), got {ns_dtype!r}")
-    check_eps(eps)
+    eps = check_eps(eps)
     coefficients = tuple(ns_coefficients) if isinstance(ns_coefficients, (tuple, list)) else ()
-    if len(coefficients) != 3 or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
-                                         and math.isfinite(c) for c in coefficients):
+    try:
+        coefficients = tuple(real_number(c, "ns_coefficients") for c in coefficients)
+    except ValueError:
+        coefficients = ()
+    if len(coefficients) != 3:
         raise ValueError(f"ns_coefficients must be three finite floats (a, b, c), got {ns_coefficients!r}")
+    return dict(momentum=momentum, ns_steps=ns_steps, eps=eps, ns_coefficients=coefficients)
 
 
 def check_ef_source(ef_source) -> str:
@@ -75,13 +85,6 @@ def check_ef_source(ef_source) -> str:
         raise ValueError(f"ef_source must be one of {', '.join(map(repr, EF_SOURCES))} (where error feedback "
                          f"takes the previous update from), got {ef_source!r}")
     return ef_source
-
-
-def param_label(group, gi, pi) -> str:
-    names = group.get("param_names")
-    if names is not None and pi < len(names):
-        return f"parameter '{names[pi]}'"
-    return f"parameter {pi} of param group {gi}"
 
 
 def check_versions(param_groups, sources, previous, contiguous: bool) -> None:
@@ -124,10 +127,23 @@ class FinalArgs(NamedTuple):
     previous: list
 
 
-def check_adamw_args(betas, eps):
-    if len(tuple(betas)) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+def check_adamw_args(betas, eps) -> dict:
+    """An AdamW group's betas and eps as Python floats, or a ValueError naming the one that cannot run."""
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
-    check_eps(eps)
+    betas = tuple(real_number(b, f"betas[{i}]", "in [0, 1)", unit_interval) for i, b in enumerate(betas))
+    return dict(betas=betas, eps=check_eps(eps))
+
+
+def check_group_keys(group, default_algorithm) -> None:
+    """ValueError naming the keys of ``group`` that no step of its algorithm reads (the group's
+    "algorithm", else ``default_algorithm``; an unknown algorithm is left to the group's check)."""
+    algo = group.get("algorithm", default_algorithm)
+    unknown = sorted(set(group) - set(GROUP_KEYS.get(algo, group)))
+    if unknown:
+        raise ValueError(f"unknown param group key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))}; a group of algorithm {algo!r} takes only: "
+                         f"{', '.join(sorted(GROUP_KEYS[algo]))}")
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -167,9 +183,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         # (name, tensor) pairs split here, as torch >= 2.6 would (torch 2.5 takes only tensors);
         # torch's __init__ hands every group to this method.
         (param_group,) = named_param_groups([param_group])
+        check_group_keys(param_group, self.defaults.get("algorithm"))
+        check_listed_once(self.param_groups, param_group)
         super().add_param_group(param_group)
         if hasattr(self, "_validated"):
-            self._validate_group(len(self.param_groups) - 1, self.param_groups[-1])
+            try:
+                self._validate_group(len(self.param_groups) - 1, self.param_groups[-1])
+            except ValueError:
+                self.param_groups.pop()  # a refused group is not kept
+                raise
 
     def load_state_dict(self, state_dict):
         """torch's load, with each group checked as a new one is: a state of another optimizer
@@ -195,15 +217,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         algo = group.get("algorithm")
         if algo not in (MUON, ADAMW):
             raise ValueError(f"param group {gi}: 'algorithm' must be 'muon' or 'adamw', got {algo!r}")
-        check_common(group["lr"], group["weight_decay"], group["ef_beta"])
+        # Numbers are stored back as Python floats and ints (a NumPy scalar becomes one).
+        group.update(check_common(group["lr"], group["weight_decay"], group["ef_beta"]))
         if algo == MUON:
-            check_muon_args(group["momentum"], group["ns_steps"], group["adjust_lr_fn"],
-                            group["ns_dtype"], group["eps"], group["ns_coefficients"])
-            check_normuon_args(group.get("normuon", False), group.get("normuon_beta2", NORMUON_BETA2))
+            group.update(check_muon_args(group["momentum"], group["ns_steps"], group["adjust_lr_fn"],
+                                         group["ns_dtype"], group["eps"], group["ns_coefficients"]))
+            beta2 = check_normuon_args(group.get("normuon", False), group.get("normuon_beta2", NORMUON_BETA2))
+            if "normuon_beta2" in group:
+                group["normuon_beta2"] = beta2
             if not isinstance(group["nesterov"], bool):
                 raise ValueError(f"nesterov must be True or False, got {group['nesterov']!r}")
         else:
-            check_adamw_args(group["betas"], group["eps"])
+            group.update(check_adamw_args(group["betas"], group["eps"]))
         for pi, p in enumerate(group["params"]):
             self._check_param(group, gi, pi, p)
 

@@ -95,7 +95,7 @@ class LRSchedule:
                 raise LRScheduleError(f"--decay-steps must be an integer in 1..{room} (--steps {self.steps} "
                                       f"minus --warmup-steps {self.warmup_steps}), got {self.decay_steps!r}")
         r = self.min_lr_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:  # NaN fails too
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 <= r <= 1.0:  # NaN fails too
             raise LRScheduleError(f"--min-lr-ratio must be a number in [0, 1], got {r!r}")
 
     def multiplier(self, t: int) -> float:
@@ -143,9 +143,10 @@ def apply_lr(optimizer, multiplier: float) -> list[float]:
     AdamW, Muon, MuonHybrid (each group scaled from its own base), ``torch.optim.SGD`` and
     ``ErrorFeedback`` (whose groups are its base optimizer's). Returns the groups' new lrs.
     """
-    if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) \
+    if isinstance(multiplier, bool) or not isinstance(multiplier, numbers.Real) \
             or not math.isfinite(multiplier) or multiplier < 0:
         raise LRScheduleError(f"a learning-rate multiplier must be a finite number >= 0, got {multiplier!r}")
+    multiplier = float(multiplier)
     lrs = []
     for group in optimizer.param_groups:
         base = group.setdefault("initial_lr", group["lr"])

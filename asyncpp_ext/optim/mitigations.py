@@ -27,11 +27,12 @@ update there).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .checks import non_negative, positive, real_number, whole_number
 
 MITIGATIONS = ("none", "ef", "predict", "dc", "lr-rescale")
 """Every mitigation name (``--mitigation``)."""
@@ -94,12 +95,10 @@ def resolve_mitigation(name: Optional[str], dc_lambda: float = DEFAULT_DC_LAMBDA
     name = "none" if name is None else name
     if name not in MITIGATIONS:
         raise MitigationError(f"mitigation {name!r} is not one of {', '.join(MITIGATIONS)}")
-    if isinstance(dc_lambda, bool) or not isinstance(dc_lambda, (int, float)) \
-            or not math.isfinite(dc_lambda) or dc_lambda < 0:
-        raise MitigationError(f"dc_lambda must be a finite number >= 0, got {dc_lambda!r}")
-    if rescale_steps is not None and (isinstance(rescale_steps, bool) or not isinstance(rescale_steps, int)
-                                      or rescale_steps < 1):
-        raise MitigationError(f"rescale_steps must be an integer >= 1, got {rescale_steps!r}")
+    dc_lambda = real_number(dc_lambda, "dc_lambda", "a finite number >= 0", non_negative, error=MitigationError)
+    if rescale_steps is not None:
+        rescale_steps = whole_number(rescale_steps, "rescale_steps", "an integer >= 1", positive,
+                                     error=MitigationError)
     if name == "lr-rescale" and rescale_steps is None:
         raise MitigationError("mitigation 'lr-rescale' needs rescale_steps=K (the steps over which the "
                               "delay's lr reduction fades out), e.g. default_rescale_steps(total_steps)")

@@ -15,10 +15,11 @@ copies), float32 0.94-1.13x. It does not pay, so it is not used.
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
+
+from .checks import non_negative, real_number, whole_number
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -102,17 +103,15 @@ def _check_orthogonalize_arguments(v, norms, steps, ns_dtype, eps) -> None:
         got = tuple(norms.shape) if torch.is_tensor(norms) else type(norms).__name__
         raise ValueError(f"orthogonalize: norms must hold one Frobenius norm per matrix, shape ({v.shape[0]},), "
                          f"got {got}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"orthogonalize: steps must be an integer >= 0, got {steps!r}")
+    whole_number(steps, "orthogonalize: steps", "an integer >= 0", non_negative)
     if ns_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"orthogonalize: ns_dtype must be torch.float32 or torch.bfloat16, got {ns_dtype!r}")
     check_eps(eps, "orthogonalize: eps")
 
 
-def check_eps(eps, what: str = "eps") -> None:
-    """ValueError naming ``what`` unless ``eps`` is a finite number >= 0."""
-    if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"{what} must be a finite number >= 0, got {eps!r}")
+def check_eps(eps, what: str = "eps") -> float:
+    """``eps`` as a float, or a ValueError naming ``what`` unless it is a finite number >= 0."""
+    return real_number(eps, what, "a finite number >= 0", non_negative)
 
 
 def orthogonalize(v: torch.Tensor, norms: torch.Tensor, *, steps: int = 5,

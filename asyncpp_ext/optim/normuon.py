@@ -22,9 +22,9 @@ float32 torch ops, on whatever device the updates live.
 """
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .checks import real_number, unit_interval
 
 NORMUON_BETA2 = 0.95
 """Default decay of the per-row second moment (the paper's and the reference code's value)."""
@@ -38,13 +38,11 @@ class NorMuonArgumentError(ValueError):
     """A NorMuon group option (normuon, normuon_beta2) that cannot be used."""
 
 
-def check_normuon_args(normuon, beta2) -> None:
-    """Raise NorMuonArgumentError unless `normuon` is a bool and `beta2` a float in [0, 1)."""
+def check_normuon_args(normuon, beta2) -> float:
+    """``beta2`` as a float; NorMuonArgumentError unless `normuon` is a bool and `beta2` a float in [0, 1)."""
     if not isinstance(normuon, bool):
         raise NorMuonArgumentError(f"normuon must be True or False, got {normuon!r}")
-    if (isinstance(beta2, bool) or not isinstance(beta2, (int, float)) or not math.isfinite(beta2)
-            or not 0.0 <= beta2 < 1.0):
-        raise NorMuonArgumentError(f"normuon_beta2 must be a float in [0, 1), got {beta2!r}")
+    return real_number(beta2, "normuon_beta2", "a float in [0, 1)", unit_interval, error=NorMuonArgumentError)
 
 
 def normalize_rows(o: torch.Tensor, v: torch.Tensor, beta2: float, eps: float = NORMUON_EPS) -> torch.Tensor:

@@ -31,3 +31,27 @@ def _split(group: dict) -> dict:
         raise ValueError("optimizer params must all be tensors or all be (name, tensor) pairs; "
                          "this group mixes them")
     return dict(group, params=[p for _, p in params], param_names=[n for n, _ in params])
+
+
+def param_label(group, gi, pi) -> str:
+    """How messages name parameter ``pi`` of param group ``gi``: its name when the group has names."""
+    names = group.get("param_names")
+    if names is not None and pi < len(names):
+        return f"parameter '{names[pi]}'"
+    return f"parameter {pi} of param group {gi}"
+
+
+def check_listed_once(groups, group) -> None:
+    """ValueError naming a tensor that ``group`` (about to become param group ``len(groups)``)
+    lists twice or that one of ``groups`` already holds: torch would step it once per listing.
+    A tied weight (one tensor under two names) is listed once, as ``named_parameters()`` gives it."""
+    where = {}
+    for gi, g in enumerate(groups):
+        for pi, p in enumerate(g["params"]):
+            where.setdefault(id(p), param_label(g, gi, pi))
+    for pi, p in enumerate(group["params"]):
+        label = param_label(group, len(groups), pi)
+        if id(p) in where:
+            raise ValueError(f"{label} is the same tensor as {where[id(p)]}, so it would be stepped twice; "
+                             "list each parameter once (one name for a tied weight)")
+        where[id(p)] = label
