@@ -96,3 +96,18 @@ def test_a_fused_head_loss_needs_a_head_that_has_one(one_rank):
                                          r"and output_bias .* not Linear; use head_loss='plain'"):
         Pipeline(blocks, loss_fn=GPT.loss, optimizer=lambda m: build_optimizer(m, "adamw"), microbatches=2,
                  head_loss="fused")
+
+
+def test_a_state_of_another_model_shape_is_named_before_anything_is_written(one_rank):
+    from asyncpp_ext.models import GPTConfig
+
+    wide = Pipeline(GPT(GPTConfig(**{**preset_config("tiny").__dict__, "n_embd": 64}), seed=0), loss_fn=GPT.loss,
+                    optimizer=lambda m: build_optimizer(m, "adamw"), microbatches=2, schedule="2bw", timeout_s=60)
+    p = _pipeline()
+    before = {k: v.clone() for k, v in p.state_dict()["params"].items()}
+    with pytest.raises(ValueError, match=r"the checkpoint's '.*' has shape \(\d+, 64\), this model's \(\d+, 32\); "
+                                         r"it was written for another model shape"):
+        p.load_state_dict(wide.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in p.state_dict()["params"].items())
+    with pytest.raises(TypeError, match="state must be a dict from state_dict\\(\\) or a checkpoint, got NoneType"):
+        p.load_state_dict(None)

@@ -311,6 +311,8 @@ class Pipeline:
 
     def load_state_dict(self, state: dict) -> None:
         """Load a state written at any pipeline depth (or by the single-process simulator)."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from state_dict() or a checkpoint, got {type(state).__name__}")
         state = dict(state)
         for section in ("params", "stash", "older"):
             values = dict(state.get(section, {}))

@@ -51,10 +51,19 @@ def stage_state_dict(host, names: Sequence[str]) -> dict:
 
 def load_stage_state(host, state: dict, names: Sequence[str]) -> None:
     """Load a state written at any pipeline depth into ``host`` (only its names are taken)."""
+    if not isinstance(state, dict) or not isinstance(state.get("params"), dict) or "steps_done" not in state:
+        raise TypeError("state must be a dict from Pipeline.state_dict() (or a checkpoint's shard), got "
+                        f"{type(state).__name__}" + (f" with keys {sorted(state)[:6]}" if isinstance(state, dict) else ""))
     missing = [n for n in names if n not in state["params"]]
     if missing:
         raise ValueError(f"the checkpoint has no weights for {missing[0]!r}; it was written for "
                          "another model")
+    for name, p in zip(names, host.opt_params):  # before anything is written
+        for section in ("params", "stash"):
+            saved = state.get(section, {}).get(name)
+            if saved is not None and tuple(saved.shape) != tuple(p.shape):
+                raise ValueError(f"the checkpoint's {name!r} has shape {tuple(saved.shape)}, this model's "
+                                 f"{tuple(p.shape)}; it was written for another model shape")
     k = int(state["steps_done"])
     newest = k % len(host.flat)
 
