@@ -282,3 +282,11 @@ def test_load_tokens_takes_a_path_object_and_names_a_bad_source(tmp_path):
     stream = BatchStream(np.arange(400) % 50, 2, 2, 8)
     with pytest.raises(DataError, match="position None, not an integer >= 0"):
         stream.load_state_dict({"seed": 0})
+
+
+@pytest.mark.parametrize("bad, kind", [(-1, ValueError), ("10", TypeError), (1.5, TypeError), (True, TypeError)])
+def test_builtin_corpus_refuses_a_cap_that_is_not_a_count(bad, kind):
+    """-1 sliced from the end (5217 bytes); "10" and 1.5 failed inside the slice."""
+    with pytest.raises(kind, match=r"^max_bytes must be an integer >= 0 \(or None\), got "):
+        builtin_corpus(bad)
+    assert len(builtin_corpus(0)) == 0 and len(builtin_corpus(np.int64(7))) == 7

@@ -111,3 +111,8 @@ def test_a_state_of_another_model_shape_is_named_before_anything_is_written(one_
     assert all(torch.equal(before[k], v) for k, v in p.state_dict()["params"].items())
     with pytest.raises(TypeError, match="state must be a dict from state_dict\\(\\) or a checkpoint, got NoneType"):
         p.load_state_dict(None)
+
+
+def test_a_model_without_blocks_is_named_as_such(one_rank):
+    with pytest.raises(ValueError, match="the model has no blocks to split into stages"):
+        Pipeline([], loss_fn=GPT.loss, optimizer=lambda m: build_optimizer(m, "adamw"), microbatches=2)

@@ -334,6 +334,16 @@ def test_a_delay_whose_weight_versions_cannot_fit_is_refused_before_any_copy():
     assert len(DelaySimulator(m, _adamw(m), "2bw", delay=3).history[0]) == 3
 
 
+def test_a_state_of_another_model_shape_is_named_before_anything_is_written():
+    wide = GPT(type(preset_config("tiny"))(**{**preset_config("tiny").__dict__, "n_embd": 64}), seed=0)
+    m = _gpt()
+    sim, before = DelaySimulator(m, _adamw(m), "2bw"), copy.deepcopy(m.state_dict())
+    with pytest.raises(DelaySimulatorError, match=r"saved 'embed.tok.weight' has shape \(256, 64\), this "
+                                                  r"model's \(256, \d+\); load a state saved from the same"):
+        sim.load_state_dict(DelaySimulator(wide, _adamw(wide), "2bw").state_dict())
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+
+
 def test_the_simulator_refuses_lr_rescale_over_different_delays():
     # its optimizer has one lr: the rescale would also slow the parameters computed on the newest
     # weights ("others"), or leave the delayed ones alone ("matrices")

@@ -51,6 +51,7 @@ Several files
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import sysconfig
 from functools import lru_cache
@@ -75,13 +76,19 @@ SCAN_CHUNK_TOKENS = 16 * 1024 * 1024
 """Tokens read at a time when a token file is scanned for its largest id (bounds the memory used)."""
 
 
-@lru_cache(maxsize=2)
-def builtin_corpus(max_bytes: int = BUILTIN_MAX_BYTES) -> np.ndarray:
-    """UTF-8 bytes of the standard library's ``.py`` files, in sorted path order, up to max_bytes.
+@lru_cache(maxsize=2, typed=True)  # typed: True is checked, not taken as a cached 1
+def builtin_corpus(max_bytes: Optional[int] = BUILTIN_MAX_BYTES) -> np.ndarray:
+    """UTF-8 bytes of the standard library's ``.py`` files, in sorted path order, up to max_bytes
+    (None: all of them).
 
     Test suites and vendored packages are skipped (they repeat a lot of boilerplate); files that
     are not valid UTF-8 are skipped so every byte is real text.
     """
+    if max_bytes is not None:
+        integer = isinstance(max_bytes, numbers.Integral) and not isinstance(max_bytes, bool)
+        if not integer or max_bytes < 0:
+            raise (ValueError if integer else TypeError)(
+                f"max_bytes must be an integer >= 0 (or None), got {max_bytes!r}")
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
@@ -97,10 +104,10 @@ def builtin_corpus(max_bytes: int = BUILTIN_MAX_BYTES) -> np.ndarray:
                 raw.decode("utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
-            take = raw[: max_bytes - total]
+            take = raw if max_bytes is None else raw[: max_bytes - total]
             chunks.append(take)
             total += len(take)
-            if total >= max_bytes:
+            if max_bytes is not None and total >= max_bytes:
                 return np.frombuffer(b"".join(chunks), dtype=np.uint8)
     if total == 0:
         raise DataError(f"builtin corpus: no readable .py files under {root}; "

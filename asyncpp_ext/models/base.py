@@ -114,6 +114,45 @@ def check_seed(seed) -> int:
     return seed
 
 
+TOKEN_ID_DTYPES = (torch.int64, torch.int32)
+"""The index dtypes ``nn.Embedding`` takes."""
+
+
+def check_token_ids(idx, vocab_size: int, error: type = ValueError) -> None:
+    """Refuse what an embedding block cannot look up, with one line naming it: ``idx`` that is not
+    a tensor or not of an integer index dtype (TypeError), or ids outside ``0..vocab_size-1``
+    (``error``, a ValueError), which torch answers with a bare "index out of range" on the CPU and
+    with a device-side assert, ending the process's CUDA context, on a GPU.
+
+    The range is checked only for ids on the CPU, outside compiled code: there min and max are one
+    cheap pass over the ids and reading them back waits for nothing. On an accelerator reading them
+    back would make the host wait for the device in every forward of the training loop, and a
+    compiled block cannot branch on tensor values (its graph would break), so there the range is
+    left to the data: the package's loaders check token files against the vocabulary."""
+    if not isinstance(idx, torch.Tensor):
+        raise TypeError(f"token ids must be a torch.Tensor of int64 ids (batch, time), got "
+                        f"{type(idx).__name__}; convert with torch.as_tensor(ids, dtype=torch.long)")
+    if idx.dtype not in TOKEN_ID_DTYPES:
+        raise TypeError(f"token ids must be an int64 (or int32) tensor, got dtype {idx.dtype}; "
+                        "convert with idx.long()")
+    if torch.compiler.is_compiling() or idx.device.type != "cpu" or idx.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(idx))
+    if low < 0 or high >= vocab_size:
+        raise error(f"token ids must lie in 0..{vocab_size - 1} (the model's vocabulary); "
+                    f"got {low if low < 0 else high}")
+
+
+def check_init_std(value, error: type = ValueError) -> None:
+    """Refuse an init standard deviation that is not a number in (0, 1] (``error`` naming
+    model.init_std): past 1 the normal draws of a wide layer overflow or give non-finite losses."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise error(f"model.init_std must be a finite positive number, got {value!r}")
+    if value > 1:
+        raise error(f"model.init_std must be at most 1 (the standard deviation of the weights' normal "
+                    f"init; 0.02 is usual), got {value!r}")
+
+
 @torch.no_grad()
 def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
                  is_one: Callable[[str], bool], is_residual_out: Callable[[str], bool],
@@ -136,5 +175,5 @@ def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
             p.copy_(values)
 
 
-__all__ = ["MAX_SEED", "check_seed", "REGION_MARK", "forward_through", "BlockSequence", "BlockModel", "ProjectionHead",
-           "skip_default_init", "init_normal_"]
+__all__ = ["MAX_SEED", "check_seed", "TOKEN_ID_DTYPES", "check_token_ids", "check_init_std", "REGION_MARK",
+           "forward_through", "BlockSequence", "BlockModel", "ProjectionHead", "skip_default_init", "init_normal_"]

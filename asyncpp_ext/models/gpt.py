@@ -13,14 +13,13 @@ execute the very same operations. Parameter names (``embed.tok.weight``, ``layer
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BlockModel, ProjectionHead, init_normal_, skip_default_init
+from .base import BlockModel, ProjectionHead, check_init_std, check_token_ids, init_normal_, skip_default_init
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,7 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_head={self.n_head} must divide model.n_embd={self.n_embd}; "
                              "pick a width that is a multiple of the head count")
-        if not (isinstance(self.init_std, (int, float)) and 0 < self.init_std < math.inf):
-            raise ValueError(f"model.init_std must be a finite positive number, got {self.init_std!r}")
+        check_init_std(self.init_std)
 
     @property
     def num_blocks(self) -> int:
@@ -94,6 +92,7 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.n_embd)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        check_token_ids(idx, self.tok.num_embeddings)
         if idx.dim() != 2:
             raise ValueError(f"token ids must have shape (batch, time), got {tuple(idx.shape)}")
         t = idx.shape[1]
@@ -163,6 +162,9 @@ class GPT(BlockModel):
 
     def __init__(self, cfg: GPTConfig, seed: int = 0):
         super().__init__()
+        if not isinstance(cfg, GPTConfig):
+            raise TypeError(f"GPT takes a GPTConfig, got {type(cfg).__name__}; build one with "
+                            "GPTConfig(...) or preset_config(name)")
         cfg.validate()
         self.config = cfg
         # reset_parameters writes every parameter from the seed: torch's default module init

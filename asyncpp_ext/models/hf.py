@@ -36,7 +36,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from .base import BlockModel, check_seed
+from .base import BlockModel, check_seed, check_token_ids
+from .hf_checks import SIZE_KEYS, HFModelError, check_heads_and_norms, check_sizes_given
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 """model_types whose decoder layers take (hidden_states, attention_mask, position_ids,
@@ -46,11 +47,6 @@ SUPPORTED_MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
 MIN_TRANSFORMERS = "4.56"
 """Oldest transformers whose decoder-layer interface the adapter has been checked against."""
 INSTALL_HINT = "pip install 'asyncpp_ext[hf]'"
-
-
-class HFModelError(ValueError):
-    """A Hugging Face config, weight directory or installation the adapter cannot use; the message
-    says what is wrong and how to fix it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,6 +144,7 @@ def config_shape(config: dict) -> dict:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # else torch's "negative dimension", later
             raise HFModelError(f"config {attribute} must be a positive integer, got {value!r}; fix the config.json")
         shape[key] = value
+    check_heads_and_norms(hf_config, shape)
     return {**shape, "tie_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False))}
 
 
@@ -161,7 +158,8 @@ _SHAPE_ATTRIBUTES = {"vocab_size": "vocab_size", "n_layer": "num_hidden_layers",
 # Blocks
 
 
-def _check_positions(idx: torch.Tensor, seq_len: int) -> None:
+def _check_ids(idx: torch.Tensor, table: nn.Embedding, seq_len: int) -> None:
+    check_token_ids(idx, table.num_embeddings, HFModelError)
     if idx.dim() != 2:
         raise HFModelError(f"token ids must have shape (batch, time), got {tuple(idx.shape)}; "
                            "pass a 2-D int64 tensor")
@@ -179,7 +177,7 @@ class TokenEmbedding(nn.Module):
         self.seq_len = seq_len
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        _check_positions(idx, self.seq_len)
+        _check_ids(idx, self.embed_tokens, self.seq_len)
         return self.embed_tokens(idx)
 
 
@@ -193,7 +191,7 @@ class GPT2Embedding(nn.Module):
         self.seq_len = seq_len
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        _check_positions(idx, self.seq_len)
+        _check_ids(idx, self.wte, self.seq_len)
         positions = torch.arange(idx.shape[1], device=idx.device).unsqueeze(0)
         return self.wte(idx) + self.wpe(positions)
 
@@ -323,6 +321,9 @@ class HFCausalLM(BlockModel):
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
+        if not isinstance(hf_model, nn.Module) or not hasattr(hf_model, "config"):
+            raise TypeError(f"HFCausalLM wraps a transformers *ForCausalLM model, got {type(hf_model).__name__}; "
+                            "build one with from_config or from_pretrained")
         config = hf_model.config
         model_type = _check_model_type({"model_type": getattr(config, "model_type", None)},
                                        type(hf_model).__name__)
@@ -401,6 +402,7 @@ def from_config(path_or_dict: Union[str, os.PathLike, dict], seed: int = 0) -> H
         _check_model_type(config, "config dict")
     else:
         config = read_config(path_or_dict)
+    check_sizes_given(config)  # transformers' default sizes are a 7B Llama
     config_shape(config)  # sizes checked before transformers builds anything
     check_seed(seed)
     with torch.random.fork_rng(devices=[]):
@@ -484,4 +486,5 @@ def from_pretrained(directory: Union[str, os.PathLike]) -> HFCausalLM:
 
 
 __all__ = ["HFModelError", "HFCausalLM", "from_config", "from_pretrained", "read_config",
-           "check_config", "check_runs", "config_shape", "SUPPORTED_MODEL_TYPES", "MIN_TRANSFORMERS"]
+           "check_config", "check_runs", "check_sizes_given", "config_shape", "SIZE_KEYS",
+           "SUPPORTED_MODEL_TYPES", "MIN_TRANSFORMERS"]

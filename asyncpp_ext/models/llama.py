@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BlockModel, ProjectionHead, init_normal_, skip_default_init
+from .base import BlockModel, ProjectionHead, check_init_std, check_token_ids, init_normal_, skip_default_init
 
 NATIVE_GQA_DEVICES = ("cuda",) if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5) else ()
 """Devices where attention hands grouped-query key/value heads to SDPA as they are
@@ -43,7 +43,8 @@ class LlamaConfigError(ValueError):
 
 
 class LlamaInputError(ValueError):
-    """Token ids a Llama model cannot take (wrong rank, longer than ``seq_len``)."""
+    """Token ids a Llama model cannot take (wrong rank, longer than ``seq_len``, outside the
+    vocabulary)."""
 
 
 @dataclass(frozen=True)
@@ -91,10 +92,11 @@ class LlamaConfig:
                                    f"{self.n_head}; each key/value head serves a whole group of queries")
         if not isinstance(self.tie_embeddings, bool):
             raise LlamaConfigError(f"model.tie_embeddings must be True or False, got {self.tie_embeddings!r}")
-        for name in ("rope_theta", "norm_eps", "init_std"):
+        for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise LlamaConfigError(f"model.{name} must be a finite positive number, got {value!r}")
+        check_init_std(self.init_std, LlamaConfigError)
 
     @property
     def head_dim(self) -> int:
@@ -329,6 +331,7 @@ class LlamaEmbedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        check_token_ids(idx, self.tok.num_embeddings, LlamaInputError)
         if idx.dim() != 2:
             raise LlamaInputError(f"token ids must have shape (batch, time), got {tuple(idx.shape)}")
         t = idx.shape[1]
@@ -384,6 +387,9 @@ class Llama(BlockModel):
 
     def __init__(self, cfg: LlamaConfig, seed: int = 0):
         super().__init__()
+        if not isinstance(cfg, LlamaConfig):
+            raise TypeError(f"Llama takes a LlamaConfig, got {type(cfg).__name__}; build one with "
+                            "LlamaConfig(...) or llama_preset_config(name)")
         cfg.validate()
         self.config = cfg
         # reset_parameters writes every parameter from the seed: torch's default module init

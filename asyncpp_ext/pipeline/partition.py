@@ -57,6 +57,9 @@ def balanced_split_points(sizes: Sequence[int], stages: int) -> list[int]:
 def check_stage_count(n_blocks: int, stages: int) -> None:
     if stages < 1:
         raise PartitionError(f"stages must be >= 1 (got {stages})")
+    if n_blocks == 0:
+        raise PartitionError("the model has no blocks to split into stages; pass a non-empty nn.Sequential "
+                             "or list of blocks")
     if stages > n_blocks:
         raise PartitionError(f"cannot split {n_blocks} blocks into {stages} stages: every stage needs at "
                              f"least one block; use --stages <= {n_blocks} or a deeper model")

@@ -37,20 +37,6 @@ def read_hf_config(path: str | Path) -> dict:
     return data
 
 
-# Each size a config must give itself (under one of its names across architectures): left out,
-# transformers fills in its class's default -- a 7B Llama for {"model_type": "llama"} -- and the run
-# would build that on the CPU until memory ran out.
-_SIZE_KEYS = (("vocab_size",), ("hidden_size", "n_embd", "d_model"), ("num_hidden_layers", "n_layer", "num_layers"),
-              ("num_attention_heads", "n_head"))
-
-
-def _check_sizes_given(config: dict, source: str) -> None:
-    missing = [names[0] for names in _SIZE_KEYS if not any(n in config for n in names)]
-    if missing:
-        raise ModelSourceError(f"{source} gives no {', '.join(missing)}: transformers would fill in its defaults "
-                               "(for Llama a 7B model); pass the model's whole config.json, or give them")
-
-
 def _hf_shape(config: dict, source: str) -> dict:
     """vocab_size, n_layer, max positions, width, heads and tying of a transformers config dict,
     after the adapter has accepted its architecture."""
@@ -70,7 +56,10 @@ def hf_model_config(config: dict, source: str, model_dir: Optional[str] = None) 
     from ..models import hf
 
     shape = _hf_shape(config, source)  # an architecture the adapter takes, first
-    _check_sizes_given(config, source)
+    try:  # left out, transformers would fill in its defaults: a 7B Llama
+        hf.check_sizes_given(config, source)
+    except hf.HFModelError as exc:
+        raise ModelSourceError(str(exc)) from None
     try:
         hf.check_runs(config, model_dir)
     except ValueError as exc:

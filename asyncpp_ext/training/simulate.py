@@ -423,6 +423,10 @@ class DelaySimulator:
             raise DelaySimulatorError(f"state was saved with schedule {state.get('schedule')!r}, this "
                                       f"simulator runs {self.schedule!r}; use the same schedule")
         _check_names("params", state["params"], self.names)
+        for n, p in zip(self.names, self.params):  # before anything is written
+            if tuple(state["params"][n].shape) != tuple(p.shape):
+                raise DelaySimulatorError(f"saved {n!r} has shape {tuple(state['params'][n].shape)}, this model's "
+                                          f"{tuple(p.shape)}; load a state saved from the same model shape")
         older = {n: v for n, v in (state.get("older") or {}).items() if len(v)}  # [] = none kept
         if self.delayed:
             versions_hint = "load a state saved with the same schedule, delay and stage split"
