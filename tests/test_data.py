@@ -290,3 +290,18 @@ def test_builtin_corpus_refuses_a_cap_that_is_not_a_count(bad, kind):
     with pytest.raises(kind, match=r"^max_bytes must be an integer >= 0 \(or None\), got "):
         builtin_corpus(bad)
     assert len(builtin_corpus(0)) == 0 and len(builtin_corpus(np.int64(7))) == 7
+
+
+@pytest.mark.parametrize("vocab_size", [0, -1, "256", True, 2.5])
+def test_batch_stream_refuses_a_vocab_size_that_is_no_count(vocab_size):
+    with pytest.raises(DataError, match=f"BatchStream: vocab_size must be an integer >= 1 \\(or None\\), got "):
+        BatchStream(np.arange(100, dtype=np.uint16), microbatches=1, micro_batch_size=1, seq_len=8,
+                    vocab_size=vocab_size)
+
+
+def test_ids_past_the_vocabulary_of_an_array_do_not_blame_a_sidecar():
+    stream = BatchStream(np.full(100, 300, dtype=np.uint16), microbatches=1, micro_batch_size=1, seq_len=8,
+                         vocab_size=256)
+    with pytest.raises(DataError, match="^the data holds token id 300 >= vocab_size 256, outside the vocabulary; "
+                                        "train with a vocabulary of at least 301"):
+        stream.next()

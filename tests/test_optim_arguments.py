@@ -154,3 +154,24 @@ def test_numpy_scalars_are_taken_as_python_numbers(dtype):
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_optimizers_deep_copy_and_pickle_whole(wrapped):
+    """torch's Optimizer pickles only the groups and state: a fused optimizer's own settings, and
+    ErrorFeedback's base (whose groups and state it shows), would be lost."""
+    import copy
+    import pickle
+
+    p = nn.Parameter(torch.arange(4.0))
+    ef = AdamW([("a", p)], lr=0.1, weight_decay=0.0, ef_beta=0.5)
+    ef = ErrorFeedback(ef, beta=0.5) if wrapped else ef
+    p.grad = torch.ones(4)
+    ef.step()
+    for twin in (copy.deepcopy(ef), pickle.loads(pickle.dumps(ef))):
+        q = twin.param_groups[0]["params"][0]
+        assert q is not p and torch.equal(q, p)
+        q.grad = p.grad.clone()
+        twin.step()
+    ef.step()
+    assert torch.equal(q, p)  # the copy steps as the original does

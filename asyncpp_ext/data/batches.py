@@ -68,9 +68,11 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
     # The load checked the ids against the vocabulary by the sidecar's max_token_id, not by a
     # scan: a sidecar that understates it would otherwise reach the embedding as an IndexError.
     if vocab_size is not None and rows.size and int(rows.max()) >= vocab_size:
-        raise DataError(f"{source or 'the data'} holds token id {int(rows.max())} >= vocab_size {vocab_size}, above the "
-                        "max_token_id its sidecar gives; regenerate the token file and its sidecar "
-                        f"(asyncpp-prepare-data), or train with --vocab-size {int(rows.max()) + 1}")
+        top = int(rows.max())
+        why = ("above the max_token_id its sidecar gives; regenerate the token file and its sidecar "
+               "(asyncpp-prepare-data), or" if source else "outside the vocabulary;")
+        raise DataError(f"{source or 'the data'} holds token id {top} >= vocab_size {vocab_size}, {why} "
+                        f"train with a vocabulary of at least {top + 1} (--vocab-size)")
     block = torch.from_numpy(rows)
     return block[:, :-1].contiguous(), block[:, 1:].contiguous()
 
@@ -101,6 +103,9 @@ class BatchStream:
             value, least = getattr(self, name), 0 if name in ("seed", "position") else 1
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
                 raise DataError(f"BatchStream: {name} must be an integer >= {least}, got {value!r}")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(
+                self.vocab_size, (int, np.integer)) or self.vocab_size < 1):
+            raise DataError(f"BatchStream: vocab_size must be an integer >= 1 (or None), got {self.vocab_size!r}")
         if getattr(self.tokens, "ndim", 1) != 1 or np.dtype(self.tokens.dtype).kind not in "ui":
             raise DataError(f"BatchStream: tokens must be a 1-D array of integer ids, got "
                             f"{getattr(self.tokens, 'ndim', '?')}-D {self.tokens.dtype}")

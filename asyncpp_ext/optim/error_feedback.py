@@ -55,6 +55,14 @@ class ErrorFeedback(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
+    # torch's Optimizer pickles only defaults, state and param_groups, which here are the base's
+    # (properties over self.base): the wrapper's own attributes, the base first, are its state.
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
     @property
     def param_groups(self):
         return self.base.param_groups

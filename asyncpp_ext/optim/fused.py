@@ -146,6 +146,11 @@ def check_group_keys(group, default_algorithm) -> None:
                          f"{', '.join(sorted(GROUP_KEYS[algo]))}")
 
 
+def _no_peer_wait(what: str):
+    """The default ``peer_wait``: nothing to watch (a module function: the optimizer pickles)."""
+    return contextlib.nullcontext()
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """Base of Muon, AdamW and MuonHybrid. Each param group carries "algorithm" ("muon"/"adamw")."""
 
@@ -165,7 +170,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.check_finite = True
         # A context around waits on other ranks (the sharded step's all-gather), given what is
         # awaited: a pipeline's watchdog then reports a stall there as waiting on a peer.
-        self.peer_wait = lambda what: contextlib.nullcontext()
+        self.peer_wait = _no_peer_wait
         if shard_group is not None:
             self.shard_across(shard_group)
 
@@ -192,6 +197,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             except ValueError:
                 self.param_groups.pop()  # a refused group is not kept
                 raise
+
+    def __getstate__(self):
+        # torch's keeps only defaults, state and param_groups: a copy would lose ef_source, the
+        # workspace and the checks' settings, and fail at its first step
+        return dict(self.__dict__)
 
     def load_state_dict(self, state_dict):
         """torch's load, with each group checked as a new one is: a state of another optimizer
