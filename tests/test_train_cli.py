@@ -47,7 +47,7 @@ def test_tiny_adamw_run_lowers_loss_and_writes_its_outputs(tmp_path, capsys):
     assert cfg["pipeline"]["schedule"] == "2bw" and cfg["train"]["steps"] == 60
 
 
-def test_no_checkpoints_and_no_eval_write_neither_and_train_the_same(tmp_path):
+def test_no_checkpoints_and_no_eval_write_neither_and_train_the_same(tmp_path, capsys):
     args = [*FAST, "--steps", "6", "--eval-every", "3", "--ckpt-every", "3"]
     assert main([*args, "--out", str(tmp_path / "full")]) == 0
     assert main([*args, "--no-checkpoints", "--eval-batches", "0", "--out", str(tmp_path / "quiet")]) == 0
@@ -58,7 +58,12 @@ def test_no_checkpoints_and_no_eval_write_neither_and_train_the_same(tmp_path):
     assert sorted(p.name for p in (tmp_path / "full").glob("ckpt-*")) == ["ckpt-000003", "ckpt-000006"]
     assert list((tmp_path / "quiet").glob("ckpt-*")) == []
     # a resumed run may change how much it evaluates (not what trains) and stop checkpointing
+    capsys.readouterr()
     assert main(["--resume", str(tmp_path / "full"), "--steps", "8", "--eval-batches", "0", "--no-checkpoints"]) == 0
+    # the resume says where it starts and what it changes
+    assert capsys.readouterr().err.splitlines() == [
+        "asyncpp-train: resuming from ckpt-000006 (step 6); changed: data.eval_batches 4->0, "
+        "train.checkpoints True->False, train.steps 6->8"]
     resumed = _metrics(tmp_path / "full")
     assert [r["step"] for r in resumed] == list(range(1, 9)) and not any("eval_loss" in r for r in resumed[6:])
     assert sorted(p.name for p in (tmp_path / "full").glob("ckpt-*")) == ["ckpt-000003", "ckpt-000006"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -18,7 +19,7 @@ from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline import under_launcher
 from .build import build_data, build_simulator, resume, stage_compute
-from .checkpoint import CheckpointError, load_checkpoint, restore_rng_state
+from .checkpoint import CheckpointError, load_checkpoint, read_meta, restore_rng_state
 from .config import ConfigError, RunConfig
 from .run_files import (CONFIG_NAME, prepare_run_dir, read_metrics, release_run_dir, remove_unfinished_checkpoints,
                         truncate_metrics, write_text_atomic)
@@ -105,8 +106,22 @@ def start_run_dir(cfg: RunConfig, resume_dir: Optional[Path], start_step: int) -
     if resume_dir is not None:
         truncate_metrics(out, start_step)
         remove_unfinished_checkpoints(out)
+        changed = changed_settings(read_meta(resume_dir)["config"], cfg.to_dict())
+        print(f"asyncpp-train: resuming from {resume_dir.name} (step {start_step})"
+              + (f"; changed: {', '.join(changed)}" if changed else ""), file=sys.stderr)
     write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
     return out
+
+
+def changed_settings(saved: dict, now: dict, shown: int = 6) -> list[str]:
+    """``section.field before->after`` for each setting a resumed run changes (the ones allowed to:
+    the checks refused the others), the first ``shown`` of them and a count of the rest."""
+    changed = [f"{section}.{name} {before!r}->{now[section].get(name)!r}"
+               for section, fields in saved.items() if isinstance(fields, dict)
+               for name, before in fields.items()
+               if section in now and (section, name) not in (("train", "out"), ("train", "resume"))
+               and now[section].get(name, before) != before]
+    return changed[:shown] + ([f"{len(changed) - shown} more"] if len(changed) > shown else [])
 
 
 def train(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
