@@ -28,6 +28,12 @@ def test_real_pipedream_equals_the_simulator(tmp_path, optimizer):
 
 
 @pytest.mark.multiproc
+def test_pipedream_takes_its_one_microbatch_without_being_told(tmp_path):
+    flags = GPT + ["--schedule", "pipedream", "--micro-batch-size", "4", "--stages", "2", "--steps", "2", "--simulate"]
+    assert main(flags + ["--out", str(tmp_path / "r")]) == 0
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["pipeline"]["microbatches"] == 1
+
+
 def test_pipedream_resume_mid_run_is_bitwise(tmp_path):
     flags = GPT + PIPEDREAM + ["--optimizer", "muon", "--stages", "3", "--ckpt-every", "4"]
     assert main(flags + ["--steps", "8", "--out", str(tmp_path / "full")]) == 0

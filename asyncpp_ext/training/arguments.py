@@ -74,7 +74,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                            "knob: which part's staleness costs what)")
     pipe.add_argument("--stages", type=int, help=f"pipeline stages (default {_D.pipeline.stages})")
     pipe.add_argument("--microbatches", type=int,
-                      help=f"microbatches per step; 2bw needs >= stages (default {_D.pipeline.microbatches})")
+                      help=f"microbatches per step; 2bw needs >= stages (default {_D.pipeline.microbatches}; 1, "
+                           "the only count it runs, with --schedule pipedream)")
     pipe.add_argument("--micro-batch-size", type=int,
                       help=f"sequences per microbatch per replica (default {_D.pipeline.micro_batch_size})")
     pipe.add_argument("--dp", type=int,
@@ -125,11 +126,13 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
     run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
     opt.add_argument("--lr-schedule", choices=LR_SCHEDULES,
-                     help="lr multiplier over the run: constant, cosine (down to --min-lr-ratio at the "
-                          "end) or wsd (warmup, stable, linear decay over --decay-steps) (default constant)")
+                     help="lr multiplier over the run: constant, cosine (toward --min-lr-ratio, reached "
+                          "as the run ends) or wsd (warmup, stable, linear decay over --decay-steps) "
+                          "(default constant)")
     opt.add_argument("--warmup-steps", type=int, help="linear lr warmup steps (default 0)")
     opt.add_argument("--decay-steps", type=int, help="wsd: steps of the final decay (default: a share of --steps)")
-    opt.add_argument("--min-lr-ratio", type=float, help="cosine/wsd: final lr as a fraction of --lr")
+    opt.add_argument("--min-lr-ratio", type=float,
+                     help="cosine/wsd: the lr they decay to, as a fraction of --lr (default 0.1)")
     opt.add_argument("--clip-grad-norm", type=float, metavar="X",
                      help="clip the gradient to global norm X, measured on the previous step's gradient so "
                           "no stage waits for the others (default: no clipping)")
@@ -290,6 +293,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
     for (section, name), value in sets.items():
         if value is not None:
             setattr(getattr(cfg, section), name, value)
+    if base is None and args.microbatches is None and cfg.pipeline.schedule == "pipedream":
+        cfg.pipeline.microbatches = 1  # the only count pipedream runs: one microbatch per step
     cfg.train.resume = args.resume
     return cfg
 

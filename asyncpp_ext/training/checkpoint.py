@@ -322,6 +322,13 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
                 fix = f"pass {flag} {resolved_field(saved_cfg, name)} to resume at the checkpoint's precision"
             raise CheckpointError(f"checkpoint {ckpt_dir} was written with {name}={was} but "
                                   f"this run has {new}; {fix}")
+    if (saved_cfg.data.val_source is None) != (run.data.val_source is None):
+        # --val-data decides what of --data trains: all of it, or all but the held-out end
+        was = f"with --val-data {saved_cfg.data.val_source}" if saved_cfg.data.val_source else "without --val-data"
+        fix = ("pass --val-data (its path may change)" if saved_cfg.data.val_source else "drop --val-data")
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written by a run {was}, which decides the training "
+                              "tokens (with it all of --data trains, without it the end of --data is held out "
+                              f"for evaluation); {fix}")
     if schedule_spec(saved_cfg.pipeline.schedule).lag_per_stage and saved_cfg.pipeline.stages != run.pipeline.stages:
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by a {saved_cfg.pipeline.schedule} run of --stages "
                               f"{saved_cfg.pipeline.stages}, whose depth sets each stage's delay and the "

@@ -466,6 +466,9 @@ class RunConfig:
             self.lr_schedule().validate()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.optim.min_lr_ratio is not None and self.optim.lr_schedule == "constant":
+            raise ConfigError("--min-lr-ratio is where cosine and wsd decay to; the constant schedule never "
+                              "decays: drop --min-lr-ratio or pass --lr-schedule cosine or wsd")
         if not 0 < self.data.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be in (0, 1), got {self.data.eval_fraction}")
         blocks = self.model.num_blocks

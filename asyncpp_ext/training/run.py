@@ -177,7 +177,9 @@ def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
 
 
 def print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
-    """One line: where the run ended, its last loss, time, and what it trained."""
+    """One line: where the run ended, its last loss, its training time (the steps' own, as
+    metrics.jsonl's elapsed_s: start-up and compilation before the first step are not in it), and
+    what it trained."""
     rows = [r for r in read_metrics(out) if r["step"] > start_step]
     if not rows:
         print(f"{out}: already at step {start_step} of {cfg.train.steps}; nothing to do")
@@ -190,7 +192,7 @@ def print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
     shown += f" ({skipped} step{'s' if skipped != 1 else ''} skipped: non-finite values)" if skipped else ""
     loss = "skipped" if last["loss"] is None else f"{last['loss']:.4f}"
     print(f"{out}: step {last['step']} loss {loss}{shown} "
-          f"({last['elapsed_s']:.1f} s, {describe(cfg.model)}, {cfg.pipeline.schedule}, {cfg.optim.name}, "
+          f"({last['elapsed_s']:.1f} s training, {describe(cfg.model)}, {cfg.pipeline.schedule}, {cfg.optim.name}, "
           f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''}"
           f"{f' x {cfg.pipeline.dp} replicas' if cfg.pipeline.dp > 1 else ''})")
 

@@ -83,6 +83,7 @@ RESUME_KINDS = {  # kind -> (which finished run, extra argv)
     "corrupt-pipe": ("pipeline", []), "truncate-pipe": ("pipeline", []),
     "pipe-missing-shard": ("pipeline", []), "mismatch-pipe": ("pipeline", ["--n-embd", "64"]),
     "timeout-resume": ("pipeline", ["--timeout", "-1"]),
+    "val-data-added": ("single", ["--val-data", __file__]),  # any UTF-8 text will do as held-out data
 }
 
 
@@ -146,6 +147,9 @@ BAD_INPUTS = [
     ("truncate", "stage-00.pt is truncated"),
     ("meta-step", "has step='two', not an integer; the checkpoint is damaged"),
     ("mismatch", "model.n_layer=1 but this run has 2"),
+    ("val-data-added", "was written by a run without --val-data, which decides the training tokens (with it "
+                       "all of --data trains, without it the end of --data is held out for evaluation); drop "
+                       "--val-data"),
     ("nockpt", "no checkpoint"),
     ("backwards", "--steps 2 is before the checkpoint's step 3"),
     ("meta-garbage", "meta.json is unreadable or corrupted"),
@@ -203,6 +207,8 @@ BAD_INPUTS = [
     ("--n-layer 100000", "--n-layer: model.n_layer must be at most 4096"),
     ("--out=", "--out: train.out must name the run directory, got ''"),
     ("--eval-batches 99999999", "--eval-batches 99999999 needs"),
+    # a flag the schedule would ignore
+    ("--min-lr-ratio 0.2", "--min-lr-ratio is where cosine and wsd decay to; the constant schedule never decays"),
     ("--optimizer adamw --ns-dtype bf16", "optim.ns_dtype='bf16' sets muon's Newton-Schulz dtype, but the "
                                           "optimizer is 'adamw'"),
     ("--ns-dtype fp64", "invalid choice: 'fp64'"),
