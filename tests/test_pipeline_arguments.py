@@ -46,6 +46,11 @@ def _pipeline(**overrides):
     ({"recompute": "no"}, TypeError, "recompute must be True or False, got 'no'"),
     ({"compile": 1}, TypeError, "compile must be True or False, got 1"),
     ({"dp": True}, ValueError, "dp must be a positive integer dividing the world size 1, got True"),
+    ({"device": "gpu"}, ValueError, "device 'gpu' is not a device name torch knows; use 'cpu', 'cuda' or 'cuda:N'"),
+    ({"device": 5}, ValueError, "device must be a string or torch.device such as 'cpu'"),
+    ({"device": "meta"}, ValueError, "device 'meta': the pipeline runs on 'cpu' or 'cuda'"),
+    # not a missing NCCL (the transport auto picks on CUDA): the GPU is what is missing
+    ({"device": "cuda:99"}, ValueError, "device 'cuda:99' but torch sees (no|\\d+) CUDA device"),
 ])
 def test_bad_arguments_are_named_at_construction(one_rank, overrides, error, match):
     with pytest.raises(error, match=match):

@@ -114,6 +114,29 @@ def process_group_backend(transport: str, device) -> str:
     return "gloo"
 
 
+def check_device(device) -> torch.device:
+    """``Pipeline(device=...)`` as a torch.device (None: the CPU), or ValueError naming it: a name
+    torch does not know, a kind the pipeline does not run on (it runs on "cpu" and "cuda"; "meta"
+    would train nothing), a GPU that is not there (before the transport would blame NCCL)."""
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be a string or torch.device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a device name torch knows; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r}: the pipeline runs on 'cpu' or 'cuda'")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(device)!r} but torch sees no CUDA device; use device='cpu'")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {str(device)!r} but torch sees {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    return device
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A batch tensor on its compute device without making the host wait: to a GPU from pinned
     memory, asynchronously. A pageable source would make the copy wait for everything queued on
@@ -125,6 +148,6 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-__all__ = ["TRANSPORTS", "LAUNCHERS", "DeviceError", "choose_transport", "needs_own_gpu", "local_world_size",
+__all__ = ["TRANSPORTS", "LAUNCHERS", "DeviceError", "check_device", "choose_transport", "needs_own_gpu", "local_world_size",
            "check_local_world",
            "rank_device", "process_group_backend", "to_device"]

@@ -36,7 +36,7 @@ from .stage import StageError, StageHost
 from .step_feed import StepFeed
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
-from .devices import TRANSPORTS, choose_transport, to_device  # noqa: F401 (TRANSPORTS: public name kept here)
+from .devices import TRANSPORTS, check_device, choose_transport, to_device  # noqa: F401 (TRANSPORTS: public name kept here)
 from .transport import TransportError
 from .transports import TransportContext, create_transport
 from .watchdog import Watchdog, check_timeout, default_timeout_s
@@ -178,7 +178,7 @@ class Pipeline:
                                   "version than a pipeline stage keeps; run it in the simulator (--simulate)")
         self.schedule, self.core_schedule, self.m = schedule, spec.core, microbatches
         timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, f"timeout_s={timeout_s!r}")
-        self.device = torch.device("cpu" if device is None else device)
+        self.device = check_device(device)
         self.autocast_dtype = resolve_autocast(dtype, self.device)
         every_param = dtype in PARAMS_IN_COMPUTE_DTYPE  # every parameter computes in bf16 (bf16-params)
         transport = _choose_transport(transport, self.device)
@@ -186,8 +186,6 @@ class Pipeline:
             from .nccl import require_nccl
             require_nccl(need_gpu=True)
         if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device {str(self.device)!r} but torch sees no CUDA device; use device='cpu'")
             if self.device.index is None:  # the worker thread needs the index (current device is per thread)
                 self.device = torch.device("cuda", torch.cuda.current_device())
         if cuda_graphs and (self.device.type != "cuda" or recompute or track_memory):
