@@ -294,7 +294,7 @@ def test_builtin_corpus_refuses_a_cap_that_is_not_a_count(bad, kind):
 
 @pytest.mark.parametrize("vocab_size", [0, -1, "256", True, 2.5])
 def test_batch_stream_refuses_a_vocab_size_that_is_no_count(vocab_size):
-    with pytest.raises(DataError, match=f"BatchStream: vocab_size must be an integer >= 1 \\(or None\\), got "):
+    with pytest.raises(DataError, match="BatchStream: vocab_size must be an integer >= 1 \\(or None\\), got "):
         BatchStream(np.arange(100, dtype=np.uint16), microbatches=1, micro_batch_size=1, seq_len=8,
                     vocab_size=vocab_size)
 

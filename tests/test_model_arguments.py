@@ -116,7 +116,7 @@ def test_a_hf_config_that_leaves_its_sizes_to_the_defaults_is_refused_before_bui
     with pytest.raises(HFModelError, match=f"^config gives no {missing}: transformers would fill in its "
                                            r"defaults \(for Llama a 7B model\)"):
         hf.from_config(config)
-    with pytest.raises(HFModelError, match=f"^{{'model_type': 'llama'}} gives no vocab_size"):
+    with pytest.raises(HFModelError, match="^{'model_type': 'llama'} gives no vocab_size"):
         hf.check_sizes_given({"model_type": "llama"}, "{'model_type': 'llama'}")
     hf.check_sizes_given(_LLAMA)
 
