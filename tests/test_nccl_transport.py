@@ -212,7 +212,13 @@ def test_pipeline_rejects_transport_device_mismatches(one_rank_world, device, tr
 
 @pytest.mark.skipif(torch.cuda.is_available() and _nccl_loadable(), reason="NCCL can run here")
 def test_pipeline_on_cuda_without_nccl_or_gpu_fails_clearly(one_rank_world):
-    with pytest.raises(NcclUnavailableError, match="nvidia-nccl-cu12|needs a GPU|built without CUDA"):
+    if torch.cuda.is_available():  # the GPU is there: what is missing is NCCL
+        if _nccl_loadable():
+            pytest.skip("this machine has a GPU and NCCL")
+        error, match = NcclUnavailableError, "nvidia-nccl-cu12|needs a GPU|built without CUDA"
+    else:  # named first: without a GPU, installing NCCL would not help
+        error, match = ValueError, "device 'cuda' but torch sees no CUDA device; use device='cpu'"
+    with pytest.raises(error, match=match):
         Pipeline(_blocks(), loss_fn=torch.nn.functional.mse_loss, optimizer=_sgd, schedule="1f1b",
                  microbatches=1, device="cuda")
 
