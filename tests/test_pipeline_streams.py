@@ -50,6 +50,32 @@ def test_leaving_the_loop_early_runs_the_stream_out_and_training_goes_on_exactly
     assert after == whole[6:]  # the same arithmetic as one uninterrupted stream
 
 
+def test_a_ctrl_c_while_the_rest_of_a_left_stream_runs_is_named_on_the_next_call(one_rank):
+    import _thread
+    import threading
+    import time
+
+    def slow_loss(out, targets):  # about 2 s of stream left after the first step
+        time.sleep(0.1)
+        return GPT.loss(out, targets)
+
+    p = _pipeline(slow_loss)
+    stream = p.train(_batches(0, 10), steps=10)
+    next(stream)
+    ctrl_c = threading.Timer(0.3, _thread.interrupt_main)  # a KeyboardInterrupt in this thread
+    ctrl_c.start()
+    try:
+        with pytest.warns(UserWarning, match="left after step 0"), pytest.raises(KeyboardInterrupt):
+            stream.close()  # runs the rest of the stream: interrupted there
+    finally:
+        ctrl_c.cancel()
+    with pytest.raises(StageError, match=r"stopped part-way through a stream \(step \d+: KeyboardInterrupt\)"):
+        list(p.train(_batches(0, 1), steps=1))
+    for worker in threading.enumerate():  # the stream's worker finishes in the background
+        if worker.name.startswith("asyncpp-stage"):
+            worker.join(60)
+
+
 def test_a_stream_that_failed_part_way_is_named_on_the_next_call(one_rank):
     calls = []
 

@@ -434,12 +434,16 @@ class Pipeline:
             warnings.warn(f"Pipeline.train left after step {last} of {first_step}..{first_step + steps - 1}: "
                           "the remaining steps ran to the end (a stream cannot stop part-way); ask for "
                           "fewer steps to train fewer", stacklevel=2)
-            for item in feed.items():
-                if isinstance(item, BaseException):
-                    self._stopped_part_way = _why(last + 1, item)
-                    thread.join()
-                    return
-                last = item.step if isinstance(item, StepStats) else last
+            try:
+                for item in feed.items():
+                    if isinstance(item, BaseException):
+                        self._stopped_part_way = _why(last + 1, item)
+                        thread.join()
+                        return
+                    last = item.step if isinstance(item, StepStats) else last
+            except BaseException as exc:  # a Ctrl-C while the rest runs: the worker goes on
+                self._stopped_part_way = _why(last + 1, exc)
+                raise
         except BaseException as exc:  # KeyboardInterrupt: the worker goes on in the background
             self._stopped_part_way = self._stopped_part_way or _why(last + 1, exc)
             raise
