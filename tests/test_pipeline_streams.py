@@ -51,7 +51,7 @@ def test_leaving_the_loop_early_runs_the_stream_out_and_training_goes_on_exactly
 
 
 def test_a_ctrl_c_while_the_rest_of_a_left_stream_runs_is_named_on_the_next_call(one_rank):
-    import _thread
+    import ctypes
     import threading
     import time
 
@@ -62,7 +62,11 @@ def test_a_ctrl_c_while_the_rest_of_a_left_stream_runs_is_named_on_the_next_call
     p = _pipeline(slow_loss)
     stream = p.train(_batches(0, 10), steps=10)
     next(stream)
-    ctrl_c = threading.Timer(0.3, _thread.interrupt_main)  # a KeyboardInterrupt in this thread
+    # A KeyboardInterrupt raised in this thread (under pytest-xdist it is not the main thread,
+    # which _thread.interrupt_main would reach).
+    me = ctypes.c_ulong(threading.get_ident())
+    ctrl_c = threading.Timer(0.3, lambda: ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        me, ctypes.py_object(KeyboardInterrupt)))
     ctrl_c.start()
     try:
         with pytest.warns(UserWarning, match="left after step 0"), pytest.raises(KeyboardInterrupt):
