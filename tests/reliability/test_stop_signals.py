@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from asyncpp_ext.training.checkpoint import list_checkpoints
 from asyncpp_ext.training.run_files import read_metrics
 
 
@@ -38,6 +39,11 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_a_line(tmp_path):
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         _wait_for_rows(launcher, run)
+        # a segment's rows are written just before its checkpoint: wait for that too (the hint needs it)
+        deadline = time.monotonic() + 60
+        while not list_checkpoints(run):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.1)
         family = {launcher.pid} | {c for p in _children(launcher.pid) for c in [p, *_children(p)]}
         os.kill(launcher.pid, signal.SIGTERM)  # to the launcher only, not its process group
         out, err = launcher.communicate(timeout=60)
