@@ -176,10 +176,10 @@ class DelaySimulator:
                                       "rescaling needs one delay for every parameter")
         self.copies = compute_copies(model) if compute_copies is not None else None
         self.wants_previous = wants_previous_weights(optimizer)
-        check_versions_fit(self.params, [self._versions_kept(d) for d in self.delays])
+        kept = [self._versions_kept(d) for d in self.delays]
+        check_versions_fit(self.params, kept)
         # Versions before 0 are W(0): the first d_p steps compute on the initial weights.
-        self.history = [[p.detach().clone() for _ in range(self._versions_kept(d))] for p, d in
-                        zip(self.params, self.delays)]
+        self.history = [[p.detach().clone() for _ in range(n)] for p, n in zip(self.params, kept)]
         # "predict": the extrapolated weights are built here each step, then swapped in.
         self.predicted = [torch.empty_like(p) if d and self.mitigation.predicts else None
                           for p, d in zip(self.params, self.delays)]
