@@ -411,8 +411,9 @@ class Pipeline:
                         del self.trace[:len(self.trace) - self.trace_limit]
                 feed.finish(done)
             except BaseException as e:  # handed to the caller's thread
-                if isinstance(e, TransportError):  # on record like a stalled rank's state
-                    self.watchdog.dump_state(f"lost a peer: {e}")
+                if isinstance(e, TransportError):  # on record like a stalled rank's state; the
+                    # error itself is this rank's next line (its exit) -- not repeated in the block
+                    self.watchdog.dump_state("lost a peer: this rank's state as its transport failed")
                 feed.finish(e)
 
         if self.host.exchange is not None:

@@ -142,6 +142,7 @@ class Trainer:
         last_elapsed = self.elapsed_before
         profiler = self._profiler()
         pending = []  # this segment's rows, written at its end (with its checkpoint)
+        failed = False
         try:
             while self.step < total:
                 end = self._segment_end()
@@ -184,6 +185,9 @@ class Trainer:
                 self._log_tensorboard(written)
                 if self.cfg.train.checkpoints and self._is_due(end, self.cfg.train.ckpt_every):
                     self.save(self.elapsed_before + time.perf_counter() - start)
+        except Exception:
+            failed = True  # a NaN/Inf stop, a lost peer: the plot shows the losses that led there
+            raise
         finally:
             if metrics is not None:
                 # stopped inside a segment (a NaN/Inf stop, an interrupt): its finished steps' rows
@@ -196,6 +200,11 @@ class Trainer:
                     logger.close()
             if bar is not None:
                 bar.close()
+            if failed and self.writes_metrics:
+                try:
+                    plot_losses(self.run_dir)
+                except Exception:  # noqa: BLE001 -- the run's own failure is the one to report
+                    pass
         if self.writes_metrics:
             plot_losses(self.run_dir)
         return rows

@@ -81,8 +81,8 @@ void Executor::execute(size_t index) {
       try {
         transport_.wait(recv_request_[index], options_.timeout_s);
       } catch (const Error& e) {  // C++ transports; Python errors pass through unchanged
-        throw Error(detail::concat(e.what(), " -- while waiting at ", where(index), " to ",
-                                   describe(key_of(ins), false)));
+        throw Error(detail::concat(e.what(), " -- while waiting to ", describe(key_of(ins), false),
+                                   " at ", where(index)));
       }
       --posted_unused_[recv_kind(ins.op)];
       break;
@@ -95,8 +95,8 @@ void Executor::execute(size_t index) {
         try {
           transport_.wait(request, options_.timeout_s);
         } catch (const Error& e) {  // C++ transports; Python errors pass through unchanged
-          throw Error(detail::concat(e.what(), " -- while waiting at ", where(index), " for ",
-                                     describe(key_of(program_[send_index]), true)));
+          throw Error(detail::concat(e.what(), " -- while waiting for ",
+                                     describe(key_of(program_[send_index]), true), " at ", where(index)));
         }
         inflight_sends_.erase(inflight_sends_.begin());
       }

@@ -2,6 +2,7 @@
 never write NaN into weights or checkpoints."""
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -115,6 +116,14 @@ def test_stop_names_the_stage_and_step_and_every_rank_exits(tmp_path, capfd):
     err = capfd.readouterr().err
     for rank in range(2):
         assert sum(l.startswith(f"asyncpp: rank {rank}: ") for l in err.splitlines()) == 1, err
+    # rank 0 lost its peer: its state block, then its error once, read in order (what it waited
+    # for, then where)
+    assert "asyncpp: rank 0 (stage 0): lost a peer: this rank's state as its transport failed\n" in err, err
+    rank0 = next(line for line in err.splitlines() if line.startswith("asyncpp: rank 0: "))
+    assert err.count("closed the connection") == 1, err
+    assert re.search(r" -- while waiting (to recv|for send) (activation|gradient) \(step \d+, microbatch \d+\) "
+                     r"(from|to) stage 1 at stage 0, instruction #\d+ \w+ \(step \d+, microbatch \d+\); "
+                     r"last completed: #\d+ \w+ \(step \d+, microbatch \d+\)$", rank0), rank0
     assert "Traceback" not in err
     assert not list(tmp_path.glob("stage*.pt"))
 
@@ -196,6 +205,7 @@ def test_a_stop_inside_a_segment_keeps_the_rows_of_the_steps_before_it(tmp_path)
         trainer.run()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    assert (tmp_path / "loss.png").stat().st_size > 0  # the losses that led to the stop, drawn
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
