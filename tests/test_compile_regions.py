@@ -306,7 +306,8 @@ def test_compile_mode_reaches_inductor_with_its_cuda_graphs_off(monkeypatch, gro
             pass
 
 
-def test_the_cli_hands_its_inductor_options_to_the_simulators_blocks(monkeypatch, groups_restored, tmp_path):
+def test_the_cli_hands_its_inductor_options_to_the_simulators_blocks(monkeypatch, groups_restored, tmp_path,
+                                                                     capsys):
     # asyncpp-train --simulate --compile --inductor-option: the one-process run's compiled blocks
     # get the option (inductor replaced by the recorder, as above: nothing is compiled for real)
     import torch._inductor.compile_fx as compile_fx_module
@@ -323,11 +324,15 @@ def test_the_cli_hands_its_inductor_options_to_the_simulators_blocks(monkeypatch
             "--compile", "--inductor-option", "max_pointwise_cat_inputs=0", "--out", str(tmp_path / "run")]
     assert main(argv) == 0
     assert seen and all(p["max_pointwise_cat_inputs"] == 0 and p["freezing"] is False for p in seen), seen
+    # the first step's wait is explained, once
+    assert capsys.readouterr().err.count("asyncpp-train: compiling the blocks (torch.compile) before the "
+                                         "first step") == 1
     # resumed eagerly: the saved option says how blocks compile, so the run is refused until
     # --inductor-option none drops it
     run = str(tmp_path / "run")
     assert main(["--resume", run, "--steps", "2", "--no-compile", "--no-progress"]) == 2
     assert main(["--resume", run, "--steps", "2", "--no-compile", "--inductor-option", "none", "--no-progress"]) == 0
+    assert "compiling" not in capsys.readouterr().err  # eager: nothing to explain
 
 
 def test_the_conftest_guard_finds_groups_made_on_a_stand_in_compiler(monkeypatch, groups_restored):

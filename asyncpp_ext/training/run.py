@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ..models.attention import attention_preference
+from ..models.compile_support import resolve_compile
 from ..models.registry import describe
 from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
@@ -110,7 +111,17 @@ def start_run_dir(cfg: RunConfig, resume_dir: Optional[Path], start_step: int) -
         print(f"asyncpp-train: resuming from {resume_dir.name} (step {start_step})"
               + (f"; changed: {', '.join(changed)}" if changed else ""), file=sys.stderr)
     write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
+    if start_step < cfg.train.steps and _compiles(cfg):  # else the first step's wait is unexplained
+        print("asyncpp-train: compiling the blocks (torch.compile) before the first step, a minute or more "
+              "on a cold inductor cache; --no-compile runs eagerly", file=sys.stderr)
     return out
+
+
+def _compiles(cfg: RunConfig) -> bool:
+    """Whether the run's blocks are compiled (auto: on CUDA where torch can)."""
+    if cfg.train.compile is False or (cfg.train.compile is None and torch.device(cfg.train.device).type != "cuda"):
+        return False  # without asking torch (a C++ compiler probe) what it would not use
+    return resolve_compile(cfg.train.compile, cfg.train.device)
 
 
 def changed_settings(saved: dict, now: dict, shown: int = 6) -> list[str]:
