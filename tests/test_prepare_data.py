@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from asyncpp_ext.data import builtin_corpus, load_tokens, sidecar_path
-from asyncpp_ext.data import prepare as prep
+from asyncpp_ext.data import documents, prepare as prep
 from asyncpp_ext.data import text_pieces
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -406,7 +406,7 @@ def test_missing_output_directories_are_created_and_removed_again_when_it_fails(
 def test_ctrl_c_midway_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(text_pieces, "READ_BLOCK_BYTES", 32)
     monkeypatch.setattr(text_pieces, "PIECE_CHARS", 16)
-    monkeypatch.setattr(prep, "PIECES_PER_BATCH", 1)
+    monkeypatch.setattr(documents, "PIECES_PER_BATCH", 1)
     calls = []
 
     def encode_then_interrupt(self, pieces):

@@ -30,8 +30,8 @@ def _in_a_child(tmp_path, patch: str):
     code = textwrap.dedent("""
         import os, signal, sys
         import numpy as np
-        from asyncpp_ext.data import prepare as prep, sinks, text_pieces
-        text_pieces.READ_BLOCK_BYTES, text_pieces.PIECE_CHARS, prep.PIECES_PER_BATCH = 64, 32, 1
+        from asyncpp_ext.data import documents, prepare as prep, sinks, text_pieces
+        text_pieces.READ_BLOCK_BYTES, text_pieces.PIECE_CHARS, documents.PIECES_PER_BATCH = 64, 32, 1
         """) + textwrap.dedent(patch) + textwrap.dedent(f"""
         sys.exit(prep.main(["--tokenizer", "bytes", "--input", {str(tmp_path / 'in.txt')!r},
                             "--out", {str(tmp_path / 'o.bin')!r}, "--shard-tokens", "300",

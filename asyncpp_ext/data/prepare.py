@@ -45,45 +45,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import re
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
-
-import numpy as np
+from typing import Optional, Sequence
 
 from . import inputs as inp
-from .encode import (BAD, BLANK, BYTES, ByteTokenizer, HFTokenizer, PrepareError, PrepareFailed,  # noqa: F401
-                     Task, load_tokenizer, ordered_encode)
+from .documents import BOUNDARIES, Documents, Skips, check_flags_apply, input_tasks, parse_separator, resolve_boundary
+from .encode import (BYTES, ByteTokenizer, HFTokenizer, PrepareError, PrepareFailed,  # noqa: F401
+                     load_tokenizer, ordered_encode)
 from .errors import first_line
 from ..directories import make_directories, missing_directories, remove_directories, unwritable_ancestor
 from ..stop_signals import stop_signals_raise
 from .sinks import StoppedAfterCommit, TokenSink, base_header, commit_outputs, remove_orphaned_temps
 from .sources import TOKEN_DTYPES, DataError, token_dtype_for_vocab
-from .text_pieces import NotTextError, read_pieces, read_text_pieces  # noqa: F401 (read_pieces: public here too)
+from .text_pieces import read_pieces  # noqa: F401 (public here too)
 
 PROG = "asyncpp-prepare-data"
-PIECES_PER_BATCH = 32
-"""Pieces encoded per ``encode_batch`` call (the tokenizer runs them in parallel)."""
 PARALLEL_MIN_BYTES = 1 << 20
 """Inputs smaller than this are tokenized in this process whatever the cores (workers take
 longer to start than such an input takes to encode)."""
-BOUNDARIES = ("auto", "eos", "bos", "none")
-
-
-def _batched(pieces, size: int):
-    batch = []
-    for piece in pieces:
-        batch.append(piece)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def _check_output(path: Path, flag: str) -> list:
@@ -99,42 +83,6 @@ def _check_output(path: Path, flag: str) -> list:
     return missing_directories(path.parent)
 
 
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
-_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.?)", re.DOTALL)
-
-
-def parse_separator(separator: str) -> str:
-    """``--doc-separator`` with its escapes turned into characters: \\n \\t \\r \\\\, \\xHH and
-    \\uHHHH. Any other backslash, and a NUL (text files hold none), is refused rather than kept:
-    a separator that never matches would make each file one document without a word."""
-    def replace(match):
-        code = match.group(1)
-        if code[:1] in ("x", "u") and len(code) > 1:
-            return chr(int(code[1:], 16))
-        if code in _ESCAPES:
-            return _ESCAPES[code]
-        what = f"unknown escape '\\{code}'" if code else "a lone '\\' at the end"
-        raise PrepareError(f"--doc-separator {separator!r}: {what}; use \\n \\t \\r \\xHH \\uHHHH, "
-                           "or \\\\ for a backslash")
-    parsed = _ESCAPE.sub(replace, separator)
-    if "\0" in parsed:
-        raise PrepareError(f"--doc-separator {separator!r} holds a NUL, which text files never do "
-                           "(they are refused); choose text that separates the documents")
-    return parsed
-
-
-def _check_flags_apply(items: list, text_field: Optional[str], separator: Optional[str]) -> None:
-    """--text-field and --doc-separator each apply to some kinds of input; given for inputs none
-    of which is such a kind, the flag would be ignored, so it is refused."""
-    kinds = {item.kind for item in items}
-    if separator is not None and inp.TEXT not in kinds:
-        raise PrepareError("--doc-separator splits text files, and no input is one (each JSON "
-                           "line, Parquet or Arrow row is a document already); drop it")
-    if text_field is not None and kinds == {inp.TEXT}:
-        raise PrepareError(f"--text-field {text_field} names a JSON field or column, and every "
-                           "input is a text file; drop it")
-
-
 def parse_token_count(text: str) -> int:
     """``--shard-tokens``: an integer, optionally with K, M or G (10^3, 10^6, 10^9)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
@@ -144,129 +92,6 @@ def parse_token_count(text: str) -> int:
     if value < 1 or value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number of tokens")
     return int(value)
-
-
-def resolve_boundary(tokenizer, mode: str, token: Optional[str]) -> tuple[str, Optional[int], Optional[str]]:
-    """(eos | bos | none, boundary token id, token) for --doc-boundary and --boundary-token."""
-    if mode not in BOUNDARIES:
-        raise PrepareError(f"--doc-boundary {mode} is not one of {', '.join(BOUNDARIES)}")
-    default, eos, bos = tokenizer.boundary_tokens()
-    if token is not None:
-        if mode == "none":
-            raise PrepareError("--boundary-token needs --doc-boundary eos or bos (or auto)")
-        token_id = tokenizer.token_to_id(token)
-        if token_id is None:
-            raise PrepareError(f"--boundary-token {token!r} is not a token of tokenizer "
-                               f"{tokenizer.name}; name one of its special tokens")
-        return (default if mode == "auto" and default != "none" else
-                "eos" if mode == "auto" else mode), token_id, token
-    mode = default if mode == "auto" else mode
-    if mode == "none":
-        return "none", None, None
-    token = eos if mode == "eos" else bos
-    if token is None:
-        what = "end-of-text" if mode == "eos" else "beginning-of-text"
-        raise PrepareError(f"--doc-boundary {mode}: tokenizer {tokenizer.name} has no {what} token "
-                           "(looked for <|endoftext|>, </s>, <s>, ...); name one with "
-                           "--boundary-token or pass --doc-boundary none")
-    return mode, tokenizer.token_to_id(token), token
-
-
-class _Skips:
-    """Bad records and damaged files passed over with --skip-bad-records."""
-
-    def __init__(self, allowed: bool):
-        self.allowed, self.records, self.files, self.first = allowed, 0, 0, None
-
-    def record(self, where: str, reason: str) -> None:
-        if not self.allowed:
-            raise PrepareError(f"input {where} {reason}; fix or delete it, or pass "
-                               "--skip-bad-records to skip such records")
-        self.records += 1
-        self.first = self.first or f"{where}: {reason}"
-
-    def file(self, error: PrepareError) -> None:
-        if not self.allowed:
-            raise error
-        self.files += 1
-        self.first = self.first or str(error)
-
-
-def _tasks(items: list, separator: Optional[str], text_field: str, skips: _Skips,
-           on_bytes) -> Iterator[Task]:
-    """Every input cut into tasks, in order."""
-    for item in items:
-        try:
-            if item.kind == inp.TEXT:
-                pieces = read_text_pieces(item.path, on_bytes, separator, item.compression)
-                for batch in _batched(pieces, PIECES_PER_BATCH):
-                    yield Task("text", [p for p, _ in batch], str(item.path), 0, [e for _, e in batch])
-            elif item.kind == inp.JSONL:
-                try:
-                    yield from inp.read_jsonl_tasks(item, on_bytes)
-                except inp.stream_errors() as exc:
-                    reason = first_line(exc)
-                    raise PrepareError(f"input {item.path} is damaged or cut short ({reason}); "
-                                       "download it again") from None
-            elif item.kind == inp.PARQUET:
-                yield from inp.read_parquet_tasks(item, text_field, on_bytes)
-            else:
-                yield from inp.read_arrow_tasks(item, text_field, on_bytes)
-        except inp.ColumnError:
-            raise  # the flag or the schema is wrong, not the file: skipping would hide it
-        except NotTextError:
-            raise  # a text file's earlier pieces are already written: not skippable
-        except PrepareError as exc:
-            skips.file(exc)
-
-
-class _Documents:
-    """Puts boundary tokens around documents and sends each to the training or validation sink,
-    from the encoded tasks in input order."""
-
-    def __init__(self, mode: str, token_id: Optional[int], val_fraction: float, train: TokenSink,
-                 val: Optional[TokenSink], skips: _Skips, dtype: np.dtype):
-        self.mode, self.train, self.val, self.skips = mode, train, val, skips
-        self.marker = np.array([token_id if token_id is not None else 0], dtype=dtype)
-        self.val_fraction = val_fraction if (val is not None and mode != "none") else 0.0
-        self.open, self.doc_tokens, self.to_val, self.started = False, 0, False, 0
-        self.documents, self.empty, self.tokens = 0, 0, 0
-
-    def feed(self, task: Task, ids: np.ndarray, lengths: np.ndarray, bad: list) -> None:
-        reasons = dict(bad)
-        parts = {False: [], True: []}
-        pos = 0
-        for i, n in enumerate(lengths.tolist()):
-            if n == BLANK:
-                continue
-            if n == BAD:
-                self.skips.record(task.where(i), reasons[i])
-                continue
-            if not self.open:
-                k, f = self.started, self.val_fraction
-                self.open, self.doc_tokens, self.started = True, 0, k + 1
-                self.to_val = f > 0 and math.floor((k + 1) * f) > math.floor(k * f)
-            out = parts[self.to_val]
-            if n:
-                if self.mode == "bos" and self.doc_tokens == 0:
-                    out.append(self.marker)
-                out.append(ids[pos: pos + n])
-                pos += n
-                self.doc_tokens += n
-            if task.ends is None or task.ends[i]:
-                self.open = False
-                if self.doc_tokens:
-                    if self.mode == "eos":
-                        out.append(self.marker)
-                    self.documents += 1
-                    (self.val if self.to_val else self.train).documents += 1
-                else:
-                    self.empty += 1
-        for to_val, chunks in parts.items():
-            if chunks:
-                block = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
-                self.tokens += len(block)
-                (self.val if to_val else self.train).write(block)
 
 
 MAX_WORKERS_PER_CORE = 4
@@ -343,7 +168,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         raise PrepareError("--doc-separator is empty; give the text between documents, e.g. '\\n\\n'")
     separator = parse_separator(doc_separator) if doc_separator else None
     items = inp.expand_inputs(inputs)
-    _check_flags_apply(items, text_field, separator)
+    check_flags_apply(items, text_field, separator)
     text_field = text_field if text_field is not None else "text"
     tokenizer = load_tokenizer(tokenizer_spec)
     mode, token_id, token = resolve_boundary(tokenizer, doc_boundary, boundary_token)
@@ -354,7 +179,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         n_workers = 1  # encoding bytes is a copy: nothing to share out
 
     show = sys.stderr.isatty() if progress is None else progress
-    skips = _Skips(skip_bad_records)
+    skips = Skips(skip_bad_records)
     sinks: list = []
     temps: list = []
     made: list = []
@@ -363,7 +188,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         train = TokenSink(out_path, dtype, shard_tokens)
         val = TokenSink(val_path, dtype, shard_tokens) if val_path is not None else None
         sinks = [train] + ([val] if val is not None else [])
-        docs = _Documents(mode, token_id, val_fraction, train, val, skips, dtype)
+        docs = Documents(mode, token_id, val_fraction, train, val, skips, dtype)
         bar = None
         if show:
             from tqdm import tqdm
@@ -372,7 +197,7 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
                        unit_scale=True, file=sys.stderr)
         on_bytes = bar.update if bar is not None else (lambda n: None)
         with (bar if bar is not None else contextlib.nullcontext()):
-            tasks = _tasks(items, separator, text_field, skips, on_bytes)
+            tasks = input_tasks(items, separator, text_field, skips, on_bytes)
             for task, (ids, lengths, bad) in ordered_encode(tasks, tokenizer, tokenizer_spec,
                                                              text_field, n_workers):
                 docs.feed(task, ids, lengths, bad)
