@@ -69,3 +69,24 @@ def test_a_rank_whose_peers_never_come_stops_after_timeout_in_one_line(tmp_path,
     assert len(lines) == 1 and lines[0].startswith("asyncpp-train: error: torchrun's process group did not "
                                                    "form within --timeout 2 s ("), r.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, what", [(["--simulate"], "--simulate runs in one process"),
+                                        (["--stages", "1"], "--stages 1 x --dp 1 is one process")])
+def test_a_one_process_run_under_a_torchrun_of_two_is_refused_before_anything_is_written(
+        tmp_path, monkeypatch, capsys, argv, what):
+    # every rank would train the same run into the same --out; the environment torchrun gives
+    # rank 0 of 2 (no rendezvous is needed to refuse)
+    from asyncpp_ext.pipeline.launch import _SPAWNED_ENV
+
+    monkeypatch.delenv(_SPAWNED_ENV, raising=False)
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_PORT", "29999")):
+        monkeypatch.setenv(name, value)
+    assert main(FLAGS + argv + ["--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"asyncpp-train: error: {what}, but torchrun started 2; run it without torchrun (or with "
+                   "--nproc-per-node 1), or give --stages / --dp for 2 processes"
+                   + (" and drop --simulate" if "--simulate" in argv else "")], err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a torchrun of one runs it
+    assert main(FLAGS + argv + ["--steps", "1", "--out", str(tmp_path / "one")]) == 0

@@ -116,6 +116,22 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
             trainer.run()
 
 
+def check_one_process_world(cfg: RunConfig) -> None:
+    """A run of one process (``--simulate``, or one stage and one replica) under a torchrun of more:
+    every rank would train the same run into the same --out (the second found it in use and the
+    launcher stopped the first part-way), so it is refused on every rank before anything is written."""
+    if not under_launcher() or spawned_locally():
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    if world == 1:
+        return
+    what = ("--simulate runs in one process" if cfg.train.simulate else
+            f"--stages {cfg.pipeline.stages} x --dp {cfg.pipeline.dp} is one process")
+    raise ConfigError(f"{what}, but torchrun started {world}; run it without torchrun (or with "
+                      f"--nproc-per-node 1), or give --stages / --dp for {world} processes"
+                      + (" and drop --simulate" if cfg.train.simulate else ""))
+
+
 def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:
     """Run the pipeline under torchrun's world, or spawn ``stages * dp`` local ranks on 127.0.0.1.
 

@@ -142,6 +142,8 @@ def train(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
     try:
         if cfg.runs_multi_process():
             return _train_pipeline(cfg, resume_dir)
+        from .distributed import check_one_process_world
+        check_one_process_world(cfg)
         if cfg.train.threads is not None:
             torch.set_num_threads(cfg.train.threads)
         return _train_single_process(cfg, resume_dir)
