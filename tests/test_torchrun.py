@@ -90,3 +90,35 @@ def test_a_one_process_run_under_a_torchrun_of_two_is_refused_before_anything_is
     assert not (tmp_path / "run").exists()
     monkeypatch.setenv("WORLD_SIZE", "1")  # a torchrun of one runs it
     assert main(FLAGS + argv + ["--steps", "1", "--out", str(tmp_path / "one")]) == 0
+
+
+def test_under_torchrun_a_rank_that_lost_its_peer_ends_with_one_line_and_exit_3(monkeypatch, capsys):
+    # torchrun's ranks run the trainer in the command's own process: a transport error there (a peer
+    # died) is its line "asyncpp: rank R: ..." and exit 3, as a spawned rank's, not a traceback;
+    # other errors reach the command's own messages unchanged
+    from asyncpp_ext.pipeline.launch import _SPAWNED_ENV
+    from asyncpp_ext.pipeline.peer_errors import TransportError
+    from asyncpp_ext.pipeline.watchdog import EXIT_PEER_LOST
+    from asyncpp_ext.training import distributed
+    from asyncpp_ext.training.cli import resolve
+
+    monkeypatch.delenv(_SPAWNED_ENV, raising=False)
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("MASTER_PORT", "29999")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "init_distributed", lambda *a, **k: (1, 2))
+    monkeypatch.setattr(distributed.dist, "barrier", lambda: None)
+    cfg, _ = resolve(FLAGS + ["--out", "unused"])
+    for error, outcome in ((TransportError("stage 1: recv failed -- stage 0 closed the connection\nmore"), "line"),
+                           (ValueError("a bug"), ValueError)):
+        def rank_main(*args, error=error):
+            raise error
+        monkeypatch.setattr(distributed, "rank_main", rank_main)
+        if outcome == "line":
+            with pytest.raises(SystemExit) as stop:
+                distributed.launch(cfg, None, prepare=lambda: None)
+            assert stop.value.code == EXIT_PEER_LOST
+            assert capsys.readouterr().err == ("asyncpp: rank 1: stage 1: recv failed -- stage 0 closed the "
+                                               "connection\n")
+        else:
+            with pytest.raises(outcome, match="a bug"):
+                distributed.launch(cfg, None, prepare=lambda: None)

@@ -212,17 +212,23 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
         with stop_signals_raise():  # SIGTERM: a line and a clean end, as a Ctrl-C gives
             fn(*args)
     except BaseException as e:  # report one line per rank; tracebacks only when debugging
-        if os.environ.get("ASYNCPP_DEBUG"):
-            traceback.print_exc()
-        msg = ("interrupted" if type(e) is KeyboardInterrupt else  # Ctrl-C; Stopped names its signal
-               str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        sys.stderr.write(f"asyncpp: rank {rank}: {msg}\n")
-        sys.stderr.flush()
-        tell_launcher(msg)
+        tell_launcher(report_rank_failure(rank, e))
         os._exit(EXIT_PEER_LOST if lost_a_peer(e) else EXIT_FAILED)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def report_rank_failure(rank: int, e: BaseException) -> str:
+    """Write rank ``rank``'s one line for ``e`` ("asyncpp: rank R: ...", the traceback too with
+    ASYNCPP_DEBUG set) and return its message."""
+    if os.environ.get("ASYNCPP_DEBUG"):
+        traceback.print_exception(e)
+    msg = ("interrupted" if type(e) is KeyboardInterrupt else  # Ctrl-C; Stopped names its signal
+           str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    sys.stderr.write(f"asyncpp: rank {rank}: {msg}\n")
+    sys.stderr.flush()
+    return msg
 
 
 # What a signal that killed a rank most often means, where its name alone does not say.

@@ -25,7 +25,8 @@ from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, f
 from .config import ConfigError, RunConfig
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
-from ..pipeline.launch import check_local_address, spawned_locally
+from ..pipeline.launch import check_local_address, lost_a_peer, report_rank_failure, spawned_locally
+from ..pipeline.watchdog import EXIT_PEER_LOST
 from ..pipeline.start_method import start_method
 from ..pipeline.ipc import slots_from_env
 from ..pipeline.sockets import SocketSetupError, explicit_host, inline_recv_bytes, recv_spin_us
@@ -168,4 +169,10 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:
     if rank == 0:
         prepare()
     dist.barrier()
-    rank_main(*args)
+    try:
+        rank_main(*args)
+    except Exception as e:
+        if not lost_a_peer(e):
+            raise  # the command's own message (a NaN stop, a full disk, ...)
+        report_rank_failure(rank, e)  # a consequence of another rank's failure: its line, as spawned ranks do
+        raise SystemExit(EXIT_PEER_LOST) from None
