@@ -122,3 +122,23 @@ def test_under_torchrun_a_rank_that_lost_its_peer_ends_with_one_line_and_exit_3(
         else:
             with pytest.raises(outcome, match="a bug"):
                 distributed.launch(cfg, None, prepare=lambda: None)
+
+
+def test_a_failed_torchrun_rank_leaves_without_the_interpreters_teardown(tmp_path):
+    # A stopped or failed rank's stage worker may still be inside the transport's native code; the
+    # teardown would end that daemon thread under it (an abort: "terminate called without an active
+    # exception"), so such a rank leaves with os._exit, as spawned ranks do. Seen here by an atexit
+    # hook, which the teardown would run; the rank is refused (a one-process run in a world of 2).
+    import os
+
+    code = ("import atexit, runpy; atexit.register(print, 'teardown ran', flush=True); "
+            "runpy.run_module('asyncpp_ext.train', run_name='__main__')")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    env.pop("ASYNCPP_LOCAL_SPAWN", None)
+    argv = [*FLAGS, "--simulate", "--out", str(tmp_path / "run")]
+    r = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "teardown ran" not in r.stdout, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.startswith("asyncpp-train: error: --simulate runs in one process"), r.stderr
+    env["WORLD_SIZE"] = "1"  # a rank that ends well is torn down as usual
+    r = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "teardown ran" in r.stdout, (r.returncode, r.stdout, r.stderr)
