@@ -142,3 +142,26 @@ def test_a_failed_torchrun_rank_leaves_without_the_interpreters_teardown(tmp_pat
     env["WORLD_SIZE"] = "1"  # a rank that ends well is torn down as usual
     r = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "teardown ran" in r.stdout, (r.returncode, r.stdout, r.stderr)
+
+
+def test_under_torchrun_an_out_in_use_ends_every_rank_with_rank_0s_reason(tmp_path, free_port):
+    # rank 0 finds --out held by another run; the other ranks end with its reason at once (they
+    # waited for torchrun to stop them, then pointed at the other run's --out with "--resume")
+    run = tmp_path / "r"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from asyncpp_ext.training.run_files import prepare_run_dir; "
+         f"prepare_run_dir({str(run)!r}, resuming=False); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        r = _torchrun(2, free_port, FLAGS + ["--out", str(run)])
+    finally:
+        holder.kill()
+        holder.wait()
+    ours = sorted(line for line in r.stderr.splitlines() if line.startswith("asyncpp-train: "))
+    reason = f"--out {run} is in use by another run (pid {holder.pid} on "
+    assert len(ours) == 2, r.stderr
+    assert ours[0].startswith(f"asyncpp-train: error: {reason}"), ours
+    assert ours[1].startswith(f"asyncpp-train: error: rank 0 could not start the run: {reason}"), ours
+    assert "exitcode  : -15" not in r.stderr and "[rank" not in r.stderr  # no rank was stopped by torchrun
+    assert not (run / "metrics.jsonl").exists()

@@ -166,9 +166,21 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:
         raise ConfigError(f"torchrun started {world} processes but --stages {cfg.pipeline.stages} x --dp "
                          f"{cfg.pipeline.dp} needs {need}; start {need} processes in all (--nproc-per-node "
                          f"times --nnodes) or change --stages / --dp")
+    # Rank 0 makes (or checks) the run directory; the others learn whether it could, and end with
+    # its reason rather than wait until torchrun stops them (a stopped rank would point at the
+    # --out of the run that holds it: "continue with --resume").
+    outcome = [None]
     if rank == 0:
-        prepare()
-    dist.barrier()
+        try:
+            prepare()
+        except Exception as exc:
+            outcome[0] = " ".join(str(exc).split()) or type(exc).__name__
+            dist.broadcast_object_list(outcome, src=0, device=torch.device("cpu"))
+            raise
+    dist.broadcast_object_list(outcome, src=0, device=torch.device("cpu"))
+    if outcome[0] is not None:
+        from .run import RunSetupError
+        raise RunSetupError(f"rank 0 could not start the run: {outcome[0]}")
     try:
         rank_main(*args)
     except Exception as e:
