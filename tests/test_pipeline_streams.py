@@ -126,3 +126,43 @@ def test_breaking_out_of_many_streams_then_exiting_is_a_clean_exit(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert (r.returncode, r.stdout.split()) == (0, ["done", "20"]), r.stderr[-2000:]
     assert "terminate called" not in r.stderr
+
+
+def test_a_rank_stopped_by_its_caller_does_not_report_the_peer_it_then_loses(one_rank):
+    # A Ctrl-C / SIGTERM reaches every rank: the first to leave closes its connections, and the
+    # worker of a rank already stopped then finds its peer gone. That rank said why it stopped; a
+    # "lost a peer" state block after it would point at the wrong cause. Unstopped, it is on record.
+    import ctypes
+    import threading
+
+    from asyncpp_ext.pipeline.peer_errors import TransportError
+
+    release = threading.Event()
+
+    class PeerGoesAway:  # the stage's run: blocked until released, then its peer is gone
+        def run_stage(self, *args, **kwargs):
+            release.wait(30)
+            raise TransportError("stage 0: recv from stage 1 failed -- stage 1 closed the connection")
+
+    def run(interrupt):
+        p = _pipeline()
+        p.transport, dumps = PeerGoesAway(), []
+        p.watchdog.dump_state = dumps.append
+        stream = p.train(_batches(0, 4), steps=4)
+        if interrupt:  # raised in this thread (under pytest-xdist it is not the main thread)
+            me = ctypes.c_ulong(threading.get_ident())
+            threading.Timer(0.3, lambda: ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                me, ctypes.py_object(KeyboardInterrupt))).start()
+            with pytest.raises(KeyboardInterrupt):
+                next(stream)
+            release.set()
+        else:
+            with pytest.raises(TransportError, match="closed the connection"):
+                next(stream)
+        for worker in threading.enumerate():
+            if worker.name.startswith("asyncpp-stage"):
+                worker.join(30)
+        return dumps
+
+    assert run(interrupt=True) == []
+    assert run(interrupt=False) == ["lost a peer: this rank's state as its transport failed"]

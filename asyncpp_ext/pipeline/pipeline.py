@@ -383,6 +383,7 @@ class Pipeline:
 
         self.host.on_step = on_step
         done = object()
+        stopped = threading.Event()  # the caller's thread was interrupted: the worker goes on alone
 
         host = self.host
         wait_timeout_s = 2 * self.timeout_s  # the watchdog reports a stall first
@@ -411,8 +412,9 @@ class Pipeline:
                         del self.trace[:len(self.trace) - self.trace_limit]
                 feed.finish(done)
             except BaseException as e:  # handed to the caller's thread
-                if isinstance(e, TransportError):  # on record like a stalled rank's state; the
-                    # error itself is this rank's next line (its exit) -- not repeated in the block
+                if isinstance(e, TransportError) and not stopped.is_set():  # on record like a
+                    # stalled rank's state; the error itself is this rank's next line (its exit) --
+                    # not repeated in the block. A rank already stopped (Ctrl-C, SIGTERM) said why.
                     self.watchdog.dump_state("lost a peer: this rank's state as its transport failed")
                 feed.finish(e)
 
@@ -443,9 +445,11 @@ class Pipeline:
                         return
                     last = item.step if isinstance(item, StepStats) else last
             except BaseException as exc:  # a Ctrl-C while the rest runs: the worker goes on
+                stopped.set()
                 self._stopped_part_way = _why(last + 1, exc)
                 raise
         except BaseException as exc:  # KeyboardInterrupt: the worker goes on in the background
+            stopped.set()
             self._stopped_part_way = self._stopped_part_way or _why(last + 1, exc)
             raise
         thread.join()
