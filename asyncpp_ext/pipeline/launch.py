@@ -38,6 +38,7 @@ EXIT_FAILED = 1        # the rank itself failed
 # EXIT_STALLED (4): the rank's own instruction never completed (its watchdog fired)
 _SPAWNED_ENV = "ASYNCPP_LOCAL_SPAWN"
 STOP_GRACE_S = 5.0  # seconds the ranks have to stop after the launcher passes its SIGTERM on
+INTERRUPT_GRACE_S = 2.0  # seconds the ranks have to end on a Ctrl-C by themselves
 _failure_channel = None  # a spawned rank's line back to the launcher
 _store_listener = None  # rank 0 of a spawned run: the store's socket, bound by the launcher
 
@@ -299,6 +300,14 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
                 os.kill(p.pid, signal.SIGTERM)
         for p in started:
             p.join(STOP_GRACE_S)
+        raise
+    except KeyboardInterrupt:
+        # A Ctrl-C reaches the whole process group: each rank ends on it with its own line
+        # ("interrupted"). A moment for that before the ones left (a SIGINT to this process alone)
+        # are stopped below: a SIGTERM landing in a rank as it handles its SIGINT replaces its line.
+        end = time.monotonic() + INTERRUPT_GRACE_S
+        for p in started:
+            p.join(max(0.0, end - time.monotonic()))
         raise
     finally:
         exit_codes = [p.exitcode for p in procs]  # before any rank is stopped by us

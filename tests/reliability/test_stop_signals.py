@@ -107,6 +107,28 @@ def _default_sigint():
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # as at a terminal (a background job ignores it)
 
 
+def _forkservers(launcher: int) -> list[int]:
+    found = []
+    for p in _children(launcher):
+        try:
+            if "forkserver" in open(f"/proc/{p}/cmdline").read():
+                found.append(p)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def _importing_torch(pids: list[int]) -> bool:
+    """Whether one of ``pids`` has mapped a file of torch's (its site module is imported by then)."""
+    for p in pids:
+        try:
+            if "/torch/" in open(f"/proc/{p}/maps").read():
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return False
+
+
 def test_ctrl_c_while_the_ranks_forkserver_starts_is_one_line(tmp_path):
     """Ctrl-C to the whole process group (a terminal's) while the forkserver imports torch: the
     launcher's line only; neither the server nor a rank whose start was queued there prints a
@@ -115,11 +137,11 @@ def test_ctrl_c_while_the_ranks_forkserver_starts_is_one_line(tmp_path):
                                env={**os.environ, "ASYNCPP_START_METHOD": "forkserver"})
     try:
         deadline = time.monotonic() + 60
-        while not any("forkserver" in open(f"/proc/{p}/cmdline").read() for p in _children(launcher.pid)
-                      if os.path.exists(f"/proc/{p}/cmdline")):
+        while not _importing_torch(_forkservers(launcher.pid)):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
             time.sleep(0.01)
-        time.sleep(0.3)  # the server is importing torch (seconds)
+        # the server is importing torch (seconds); not earlier: a Ctrl-C while a new interpreter
+        # imports its site module is Python's own fatal error, before any code of ours runs
         os.killpg(launcher.pid, signal.SIGINT)
         _, err = launcher.communicate(timeout=60)
     finally:
@@ -128,6 +150,30 @@ def test_ctrl_c_while_the_ranks_forkserver_starts_is_one_line(tmp_path):
     time.sleep(1)  # anything a leftover process would still print has reached the pipe's end by now
     assert launcher.returncode == 130, err
     assert err.strip().splitlines() == ["asyncpp-train: interrupted"], err
+
+
+def test_ctrl_c_mid_run_is_each_ranks_interrupted_line_and_the_launchers(tmp_path):
+    """Ctrl-C to the whole process group (a terminal's) while the ranks train: each rank ends on
+    its own SIGINT with "interrupted" (the launcher waits a moment before stopping any: a SIGTERM
+    landing as a rank handles its SIGINT replaced its line), no rank reports the peer it then
+    loses, and the launcher's line ends it."""
+    run = tmp_path / "run"
+    launcher = _start_training(run, stdout=subprocess.DEVNULL, preexec_fn=_default_sigint)
+    try:
+        _wait_for_rows(launcher, run)
+        deadline = time.monotonic() + 60
+        while not list_checkpoints(run):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+            time.sleep(0.1)
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert sorted(lines[:-1]) == ["asyncpp: rank 0: interrupted", "asyncpp: rank 1: interrupted"], err
+    assert lines[-1] == f"asyncpp-train: interrupted; continue with --resume {run}", err
 
 
 _SWALLOWING_IMPORT = """
