@@ -2,18 +2,23 @@
 imported by ``commands.train`` so that a stop request during the imports ends with one line)."""
 import os
 import sys
+import threading
 
 from .commands import train as main
 
 
 def _end_torchrun_rank(code) -> None:
-    """A torchrun rank that failed or was stopped leaves without the interpreter's teardown, as a
-    spawned rank does (``pipeline/launch.py``): its stage's worker thread may still be inside the
-    transport's native code, and tearing that down under it aborts the process ("terminate called
-    without an active exception"). Its line is written and its files closed by then."""
+    """A torchrun rank that failed or was stopped while its stage's worker thread still runs
+    leaves without the interpreter's teardown, as a spawned rank does (``pipeline/launch.py``):
+    the thread may be inside the transport's native code, and ending it there at teardown aborts
+    the process ("terminate called without an active exception"). Its line is written and its
+    files closed by then. Other ranks end as usual (rank 0 holds the rendezvous store, which the
+    other ranks may still be reading to reach their own message)."""
     from .pipeline.launch import spawned_locally, under_launcher
 
-    if code not in (0, None) and under_launcher() and not spawned_locally():
+    if code in (0, None) or not under_launcher() or spawned_locally():
+        return
+    if any(t.name.startswith("asyncpp-stage") and t.is_alive() for t in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)

@@ -100,14 +100,15 @@ def test_under_torchrun_a_rank_that_lost_its_peer_ends_with_one_line_and_exit_3(
     from asyncpp_ext.pipeline.peer_errors import TransportError
     from asyncpp_ext.pipeline.watchdog import EXIT_PEER_LOST
     from asyncpp_ext.training import distributed
-    from asyncpp_ext.training.cli import resolve
+    from asyncpp_ext.training.config import RunConfig
 
     monkeypatch.delenv(_SPAWNED_ENV, raising=False)
     for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("MASTER_PORT", "29999")):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(distributed, "init_distributed", lambda *a, **k: (1, 2))
-    monkeypatch.setattr(distributed.dist, "barrier", lambda: None)
-    cfg, _ = resolve(FLAGS + ["--out", "unused"])
+    monkeypatch.setattr(distributed.dist, "broadcast_object_list", lambda *args, **kwargs: None)  # from rank 0:
+    cfg = RunConfig()                                                                           # its directory made
+    cfg.pipeline.stages, cfg.train.out = 2, "unused"
     for error, outcome in ((TransportError("stage 1: recv failed -- stage 0 closed the connection\nmore"), "line"),
                            (ValueError("a bug"), ValueError)):
         def rank_main(*args, error=error):
@@ -124,24 +125,30 @@ def test_under_torchrun_a_rank_that_lost_its_peer_ends_with_one_line_and_exit_3(
                 distributed.launch(cfg, None, prepare=lambda: None)
 
 
-def test_a_failed_torchrun_rank_leaves_without_the_interpreters_teardown(tmp_path):
+def test_a_failed_torchrun_rank_with_its_worker_running_leaves_without_the_teardown(tmp_path):
     # A stopped or failed rank's stage worker may still be inside the transport's native code; the
     # teardown would end that daemon thread under it (an abort: "terminate called without an active
     # exception"), so such a rank leaves with os._exit, as spawned ranks do. Seen here by an atexit
-    # hook, which the teardown would run; the rank is refused (a one-process run in a world of 2).
+    # hook, which the teardown would run; the rank fails (a one-process run in a world of 2), with
+    # a stand-in for the worker thread or without one (then it ends as usual, as does a rank that
+    # ends well).
     import os
 
+    worker = ("import threading, time; threading.Thread(target=time.sleep, args=(60,), name='asyncpp-stage0', "
+              "daemon=True).start(); ")
     code = ("import atexit, runpy; atexit.register(print, 'teardown ran', flush=True); "
             "runpy.run_module('asyncpp_ext.train', run_name='__main__')")
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
     env.pop("ASYNCPP_LOCAL_SPAWN", None)
     argv = [*FLAGS, "--simulate", "--out", str(tmp_path / "run")]
-    r = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "teardown ran" not in r.stdout, (r.returncode, r.stdout, r.stderr)
-    assert r.stderr.startswith("asyncpp-train: error: --simulate runs in one process"), r.stderr
-    env["WORLD_SIZE"] = "1"  # a rank that ends well is torn down as usual
-    r = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "teardown ran" in r.stdout, (r.returncode, r.stdout, r.stderr)
+    for prefix, world, status, torn_down in (("", "2", 2, True), (worker, "2", 2, False), (worker, "1", 0, True)):
+        env["WORLD_SIZE"] = world
+        r = subprocess.run([sys.executable, "-c", prefix + code, *argv], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == status and ("teardown ran" in r.stdout) == torn_down, (prefix, world, r.stdout,
+                                                                                       r.stderr)
+        if status:
+            assert r.stderr.startswith("asyncpp-train: error: --simulate runs in one process"), r.stderr
 
 
 def test_under_torchrun_an_out_in_use_ends_every_rank_with_rank_0s_reason(tmp_path, free_port):
