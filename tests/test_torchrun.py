@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from asyncpp_ext.training.cli import main
+from run_holder import run_dir_held
 
 pytestmark = pytest.mark.multiproc
 
@@ -155,18 +156,10 @@ def test_under_torchrun_an_out_in_use_ends_every_rank_with_rank_0s_reason(tmp_pa
     # rank 0 finds --out held by another run; the other ranks end with its reason at once (they
     # waited for torchrun to stop them, then pointed at the other run's --out with "--resume")
     run = tmp_path / "r"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from asyncpp_ext.training.run_files import prepare_run_dir; "
-         f"prepare_run_dir({str(run)!r}, resuming=False); print('held', flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
+    with run_dir_held(run) as holder:
         r = _torchrun(2, free_port, FLAGS + ["--out", str(run)])
-    finally:
-        holder.kill()
-        holder.wait()
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("asyncpp-train: "))
-    reason = f"--out {run} is in use by another run (pid {holder.pid} on "
+    reason = f"--out {run} is in use by another run (pid {holder} on "
     assert len(ours) == 2, r.stderr
     assert ours[0].startswith(f"asyncpp-train: error: {reason}"), ours
     assert ours[1].startswith(f"asyncpp-train: error: rank 0 could not start the run: {reason}"), ours

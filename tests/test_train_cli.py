@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from asyncpp_ext.training.cli import main
+from run_holder import run_dir_held
 
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -151,20 +152,12 @@ def test_a_run_in_progress_keeps_its_out_from_a_second_run(tmp_path, capsys):
     and write their rows and checkpoints among the other's; the second is refused, naming the
     first, and the --out is free again once the first ends."""
     run = tmp_path / "r"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from asyncpp_ext.training.run_files import prepare_run_dir; "
-         f"prepare_run_dir({str(run)!r}, resuming=False); print('held', flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
+    with run_dir_held(run) as holder:
         for argv in (FAST + ["--steps", "2", "--out", str(run)], FAST + ["--stages", "2", "--steps", "2", "--out",
                                                                        str(run)]):
             assert main(argv) == 2
             err = capsys.readouterr().err.splitlines()
-            assert len(err) == 1 and f"--out {run} is in use by another run (pid {holder.pid} on " in err[0], err
-    finally:
-        holder.kill()
-        holder.wait()
+            assert len(err) == 1 and f"--out {run} is in use by another run (pid {holder} on " in err[0], err
     assert not (run / "metrics.jsonl").exists()
     assert main(FAST + ["--steps", "2", "--out", str(run)]) == 0  # the kernel let go of the lock
     assert main(["--resume", str(run), "--steps", "3", "--no-progress"]) == 0  # this process's own, in turn

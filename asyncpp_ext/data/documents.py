@@ -117,7 +117,7 @@ class Skips:
 
 
 def input_tasks(items: list, separator: Optional[str], text_field: str, skips: Skips,
-           on_bytes) -> Iterator[Task]:
+                on_bytes) -> Iterator[Task]:
     """Every input cut into tasks, in order."""
     for item in items:
         try:

@@ -32,18 +32,22 @@ def _wait_for_rows(launcher: subprocess.Popen, run, rows: int = 3) -> None:
         time.sleep(0.2)
 
 
+def _wait_for_checkpoint(launcher: subprocess.Popen, run) -> None:
+    """Rows, then the checkpoint written just after a segment's rows (a stop's --resume hint needs it)."""
+    _wait_for_rows(launcher, run)
+    deadline = time.monotonic() + 60
+    while not list_checkpoints(run):
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.1)
+
+
 def test_sigterm_to_the_launcher_stops_every_rank_with_a_line(tmp_path):
     run = tmp_path / "run"
     launcher = _start_training(run, stdout=subprocess.PIPE,
                                # as a script's background job runs (and CI's): SIGINT ignored, inherited by every rank
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        _wait_for_rows(launcher, run)
-        # a segment's rows are written just before its checkpoint: wait for that too (the hint needs it)
-        deadline = time.monotonic() + 60
-        while not list_checkpoints(run):
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.1)
+        _wait_for_checkpoint(launcher, run)
         family = {launcher.pid} | {c for p in _children(launcher.pid) for c in [p, *_children(p)]}
         os.kill(launcher.pid, signal.SIGTERM)  # to the launcher only, not its process group
         out, err = launcher.communicate(timeout=60)
@@ -160,11 +164,7 @@ def test_ctrl_c_mid_run_is_each_ranks_interrupted_line_and_the_launchers(tmp_pat
     run = tmp_path / "run"
     launcher = _start_training(run, stdout=subprocess.DEVNULL, preexec_fn=_default_sigint)
     try:
-        _wait_for_rows(launcher, run)
-        deadline = time.monotonic() + 60
-        while not list_checkpoints(run):
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
-            time.sleep(0.1)
+        _wait_for_checkpoint(launcher, run)
         os.killpg(launcher.pid, signal.SIGINT)
         _, err = launcher.communicate(timeout=60)
     finally:
