@@ -224,7 +224,7 @@ def report_rank_failure(rank: int, e: BaseException) -> str:
     """Write rank ``rank``'s one line for ``e`` ("asyncpp: rank R: ...", the traceback too with
     ASYNCPP_DEBUG set) and return its message."""
     if os.environ.get("ASYNCPP_DEBUG"):
-        traceback.print_exception(e)
+        traceback.print_exception(type(e), e, e.__traceback__)
     msg = ("interrupted" if type(e) is KeyboardInterrupt else  # Ctrl-C; Stopped names its signal
            str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     sys.stderr.write(f"asyncpp: rank {rank}: {msg}\n")
