@@ -2,7 +2,6 @@
 imported by ``commands.train`` so that a stop request during the imports ends with one line)."""
 import os
 import sys
-import threading
 
 from .commands import train as main
 
@@ -15,10 +14,11 @@ def _end_torchrun_rank(code) -> None:
     files closed by then. Other ranks end as usual (rank 0 holds the rendezvous store, which the
     other ranks may still be reading to reach their own message)."""
     from .pipeline.launch import spawned_locally, under_launcher
+    from .pipeline.pipeline import stage_workers_running
 
     if code in (0, None) or not under_launcher() or spawned_locally():
         return
-    if any(t.name.startswith("asyncpp-stage") and t.is_alive() for t in threading.enumerate()):
+    if stage_workers_running():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)

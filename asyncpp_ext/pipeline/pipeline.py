@@ -46,6 +46,16 @@ SCHEDULES = schedule_names(pipeline_only=True)
 _EVAL_TAG = 2
 
 
+WORKER_THREAD_PREFIX = "asyncpp-stage"
+"""A stream's worker thread is named this and its stage (it runs the schedule in native code)."""
+
+
+def stage_workers_running() -> bool:
+    """Whether a stream's worker thread is still running in this process (a process that leaves
+    while one is in native code must skip the interpreter's teardown, which would abort it)."""
+    return any(t.name.startswith(WORKER_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate())
+
+
 @dataclass
 class StepStats:
     step: int                 # global step index (0-based)
@@ -420,7 +430,7 @@ class Pipeline:
 
         if self.host.exchange is not None:
             self.exchange.begin_segment(first_step, steps)
-        thread = threading.Thread(target=worker, name=f"asyncpp-stage{self.stage}", daemon=True)
+        thread = threading.Thread(target=worker, name=f"{WORKER_THREAD_PREFIX}{self.stage}", daemon=True)
         thread.start()
         last = first_step - 1
         try:

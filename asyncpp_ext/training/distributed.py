@@ -169,15 +169,16 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:
     # Rank 0 makes (or checks) the run directory; the others learn whether it could, and end with
     # its reason rather than wait until torchrun stops them (a stopped rank would point at the
     # --out of the run that holds it: "continue with --resume").
-    outcome = [None]
+    failure = None
     if rank == 0:
         try:
             prepare()
         except Exception as exc:
-            outcome[0] = " ".join(str(exc).split()) or type(exc).__name__
-            dist.broadcast_object_list(outcome, src=0, device=torch.device("cpu"))
-            raise
+            failure = exc
+    outcome = [None if failure is None else " ".join(str(failure).split()) or type(failure).__name__]
     dist.broadcast_object_list(outcome, src=0, device=torch.device("cpu"))
+    if failure is not None:
+        raise failure
     if outcome[0] is not None:
         from .run import RunSetupError
         raise RunSetupError(f"rank 0 could not start the run: {outcome[0]}")
