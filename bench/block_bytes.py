@@ -177,4 +177,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script_main import run_script
+
+    run_script(main)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -370,10 +369,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through run_all, which stops its workers
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     run_args = {k: getattr(a, k) for k in ("model", "n_layer", "data", "steps", "microbatches",
@@ -436,5 +431,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    raise SystemExit(main())
+    from script_main import run_script
+
+    run_script(main)

@@ -382,12 +382,7 @@ def write_json(path, data) -> None:
     os.replace(tmp, path)
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through the running row, which kills its process group
-
-
 if __name__ == "__main__":
-    import signal
+    from script_main import run_script
 
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    sys.exit(main())
+    run_script(main)

@@ -81,4 +81,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from script_main import run_script
+
+    run_script(main)

@@ -511,4 +511,6 @@ def width_sweep(widths, args, load_start) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from script_main import run_script
+
+    run_script(main)

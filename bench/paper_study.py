@@ -52,7 +52,6 @@ import argparse
 import importlib.util
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -449,10 +448,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through run_pool, which stops its workers
-
-
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    raise SystemExit(main())
+    from script_main import run_script
+
+    run_script(main)

@@ -303,4 +303,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from script_main import run_script
+
+    run_script(main)

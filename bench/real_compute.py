@@ -392,4 +392,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from script_main import run_script
+
+    run_script(main)

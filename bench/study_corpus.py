@@ -41,6 +41,8 @@ EOT = "<|endoftext|>"
 """The end-of-document token the tokenizer reserves and prepare appends."""
 TOKENIZER_SAMPLE = 4
 """The tokenizer trains on every n-th document (the merges settle long before all of it)."""
+MIN_VOCAB = 257
+"""The byte-level BPE's 256 byte tokens and EOT; a vocabulary below it cannot hold them."""
 
 
 def default_roots() -> list[Path]:
@@ -106,6 +108,7 @@ def ensure_corpus(folder: Path, vocab: int, roots: Optional[Sequence[Path]] = No
     ``train_tokens`` (what the study trains on: all but the evaluation tail), ``roots`` and
     ``build_seconds``. StudyError (one line) when it cannot be built."""
     from asyncpp_ext.data.prepare import PrepareError, prepare
+    from asyncpp_ext.data.sources import sidecar_path
     from asyncpp_ext.training.config import DataConfig
 
     folder = Path(folder)
@@ -114,6 +117,11 @@ def ensure_corpus(folder: Path, vocab: int, roots: Optional[Sequence[Path]] = No
         info = json.loads(info_path.read_text())
         if info.get("vocab") == vocab and Path(info["path"]).is_file():
             return info
+    if vocab < MIN_VOCAB:
+        raise StudyError(f"--vocab {vocab} is below {MIN_VOCAB}, the byte-level BPE's 256 byte tokens and "
+                         f"{EOT}; use e.g. 16384")
+    if max_bytes <= 0:
+        raise StudyError(f"--max-mb {max_bytes >> 20} is not positive; use e.g. 300")
     if importlib_missing("tokenizers"):
         raise StudyError("building the study corpus needs the tokenizers package; pip install tokenizers "
                          "(or pass --data FILE.bin)")
@@ -123,29 +131,39 @@ def ensure_corpus(folder: Path, vocab: int, roots: Optional[Sequence[Path]] = No
     if len(paths) < 2:
         raise StudyError(f"found {len(paths)} text file(s) under {', '.join(map(str, roots))}; the study "
                          "corpus needs many (pass --data FILE.bin with a tokenized corpus)")
+    made_folder = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     staging = folder / "documents.jsonl"  # the documents in their order, one record each
-    with open(staging, "w", encoding="utf-8") as f:
-        for text in _texts(paths):
-            f.write(json.dumps({"text": text}) + "\n")
     tokenizer = folder / "tokenizer.json"
     out = folder / "corpus.bin"
+    built = False
     try:
-        train_tokenizer(paths, vocab, tokenizer)
-        for stale in (out, info_path):
+        for stale in (info_path, out, sidecar_path(out), tokenizer):  # another vocabulary's corpus
             stale.unlink(missing_ok=True)
+        with open(staging, "w", encoding="utf-8") as f:
+            for text in _texts(paths):
+                f.write(json.dumps({"text": text}) + "\n")
+        train_tokenizer(paths, vocab, tokenizer)
         result = prepare(str(tokenizer), [str(staging)], str(out), progress=False, doc_boundary="eos",
                          workers=workers)
+        tokens = sum(header["num_tokens"] for header in result.values())
+        info = {"path": str(out), "tokenizer": str(tokenizer), "vocab": vocab,
+                "documents": result.documents, "bytes": sum(p.stat().st_size for p in paths),
+                "tokens": tokens, "train_tokens": tokens - int(tokens * DataConfig().eval_fraction),
+                "roots": [str(r) for r in roots], "build_seconds": round(time.perf_counter() - start, 1)}
+        temp = info_path.with_name(info_path.name + ".tmp")
+        temp.write_text(json.dumps(info, indent=1) + "\n")
+        os.replace(temp, info_path)  # the corpus counts as built once this lands, whole
+        built = True
     except PrepareError as exc:
         raise StudyError(f"building the study corpus failed: {exc}") from None
-    finally:
+    finally:  # failed or interrupted: no part of a corpus stays behind
         staging.unlink(missing_ok=True)
-    tokens = sum(header["num_tokens"] for header in result.values())
-    info = {"path": str(out), "tokenizer": str(tokenizer), "vocab": vocab, "documents": result.documents,
-            "bytes": sum(p.stat().st_size for p in paths), "tokens": tokens,
-            "train_tokens": tokens - int(tokens * DataConfig().eval_fraction),
-            "roots": [str(r) for r in roots], "build_seconds": round(time.perf_counter() - start, 1)}
-    info_path.write_text(json.dumps(info, indent=1) + "\n")
+        if not built:
+            for part in (info_path.with_name(info_path.name + ".tmp"), out, sidecar_path(out), tokenizer):
+                part.unlink(missing_ok=True)
+            if made_folder and not any(folder.iterdir()):
+                folder.rmdir()
     return info
 
 
@@ -174,4 +192,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from script_main import run_script
+
+    run_script(main)
