@@ -30,19 +30,17 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "bench"):  # the package, and the bench's sibling scripts
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 from asyncpp_ext.models.attention import attention_preference, chosen_kernel  # noqa: E402
+from bench_command import BenchError, check_report_path, write_json  # noqa: E402
 
 TOKENS = 8192  # one microbatch of bench/gpu_throughput.py (8 x 1024)
 # name: (heads, key/value heads, head dim, sequence length): the SmolLM shapes the bench trains
 CUDA_SHAPES = {"smollm-135m": (9, 3, 64, 1024), "smollm-360m": (15, 5, 64, 2048)}
 CPU_SHAPES = {"tiny-gqa": (6, 2, 16, 64)}
-
-
-class BenchError(ValueError):
-    """Bad input: one line, exit 2."""
 
 
 def attention(q, k, v):
@@ -127,6 +125,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.iters < 1:
         raise BenchError(f"--iters must be >= 1, got {args.iters}")
+    if args.json not in (None, "-"):
+        check_report_path(args.json, "attention_kernels.json")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda but no CUDA GPU is visible; use --device cpu")
     return args
@@ -168,11 +168,11 @@ def main(argv=None) -> int:
     else:
         print(format_report(report))
         if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+            write_json(args.json, report)
     return 0 if all(r["check"] == "ok" for r in report["rows"]) else 1
 
 
 if __name__ == "__main__":
-    from script_main import run_script
+    from bench_command import run_script
 
     run_script(main)

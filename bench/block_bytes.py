@@ -41,13 +41,10 @@ for path in (ROOT, ROOT / "bench"):  # the package, and the bench's sibling scri
 from asyncpp_ext.models.compile import compile_blocks  # noqa: E402
 from asyncpp_ext.models.llama import LlamaBlock, llama_init_, llama_preset_config  # noqa: E402
 from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
+from bench_command import BenchError, check_report_path, write_json  # noqa: E402
 from block_step import VARIANTS, build_block  # noqa: E402  (the forms and how they are built)
 
 DEFAULT_FORMS = ("compiled", "separate-gate-up", "concat-weights")
-
-
-class BenchError(ValueError):
-    """Bad input: one line, exit 2."""
 
 
 @contextlib.contextmanager
@@ -145,6 +142,8 @@ def parse(argv=None):
         raise BenchError(f"--model {args.model} / --seq-len {args.seq_len}: {str(exc).splitlines()[0]}") from None
     if args.tokens < args.seq_len or args.tokens % args.seq_len:
         raise BenchError(f"--tokens must be a multiple of --seq-len ({args.seq_len}), got {args.tokens}")
+    if args.json not in (None, "-"):
+        check_report_path(args.json, "block_bytes.json")
     return args
 
 
@@ -172,11 +171,11 @@ def main(argv=None) -> int:
     if args.json == "-":
         print(json.dumps(result, indent=1))
     elif args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
     return 0
 
 
 if __name__ == "__main__":
-    from script_main import run_script
+    from bench_command import run_script
 
     run_script(main)

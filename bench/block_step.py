@@ -74,15 +74,12 @@ from asyncpp_ext.models.llama import (Attention, LlamaBlock, SwiGLU, apply_rotar
 from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
 from asyncpp_ext.training.profiling import trace_calls  # noqa: E402
+from bench_command import BenchError, check_report_path, write_json  # noqa: E402
 from attention_kernels import timed  # noqa: E402  (the median of --iters calls, after two warm-ups)
 from throughput_rows import INDUCTOR_PRESETS, inductor_preset  # noqa: E402  (the bench's preset rows' options)
 
 CUDA_SHAPES = {"smollm-360m": 2048, "smollm-135m": 1024}  # model -> sequence length
 CPU_SHAPES = {"llama-tiny": 32}
-
-
-class BenchError(ValueError):
-    """Bad input: one line, exit 2."""
 
 
 class RotaryBTDAttention(Attention):
@@ -315,7 +312,7 @@ def report(device: torch.device, rows: list) -> dict:
 
 def write(args, device: torch.device, rows: list) -> None:
     if args.json and args.json != "-":
-        Path(args.json).write_text(json.dumps(report(device, rows), indent=1) + "\n")
+        write_json(args.json, report(device, rows))
 
 
 def parse(argv=None):
@@ -360,6 +357,8 @@ def parse(argv=None):
             raise BenchError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise BenchError(f"--warmup must be at least 0, got {args.warmup}")
+    if args.json not in (None, "-"):
+        check_report_path(args.json, "block_step.json")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: no CUDA device here; pass --device cpu")
     return args
@@ -395,6 +394,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_script
+    from bench_command import run_script
 
     run_script(main)

@@ -90,6 +90,7 @@ from throughput_report import (HEAD_LOSS_REL_TOL, finish_row, format_report, hea
                                loss_check, ratios, steady_tokens_per_s, targets, variant_checks)
 from throughput_rows import (PROG, RESULT_TAG, ROOT, head_row, ours_command, start_row,  # noqa: E402,F401
                              run_ours, run_worker_row)
+from bench_command import check_report_path, write_json  # noqa: E402
 from row_process import RowProcess, beside_measured  # noqa: E402
 from throughput_workers import build_hf_model, head_mode, worker_main  # noqa: E402,F401
 from throughput_plan import (DEFAULTS, HEAD_SHAPE, SMOKE_HEAD_SHAPE, build_plan, detect_cli_flags,  # noqa: E402,F401
@@ -194,29 +195,8 @@ def parse_args(argv):
     if any(n < 1 for n in args.head_chunk_rows):
         raise BenchError(f"--head-chunk-rows: every chunk must hold >= 1 row, got {args.head_chunk_rows}")
     if args.json is not None:
-        _check_report_path(args.json)
+        check_report_path(args.json, "gpu_throughput.json")
     return args
-
-
-def _check_report_path(path: str) -> None:
-    """BenchError unless ``--json PATH`` can be written as ``write_json`` writes it (PATH.tmp, then
-    renamed over PATH): found out before the first row, not after it (a row is minutes on a
-    GPU), and never a rename over a device such as /dev/full. Missing directories are made (as
-    the package's commands make theirs), and removed again if the file cannot be written there."""
-    from asyncpp_ext.directories import make_directories, missing_directories, remove_directories
-
-    target = Path(path)
-    if target.exists() and not target.is_file():
-        what = "a directory" if target.is_dir() else "not a regular file"
-        raise BenchError(f"--json {path} is {what}; name a file such as gpu_throughput.json")
-    probe, made = Path(f"{path}.tmp"), []
-    try:
-        made = make_directories(missing_directories(target.absolute().parent))
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        remove_directories(made)
-        raise BenchError(f"--json {path} cannot be written ({exc.strerror or exc}); choose a writable place") from None
 
 
 def _scratch_dir():
@@ -375,14 +355,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_json(path, data) -> None:
-    """``data`` to ``path`` whole or not at all (a stop mid-write leaves the previous file)."""
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
-
-
 if __name__ == "__main__":
-    from script_main import run_script
+    from bench_command import run_script
 
     run_script(main)

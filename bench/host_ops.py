@@ -197,6 +197,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from script_main import run_script
+    from bench_command import run_script
 
     run_script(main)

@@ -511,6 +511,6 @@ def width_sweep(widths, args, load_start) -> None:
 
 
 if __name__ == "__main__":
-    from script_main import run_script
+    from bench_command import run_script
 
     run_script(main)

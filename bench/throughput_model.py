@@ -4,9 +4,7 @@ the parameter counts and FLOPs per token of the PaLM formula, and the GPUs' dens
 formula and its conventions are written out in gpu_throughput.py's docstring)."""
 from __future__ import annotations
 
-
-class BenchError(ValueError):
-    """A bad input: one line on stderr, exit 2."""
+from bench_command import BenchError  # noqa: F401 (the bench's error, re-exported)
 
 
 # Dense bf16 tensor-core peaks (TFLOP/s) from NVIDIA's datasheets (the "with sparsity" figure / 2).

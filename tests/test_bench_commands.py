@@ -39,7 +39,7 @@ def _script(tmp_path: Path, body: str) -> Path:
         import sys, time
         from pathlib import Path
         sys.path.insert(0, {bench!r})
-        from script_main import run_script
+        from bench_command import run_script
         here = Path(__file__).parent
 
         def main():
@@ -177,3 +177,27 @@ def test_corpus_sizes_are_one_line_before_any_work(tmp_path, argv, words):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and words in done.stderr, done.stderr
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("script, extra", [("attention_kernels", ["--device", "cpu"]),
+                                           ("block_bytes", ["--model", "llama-tiny", "--seq-len", "32",
+                                                            "--tokens", "64"]),
+                                           ("block_step", ["--device", "cpu"]),
+                                           ("gpu_throughput", ["--device", "cpu", "--quick"])])
+@pytest.mark.parametrize("case", ["a directory", "under a file"])
+def test_a_json_report_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, monkeypatch,
+                                                                         script, extra, case):
+    import importlib
+
+    module = importlib.import_module(script)
+    measured = []
+    for name in ("run", "measure", "run_plan"):  # what a run would do first
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, lambda *a, **k: measured.append(name))
+    (tmp_path / "file").write_text("")
+    path = tmp_path if case == "a directory" else tmp_path / "file" / "report.json"
+    assert module.main([*extra, "--json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--json {path} " in err, err
+    assert ("is a directory" if case == "a directory" else "cannot be written") in err
+    assert measured == []

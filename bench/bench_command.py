@@ -1,0 +1,73 @@
+"""What every bench script shares as a command.
+
+``run_script(main)`` under ``if __name__ == "__main__"``: a Ctrl-C or a SIGTERM (``timeout``, a job
+scheduler) ends the script with one line on stderr and the shell's code for the signal (130, 143),
+not a traceback. Both unwind the script as an exception does, so its ``finally`` blocks run:
+worker processes are stopped and partial files removed.
+
+``BenchError``: a bad input, which the script prints as one line before exiting with 2.
+``check_report_path`` / ``write_json``: a ``--json PATH`` report, checked before the first
+measurement (a row can take minutes) and written whole or not at all."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+
+class BenchError(ValueError):
+    """A bad input: one line on stderr, exit 2."""
+
+
+def check_report_path(path: str, example: str = "report.json", flag: str = "--json") -> None:
+    """BenchError unless ``flag PATH`` can be written as ``write_json`` writes it (PATH.tmp, then
+    renamed over PATH), and never a rename over a device such as /dev/full. Missing directories
+    are made (as the package's commands make theirs), and removed again if the file cannot be
+    written there."""
+    from asyncpp_ext.directories import make_directories, missing_directories, remove_directories
+
+    target = Path(path)
+    if target.exists() and not target.is_file():
+        what = "a directory" if target.is_dir() else "not a regular file"
+        raise BenchError(f"{flag} {path} is {what}; name a file such as {example}")
+    probe, made = Path(f"{path}.tmp"), []
+    try:
+        made = make_directories(missing_directories(target.absolute().parent))
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        remove_directories(made)
+        raise BenchError(f"{flag} {path} cannot be written ({exc.strerror or exc}); choose a writable place") from None
+
+
+def write_json(path, data) -> None:
+    """``data`` as indented JSON in ``path``, whole: written beside it, then renamed over it."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by SIGTERM: unwinds the script like a Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(128 + signum)
+
+
+def run_script(main: Callable[[], Optional[int]]) -> None:
+    """Exit with ``main()``'s code (0 for None); a Ctrl-C or SIGTERM is one line and 130 / 143."""
+    prog = os.path.basename(sys.argv[0]) or "bench"
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        code = 128 + signal.SIGINT
+    except Terminated as stop:
+        print(f"{prog}: stopped by SIGTERM", file=sys.stderr, flush=True)
+        code = stop.code
+    sys.exit(code or 0)
