@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,8 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(Path(__file__).resolve().parent) not in sys.path:  # the shared study code next to this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_runs import (StudyError, build_config, check_plot_argument, mean_std,  # noqa: E402
-                        plot_curve_panels, progress_reporter, run_pool, save_figure, train_run)
+from study_runs import (StudyError, build_config, check_configs, check_plot_argument, mean_std,  # noqa: E402
+                        plot_curve_panels, progress_reporter, recovered_fraction, run_pool, save_figure,
+                        share_text, train_run)
 
 DEFAULT_DATA = "builtin"  # the package's built-in corpus: runs on any machine, no download
 
@@ -163,14 +165,15 @@ def summarize(results: list[dict], variants: list[Variant]) -> dict:
         for label, row in rows.items():
             if label.startswith("muon+ef"):
                 # As defined by the study: each optimizer's own gap (2bw - its own sync run).
-                row["recovered_own_gap"] = (gap_muon - row["gap"][0]) / gap_muon
+                row["recovered_own_gap"] = recovered_fraction(gap_muon, row["gap"][0])
                 # What a user sees: how far 2bw+EF closes the distance to plain sync Muon.
-                row["recovered_vs_sync_muon"] = (muon_2bw - row["2bw"][0]) / (muon_2bw - muon_sync)
+                row["recovered_vs_sync_muon"] = recovered_fraction(muon_2bw - muon_sync,
+                                                                   row["2bw"][0] - muon_sync)
     if "adamw" in rows:
         gap_adamw = rows["adamw"]["gap"][0]
         for label, row in rows.items():
             if label.startswith("adamw+ef"):
-                row["recovered_own_gap"] = (gap_adamw - row["gap"][0]) / gap_adamw
+                row["recovered_own_gap"] = recovered_fraction(gap_adamw, row["gap"][0])
     return rows
 
 
@@ -188,8 +191,8 @@ def format_table(summary: dict, seeds: int) -> str:
         own = row.get("recovered_own_gap")
         vs = row.get("recovered_vs_sync_muon")
         lines.append(f"{label:<14} {cells[0]:>17} {cells[1]:>17} {cells[2]:>17} "
-                     f"{'' if own is None else f'{own:.0%}':>12} "
-                     f"{'' if vs is None else f'{vs:.0%}':>13}")
+                     f"{'' if own is None else share_text(own):>12} "
+                     f"{'' if vs is None else share_text(vs):>13}")
     return "\n".join(lines + [format_depth_table(summary)])
 
 
@@ -330,12 +333,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.betas = [float(b) for b in a.betas.split(",") if b.strip()]
     except ValueError:
         parser.error(f"--betas {a.betas!r} must be comma-separated numbers, e.g. 0.25,0.5,1.0")
-    if any(not b > 0 for b in a.betas):
-        parser.error(f"--betas {a.betas} must all be > 0 (beta 0 is the plain 'muon' row)")
+    if any(not 0 < b < math.inf for b in a.betas):
+        parser.error(f"--betas {a.betas} must all be positive numbers (beta 0 is the plain 'muon' row)")
     for name in ("steps", "seeds", "workers", "threads", "microbatches", "micro_batch_size",
                  "eval_batches"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    for name in ("eval_every", "spot_check_steps"):
+        if getattr(a, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    for name in ("adamw_lr", "muon_lr", "muon_adamw_lr"):
+        if not 0 < getattr(a, name) < math.inf:
+            parser.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(a, name)}")
+    if not 0 <= a.adamw_ef_beta < math.inf:
+        parser.error(f"--adamw-ef-beta must be >= 0 (0 = no AdamW+EF row), got {a.adamw_ef_beta}")
     a.schedules = [x.strip() for x in a.schedules.split(",") if x.strip()]
     unknown = [x for x in a.schedules if x not in STUDY_SCHEDULES]
     if unknown or "sync" not in a.schedules or len(set(a.schedules)) != len(a.schedules):
@@ -369,6 +380,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
+def _configs_build(specs: list[RunSpec], run_args: dict) -> bool:
+    """Whether every run of the study builds (else one line on stderr): checked here, before the
+    first run, so that a bad value is not a traceback from each worker."""
+    runs = {(f"{s.variant.label} {s.schedule if s.stages is None else f'pipedream S={s.stages}'}", s.schedule, tuple(variant_overrides(s.variant).items()), s.stages): 0
+            for s in specs if s.seed == 0}  # each once, in the study's order
+    try:
+        check_configs(list(runs), run_args)
+    except StudyError as exc:
+        print(f"delay_study.py: error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     run_args = {k: getattr(a, k) for k in ("model", "n_layer", "data", "steps", "microbatches",
@@ -386,6 +410,8 @@ def main(argv=None) -> int:
         variants += [Variant(f"muon lr{lr:g} a{alr:g}", "muon", lr, adamw_lr=alr)
                      for lr in TUNE_MUON_LRS for alr in TUNE_MUON_ADAMW_LRS]
         specs = [RunSpec(v, "sync", s) for v in variants for s in range(a.seeds)]
+        if not _configs_build(specs, run_args):
+            return 2
         results = run_all(specs, run_args, a.workers, a.threads)
         tuned = {}
         for v in variants:
@@ -404,6 +430,8 @@ def main(argv=None) -> int:
     variants = study_variants(a)
     depths = a.stages if "pipedream" in a.schedules else []
     specs = study_specs(variants, [x for x in STUDY_SCHEDULES if x in a.schedules], depths, a.seeds)
+    if not _configs_build(specs, run_args):
+        return 2
     results = run_all(specs, run_args, a.workers, a.threads)
     summary = summarize(results, variants)
     study_seconds = round(time.perf_counter() - start, 1)

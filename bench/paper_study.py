@@ -59,7 +59,7 @@ from pathlib import Path
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # the shared study code next to this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_runs import (StudyError, build_config, build_engine, check_plot_argument, parse_value,  # noqa: E402
+from study_runs import (StudyError, build_config, check_configs, check_plot_argument, parse_value,  # noqa: E402
                         progress_reporter, run_overrides, run_pool)
 from study_report import (_duration, check_settings, format_flattening, format_table, format_trend,  # noqa: E402
                           plot_table, summarize, summarize_trend, sync_flattening)
@@ -225,16 +225,6 @@ def check_extras(optimizers) -> None:
             raise StudyError(message if INSTALL_HINT in message else f"{message} ({INSTALL_HINT})") from None
 
 
-def check_configs(settings: list[Setting], args: dict, extra: dict) -> None:
-    """Build every row's config, model, optimizer and simulator once, so a bad field or value, or
-    an option this asyncpp_ext cannot run, stops the study before its first run."""
-    for s in settings:
-        try:
-            build_engine(build_config(args, s.schedule, 0, {**extra, **dict(s.overrides)}))
-        except (ValueError, TypeError) as exc:
-            raise StudyError(f"{s.label}: {' '.join(str(exc).split())}") from None
-
-
 # -- command line ---------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, through main's StudyError handling
@@ -360,7 +350,7 @@ def run_study(a: argparse.Namespace) -> tuple[dict, list[Setting]]:
     if a.delay_only:
         settings = [replace(s, overrides=s.overrides + (("pipeline.delay_only", a.delay_only),))
                     if s.schedule == "2bw" else s for s in settings]
-    check_configs(settings, args, a.overrides)
+    check_configs([(s.label, s.schedule, {**a.overrides, **dict(s.overrides)}, None) for s in settings], args)
     import torch
 
     cfg = build_config(args, "sync", 0, {**a.overrides, **dict(settings[0].overrides)})

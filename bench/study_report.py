@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from study_runs import StudyError, mean_std, paired_differences, plot_curve_panels, recovered_fractions
+from study_runs import (StudyError, mean_std, paired_differences, plot_curve_panels, recovered_fractions,
+                        share_text)
 
 
 def check_settings(settings: list) -> None:
@@ -69,7 +70,8 @@ def format_table(summary: dict, header: list[str], seeds: int) -> str:
     for label, row in summary.items():
         cells = [f"{row['eval'][0]:.4f} ± {row['eval'][1]:.4f}",
                  "" if row["gap"] is None else f"{row['gap'][0]:+.4f} ± {row['gap'][1]:.4f}",
-                 "" if row["recovered"] is None else f"{row['recovered'][0]:.0%} ± {row['recovered'][1]:.0%}"]
+                 "" if row["recovered"] is None else (f"{row['recovered'][0]:.0%} ± {row['recovered'][1]:.0%}"
+                                                      if math.isfinite(row["recovered"][0]) else share_text(math.nan))]
         lines.append(f"{label:<{width}}{cells[0]:>17} {cells[1]:>17} {cells[2]:>13}")
     return "\n".join(lines)
 
@@ -142,8 +144,8 @@ def format_trend(trend: list[dict], tokens_per_step: int) -> str:
             if row["recovered"] is None:
                 cells.append(f"gap {row['gap'][0]:+.4f}")
             else:
-                seeds = ",".join(f"{v:.0%}" if math.isfinite(v) else "nan" for v in row["per_seed"]["recovered"])
-                cells.append(f"{row['recovered'][0]:.0%} ({seeds})")
+                seeds = ",".join(share_text(v) for v in row["per_seed"]["recovered"])
+                cells.append(f"{share_text(row['recovered'][0])} ({seeds})")
         lines.append(f"{point['step']:>6} {point['step'] * tokens_per_step:>9} {point['sync_eval'][0]:>10.4f}  "
                      + "  ".join(f"{c:>24}" for c in cells))
     return "\n".join(lines)

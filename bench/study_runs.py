@@ -95,6 +95,25 @@ def build_config(args: dict, schedule: str, seed: int, overrides: Mapping[str, o
     return cfg
 
 
+def check_configs(runs: Iterable[tuple], args: dict) -> None:
+    """Build each run's config, model, optimizer and simulator once, for ``runs`` of ``(label,
+    schedule, overrides, stages)``, and its data once per distinct shape, so a bad field or value,
+    data that cannot feed the model, or an option this asyncpp_ext cannot run stops the study with
+    one line (StudyError naming the run) before its first run."""
+    data_checked = set()
+    for label, schedule, overrides, stages in runs:
+        try:
+            cfg = build_config(args, schedule, 0, overrides, stages)
+            shape = (cfg.data.source, cfg.model.vocab_size, cfg.model.seq_len, cfg.pipeline.microbatches,
+                     cfg.pipeline.micro_batch_size, cfg.data.eval_fraction, cfg.data.eval_batches)
+            if shape not in data_checked:
+                run_data(cfg, args["micro_batch_size"])
+                data_checked.add(shape)
+            build_engine(cfg)
+        except (ValueError, TypeError) as exc:
+            raise StudyError(f"{label}: {' '.join(str(exc).split())}") from None
+
+
 # -- one run (executes in a worker process) -------------------------------------------------------
 def build_engine(cfg):
     """The model (initialised from the run's seed), its optimizer, and the DelaySimulator that
@@ -105,13 +124,9 @@ def build_engine(cfg):
     return build_simulator(cfg)
 
 
-def train_run(cfg, eval_micro_batch_size: int) -> dict:
-    """Train ``cfg`` in this process with the DelaySimulator and the CLI's optimizer factory.
-
-    Returns ``final_eval_loss`` (NaN when the run diverged), ``eval_curve`` ([(step, loss)], from
-    step 0), ``train_losses`` and ``seconds``. The token split and the eval windows are cut by
-    ``eval_micro_batch_size`` for every schedule, so every run of a study is evaluated on the same
-    windows."""
+def run_data(cfg, eval_micro_batch_size: int) -> tuple:
+    """The run's training BatchStream and its evaluation batches (DataError, a ValueError, when
+    the data cannot feed the model)."""
     from asyncpp_ext.data import BatchStream, eval_batches, load_tokens, split_tokens
 
     p = cfg.pipeline
@@ -121,6 +136,17 @@ def train_run(cfg, eval_micro_batch_size: int) -> dict:
     stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
                          seed=cfg.train.seed, sampling=cfg.data.sampling)
     eval_set = eval_batches(eval_tokens, eval_micro_batch_size, cfg.model.seq_len, cfg.data.eval_batches)
+    return stream, eval_set
+
+
+def train_run(cfg, eval_micro_batch_size: int) -> dict:
+    """Train ``cfg`` in this process with the DelaySimulator and the CLI's optimizer factory.
+
+    Returns ``final_eval_loss`` (NaN when the run diverged), ``eval_curve`` ([(step, loss)], from
+    step 0), ``train_losses`` and ``seconds``. The token split and the eval windows are cut by
+    ``eval_micro_batch_size`` for every schedule, so every run of a study is evaluated on the same
+    windows."""
+    stream, eval_set = run_data(cfg, eval_micro_batch_size)
     engine = build_engine(cfg)
     start = time.perf_counter()
     losses, curve = [], [(0, engine.eval_loss(eval_set))]
@@ -207,10 +233,13 @@ def progress_reporter(total: int, describe: Callable[[dict], str]) -> Callable[[
 
 # -- statistics -----------------------------------------------------------------------------------
 def mean_std(values: Iterable[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value, NaN for none)."""
+    """Mean and sample standard deviation (0 for one value, NaN for none). A NaN or infinite value
+    (a diverged run) makes the mean NaN or infinite and the deviation NaN, not an error."""
     values = list(values)
     if not values:
         return float("nan"), float("nan")
+    if not all(math.isfinite(v) for v in values):
+        return statistics.fmean(values), float("nan")
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
@@ -219,10 +248,22 @@ def paired_differences(a: Mapping[int, float], b: Mapping[int, float]) -> list[f
     return [a[s] - b[s] for s in sorted(a)]
 
 
+def recovered_fraction(gap_without: float, gap_with: float) -> float:
+    """``(without - with) / without``: the share of the gap a mitigation wins back (1 = all of
+    it, 0 = none, < 0 = worse); NaN where there is no gap to win back (a run too short for the
+    delay to show)."""
+    return (gap_without - gap_with) / gap_without if gap_without != 0 else float("nan")
+
+
 def recovered_fractions(gap_without: Sequence[float], gap_with: Sequence[float]) -> list[float]:
-    """``(without - with) / without`` per seed: the share of the gap a mitigation wins back (1 =
-    all of it, 0 = none, < 0 = worse); NaN where the gap without it is 0."""
-    return [(g0 - g1) / g0 if g0 != 0 else float("nan") for g0, g1 in zip(gap_without, gap_with)]
+    """``recovered_fraction`` per seed."""
+    return [recovered_fraction(g0, g1) for g0, g1 in zip(gap_without, gap_with)]
+
+
+def share_text(share: float) -> str:
+    """A recovered share as a table shows it: "37%", or "n/a" where it is undefined (NaN: no gap
+    to recover, in a run too short for the delay to show, or a diverged run)."""
+    return f"{share:.0%}" if math.isfinite(share) else "n/a"
 
 
 # -- plots ----------------------------------------------------------------------------------------

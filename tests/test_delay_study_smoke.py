@@ -136,12 +136,39 @@ def test_a_pipedream_step_takes_the_windows_of_m_microbatches(text_file):
     (["--stages", "two"], "comma-separated integers"),
     (["--plot", "/"], "--plot / is a directory; name a file such as /curves.png"),
     (["--plot", "curves.nope"], "--plot curves.nope: matplotlib cannot write .nope files"),
+    (["--adamw-lr", "-1"], "--adamw-lr must be a positive number, got -1.0"),
+    (["--muon-lr", "nan"], "--muon-lr must be a positive number, got nan"),
+    (["--muon-adamw-lr", "0"], "--muon-adamw-lr must be a positive number, got 0.0"),
+    (["--adamw-ef-beta", "inf"], "--adamw-ef-beta must be >= 0"),
+    (["--betas", "0.5,inf"], "--betas .* must all be positive numbers"),
+    (["--eval-every", "-3"], "--eval-every must be >= 0, got -3"),
+    (["--spot-check-steps", "-1"], "--spot-check-steps must be >= 0, got -1"),
 ])
-def test_bad_schedule_or_depth_arguments_are_clear_errors(study, argv, message, capsys):
+def test_bad_schedule_or_depth_arguments_are_clear_errors(study, argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(study, "run_all", lambda *a: pytest.fail("the study ran"))
     with pytest.raises(SystemExit) as exc:
         study.main(argv)
     assert exc.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_data_that_cannot_feed_the_model_is_one_line_before_any_run(study, tmp_path, capsys, monkeypatch):
+    short = tmp_path / "short.txt"
+    short.write_text("hello world\n")
+    monkeypatch.setattr(study, "run_all", lambda *a: pytest.fail("the study ran"))
+    assert study.main(["--data", str(short), "--model", "tiny", "--steps", "2", "--seeds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("delay_study.py: error: adamw sync: data ")
+    assert "has 12 tokens but one batch needs at least" in err
+
+
+def test_a_run_too_short_for_a_gap_reports_no_share(study, text_file, capsys):
+    """One step: 2bw's first update has no delay yet, so no gap and no share of it to recover."""
+    assert study.main(["--data", text_file, "--model", "tiny", "--steps", "1", "--seeds", "1", "--betas", "0.5",
+                       "--eval-batches", "1", "--workers", "1", "--spot-check-steps", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ef = next(line for line in lines if line.startswith("muon+ef0.5"))
+    assert "0.0000 ± 0.0000" in ef and ef.split()[-2:] == ["n/a", "n/a"]
 
 
 def test_paired_runs_on_cuda_all_run_without_cuda_graphs(study):

@@ -2,6 +2,7 @@
 a few-step run of every table (table, JSON and plot; --delay-only), and the checks that stop a study before
 its first run (a missing optional package, a config field that does not exist)."""
 import json
+import math
 import statistics
 import sys
 
@@ -48,6 +49,27 @@ def test_gap_and_recovered_share_are_paired_per_seed(study):
     h = summary["h 2bw+x"]
     assert h["per_seed"]["gap"] == pytest.approx([0.0, 0.5, 1.0])
     assert h["per_seed"]["recovered"] == pytest.approx([1.0, 0.5, 0.0])
+
+
+def test_a_share_of_no_gap_is_not_a_number_in_the_table(study):
+    """A run too short for the delay to show has no 2bw gap: the recovered share is undefined."""
+    finals = {"g sync": [2.0, 2.0], "g 2bw": [2.0, 2.0], "g 2bw+x": [2.0, 2.0]}
+    results = [{"label": label, "seed": seed, "final_eval_loss": values[seed]}
+               for label, values in finals.items() for seed in (0, 1)]
+    summary = study.summarize(results, _settings(study, "g"))
+    line = next(x for x in study.format_table(summary, [], 2).splitlines() if x.startswith("g 2bw+x"))
+    assert line.endswith(" n/a") and "nan" not in line
+
+
+def test_a_diverged_seed_makes_its_row_nan_not_an_error(study):
+    finals = {"g sync": [2.0, 2.1], "g 2bw": [2.4, float("nan")], "g 2bw+x": [2.2, 2.3]}
+    results = [{"label": label, "seed": seed, "final_eval_loss": values[seed]}
+               for label, values in finals.items() for seed in (0, 1)]
+    summary = study.summarize(results, _settings(study, "g"))
+    assert summary["g sync"]["eval"] == pytest.approx([2.05, statistics.stdev([2.0, 2.1])])
+    assert all(math.isnan(v) for v in summary["g 2bw"]["eval"] + summary["g 2bw"]["gap"])
+    assert all(math.isnan(v) for v in summary["g 2bw+x"]["recovered"])
+    assert "nan" in study.format_table(summary, [], 2)
 
 
 def test_a_group_without_its_sync_row_is_refused(study):
