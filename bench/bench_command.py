@@ -10,6 +10,7 @@ worker processes are stopped and partial files removed.
 measurement (a row can take minutes) and written whole or not at all."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -20,6 +21,14 @@ from typing import Callable, Optional
 
 class BenchError(ValueError):
     """A bad input: one line on stderr, exit 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors (its own and ``parser.error``'s) are one line, "PROG: error:
+    MESSAGE", exit 2, without the usage block before it (``--help`` still shows the usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def check_report_path(path: str, example: str = "report.json", flag: str = "--json") -> None:

@@ -52,7 +52,6 @@ bad input (one line).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -74,7 +73,7 @@ from asyncpp_ext.models.llama import (Attention, LlamaBlock, SwiGLU, apply_rotar
 from asyncpp_ext.pipeline.compute_copies import maybe_compute_copies  # noqa: E402
 from asyncpp_ext.pipeline.recompute import autocast_context  # noqa: E402
 from asyncpp_ext.training.profiling import trace_calls  # noqa: E402
-from bench_command import BenchError, check_report_path, write_json  # noqa: E402
+from bench_command import ArgumentParser, BenchError, check_report_path, write_json  # noqa: E402
 from attention_kernels import timed  # noqa: E402  (the median of --iters calls, after two warm-ups)
 from throughput_rows import INDUCTOR_PRESETS, inductor_preset  # noqa: E402  (the bench's preset rows' options)
 
@@ -316,7 +315,7 @@ def write(args, device: torch.device, rows: list) -> None:
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap = ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--models", default=None, help="comma-separated presets (cuda: smollm-360m; cpu: llama-tiny)")
     ap.add_argument("--variants", default=None, help=f"comma-separated, of {', '.join(VARIANTS)} "

@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(Path(__file__).resolve().parent) not in sys.path:  # the shared study code next to this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_command import ArgumentParser  # noqa: E402
 from study_runs import (StudyError, build_config, check_configs, check_plot_argument, mean_std,  # noqa: E402
                         plot_curve_panels, progress_reporter, recovered_fraction, run_pool, save_figure,
                         share_text, train_run)
@@ -290,7 +291,7 @@ def describe_spot_check(sc: dict) -> str:
 
 # -- command line --------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=DEFAULT_DATA,
                    help="'builtin' (default: the package's built-in corpus) or a UTF-8 text / uint16 .bin file")
     p.add_argument("--model", default="small", choices=("tiny", "small"))

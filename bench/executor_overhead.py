@@ -39,7 +39,6 @@ Columns (all in microseconds per microbatch per stage; breakdowns are means over
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -53,6 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_command import ArgumentParser  # noqa: E402
 from gpt_workload import cpu_model  # noqa: E402
 from schedule_efficiency import MICRO_BATCH, WIDTH, _batches, _sgd, torch_stepper  # noqa: E402
 from asyncpp_ext.pipeline import LaunchError, Pipeline, init_distributed, spawn  # noqa: E402
@@ -363,7 +363,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def main(argv=None) -> int:
     """Command-line entry: measure, then print the table (or ``--json``)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=50, help="timed steps (pipedream: steps*m of one microbatch)")

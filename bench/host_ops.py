@@ -25,7 +25,6 @@ short).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -39,6 +38,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from bench_command import ArgumentParser  # noqa: E402
 
 # ours-block-fusion: ours-block with --gradient-accumulation-fusion (bf16 only): what the fused
 # weight-gradient products cost the host against the accumulate kernel they replace
@@ -143,7 +143,7 @@ def _mean_ms(elapsed: dict, args) -> float:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     for flag, default in (("layers", 30), ("width", 72), ("heads", 9), ("kv-heads", 3), ("mlp", 192),
                           ("vocab", 256), ("seq-len", 32), ("micro-batch-size", 1), ("microbatches", 8),
                           ("steps", 30), ("trace", 2)):

@@ -24,7 +24,6 @@ Predicted (docs/design.md §3, memory per stage s of S):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -34,6 +33,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_command import ArgumentParser  # noqa: E402
 from gpt_workload import (GPT, adamw_factory, build_gpt, machine_description, minibatches,  # noqa: E402
                           stage_module)
 from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
@@ -171,7 +171,7 @@ def format_report(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small", choices=("tiny", "small"))
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)

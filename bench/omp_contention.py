@@ -11,7 +11,6 @@ Run: .venv/bin/python bench/omp_contention.py [--rounds N]   (about 30 s)
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -47,10 +46,12 @@ def interleave(cases, rounds):
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    from bench_command import ArgumentParser  # beside this script (its folder is on sys.path)
+
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=60)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     threads0 = torch.get_num_threads()
     print(f"# torch {torch.__version__}, {threads0} threads, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")

@@ -34,7 +34,6 @@ differs). The header says which path ran. The errors of that row are bf16-sized 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -400,7 +399,9 @@ def print_matmul_bound(rows) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from bench_command import ArgumentParser  # beside this script (its folder is on sys.path)
+
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds per case")

@@ -17,7 +17,6 @@ send's tensor handed over, receives into reused slots), post, then wait.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -230,7 +229,9 @@ def print_table(backend: str, rows: list, spin_us: int, spin_setting: str) -> No
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from bench_command import ArgumentParser  # beside this script (its folder is on sys.path)
+
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("socket", "gloo", "nccl", "ipc", "ipc-cuda"), default=None,
                         help="default: nccl with 2 GPUs and NCCL loadable, else socket")
     parser.add_argument("--min-kib", type=int, default=1, help="smallest message (KiB, default 1)")

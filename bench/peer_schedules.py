@@ -46,7 +46,6 @@ all three costs 0 measure each runtime's own host work. Results and discussion: 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -60,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from asyncpp_ext.figures import check_figure_path, save_figure  # noqa: E402
 from asyncpp_ext.pipeline import spawn  # noqa: E402
 from asyncpp_ext.schedule import analytic  # noqa: E402
+from bench_command import ArgumentParser  # noqa: E402
 from gpt_workload import cpu_model  # noqa: E402
 from peer_runs import (BLOCKS_PER_RANK, HIDDEN, MICRO_BATCH, OURS, PEERS, WIDTH, adamw, make_blocks,  # noqa: E402
                        spin_for, torch_orders, torch_refusal, worker)
@@ -379,7 +379,7 @@ def plot(result: dict, path: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--stages", default="2,4,8", help="comma-separated depths S (default 2,4,8)")
     p.add_argument("--microbatches", default=None,
                    help="comma-separated m for every S (default: S, 2S, 4S)")

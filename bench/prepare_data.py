@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_command import ArgumentParser  # noqa: E402
 from proc_memory import tree_pss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,8 +183,8 @@ def _digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None) -> None:
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=200.0, help="JSONL to tokenize, MB (default 200)")
     parser.add_argument("--files", type=int, default=8, help="JSONL files (default 8)")
     parser.add_argument("--vocab", type=int, default=50257, help="BPE vocabulary (default 50257)")
@@ -194,7 +195,7 @@ def main() -> None:
     parser.add_argument("--dir", help="work directory (default: a temporary one, removed after)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     parser.add_argument("--baseline-child", nargs="+", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.baseline_child:
         _baseline_child(*args.baseline_child)
         return

@@ -30,7 +30,6 @@ traced forward and optimizer_step instructions, so they show up as compute time.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -43,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_command import ArgumentParser  # noqa: E402
 from gpt_workload import (GPT, WorkloadVocabularyError, adamw_factory, build_gpt, build_llama,  # noqa: E402
                           llama_config, machine_description, minibatches, stage_module, tokens_per_step)
 from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
@@ -354,7 +354,7 @@ def format_ties_report(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, choices=("tiny", "small"), help="GPT preset (default small)")
     p.add_argument("--ties", action="store_true",
                    help="measure untied / tied / tied+clip Llama rows under 2bw and 1f1b instead")

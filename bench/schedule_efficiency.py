@@ -19,7 +19,6 @@ same microbatches as the others' steps of m), and its figures count m of its ste
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -34,6 +33,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from asyncpp_ext.pipeline import Pipeline, init_distributed, spawn  # noqa: E402
 from asyncpp_ext.pipeline.sockets import RECV_SPIN_ENV, recv_spin_of_local_launch  # noqa: E402
+from bench_command import ArgumentParser  # noqa: E402
 
 WIDTH, MICRO_BATCH = 16, 2
 
@@ -233,7 +233,7 @@ def measure(stages: int, m: int, steps: int, warmup: int, f: float) -> list[dict
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=50,

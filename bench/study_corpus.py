@@ -18,7 +18,6 @@ read and how many tokens came out); a later call with the same vocabulary reuses
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -31,6 +30,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_command import ArgumentParser  # noqa: E402
 from study_runs import StudyError  # noqa: E402
 
 SUFFIXES = (".py", ".pyi", ".rst", ".md", ".txt")
@@ -175,7 +175,7 @@ def importlib_missing(name: str) -> bool:
 
 def main(argv=None) -> int:
     """Build (or find) the corpus and print what it holds; 2 with one line on failure."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folder", type=Path, help="where the corpus is built (and found again)")
     p.add_argument("--vocab", type=int, default=16384, help="BPE vocabulary size (default 16384)")
     p.add_argument("--max-mb", type=int, default=300, help="most text to read, in MB (default 300)")

@@ -201,3 +201,20 @@ def test_a_json_report_that_cannot_be_written_is_refused_before_the_run(tmp_path
     assert err.count("\n") == 1 and f"--json {path} " in err, err
     assert ("is a directory" if case == "a directory" else "cannot be written") in err
     assert measured == []
+
+
+COMMANDS = sorted(p.stem for p in BENCH.glob("*.py") if _main_block_calls(p))
+
+
+@pytest.mark.parametrize("script", COMMANDS)
+def test_an_unknown_flag_is_one_line_and_exit_2(script, capsys):
+    import importlib
+
+    module = importlib.import_module(script)
+    positional = {"paper_study": ["optimizers"], "study_corpus": ["folder"]}.get(script, [])
+    try:
+        code = module.main([*positional, "--no-such-flag"])
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--no-such-flag" in err, err
