@@ -26,6 +26,7 @@ short).
 from __future__ import annotations
 
 import collections
+import contextlib
 import gzip
 import json
 import statistics
@@ -85,12 +86,20 @@ def count_trace(events: list, steps: int) -> dict:
                 top=[(name, n / steps) for name, n in ops.most_common(6)])
 
 
-def _ours(args, row: str, work: Path) -> dict:
+# The model-shape flags and the config fields they set, to name the flag in a config error.
+SHAPE_FLAGS = {"model.n_layer": "--layers", "model.n_embd": "--width", "model.n_kv_head": "--kv-heads",
+               "model.n_head": "--heads", "model.intermediate_size": "--mlp", "model.vocab_size": "--vocab",
+               "model.seq_len": "--seq-len", "pipeline.micro_batch_size": "--micro-batch-size",
+               "pipeline.microbatches": "--microbatches", "train.steps": "--steps"}
+
+
+def _ours_config(args, row: str, out: Path):
+    """The run config of one of our rows: asyncpp-train's flags at this shape, checked as the
+    command checks them (ConfigError, RunSetupError)."""
     from asyncpp_ext.training.arguments import build_parser, config_from_args
-    from asyncpp_ext.training.run import preflight, train
+    from asyncpp_ext.training.run import preflight
 
     scope = row.split("-")[1]
-    out = work / row
     first = args.steps - args.trace + 1
     argv = ["--model", "smollm-135m", "--n-layer", str(args.layers), "--n-embd", str(args.width),
             "--n-head", str(args.heads), "--vocab-size", str(args.vocab), "--seq-len", str(args.seq_len),
@@ -105,7 +114,14 @@ def _ours(args, row: str, work: Path) -> dict:
     cfg = config_from_args(build_parser().parse_args(argv))
     cfg.model.n_kv_head, cfg.model.intermediate_size = args.kv_heads, args.mlp
     preflight(cfg)
-    train(cfg)
+    return cfg
+
+
+def _ours(args, row: str, work: Path) -> dict:
+    from asyncpp_ext.training.run import train
+
+    out = work / row
+    train(_ours_config(args, row, out))
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     elapsed = {m["step"]: m["elapsed_s"] for m in metrics if "loss" in m}
     trace = next((out / "profile").glob("trace_*.json.gz"))
@@ -165,6 +181,15 @@ def parse_args(argv):
     if not 1 <= args.trace <= args.steps // 3:
         ap.error(f"--trace {args.trace}: trace 1 to a third of --steps ({args.steps // 3}) steps; the "
                  "first third warms up, the traced steps come last")
+    if args.vocab < 256:
+        ap.error(f"--vocab {args.vocab} is below 256: the rows train on the built-in corpus of byte ids")
+    try:  # every row trains this shape: a bad one is one line now, not a traceback from the first row
+        _ours_config(args, "ours-block", Path("unused"))
+    except ValueError as exc:  # ConfigError, RunSetupError
+        message = str(exc)
+        for field, flag in SHAPE_FLAGS.items():
+            message = message.replace(field, flag)
+        ap.error(message)
     return args
 
 
@@ -182,7 +207,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    results = run(args)
+    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):  # --json: stdout is the JSON alone
+        results = run(args)
     if args.json:
         print(json.dumps(dict(args=vars(args), rows=results), indent=1))
         return 0

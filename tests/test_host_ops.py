@@ -1,5 +1,6 @@
 """bench/host_ops.py: what it counts in a trace (here on made-up events), and a small run of its
 rows end to end (slow: each row compiles)."""
+import json
 import sys
 from pathlib import Path
 
@@ -42,6 +43,33 @@ def test_bad_inputs_are_one_line(capsys):
     with pytest.raises(SystemExit):
         host_ops.parse_args(["--steps", "6", "--trace", "3"])
     assert "--trace 3: trace 1 to a third of --steps (2) steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "0"], "--layers must be a positive integer, got 0"),
+    (["--heads", "0"], "--heads must be a positive integer, got 0"),
+    (["--width", "33"], "--heads=9 must divide --width=33"),
+    (["--heads", "4", "--width", "72", "--kv-heads", "3"], "--kv-heads=3 must divide --heads=4"),
+    (["--mlp", "0"], "--mlp must be a positive integer, got 0"),
+    (["--vocab", "10"], "--vocab 10 is below 256"),
+])
+def test_a_bad_model_shape_names_its_flag_in_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        host_ops.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_json_is_stdout_alone(capsys, monkeypatch):
+    """A run's own lines (the training command's progress) go to stderr under --json."""
+    def run(args):
+        print("a line of the run")
+        return {}
+
+    monkeypatch.setattr(host_ops, "run", run)
+    assert host_ops.main(["--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["rows"] == {} and err == "a line of the run\n"
 
 
 def test_the_default_rows_are_those_that_run_at_the_dtype():
