@@ -52,6 +52,8 @@ def main(argv=None):
     ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=60)
     args = ap.parse_args(argv)
+    if args.rounds < 2:
+        ap.error(f"--rounds must be >= 2 (a spread needs two timings of each case), got {args.rounds}")
     threads0 = torch.get_num_threads()
     print(f"# torch {torch.__version__}, {threads0} threads, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")

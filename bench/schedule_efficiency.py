@@ -242,11 +242,12 @@ def main(argv=None) -> int:
     p.add_argument("--fwd-ms", type=float, default=20.0, help="emulated forward time; backward is 2x")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)
-    for flag, value, low in (("--stages", a.stages, 1), ("--microbatches", a.microbatches, a.stages),
+    for flag, value, low in (("--stages", a.stages, 2), ("--microbatches", a.microbatches, a.stages),
                              ("--steps", a.steps, 1), ("--warmup", a.warmup, 0)):
         if value < low:  # before any rank starts: a rank's failure would come back as a traceback
             p.error(f"{flag} must be >= {low}, got {value}"
-                    + (" (2bw needs a microbatch per stage)" if flag == "--microbatches" else ""))
+                    + {"--stages": " (the schedules compared are pipelines)",
+                       "--microbatches": " (2bw needs a microbatch per stage)"}.get(flag, ""))
     if not (math.isfinite(a.fwd_ms) and a.fwd_ms > 0):
         p.error(f"--fwd-ms must be a positive number of milliseconds, got {a.fwd_ms}")
     rows = measure(a.stages, a.microbatches, a.steps, a.warmup, a.fwd_ms / 1000)

@@ -262,16 +262,29 @@ def test_gpu_runbook_notes_a_failed_step_and_goes_on(tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--stages", "0"], "--stages must be >= 1, got 0"),
-    (["--steps", "-1"], "--steps must be >= 1, got -1"),
+    (["--stages", "0"], "--stages must be >= 2, got 0 (the schedules compared are pipelines)"),
+    (["--stages", "1", "--microbatches", "2"], "--stages must be >= 2, got 1 (the schedules compared are pipelines)"),
+    (["--stages", "2", "--microbatches", "2", "--steps", "-1"], "--steps must be >= 1, got -1"),
     (["--fwd-ms", "nan"], "--fwd-ms must be a positive number of milliseconds, got nan"),
 ])
 def test_schedule_efficiency_bad_inputs_are_one_line_before_any_rank(capsys, argv, words):
-    """--stages 0 was a rank's FileNotFoundError traceback after 12 s; --fwd-ms nan printed a table of nan."""
+    """--stages 0 was a rank's FileNotFoundError traceback after 12 s, --stages 1 torch's refusal from a
+    rank; --fwd-ms nan printed a table of nan."""
     with pytest.raises(SystemExit) as info:
         schedule_efficiency.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and err[-1].endswith(f"error: {words}"), err
+
+
+@pytest.mark.parametrize("rounds", ["0", "1"])
+def test_omp_contention_needs_two_rounds(capsys, rounds):
+    import omp_contention
+
+    with pytest.raises(SystemExit) as info:
+        omp_contention.main(["--rounds", rounds])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1
+    assert err.endswith(f": error: --rounds must be >= 2 (a spread needs two timings of each case), got {rounds}\n")
 
 
 def test_memory_refuses_one_step(capsys):
