@@ -47,6 +47,7 @@ all three costs 0 measure each runtime's own host work. Results and discussion: 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -378,28 +379,34 @@ def plot(result: dict, path: str) -> str:
     return path
 
 
+# The settings' defaults, and --quick's (the smoke test's); a flag given on the command line wins over both.
+DEFAULTS = dict(stages="2,4,8", fwd_ms=4.0, bwd_input_ms=4.0, bwd_weight_ms=4.0, steps=5, repeats=2)
+QUICK = dict(stages="2", microbatches="2,4", fwd_ms=2.0, bwd_input_ms=2.0, bwd_weight_ms=2.0, steps=3, repeats=1)
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--stages", default="2,4,8", help="comma-separated depths S (default 2,4,8)")
+    p.add_argument("--stages", help="comma-separated depths S (default 2,4,8)")
     p.add_argument("--microbatches", default=None,
                    help="comma-separated m for every S (default: S, 2S, 4S)")
-    p.add_argument("--fwd-ms", type=float, default=4.0, help="emulated forward per rank and microbatch")
-    p.add_argument("--bwd-input-ms", type=float, default=4.0, help="emulated input-gradient part")
-    p.add_argument("--bwd-weight-ms", type=float, default=4.0,
-                   help="emulated weight-gradient part (all three 0: the runtimes' own host work per step)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per run (steady rate over the middle ones)")
+    p.add_argument("--fwd-ms", type=float, help="emulated forward per rank and microbatch (default 4)")
+    p.add_argument("--bwd-input-ms", type=float, help="emulated input-gradient part (default 4)")
+    p.add_argument("--bwd-weight-ms", type=float,
+                   help="emulated weight-gradient part (default 4; all three 0: the runtimes' own host work per step)")
+    p.add_argument("--steps", type=int, help="timed steps per run (steady rate over the middle ones; default 5)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=2, help="round-robin repeats; each row keeps its fastest")
+    p.add_argument("--repeats", type=int, help="round-robin repeats; each row keeps its fastest (default 2)")
     p.add_argument("--peers", default=",".join(PEERS), help="torch schedules to run (default: all)")
-    p.add_argument("--quick", action="store_true", help="S=2, m=2,4, 2 ms costs, 3 steps: the smoke test")
+    p.add_argument("--quick", action="store_true", help="S=2, m=2,4, 2 ms costs, 3 steps, 1 repeat: the smoke "
+                   "test (flags given as well override these)")
     p.add_argument("--model-only", action="store_true",
                    help="print the analytical model's table (fraction of the ideal, activations, weight copies) and exit")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="PATH", help="write the achieved/model figure")
     a = p.parse_args(argv)
-    if a.quick:
-        a.stages, a.microbatches, a.steps, a.repeats = "2", a.microbatches or "2,4", 3, 1
-        a.fwd_ms = a.bwd_input_ms = a.bwd_weight_ms = 2.0
+    for name, value in (QUICK if a.quick else DEFAULTS).items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     try:
         stage_list = [int(s) for s in a.stages.split(",")]
         ms = [int(s) for s in a.microbatches.split(",")] if a.microbatches else None
@@ -414,8 +421,9 @@ def main(argv=None) -> int:
     if a.steps < 3 or a.warmup < 1 or a.repeats < 1:
         p.error("--steps must be >= 3, --warmup and --repeats >= 1")
     costs = {"fwd": a.fwd_ms, "bwd_input": a.bwd_input_ms, "bwd_weight": a.bwd_weight_ms}
-    if any(v < 0 for v in costs.values()) or (a.model_only and sum(costs.values()) <= 0):
-        p.error("the emulated costs must be >= 0 (and not all 0 for --model-only)")
+    if not all(0 <= v < math.inf for v in costs.values()) or (a.model_only and sum(costs.values()) <= 0):
+        p.error(f"the emulated costs must be numbers >= 0 (and not all 0 for --model-only); got --fwd-ms "
+                f"{a.fwd_ms:g} --bwd-input-ms {a.bwd_input_ms:g} --bwd-weight-ms {a.bwd_weight_ms:g}")
     if a.plot is not None:
         try:
             check_figure_path(a.plot, example="peer_schedules.png")

@@ -102,6 +102,33 @@ def test_bad_settings_stop_with_one_line(capsys):
         assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--fwd-ms", "--bwd-input-ms", "--bwd-weight-ms"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_an_emulated_cost_that_is_not_a_duration_is_one_line(capsys, monkeypatch, flag, value):
+    monkeypatch.setattr(ps, "measure", lambda *a, **k: pytest.fail("measured a bad cost"))
+    with pytest.raises(SystemExit) as exc:
+        ps.main(["--quick", flag, value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "the emulated costs must be numbers >= 0" in err
+    assert f"{flag} {float(value):g}" in err
+
+
+def test_quick_is_a_preset_that_flags_given_with_it_override(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(ps, "measure", lambda *args: seen.update(args=args) or {})
+    monkeypatch.setattr(ps, "format_table", lambda result: "")
+    ps.main(["--quick", "--stages", "3", "--microbatches", "3", "--fwd-ms", "1", "--steps", "4"])
+    stage_list, _, costs, steps, _, _, ms, repeats = seen["args"]
+    assert (stage_list, ms, steps, repeats) == ([3], [3], 4, 1)
+    assert costs == {"fwd": 1.0, "bwd_input": 2.0, "bwd_weight": 2.0}
+    ps.main(["--quick"])
+    stage_list, _, costs, steps, _, _, ms, repeats = seen["args"]
+    assert (stage_list, ms, steps, repeats, costs["fwd"]) == ([2], [2, 4], 3, 1, 2.0)
+    ps.main([])
+    stage_list, _, costs, steps, _, _, ms, repeats = seen["args"]
+    assert (stage_list, ms, steps, repeats, costs["fwd"]) == ([2, 4, 8], None, 5, 2, 4.0)
+
+
 def test_a_plot_that_cannot_be_written_is_refused_before_measuring(capsys, monkeypatch):
     monkeypatch.setattr(ps, "measure", lambda *a, **k: pytest.fail("measured before --plot was checked"))
     for path, message in (("/", "--plot / is a directory"), ("fig", "--plot fig has no suffix")):
