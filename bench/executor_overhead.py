@@ -226,6 +226,10 @@ def _check_settings(stages: int, m: int, steps: int, warmup: int, schedules, tra
         raise OverheadBenchError(f"--stages must be >= 2 (got {stages}): a pipeline needs two stages")
     if steps < 1 or warmup < 1 or m < 1:
         raise OverheadBenchError(f"--steps, --warmup and --microbatches must be >= 1 (got {steps}, {warmup}, {m})")
+    for flag, names, known in (("--schedules", schedules, OURS_SCHEDULES), ("--transports", transports,
+                                                                            DEFAULT_TRANSPORTS)):
+        if not names:
+            raise OverheadBenchError(f"{flag} is empty; name one or more of {','.join(known)}")
     for s in schedules:
         if s not in OURS_SCHEDULES:
             raise OverheadBenchError(f"unknown schedule {s!r} in --schedules; choose from {','.join(OURS_SCHEDULES)}")

@@ -191,6 +191,9 @@ def main(argv=None) -> int:
         p.error(f"--microbatches must be >= --stages ({a.stages}): 2bw needs one microbatch per stage")
     ef_settings = {"off": ("off",), "on": ("on",), "weights": ("weights",), "both": ("off", "on"),
                    "all": ("off", "on", "weights")}[a.ef]
+    if ef_settings == ("weights",) and set(a.schedules) <= set(SYNC_SCHEDULES):
+        p.error(f"--ef weights reads the previous weight version, which {' and '.join(a.schedules)} do not keep: "
+                "nothing to measure; add --schedules 2bw or pipedream, or choose another --ef")
     result = measure(a.model, a.stages, a.microbatches, a.micro_batch_size, a.steps, a.schedules, ef_settings)
     print(json.dumps(result, indent=2) if a.json else format_report(result))
     return 0

@@ -287,6 +287,14 @@ def test_omp_contention_needs_two_rounds(capsys, rounds):
     assert err.endswith(f": error: --rounds must be >= 2 (a spread needs two timings of each case), got {rounds}\n")
 
 
+def test_memory_refuses_a_selection_with_nothing_to_measure(capsys):
+    with pytest.raises(SystemExit) as info:
+        memory_bench.main(["--ef", "weights", "--schedules", "gpipe", "1f1b"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1
+    assert "--ef weights reads the previous weight version, which gpipe and 1f1b do not keep" in err
+
+
 def test_memory_refuses_one_step(capsys):
     """One step shows neither 2bw's second weight version nor EF's buffer, which its table reports."""
     with pytest.raises(SystemExit) as info:

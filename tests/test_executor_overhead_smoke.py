@@ -67,6 +67,8 @@ def test_overhead_bench_transports_follow_the_runtimes_list():
     ({"schedules": ("zb",)}, "unknown schedule 'zb' in --schedules"),
     ({"m": 1, "schedules": ("2bw",)}, "2bw needs --microbatches >= --stages"),
     ({"repeats": 0}, "--repeats must be >= 1"),
+    ({"schedules": ()}, "--schedules is empty; name one or more of gpipe,1f1b,2bw,pipedream"),
+    ({"transports": ()}, "--transports is empty; name one or more of"),
 ])
 def test_overhead_bench_refuses_settings_it_cannot_run(kwargs, message):
     with pytest.raises(executor_overhead.OverheadBenchError, match=message):
