@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -125,6 +126,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.iters < 1:
         raise BenchError(f"--iters must be >= 1, got {args.iters}")
+    if not 0 < args.tol < math.inf:
+        raise BenchError(f"--tol must be a positive relative difference, got {args.tol}")
     if args.json not in (None, "-"):
         check_report_path(args.json, "attention_kernels.json")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -53,6 +53,7 @@ bad input (one line).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -356,6 +357,8 @@ def parse(argv=None):
             raise BenchError(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise BenchError(f"--warmup must be at least 0, got {args.warmup}")
+    if not 0 < args.tol < math.inf:
+        raise BenchError(f"--tol must be a positive relative difference, got {args.tol}")
     if args.json not in (None, "-"):
         check_report_path(args.json, "block_step.json")
     if args.device == "cuda" and not torch.cuda.is_available():

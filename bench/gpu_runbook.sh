@@ -69,12 +69,22 @@
 # RUNBOOK_PLAN=FILE writes each step (name, limit, command; fields separated by the unit separator
 # 0x1f) to FILE instead of running it, and nothing else (tests/test_gpu_runbook.py checks the plan).
 # PYTHON picks the interpreter (default python3). A step that fails or runs out of time is noted
-# and the next one runs; the exit status is the number of failed steps.
+# and the next one runs; the exit status is the number of failed steps. An unknown step name stops
+# the runbook before any step runs (one line, exit 2, OUT not made).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_runbook}
 PLAN=${RUNBOOK_PLAN:-}
+STEPS=(build 135m tests p2p 360m 360m-more attention blocks code pipeline-graphs quick quick-serial head profile
+       autotune mps)
+[ $# -gt 0 ] || set -- build 135m
+for s in "$@"; do
+    if [[ " ${STEPS[*]} " != *" $s "* ]]; then
+        echo "gpu_runbook.sh: unknown step '$s'; choose from ${STEPS[*]}" >&2
+        exit 2
+    fi
+done
 if [ -n "$PLAN" ]; then : > "$PLAN"; else mkdir -p "$OUT"; fi
 failed=0
 
@@ -157,12 +167,9 @@ run_step() {
                       --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
-        *) note "unknown step $1: choose build, 135m, tests, p2p, 360m, 360m-more, attention, blocks, code, pipeline-graphs, quick, quick-serial, head, profile, autotune, mps"
-           failed=$((failed + 1)) ;;
     esac
 }
 
-[ $# -gt 0 ] || set -- build 135m
 for s in "$@"; do
     run_step "$s"
 done

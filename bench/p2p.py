@@ -32,6 +32,14 @@ from asyncpp_ext.pipeline.sockets import RECV_SPIN_ENV, recv_spin_of_local_launc
 from asyncpp_ext.pipeline.stage import ACTIVATION, GRADIENT
 
 KIB = 1024
+BUFFERS_PER_MESSAGE = 8
+"""Host copies of the largest message the two ranks hold at once, at most: per rank the payload,
+the received tensor and, through the host, a wire buffer each way."""
+
+
+def memory_mib() -> int:
+    """This machine's physical memory in MiB."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (KIB * KIB)
 
 
 class PingPong:
@@ -248,6 +256,10 @@ def main(argv=None) -> int:
         problem = "need 1 <= --min-kib <= --max-mib * 1024"
     elif args.iters < 1:
         problem = f"--iters must be at least 1, got {args.iters}"
+    elif BUFFERS_PER_MESSAGE * args.max_mib > memory_mib():
+        problem = (f"--max-mib {args.max_mib}: the two ranks hold about {BUFFERS_PER_MESSAGE} buffers of the largest "
+                   f"message, more than this machine's {memory_mib()} MiB of memory; use at most "
+                   f"{memory_mib() // BUFFERS_PER_MESSAGE}")
     elif backend == "ipc-cuda" and gpus < 1:
         problem = "--backend ipc-cuda puts both ranks on one GPU, but torch sees none; use --backend ipc"
     elif backend == "nccl" and gpus < 2:

@@ -218,3 +218,14 @@ def test_an_unknown_flag_is_one_line_and_exit_2(script, capsys):
         code = stop.code
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--no-such-flag" in err, err
+
+
+@pytest.mark.parametrize("script", ["attention_kernels", "block_step"])
+@pytest.mark.parametrize("tol", ["0", "-1", "nan", "inf"])
+def test_a_tolerance_that_is_not_a_positive_number_is_refused(capsys, script, tol):
+    import importlib
+
+    module = importlib.import_module(script)
+    assert module.main(["--device", "cpu", "--tol", tol]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--tol must be a positive relative difference, got {float(tol)}" in err, err

@@ -237,10 +237,14 @@ def test_p2p_moves_every_size_intact_through_our_transports(capsys, monkeypatch,
 
 @pytest.mark.parametrize("argv, words", [(["--min-kib", "0"], "--min-kib"), (["--iters", "0"], "--iters"),
                                          (["--backend", "ipc-cuda"], "torch sees none"),
-                                         (["--backend", "nccl"], "needs two GPUs")])
+                                         (["--backend", "nccl"], "needs two GPUs"),
+                                         (["--max-mib", "4096"], "--max-mib 4096: the two ranks hold about 8 buffers "
+                                          "of the largest message, more than this machine's 16384 MiB of memory; "
+                                          "use at most 2048")])
 def test_p2p_bad_inputs_are_one_line_and_exit_2(capsys, monkeypatch, argv, words):
     import p2p
 
+    monkeypatch.setattr(p2p, "memory_mib", lambda: 16384)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine with GPUs
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert p2p.main(argv) == 2
@@ -248,17 +252,27 @@ def test_p2p_bad_inputs_are_one_line_and_exit_2(capsys, monkeypatch, argv, words
     assert err.count("\n") == 1 and err.startswith("p2p.py: error: ") and words in err, err
 
 
+def test_gpu_runbook_refuses_an_unknown_step_before_any_runs(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_runbook.sh"), "head", "nosuch"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r
+    assert r.stderr.startswith("gpu_runbook.sh: unknown step 'nosuch'; choose from build 135m tests")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the steps fail at once only without a GPU")
 def test_gpu_runbook_notes_a_failed_step_and_goes_on(tmp_path):
-    # Without a GPU the head step fails at once (gpu_throughput.py: no CUDA GPU); an unknown step is
-    # named; the exit status counts both, and each step left its log.
+    # Without a GPU the head and attention steps fail at once (no CUDA GPU); the exit status
+    # counts both, and each step left its log.
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
-    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_runbook.sh"), "nosuch", "head"], env=env,
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_runbook.sh"), "head", "attention"], env=env,
                        capture_output=True, text=True, timeout=120)
     steps = (tmp_path / "steps.txt").read_text()
-    assert "unknown step nosuch" in steps and "== head (limit 120 s)" in steps
-    if not torch.cuda.is_available():
-        assert r.returncode == 2 and "no CUDA GPU is visible" in (tmp_path / "head.log").read_text()
-    assert "step(s) failed; logs and JSON in" in r.stdout
+    assert "== head (limit 120 s)" in steps and "== attention (limit 60 s)" in steps
+    assert r.returncode == 2 and "no CUDA GPU is visible" in (tmp_path / "head.log").read_text()
+    assert "no CUDA GPU is visible" in (tmp_path / "attention.log").read_text()
+    assert "== 2 step(s) failed; logs and JSON in" in r.stdout
 
 
 @pytest.mark.parametrize("argv, words", [
