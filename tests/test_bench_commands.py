@@ -51,11 +51,18 @@ def _script(tmp_path: Path, body: str) -> Path:
     return path
 
 
+def _signals_by_default() -> None:
+    """As in a terminal: a test run in the background (CI) starts its children with SIGINT ignored."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
+
+
 def _start_and_signal(tmp_path: Path, path: Path, sig: int, ready: int = 1) -> subprocess.CompletedProcess:
     """Run ``path`` in its own session, send ``sig`` to its process group once ``ready`` marker
     files ``ready*`` exist (what a terminal's Ctrl-C does), and wait for it."""
     proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                            preexec_fn=_signals_by_default)
     try:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("ready*"))) < ready:
