@@ -118,8 +118,8 @@ def ensure_corpus(folder: Path, vocab: int, roots: Optional[Sequence[Path]] = No
         if info.get("vocab") == vocab and Path(info["path"]).is_file():
             return info
     if vocab < MIN_VOCAB:
-        raise StudyError(f"--vocab {vocab} is below {MIN_VOCAB}, the byte-level BPE's 256 byte tokens and "
-                         f"{EOT}; use e.g. 16384")
+        raise StudyError(f"a vocabulary of {vocab} ids is below {MIN_VOCAB}, the byte-level BPE's 256 byte tokens "
+                         f"and {EOT}; use e.g. 16384")
     if max_bytes <= 0:
         raise StudyError(f"--max-mb {max_bytes >> 20} is not positive; use e.g. 300")
     if importlib_missing("tokenizers"):

@@ -175,8 +175,8 @@ def test_a_corpus_of_another_vocabulary_is_replaced_whole(tmp_path):
         "corpus.bin", "corpus.bin.json", "corpus.json", "tokenizer.json"]
 
 
-@pytest.mark.parametrize("argv, words", [(["--vocab", "0"], "--vocab 0 is below 257"),
-                                         (["--vocab", "-5"], "--vocab -5 is below 257"),
+@pytest.mark.parametrize("argv, words", [(["--vocab", "0"], "a vocabulary of 0 ids is below 257"),
+                                         (["--vocab", "-5"], "a vocabulary of -5 ids is below 257"),
                                          (["--max-mb", "0"], "--max-mb 0 is not positive")])
 def test_corpus_sizes_are_one_line_before_any_work(tmp_path, argv, words):
     done = subprocess.run([sys.executable, str(BENCH / "study_corpus.py"), str(tmp_path / "c"), *argv],
