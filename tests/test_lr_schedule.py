@@ -3,6 +3,7 @@ an independent float64 formula, the shape of each phase, apply_lr on every optim
 builds, its checkpoint round trip, and the one-line errors of validate()."""
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -117,31 +118,46 @@ def test_default_min_lr_ratio_and_constant_schedule():
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
-    (dict(kind="linear", steps=10), "--lr-schedule 'linear' is not one of constant, cosine, wsd"),
-    (dict(kind="cosine", steps=0), "--steps must be a positive integer"),
-    (dict(kind="cosine", steps=10, warmup_steps=-1), "--warmup-steps must be a non-negative integer"),
-    (dict(kind="cosine", steps=10, warmup_steps=11), "--warmup-steps 11 exceeds --steps 10"),
-    (dict(kind="cosine", steps=10, warmup_steps=2.5), "--warmup-steps must be a non-negative integer"),
-    (dict(kind="cosine", steps=10, decay_steps=3), "--decay-steps only applies to --lr-schedule wsd"),
-    (dict(kind="constant", steps=10, decay_steps=3), "--decay-steps only applies to --lr-schedule wsd"),
-    (dict(kind="wsd", steps=10, decay_steps=0), "--decay-steps must be an integer in 1..10"),
-    (dict(kind="wsd", steps=10, decay_steps=-2), "--decay-steps must be an integer in 1..10"),
-    (dict(kind="wsd", steps=10, warmup_steps=4, decay_steps=7), "--decay-steps must be an integer in 1..6"),
-    (dict(kind="wsd", steps=10, min_lr_ratio=-0.1), "--min-lr-ratio must be a number in [0, 1]"),
-    (dict(kind="wsd", steps=10, min_lr_ratio=1.5), "--min-lr-ratio must be a number in [0, 1]"),
-    (dict(kind="cosine", steps=10, min_lr_ratio=float("nan")), "--min-lr-ratio must be a number in [0, 1]"),
+    (dict(kind="linear", steps=10), "kind 'linear' is not one of constant, cosine, wsd"),
+    (dict(kind="cosine", steps=0), "steps must be a positive integer"),
+    (dict(kind="cosine", steps=10, warmup_steps=-1), "warmup_steps must be a non-negative integer"),
+    (dict(kind="cosine", steps=10, warmup_steps=11), "warmup_steps 11 exceeds steps 10"),
+    (dict(kind="cosine", steps=10, warmup_steps=2.5), "warmup_steps must be a non-negative integer"),
+    (dict(kind="cosine", steps=10, decay_steps=3), "decay_steps only applies to kind wsd"),
+    (dict(kind="constant", steps=10, decay_steps=3), "decay_steps only applies to kind wsd"),
+    (dict(kind="wsd", steps=10, decay_steps=0), "decay_steps must be an integer in 1..10"),
+    (dict(kind="wsd", steps=10, decay_steps=-2), "decay_steps must be an integer in 1..10"),
+    (dict(kind="wsd", steps=10, warmup_steps=4, decay_steps=7), "decay_steps must be an integer in 1..6"),
+    (dict(kind="wsd", steps=10, min_lr_ratio=-0.1), "min_lr_ratio must be a number in [0, 1]"),
+    (dict(kind="wsd", steps=10, min_lr_ratio=1.5), "min_lr_ratio must be a number in [0, 1]"),
+    (dict(kind="cosine", steps=10, min_lr_ratio=float("nan")), "min_lr_ratio must be a number in [0, 1]"),
 ])
-def test_validate_names_the_flag_in_one_line(kwargs, fragment):
+def test_validate_names_the_field_in_one_line(kwargs, fragment):
     sched = LRSchedule(**kwargs)
     with pytest.raises(LRScheduleError) as info:
         sched.validate()
     message = str(info.value)
-    assert fragment in message and "\n" not in message
+    assert fragment in message and "\n" not in message and "--" not in message
     assert isinstance(info.value, ValueError)
     with pytest.raises(LRScheduleError):  # multiplier never computes from a bad schedule
         sched.multiplier(0)
     with pytest.raises(LRScheduleError):  # nor multipliers, which for steps <= 0 would be an empty list
         sched.multipliers()
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(kind="cosine", steps=10, warmup_steps=11), "--warmup-steps 11 exceeds --steps 10"),
+    (dict(kind="cosine", steps=10, decay_steps=3),
+     "--decay-steps only applies to --lr-schedule wsd, not 'cosine'; drop --decay-steps or use --lr-schedule wsd"),
+    (dict(kind="wsd", steps=10, warmup_steps=4, decay_steps=7),
+     "--decay-steps must be an integer in 1..6 (--steps 10 minus --warmup-steps 4), got 7"),
+])
+def test_a_command_line_names_its_flags(kwargs, fragment):
+    """The run config validates its schedule with the flags' names (what asyncpp-train prints)."""
+    from asyncpp_ext.training.config import LR_SCHEDULE_FLAGS
+
+    with pytest.raises(LRScheduleError, match=re.escape(fragment)):
+        LRSchedule(**kwargs).validate(LR_SCHEDULE_FLAGS)
 
 
 def test_edge_settings_validate():
@@ -152,7 +168,7 @@ def test_edge_settings_validate():
 
 @pytest.mark.parametrize("t", [-1, 10, 1.0, None])
 def test_multiplier_rejects_steps_outside_the_run(t):
-    with pytest.raises(LRScheduleError, match=r"outside the schedule's steps 0\.\.9 \(--steps 10\)"):
+    with pytest.raises(LRScheduleError, match=r"outside the schedule's steps 0\.\.9 \(steps 10\)"):
         LRSchedule("cosine", 10).multiplier(t)
 
 

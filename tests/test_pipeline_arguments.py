@@ -41,7 +41,7 @@ def _pipeline(**overrides):
     ({"clip_grad_norm": -1.0}, ValueError, "clip_grad_norm must be a finite number > 0 .*got -1.0"),
     ({"clip_grad_norm": float("nan")}, ValueError, "clip_grad_norm must be a finite number > 0"),
     ({"lr_schedule": "cosine"}, TypeError, "lr_schedule must be an LRSchedule .* got str"),
-    ({"lr_schedule": LRSchedule("constant", -5)}, ValueError, "--steps must be a positive integer, got -5"),
+    ({"lr_schedule": LRSchedule("constant", -5)}, ValueError, "steps must be a positive integer, got -5"),
     ({"microbatches": 2**40}, ValueError, "microbatches must be at most 2147483647, got 1099511627776"),
     ({"recompute": "no"}, TypeError, "recompute must be True or False, got 'no'"),
     ({"compile": 1}, TypeError, "compile must be True or False, got 1"),
@@ -91,7 +91,7 @@ def test_the_simulator_names_an_optimizer_or_schedule_of_the_wrong_kind():
         DelaySimulator(model, lambda m: build_optimizer(m, "adamw"), "2bw")
     with pytest.raises(DelaySimulatorError, match="lr_schedule must be an LRSchedule .* got str"):
         DelaySimulator(model, build_optimizer(model, "adamw"), "2bw", lr_schedule="cosine")
-    with pytest.raises(ValueError, match="--warmup-steps 9 exceeds --steps 4"):
+    with pytest.raises(ValueError, match="warmup_steps 9 exceeds steps 4"):
         DelaySimulator(model, build_optimizer(model, "adamw"), "2bw", lr_schedule=LRSchedule("cosine", 4, 9))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
 """Schedule kinds: constant (after warmup), cosine decay, warmup-stable-decay."""
@@ -75,35 +75,39 @@ class LRSchedule:
         room = self.steps - self.warmup_steps
         return min(max(1, self.steps // WSD_DEFAULT_DECAY_FRACTION_DIVISOR), room)
 
-    def validate(self) -> None:
-        """Raise ``LRScheduleError`` (a ``ValueError``) naming the first flag that cannot run."""
+    def validate(self, names: Optional[Mapping[str, str]] = None) -> None:
+        """Raise ``LRScheduleError`` (a ``ValueError``) naming the first field that cannot run.
+        ``names`` maps a field to what the message calls it (a command line passes its flags,
+        e.g. ``{"warmup_steps": "--warmup-steps"}``); by default, the field's own name."""
+        kind, steps, warmup, decay, ratio = (
+            (names or {}).get(f, f) for f in ("kind", "steps", "warmup_steps", "decay_steps", "min_lr_ratio"))
         if self.kind not in LR_SCHEDULES:
-            raise LRScheduleError(f"--lr-schedule {self.kind!r} is not one of {', '.join(LR_SCHEDULES)}")
+            raise LRScheduleError(f"{kind} {self.kind!r} is not one of {', '.join(LR_SCHEDULES)}")
         if not _is_int(self.steps) or self.steps < 1:
-            raise LRScheduleError(f"--steps must be a positive integer, got {self.steps!r}")
+            raise LRScheduleError(f"{steps} must be a positive integer, got {self.steps!r}")
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
-            raise LRScheduleError(f"--warmup-steps must be a non-negative integer, got {self.warmup_steps!r}")
+            raise LRScheduleError(f"{warmup} must be a non-negative integer, got {self.warmup_steps!r}")
         if self.warmup_steps > self.steps:
-            raise LRScheduleError(f"--warmup-steps {self.warmup_steps} exceeds --steps {self.steps}; "
+            raise LRScheduleError(f"{warmup} {self.warmup_steps} exceeds {steps} {self.steps}; "
                                   f"use at most {self.steps} warmup steps")
         if self.decay_steps is not None:
             if self.kind != "wsd":
-                raise LRScheduleError(f"--decay-steps only applies to --lr-schedule wsd, not {self.kind!r}; "
-                                      "drop --decay-steps or use --lr-schedule wsd")
+                raise LRScheduleError(f"{decay} only applies to {kind} wsd, not {self.kind!r}; "
+                                      f"drop {decay} or use {kind} wsd")
             room = self.steps - self.warmup_steps
             if not _is_int(self.decay_steps) or not 0 < self.decay_steps <= room:
-                raise LRScheduleError(f"--decay-steps must be an integer in 1..{room} (--steps {self.steps} "
-                                      f"minus --warmup-steps {self.warmup_steps}), got {self.decay_steps!r}")
+                raise LRScheduleError(f"{decay} must be an integer in 1..{room} ({steps} {self.steps} "
+                                      f"minus {warmup} {self.warmup_steps}), got {self.decay_steps!r}")
         r = self.min_lr_ratio
         if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 <= r <= 1.0:  # NaN fails too
-            raise LRScheduleError(f"--min-lr-ratio must be a number in [0, 1], got {r!r}")
+            raise LRScheduleError(f"{ratio} must be a number in [0, 1], got {r!r}")
 
     def multiplier(self, t: int) -> float:
         """The learning-rate multiplier of 0-based optimizer step ``t`` (see the class docstring)."""
         self.validate()
         if not _is_int(t) or not 0 <= t < self.steps:
             raise LRScheduleError(f"optimizer step {t!r} is outside the schedule's steps 0..{self.steps - 1} "
-                                  f"(--steps {self.steps})")
+                                  f"(steps {self.steps})")
         T, W, r = self.steps, self.warmup_steps, float(self.min_lr_ratio)
         if t < W:
             return (t + 1) / W

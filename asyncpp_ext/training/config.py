@@ -35,6 +35,9 @@ DTYPES = ("auto", "fp32", "bf16", "bf16-params")
 NS_DTYPES = ("auto", "fp32", "bf16")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
+# What a learning-rate schedule complaint calls each LRSchedule field: the flags that set them.
+LR_SCHEDULE_FLAGS = {"kind": "--lr-schedule", "steps": "--steps", "warmup_steps": "--warmup-steps",
+                     "decay_steps": "--decay-steps", "min_lr_ratio": "--min-lr-ratio"}
 HEAD_LOSSES = ("auto", "fused", "plain", "liger", "cce", "chunked")
 COMPILE_SCOPES = ("block", "stage")
 DELAY_ONLY = ("matrices", "others")
@@ -463,7 +466,7 @@ class RunConfig:
                 raise ConfigError("optim.clip_grad_norm must be finite; leave --clip-grad-norm out to not clip")
         non_negative_int("optim.warmup_steps", self.optim.warmup_steps)
         try:
-            self.lr_schedule().validate()
+            self.lr_schedule().validate(LR_SCHEDULE_FLAGS)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.optim.min_lr_ratio is not None and self.optim.lr_schedule == "constant":
