@@ -195,3 +195,26 @@ def test_local_world_size_spawn_counts_every_rank_torchrun_reads_its_environment
     assert local_world_size("torchrun", 4, {"WORLD_SIZE": "8"}) == 8
     with pytest.raises(ValueError, match="launcher"):
         local_world_size("mpirun", 4, {})
+
+
+def test_a_local_launch_of_more_ranks_than_the_cores_hold_is_refused():
+    devices.check_spawned_ranks(16, 2)  # 8 per core: starts
+    with pytest.raises(DeviceError, match=r"--stages x --dp is 17 ranks to start on this machine, more than 8 "
+                                          r"per core for its 2 cores \(at most 16\)"):
+        devices.check_spawned_ranks(17, 2)
+
+
+def test_asyncpp_train_refuses_more_ranks_than_the_cores_hold_before_starting_one(tmp_path):
+    """--stages 500 started 500 interpreters on a 2-core machine and looked hung."""
+    import os
+    import subprocess
+    import sys
+
+    ranks = devices.MAX_RANKS_PER_CORE * devices.usable_cores() + 1
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "asyncpp_ext.train", "--stages", str(ranks), "--microbatches",
+                        str(ranks), "--n-layer", str(ranks), "--out", str(out)], capture_output=True, text=True,
+                       timeout=120, env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"--stages x --dp is {ranks} ranks to start on this machine" in r.stderr
+    assert not out.exists()

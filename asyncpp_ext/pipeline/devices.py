@@ -19,14 +19,38 @@ Transports (``transport=`` / ``--transport``):
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 TRANSPORTS = ("auto", "nccl", "torch", "gloo", "socket", "ipc")
 LAUNCHERS = ("spawn", "torchrun")
 
 
+MAX_RANKS_PER_CORE = 8
+"""A local launch of more ranks than this per core is refused: each rank is a process with torch
+loaded (hundreds of MB), and beyond a few per core the ranks only wait on each other; a typo such
+as ``--stages 500`` would otherwise start hundreds of interpreters and look hung."""
+
+
 class DeviceError(ValueError):
     """A device or transport request this machine or this combination cannot run."""
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it, else every CPU)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_spawned_ranks(ranks: int, cores: int) -> None:
+    """Refuse a local launch of ``ranks`` processes that this machine's ``cores`` cannot hold."""
+    if ranks > MAX_RANKS_PER_CORE * cores:
+        raise DeviceError(f"--stages x --dp is {ranks} ranks to start on this machine, more than "
+                          f"{MAX_RANKS_PER_CORE} per core for its {cores} core{'s' if cores != 1 else ''} "
+                          f"(at most {MAX_RANKS_PER_CORE * cores}); lower --stages or --dp, or spread the "
+                          "ranks over machines with torchrun")
 
 
 def _device_type(device) -> str:
@@ -149,5 +173,5 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 
 __all__ = ["TRANSPORTS", "LAUNCHERS", "DeviceError", "check_device", "choose_transport", "needs_own_gpu", "local_world_size",
-           "check_local_world",
+           "check_local_world", "check_spawned_ranks", "usable_cores", "MAX_RANKS_PER_CORE",
            "rank_device", "process_group_backend", "to_device"]

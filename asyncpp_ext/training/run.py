@@ -75,13 +75,16 @@ def _simulation_is_delayed(cfg: RunConfig) -> bool:
 
 def check_rank_devices(cfg: RunConfig) -> None:
     """Before any rank starts: this machine's ranks can each get the device and transport asked for."""
-    from ..pipeline.devices import DeviceError, check_local_world, choose_transport, local_world_size
+    from ..pipeline.devices import (DeviceError, check_local_world, check_spawned_ranks, choose_transport,
+                                    local_world_size, usable_cores)
 
     try:
         transport = choose_transport(cfg.pipeline.transport, cfg.train.device)
+        launcher = "torchrun" if under_launcher() else "spawn"
+        if launcher == "spawn":  # under torchrun, --nproc-per-node says how many run here
+            check_spawned_ranks(cfg.pipeline.stages * cfg.pipeline.dp, usable_cores())
         if cfg.train.device != "cuda":
             return
-        launcher = "torchrun" if under_launcher() else "spawn"
         local_world = local_world_size(launcher, cfg.pipeline.stages * cfg.pipeline.dp, os.environ)
         check_local_world(local_world, torch.cuda.device_count(), transport, launcher)
     except DeviceError as exc:
