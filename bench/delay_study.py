@@ -384,8 +384,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _configs_build(specs: list[RunSpec], run_args: dict) -> bool:
     """Whether every run of the study builds (else one line on stderr): checked here, before the
     first run, so that a bad value is not a traceback from each worker."""
-    runs = {(f"{s.variant.label} {s.schedule if s.stages is None else f'pipedream S={s.stages}'}", s.schedule, tuple(variant_overrides(s.variant).items()), s.stages): 0
-            for s in specs if s.seed == 0}  # each once, in the study's order
+    runs = {}  # each run once, in the study's order
+    for s in specs:
+        if s.seed == 0:
+            label = f"{s.variant.label} {s.schedule if s.stages is None else f'pipedream S={s.stages}'}"
+            runs[label, s.schedule, tuple(variant_overrides(s.variant).items()), s.stages] = None
     try:
         check_configs(list(runs), run_args)
     except StudyError as exc:
