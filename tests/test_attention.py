@@ -115,7 +115,8 @@ def test_an_unknown_attention_in_a_config_is_refused():
 
 def test_the_kernel_bench_on_cpu(tmp_path, capsys):
     """bench/attention_kernels.py --device cpu: every row's check ok against the float32 reference;
-    a tolerance nothing meets fails the row and the exit status; bad input exits 2 in one line."""
+    a tolerance below every row's difference fails the row and the exit status; bad input exits 2 in
+    one line (a tolerance of 0 or less is bad input)."""
     args = ["--device", "cpu", "--iters", "1"]
     # as a program once; the other forms in this process (an interpreter start each saved)
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_kernels.py"), *args, "--json",
@@ -127,7 +128,7 @@ def test_the_kernel_bench_on_cpu(tmp_path, capsys):
     capsys.readouterr()
     assert bench.main([*args, "--json", "-"]) == 0  # the GPU kit's form: the JSON alone on stdout
     assert [row["check"] for row in json.loads(capsys.readouterr().out)["rows"]] == ["ok"] * len(rows)
-    assert bench.main([*args, "--tol", "0"]) == 1 and "FAIL" in capsys.readouterr().out
+    assert bench.main([*args, "--tol", "1e-12"]) == 1 and "FAIL" in capsys.readouterr().out
     assert bench.main([*args, "--iters", "0"]) == 2
     assert capsys.readouterr().err.strip() == "attention_kernels.py: --iters must be >= 1, got 0"
 
