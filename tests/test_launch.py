@@ -322,3 +322,12 @@ def test_what_counts_as_losing_a_peer():
     assert launch.lost_a_peer(RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
     assert not launch.lost_a_peer(RuntimeError("CUDA out of memory"))
     assert not launch.lost_a_peer(ValueError("Connection closed by peer"))
+
+
+def test_spawn_refuses_more_ranks_than_the_cores_hold_before_starting_one(tmp_path):
+    from asyncpp_ext.pipeline import devices
+
+    too_many = devices.MAX_RANKS_PER_CORE * devices.usable_cores() + 1
+    with pytest.raises(devices.DeviceError, match=f"spawn's nprocs is {too_many} ranks to start on this machine"):
+        spawn(os.mkdir, too_many, (str(tmp_path / "started"),))
+    assert not (tmp_path / "started").exists()

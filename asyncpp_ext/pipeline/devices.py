@@ -44,12 +44,14 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def check_spawned_ranks(ranks: int, cores: int) -> None:
-    """Refuse a local launch of ``ranks`` processes that this machine's ``cores`` cannot hold."""
+def check_spawned_ranks(ranks: int, cores: int, what: str = "--stages x --dp",
+                        fewer: str = "lower --stages or --dp") -> None:
+    """Refuse a local launch of ``ranks`` processes that this machine's ``cores`` cannot hold;
+    the message calls the count ``what`` and advises ``fewer``."""
     if ranks > MAX_RANKS_PER_CORE * cores:
-        raise DeviceError(f"--stages x --dp is {ranks} ranks to start on this machine, more than "
+        raise DeviceError(f"{what} is {ranks} ranks to start on this machine, more than "
                           f"{MAX_RANKS_PER_CORE} per core for its {cores} core{'s' if cores != 1 else ''} "
-                          f"(at most {MAX_RANKS_PER_CORE * cores}); lower --stages or --dp, or spread the "
+                          f"(at most {MAX_RANKS_PER_CORE * cores}); {fewer}, or spread the "
                           "ranks over machines with torchrun")
 
 

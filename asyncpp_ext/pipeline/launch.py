@@ -28,6 +28,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from ..stop_signals import Stopped, die_with_parent, stop_signals_raise
+from .devices import check_spawned_ranks, usable_cores
 from .peer_errors import TransportError, peer_gone
 from .start_method import START_METHOD_ENV, _context, _stdout_and_stderr_open
 from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, default_timeout_s
@@ -261,7 +262,9 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
     A forkserver started here imports ``fn``'s module where it is part of this package, so a rank
     starts with nothing left to import (a Ctrl-C then finds no import of a rank in progress);
     other modules, which could resolve differently from another working directory, are imported
-    by each rank."""
+    by each rank. More ranks than ``devices.MAX_RANKS_PER_CORE`` per core are refused (DeviceError,
+    a ValueError) before any starts."""
+    check_spawned_ranks(nprocs, usable_cores(), what="spawn's nprocs", fewer="start fewer")
     ctx = _context((fn.__module__,) if fn.__module__.startswith(__package__.split(".")[0] + ".") else ())
     listener = _listening_socket(os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, max(64, nprocs))
     port = listener.getsockname()[1]
