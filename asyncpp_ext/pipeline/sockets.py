@@ -27,7 +27,7 @@ import socket
 from typing import Sequence
 
 from .._ext import C
-from .devices import local_ranks_from_env
+from .devices import local_ranks_from_env, usable_cores
 from .nccl import channel_plan
 from .rendezvous import check_run_id, default_store
 from .transport import TransportError
@@ -89,7 +89,7 @@ def recv_spin_us(environ=None, cpus: int | None = None) -> int:
     environ = os.environ if environ is None else environ
     raw = environ.get(RECV_SPIN_ENV, "").strip().lower()
     if raw in ("", "auto"):
-        cpus = len(os.sched_getaffinity(0)) if cpus is None and hasattr(os, "sched_getaffinity") else cpus
+        cpus = usable_cores() if cpus is None else cpus
         return AUTO_RECV_SPIN_US if local_ranks_from_env(environ) <= (cpus or os.cpu_count() or 1) else 0
     if not raw.isdigit() or int(raw) > MAX_RECV_SPIN_US:
         raise ValueError(f"{RECV_SPIN_ENV}={raw!r}: use auto or a whole number of microseconds from 0 to "
