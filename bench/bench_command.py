@@ -2,8 +2,9 @@
 
 ``run_script(main)`` under ``if __name__ == "__main__"``: a Ctrl-C or a SIGTERM (``timeout``, a job
 scheduler) ends the script with one line on stderr and the shell's code for the signal (130, 143),
-not a traceback. Both unwind the script as an exception does, so its ``finally`` blocks run:
-worker processes are stopped and partial files removed.
+not a traceback, as the package's commands end (``asyncpp_ext.stop_signals``). Both unwind the
+script as an exception does, so its ``finally`` blocks run: worker processes are stopped and
+partial files removed.
 
 ``BenchError``: a bad input, which the script prints as one line before exiting with 2.
 ``check_report_path`` / ``write_json``: a ``--json PATH`` report, checked before the first
@@ -59,24 +60,20 @@ def write_json(path, data) -> None:
     os.replace(tmp, path)
 
 
-class Terminated(SystemExit):
-    """Raised in the main thread by SIGTERM: unwinds the script like a Ctrl-C."""
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated(128 + signum)
-
-
 def run_script(main: Callable[[], Optional[int]]) -> None:
-    """Exit with ``main()``'s code (0 for None); a Ctrl-C or SIGTERM is one line and 130 / 143."""
+    """Exit with ``main()``'s code (0 for None). A Ctrl-C is one line and 130; SIGTERM and SIGHUP
+    are raised as the package's commands raise them (``stop_signals.Stopped``, a KeyboardInterrupt:
+    the same unwinding), one line and 128 + the signal's number."""
+    from asyncpp_ext.stop_signals import Stopped, stop_signals_raise
+
     prog = os.path.basename(sys.argv[0]) or "bench"
-    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        code = main()
+        with stop_signals_raise():
+            code = main()
+    except Stopped as stop:
+        print(f"{prog}: {stop}", file=sys.stderr, flush=True)  # "stopped by SIGTERM"
+        code = 128 + stop.signum
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         code = 128 + signal.SIGINT
-    except Terminated as stop:
-        print(f"{prog}: stopped by SIGTERM", file=sys.stderr, flush=True)
-        code = stop.code
     sys.exit(code or 0)

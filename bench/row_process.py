@@ -181,7 +181,7 @@ class RowProcess:
             except subprocess.TimeoutExpired:
                 timed_out = True
             self.kill()
-        except BaseException:  # the bench is stopping (SystemExit from SIGTERM, KeyboardInterrupt)
+        except BaseException:  # the bench is stopping (a Ctrl-C, or SIGTERM raised as a KeyboardInterrupt)
             self.kill()
             raise
         finally:
