@@ -14,7 +14,7 @@ def _end_torchrun_rank(code) -> None:
     files closed by then. Other ranks end as usual (rank 0 holds the rendezvous store, which the
     other ranks may still be reading to reach their own message)."""
     from .pipeline.launch import spawned_locally, under_launcher
-    from .pipeline.pipeline import stage_workers_running
+    from .pipeline.stream_worker import stage_workers_running
 
     if code in (0, None) or not under_launcher() or spawned_locally():
         return

@@ -90,3 +90,42 @@ def timeout_worker(out_dir: str) -> None:
     torch.distributed.barrier()  # stage 1 stays alive until stage 0 has timed out
     if rank == 1:  # its communicators' peer aborted: leave without a (collective) NCCL teardown
         os._exit(0)
+
+
+def cancel_worker(out_dir: str) -> None:
+    """Stage 0 waits on another thread for a gradient stage 1 never sends; cancel() from this
+    thread must end that wait within a second, with its reason, and refuse further use."""
+    import threading
+    import time
+
+    rank, _ = init_distributed(120)
+    device = torch.device("cuda", rank)
+    buffers = Buffers(device, [(4,)], [torch.float32])
+    t = create_nccl_transport(buffers.board, rank, 2, [0, 1], device, run_id="cancel", timeout_s=60)
+    if rank == 0:
+        request, result = t.impl.post_recv(1, 0, 0, 1), {}
+
+        def wait() -> None:
+            torch.cuda.set_device(device)
+            start = time.monotonic()
+            try:
+                t.impl.wait(request, 30.0)
+            except RuntimeError as e:
+                result["error"] = str(e)
+            result["waited_s"] = time.monotonic() - start
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)
+        t.cancel("the pipeline was closed")
+        waiter.join(10)
+        try:
+            t.impl.post_recv(1, 1, 0, 1)
+            result["later"] = None
+        except RuntimeError as e:
+            result["later"] = str(e)
+        with open(os.path.join(out_dir, "cancel.json"), "w") as f:
+            json.dump(result, f)
+    torch.distributed.barrier()  # stage 1 stays alive until stage 0's wait was cancelled
+    if rank == 1:  # its communicators' peer aborted: leave without a (collective) NCCL teardown
+        os._exit(0)

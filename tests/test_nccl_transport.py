@@ -262,6 +262,19 @@ def test_a_silent_peer_times_out_naming_message_rank_and_timeout(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.multiproc
+def test_cancel_ends_a_wait_in_progress_from_another_thread(tmp_path):
+    import nccl_workers
+
+    _two_gpus_with_nccl()
+    spawn(nccl_workers.cancel_worker, 2, (str(tmp_path),))
+    result = json.loads((tmp_path / "cancel.json").read_text())
+    assert result["error"].startswith("stage 0: NCCL transport: the pipeline was closed"), result
+    assert result["waited_s"] < 2.0, result  # not its 30 s deadline
+    assert "was aborted after an earlier failure" in result["later"], result
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
 @pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
 def test_two_stage_pipeline_on_nccl_matches_gloo_on_cpu(tmp_path, schedule):
     import nccl_workers

@@ -193,6 +193,7 @@ class IpcTransport(GlooTransport):
     rank); ``store`` defaults to the default process group's."""
 
     host_staging = False
+    cancels_waits = True  # its waits poll, and look at cancel's flag each time
 
     def __init__(self, host, stage_ranks: list, *, run_id: str, slots: int | None = None, store=None,
                  watchdog=None, timeout_s: float = 300.0):
@@ -228,6 +229,7 @@ class IpcTransport(GlooTransport):
         start = time.monotonic()
         deadline, pause, look = start + timeout_s, 10e-6, start + _LIVENESS_S
         while True:
+            self._check_cancelled()  # cancel() from another thread (GlooTransport)
             self._progress()
             if self._requests[request].done:
                 del self._requests[request]

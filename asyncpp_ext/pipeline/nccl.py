@@ -135,6 +135,9 @@ class NcclTransport:
     events on the device rather than by host synchronisation.
     """
 
+    cancels_waits = True
+    """``cancel`` ends a wait in progress (stream_worker.py)."""
+
     def __init__(self, impl, device: torch.device, stream):
         self.impl, self.device, self.stream = impl, device, stream
 
@@ -150,6 +153,11 @@ class NcclTransport:
         return list(self.impl.pending_descriptions())
 
     pending_transfers = pending
+
+    def cancel(self, reason: str) -> None:
+        """From another thread: the executor's wait in progress and every later transfer fail
+        with ``reason`` (on the executor's thread, which aborts the communicators)."""
+        self.impl.cancel(reason)
 
     def close(self, timeout_s: float = 30.0) -> None:
         self.impl.close(timeout_s)

@@ -9,7 +9,6 @@ receives per-step statistics as steps complete.
 """
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .handshake import agree, p2p
 from .stage import StageError, StageHost
 from .step_feed import StepFeed
+from .stream_worker import STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, StreamWorker
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, check_device, choose_transport, to_device  # noqa: F401 (TRANSPORTS: public name kept here)
@@ -44,16 +44,6 @@ from .watchdog import Watchdog, check_timeout, default_timeout_s
 SCHEDULES = schedule_names(pipeline_only=True)
 """The schedules a Pipeline runs: the pipeline rows of the schedule table (schedule/table.py)."""
 _EVAL_TAG = 2
-
-
-WORKER_THREAD_PREFIX = "asyncpp-stage"
-"""A stream's worker thread is named this and its stage (it runs the schedule in native code)."""
-
-
-def stage_workers_running() -> bool:
-    """Whether a stream's worker thread is still running in this process (a process that leaves
-    while one is in native code must skip the interpreter's teardown, which would abort it)."""
-    return any(t.name.startswith(WORKER_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate())
 
 
 @dataclass
@@ -285,6 +275,7 @@ class Pipeline:
         self._pulled: dict[int, tuple] = {}
         self._pull_step = 0
         self._stopped_part_way: str | None = None  # why a stream ended before its last step
+        self._worker: StreamWorker | None = None  # the latest stream's thread
 
     def _pending_transfers(self) -> list:
         pending = getattr(self.transport, "pending_transfers", None)  # None while it is being set up
@@ -295,9 +286,18 @@ class Pipeline:
         destroy the communicators (or abort them if transfers never finished), so that no rank
         is left waiting in a communicator teardown at exit. Call it (or use the pipeline as a
         context manager) once training on it is over; later calls do nothing."""
+        if self._worker is not None and not self._worker.stop("the pipeline was closed while its stream ran"):
+            return  # the thread may still use the transport (stop warned)
         close = getattr(self.transport, "close", None)
         if callable(close):
             close(timeout_s)
+
+    def _cancel_stream(self, reason: str) -> None:
+        """From another thread: the running stream's next forward and its transfers fail."""
+        self.host.stop_reason = reason
+        cancel = getattr(self.transport, "cancel", None)
+        if callable(cancel):
+            cancel(reason)
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -393,7 +393,6 @@ class Pipeline:
 
         self.host.on_step = on_step
         done = object()
-        stopped = threading.Event()  # the caller's thread was interrupted: the worker goes on alone
 
         host = self.host
         wait_timeout_s = 2 * self.timeout_s  # the watchdog reports a stall first
@@ -422,7 +421,7 @@ class Pipeline:
                         del self.trace[:len(self.trace) - self.trace_limit]
                 feed.finish(done)
             except BaseException as e:  # handed to the caller's thread
-                if isinstance(e, TransportError) and not stopped.is_set():  # on record like a
+                if isinstance(e, TransportError) and not stream.interrupted.is_set():  # on record like a
                     # stalled rank's state; the error itself is this rank's next line (its exit) --
                     # not repeated in the block. A rank already stopped (Ctrl-C, SIGTERM) said why.
                     self.watchdog.dump_state("lost a peer: this rank's state as its transport failed")
@@ -430,20 +429,26 @@ class Pipeline:
 
         if self.host.exchange is not None:
             self.exchange.begin_segment(first_step, steps)
-        thread = threading.Thread(target=worker, name=f"{WORKER_THREAD_PREFIX}{self.stage}", daemon=True)
-        thread.start()
+        # The caller's thread interrupted (stream.interrupted): the worker goes on alone until
+        # close() or the exit hook stops it (stream_worker.py).
+        stop_s = STOP_TIMEOUT_S if getattr(self.transport, "cancels_waits", False) else UNCANCELLABLE_STOP_S
+        stream = self._worker = StreamWorker(worker, self.stage, self._cancel_stream, stop_s)
+        stream.start()
         last = first_step - 1
         try:
             for item in feed.items():
                 if item is done:
                     break
                 if isinstance(item, BaseException):
-                    thread.join()
+                    stream.join()
                     self._stopped_part_way = _why(last + 1, item)
                     raise item
                 last = item.step
                 yield item
         except GeneratorExit:  # the caller left the loop: the stream's steps run to the end
+            if stream.interrupted.is_set():  # ... unless close() or the exit hook stopped it first
+                self._stopped_part_way = self._stopped_part_way or f"step {last + 1}: stopped by close()"
+                return
             warnings.warn(f"Pipeline.train left after step {last} of {first_step}..{first_step + steps - 1}: "
                           "the remaining steps ran to the end (a stream cannot stop part-way); ask for "
                           "fewer steps to train fewer", stacklevel=2)
@@ -451,18 +456,18 @@ class Pipeline:
                 for item in feed.items():
                     if isinstance(item, BaseException):
                         self._stopped_part_way = _why(last + 1, item)
-                        thread.join()
+                        stream.join()
                         return
                     last = item.step if isinstance(item, StepStats) else last
             except BaseException as exc:  # a Ctrl-C while the rest runs: the worker goes on
-                stopped.set()
+                stream.interrupted.set()
                 self._stopped_part_way = _why(last + 1, exc)
                 raise
         except BaseException as exc:  # KeyboardInterrupt: the worker goes on in the background
-            stopped.set()
+            stream.interrupted.set()
             self._stopped_part_way = self._stopped_part_way or _why(last + 1, exc)
             raise
-        thread.join()
+        stream.join()
         if self.host.exchange is not None:  # the segment drains: tied copies equal, norms known
             self.exchange.end_segment(self.host.buffer_for)
         self.next_step = first_step + steps

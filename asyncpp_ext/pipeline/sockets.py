@@ -135,6 +135,9 @@ class SocketTransport:
     """One stage's socket transport. ``impl`` is the C++ object (post_send/post_recv/test/wait/
     pending/close); :meth:`run_stage` runs the C++ executor with it."""
 
+    cancels_waits = True
+    """``cancel`` ends a wait in progress (stream_worker.py)."""
+
     def __init__(self, impl):
         self.impl = impl
 
@@ -154,6 +157,11 @@ class SocketTransport:
         return list(self.impl.pending_descriptions())
 
     pending_transfers = pending
+
+    def cancel(self, reason: str) -> None:
+        """From another thread: the executor's wait in progress and every later transfer fail
+        with ``reason`` (the sockets are shut down, so the neighbours' waits fail too)."""
+        self.impl.cancel(reason)
 
     def close(self, timeout_s: float = 30.0) -> None:
         self.impl.close()

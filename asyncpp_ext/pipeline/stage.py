@@ -41,6 +41,7 @@ from .recompute import RngState, autocast_context
 from .stage_state import load_stage_state, stage_state_dict
 from .nonfinite import NonFiniteGuard
 from .peer_errors import TransportError, peer_failure_reason, peer_gone
+from .stream_worker import StreamStopped
 
 ACTIVATION, GRADIENT = 0, 1
 
@@ -118,6 +119,7 @@ class StageHost:
         self._dc_workspace: torch.Tensor | None = None
         self.is_first, self.is_last = stage == 0, stage == stages - 1
         self.loss_fn, self.batch_source, self.on_step = loss_fn, batch_source, on_step
+        self.stop_reason: str | None = None  # set from another thread: the stream ends (stream_worker.py)
         if head_loss not in ("plain", "fused"):
             raise ValueError(f"head_loss must be 'plain' or 'fused', got {head_loss!r}")
         self.head_loss, self.head_loss_kernel = head_loss, kernel_for_graphs(head_loss_kernel, cuda_graphs)
@@ -310,6 +312,8 @@ class StageHost:
         """Forward of microbatch ``mb`` of ``step`` on weight ``version``. ``received`` is the
         input activation (a receive slot the runtime reuses once this microbatch's backward has
         returned; None on the first stage). Returns the activation to send (None on the last)."""
+        if self.stop_reason is not None:
+            raise StreamStopped(f"stage {self.stage}: {self.stop_reason} (at step {step}, microbatch {mb})")
         if self.exchange is not None:  # tied values of this version, from their owner stage
             self.exchange.install(version, self.buffer_for(version))
         replica = self.compute_module(version)

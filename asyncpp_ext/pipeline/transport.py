@@ -30,6 +30,8 @@ KIND_NAMES = {0: "activation", 1: "gradient"}
 class GlooTransport:
     host_staging = True
     """Device tensors travel through host copies (gloo moves CPU memory only)."""
+    cancels_waits = False
+    """``cancel`` fails later posts and waits but not one blocked in gloo (stream_worker.py)."""
 
     def __init__(self, host: StageHost, stage_ranks: list, group=None, watchdog=None):
         self.host, self.stage_ranks, self.group = host, list(stage_ranks), group
@@ -37,6 +39,16 @@ class GlooTransport:
         self._ids = itertools.count()
         # id -> (work, tensor on the wire, description, device tensor a staged receive fills)
         self._pending: dict[int, tuple] = {}
+        self._cancelled: str | None = None  # see cancel
+
+    def cancel(self, reason: str) -> None:
+        """From another thread: every later post and wait fails with ``reason``. A wait already
+        blocked in gloo is not interrupted; it ends when the peer's process does."""
+        self._cancelled = f"stage {self.host.stage}: {reason}"
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled is not None:
+            raise TransportError(self._cancelled)
 
     def _group(self, kind: int, peer: int):
         return self.group
@@ -56,6 +68,7 @@ class GlooTransport:
         return self._post(False, kind, step, mb, peer, tensor)
 
     def _post(self, is_send: bool, kind: int, step: int, mb: int, peer: int, tensor: torch.Tensor) -> int:
+        self._check_cancelled()
         fill = None
         if is_send:
             wire = self._to_host(tensor) if self._staged(tensor) else tensor
@@ -105,6 +118,7 @@ class GlooTransport:
         return False
 
     def wait(self, request: int, timeout_s: float) -> None:
+        self._check_cancelled()
         work, wire, desc, fill = self._pending[request]
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))

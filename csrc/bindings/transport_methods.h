@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <string>
 
 #include "core/error.h"
 #include "core/transport.h"
@@ -39,6 +40,12 @@ void def_transport_requests(Class& cls) {
          py::gil_scoped_release release;
          impl.wait(request, timeout_s);
        }, py::arg("request"), py::arg("timeout_s"), "Block until the request completes; raises its failure.")
+      .def("cancel", [](Wrapper& t, const std::string& reason) {
+         auto& impl = t.get();
+         py::gil_scoped_release release;
+         impl.cancel(reason);
+       }, py::arg("reason"),
+       "From another thread: end the run -- the wait in progress and every later request fail with `reason`.")
       .def("pending", [](Wrapper& t) { return t.get().pending(); }, "How many posted requests are unretired.")
       .def("pending_descriptions", [](Wrapper& t) { return t.get().pending_descriptions(); },
            "What each posted, unfinished transfer is; safe from another thread (the watchdog).");

@@ -119,10 +119,25 @@ size_t NcclTransport::channel_for(const core::MessageKey& key, bool is_send) con
                                      " channel(s) -- give one per neighbour and direction"));
 }
 
-void NcclTransport::check_usable() const {
+void NcclTransport::check_usable() {
   ASYNCPP_CHECK(failure_.empty(), "the NCCL transport of stage ", stage_,
                 " was aborted after an earlier failure: ", failure_);
   ASYNCPP_CHECK(!closed_, "the NCCL transport of stage ", stage_, " is closed; create a new one");
+  if (cancelled_.load(std::memory_order_acquire)) {
+    std::string reason;
+    {
+      std::lock_guard<std::mutex> lock(described_mu_);
+      reason = cancel_reason_;
+    }
+    fail(detail::concat("stage ", stage_, ": NCCL transport: ", reason));
+  }
+}
+
+void NcclTransport::cancel(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(described_mu_);
+  if (cancelled_.load(std::memory_order_relaxed)) return;
+  cancel_reason_ = reason;
+  cancelled_.store(true, std::memory_order_release);
 }
 
 core::Transport::Request NcclTransport::post_send(const core::MessageKey& key) { return post(key, true); }
@@ -224,6 +239,7 @@ void NcclTransport::wait(Request request, double timeout_s) {
   const Pending& p = it->second;
   const auto start = Clock::now();
   while (!poll(p)) {
+    if (cancelled_.load(std::memory_order_acquire)) check_usable();  // throws
     const double waited = seconds_since(start);
     if (waited > timeout_s)
       fail(detail::concat("stage ", stage_, ": ", core::describe(p.key, p.is_send), " (rank ",

@@ -7,6 +7,7 @@
 // This header is CUDA-free (handles are opaque) so bindings can include it in every build; the
 // implementation exists only when CUDA is compiled in (ASYNCPP_WITH_CUDA).
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -63,6 +64,10 @@ class NcclTransport final : public core::Transport {
   // What each of them is ("send of activation step 3 microbatch 1 (rank 2, 65536 bytes)"). Safe to
   // call from another thread while the executor runs: the watchdog's stall report reads it.
   std::vector<std::string> pending_descriptions() const;
+  // Ends the run from another thread: the executor's wait in progress (within ~50 us) and every
+  // later call fail with `reason`, on the executor's own thread, which aborts the communicators
+  // (this transport is otherwise used by that one thread). Thread-safe; the first reason is kept.
+  void cancel(const std::string& reason);
   // Tears the communicators down: waits for in-flight transfers (up to `timeout_s`), then destroys
   // them; aborts instead if any transfer is still incomplete. Idempotent.
   void close(double timeout_s = 30.0);
@@ -88,7 +93,7 @@ class NcclTransport final : public core::Transport {
   void retire(Request request);
   [[noreturn]] void fail(const std::string& what);
   void abort_all();
-  void check_usable() const;
+  void check_usable();  // throws the failure, or fails now if cancelled
 
   int stage_;
   int device_;
@@ -101,6 +106,8 @@ class NcclTransport final : public core::Transport {
   Request next_request_ = 0;
   std::string failure_;  // set once aborted: every later call reports it
   bool closed_ = false;
+  std::atomic<bool> cancelled_{false};  // set by cancel() from another thread
+  std::string cancel_reason_;          // guarded by described_mu_
 };
 
 }  // namespace asyncpp::nccl

@@ -211,11 +211,23 @@ void SocketTransport::connect_all(const Listener& listener, uint64_t token, doub
 
 SocketTransport::~SocketTransport() { close(); }
 
+void SocketTransport::cancel(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  fail_locked(detail::concat(where(), reason));
+  wake();
+}
+
 void SocketTransport::close() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (stopping_) return;
     stopping_ = true;
+    for (const auto& op : ops_) {
+      if (op.state != State::queued) continue;
+      fail_locked(detail::concat(where(), "closed while ", describe_op(op), " was in flight"));
+      break;
+    }
+    waiters_left_.wait(lock, [this] { return waiters_ == 0; });
   }
   wake();
   if (progress_.joinable()) progress_.join();
@@ -245,6 +257,11 @@ std::string SocketTransport::describe_op(const Op& op) const {
 
 core::Transport::Request SocketTransport::post(const core::MessageKey& key, bool is_send) {
   const size_t ci = channel_for(key, is_send);
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // a failed or closed transport says so, not the board
+    ASYNCPP_CHECK(failure_.empty(), failure_);
+    ASYNCPP_CHECK(!stopping_, where(), "posted ", core::describe(key, is_send), " after close()");
+  }
   core::Buffer buffer = is_send ? buffers_.send_buffer(key) : buffers_.recv_buffer(key);
   ASYNCPP_ARG_CHECK(buffer.view.device == DeviceKind::cpu, where(), "the buffer to ", core::describe(key, is_send),
                     " is a CUDA tensor; the socket transport moves CPU tensors (use the nccl or gloo transport "
@@ -306,6 +323,13 @@ void SocketTransport::wait(Request request, double timeout_s) {
     std::unique_lock<std::mutex> lock(mu_);
     ASYNCPP_CHECK(request >= 0 && static_cast<size_t>(request) < ops_.size() &&
                   ops_[request].state != State::free, where(), "unknown request ", request);
+    struct Waiting {  // counted while inside, so that close() can wait for this thread to leave
+      SocketTransport& t;
+      explicit Waiting(SocketTransport& transport) : t(transport) { ++t.waiters_; }
+      ~Waiting() {
+        if (--t.waiters_ == 0) t.waiters_left_.notify_all();
+      }
+    } waiting(*this);
     wait_on_sockets(lock, static_cast<size_t>(request), deadline);
     if (ops_[request].state == State::queued && failure_.empty()) {
       const std::string what = describe_op(ops_[request]);

@@ -20,6 +20,7 @@
 #include <poll.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -92,7 +93,13 @@ class SocketTransport final : public core::Transport {
   // What each posted, unretired request is; safe from another thread (the watchdog).
   std::vector<std::string> pending_descriptions() const;
   size_t pending() const;
-  // Stops the progress thread and closes the connections. Idempotent.
+  // Ends the run from another thread: every pending and later request fails with `reason`, and
+  // the sockets are shut down, which wakes a wait in progress at once (and fails the neighbours'
+  // waits, as any failure does). Thread-safe; the first failure's message is the one kept.
+  void cancel(const std::string& reason);
+  // Stops the progress thread and closes the connections. Idempotent, and safe while the
+  // executor's thread waits: pending requests fail first, and the descriptors are closed only
+  // once that thread has left its poll (a descriptor closed under a poll could be reused).
   void close();
 
  private:
@@ -157,6 +164,8 @@ class SocketTransport final : public core::Transport {
   std::vector<size_t> free_ops_;
   std::string failure_;
   bool stopping_ = false;
+  int waiters_ = 0;                        // threads inside wait() (they poll the sockets)
+  std::condition_variable waiters_left_;   // close() waits on it for waiters_ == 0
   int wake_fd_ = -1;                 // eventfd: new work or stop
   std::thread progress_;
 };

@@ -1,0 +1,90 @@
+"""The thread a Pipeline's stream runs on, and how it is stopped.
+
+``Pipeline.train`` runs its steps in the C++ executor on a worker thread while the caller's
+thread reads their results. A caller interrupted mid-stream (a Ctrl-C in its loop) leaves that
+thread running, and it must end before the interpreter's teardown: teardown ends a thread that is
+inside native code by unwinding it there, which aborts the process ("terminate called without an
+active exception"). ``StreamWorker.stop`` ends it within one forward or one transfer: the
+stage's next forward raises ``StreamStopped`` and its transport's waits fail (the transport's
+``cancel``), then the thread is joined. ``Pipeline.close()`` (and so leaving a ``with Pipeline``
+block on an exception) stops it, and an exit hook stops the workers of pipelines never closed.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import warnings
+from typing import Callable
+
+WORKER_THREAD_PREFIX = "asyncpp-stage"
+"""A stream's worker thread is named this and its stage (it runs the schedule in native code)."""
+
+STOP_TIMEOUT_S = 30.0
+"""How long ``stop`` waits for the thread when its transport's waits can be cancelled: it is one
+forward or one failed transfer away from its end."""
+
+UNCANCELLABLE_STOP_S = 2.0
+"""The same over a transport whose blocked wait cannot be cancelled (gloo's: a wait that times
+out breaks the connection, so waits cannot be sliced): that wait ends when the peer sends or its
+process exits, and a peer interrupted too does neither, so a long wait would only delay the exit."""
+
+_RUNNING: set[StreamWorker] = set()
+
+
+class StreamStopped(RuntimeError):
+    """The stream was stopped from outside (``Pipeline.close()``, or the process exiting)."""
+
+
+def stage_workers_running() -> bool:
+    """Whether a stream's worker thread is still running in this process (a process that leaves
+    while one is in native code must skip the interpreter's teardown, which would abort it)."""
+    return any(t.name.startswith(WORKER_THREAD_PREFIX) and t.is_alive() for t in threading.enumerate())
+
+
+class StreamWorker:
+    """One stream's thread. ``run`` does the stream's work; ``cancel(reason)`` makes the stage's
+    next forward and its transport's pending and later transfers fail with ``reason``."""
+
+    def __init__(self, run: Callable[[], None], stage: int, cancel: Callable[[str], None],
+                 stop_timeout_s: float = STOP_TIMEOUT_S):
+        self.stage, self._run, self._cancel, self.stop_timeout_s = stage, run, cancel, stop_timeout_s
+        self.interrupted = threading.Event()
+        """Set once the caller left the stream or stopped it: the thread goes on (or ends) alone,
+        and its failure is no news to report."""
+        self.thread = threading.Thread(target=self._main, name=f"{WORKER_THREAD_PREFIX}{stage}", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        finally:
+            _RUNNING.discard(self)
+
+    def start(self) -> None:
+        _RUNNING.add(self)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def stop(self, reason: str) -> bool:
+        """End the thread (see the module's docstring); True once it has ended. Warns, and
+        returns False, if it is still running after ``stop_timeout_s``."""
+        if not self.thread.is_alive():
+            return True
+        self.interrupted.set()
+        self._cancel(reason)
+        self.thread.join(self.stop_timeout_s)
+        if self.thread.is_alive():
+            warnings.warn(f"stage {self.stage}: the stream's worker thread did not stop within {self.stop_timeout_s:g} "
+                          "s of being cancelled (it waits on a peer); its transport is left open", RuntimeWarning,
+                          stacklevel=3)
+            return False
+        return True
+
+
+@atexit.register
+def _stop_running_streams() -> None:
+    """Before the interpreter's teardown (which runs after exit hooks): no worker thread left in
+    native code."""
+    for worker in list(_RUNNING):
+        worker.stop("the process is exiting")
