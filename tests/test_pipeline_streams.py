@@ -5,6 +5,9 @@ failed batch or reports a version-rule error on the next call."""
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import warnings
 
 import pytest
 import torch
@@ -41,11 +44,12 @@ def _batches(first, count):
 def test_leaving_the_loop_early_runs_the_stream_out_and_training_goes_on_exactly(one_rank):
     whole = [s.loss for s in _pipeline().train(_batches(0, 8), steps=8)]
     p = _pipeline()
-    with pytest.warns(UserWarning, match=r"left after step 1 of 0..5: the remaining steps ran to the end"):
-        for stats in p.train(_batches(0, 6), steps=6):
-            if stats.step == 1:
-                break
-    assert p.next_step == 6
+    for stats in p.train(_batches(0, 6), steps=6):
+        if stats.step == 1:
+            break
+    with pytest.warns(UserWarning, match=r"^Pipeline.train was left after step 1 of 0..5: its remaining steps "
+                                         r"ran to the end now"):
+        assert p.next_step == 6  # waits for the rest of the stream
     after = [s.loss for s in p.train(_batches(6, 2), steps=2)]
     assert after == whole[6:]  # the same arithmetic as one uninterrupted stream
 
@@ -62,6 +66,9 @@ def test_a_ctrl_c_while_the_rest_of_a_left_stream_runs_is_named_on_the_next_call
     p = _pipeline(slow_loss)
     stream = p.train(_batches(0, 10), steps=10)
     next(stream)
+    start = time.monotonic()
+    stream.close()  # leaves the loop: the rest runs on, and the next call waits for it
+    assert time.monotonic() - start < 0.5
     # A KeyboardInterrupt raised in this thread (under pytest-xdist it is not the main thread,
     # which _thread.interrupt_main would reach).
     me = ctypes.c_ulong(threading.get_ident())
@@ -69,8 +76,8 @@ def test_a_ctrl_c_while_the_rest_of_a_left_stream_runs_is_named_on_the_next_call
         me, ctypes.py_object(KeyboardInterrupt)))
     ctrl_c.start()
     try:
-        with pytest.warns(UserWarning, match="left after step 0"), pytest.raises(KeyboardInterrupt):
-            stream.close()  # runs the rest of the stream: interrupted there
+        with pytest.raises(KeyboardInterrupt):
+            p.evaluate(_batches(0, 1))  # waits for the rest of the stream: interrupted there
     finally:
         ctrl_c.cancel()
     with pytest.raises(StageError, match=r"stopped part-way through a stream \(step \d+: KeyboardInterrupt\)"):
@@ -166,3 +173,76 @@ def test_a_rank_stopped_by_its_caller_does_not_report_the_peer_it_then_loses(one
 
     assert run(interrupt=True) == []
     assert run(interrupt=False) == ["lost a peer: this rank's state as its transport failed"]
+
+
+def _slow_pipeline():
+    """About 0.1 s per microbatch: a 10-step stream takes about 2 s."""
+    def slow_loss(out, targets):
+        time.sleep(0.05)
+        return GPT.loss(out, targets)
+
+    return _pipeline(slow_loss)
+
+
+def test_an_exception_in_the_loop_body_surfaces_at_once_and_the_next_call_finishes_the_stream(one_rank):
+    p = _slow_pipeline()
+    start = time.monotonic()
+    with pytest.raises(NameError):
+        for stats in p.train(_batches(0, 10), steps=10):
+            raise NameError("a typo in the loop's body")
+    assert time.monotonic() - start < 1.0  # not after the stream's ~2 s
+    with pytest.warns(UserWarning, match="left after step 0 of 0..9: its remaining steps ran to the end now"):
+        losses = [s.loss for s in p.train(_batches(10, 2), steps=2)]
+    assert p.next_step == 12 and len(losses) == 2
+
+
+def test_an_exception_leaving_a_with_block_stops_the_stream(one_rank):
+    p = _slow_pipeline()
+    start = time.monotonic()
+    with pytest.raises(NameError), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ran to the end": nothing runs on
+        with p:
+            for stats in p.train(_batches(0, 10), steps=10):
+                raise NameError("a typo in the loop's body")
+    assert time.monotonic() - start < 1.5
+    assert not any(t.name.startswith("asyncpp-stage") for t in threading.enumerate())
+    with pytest.raises(StageError, match=r"stopped part-way through a stream \(step 1: stopped by close\(\)\)"):
+        list(p.train(_batches(0, 1), steps=1))
+
+
+_EXIT_SCRIPT = """
+import sys, time, torch, torch.distributed as dist
+from asyncpp_ext.models import GPT, preset_config
+from asyncpp_ext.optim import build_optimizer
+from asyncpp_ext.pipeline import Pipeline
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+x = torch.randint(0, 256, (4, 8))
+p = Pipeline(GPT(preset_config("tiny")), loss_fn=GPT.loss, microbatches=2, schedule="2bw",
+             optimizer=lambda m: build_optimizer(m, "adamw"), timeout_s=60)
+steps = int(sys.argv[2])
+for stats in p.train([(x, x)] * steps, steps=steps):
+    if stats.step == 1:
+        print("left at", time.monotonic(), flush=True)
+        if sys.argv[1] == "raise":
+            raise NameError("a typo in the loop's body")
+        break
+"""
+
+
+def test_a_script_that_breaks_and_exits_runs_its_stream_out_first():
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, "break", "30"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Pipeline.train was left after step 1 of 0..29: its remaining steps run to the end before the " \
+           "process exits" in r.stderr
+    assert "terminate called" not in r.stderr
+
+
+def test_a_script_ending_on_an_exception_in_the_loop_body_does_not_run_its_stream_out():
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, "raise", str(10**7)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("NameError: a typo in the loop's body"), \
+        r.stderr[-2000:]
+    assert time.monotonic() - start < 120  # 10**7 steps would take hours
+    assert "run to the end" not in r.stderr and "terminate called" not in r.stderr

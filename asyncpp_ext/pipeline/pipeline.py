@@ -33,7 +33,7 @@ from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .handshake import agree, p2p
 from .stage import StageError, StageHost
 from .step_feed import StepFeed
-from .stream_worker import STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, StreamWorker
+from .stream_worker import STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, StreamWorker, join_left_streams
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, check_device, choose_transport, to_device  # noqa: F401 (TRANSPORTS: public name kept here)
@@ -44,6 +44,17 @@ from .watchdog import Watchdog, check_timeout, default_timeout_s
 SCHEDULES = schedule_names(pipeline_only=True)
 """The schedules a Pipeline runs: the pipeline rows of the schedule table (schedule/table.py)."""
 _EVAL_TAG = 2
+
+
+@dataclass
+class _LeftStream:
+    """A stream the caller left before its end (``Pipeline._finish_left_stream`` waits for it)."""
+
+    stream: StreamWorker
+    feed: StepFeed
+    first_step: int
+    steps: int
+    last: int  # the last step the caller saw
 
 
 @dataclass
@@ -161,6 +172,7 @@ class Pipeline:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: launch with torchrun or "
                                "asyncpp_ext.pipeline.spawn, or call init_distributed() first")
+        join_left_streams("before a new Pipeline starts")  # the start-up talks to the other ranks
         self.rank, world = dist.get_rank(), dist.get_world_size()
         if not is_int(dp) or dp < 1 or world % dp:
             raise ValueError(f"dp must be a positive integer dividing the world size {world}, got {dp!r}")
@@ -276,6 +288,17 @@ class Pipeline:
         self._pull_step = 0
         self._stopped_part_way: str | None = None  # why a stream ended before its last step
         self._worker: StreamWorker | None = None  # the latest stream's thread
+        self._left_stream: _LeftStream | None = None  # a stream the caller left, still running
+
+    @property
+    def next_step(self) -> int:
+        """The step the next ``train`` call starts at (once a stream the caller left has run out)."""
+        self._finish_left_stream()
+        return self._next_step
+
+    @next_step.setter
+    def next_step(self, value: int) -> None:
+        self._next_step = value
 
     def _pending_transfers(self) -> list:
         pending = getattr(self.transport, "pending_transfers", None)  # None while it is being set up
@@ -285,9 +308,23 @@ class Pipeline:
         """Release the transport: with NCCL, wait up to ``timeout_s`` for transfers in flight, then
         destroy the communicators (or abort them if transfers never finished), so that no rank
         is left waiting in a communicator teardown at exit. Call it (or use the pipeline as a
-        context manager) once training on it is over; later calls do nothing."""
-        if self._worker is not None and not self._worker.stop("the pipeline was closed while its stream ran"):
-            return  # the thread may still use the transport (stop warned)
+        context manager) once training on it is over; later calls do nothing. A stream the
+        caller left runs to its end first (the other stages need it); leaving a ``with`` block
+        on an exception stops it instead."""
+        try:
+            self._finish_left_stream()
+        except BaseException:
+            self._release(0.0)
+            raise
+        self._release(timeout_s)
+
+    def _release(self, timeout_s: float) -> None:
+        """Stop a stream still running (an interrupted caller's), then close the transport."""
+        worker = self._worker
+        if worker is not None and worker.thread.is_alive():
+            self._stopped_part_way = self._stopped_part_way or "it was stopped by close()"
+            if not worker.stop("the pipeline was closed while its stream ran"):
+                return  # the thread may still use the transport (stop warned)
         close = getattr(self.transport, "close", None)
         if callable(close):
             close(timeout_s)
@@ -303,13 +340,19 @@ class Pipeline:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        # Leaving on an error: transfers still in flight will not finish; abort at once.
-        self.close(timeout_s=0.0 if exc_type is not None else 30.0)
+        if exc_type is None:
+            self.close()
+        else:  # leaving on an error: stop the stream, and abort transfers still in flight at once
+            left, self._left_stream = self._left_stream, None
+            if left is not None and left.stream.thread.is_alive():
+                self._stopped_part_way = self._stopped_part_way or f"step {left.last + 1}: stopped by close()"
+            self._release(timeout_s=0.0)
 
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This stage's share of the run state, keyed by global parameter names (see simulate.py).
         A tied tensor is stored once, under its owner's name."""
+        self._finish_left_stream()
         state = self.host.state_dict(self.param_names)
         for section in ("params", "stash", "older"):
             if section in state:
@@ -321,6 +364,7 @@ class Pipeline:
         """Load a state written at any pipeline depth (or by the single-process simulator)."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict() or a checkpoint, got {type(state).__name__}")
+        self._finish_left_stream()
         state = dict(state)
         for section in ("params", "stash", "older"):
             values = dict(state.get(section, {}))
@@ -363,12 +407,15 @@ class Pipeline:
         list of m ``(inputs, targets)`` pairs. Stage 0 uses the inputs, the last stage the targets.
         A stream cannot stop part-way (every rank runs all of it, and a step has no drain):
         leaving the loop early runs the remaining steps to the end without their stats, with a
-        warning -- to train fewer steps, ask for fewer. A step that fails, or a KeyboardInterrupt
+        warning -- to train fewer steps, ask for fewer. They run in the background; the
+        pipeline's next call waits for them (so an exception in the loop's body surfaces at
+        once), and leaving a ``with`` block on an exception stops them. A step that fails, or a KeyboardInterrupt
         while the stream runs, leaves this pipeline mid-step: later calls raise ``StageError``
         (build a new Pipeline and load a checkpoint's state into it).
         """
         if not is_int(steps) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
+        self._finish_left_stream()
         self._check_whole()
         with self.watchdog.armed(f"training steps {self.next_step}..{self.next_step + steps - 1}"):
             yield from self._train(batches, steps)
@@ -445,32 +492,51 @@ class Pipeline:
                     raise item
                 last = item.step
                 yield item
-        except GeneratorExit:  # the caller left the loop: the stream's steps run to the end
-            if stream.interrupted.is_set():  # ... unless close() or the exit hook stopped it first
+        except GeneratorExit:  # the caller left the loop (a break, or an exception in its body)
+            if stream.interrupted.is_set():  # close() or the exit hook stopped the stream first
                 self._stopped_part_way = self._stopped_part_way or f"step {last + 1}: stopped by close()"
                 return
-            warnings.warn(f"Pipeline.train left after step {last} of {first_step}..{first_step + steps - 1}: "
-                          "the remaining steps ran to the end (a stream cannot stop part-way); ask for "
-                          "fewer steps to train fewer", stacklevel=2)
-            try:
-                for item in feed.items():
-                    if isinstance(item, BaseException):
-                        self._stopped_part_way = _why(last + 1, item)
-                        stream.join()
-                        return
-                    last = item.step if isinstance(item, StepStats) else last
-            except BaseException as exc:  # a Ctrl-C while the rest runs: the worker goes on
-                stream.interrupted.set()
-                self._stopped_part_way = _why(last + 1, exc)
-                raise
+            # The other stages need this one to the stream's end, so it runs on; the pipeline's
+            # next call waits for it. Not here: an exception leaving the loop's body closes this
+            # generator on its way out, and would surface only after the whole stream.
+            stream.left = f"Pipeline.train was left after step {last} of {first_step}..{first_step + steps - 1}"
+            self._left_stream = _LeftStream(stream, feed, first_step, steps, last)
+            return
         except BaseException as exc:  # KeyboardInterrupt: the worker goes on in the background
             stream.interrupted.set()
             self._stopped_part_way = self._stopped_part_way or _why(last + 1, exc)
             raise
+        self._end_stream(stream, first_step, steps)
+
+    def _end_stream(self, stream: StreamWorker, first_step: int, steps: int) -> None:
         stream.join()
         if self.host.exchange is not None:  # the segment drains: tied copies equal, norms known
             self.exchange.end_segment(self.host.buffer_for)
         self.next_step = first_step + steps
+
+    def _finish_left_stream(self) -> None:
+        """Wait for the rest of a stream the caller left (every call that reads or changes the
+        pipeline's state, and close(), start here). A failure there is named by the next call;
+        a Ctrl-C while waiting leaves the stream running, as in train."""
+        left, self._left_stream = self._left_stream, None
+        if left is None:
+            return
+        last = left.last
+        with self.watchdog.armed(f"the rest of training steps {left.first_step}..{left.first_step + left.steps - 1}"):
+            try:
+                for item in left.feed.items():
+                    if isinstance(item, BaseException):
+                        self._stopped_part_way = _why(last + 1, item)
+                        left.stream.join()
+                        return
+                    last = item.step if isinstance(item, StepStats) else last
+            except BaseException as exc:
+                left.stream.interrupted.set()
+                self._stopped_part_way = _why(last + 1, exc)
+                raise
+        self._end_stream(left.stream, left.first_step, left.steps)
+        warnings.warn(f"{left.stream.left}: its remaining steps ran to the end now (a stream cannot stop "
+                      "part-way); ask for fewer steps to train fewer", stacklevel=3)
 
     def _check_whole(self) -> None:
         """StageError once a stream stopped part-way: the weights, the optimizer and the other
@@ -486,6 +552,7 @@ class Pipeline:
         """Mean loss of the newest weights over ``batches`` (microbatch-sized (x, y) pairs, of R*B
         sequences with dp = R: each replica evaluates its rows), run forward-only through the
         pipeline. Returns the loss on the last stages, None elsewhere."""
+        self._finish_left_stream()
         self._check_whole()
         h = self.host
         model = h.compute_module(h.newest_version())  # what training computes with (its copies)

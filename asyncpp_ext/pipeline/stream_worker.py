@@ -8,10 +8,16 @@ active exception"). ``StreamWorker.stop`` ends it within one forward or one tran
 stage's next forward raises ``StreamStopped`` and its transport's waits fail (the transport's
 ``cancel``), then the thread is joined. ``Pipeline.close()`` (and so leaving a ``with Pipeline``
 block on an exception) stops it, and an exit hook stops the workers of pipelines never closed.
+
+A stream the caller *left* (a ``break``: the generator closed) runs on, since the other stages
+need this one to the stream's end; the pipeline's next call waits for it, and so does the exit
+hook, unless the process is ending on an uncaught exception (then it stops it: that exception
+may have been raised in the loop's body, which closes the generator on its way out).
 """
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import warnings
 from typing import Callable
@@ -48,6 +54,9 @@ class StreamWorker:
     def __init__(self, run: Callable[[], None], stage: int, cancel: Callable[[str], None],
                  stop_timeout_s: float = STOP_TIMEOUT_S):
         self.stage, self._run, self._cancel, self.stop_timeout_s = stage, run, cancel, stop_timeout_s
+        self.left: str | None = None
+        """Set (to a line saying so) once the caller left the stream before its end; it runs on
+        (see the module's docstring)."""
         self.interrupted = threading.Event()
         """Set once the caller left the stream or stopped it: the thread goes on (or ends) alone,
         and its failure is no news to report."""
@@ -82,9 +91,26 @@ class StreamWorker:
         return True
 
 
+def join_left_streams(before: str) -> None:
+    """Wait for every stream its caller left that still runs in this process (a new Pipeline's
+    start-up and the process's exit do: its transfers must not interleave with theirs)."""
+    for worker in list(_RUNNING):
+        if worker.left and not worker.interrupted.is_set():
+            warnings.warn(f"{worker.left}: its remaining steps run to the end {before} (a stream cannot "
+                          "stop part-way)", RuntimeWarning, stacklevel=3)
+            worker.join()
+
+
 @atexit.register
-def _stop_running_streams() -> None:
+def _end_running_streams() -> None:
     """Before the interpreter's teardown (which runs after exit hooks): no worker thread left in
-    native code."""
+    native code. A left stream runs to its end first, unless the process ends on an uncaught
+    exception (which the interpreter records as ``sys.last_value`` before the exit hooks run)."""
+    uncaught = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+    try:
+        if not uncaught:
+            join_left_streams("before the process exits")
+    except KeyboardInterrupt:  # a Ctrl-C while they run out: stop them after all
+        pass
     for worker in list(_RUNNING):
         worker.stop("the process is exiting")
