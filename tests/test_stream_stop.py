@@ -160,3 +160,17 @@ def test_a_script_interrupted_mid_stream_ends_without_its_worker(mode, transport
     assert "KeyboardInterrupt" in errors[0]
     assert ranks[1].returncode == 1, errors[1][-3000:]
     assert "TransportError" in errors[1] and "rank 0" in errors[1], errors[1][-3000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("transport", ["gloo", "socket"])
+def test_ranks_that_leave_their_stream_and_return_run_it_out_before_they_end(transport, tmp_path):
+    import json
+
+    from asyncpp_ext.pipeline import spawn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spawn(tw.break_and_return_worker, 2, (transport, str(tmp_path)))  # raises LaunchError if a rank failed
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"left{rank}.json").read_text()) == "ran to the end"

@@ -162,3 +162,27 @@ def socket_inline_worker(out_dir: str, inline_bytes: int) -> None:
     with open(os.path.join(out_dir, f"inline{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
+
+
+def break_and_return_worker(transport: str, out_dir: str) -> None:
+    """Every rank leaves a 2000-step stream after its second step and returns at once: the rank's
+    end must wait for the stream, which uses the process groups the rank's end destroys. A thread
+    of its own writes how the stream ended, once it has."""
+    import threading
+
+    rank, _ = init_distributed(60)
+    torch.set_num_threads(1)
+    pipe = Pipeline(w.make_blocks(), loss_fn=nn.functional.mse_loss, optimizer=w.optimizer_factory("adamw"),
+                    schedule="2bw", microbatches=2, transport=transport, timeout_s=60)
+    for stats in pipe.train(w.batches(2000, 2), 2000):
+        if stats.step == 1:
+            break
+    left = pipe._left_stream
+
+    def report() -> None:  # not a daemon: the interpreter waits for it
+        left.stream.thread.join()
+        final = left.feed._final
+        with open(os.path.join(out_dir, f"left{rank}.json"), "w") as f:
+            json.dump(repr(final) if isinstance(final, BaseException) else "ran to the end", f)
+
+    threading.Thread(target=report).start()
