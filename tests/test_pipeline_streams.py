@@ -246,3 +246,18 @@ def test_a_script_ending_on_an_exception_in_the_loop_body_does_not_run_its_strea
         r.stderr[-2000:]
     assert time.monotonic() - start < 120  # 10**7 steps would take hours
     assert "run to the end" not in r.stderr and "terminate called" not in r.stderr
+
+
+def test_calls_while_a_stream_runs_are_refused_and_the_stream_goes_on(one_rank):
+    p = _pipeline()
+    stream = p.train(_batches(0, 6), steps=6)
+    first = next(stream)
+    for call, name in ((lambda: list(p.train(_batches(6, 1), steps=1)), "train"),
+                       (lambda: p.evaluate(_batches(0, 1)), "evaluate"),
+                       (p.state_dict, "state_dict")):
+        with pytest.raises(StageError, match=rf"^stage 0: {name}\(\) was called while a train\(\) stream of "
+                                             r"this Pipeline still runs: finish or leave its loop first"):
+            call()
+    rest = [s.step for s in stream]
+    assert [first.step] + rest == list(range(6)) and p.next_step == 6
+    assert [s.step for s in p.train(_batches(6, 2), steps=2)] == [6, 7]

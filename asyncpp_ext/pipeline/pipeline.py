@@ -352,7 +352,7 @@ class Pipeline:
     def state_dict(self) -> dict:
         """This stage's share of the run state, keyed by global parameter names (see simulate.py).
         A tied tensor is stored once, under its owner's name."""
-        self._finish_left_stream()
+        self._settle("state_dict")
         state = self.host.state_dict(self.param_names)
         for section in ("params", "stash", "older"):
             if section in state:
@@ -364,7 +364,7 @@ class Pipeline:
         """Load a state written at any pipeline depth (or by the single-process simulator)."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict() or a checkpoint, got {type(state).__name__}")
-        self._finish_left_stream()
+        self._settle("load_state_dict")
         state = dict(state)
         for section in ("params", "stash", "older"):
             values = dict(state.get(section, {}))
@@ -415,8 +415,7 @@ class Pipeline:
         """
         if not is_int(steps) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
-        self._finish_left_stream()
-        self._check_whole()
+        self._settle("train", check_whole=True)
         with self.watchdog.armed(f"training steps {self.next_step}..{self.next_step + steps - 1}"):
             yield from self._train(batches, steps)
 
@@ -538,6 +537,17 @@ class Pipeline:
         warnings.warn(f"{left.stream.left}: its remaining steps ran to the end now (a stream cannot stop "
                       "part-way); ask for fewer steps to train fewer", stacklevel=3)
 
+    def _settle(self, call: str, check_whole: bool = False) -> None:
+        """Every call that reads or changes the run's state starts here: a stream the caller left
+        runs out first, and one still running (its loop not finished, or interrupted) refuses."""
+        self._finish_left_stream()
+        if check_whole:
+            self._check_whole()
+        worker = self._worker
+        if worker is not None and worker.thread.is_alive():
+            raise StageError(f"stage {self.stage}: {call}() was called while a train() stream of this Pipeline "
+                             "still runs: finish or leave its loop first (after a Ctrl-C, close() stops it)")
+
     def _check_whole(self) -> None:
         """StageError once a stream stopped part-way: the weights, the optimizer and the other
         ranks are mid-step, and a new stream would start from an inconsistent state."""
@@ -552,8 +562,7 @@ class Pipeline:
         """Mean loss of the newest weights over ``batches`` (microbatch-sized (x, y) pairs, of R*B
         sequences with dp = R: each replica evaluates its rows), run forward-only through the
         pipeline. Returns the loss on the last stages, None elsewhere."""
-        self._finish_left_stream()
-        self._check_whole()
+        self._settle("evaluate", check_whole=True)
         h = self.host
         model = h.compute_module(h.newest_version())  # what training computes with (its copies)
         losses = []
