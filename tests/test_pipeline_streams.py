@@ -48,8 +48,9 @@ def test_leaving_the_loop_early_runs_the_stream_out_and_training_goes_on_exactly
         if stats.step == 1:
             break
     with pytest.warns(UserWarning, match=r"^Pipeline.train was left after step 1 of 0..5: its remaining steps "
-                                         r"ran to the end now"):
+                                         r"ran to the end now") as warned:
         assert p.next_step == 6  # waits for the rest of the stream
+    assert warned[0].filename == __file__  # the line that waited, not the package's
     after = [s.loss for s in p.train(_batches(6, 2), steps=2)]
     assert after == whole[6:]  # the same arithmetic as one uninterrupted stream
 
@@ -191,8 +192,10 @@ def test_an_exception_in_the_loop_body_surfaces_at_once_and_the_next_call_finish
         for stats in p.train(_batches(0, 10), steps=10):
             raise NameError("a typo in the loop's body")
     assert time.monotonic() - start < 1.0  # not after the stream's ~2 s
-    with pytest.warns(UserWarning, match="left after step 0 of 0..9: its remaining steps ran to the end now"):
-        losses = [s.loss for s in p.train(_batches(10, 2), steps=2)]
+    with pytest.warns(UserWarning, match="left after step 0 of 0..9: its remaining steps ran to the end now") as warned:
+        assert p.evaluate(_batches(0, 1)) is not None  # waits for the rest (through torch.no_grad's wrapper)
+    assert warned[0].filename == __file__
+    losses = [s.loss for s in p.train(_batches(10, 2), steps=2)]
     assert p.next_step == 12 and len(losses) == 2
 
 

@@ -33,7 +33,7 @@ from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .handshake import agree, p2p
 from .stage import StageError, StageHost
 from .step_feed import StepFeed
-from .stream_worker import STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, StreamWorker, join_left_streams
+from .stream_worker import STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, StreamWorker, join_left_streams, outside_stacklevel
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, check_device, choose_transport, to_device  # noqa: F401 (TRANSPORTS: public name kept here)
@@ -535,7 +535,7 @@ class Pipeline:
                 raise
         self._end_stream(left.stream, left.first_step, left.steps)
         warnings.warn(f"{left.stream.left}: its remaining steps ran to the end now (a stream cannot stop "
-                      "part-way); ask for fewer steps to train fewer", stacklevel=3)
+                      "part-way); ask for fewer steps to train fewer", stacklevel=outside_stacklevel())
 
     def _settle(self, call: str, check_whole: bool = False) -> None:
         """Every call that reads or changes the run's state starts here: a stream the caller left

@@ -17,10 +17,13 @@ may have been raised in the loop's body, which closes the generator on its way o
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import warnings
 from typing import Callable
+
+import torch.utils._contextlib
 
 WORKER_THREAD_PREFIX = "asyncpp-stage"
 """A stream's worker thread is named this and its stage (it runs the schedule in native code)."""
@@ -35,6 +38,8 @@ out breaks the connection, so waits cannot be sliced): that wait ends when the p
 process exits, and a peer interrupted too does neither, so a long wait would only delay the exit."""
 
 _RUNNING: set[StreamWorker] = set()
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DECORATORS = torch.utils._contextlib.__file__  # torch.no_grad() and the like wrap calls in it
 
 
 class StreamStopped(RuntimeError):
@@ -86,9 +91,19 @@ class StreamWorker:
         if self.thread.is_alive():
             warnings.warn(f"stage {self.stage}: the stream's worker thread did not stop within {self.stop_timeout_s:g} "
                           "s of being cancelled (it waits on a peer); its transport is left open", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=outside_stacklevel())
             return False
         return True
+
+
+def outside_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for its caller, of the nearest frame outside this package:
+    a warning names the user's line that waited, however deep the package's calls go."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+                                 or frame.f_code.co_filename == _TORCH_DECORATORS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def join_left_streams(before: str) -> None:
@@ -97,7 +112,7 @@ def join_left_streams(before: str) -> None:
     for worker in list(_RUNNING):
         if worker.left and not worker.interrupted.is_set():
             warnings.warn(f"{worker.left}: its remaining steps run to the end {before} (a stream cannot "
-                          "stop part-way)", RuntimeWarning, stacklevel=3)
+                          "stop part-way)", RuntimeWarning, stacklevel=outside_stacklevel())
             worker.join()
 
 
