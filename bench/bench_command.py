@@ -63,7 +63,9 @@ def write_json(path, data) -> None:
 def run_script(main: Callable[[], Optional[int]]) -> None:
     """Exit with ``main()``'s code (0 for None). A Ctrl-C is one line and 130; SIGTERM and SIGHUP
     are raised as the package's commands raise them (``stop_signals.Stopped``, a KeyboardInterrupt:
-    the same unwinding), one line and 128 + the signal's number."""
+    the same unwinding), one line and 128 + the signal's number. Sizes that do not fit in memory
+    are one line and 1."""
+    from asyncpp_ext.oom import out_of_memory
     from asyncpp_ext.stop_signals import Stopped, stop_signals_raise
 
     prog = os.path.basename(sys.argv[0]) or "bench"
@@ -76,4 +78,10 @@ def run_script(main: Callable[[], Optional[int]]) -> None:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr, flush=True)
         code = 128 + signal.SIGINT
+    except (MemoryError, RuntimeError) as exc:
+        text = out_of_memory(exc)
+        if text is None:
+            raise
+        print(f"{prog}: out of memory ({text}); lower the sizes given (see --help)", file=sys.stderr, flush=True)
+        code = 1
     sys.exit(code or 0)

@@ -98,6 +98,34 @@ def test_a_commands_own_exit_code_passes_through(tmp_path):
     assert subprocess.run([sys.executable, str(path)], capture_output=True).returncode == 2
 
 
+def test_sizes_that_do_not_fit_in_memory_are_one_line_and_exit_1(tmp_path):
+    path = _script(tmp_path, """\
+        import torch
+        torch.empty(1 << 50)  # 4 PiB of float32: the allocator refuses at once
+        """)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith("cmd.py: out of memory (") and done.stderr.count("\n") == 1, done.stderr
+    assert "can't allocate memory" in done.stderr and done.stderr.endswith("; lower the sizes given (see --help)\n")
+
+
+def test_other_failures_keep_their_traceback(tmp_path):
+    path = _script(tmp_path, 'raise RuntimeError("a bug")')
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" in done.stderr and "RuntimeError: a bug" in done.stderr
+
+
+def test_out_of_memory_recognises_allocation_failures_only():
+    import torch
+
+    from asyncpp_ext.oom import out_of_memory
+
+    assert out_of_memory(MemoryError()) == "MemoryError"
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")).startswith("CUDA out")
+    assert len(out_of_memory(RuntimeError("can't allocate memory " + "x" * 1000))) == 300
+    assert out_of_memory(RuntimeError("a bug")) is None and out_of_memory(ValueError("allocate")) is None
+
+
 def test_a_ctrl_c_stops_a_study_pool_with_one_line(tmp_path):
     """The terminal's Ctrl-C reaches the pool's workers too; the study stops them, and the only
     output is the study's line."""

@@ -42,7 +42,8 @@ ALLOWED_IMPORTS = {
     "optim": {"_ext", "precision"},  # precision.py: the "auto" dtype rule, torch only
     "schedule": {"_ext", "stop_signals", "figures"},  # figures.py: matplotlib + directories.py
     "pipeline": {"_ext", "optim", "models", "schedule", "precision", "stop_signals"},
-    "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision", "stop_signals", "directories"},
+    "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision", "stop_signals", "directories",
+                 "oom"},  # oom.py: stdlib only
     "gpu_check": {"info", "optim"},  # runs everything else in subprocesses
 }
 

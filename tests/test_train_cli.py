@@ -308,3 +308,27 @@ def test_a_resume_reads_the_same_data_under_another_path(tmp_path, monkeypatch, 
     capsys.readouterr()
     assert main(["--resume", str(tmp_path / "cut"), "--steps", "6", "--data", str(moved), "--no-progress"]) == 2
     assert "other training tokens than the data now gives" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("failure, one_line", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 51539607552 bytes."), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (RuntimeError("a bug in a run"), False)])
+def test_a_run_out_of_memory_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch, failure, one_line):
+    import asyncpp_ext.training.cli as cli
+
+    def fails(cfg, resume_dir):
+        raise failure
+
+    monkeypatch.setattr(cli, "train", fails)
+    argv = FAST + ["--steps", "2", "--out", str(tmp_path / "run")]
+    if not one_line:  # anything else keeps its traceback
+        with pytest.raises(RuntimeError, match="a bug in a run"):
+            main(argv)
+        return
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("asyncpp-train: error: out of memory (") and err.count("\n") == 1, err
+    assert err.endswith("); use a smaller model (--n-embd, --n-layer, --vocab-size), --micro-batch-size or "
+                        "--seq-len\n")

@@ -19,6 +19,7 @@ from .checkpoint import (CheckpointError, CheckpointWriteError, NonFiniteCheckpo
                          list_checkpoints, read_meta)
 from .config import ConfigError, RunConfig
 from ..data import DataError
+from ..oom import out_of_memory
 from .model_source import ModelSourceError
 from ..pipeline import LaunchError, under_launcher
 from ..pipeline.nonfinite import NonFiniteError
@@ -101,10 +102,10 @@ def main(argv=None) -> int:
         sys.stderr.write(f"{PROG}: error: the pipeline run failed: {exc}\n")
         return 1
     except (MemoryError, RuntimeError) as exc:
-        text = " ".join(str(exc).split()) or type(exc).__name__
-        if not (isinstance(exc, MemoryError) or "allocate" in text or "out of memory" in text):
+        text = out_of_memory(exc)
+        if text is None:
             raise
-        sys.stderr.write(f"{PROG}: error: out of memory ({text[:300]}); use a smaller model (--n-embd, "
+        sys.stderr.write(f"{PROG}: error: out of memory ({text}); use a smaller model (--n-embd, "
                          "--n-layer, --vocab-size), --micro-batch-size or --seq-len\n")
         return 1
 
