@@ -1,7 +1,7 @@
 """A library user's script (run by test_stream_stop.py, one process per rank, rank and world in
 the environment as torchrun sets them): a long 2bw stream; rank 0 gets a Ctrl-C (SIGINT) while
 its loop waits for step 5, as a Ctrl-C almost always lands. argv: ``with`` (the pipeline is a
-context manager) or ``bare`` (never closed), then the transport. After the exit hooks it
+context manager) or ``bare`` (never closed), the transport, and optionally the device. After the exit hooks it
 writes whether a stream's worker thread still runs."""
 import atexit
 import os
@@ -29,10 +29,11 @@ import pipeline_workers as w  # noqa: E402
 from asyncpp_ext.pipeline import Pipeline, init_distributed  # noqa: E402
 
 use_with, transport = sys.argv[1] == "with", sys.argv[2]
+device = sys.argv[3] if len(sys.argv) > 3 else "cpu"  # "cuda": both ranks on GPU 0
 torch.set_num_threads(1)
 rank, _ = init_distributed(60)
 pipe = Pipeline(w.make_blocks(), loss_fn=nn.functional.mse_loss, optimizer=w.optimizer_factory("adamw"),
-                schedule="2bw", microbatches=2, stages=2, transport=transport, timeout_s=60)
+                schedule="2bw", microbatches=2, stages=2, transport=transport, timeout_s=60, device=device)
 
 
 def interrupted_at_step_5(batches):

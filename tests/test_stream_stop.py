@@ -136,15 +136,29 @@ def test_stop_warns_when_the_worker_does_not_end():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport", ["socket", "ipc", "gloo"])
 @pytest.mark.parametrize("mode", ["with", "bare"])
-def test_a_script_interrupted_mid_stream_ends_without_its_worker(mode, transport, free_port, tmp_path):
-    """Rank 0 is interrupted after step 3 of a stream of 10**7 steps; rank 1 runs on. Rank 0's
+def test_a_script_interrupted_mid_stream_ends_without_its_worker(mode, transport, free_port):
+    """Rank 0 is interrupted at step 5 of a stream of 10**7 steps; rank 1 runs on. Rank 0's
     worker is stopped by close() (``with``) or by the exit hook (``bare``); stopping it ends its
     transport, so rank 1's stream fails naming its lost peer. Neither process may keep a worker
     into its teardown, abort, or run on."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port), WORLD_SIZE="2",
+    _interrupt_rank_0(mode, transport, "cpu", free_port)
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["with", "bare"])
+def test_a_script_interrupted_mid_stream_on_a_gpu_ends_without_its_worker(mode, free_port):
+    """The same with both stages on GPU 0 over the ipc transport (the stream's waits poll while
+    the device computes)."""
+    _interrupt_rank_0(mode, "ipc", "cuda", free_port)
+
+
+def _interrupt_rank_0(mode: str, transport: str, device: str, port: int) -> None:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
                PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     script = os.path.join(TESTS, "interrupted_stream_script.py")
-    ranks = [subprocess.Popen([sys.executable, script, mode, transport], env=dict(env, RANK=str(rank)),
+    ranks = [subprocess.Popen([sys.executable, script, mode, transport, device], env=dict(env, RANK=str(rank)),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
              for rank in (0, 1)]
