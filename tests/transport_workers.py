@@ -180,7 +180,7 @@ def break_and_return_worker(transport: str, out_dir: str) -> None:
     left = pipe._left_stream
 
     def report() -> None:  # not a daemon: the interpreter waits for it
-        left.stream.thread.join()
+        left.worker.thread.join()
         final = left.feed._final
         with open(os.path.join(out_dir, f"left{rank}.json"), "w") as f:
             json.dump(repr(final) if isinstance(final, BaseException) else "ran to the end", f)

@@ -33,7 +33,8 @@ from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .handshake import agree, p2p
 from .stage import StageError, StageHost
 from .step_feed import StepFeed
-from .stream_worker import STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, StreamWorker, join_left_streams, outside_stacklevel
+from .stream_worker import (STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, LeftStream, StreamWorker, join_left_streams,
+                            outside_stacklevel)
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, check_device, choose_transport, to_device  # noqa: F401 (TRANSPORTS: public name kept here)
@@ -44,17 +45,6 @@ from .watchdog import Watchdog, check_timeout, default_timeout_s
 SCHEDULES = schedule_names(pipeline_only=True)
 """The schedules a Pipeline runs: the pipeline rows of the schedule table (schedule/table.py)."""
 _EVAL_TAG = 2
-
-
-@dataclass
-class _LeftStream:
-    """A stream the caller left before its end (``Pipeline._finish_left_stream`` waits for it)."""
-
-    stream: StreamWorker
-    feed: StepFeed
-    first_step: int
-    steps: int
-    last: int  # the last step the caller saw
 
 
 @dataclass
@@ -288,7 +278,7 @@ class Pipeline:
         self._pull_step = 0
         self._stopped_part_way: str | None = None  # why a stream ended before its last step
         self._worker: StreamWorker | None = None  # the latest stream's thread
-        self._left_stream: _LeftStream | None = None  # a stream the caller left, still running
+        self._left_stream: LeftStream | None = None  # a stream the caller left, still running
 
     @property
     def next_step(self) -> int:
@@ -344,7 +334,7 @@ class Pipeline:
             self.close()
         else:  # leaving on an error: stop the stream, and abort transfers still in flight at once
             left, self._left_stream = self._left_stream, None
-            if left is not None and left.stream.thread.is_alive():
+            if left is not None and left.worker.thread.is_alive():
                 self._stopped_part_way = self._stopped_part_way or f"step {left.last + 1}: stopped by close()"
             self._release(timeout_s=0.0)
 
@@ -409,9 +399,9 @@ class Pipeline:
         leaving the loop early runs the remaining steps to the end without their stats, with a
         warning -- to train fewer steps, ask for fewer. They run in the background; the
         pipeline's next call waits for them (so an exception in the loop's body surfaces at
-        once), and leaving a ``with`` block on an exception stops them. A step that fails, or a KeyboardInterrupt
-        while the stream runs, leaves this pipeline mid-step: later calls raise ``StageError``
-        (build a new Pipeline and load a checkpoint's state into it).
+        once), and leaving a ``with`` block on an exception stops them. A step that fails, or a
+        KeyboardInterrupt while the stream runs, leaves this pipeline mid-step: later calls raise
+        ``StageError`` (build a new Pipeline and load a checkpoint's state into it).
         """
         if not is_int(steps) or steps < 1:
             raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
@@ -499,7 +489,7 @@ class Pipeline:
             # next call waits for it. Not here: an exception leaving the loop's body closes this
             # generator on its way out, and would surface only after the whole stream.
             stream.left = f"Pipeline.train was left after step {last} of {first_step}..{first_step + steps - 1}"
-            self._left_stream = _LeftStream(stream, feed, first_step, steps, last)
+            self._left_stream = LeftStream(stream, feed, first_step, steps, last)
             return
         except BaseException as exc:  # KeyboardInterrupt: the worker goes on in the background
             stream.interrupted.set()
@@ -520,21 +510,17 @@ class Pipeline:
         left, self._left_stream = self._left_stream, None
         if left is None:
             return
-        last = left.last
         with self.watchdog.armed(f"the rest of training steps {left.first_step}..{left.first_step + left.steps - 1}"):
             try:
-                for item in left.feed.items():
-                    if isinstance(item, BaseException):
-                        self._stopped_part_way = _why(last + 1, item)
-                        left.stream.join()
-                        return
-                    last = item.step if isinstance(item, StepStats) else last
+                failure = left.run_out()
             except BaseException as exc:
-                left.stream.interrupted.set()
-                self._stopped_part_way = _why(last + 1, exc)
+                self._stopped_part_way = _why(left.last + 1, exc)
                 raise
-        self._end_stream(left.stream, left.first_step, left.steps)
-        warnings.warn(f"{left.stream.left}: its remaining steps ran to the end now (a stream cannot stop "
+        if failure is not None:
+            self._stopped_part_way = _why(left.last + 1, failure)
+            return
+        self._end_stream(left.worker, left.first_step, left.steps)
+        warnings.warn(f"{left.worker.left}: its remaining steps ran to the end now (a stream cannot stop "
                       "part-way); ask for fewer steps to train fewer", stacklevel=outside_stacklevel())
 
     def _settle(self, call: str, check_whole: bool = False) -> None:

@@ -21,9 +21,12 @@ import os
 import sys
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch.utils._contextlib
+
+from .step_feed import StepFeed
 
 WORKER_THREAD_PREFIX = "asyncpp-stage"
 """A stream's worker thread is named this and its stage (it runs the schedule in native code)."""
@@ -44,6 +47,31 @@ _TORCH_DECORATORS = torch.utils._contextlib.__file__  # torch.no_grad() and the 
 
 class StreamStopped(RuntimeError):
     """The stream was stopped from outside (``Pipeline.close()``, or the process exiting)."""
+
+
+@dataclass
+class LeftStream:
+    """A stream the caller left before its end: its steps run on (see the module's docstring)."""
+
+    worker: StreamWorker
+    feed: StepFeed
+    first_step: int
+    steps: int
+    last: int  # the last step the caller saw; run_out moves it on
+
+    def run_out(self) -> BaseException | None:
+        """Wait for the stream's end: None, or the failure that ended it. A Ctrl-C while waiting
+        leaves the worker running (``interrupted``) and is raised."""
+        try:
+            for item in self.feed.items():
+                if isinstance(item, BaseException):
+                    self.worker.join()
+                    return item
+                self.last = getattr(item, "step", self.last)  # the end marker has none
+        except BaseException:
+            self.worker.interrupted.set()
+            raise
+        return None
 
 
 def stage_workers_running() -> bool:
