@@ -69,6 +69,9 @@ def test_cancel_ends_a_socket_wait_at_once_and_fails_later_requests():
     assert result["waited_s"] < 2.0  # not its 20 s deadline
     with pytest.raises(RuntimeError, match="the pipeline was closed"):
         stage0.post_recv(1, 1, 0, 1)
+    # Posted until retired: a report written as the failure unwinds still names the transfer.
+    assert stage0.pending_descriptions() == [
+        "stage 0: recv gradient (step 0, microbatch 0) from stage 1 (rank 1, 16 bytes) (failed with the transport)"]
     # The sockets are shut down: the neighbour's wait fails as for a peer that exited.
     with pytest.raises(RuntimeError, match="closed the connection"):
         stage1.wait(stage1.post_recv(0, 0, 0, 0), 5.0)

@@ -316,12 +316,10 @@ def test_a_resume_reads_the_same_data_under_another_path(tmp_path, monkeypatch, 
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
     (RuntimeError("a bug in a run"), False)])
 def test_a_run_out_of_memory_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch, failure, one_line):
-    import asyncpp_ext.training.cli as cli
-
     def fails(cfg, resume_dir):
         raise failure
 
-    monkeypatch.setattr(cli, "train", fails)
+    monkeypatch.setattr("asyncpp_ext.training.cli.train", fails)
     argv = FAST + ["--steps", "2", "--out", str(tmp_path / "run")]
     if not one_line:  # anything else keeps its traceback
         with pytest.raises(RuntimeError, match="a bug in a run"):

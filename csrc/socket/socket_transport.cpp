@@ -386,8 +386,13 @@ void SocketTransport::wait_on_sockets(std::unique_lock<std::mutex>& lock, size_t
 std::vector<std::string> SocketTransport::pending_descriptions() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> out;
-  for (const auto& op : ops_)
+  // A failed request stays posted until the executor retires it: a report written as the failure
+  // unwinds (a lost peer's) still names what this stage was waiting for.
+  for (const auto& op : ops_) {
     if (op.state == State::queued) out.push_back(detail::concat("stage ", stage_, ": ", describe_op(op)));
+    if (op.state == State::failed)
+      out.push_back(detail::concat("stage ", stage_, ": ", describe_op(op), " (failed with the transport)"));
+  }
   return out;
 }
 

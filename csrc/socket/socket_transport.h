@@ -90,7 +90,8 @@ class SocketTransport final : public core::Transport {
   bool test(Request request) override;
   void wait(Request request, double timeout_s) override;
 
-  // What each posted, unretired request is; safe from another thread (the watchdog).
+  // What each posted, unretired request is (failed ones marked so); safe from another thread (the
+  // watchdog).
   std::vector<std::string> pending_descriptions() const;
   size_t pending() const;
   // Ends the run from another thread: every pending and later request fails with `reason`, and
