@@ -264,3 +264,31 @@ def test_calls_while_a_stream_runs_are_refused_and_the_stream_goes_on(one_rank):
     rest = [s.step for s in stream]
     assert [first.step] + rest == list(range(6)) and p.next_step == 6
     assert [s.step for s in p.train(_batches(6, 2), steps=2)] == [6, 7]
+
+
+@pytest.mark.parametrize("quieted", [True, False])
+def test_a_left_stream_of_a_process_ending_on_its_own_failure_reports_nothing_more(one_rank, quieted):
+    # A rank whose loop's body raised (a Ctrl-C landing there) writes its line and exits; its left
+    # stream, still running meanwhile, may find the peer gone: launch.py quiets it first.
+    from asyncpp_ext.pipeline.peer_errors import TransportError
+    from asyncpp_ext.pipeline.stream_worker import quiet_running_streams
+
+    release = threading.Event()
+
+    class OneStepThenPeerGoesAway:
+        def run_stage(self, schedule, stages, m, n, stage, first_step, host, *args, **kwargs):
+            host.on_step(first_step, 1.0)
+            release.wait(30)
+            raise TransportError("stage 0: recv from stage 1 failed -- stage 1 closed the connection")
+
+    p = _pipeline()
+    p.transport, dumps = OneStepThenPeerGoesAway(), []
+    p.watchdog.dump_state = dumps.append
+    stream = p.train(_batches(0, 4), steps=4)
+    next(stream)
+    stream.close()  # left: its worker runs on
+    if quieted:
+        quiet_running_streams()
+    release.set()
+    p._worker.join()
+    assert dumps == ([] if quieted else ["lost a peer: this rank's state as its transport failed"])

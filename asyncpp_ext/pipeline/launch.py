@@ -31,7 +31,7 @@ from ..stop_signals import Stopped, die_with_parent, stop_signals_raise
 from .devices import check_spawned_ranks, usable_cores
 from .peer_errors import TransportError, peer_gone
 from .start_method import START_METHOD_ENV, _context, _stdout_and_stderr_open
-from .stream_worker import join_left_streams
+from .stream_worker import join_left_streams, quiet_running_streams
 from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, default_timeout_s
 
 
@@ -217,6 +217,7 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
             # A stream fn left (a break) runs on and may use the groups destroyed below.
             join_left_streams("before the rank ends")
     except BaseException as e:  # report one line per rank; tracebacks only when debugging
+        quiet_running_streams()  # a stream left running (its loop's body raised) says nothing more
         tell_launcher(report_rank_failure(rank, e))
         os._exit(EXIT_PEER_LOST if lost_a_peer(e) else EXIT_FAILED)
     finally:

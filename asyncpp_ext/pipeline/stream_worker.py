@@ -134,6 +134,13 @@ def outside_stacklevel() -> int:
     return level
 
 
+def quiet_running_streams() -> None:
+    """The process is ending on its own failure or stop (its line written or about to be): a
+    running stream's later failure -- a peer that left first -- is no news, and gets no report."""
+    for worker in list(_RUNNING):
+        worker.interrupted.set()
+
+
 def join_left_streams(before: str) -> None:
     """Wait for every stream its caller left that still runs in this process (a new Pipeline's
     start-up and the process's exit do: its transfers must not interleave with theirs)."""
