@@ -91,8 +91,8 @@ class StreamWorker:
         """Set (to a line saying so) once the caller left the stream before its end; it runs on
         (see the module's docstring)."""
         self.interrupted = threading.Event()
-        """Set once the caller left the stream or stopped it: the thread goes on (or ends) alone,
-        and its failure is no news to report."""
+        """Set once the caller was interrupted mid-stream, or the stream is stopped or quieted:
+        the thread goes on (or ends) alone, and its failure is no news to report."""
         self.thread = threading.Thread(target=self._main, name=f"{WORKER_THREAD_PREFIX}{stage}", daemon=True)
 
     def _main(self) -> None:
