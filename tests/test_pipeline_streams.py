@@ -292,3 +292,25 @@ def test_a_left_stream_of_a_process_ending_on_its_own_failure_reports_nothing_mo
     release.set()
     p._worker.join()
     assert dumps == ([] if quieted else ["lost a peer: this rank's state as its transport failed"])
+
+
+def test_a_caller_stopped_just_after_its_peer_left_reports_no_lost_peer(one_rank):
+    # A Ctrl-C reaches every rank; the first to stop closes its connections a moment before this
+    # rank has handled its own: its stream's failure waits PEER_LOSS_GRACE_S for that before it
+    # blames the peer.
+    from asyncpp_ext.pipeline.peer_errors import TransportError
+
+    class PeerLeftFirst:
+        def run_stage(self, schedule, stages, m, n, stage, first_step, host, *args, **kwargs):
+            host.on_step(first_step, 1.0)
+            raise TransportError("stage 0: recv from stage 1 failed -- stage 1 closed the connection")
+
+    p = _pipeline()
+    p.transport, dumps = PeerLeftFirst(), []
+    p.watchdog.dump_state = dumps.append
+    stream = p.train(_batches(0, 4), steps=4)
+    next(stream)
+    threading.Timer(0.1, p._worker.interrupted.set).start()  # this rank's own Ctrl-C, handled 0.1 s later
+    with pytest.raises(TransportError):
+        next(stream)
+    assert dumps == []

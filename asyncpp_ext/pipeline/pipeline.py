@@ -33,8 +33,8 @@ from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .handshake import agree, p2p
 from .stage import StageError, StageHost
 from .step_feed import StepFeed
-from .stream_worker import (STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, LeftStream, StreamWorker, join_left_streams,
-                            outside_stacklevel)
+from .stream_worker import (PEER_LOSS_GRACE_S, STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, LeftStream, StreamWorker,
+                            join_left_streams, outside_stacklevel)
 from .step_exchange import StepExchange
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, check_device, choose_transport, to_device  # noqa: F401 (TRANSPORTS: public name kept here)
@@ -457,9 +457,10 @@ class Pipeline:
                         del self.trace[:len(self.trace) - self.trace_limit]
                 feed.finish(done)
             except BaseException as e:  # handed to the caller's thread
-                if isinstance(e, TransportError) and not stream.interrupted.is_set():  # on record like a
-                    # stalled rank's state; the error itself is this rank's next line (its exit) --
-                    # not repeated in the block. A rank already stopped (Ctrl-C, SIGTERM) said why.
+                if isinstance(e, TransportError) and not stream.interrupted.wait(PEER_LOSS_GRACE_S):
+                    # On record like a stalled rank's state; the error itself is this rank's next
+                    # line (its exit) -- not repeated in the block. A rank stopped (Ctrl-C,
+                    # SIGTERM), even a moment after its peer, says why itself.
                     self.watchdog.dump_state("lost a peer: this rank's state as its transport failed")
                 feed.finish(e)
 

@@ -40,6 +40,11 @@ UNCANCELLABLE_STOP_S = 2.0
 out breaks the connection, so waits cannot be sliced): that wait ends when the peer sends or its
 process exits, and a peer interrupted too does neither, so a long wait would only delay the exit."""
 
+PEER_LOSS_GRACE_S = 0.5
+"""How long a stream whose peer is gone waits for its own caller's stop before it reports the
+loss: a Ctrl-C reaches every rank, and the first to stop closes its connections a moment before
+the others have handled theirs (their report would then blame the peer for a Ctrl-C)."""
+
 _RUNNING: set[StreamWorker] = set()
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DECORATORS = torch.utils._contextlib.__file__  # torch.no_grad() and the like wrap calls in it
