@@ -266,14 +266,10 @@ def test_calls_while_a_stream_runs_are_refused_and_the_stream_goes_on(one_rank):
     assert [s.step for s in p.train(_batches(6, 2), steps=2)] == [6, 7]
 
 
-@pytest.mark.parametrize("quieted", [True, False])
-def test_a_left_stream_of_a_process_ending_on_its_own_failure_reports_nothing_more(one_rank, quieted):
-    # A rank whose loop's body raised (a Ctrl-C landing there) writes its line and exits; its left
-    # stream, still running meanwhile, may find the peer gone: launch.py quiets it first.
+def _one_step_then_peer_gone(release: threading.Event):
+    """A pipeline whose stage runs one step, waits for ``release``, then finds its peer gone;
+    its stream (one step taken) and the state blocks its watchdog would have written."""
     from asyncpp_ext.pipeline.peer_errors import TransportError
-    from asyncpp_ext.pipeline.stream_worker import quiet_running_streams
-
-    release = threading.Event()
 
     class OneStepThenPeerGoesAway:
         def run_stage(self, schedule, stages, m, n, stage, first_step, host, *args, **kwargs):
@@ -286,6 +282,17 @@ def test_a_left_stream_of_a_process_ending_on_its_own_failure_reports_nothing_mo
     p.watchdog.dump_state = dumps.append
     stream = p.train(_batches(0, 4), steps=4)
     next(stream)
+    return p, stream, dumps
+
+
+@pytest.mark.parametrize("quieted", [True, False])
+def test_a_left_stream_of_a_process_ending_on_its_own_failure_reports_nothing_more(one_rank, quieted):
+    # A rank whose loop's body raised (a Ctrl-C landing there) writes its line and exits; its left
+    # stream, still running meanwhile, may find the peer gone: launch.py quiets it first.
+    from asyncpp_ext.pipeline.stream_worker import quiet_running_streams
+
+    release = threading.Event()
+    p, stream, dumps = _one_step_then_peer_gone(release)
     stream.close()  # left: its worker runs on
     if quieted:
         quiet_running_streams()
@@ -300,16 +307,9 @@ def test_a_caller_stopped_just_after_its_peer_left_reports_no_lost_peer(one_rank
     # blames the peer.
     from asyncpp_ext.pipeline.peer_errors import TransportError
 
-    class PeerLeftFirst:
-        def run_stage(self, schedule, stages, m, n, stage, first_step, host, *args, **kwargs):
-            host.on_step(first_step, 1.0)
-            raise TransportError("stage 0: recv from stage 1 failed -- stage 1 closed the connection")
-
-    p = _pipeline()
-    p.transport, dumps = PeerLeftFirst(), []
-    p.watchdog.dump_state = dumps.append
-    stream = p.train(_batches(0, 4), steps=4)
-    next(stream)
+    release = threading.Event()
+    release.set()  # the peer is gone at once
+    p, stream, dumps = _one_step_then_peer_gone(release)
     threading.Timer(0.1, p._worker.interrupted.set).start()  # this rank's own Ctrl-C, handled 0.1 s later
     with pytest.raises(TransportError):
         next(stream)
