@@ -74,14 +74,17 @@ def train(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if under_launcher():
-        train(args)  # torchrun started this process as one rank
-        return 0
     try:
-        spawn(train, args.stages, (args,))  # start the ranks here, on 127.0.0.1
+        if under_launcher():
+            train(args)  # torchrun started this process as one rank
+        else:
+            spawn(train, args.stages, (args,))  # start the ranks here, on 127.0.0.1
     except LaunchError as e:  # each rank printed its own line; this one names the first failure
         print(f"train_gpt_pipeline.py: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: leaving the `with Pipeline` block stopped the stream
+        print("train_gpt_pipeline.py: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -41,3 +41,28 @@ def test_bad_arguments_are_one_line_before_any_rank_starts():
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and lines[-1] == f"train_gpt_pipeline.py: error: {words}" + (
             "; pass a UTF-8 text file or 'builtin'" if argv[0] == "--text" else ""), r.stderr
+
+
+def test_ctrl_c_mid_run_is_one_line_per_process_and_exit_130():
+    """A terminal's Ctrl-C (SIGINT to the process group) once the first losses are out: every rank
+    and the script say "interrupted", no traceback, no abort at exit."""
+    import os
+    import signal
+
+    def sigint_by_default():  # a test run in the background (CI) starts children with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", "tiny", "--steps", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_by_default)
+    try:
+        assert proc.stdout.readline().startswith("step ")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert sorted(lines[:-1]) == ["asyncpp: rank 0: interrupted", "asyncpp: rank 1: interrupted"], err
+    assert lines[-1] == "train_gpt_pipeline.py: interrupted", err
