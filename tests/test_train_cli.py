@@ -269,6 +269,27 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, mo
     assert torch.save is full_disk
 
 
+def test_a_stop_signal_landing_in_a_checkpoint_write_is_the_stop_not_a_full_disk(tmp_path, monkeypatch, capsys):
+    """A SIGTERM raised inside torch.save, whose clean-up of the half-written file then fails
+    with the error a full disk gives: the run says it was stopped (143), not "free disk space"."""
+    import signal
+
+    from asyncpp_ext.stop_signals import Stopped
+    from asyncpp_ext.training import checkpoint
+
+    def stopped_while_saving(obj, f):
+        try:
+            raise Stopped(signal.SIGTERM)
+        except KeyboardInterrupt:  # torch's zip writer closing the half-written file
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(checkpoint.torch, "save", stopped_while_saving)
+    rc = main(["--model", "tiny", "--seq-len", "16", "--steps", "2", "--ckpt-every", "2", "--no-progress",
+               "--no-compile", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 128 + signal.SIGTERM and err == "asyncpp-train: stopped by SIGTERM", err
+
+
 def test_a_metrics_write_that_fails_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
     from asyncpp_ext.training import trainer
 

@@ -138,6 +138,18 @@ def to_cpu(obj):
     return obj
 
 
+def _interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (a Ctrl-C, or a stop signal raised as one) that ``exc`` was raised
+    while handling, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict | None = None) -> None:
     """Write stage ``stage``'s shard into the temporary directory and fsync it. Tensors are saved as
     CPU tensors whatever device they live on. Refuses (NonFiniteCheckpointError) when a weight
@@ -152,6 +164,9 @@ def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict |
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as exc:
+        stop = _interrupt_behind(exc)
+        if stop is not None:  # a Ctrl-C / stop signal landed in torch.save, whose clean-up of the
+            raise stop from None  # half-written file then failed: the stop is what happened
         reason = " ".join(str(exc).split())[:160] or type(exc).__name__
         free = shutil.disk_usage(path.parent).free / 2**20
         raise CheckpointWriteError(f"could not write checkpoint shard {path} ({reason}); {free:.0f} MiB are "
