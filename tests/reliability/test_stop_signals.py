@@ -9,6 +9,7 @@ import time
 
 from asyncpp_ext.training.checkpoint import list_checkpoints
 from asyncpp_ext.training.run_files import read_metrics
+from group_signals import ctrl_c, sigint_by_default
 
 
 def _children(pid: int) -> list[int]:
@@ -107,10 +108,6 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _default_sigint():
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as at a terminal (a background job ignores it)
-
-
 def _forkservers(launcher: int) -> list[int]:
     found = []
     for p in _children(launcher):
@@ -137,7 +134,7 @@ def test_ctrl_c_while_the_ranks_forkserver_starts_is_one_line(tmp_path):
     """Ctrl-C to the whole process group (a terminal's) while the forkserver imports torch: the
     launcher's line only; neither the server nor a rank whose start was queued there prints a
     traceback."""
-    launcher = _start_training(tmp_path / "run", stdout=subprocess.DEVNULL, preexec_fn=_default_sigint,
+    launcher = _start_training(tmp_path / "run", stdout=subprocess.DEVNULL, preexec_fn=sigint_by_default,
                                env={**os.environ, "ASYNCPP_START_METHOD": "forkserver"})
     try:
         deadline = time.monotonic() + 60
@@ -162,14 +159,8 @@ def test_ctrl_c_mid_run_is_each_ranks_interrupted_line_and_the_launchers(tmp_pat
     landing as a rank handles its SIGINT replaced its line), no rank reports the peer it then
     loses, and the launcher's line ends it."""
     run = tmp_path / "run"
-    launcher = _start_training(run, stdout=subprocess.DEVNULL, preexec_fn=_default_sigint)
-    try:
-        _wait_for_checkpoint(launcher, run)
-        os.killpg(launcher.pid, signal.SIGINT)
-        _, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
+    launcher = _start_training(run, stdout=subprocess.DEVNULL, preexec_fn=sigint_by_default)
+    err = ctrl_c(launcher, lambda: _wait_for_checkpoint(launcher, run))
     assert launcher.returncode == 130, err
     lines = [line for line in err.strip().splitlines() if line]
     assert sorted(lines[:-1]) == ["asyncpp: rank 0: interrupted", "asyncpp: rank 1: interrupted"], err
@@ -196,7 +187,7 @@ def test_a_stop_signal_during_the_imports_ends_with_one_line_even_if_an_import_s
     for name, code, line in [("SIGINT", 130, "prog: interrupted while starting"),
                              ("SIGTERM", 143, "prog: stopped by SIGTERM while starting")]:
         r = subprocess.run([sys.executable, "-c", _SWALLOWING_IMPORT, name], capture_output=True, text=True,
-                           timeout=60, preexec_fn=_default_sigint)
+                           timeout=60, preexec_fn=sigint_by_default)
         assert (r.returncode, r.stderr.strip()) == (code, line), (name, r.returncode, r.stderr)
     # a process that ignores SIGINT (a background job) goes on ignoring it
     r = subprocess.run([sys.executable, "-c", _SWALLOWING_IMPORT, "SIGINT"], capture_output=True, text=True,
@@ -206,7 +197,7 @@ def test_a_stop_signal_during_the_imports_ends_with_one_line_even_if_an_import_s
 
 def test_ctrl_c_during_asyncpp_trains_imports_is_one_line():
     r = subprocess.Popen([sys.executable, "-m", "asyncpp_ext.train", "--help"], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=sigint_by_default)
     time.sleep(0.5)  # importing torch takes seconds
     r.send_signal(signal.SIGINT)
     _, err = r.communicate(timeout=60)
