@@ -255,12 +255,16 @@ std::string SocketTransport::describe_op(const Op& op) const {
                         op.buffer.view.nbytes(), " bytes)");
 }
 
+void SocketTransport::check_open_locked(const core::MessageKey& key, bool is_send) const {
+  ASYNCPP_CHECK(failure_.empty(), failure_);
+  ASYNCPP_CHECK(!stopping_, where(), "posted ", core::describe(key, is_send), " after close()");
+}
+
 core::Transport::Request SocketTransport::post(const core::MessageKey& key, bool is_send) {
   const size_t ci = channel_for(key, is_send);
   {
     std::lock_guard<std::mutex> lock(mu_);  // a failed or closed transport says so, not the board
-    ASYNCPP_CHECK(failure_.empty(), failure_);
-    ASYNCPP_CHECK(!stopping_, where(), "posted ", core::describe(key, is_send), " after close()");
+    check_open_locked(key, is_send);
   }
   core::Buffer buffer = is_send ? buffers_.send_buffer(key) : buffers_.recv_buffer(key);
   ASYNCPP_ARG_CHECK(buffer.view.device == DeviceKind::cpu, where(), "the buffer to ", core::describe(key, is_send),
@@ -269,8 +273,7 @@ core::Transport::Request SocketTransport::post(const core::MessageKey& key, bool
   size_t index;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ASYNCPP_CHECK(failure_.empty(), failure_);
-    ASYNCPP_CHECK(!stopping_, where(), "posted ", core::describe(key, is_send), " after close()");
+    check_open_locked(key, is_send);  // again: a cancel or close may have come meanwhile
     if (free_ops_.empty()) {
       ops_.emplace_back();
       free_ops_.push_back(ops_.size() - 1);

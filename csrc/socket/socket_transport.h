@@ -132,6 +132,8 @@ class SocketTransport final : public core::Transport {
   using Clock = std::chrono::steady_clock;
 
   Request post(const core::MessageKey& key, bool is_send);
+  // Throws the failure, or that the transport is closed (mu_ held).
+  void check_open_locked(const core::MessageKey& key, bool is_send) const;
   size_t channel_for(const core::MessageKey& key, bool is_send) const;
   void connect_all(const Listener& listener, uint64_t token, double timeout_s);
   void progress_loop();
