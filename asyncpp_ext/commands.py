@@ -46,6 +46,14 @@ def prepare_data(argv: Optional[Sequence[str]] = None) -> int:
     return _import_then_run("asyncpp-prepare-data", load, argv)
 
 
+def export(argv: Optional[Sequence[str]] = None) -> int:
+    """``asyncpp-export`` (training/export.py)."""
+    def load():
+        from .training.export import main
+        return main
+    return _import_then_run("asyncpp-export", load, argv)
+
+
 def schedule(argv: Optional[Sequence[str]] = None) -> int:
     """``asyncpp-schedule`` (schedule/cli.py)."""
     def load():
@@ -54,4 +62,4 @@ def schedule(argv: Optional[Sequence[str]] = None) -> int:
     return _import_then_run("asyncpp-schedule", load, argv)
 
 
-__all__ = ["prepare_data", "schedule", "train"]
+__all__ = ["export", "prepare_data", "schedule", "train"]

@@ -29,7 +29,9 @@ PROMISED = {
     "asyncpp_ext.training.cli": ["main"],
     "asyncpp_ext.schedule.cli": ["main"],
     "asyncpp_ext.train": ["main"],
-    "asyncpp_ext.commands": ["train", "prepare_data", "schedule"],
+    "asyncpp_ext.commands": ["train", "prepare_data", "schedule", "export"],
+    "asyncpp_ext.export": ["main"],
+    "asyncpp_ext.training.export": ["main"],
     "asyncpp_ext.gpu_check": ["main"],
 }
 
@@ -37,13 +39,13 @@ PROMISED = {
 # training drives pipelines; pipelines run optimizers, the models' compile and head-loss helpers and
 # the schedule table; optim, models, data and schedule stand alone.
 ALLOWED_IMPORTS = {
-    "data": {"stop_signals", "directories"},  # stop_signals.py, directories.py: stdlib only
+    "data": {"stop_signals", "directories", "command_line"},  # these three: stdlib only
     "models": set(),
     "optim": {"_ext", "precision"},  # precision.py: the "auto" dtype rule, torch only
-    "schedule": {"_ext", "stop_signals", "figures"},  # figures.py: matplotlib + directories.py
+    "schedule": {"_ext", "stop_signals", "figures", "command_line"},  # figures.py: matplotlib + directories.py
     "pipeline": {"_ext", "optim", "models", "schedule", "precision", "stop_signals"},
     "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision", "stop_signals", "directories",
-                 "oom"},  # oom.py: stdlib only
+                 "oom", "command_line"},  # oom.py, command_line.py: stdlib only
     "gpu_check": {"info", "optim"},  # runs everything else in subprocesses
 }
 
@@ -60,14 +62,14 @@ def test_promised_names_import(module):
 def test_console_scripts_resolve_to_callables():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert set(scripts) >= {"asyncpp-train", "asyncpp-schedule", "asyncpp-prepare-data"}
+    assert set(scripts) >= {"asyncpp-train", "asyncpp-schedule", "asyncpp-prepare-data", "asyncpp-export"}
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), f"{name} -> {target}"
 
 
 @pytest.mark.parametrize("module", ["asyncpp_ext.train", "asyncpp_ext.schedule", "asyncpp_ext", "asyncpp_ext.gpu_check",
-                                    "asyncpp_ext.data.prepare"])
+                                    "asyncpp_ext.data.prepare", "asyncpp_ext.export"])
 def test_python_dash_m_entry_points_answer_help(module):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr

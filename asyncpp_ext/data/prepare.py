@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import inputs as inp
+from ..command_line import OneLineParser, UsageError
 from .documents import BOUNDARIES, Documents, Skips, check_flags_apply, input_tasks, parse_separator, resolve_boundary
 from .encode import (BYTES, ByteTokenizer, HFTokenizer, PrepareError, PrepareFailed,  # noqa: F401
                      load_tokenizer, ordered_encode)
@@ -254,18 +255,9 @@ def prepare(tokenizer_spec: str, inputs: Sequence[str], out: str, val_fraction: 
         remove_directories(made)
 
 
-class _UsageError(Exception):
-    """A command-line mistake: main prints it as one line and exits 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line (no usage block), like every other bad input
-        raise _UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``asyncpp-prepare-data``."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG, description="Tokenize text, JSON lines (.gz/.zst), Parquet or a save_to_disk "
         "dataset into .bin token files (+ .bin.json sidecars) for asyncpp-train --data.")
     parser.add_argument("--tokenizer", required=True, metavar="TOKENIZER",
@@ -348,7 +340,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     SIGHUP stopped it)."""
     try:
         args = build_parser().parse_args(argv)
-    except _UsageError as exc:
+    except UsageError as exc:
         print(f"{PROG}: error: {exc} (see {PROG} --help)", file=sys.stderr)
         return 2
     result = None

@@ -19,6 +19,7 @@ import sys
 from typing import List, Optional
 
 from .._ext import MAX_COUNT, C, without_source_location
+from ..command_line import OneLineParser, UsageError
 from ..stop_signals import stop_signals_raise
 from .table import schedule_names
 
@@ -29,18 +30,8 @@ _COUNTS = {"stages": ("--stages/-S", "use at least one stage"),
            "steps": ("--steps/-K", "schedule at least one step")}
 
 
-class _UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    # argparse prints the usage block before its message; the contract here is one line.
-    def error(self, message):
-        raise _UsageError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Simulate a pipeline schedule "
+    p = OneLineParser(prog=PROG, description="Simulate a pipeline schedule "
                 f"({', '.join(SCHEDULE_CHOICES)}) and report per-stage busy/idle time, peak "
                 "in-flight microbatches, weight versions and the bubble fraction.")
     p.add_argument("--schedule", required=True, choices=SCHEDULE_CHOICES)
@@ -151,7 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             except SystemExit as e:  # --help / --version: argparse already printed
                 return int(e.code or 0)
             return _print(_run(args))
-    except (_UsageError, ValueError, TypeError) as e:
+    except (UsageError, ValueError, TypeError) as e:
         print(f"{PROG}: error: {without_source_location(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP raised as Stopped

@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Optional
 
+from ..command_line import OneLineParser, UsageError
 from ..models.attention import ATTENTION_BACKENDS
 from ..models.compile_support import parse_inductor_option
 from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_CHECKS, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
@@ -19,10 +20,6 @@ from ..optim.versioned import EF_SOURCES
 
 PROG = "asyncpp-train"
 _D = RunConfig()  # the documented defaults
-
-
-class UsageError(ValueError):
-    """Bad command line (argparse's complaints, conflicting flags, unusable --out)."""
 
 
 def _inductor_options(given: Optional[list]) -> Optional[dict]:
@@ -47,13 +44,13 @@ def inductor_option(text: str) -> tuple:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump: the caller prints it
+class _Parser(OneLineParser):
+    def error(self, message):
         extra = message.partition("unrecognized arguments: ")[2].split()
         if extra and all(a.endswith(".bin") for a in extra):  # an unquoted --data glob, expanded
             message += (f" (the shell expanded a glob into {len(extra) + 1} files: quote it, "
                         "e.g. --data 'data/train_*.bin')")
-        raise UsageError(message)
+        super().error(message)
 
 
 def build_parser(description: str = "") -> argparse.ArgumentParser:

@@ -1,0 +1,322 @@
+"""``asyncpp-export``: a run's checkpoint as a Hugging Face model directory.
+
+Writes ``config.json`` and ``model.safetensors`` (and, where the run's data names one, the
+tokenizer) into a new directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads
+and ``asyncpp-train --hf-model`` continues from. The weights are the checkpoint's newest, W(t)
+(the ones a resumed run would go on from; a delayed schedule's older versions stay behind), merged
+from every stage's shard. Before the directory appears, transformers loads it and its logits are
+compared with this package's model on the same weights: a mapping that computed anything else
+fails the export, and nothing is left behind.
+
+Every bad input ends with one line ``asyncpp-export: error: ...`` on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..command_line import OneLineParser, UsageError
+from ..data import DataError
+from ..data.encode import load_tokenizer
+from ..data.sources import BYTES_TOKENIZER, tokenizer_of
+from ..models.hf_export import DTYPE_NAMES, ExportError, to_transformers
+from ..models.registry import build_model, describe
+from ..oom import out_of_memory
+from ..stop_signals import Stopped, stop_signals_raise
+from .checkpoint import CheckpointError, META_NAME, latest_checkpoint, load_checkpoint, merge_engine_states
+from .config import ConfigError, RunConfig
+
+PROG = "asyncpp-export"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CHECK_TOKENS = 64
+"""Sequence length of the logits check (or the model's seq_len, if shorter), 2 sequences."""
+CHECK_TOLERANCE = 1e-4
+"""The check's bound on max |logits difference|, relative to max |logits| (at least 1): float32
+sums in another order (transformers' attention and norms against ours) differ by ~1e-6 of that."""
+INSTALL_HINT = "pip install 'asyncpp_ext[hf]'"
+
+
+class ExportCheckError(RuntimeError):
+    """transformers computed other logits from the written files than the model did."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="a run directory (its latest checkpoint is exported) or one checkpoint "
+                               "directory, ckpt-NNNNNN")
+    p.add_argument("--out", required=True,
+                   help="the model directory to write (config.json, model.safetensors, the tokenizer's "
+                        "files); must not exist, or be empty")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                   help="dtype of the written weights: fp32 (the checkpoint's, exact) or bf16 (half the "
+                        "size, each weight rounded to nearest) (default fp32)")
+    p.add_argument("--tokenizer", default="auto", metavar="auto|none|FILE",
+                   help="a tokenizer.json to write beside the weights (with a tokenizer_config.json "
+                        "naming its bos/eos tokens); auto: the one the run's --data was prepared with, "
+                        "when its sidecar names a file that still exists; none: no tokenizer (default auto)")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="load the written directory with transformers and compare its logits with the "
+                        "checkpoint's model before the directory appears (default on; needs transformers)")
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the checkpoint
+
+
+def find_checkpoint(path: str) -> Path:
+    """The checkpoint ``path`` names: itself when it holds a meta.json, else its run's latest."""
+    given = Path(path)
+    if not path or not given.is_dir():
+        raise UsageError(f"{path or repr(path)} is not a directory; pass a run's --out directory or "
+                               "one of its ckpt-NNNNNN directories")
+    return given if (given / META_NAME).is_file() else latest_checkpoint(given)
+
+
+def load_model(ckpt: Path) -> tuple[RunConfig, int, torch.nn.Module]:
+    """(run config, step, the model with the checkpoint's newest weights), on the CPU in float32."""
+    meta, shards = load_checkpoint(ckpt)
+    try:
+        cfg = RunConfig.from_dict(meta["config"])
+    except (ConfigError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt} holds an unusable config ({exc})") from None
+    state = merge_engine_states([shard["engine"] for shard in shards])
+    model_cfg = replace(cfg.model, hf_model=None)  # a run from --hf-model: its config, not its files
+    model = build_model(model_cfg, seed=cfg.train.seed).eval()
+    _copy_weights(model, state["params"], ckpt)
+    return cfg, meta["step"], model
+
+
+def _copy_weights(model: torch.nn.Module, params: dict, ckpt: Path) -> None:
+    """``params`` (global names) into ``model``, every name and shape checked first. A tied tensor
+    is stored once under its first name; a pipeline stage's copy of it (a mirror) must equal it."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    owners = dict(model.named_parameters())  # a tied tensor once, under its first name
+    missing = [n for n in owners if n not in params]
+    unknown = [n for n in params if n not in named]
+    if missing or unknown:
+        what = f"lacks {missing[:3]}" if missing else f"holds {unknown[:3]}, which the model has not"
+        raise CheckpointError(f"checkpoint {ckpt} {what}; the checkpoint does not match its own config "
+                              "(damaged, or written by another version)")
+    for name, value in params.items():
+        if tuple(value.shape) != tuple(named[name].shape):
+            raise CheckpointError(f"checkpoint {ckpt} holds {name} of shape {tuple(value.shape)}, its "
+                                  f"config's model {tuple(named[name].shape)}; the checkpoint is damaged")
+    with torch.no_grad():
+        for name, p in owners.items():
+            p.copy_(params[name])
+    for name, value in params.items():
+        if name not in owners and not torch.equal(value, named[name]):
+            raise CheckpointError(f"checkpoint {ckpt}: {name}, a tied copy, differs from the tensor it is "
+                                  "tied to; the checkpoint is damaged")
+
+
+# --------------------------------------------------------------------------------------------
+# The tokenizer
+
+
+def choose_tokenizer(spec: str, cfg: RunConfig, vocab_size: int):
+    """(tokenizer or None, a line saying what was chosen). ``spec``: auto, none or a file."""
+    if spec == "none":
+        return None, "none (--tokenizer none)"
+    mark = tokenizer_of(cfg.data.source) if cfg.data.source else None
+    if spec == "auto":
+        if mark is None:
+            return None, f"none (--data {cfg.data.source}'s files do not say which; pass --tokenizer FILE)"
+        if mark["tokenizer"] == BYTES_TOKENIZER:
+            return None, "none (the run trained on UTF-8 bytes: ids are bytes)"
+        if not Path(mark["tokenizer"]).is_file():
+            return None, f"none ({mark['tokenizer']}, which --data was prepared with, is gone; pass --tokenizer FILE)"
+        spec = mark["tokenizer"]
+    how = " (the one the run's --data was prepared with)" if spec == (mark or {}).get("tokenizer") else ""
+    if mark is not None and mark["tokenizer"] == BYTES_TOKENIZER:
+        raise UsageError(f"--tokenizer {spec}: the run trained on UTF-8 bytes (--data {cfg.data.source}), "
+                         "not on a tokenizer's ids; drop --tokenizer")
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise UsageError(f"--tokenizer {spec}: no such file; pass a tokenizer.json, auto or none")
+    try:
+        tokenizer = load_tokenizer(str(path))
+    except DataError as exc:
+        raise UsageError(f"--tokenizer: {exc}") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise UsageError(f"--tokenizer {path} has {tokenizer.vocab_size} ids but the model embeds "
+                               f"{vocab_size}; pass the tokenizer the run's data was prepared with")
+    if mark is not None and mark["tokenizer"] != BYTES_TOKENIZER and mark.get("tokenizer_sha256") \
+            and mark["tokenizer_sha256"] != tokenizer.sha256:
+        raise UsageError(f"--tokenizer {path} is not the tokenizer the run's --data was prepared with "
+                               f"({mark['tokenizer']}); pass that one, or --tokenizer none")
+    return tokenizer, f"{path}{how}"
+
+
+def _write_tokenizer(tokenizer, out: Path, config: dict, seq_len: int) -> None:
+    """tokenizer.json as it is, a tokenizer_config.json for transformers' generic fast tokenizer,
+    and the bos/eos ids in the model's config (the convention asyncpp-prepare-data marks documents by)."""
+    shutil.copyfile(tokenizer.name, out / "tokenizer.json")
+    _, eos, bos = tokenizer.boundary_tokens()
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len}
+    for role, token in (("bos", bos), ("eos", eos)):
+        if token is not None:
+            settings[f"{role}_token"] = token
+            config[f"{role}_token_id"] = tokenizer.token_to_id(token)
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# The check
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers
+
+
+def check_logits(model: torch.nn.Module, directory: Path, vocab_size: int, seq_len: int,
+                 dtype: torch.dtype) -> tuple[float, float]:
+    """(max |logits difference|, max |logits|) of transformers' model loaded from ``directory``
+    against ``model`` with its weights rounded to ``dtype`` (both computing in float32), on 2
+    sequences of seeded random ids."""
+    transformers = _transformers()
+    logging = transformers.utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()  # its notes on generation defaults are no part of this
+    logging.disable_progress_bar()  # nor its bar over the weights it loads
+    try:
+        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(directory), **{key: torch.float32}).eval()
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+    if dtype != torch.float32:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (2, min(seq_len, CHECK_TOKENS)), generator=generator)
+    with torch.no_grad():
+        theirs = loaded(input_ids=ids).logits.float()
+        ours, _ = model(ids)
+    return (theirs - ours.float()).abs().max().item(), ours.abs().max().item()
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+
+
+def _prepare_out(out: str) -> Path:
+    path = Path(out)
+    if not out:
+        raise UsageError("--out is empty; name the model directory to write")
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UsageError(f"--out {out} exists and is not an empty directory; choose a new one "
+                               "(nothing is overwritten)")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {out}: its parent {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {out}: cannot write in {parent}; choose a writable directory")
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def export(args) -> list[str]:
+    """Write the model directory; the summary lines."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise UsageError(f"writing safetensors needs the safetensors package; run {INSTALL_HINT}") from None
+    if args.check and _transformers() is None:
+        raise UsageError(f"--check loads the model with transformers, which is not installed; run "
+                               f"{INSTALL_HINT}, or pass --no-check")
+    out = _prepare_out(args.out)
+    dtype = DTYPES[args.dtype]
+    ckpt = find_checkpoint(args.run)
+    cfg, step, model = load_model(ckpt)
+    tokenizer, tokenizer_line = choose_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
+    config, tensors = to_transformers(model, cfg.model, dtype)
+    tmp = out.resolve().parent / f".tmp-export-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        if tokenizer is not None:
+            _write_tokenizer(tokenizer, tmp, config, cfg.model.seq_len)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())  # safetensors creates it 0600
+        size = (tmp / "model.safetensors").stat().st_size
+        lines = [f"{ckpt} (step {step}, {describe(cfg.model)}) -> {out}",
+                 f"  {config['architectures'][0] if config.get('architectures') else config['model_type']}, "
+                 f"{DTYPE_NAMES[dtype]}, {sum(t.numel() for t in tensors.values()):,} parameters, "
+                 f"model.safetensors {size / 2**20:.1f} MiB",
+                 f"  tokenizer: {tokenizer_line}"]
+        if args.check:
+            del tensors
+            diff, scale = check_logits(model, tmp, cfg.model.vocab_size, cfg.model.seq_len, dtype)
+            bound = CHECK_TOLERANCE * max(1.0, scale)
+            if not diff <= bound:
+                raise ExportCheckError(f"transformers' logits from the written files differ from the model's by "
+                                       f"{diff:.3e} (bound {bound:.3e}, max |logits| {scale:.3g}); nothing was "
+                                       "written")
+            lines.append(f"  check: transformers' logits match the model's, max |difference| {diff:.2e} "
+                         f"(max |logits| {scale:.3g}; bound {bound:.1e})")
+        else:
+            lines.append("  check: skipped (--no-check)")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return lines
+
+
+def main(argv: Optional[list] = None) -> int:
+    try:
+        with stop_signals_raise():
+            args = build_parser().parse_args(argv)
+            for line in export(args):
+                print(line)
+        return 0
+    except KeyboardInterrupt as exc:
+        what = f"stopped by {exc.name}" if isinstance(exc, Stopped) else "interrupted"
+        sys.stderr.write(f"\n{PROG}: {what}; nothing was written\n")
+        return 128 + exc.signum if isinstance(exc, Stopped) else 130
+    except (UsageError, CheckpointError, ExportError, ConfigError) as exc:
+        sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
+        return 2
+    except ExportCheckError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return 1
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        sys.stderr.write(f"{PROG}: error: {exc.strerror or exc}{where}; nothing was written (free disk space "
+                         "or choose another --out)\n")
+        return 1
+    except (MemoryError, RuntimeError) as exc:
+        text = out_of_memory(exc)
+        if text is None:
+            raise
+        sys.stderr.write(f"{PROG}: error: out of memory ({text}); nothing was written\n")
+        return 1
+
+
+__all__ = ["main", "export", "load_model", "find_checkpoint", "check_logits"]
