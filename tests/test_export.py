@@ -3,7 +3,9 @@ and computes the checkpoint's logits with (gpt -> GPT-2, llama -> Llama, a --hf-
 itself), merged from a pipeline's shards, in fp32 or bf16, with the tokenizer the run's data was
 prepared with; bad inputs give one line, exit 2 and no directory."""
 import json
-from pathlib import Path
+import shutil
+import signal
+import sys
 
 import pytest
 import torch
@@ -186,7 +188,6 @@ def test_bad_inputs_give_one_line_and_write_nothing(runs, tokenized_run, tmp_pat
         [tokenized_run / "run", "--out", out, "--tokenizer", other], capsys, out)
     # a damaged shard
     damaged = tmp_path / "damaged"
-    import shutil
     shutil.copytree(run, damaged)
     shard = next(damaged.glob("ckpt-*/stage-01.pt"))
     shard.write_bytes(shard.read_bytes()[:-10])
@@ -194,7 +195,7 @@ def test_bad_inputs_give_one_line_and_write_nothing(runs, tokenized_run, tmp_pat
     # missing extras
     monkeypatch.setattr(ex, "_transformers", lambda: None)
     assert "--no-check" in _refused([run, "--out", out], capsys, out)
-    monkeypatch.setitem(__import__("sys").modules, "safetensors.torch", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     assert "pip install 'asyncpp_ext[hf]'" in _refused([run, "--out", out, "--no-check"], capsys, out)
 
 
@@ -217,8 +218,6 @@ def test_a_mapping_that_computes_something_else_fails_the_check_and_writes_nothi
 
 
 def test_a_stop_signal_while_checking_leaves_nothing(runs, tmp_path, capsys, monkeypatch):
-    import signal
-
     from asyncpp_ext.stop_signals import Stopped
 
     def stopped(*args):  # SIGTERM lands while transformers loads the written files
