@@ -60,7 +60,7 @@ def _export(argv, capsys):
 
 
 def _load(directory):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()  # fp32 exports: float32
 
 
 def _checkpoint_model(run_dir):
