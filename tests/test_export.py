@@ -229,3 +229,9 @@ def test_a_stop_signal_while_checking_leaves_nothing(runs, tmp_path, capsys, mon
     rc, lines, err = _export([runs["gpt"], "--out", out], capsys)
     assert rc == 128 + signal.SIGTERM and err[-1] == "asyncpp-export: stopped by SIGTERM; nothing was written"
     assert not out.exists() and not list(tmp_path.glob(".tmp-export-*"))
+
+
+def test_a_hf_run_without_transformers_is_one_line(runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
+    out = tmp_path / "model"
+    assert "pip install 'asyncpp_ext[hf]'" in _refused([runs["hf-qwen2"], "--out", out, "--no-check"], capsys, out)

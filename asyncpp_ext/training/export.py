@@ -27,6 +27,7 @@ from ..command_line import OneLineParser, UsageError
 from ..data import DataError
 from ..data.encode import load_tokenizer
 from ..data.sources import BYTES_TOKENIZER, tokenizer_of
+from ..models.hf_checks import HFModelError
 from ..models.hf_export import DTYPE_NAMES, ExportError, to_transformers
 from ..models.registry import build_model, describe
 from ..oom import out_of_memory
@@ -300,7 +301,7 @@ def main(argv: Optional[list] = None) -> int:
         what = f"stopped by {exc.name}" if isinstance(exc, Stopped) else "interrupted"
         sys.stderr.write(f"\n{PROG}: {what}; nothing was written\n")
         return 128 + exc.signum if isinstance(exc, Stopped) else 130
-    except (UsageError, CheckpointError, ExportError, ConfigError) as exc:
+    except (UsageError, CheckpointError, ExportError, ConfigError, HFModelError) as exc:
         sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
         return 2
     except ExportCheckError as exc:
