@@ -15,6 +15,7 @@ from asyncpp_ext.data import prepare as prep
 from asyncpp_ext.models import hf_export
 from asyncpp_ext.models.registry import build_model
 from asyncpp_ext.training import export as ex
+from asyncpp_ext.training.checkpoint import checkpoint_named
 from asyncpp_ext.training.cli import main as train
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install 'asyncpp_ext[hf]'")
@@ -65,7 +66,7 @@ def _load(directory):
 
 def _checkpoint_model(run_dir):
     """The run's model with its checkpoint's newest weights, and the merged weights themselves."""
-    cfg, _, model = ex.load_model(ex.find_checkpoint(str(run_dir)))
+    cfg, _, model = ex.load_model(checkpoint_named(str(run_dir), "RUN"))
     return cfg, model
 
 

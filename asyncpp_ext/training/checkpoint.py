@@ -355,6 +355,44 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
                               f"on the run's length; resume with --steps {saved_cfg.train.steps}")
 
 
+def checkpoint_named(path: str, flag: str) -> Path:
+    """The checkpoint ``path`` (given as ``flag``) names: itself when it holds a meta.json, else its
+    run directory's latest."""
+    given = Path(path)
+    if not path or not given.is_dir():
+        raise CheckpointError(f"{flag} {path or repr(path)} is not a directory; pass a run's --out directory "
+                              "or one of its ckpt-NNNNNN directories")
+    return given if (given / META_NAME).is_file() else latest_checkpoint(given)
+
+
+def load_weights(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -> dict:
+    """The checkpoint's newest weights W(t) (``params``, merged from every stage's shard) copied into
+    ``model``, every name and shape checked first; a tied tensor is stored once under its first
+    name, and a pipeline stage's copy of it (a mirror) must equal it. Returns the checkpoint's meta."""
+    ckpt_dir = Path(ckpt_dir)
+    meta, shards = load_checkpoint(ckpt_dir)
+    params = merge_engine_states([shard["engine"] for shard in shards])["params"]
+    named = dict(model.named_parameters(remove_duplicate=False))
+    owners = dict(model.named_parameters())  # a tied tensor once, under its first name
+    missing = [n for n in owners if n not in params]
+    unknown = [n for n in params if n not in named]
+    if missing or unknown:
+        what = f"lacks {missing[:3]}" if missing else f"holds {unknown[:3]}, which the model has not"
+        raise CheckpointError(f"checkpoint {ckpt_dir} {what}; the checkpoint is not of this model")
+    for name, value in params.items():
+        if tuple(value.shape) != tuple(named[name].shape):
+            raise CheckpointError(f"checkpoint {ckpt_dir} holds {name} of shape {tuple(value.shape)}, the "
+                                  f"model {tuple(named[name].shape)}; the checkpoint is not of this model")
+    with torch.no_grad():
+        for name, p in owners.items():
+            p.copy_(params[name])
+    for name, value in params.items():
+        if name not in owners and not torch.equal(value, named[name]):
+            raise CheckpointError(f"checkpoint {ckpt_dir}: {name}, a tied copy, differs from the tensor it "
+                                  "is tied to; the checkpoint is damaged")
+    return meta
+
+
 def merge_engine_states(states: Sequence[dict]) -> dict:
     """One engine state from per-stage shards (any pipeline depth): weights, older versions and
     optimizer state are keyed by global parameter names, so the union is the whole model's state."""
@@ -375,7 +413,7 @@ def merge_engine_states(states: Sequence[dict]) -> dict:
     return merged
 
 
-__all__ = ["merge_engine_states", "FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "to_cpu", "checkpoint_path", "temp_checkpoint_path", "shard_name",
+__all__ = ["merge_engine_states", "checkpoint_named", "load_weights", "FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "to_cpu", "checkpoint_path", "temp_checkpoint_path", "shard_name",
            "capture_rng_state", "restore_rng_state", "begin_checkpoint", "write_shard",
            "finalize_checkpoint", "save_checkpoint", "list_checkpoints", "latest_checkpoint",
            "read_meta", "load_checkpoint", "check_resume_config"]

@@ -32,7 +32,7 @@ from ..models.hf_export import DTYPE_NAMES, ExportError, to_transformers
 from ..models.registry import build_model, describe
 from ..oom import out_of_memory
 from ..stop_signals import Stopped, stop_signals_raise
-from .checkpoint import CheckpointError, META_NAME, latest_checkpoint, load_checkpoint, merge_engine_states
+from .checkpoint import CheckpointError, checkpoint_named, load_weights, read_meta
 from .config import ConfigError, RunConfig
 
 PROG = "asyncpp-export"
@@ -73,51 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
 # Reading the checkpoint
 
 
-def find_checkpoint(path: str) -> Path:
-    """The checkpoint ``path`` names: itself when it holds a meta.json, else its run's latest."""
-    given = Path(path)
-    if not path or not given.is_dir():
-        raise UsageError(f"{path or repr(path)} is not a directory; pass a run's --out directory or "
-                               "one of its ckpt-NNNNNN directories")
-    return given if (given / META_NAME).is_file() else latest_checkpoint(given)
-
-
 def load_model(ckpt: Path) -> tuple[RunConfig, int, torch.nn.Module]:
     """(run config, step, the model with the checkpoint's newest weights), on the CPU in float32."""
-    meta, shards = load_checkpoint(ckpt)
     try:
-        cfg = RunConfig.from_dict(meta["config"])
+        cfg = RunConfig.from_dict(read_meta(ckpt)["config"])
     except (ConfigError, TypeError, KeyError) as exc:
         raise CheckpointError(f"checkpoint {ckpt} holds an unusable config ({exc})") from None
-    state = merge_engine_states([shard["engine"] for shard in shards])
     model_cfg = replace(cfg.model, hf_model=None)  # a run from --hf-model: its config, not its files
     model = build_model(model_cfg, seed=cfg.train.seed).eval()
-    _copy_weights(model, state["params"], ckpt)
+    meta = load_weights(model, ckpt)
     return cfg, meta["step"], model
-
-
-def _copy_weights(model: torch.nn.Module, params: dict, ckpt: Path) -> None:
-    """``params`` (global names) into ``model``, every name and shape checked first. A tied tensor
-    is stored once under its first name; a pipeline stage's copy of it (a mirror) must equal it."""
-    named = dict(model.named_parameters(remove_duplicate=False))
-    owners = dict(model.named_parameters())  # a tied tensor once, under its first name
-    missing = [n for n in owners if n not in params]
-    unknown = [n for n in params if n not in named]
-    if missing or unknown:
-        what = f"lacks {missing[:3]}" if missing else f"holds {unknown[:3]}, which the model has not"
-        raise CheckpointError(f"checkpoint {ckpt} {what}; the checkpoint does not match its own config "
-                              "(damaged, or written by another version)")
-    for name, value in params.items():
-        if tuple(value.shape) != tuple(named[name].shape):
-            raise CheckpointError(f"checkpoint {ckpt} holds {name} of shape {tuple(value.shape)}, its "
-                                  f"config's model {tuple(named[name].shape)}; the checkpoint is damaged")
-    with torch.no_grad():
-        for name, p in owners.items():
-            p.copy_(params[name])
-    for name, value in params.items():
-        if name not in owners and not torch.equal(value, named[name]):
-            raise CheckpointError(f"checkpoint {ckpt}: {name}, a tied copy, differs from the tensor it is "
-                                  "tied to; the checkpoint is damaged")
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,7 +215,7 @@ def export(args) -> list[str]:
                                f"{INSTALL_HINT}, or pass --no-check")
     out = _prepare_out(args.out)
     dtype = DTYPES[args.dtype]
-    ckpt = find_checkpoint(args.run)
+    ckpt = checkpoint_named(args.run, "RUN")
     cfg, step, model = load_model(ckpt)
     tokenizer, tokenizer_line = choose_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
     config, tensors = to_transformers(model, cfg.model, dtype)
@@ -320,4 +285,4 @@ def main(argv: Optional[list] = None) -> int:
         return 1
 
 
-__all__ = ["main", "export", "load_model", "find_checkpoint", "check_logits"]
+__all__ = ["main", "export", "load_model", "check_logits"]
