@@ -175,6 +175,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR",
                      help="continue DIR's run from its latest checkpoint up to --steps; flags "
                           "left out are taken from the checkpoint")
+    run.add_argument("--init-from", metavar="CKPT",
+                     help="start a new run from the newest weights of a checkpoint (or of a run "
+                          "directory's latest): a new phase with its own data, optimizer and lr schedule, "
+                          "which start anew; the model flags default to the checkpoint's")
     run.add_argument("--device", choices=("cpu", "cuda"), help="default cpu")
     run.add_argument("--dtype", choices=DTYPES,
                      help="auto: bf16 autocast on cuda, fp32 on cpu; bf16: autocast with fp32 "

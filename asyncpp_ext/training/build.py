@@ -9,7 +9,7 @@ way of starting a run builds it the same way. Nothing here parses arguments or p
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -27,7 +27,7 @@ from ..models.registry import build_model
 from ..optim import build_optimizer
 from ..optim.registry import optimizer_spec
 from ..pipeline.partition import as_blocks, split
-from .checkpoint import CheckpointError, load_checkpoint, merge_engine_states
+from .checkpoint import CheckpointError, load_checkpoint, load_weights, merge_engine_states
 from .config import RunConfig
 from .simulate import DelaySimulator, default_loss
 
@@ -246,13 +246,26 @@ def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None):
     return loss
 
 
-def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None) -> DelaySimulator:
-    """The model (from the run's seed) on its device, its optimizer, and the DelaySimulator that
+def build_run_model(cfg: RunConfig, first_weights: bool = True) -> nn.Module:
+    """The run's model on the CPU: initialised from the run's seed, then, for a run started
+    ``--init-from`` a checkpoint and ``first_weights`` (False where a resumed run's checkpoint
+    overwrites them anyway), holding that checkpoint's newest weights."""
+    if cfg.train.init_from is None:
+        return build_model(cfg.model, seed=cfg.train.seed)
+    model = build_model(replace(cfg.model, hf_model=None), seed=cfg.train.seed)
+    if first_weights:
+        load_weights(model, cfg.train.init_from)
+    return model
+
+
+def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None,
+                    first_weights: bool = True) -> DelaySimulator:
+    """The model (build_run_model) on its device, its optimizer, and the DelaySimulator that
     trains them under the run's schedule in this process (``compute``: stage_compute(cfg), where
     the caller has it)."""
     p = cfg.pipeline
     compute = compute or stage_compute(cfg)
-    model = build_model(cfg.model, seed=cfg.train.seed).to(cfg.train.device)
+    model = build_run_model(cfg, first_weights).to(cfg.train.device)
     if compute.compile:
         compile_stages(model, cfg.train.device, compute.compile_scope, p.stages, compute.compile_mode,
                        dict(compute.inductor_options))
@@ -291,16 +304,17 @@ def compile_stages(model: nn.Module, device, scope: str, stages: int, mode: str 
                            mode=inductor_mode(mode), options=options or None)
 
 
-def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: Optional[StageCompute] = None):
+def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: Optional[StageCompute] = None,
+                          first_weights: bool = True):
     """This rank's stage of the run's pipeline (torch.distributed already initialised), as a
-    ``PipelineEngine``. Every rank builds the whole model from the seed and keeps its blocks
+    ``PipelineEngine``. Every rank builds the whole model (build_run_model) and keeps its blocks
     (``compute``: stage_compute(cfg, device), where the caller has it)."""
     from ..pipeline import Pipeline
     from .pipeline_engine import PipelineEngine
 
     p = cfg.pipeline
     compute = compute or stage_compute(cfg, device)
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    model = build_run_model(cfg, first_weights)
     pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=optimizer_factory(cfg), schedule=p.schedule,
                     compile=compute.compile, compile_scope=compute.compile_scope, compile_mode=compute.compile_mode,
                     compile_options=dict(compute.inductor_options),

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 from .arguments import PROG, UsageError, build_parser, config_from_args, name_flag
-from .checkpoint import (CheckpointError, CheckpointWriteError, NonFiniteCheckpointError, check_resume_config, latest_checkpoint,
-                         list_checkpoints, read_meta)
-from .config import ConfigError, RunConfig
+from .checkpoint import (CheckpointError, CheckpointWriteError, NonFiniteCheckpointError, check_resume_config,
+                         checkpoint_named, latest_checkpoint, list_checkpoints, read_meta)
+from .config import ConfigError, RunConfig, init_from_mismatch
 from ..data import DataError
 from ..oom import out_of_memory
-from .model_source import ModelSourceError
+from .model_source import ModelSourceError, model_from_args
 from ..pipeline import LaunchError, under_launcher
 from ..pipeline.nonfinite import NonFiniteError
 from ..stop_signals import Stopped, stop_signals_raise
@@ -33,6 +34,11 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
     checkpoint to resume from; every check done (run.preflight)."""
     args = build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     resume_dir = None
+    if args.resume is not None and args.init_from is not None:
+        raise UsageError("--init-from starts a new run from another run's weights, --resume continues a run "
+                         "with its own; pass one of them")
+    if args.init_from is not None and args.hf_model is not None:
+        raise UsageError("--init-from and --hf-model each give the model's first weights; pass one of them")
     if args.resume is not None:
         run_dir = Path(args.resume)
         if not args.resume:  # Path("") is the working directory
@@ -57,6 +63,8 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
                              f"{meta['step']} in {resume_dir}; pass --steps >= {meta['step']}")
     else:
         cfg = config_from_args(args)
+        if args.init_from is not None:
+            start_from(cfg, args)
         if args.out is None and under_launcher():
             raise UsageError("under torchrun pass --out DIR: every rank must write to the same run "
                              "directory")
@@ -64,6 +72,23 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     preflight(cfg)
     return cfg, resume_dir
+
+
+def start_from(cfg: RunConfig, args) -> None:
+    """``--init-from``: the checkpoint it names stored in ``cfg``, and the model the checkpoint's
+    (with the model flags given applied), refused where a weight's shape would differ."""
+    ckpt = checkpoint_named(args.init_from, "--init-from")
+    meta = read_meta(ckpt)  # its shards are verified when they are loaded
+    try:
+        saved = RunConfig.from_dict(meta["config"]).model
+    except (ConfigError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt} holds an unusable config ({exc})") from None
+    cfg.model = model_from_args(args, replace(saved, hf_model=None))  # its weights come from ckpt
+    why = init_from_mismatch(saved, cfg.model)
+    if why is not None:
+        raise UsageError(f"--init-from {ckpt}: {why}; leave the model flags out (the checkpoint's model is "
+                         "taken) or start from a checkpoint of this model")
+    cfg.train.init_from = str(ckpt.resolve())
 
 
 def main(argv=None) -> int:

@@ -248,6 +248,13 @@ class TrainConfig:
     """Run directory: metrics.jsonl, config.json, loss.png, ckpt-NNNNNN/."""
     resume: Optional[str] = None
     """Run directory to continue from its latest checkpoint (None = fresh run)."""
+    init_from: Optional[str] = None
+    """A checkpoint directory (ckpt-NNNNNN) whose newest weights a fresh run's model starts from
+    instead of the seed's initialisation: a new phase of training (other data, learning rates,
+    schedule, optimizer); the optimizer state, the step count, the batch order and the lr schedule
+    start anew. Its model must be this run's (``init_from_mismatch``). ``--init-from`` takes a run
+    directory too and stores its latest checkpoint here; a resumed run's weights come from its own
+    checkpoint instead."""
     device: str = "cpu"
     """cpu | cuda."""
     dtype: str = "auto"
@@ -512,6 +519,22 @@ RESUME_MUST_MATCH = (
 )
 
 
+def init_from_mismatch(saved: ModelConfig, model: ModelConfig) -> Optional[str]:
+    """Why a run of ``model`` cannot start from the weights of a checkpoint of ``saved`` (None if it
+    can): every field that shapes a weight must agree. ``init_std`` and ``hf_model`` (where the
+    first weights came from) do not count, nor ``seq_len`` but for the GPT (whose position table it
+    sizes; Llama's rotary tables and a Hugging Face model's window are computed, not stored)."""
+    free = {"init_std", "hf_model"} | (set() if model.arch == "gpt" else {"seq_len"})
+    for f in fields(ModelConfig):
+        before, now = getattr(saved, f.name), getattr(model, f.name)
+        if f.name in free or before == now:
+            continue
+        if f.name == "hf_config":
+            return "its Hugging Face config differs from this run's"
+        return f"its model has {f.name}={before!r}, this run's {now!r}"
+    return None
+
+
 def get_field(cfg: RunConfig, dotted: str):
     section, name = dotted.split(".")
     return getattr(getattr(cfg, section), name)
@@ -531,4 +554,4 @@ def resolved_field(cfg: RunConfig, dotted: str):
 
 __all__ = ["SCHEDULES", "SYNC_SCHEDULES", "EF_BETA_MAX", "MUON_FAMILY", "NONFINITE_POLICIES", "NONFINITE_CHECKS", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
-           "get_field", "resolved_field", "COMPILE_SCOPES", "COMPILE_MODES"]
+           "get_field", "resolved_field", "init_from_mismatch", "COMPILE_SCOPES", "COMPILE_MODES"]

@@ -103,7 +103,7 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
     check_same_data(stream)
     compute = stage_compute(cfg, device)
     with attention_preference(compute.attention):  # as its --simulate run, from the compile on
-        engine = build_pipeline_engine(cfg, device, transport, compute)
+        engine = build_pipeline_engine(cfg, device, transport, compute, first_weights=resume_dir is None)
         pipe = engine.pipe
         resumed = resume(engine, stream, Path(resume_dir) if resume_dir is not None else None, pipe.stage, p.stages)
         if resumed.rng is not None:

@@ -113,6 +113,10 @@ def start_run_dir(cfg: RunConfig, resume_dir: Optional[Path], start_step: int) -
         changed = changed_settings(read_meta(resume_dir)["config"], cfg.to_dict())
         print(f"asyncpp-train: resuming from {resume_dir.name} (step {start_step})"
               + (f"; changed: {', '.join(changed)}" if changed else ""), file=sys.stderr)
+    elif cfg.train.init_from is not None:
+        print(f"asyncpp-train: starting from the weights of {cfg.train.init_from} (step "
+              f"{read_meta(cfg.train.init_from)['step']}); optimizer, steps, data order and lr schedule anew",
+              file=sys.stderr)
     write_text_atomic(out / CONFIG_NAME, json.dumps(cfg.to_dict(), indent=1) + "\n")
     if start_step < cfg.train.steps and _compiles(cfg):  # else the first step's wait is unexplained
         print("asyncpp-train: compiling the blocks (torch.compile) before the first step, a minute or more "
@@ -161,7 +165,7 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     stream, eval_set = build_data(cfg)  # --dp R simulates one replica on the global microbatches
     compute = stage_compute(cfg)
     with attention_preference(compute.attention):  # from the compile on: it keys compiled blocks
-        engine = build_simulator(cfg, compute)
+        engine = build_simulator(cfg, compute, first_weights=resume_dir is None)
         resumed = resume(engine, stream, resume_dir)
         out = start_run_dir(cfg, resume_dir, resumed.start_step)
         if resumed.rng is not None:
