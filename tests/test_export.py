@@ -108,8 +108,13 @@ def test_an_exported_hf_run_is_what_hf_model_continues_from(runs, tmp_path, caps
     want, got = ours.hf_state_dict(), again.hf_state_dict()
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[n], want[n]) for n in want)
-    assert train(["--hf-model", str(out), "--seq-len", "32", "--simulate", "--steps", "1", "--no-progress",
-                  "--eval-batches", "0", "--out", str(tmp_path / "continued")]) == 0
+    # continuing from the exported directory trains as continuing from the checkpoint itself
+    common = ["--seq-len", "32", "--simulate", "--steps", "3", "--no-progress", "--eval-batches", "0"]
+    assert train(["--hf-model", str(out), *common, "--out", str(tmp_path / "from-export")]) == 0
+    assert train(["--init-from", str(runs["hf-qwen2"]), *common, "--out", str(tmp_path / "from-ckpt")]) == 0
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+              for run in ("from-export", "from-ckpt")]
+    assert losses[0] == losses[1]
 
 
 def test_bf16_export_holds_each_weight_rounded_and_the_logits_of_those(runs, tmp_path, capsys):
