@@ -96,7 +96,8 @@ def choose_tokenizer(spec: str, cfg: RunConfig, vocab_size: int):
     mark = tokenizer_of(cfg.data.source) if cfg.data.source else None
     if spec == "auto":
         if mark is None:
-            return None, f"none (--data {cfg.data.source}'s files do not say which; pass --tokenizer FILE)"
+            return None, (f"none (no sidecar of --data {cfg.data.source} found from here names one; pass "
+                          "--tokenizer FILE)")
         if mark["tokenizer"] == BYTES_TOKENIZER:
             return None, "none (the run trained on UTF-8 bytes: ids are bytes)"
         if not Path(mark["tokenizer"]).is_file():
@@ -117,11 +118,11 @@ def choose_tokenizer(spec: str, cfg: RunConfig, vocab_size: int):
         raise UsageError(f"--tokenizer: {exc}") from None
     if tokenizer.vocab_size > vocab_size:
         raise UsageError(f"--tokenizer {path} has {tokenizer.vocab_size} ids but the model embeds "
-                               f"{vocab_size}; pass the tokenizer the run's data was prepared with")
+                         f"{vocab_size}; pass the tokenizer the run's data was prepared with")
     if mark is not None and mark["tokenizer"] != BYTES_TOKENIZER and mark.get("tokenizer_sha256") \
             and mark["tokenizer_sha256"] != tokenizer.sha256:
         raise UsageError(f"--tokenizer {path} is not the tokenizer the run's --data was prepared with "
-                               f"({mark['tokenizer']}); pass that one, or --tokenizer none")
+                         f"({mark['tokenizer']}); pass that one, or --tokenizer none")
     return tokenizer, f"{path}{how}"
 
 
