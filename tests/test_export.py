@@ -241,3 +241,16 @@ def test_a_hf_run_without_transformers_is_one_line(runs, tmp_path, capsys, monke
     monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
     out = tmp_path / "model"
     assert "pip install 'asyncpp_ext[hf]'" in _refused([runs["hf-qwen2"], "--out", out, "--no-check"], capsys, out)
+
+
+def test_a_scripts_model_exports_from_its_own_config(tmp_path):
+    from asyncpp_ext.models import GPT, preset_config
+
+    cfg = preset_config("tiny")
+    model = GPT(cfg, seed=3).eval()
+    config, tensors = hf_export.to_transformers(model, cfg)  # a GPTConfig, as a script has it
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(_load(tmp_path)(input_ids=ids).logits, model(ids)[0], rtol=0, atol=1e-5)

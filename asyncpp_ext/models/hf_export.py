@@ -100,8 +100,13 @@ EXPORTERS: dict[str, Callable[[nn.Module, object], tuple[dict, dict]]] = {
 
 
 def to_transformers(model: nn.Module, cfg, dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
-    """``(config, tensors)`` for ``model`` (built from ``cfg``, a ``ModelConfig``): the config.json
-    contents and contiguous CPU tensors in ``dtype`` under transformers' names, a tied head left out."""
+    """``(config, tensors)`` for ``model`` (built from ``cfg``: a ``ModelConfig``, or the GPTConfig /
+    LlamaConfig a script built it from): the config.json contents and contiguous CPU tensors in
+    ``dtype`` under transformers' names, a tied head left out. Write them with ``json.dump`` and
+    ``safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})``."""
+    from .registry import as_model_config
+
+    cfg = as_model_config(cfg)
     if cfg.arch not in EXPORTERS:
         raise ExportError(f"model.arch={cfg.arch!r} has no transformers form; exportable: {', '.join(EXPORTERS)}")
     if dtype not in DTYPE_NAMES:
