@@ -254,3 +254,29 @@ def test_a_scripts_model_exports_from_its_own_config(tmp_path):
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(_load(tmp_path)(input_ids=ids).logits, model(ids)[0], rtol=0, atol=1e-5)
+
+
+def test_weights_past_the_shard_size_go_into_indexed_shards_transformers_loads(runs, tmp_path, capsys):
+    out = tmp_path / "model"
+    rc, lines, _ = _export([runs["gpt"], "--out", out, "--max-shard-size", "30KB"], capsys)
+    assert rc == 0 and "check: transformers' logits match" in lines[-1]
+    index = json.loads((out / ex.WEIGHTS_INDEX).read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and f"{len(shards)} shards" in lines[1]
+    assert sorted(set(index["weight_map"].values())) == shards
+    stored = {}
+    for shard in shards:
+        part = safetensors_torch.load_file(str(out / shard))
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 30_000 or len(part) == 1
+        stored.update(part)
+    assert set(stored) == set(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
+    _, ours = _checkpoint_model(runs["gpt"])
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(_load(out)(input_ids=ids).logits, ours(ids)[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("1.5kb", 1500), ("123", 123)])
+def test_sizes_read_as_transformers_writes_them(text, size):
+    assert ex.parse_size(text, "--max-shard-size") == size

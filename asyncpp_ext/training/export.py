@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import replace
@@ -43,6 +44,8 @@ CHECK_TOLERANCE = 1e-4
 """The check's bound on max |logits difference|, relative to max |logits| (at least 1): float32
 sums in another order (transformers' attention and norms against ours) differ by ~1e-6 of that."""
 INSTALL_HINT = "pip install 'asyncpp_ext[hf]'"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+"""Which shard holds each tensor, where the weights are sharded (transformers' name for it)."""
 
 
 class ExportCheckError(RuntimeError):
@@ -59,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                    help="dtype of the written weights: fp32 (the checkpoint's, exact) or bf16 (half the "
                         "size, each weight rounded to nearest) (default fp32)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest weights file: past it the weights go into shards model-0000K-of-0000N."
+                        "safetensors with an index, as transformers writes them (5GB, 500MB, 2GiB; default 5GB)")
     p.add_argument("--tokenizer", default="auto", metavar="auto|none|FILE",
                    help="a tokenizer.json to write beside the weights (with a tokenizer_config.json "
                         "naming its bos/eos tokens); auto: the one the run's --data was prepared with, "
@@ -199,6 +205,44 @@ def _prepare_out(out: str) -> Path:
     return path
 
 
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes of a size written as transformers writes ``max_shard_size``: "5GB" (10^9), "500MiB"
+    (2^20), or plain bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text or "")
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in SIZE_UNITS or float(match.group(1)) * SIZE_UNITS[unit] < 1:
+        raise UsageError(f"{flag} {text!r} is not a size; write it as 5GB, 500MB, 2GiB or a number of bytes")
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def write_weights(tensors: dict, directory: Path, max_bytes: int, save_file) -> list[str]:
+    """``tensors`` as ``model.safetensors``, or, past ``max_bytes``, as shards
+    ``model-0000K-of-0000N.safetensors`` filled in order (a tensor larger than the bound alone in
+    one) with the index transformers reads them by; the weights files' names."""
+    shards, current, filled = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and filled + nbytes > max_bytes:
+            shards.append(current)
+            current, filled = {}, 0
+        current[name] = tensor
+        filled += nbytes
+    shards.append(current)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for name, shard in zip(names, shards):
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        os.chmod(directory / name, 0o666 & ~_umask())  # safetensors creates it 0600
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}
+        (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -213,8 +257,9 @@ def export(args) -> list[str]:
         raise UsageError(f"writing safetensors needs the safetensors package; run {INSTALL_HINT}") from None
     if args.check and _transformers() is None:
         raise UsageError(f"--check loads the model with transformers, which is not installed; run "
-                               f"{INSTALL_HINT}, or pass --no-check")
+                         f"{INSTALL_HINT}, or pass --no-check")
     out = _prepare_out(args.out)
+    max_shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
     dtype = DTYPES[args.dtype]
     ckpt = checkpoint_named(args.run, "RUN")
     cfg, step, model = load_model(ckpt)
@@ -227,13 +272,13 @@ def export(args) -> list[str]:
         if tokenizer is not None:
             _write_tokenizer(tokenizer, tmp, config, cfg.model.seq_len)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(tmp / "model.safetensors", 0o666 & ~_umask())  # safetensors creates it 0600
-        size = (tmp / "model.safetensors").stat().st_size
+        files = write_weights(tensors, tmp, max_shard_bytes, save_file)
+        size = sum((tmp / f).stat().st_size for f in files)
+        where = files[0] if len(files) == 1 else f"{len(files)} shards indexed by {WEIGHTS_INDEX}"
         lines = [f"{ckpt} (step {step}, {describe(cfg.model)}) -> {out}",
                  f"  {config['architectures'][0] if config.get('architectures') else config['model_type']}, "
                  f"{DTYPE_NAMES[dtype]}, {sum(t.numel() for t in tensors.values()):,} parameters, "
-                 f"model.safetensors {size / 2**20:.1f} MiB",
+                 f"{where}, {size / 2**20:.1f} MiB",
                  f"  tokenizer: {tokenizer_line}"]
         if args.check:
             del tensors
