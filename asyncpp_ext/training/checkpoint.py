@@ -283,8 +283,10 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
     return meta
 
 
-def load_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
-    """(meta, shards) of a checkpoint, after checking every shard's size and SHA-256."""
+def load_checkpoint(ckpt_dir: str | os.PathLike, mmap: bool = False) -> tuple[dict, list[dict]]:
+    """(meta, shards) of a checkpoint, after checking every shard's size and SHA-256. ``mmap``: the
+    shards' tensors map their files, read only where used (a reader of the weights alone leaves
+    the optimizer state on disk)."""
     ckpt_dir = Path(ckpt_dir)
     meta = read_meta(ckpt_dir)
     shards = []
@@ -304,7 +306,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike) -> tuple[dict, list[dict]]:
             raise CheckpointError(f"checkpoint shard {path} is {what[0]} ({what[1]}); delete "
                                   f"{ckpt_dir} to resume from the previous checkpoint")
         try:
-            shards.append(torch.load(path, map_location="cpu", weights_only=True))
+            shards.append(torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))
         except Exception as exc:  # any unpickling failure means the same thing to the user
             raise CheckpointError(f"checkpoint shard {path} cannot be loaded ({type(exc).__name__}:"
                                   f" {str(exc).splitlines()[0] if str(exc) else ''}); delete "
@@ -370,7 +372,7 @@ def load_weights(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -> dict:
     ``model``, every name and shape checked first; a tied tensor is stored once under its first
     name, and a pipeline stage's copy of it (a mirror) must equal it. Returns the checkpoint's meta."""
     ckpt_dir = Path(ckpt_dir)
-    meta, shards = load_checkpoint(ckpt_dir)
+    meta, shards = load_checkpoint(ckpt_dir, mmap=True)
     params = merge_engine_states([shard["engine"] for shard in shards])["params"]
     named = dict(model.named_parameters(remove_duplicate=False))
     owners = dict(model.named_parameters())  # a tied tensor once, under its first name
