@@ -39,6 +39,7 @@ FORMAT_VERSION = 1
 META_NAME = "meta.json"
 _CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
 _OLD_RE = re.compile(r"^\.old-ckpt-(\d{6,})$")  # a checkpoint being replaced (finalize_checkpoint)
+DELETING_PREFIX = ".del-ckpt-"  # a checkpoint being removed (prune_checkpoints); never read
 
 
 class CheckpointError(ValueError):
@@ -173,8 +174,10 @@ def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict |
                                    "free there: free disk space or choose another --out") from None
 
 
-def finalize_checkpoint(run_dir: str | os.PathLike, tmp_dir: Path, step: int, meta: dict) -> Path:
-    """Write ``meta.json`` (with the shards' sizes and hashes) last, then rename into place."""
+def finalize_checkpoint(run_dir: str | os.PathLike, tmp_dir: Path, step: int, meta: dict,
+                        keep: int | None = None) -> Path:
+    """Write ``meta.json`` (with the shards' sizes and hashes) last, then rename into place; then,
+    with ``keep``, remove the checkpoints older than the newest ``keep`` (prune_checkpoints)."""
     tmp_dir = Path(tmp_dir)
     shards = sorted(p.name for p in tmp_dir.glob("stage-*.pt"))
     if not shards:
@@ -201,18 +204,34 @@ def finalize_checkpoint(run_dir: str | os.PathLike, tmp_dir: Path, step: int, me
         if stale.exists():
             shutil.rmtree(stale)
     _fsync_dir(Path(run_dir))
+    if keep is not None:
+        prune_checkpoints(run_dir, keep)
     return final
 
 
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> list[int]:
+    """Remove all but the newest ``keep`` completed checkpoints of ``run_dir``; their steps. Each is
+    first renamed to a hidden ``.del-ckpt-NNNNNN`` (which readers ignore, and a run's next start
+    removes if a crash left it), so none is ever found half-deleted."""
+    doomed = list_checkpoints(run_dir)[:-keep]
+    for step, path in doomed:
+        os.replace(path, path.with_name(f"{DELETING_PREFIX}{step:06d}"))
+    if doomed:
+        _fsync_dir(Path(run_dir))
+    for step, path in doomed:
+        shutil.rmtree(path.with_name(f"{DELETING_PREFIX}{step:06d}"), ignore_errors=True)
+    return [step for step, _ in doomed]
+
+
 def save_checkpoint(run_dir: str | os.PathLike, step: int, engine_states: list[dict],
-                    meta: dict) -> Path:
+                    meta: dict, keep: int | None = None) -> Path:
     """Single-process convenience: all shards (one per stage, in order), then the metadata."""
     for stage, state in enumerate(engine_states):
         _check_finite_weights(stage, state)  # before anything is created
     tmp = begin_checkpoint(run_dir, step)
     for stage, state in enumerate(engine_states):
         write_shard(tmp, stage, state)
-    return finalize_checkpoint(run_dir, tmp, step, meta)
+    return finalize_checkpoint(run_dir, tmp, step, meta, keep)
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -417,5 +436,5 @@ def merge_engine_states(states: Sequence[dict]) -> dict:
 
 __all__ = ["merge_engine_states", "checkpoint_named", "load_weights", "FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "to_cpu", "checkpoint_path", "temp_checkpoint_path", "shard_name",
            "capture_rng_state", "restore_rng_state", "begin_checkpoint", "write_shard",
-           "finalize_checkpoint", "save_checkpoint", "list_checkpoints", "latest_checkpoint",
+           "finalize_checkpoint", "save_checkpoint", "prune_checkpoints", "list_checkpoints", "latest_checkpoint",
            "read_meta", "load_checkpoint", "check_resume_config"]

@@ -244,6 +244,10 @@ class TrainConfig:
     """Write checkpoints at all (``ckpt_every`` says when); False = none, not even at the end: a
     throughput or smoke run that nothing will resume (the final save of weights and optimizer
     state, 1.6 GB at smollm-135m with AdamW, and its checksum take seconds)."""
+    keep_checkpoints: Optional[int] = None
+    """How many of the newest checkpoints a run directory keeps: once a checkpoint is complete, the
+    older ones past this count are removed (a smollm-360m checkpoint with AdamW state is ~6 GB, one
+    every ``ckpt_every`` steps). None = every one."""
     out: str = "runs/asyncpp"
     """Run directory: metrics.jsonl, config.json, loss.png, ckpt-NNNNNN/."""
     resume: Optional[str] = None
@@ -422,6 +426,8 @@ class RunConfig:
         positive_int("train.steps", self.train.steps)
         non_negative_int("train.eval_every", self.train.eval_every)
         non_negative_int("train.ckpt_every", self.train.ckpt_every)
+        if self.train.keep_checkpoints is not None:
+            positive_int("train.keep_checkpoints", self.train.keep_checkpoints)
         non_negative_int("data.eval_batches", self.data.eval_batches)
         non_negative_int("train.seed", self.train.seed, limit=MAX_SEED)  # torch's and numpy's seeds
         choice("pipeline.schedule", self.pipeline.schedule, schedule_names())

@@ -34,7 +34,7 @@ from ..pipeline.transport import TransportError, peer_failure_reason
 from .trainer import Trainer
 
 
-def _collective_checkpoint(pipe: Pipeline, run_dir: Path):
+def _collective_checkpoint(pipe: Pipeline, run_dir: Path, keep: Optional[int] = None):
     def barrier(what: str) -> None:
         try:
             dist.barrier()
@@ -53,7 +53,8 @@ def _collective_checkpoint(pipe: Pipeline, run_dir: Path):
         if pipe.replica == 0:  # every replica holds the same state
             write_shard(tmp, pipe.stage, pipe.state_dict(), capture_rng_state())
         barrier("waiting for every shard")
-        final = finalize_checkpoint(run_dir, tmp, step, meta) if writer else checkpoint_path(run_dir, step)
+        final = (finalize_checkpoint(run_dir, tmp, step, meta, keep) if writer
+                 else checkpoint_path(run_dir, step))
         barrier("waiting for the checkpoint to be sealed")
         return final
     return save
@@ -111,7 +112,7 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
         run_dir = Path(cfg.train.out)
         trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=resumed.start_step,
                           elapsed_s=resumed.elapsed_s, device="cpu",
-                          checkpoint_fn=_collective_checkpoint(pipe, run_dir),
+                          checkpoint_fn=_collective_checkpoint(pipe, run_dir, cfg.train.keep_checkpoints),
                           writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages)
         with pipe:
             trainer.run()

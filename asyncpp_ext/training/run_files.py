@@ -173,8 +173,9 @@ def release_run_dir(out: str | os.PathLike) -> None:
 
 def remove_unfinished_checkpoints(out: Path) -> None:
     """Remove the temporaries of checkpoints whose writing a killed run left (``.tmp-ckpt-*``,
-    as large as a checkpoint); a resume never reads them. Only with the run's lock held."""
-    stale = sorted(out.glob(".tmp-ckpt-*"))
+    as large as a checkpoint) and the checkpoints it was removing (``.del-ckpt-*``,
+    ``--keep-checkpoints``); a resume never reads them. Only with the run's lock held."""
+    stale = sorted([*out.glob(".tmp-ckpt-*"), *out.glob(".del-ckpt-*")])
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     if stale:

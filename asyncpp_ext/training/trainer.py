@@ -100,7 +100,8 @@ class Trainer:
                             device.type)
 
     def _save_single_process(self, step: int, meta: dict) -> Path:
-        return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta)
+        return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta,
+                               keep=self.cfg.train.keep_checkpoints)
 
     def _is_due(self, step: int, every: int) -> bool:
         return step == self.cfg.train.steps or (every > 0 and step % every == 0)
