@@ -187,6 +187,12 @@ def test_a_shard_is_saved_through_to_cpu_and_loaded_onto_the_cpu(tmp_path, monke
     assert loads == [{"map_location": "cpu", "weights_only": True}]
     got = shards[0]["engine"]["params"]["w"]
     assert type(got) is torch.Tensor and got.device.type == "cpu" and torch.equal(got, torch.arange(6.0).reshape(2, 3))
+    # the weights-only readers (asyncpp-export, --init-from) map the files, onto the CPU too
+    into = torch.nn.Module()
+    into.w = torch.nn.Parameter(torch.zeros(2, 3))
+    ck.load_weights(into, ck.checkpoint_path(tmp_path, 1))
+    assert loads[1:] == [{"map_location": "cpu", "weights_only": True, "mmap": True}]
+    assert torch.equal(into.w, torch.arange(6.0).reshape(2, 3))
 
 
 def test_local_world_size_spawn_counts_every_rank_torchrun_reads_its_environment():

@@ -325,7 +325,7 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, mmap: bool = False) -> tuple[di
             raise CheckpointError(f"checkpoint shard {path} is {what[0]} ({what[1]}); delete "
                                   f"{ckpt_dir} to resume from the previous checkpoint")
         try:
-            shards.append(torch.load(path, map_location="cpu", weights_only=True, mmap=mmap))
+            shards.append(torch.load(path, map_location="cpu", weights_only=True, **({"mmap": True} if mmap else {})))
         except Exception as exc:  # any unpickling failure means the same thing to the user
             raise CheckpointError(f"checkpoint shard {path} cannot be loaded ({type(exc).__name__}:"
                                   f" {str(exc).splitlines()[0] if str(exc) else ''}); delete "
