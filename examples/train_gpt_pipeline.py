@@ -4,6 +4,7 @@ with 2BW (no flush, one-step weight delay) and Muon with error feedback.
     python examples/train_gpt_pipeline.py                       # spawns 2 local ranks on 127.0.0.1
     torchrun --nproc-per-node 2 examples/train_gpt_pipeline.py  # the same under torchrun
     python examples/train_gpt_pipeline.py --text input.txt --steps 300  # any UTF-8 text file
+    python examples/train_gpt_pipeline.py --export gpt-hf       # then: a transformers GPT2LMHeadModel
 
 Every rank runs ``train(args)`` with the same arguments: it builds the whole model (same seed), and
 the Pipeline keeps the blocks of its own stage. Stage 0 reads the inputs, the last stage the targets
@@ -12,6 +13,8 @@ and the loss; the script prints from the last stage.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import math
 import os
 import sys
@@ -35,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.02, help="Muon learning rate (AdamW part: 3e-3)")
     ap.add_argument("--ef-beta", type=float, default=0.5, help="error-feedback strength, 0 = off")
     ap.add_argument("--seed", type=int, default=0, help="model init and batch order")
+    ap.add_argument("--export", metavar="DIR", help="write the trained model to DIR as a Hugging Face model "
+                    "(config.json + model.safetensors; needs safetensors)")
     args = ap.parse_args(argv)
     # Checked here, once, rather than by every rank after it started (seconds, and one line per rank).
     for flag, value, low in (("--stages", args.stages, 1), ("--micro-batch-size", args.micro_batch_size, 1),
@@ -46,7 +51,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--lr must be a positive number, got {args.lr}")
     if args.text != "builtin" and not os.path.isfile(args.text):
         ap.error(f"--text {args.text} is not a file; pass a UTF-8 text file or 'builtin'")
+    if args.export is not None:
+        if os.path.exists(args.export):
+            ap.error(f"--export {args.export} exists; name a new directory")
+        if importlib.util.find_spec("safetensors") is None:
+            ap.error("--export writes safetensors: pip install safetensors")
     return args
+
+
+def export(weights: dict, config, directory: str) -> None:
+    """The gathered weights in a fresh model, written as transformers reads it (GPT2LMHeadModel)."""
+    from safetensors.torch import save_file
+
+    from asyncpp_ext.models.hf_export import to_transformers
+
+    model = GPT(config)
+    model.load_state_dict(weights)  # every parameter, by its global name
+    hf_config, tensors = to_transformers(model, config)
+    os.makedirs(directory)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
 
 def train(args: argparse.Namespace) -> None:
@@ -70,6 +95,11 @@ def train(args: argparse.Namespace) -> None:
         eval_loss = pipe.evaluate(held_out)
         if eval_loss is not None:
             print(f"eval loss {eval_loss:.4f} after {args.steps} steps", flush=True)
+        if args.export is not None:
+            weights = pipe.gather_weights()  # every rank takes part; rank 0 gets the whole model's
+            if weights is not None:
+                export(weights, config, args.export)
+                print(f"exported to {args.export}", flush=True)
 
 
 def main(argv=None) -> int:

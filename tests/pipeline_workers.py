@@ -148,3 +148,26 @@ def gpt_train_worker(schedule: str, m: int, steps: int, out_dir: str) -> None:
     if pipe.host.is_last:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump(losses, f)
+
+
+def gather_weights_worker(out_dir: str, dst: int) -> None:
+    """llama-tiny (embedding and head tied, on different stages) trained 3 steps of 2bw on two
+    stages; each rank saves its state_dict's params, and rank ``dst`` what gather_weights gave."""
+    from asyncpp_ext.models import Llama, llama_preset_config
+    from asyncpp_ext.optim import build_optimizer
+
+    init_distributed()
+    torch.set_num_threads(1)
+    cfg = llama_preset_config("llama-tiny")
+    g = torch.Generator().manual_seed(3)
+    steps = [[(torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g),
+               torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)) for _ in range(2)]
+             for _ in range(3)]
+    with Pipeline(Llama(cfg, seed=0), loss_fn=Llama.loss, schedule="2bw", microbatches=2,
+                  optimizer=lambda m: build_optimizer(m, "adamw", lr=1e-2)) as pipe:
+        for _ in pipe.train(steps, steps=3):
+            pass
+        rank = torch.distributed.get_rank()
+        torch.save(pipe.state_dict()["params"], os.path.join(out_dir, f"params{rank}.pt"))
+        gathered = pipe.gather_weights(dst=dst)
+        torch.save(gathered, os.path.join(out_dir, f"gathered{rank}.pt"))

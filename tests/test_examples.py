@@ -62,3 +62,29 @@ def test_ctrl_c_mid_run_is_one_line_per_process_and_exit_130():
     lines = err.strip().splitlines()
     assert sorted(lines[:-1]) == ["asyncpp: rank 0: interrupted", "asyncpp: rank 1: interrupted"], err
     assert lines[-1] == "train_gpt_pipeline.py: interrupted", err
+
+
+def test_the_exported_model_has_the_scripts_eval_loss_in_transformers(tmp_path):
+    """--export gathers every stage's weights on rank 0 (Pipeline.gather_weights) and writes them as
+    a GPT2LMHeadModel: transformers' loss on the script's held-out batches is the one it printed."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install 'asyncpp_ext[hf]'")
+    pytest.importorskip("safetensors", reason="safetensors is not installed")
+    import torch
+    import torch.nn.functional as F
+
+    from asyncpp_ext.data import eval_batches, load_tokens, split_tokens
+    from asyncpp_ext.models import preset_config
+
+    out = tmp_path / "gpt-hf"
+    r = subprocess.run([sys.executable, str(SCRIPT), *ARGS, "--export", str(out)], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr
+    printed = float(re.search(r"^eval loss ([0-9.]+) after 20 steps$", r.stdout, re.M).group(1))
+    config = preset_config("tiny")
+    _, eval_tokens = split_tokens(load_tokens("builtin", config.vocab_size), 0.1, 4, config.seq_len)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
+                  for x, y in eval_batches(eval_tokens, 4, config.seq_len, count=4)]
+    assert sum(losses) / len(losses) == pytest.approx(printed, abs=1.5e-4)
+    assert printed < 5.0  # trained: random init gives ln 256 = 5.55

@@ -32,6 +32,7 @@ from .partition import GlobalView, as_blocks, split
 from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .handshake import agree, p2p
 from .stage import StageError, StageHost
+from .stage_state import newest_params
 from .step_feed import StepFeed
 from .stream_worker import (PEER_LOSS_GRACE_S, STOP_TIMEOUT_S, UNCANCELLABLE_STOP_S, LeftStream, StreamWorker,
                             join_left_streams, outside_stacklevel)
@@ -365,6 +366,23 @@ class Pipeline:
         self.host.load_state_dict(state, self.param_names)
         self.exchange.load_state_dict(state.get("clip"))
         self.next_step = int(state["steps_done"])
+
+    def gather_weights(self, dst: int = 0) -> dict | None:
+        """The whole model's newest weights W(t) on rank ``dst``: CPU tensors by global parameter
+        name, a tied tensor once under its owner's name (as in checkpoints), for a freshly built
+        model's ``load_state_dict(weights, strict=False)`` (``strict`` where nothing is tied) or an
+        export (models/hf_export.py); None on the other ranks. Every rank calls it: a collective
+        over the default group, to which replica 0's stages give theirs."""
+        self._settle("gather_weights", check_whole=True)
+        mine = {}
+        if self.replica == 0:
+            mine = {n: t.cpu() for n, t in newest_params(self.host, self.param_names).items()
+                    if n not in self.mirror_of}
+        parts = [None] * dist.get_world_size() if self.rank == dst else None
+        dist.gather_object(mine, parts, dst=dst)
+        if parts is None:
+            return None
+        return {name: tensor for part in parts for name, tensor in part.items()}
 
     # ---- start-up agreement (handshake.py) ---------------------------------------------------
     def _p2p(self, op, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> None:

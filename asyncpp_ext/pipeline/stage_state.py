@@ -31,12 +31,17 @@ def _unflatten(host, flat: torch.Tensor, names: Sequence[str]) -> dict:
     return out
 
 
+def newest_params(host, names: Sequence[str]) -> dict:
+    """The newest weights W(k) by name (copies, on the stage's device)."""
+    return _unflatten(host, host.buffer_for(host.newest_version()), names)
+
+
 def stage_state_dict(host, names: Sequence[str]) -> dict:
     """Newest weights W(k) (``params``), W(k-1) (``stash``) and W(k-2)..W(k-n+1) (``older``, as
     lists by name) for the versions ``host`` keeps (versions before 0 are W(0)), optimizer state,
     step count."""
     k = host.newest_version()
-    params = _unflatten(host, host.buffer_for(k), names)
+    params = newest_params(host, names)
     lags = [_unflatten(host, host._held_buffer(k - lag), names) for lag in range(1, host.num_versions)]
     stash = lags[0] if lags else {}
     older = {n: [lag[n] for lag in lags[1:]] for n in names} if len(lags) > 1 else {}
