@@ -250,6 +250,20 @@ def test_the_summary_line_of_a_run_whose_last_evaluation_was_non_finite(tmp_path
     assert "step 2 loss skipped eval_loss non-finite (1 step skipped: non-finite values)" in line, line
 
 
+def test_the_summary_line_gives_the_tokens_per_second_after_the_first_step(tmp_path, capsys):
+    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.run import print_summary
+
+    (tmp_path / "metrics.jsonl").write_text(  # the first step held a 10 s compile
+        '{"step": 1, "loss": 5.0, "tokens": 1000, "elapsed_s": 10.0}\n'
+        '{"step": 2, "loss": 4.9, "tokens": 2000, "elapsed_s": 10.5}\n'
+        '{"step": 3, "loss": 4.8, "tokens": 3000, "elapsed_s": 11.0}\n')
+    print_summary(tmp_path, RunConfig(), 0)
+    assert "(11.0 s training, 2,000 tokens/s, " in capsys.readouterr().out
+    print_summary(tmp_path, RunConfig(), 2)  # a resumed call: its own rows only, one of them
+    assert "(11.0 s training, gpt" in capsys.readouterr().out
+
+
 def test_a_checkpoint_that_cannot_be_written_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
     """A full disk shows in torch.save as "enforce fail at inline_container.cc"; the line names the
     shard and the space left instead."""

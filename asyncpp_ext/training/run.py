@@ -196,10 +196,19 @@ def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     return 0
 
 
+def steady_tokens_per_s(rows: list) -> float | None:
+    """Tokens per second of metrics rows (one call's, in order) after the first: its time holds the
+    first compile and allocations. None for a single row or no time between them."""
+    if len(rows) < 2 or rows[-1]["elapsed_s"] <= rows[0]["elapsed_s"] or "tokens" not in rows[-1]:
+        return None
+    return (rows[-1]["tokens"] - rows[0]["tokens"]) / (rows[-1]["elapsed_s"] - rows[0]["elapsed_s"])
+
+
 def print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
     """One line: where the run ended, its last loss, its training time (the steps' own, as
-    metrics.jsonl's elapsed_s: start-up and compilation before the first step are not in it), and
-    what it trained."""
+    metrics.jsonl's elapsed_s: start-up and compilation before the first step are not in it), its
+    tokens/s (over the steps after this call's first, whose time holds the first compile and
+    allocations), and what it trained."""
     rows = [r for r in read_metrics(out) if r["step"] > start_step]
     if not rows:
         print(f"{out}: already at step {start_step} of {cfg.train.steps}; nothing to do")
@@ -211,10 +220,12 @@ def print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
     skipped = sum(1 for r in rows if r.get("skipped"))
     shown += f" ({skipped} step{'s' if skipped != 1 else ''} skipped: non-finite values)" if skipped else ""
     loss = "skipped" if last["loss"] is None else f"{last['loss']:.4f}"
+    rate = steady_tokens_per_s(rows)
     print(f"{out}: step {last['step']} loss {loss}{shown} "
-          f"({last['elapsed_s']:.1f} s training, {describe(cfg.model)}, {cfg.pipeline.schedule}, {cfg.optim.name}, "
+          f"({last['elapsed_s']:.1f} s training{f', {rate:,.0f} tokens/s' if rate else ''}, {describe(cfg.model)}, {cfg.pipeline.schedule}, {cfg.optim.name}, "
           f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''}"
           f"{f' x {cfg.pipeline.dp} replicas' if cfg.pipeline.dp > 1 else ''})")
 
 
-__all__ = ["RunSetupError", "preflight", "check_rank_devices", "train", "start_run_dir", "print_summary"]
+__all__ = ["RunSetupError", "preflight", "check_rank_devices", "train", "start_run_dir", "print_summary",
+           "steady_tokens_per_s"]
