@@ -99,3 +99,16 @@ def test_a_llama_may_start_from_weights_trained_at_another_length_but_a_gpt_may_
     assert train(["--init-from", str(gpt), "--seq-len", "16", "--simulate", *QUIET,
                   "--out", str(tmp_path / "refused")]) == 2
     assert "its model has seq_len=32, this run's 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", [["--simulate"], ["--stages", "2"]], ids=["one-process", "pipeline"])
+def test_a_damaged_checkpoint_to_start_from_is_one_line_before_any_rank_starts(first, tmp_path, capsys, how):
+    source = tmp_path / "source"
+    shutil.copytree(first, source)
+    shard = source / "ckpt-000005" / "stage-00.pt"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    out = tmp_path / "refused"
+    assert train(["--init-from", str(source), *how, *QUIET, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"checkpoint shard {shard} is truncated" in err[0], err
+    assert not out.exists()

@@ -190,6 +190,8 @@ def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
         except (KeyError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {resume_dir} does not fit this run ({exc})") from None
         start_step = int(meta["step"])
+    elif cfg.train.init_from is not None:
+        load_checkpoint(cfg.train.init_from, mmap=True)  # verifies its shard files (each rank reads them)
     launch(cfg, resume_dir, lambda: start_run_dir(cfg, resume_dir, start_step))
     if not under_launcher() or os.environ.get("RANK") == "0":
         print_summary(Path(cfg.train.out), cfg, start_step)
