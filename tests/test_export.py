@@ -65,7 +65,7 @@ def _load(directory):
 
 
 def _checkpoint_model(run_dir):
-    """The run's model with its checkpoint's newest weights, and the merged weights themselves."""
+    """(run config, the run's model holding its latest checkpoint's newest weights)."""
     cfg, _, model = ex.load_model(checkpoint_named(str(run_dir), "RUN"))
     return cfg, model
 
