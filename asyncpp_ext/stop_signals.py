@@ -12,6 +12,7 @@ does not stop the run, and a script's background job ignores SIGINT.
 """
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import os
@@ -58,12 +59,43 @@ def signals_handled(handler: Callable, numbers=STOP_SIGNALS) -> Iterator[None]:
             signal.signal(number, signal.SIG_DFL if earlier is None else earlier)
 
 
-def stop_signals_raise():
-    """SIGTERM and SIGHUP raise ``Stopped`` for the block (a context manager)."""
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise ``Stopped`` for the block, and no stop request is lost: Python drops
+    an exception raised where nothing can catch it -- a signal handler run inside a weakref callback
+    or a ``__del__`` that the garbage collector called -- with an "Exception ignored in" note, and
+    the program would run on; such a stop (Ctrl-C's KeyboardInterrupt too) is delivered again, to
+    be raised where the program is once that call returns."""
     def stop(signum, frame):
         raise Stopped(signum)
 
-    return signals_handled(stop, [getattr(signal, n) for n in SIGNAL_NAMES if hasattr(signal, n)])
+    with signals_handled(stop, [getattr(signal, n) for n in SIGNAL_NAMES if hasattr(signal, n)]), \
+            _stops_redelivered():
+        yield
+
+
+@contextlib.contextmanager
+def _stops_redelivered() -> Iterator[None]:
+    """``sys.unraisablehook`` for the block: a dropped KeyboardInterrupt (``Stopped`` included) is
+    raised again as its signal, from a thread of its own: raised here, the handler would run inside
+    this hook, which drops it too; from another thread it runs in the main thread once that is back
+    in the program (or, dropped again, comes back here). Other unraisable exceptions go to the hook
+    before."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            # _thread: threading's start() waits for the thread in Python code, where the handler
+            # would run (and be dropped) again
+            _thread.start_new_thread(signal.raise_signal, (getattr(unraisable.exc_value, "signum", signal.SIGINT),))
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 def die_with_parent(parent: int, exit_code: int = 1) -> None:
