@@ -3,12 +3,22 @@
 The commands make the missing directories of the paths they are told to write (``asyncpp-train
 --out runs/a/b``, ``asyncpp-prepare-data --out data/train.bin``, ``asyncpp-schedule --plot
 plots/t.png``), as users expect of an output path; a command that then fails or is stopped leaves
-nothing behind, those directories included. Standard library only: every layer may use it.
+nothing behind, those directories included; an output file written under a temporary name gets
+the mode a plain open() would have given it (``chmod_as_created``). Standard library only: every
+layer may use it.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+
+def chmod_as_created(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode a plain ``open()`` would have created it with: 0o666 less the
+    process's umask (mkstemp and safetensors make files only their owner may read)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def missing_directories(directory: str | os.PathLike) -> list:

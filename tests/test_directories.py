@@ -1,4 +1,5 @@
 """directories.py: the output directories a command makes, and removes again when it fails."""
+import os
 import pytest
 
 from asyncpp_ext.directories import make_directories, missing_directories, remove_directories
@@ -22,3 +23,20 @@ def test_a_directory_that_cannot_be_made_takes_those_made_before_it_away(tmp_pat
     with pytest.raises(NotADirectoryError):
         make_directories(missing)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_a_file_made_owner_only_gets_the_mode_a_plain_open_gives(tmp_path):
+    import stat
+    import tempfile
+
+    from asyncpp_ext.directories import chmod_as_created
+
+    fd, name = tempfile.mkstemp(dir=tmp_path)  # mkstemp: 0600, whatever the umask
+    os.close(fd)
+    before = os.umask(0o027)
+    try:
+        chmod_as_created(name)
+        assert stat.S_IMODE(os.stat(name).st_mode) == 0o640
+    finally:
+        os.umask(before)
+    assert os.umask(before) == before  # the process's umask is as it was

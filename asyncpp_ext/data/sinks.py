@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from ..directories import chmod_as_created
 from ..stop_signals import Stopped, signals_handled
 from .shards import MANIFEST_FORMAT, MANIFEST_VERSION, manifest_path, shard_path
 from .sources import TOKEN_FORMAT, TOKEN_FORMAT_VERSION, scan_max_token_id, sidecar_path
@@ -222,8 +223,6 @@ def commit_outputs(sinks: list[TokenSink], base: dict, doc_fields: Optional[dict
     stale = [p for sink in sinks for p in _stale_outputs(sink)]
     stale_manifests = [manifest_path(sink.final) for sink in sinks if not sink.shard_tokens
                        and _ours(manifest_path(sink.final), MANIFEST_FORMAT)]
-    umask = os.umask(0)
-    os.umask(umask)
     with _stop_signals_held():
         for path in stale:  # removed first: a stop in between leaves data missing, never doubled
             path.unlink(missing_ok=True)  # before its sidecar, as placing goes the other way
@@ -231,7 +230,7 @@ def commit_outputs(sinks: list[TokenSink], base: dict, doc_fields: Optional[dict
         for path in stale_manifests:
             path.unlink(missing_ok=True)
         for tmp, final in renames + manifests:
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files
+            chmod_as_created(tmp)
             os.replace(tmp, final)
         temps.clear()
     return headers, [final for _, final in manifests], stale

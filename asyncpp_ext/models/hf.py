@@ -53,7 +53,7 @@ INSTALL_HINT = "pip install 'asyncpp_ext[hf]'"
 # transformers import, config reading
 
 
-def _transformers():
+def require_transformers():
     """The transformers module, checked to be installed and recent enough."""
     try:
         import transformers
@@ -104,7 +104,7 @@ def read_config(path: Union[str, os.PathLike]) -> dict:
 def _hf_config(config: dict):
     """A transformers config object for ``config`` with dropout off (every ``*dropout*`` /
     ``*pdrop`` probability set to 0, see the module docstring) and no key/value cache."""
-    transformers = _transformers()
+    transformers = require_transformers()
     values = {k: v for k, v in config.items() if k != "model_type"}
     try:
         hf_config = transformers.AutoConfig.for_model(config["model_type"], **values)
@@ -414,7 +414,7 @@ def from_config(path_or_dict: Union[str, os.PathLike, dict], seed: int = 0) -> H
 def _random_model(config: dict) -> nn.Module:
     """The transformers causal LM of ``config`` (a checked dict), randomly initialised on the
     current default device, float32, sdpa attention, dropout off."""
-    return _transformers().AutoModelForCausalLM.from_config(
+    return require_transformers().AutoModelForCausalLM.from_config(
         _hf_config(config), attn_implementation="sdpa", dtype=torch.float32)
 
 
@@ -471,7 +471,7 @@ def from_pretrained(directory: Union[str, os.PathLike]) -> HFCausalLM:
         raise HFModelError(f"model directory {folder} has no *.safetensors weights; re-save the model "
                            "with save_pretrained() (safetensors format)")
     config = read_config(config_file)
-    transformers = _transformers()
+    transformers = require_transformers()
     hf_config = _hf_config(config)
     with torch.random.fork_rng(devices=[]):  # weights missing from the files would draw from it
         hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(

@@ -28,6 +28,8 @@ from ..command_line import OneLineParser, UsageError
 from ..data import DataError
 from ..data.encode import load_tokenizer
 from ..data.sources import BYTES_TOKENIZER, tokenizer_of
+from ..directories import chmod_as_created
+from ..models.hf import require_transformers
 from ..models.hf_checks import HFModelError
 from ..models.hf_export import DTYPE_NAMES, ExportError, to_transformers
 from ..models.registry import build_model, describe
@@ -149,20 +151,12 @@ def _write_tokenizer(tokenizer, out: Path, config: dict, seq_len: int) -> None:
 # The check
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        return None
-    return transformers
-
-
 def check_logits(model: torch.nn.Module, directory: Path, vocab_size: int, seq_len: int,
                  dtype: torch.dtype) -> tuple[float, float]:
     """(max |logits difference|, max |logits|) of transformers' model loaded from ``directory``
     against ``model`` with its weights rounded to ``dtype`` (both computing in float32), on 2
     sequences of seeded random ids."""
-    transformers = _transformers()
+    transformers = require_transformers()
     logging = transformers.utils.logging
     verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()  # its notes on generation defaults are no part of this
@@ -196,7 +190,7 @@ def _prepare_out(out: str) -> Path:
         raise UsageError("--out is empty; name the model directory to write")
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise UsageError(f"--out {out} exists and is not an empty directory; choose a new one "
-                               "(nothing is overwritten)")
+                         "(nothing is overwritten)")
     parent = path.resolve().parent
     if not parent.is_dir():
         raise UsageError(f"--out {out}: its parent {parent} does not exist; create it first")
@@ -235,18 +229,12 @@ def write_weights(tensors: dict, directory: Path, max_bytes: int, save_file) -> 
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     for name, shard in zip(names, shards):
         save_file(shard, str(directory / name), metadata={"format": "pt"})
-        os.chmod(directory / name, 0o666 & ~_umask())  # safetensors creates it 0600
+        chmod_as_created(directory / name)
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}
         (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return names
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def export(args) -> list[str]:
@@ -255,9 +243,11 @@ def export(args) -> list[str]:
         from safetensors.torch import save_file
     except ImportError:
         raise UsageError(f"writing safetensors needs the safetensors package; run {INSTALL_HINT}") from None
-    if args.check and _transformers() is None:
-        raise UsageError(f"--check loads the model with transformers, which is not installed; run "
-                         f"{INSTALL_HINT}, or pass --no-check")
+    if args.check:
+        try:
+            require_transformers()  # installed and recent enough, as a Hugging Face model needs
+        except HFModelError as exc:
+            raise UsageError(f"--check loads the model with transformers: {exc}; or pass --no-check") from None
     out = _prepare_out(args.out)
     max_shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
     dtype = DTYPES[args.dtype]
