@@ -8,19 +8,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
-from ..data.batches import DEFAULT_EVAL_BATCHES, SAMPLINGS
+from ..data.batches import DEFAULT_EVAL_BATCHES
 from ..models.compile_support import MODES as COMPILE_MODES  # TrainConfig.compile_mode's values
-from ..models.base import MAX_SEED
 from ..models.registry import ModelConfig, as_model_config
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
                               muon_family, optimizer_names, optimizer_spec)
 from ..pipeline.devices import TRANSPORTS
-from ..pipeline.watchdog import MAX_TIMEOUT_S
 from ..precision import auto_precision_name
 from ..schedule.table import SCHEDULES as SCHEDULE_TABLE, schedule_names
-from .field_checks import (ConfigError, choice, non_negative_int, non_negative_number, positive_int,
-                           positive_number)
+from .field_checks import ConfigError
 
 SCHEDULES = schedule_names()
 """Every schedule a run can name (the schedule table, schedule/table.py; read there at validation
@@ -410,99 +407,10 @@ class RunConfig:
         return (self.pipeline.stages > 1 or self.pipeline.dp > 1) and not self.train.simulate
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first field that cannot run (the rules that join several
-        fields: config_rules.py)."""
-        from .config_rules import check_compute, check_delays, check_mitigation
+        """Raise ConfigError naming the first field that cannot run (config_rules.check_run)."""
+        from .config_rules import check_run
 
-        try:
-            self.model = as_model_config(self.model)
-            self.model.validate()
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        positive_int("pipeline.stages", self.pipeline.stages)
-        positive_int("pipeline.microbatches", self.pipeline.microbatches)
-        positive_int("pipeline.micro_batch_size", self.pipeline.micro_batch_size)
-        positive_int("pipeline.dp", self.pipeline.dp)
-        positive_int("train.steps", self.train.steps)
-        non_negative_int("train.eval_every", self.train.eval_every)
-        non_negative_int("train.ckpt_every", self.train.ckpt_every)
-        if self.train.keep_checkpoints is not None:
-            positive_int("train.keep_checkpoints", self.train.keep_checkpoints)
-        non_negative_int("data.eval_batches", self.data.eval_batches)
-        non_negative_int("train.seed", self.train.seed, limit=MAX_SEED)  # torch's and numpy's seeds
-        choice("pipeline.schedule", self.pipeline.schedule, schedule_names())
-        choice("optim.name", self.optim.name, OPTIMIZERS)
-        _check_optimizer_available(self.optim.name)
-        choice("train.device", self.train.device, DEVICES)
-        choice("data.sampling", self.data.sampling, SAMPLINGS)
-        choice("train.dtype", self.train.dtype, DTYPES)
-        choice("optim.ns_dtype", self.optim.ns_dtype, NS_DTYPES)
-        if self.optim.ns_dtype != "auto" and self.optim.name not in MUON_FAMILY:
-            raise ConfigError(f"optim.ns_dtype={self.optim.ns_dtype!r} sets muon's Newton-Schulz dtype, but "
-                              f"the optimizer is {self.optim.name!r}; drop --ns-dtype or use --optimizer muon")
-        choice("pipeline.transport", self.pipeline.transport, TRANSPORTS)
-        if self.pipeline.transport == "nccl" and self.train.device != "cuda":
-            raise ConfigError(f"pipeline.transport='nccl' moves CUDA tensors but train.device="
-                              f"{self.train.device!r}; use --device cuda, or --transport gloo (or torch) on cpu")
-        choice("train.on_nonfinite", self.train.on_nonfinite, NONFINITE_POLICIES)
-        choice("train.nonfinite_check", self.train.nonfinite_check, NONFINITE_CHECKS)
-        check_compute(self)
-        positive_number("train.timeout_s", self.train.timeout_s)
-        if self.train.threads is not None:
-            positive_int("train.threads", self.train.threads, limit=MAX_THREADS)
-        if self.train.timeout_s < MIN_TIMEOUT_S:
-            raise ConfigError(f"train.timeout_s must be at least {MIN_TIMEOUT_S:g} s (the process group's "
-                              f"collectives use it too), got {self.train.timeout_s!r}")
-        if self.train.timeout_s > MAX_TIMEOUT_S:
-            raise ConfigError(f"train.timeout_s must be at most {MAX_TIMEOUT_S:g} s (about 3 years, the longest "
-                              f"the process group can wait), got {self.train.timeout_s!r}; use {MAX_TIMEOUT_S:g} "
-                              "for no practical limit")
-        if not isinstance(self.train.out, str) or not self.train.out.strip():
-            raise ConfigError(f"train.out must name the run directory, got {self.train.out!r}")
-        for name, value in (("data.source", self.data.source), ("data.val_source", self.data.val_source)):
-            if value is not None and (not isinstance(value, str) or not value.strip()):  # '' reads as '.'
-                raise ConfigError(f"{name} must name a file, directory, glob or manifest (or builtin), "
-                                  f"got {value!r}")
-        if self.optim.lr is not None:
-            positive_number("optim.lr", self.optim.lr)
-        if self.optim.adamw_lr is not None:
-            positive_number("optim.adamw_lr", self.optim.adamw_lr)
-            if self.optim.name not in MUON_FAMILY:
-                raise ConfigError(f"optim.adamw_lr is the learning rate of muon's AdamW part; it "
-                                  f"does not apply to optim.name={self.optim.name!r} (use --lr)")
-        non_negative_number("optim.weight_decay", self.optim.weight_decay)
-        check_mitigation(self)
-        non_negative_number("optim.momentum", self.optim.momentum)
-        if self.optim.clip_grad_norm is not None:
-            positive_number("optim.clip_grad_norm", self.optim.clip_grad_norm)
-            if self.optim.clip_grad_norm == float("inf"):
-                raise ConfigError("optim.clip_grad_norm must be finite; leave --clip-grad-norm out to not clip")
-        non_negative_int("optim.warmup_steps", self.optim.warmup_steps)
-        try:
-            self.lr_schedule().validate(LR_SCHEDULE_FLAGS)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if self.optim.min_lr_ratio is not None and self.optim.lr_schedule == "constant":
-            raise ConfigError("--min-lr-ratio is where cosine and wsd decay to; the constant schedule never "
-                              "decays: drop --min-lr-ratio or pass --lr-schedule cosine or wsd")
-        if not 0 < self.data.eval_fraction < 1:
-            raise ConfigError(f"data.eval_fraction must be in (0, 1), got {self.data.eval_fraction}")
-        blocks = self.model.num_blocks
-        if self.pipeline.stages > blocks:
-            raise ConfigError(f"pipeline.stages={self.pipeline.stages} exceeds the model's {blocks} "
-                              f"blocks (n_layer {self.model.n_layer} + embedding + head); use "
-                              f"--stages <= {blocks} or a deeper model (--n-layer)")
-        check_delays(self)
-
-
-def _check_optimizer_available(name: str) -> None:
-    """A library optimizer whose optional package is missing fails here, before any run starts."""
-    from ..optim.library import check_available
-
-    try:
-        check_available(name)
-    except ValueError as exc:
-        raise ConfigError(f"optim.name={name!r}: {exc}") from None
+        check_run(self)
 
 
 # Fields that change the numbers a run produces: a checkpoint resumed under a different value of

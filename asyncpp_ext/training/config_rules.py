@@ -1,15 +1,24 @@
-"""The configuration rules that join several fields (``RunConfig.validate`` calls them): error
-feedback and the staleness mitigations against the schedule, the schedule's delays, and how the
-stages compute. Each raises ConfigError naming the first field that cannot run and what to do."""
+"""The checks ``RunConfig.validate`` runs (``check_run``): each field's range, and the rules that
+join several fields -- error feedback and the staleness mitigations against the schedule, the
+schedule's delays, and how the stages compute. Each raises ConfigError naming the first field that
+cannot run and what to do."""
 from __future__ import annotations
 
+from ..data.batches import SAMPLINGS
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_MITIGATIONS
 from ..optim.versioned import EF_SOURCES
-from ..schedule.table import schedule_spec
+from ..schedule.table import schedule_names, schedule_spec
 from ..models.attention import ATTENTION_BACKENDS
+from ..models.base import MAX_SEED
 from ..models.compile_support import check_inductor_options
-from .config import COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, EF_BETA_MAX, HEAD_LOSSES, MUON_FAMILY, OptimConfig, RunConfig
-from .field_checks import ConfigError, choice, non_negative_number, positive_int
+from ..models.registry import as_model_config
+from ..pipeline.devices import TRANSPORTS
+from ..pipeline.watchdog import MAX_TIMEOUT_S
+from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DEVICES, DTYPES, EF_BETA_MAX, HEAD_LOSSES,
+                     LR_SCHEDULE_FLAGS, MAX_THREADS, MIN_TIMEOUT_S, MUON_FAMILY, NONFINITE_CHECKS,
+                     NONFINITE_POLICIES, NS_DTYPES, OPTIMIZERS, OptimConfig, RunConfig)
+from .field_checks import (ConfigError, choice, non_negative_int, non_negative_number, positive_int,
+                           positive_number)
 from .profiling import ProfileSpecError, parse_profile_steps
 
 
@@ -150,3 +159,97 @@ def check_compute(cfg: RunConfig) -> None:
 
 
 __all__ = ["check_compute", "check_delays", "check_mitigation"]
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Raise ConfigError naming the first field of ``cfg`` that cannot run: each field's own range
+    here, the rules that join several fields in the functions above."""
+    try:
+        cfg.model = as_model_config(cfg.model)
+        cfg.model.validate()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    positive_int("pipeline.stages", cfg.pipeline.stages)
+    positive_int("pipeline.microbatches", cfg.pipeline.microbatches)
+    positive_int("pipeline.micro_batch_size", cfg.pipeline.micro_batch_size)
+    positive_int("pipeline.dp", cfg.pipeline.dp)
+    positive_int("train.steps", cfg.train.steps)
+    non_negative_int("train.eval_every", cfg.train.eval_every)
+    non_negative_int("train.ckpt_every", cfg.train.ckpt_every)
+    if cfg.train.keep_checkpoints is not None:
+        positive_int("train.keep_checkpoints", cfg.train.keep_checkpoints)
+    non_negative_int("data.eval_batches", cfg.data.eval_batches)
+    non_negative_int("train.seed", cfg.train.seed, limit=MAX_SEED)  # torch's and numpy's seeds
+    choice("pipeline.schedule", cfg.pipeline.schedule, schedule_names())
+    choice("optim.name", cfg.optim.name, OPTIMIZERS)
+    _check_optimizer_available(cfg.optim.name)
+    choice("train.device", cfg.train.device, DEVICES)
+    choice("data.sampling", cfg.data.sampling, SAMPLINGS)
+    choice("train.dtype", cfg.train.dtype, DTYPES)
+    choice("optim.ns_dtype", cfg.optim.ns_dtype, NS_DTYPES)
+    if cfg.optim.ns_dtype != "auto" and cfg.optim.name not in MUON_FAMILY:
+        raise ConfigError(f"optim.ns_dtype={cfg.optim.ns_dtype!r} sets muon's Newton-Schulz dtype, but "
+                          f"the optimizer is {cfg.optim.name!r}; drop --ns-dtype or use --optimizer muon")
+    choice("pipeline.transport", cfg.pipeline.transport, TRANSPORTS)
+    if cfg.pipeline.transport == "nccl" and cfg.train.device != "cuda":
+        raise ConfigError(f"pipeline.transport='nccl' moves CUDA tensors but train.device="
+                          f"{cfg.train.device!r}; use --device cuda, or --transport gloo (or torch) on cpu")
+    choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
+    choice("train.nonfinite_check", cfg.train.nonfinite_check, NONFINITE_CHECKS)
+    check_compute(cfg)
+    positive_number("train.timeout_s", cfg.train.timeout_s)
+    if cfg.train.threads is not None:
+        positive_int("train.threads", cfg.train.threads, limit=MAX_THREADS)
+    if cfg.train.timeout_s < MIN_TIMEOUT_S:
+        raise ConfigError(f"train.timeout_s must be at least {MIN_TIMEOUT_S:g} s (the process group's "
+                          f"collectives use it too), got {cfg.train.timeout_s!r}")
+    if cfg.train.timeout_s > MAX_TIMEOUT_S:
+        raise ConfigError(f"train.timeout_s must be at most {MAX_TIMEOUT_S:g} s (about 3 years, the longest "
+                          f"the process group can wait), got {cfg.train.timeout_s!r}; use {MAX_TIMEOUT_S:g} "
+                          "for no practical limit")
+    if not isinstance(cfg.train.out, str) or not cfg.train.out.strip():
+        raise ConfigError(f"train.out must name the run directory, got {cfg.train.out!r}")
+    for name, value in (("data.source", cfg.data.source), ("data.val_source", cfg.data.val_source)):
+        if value is not None and (not isinstance(value, str) or not value.strip()):  # '' reads as '.'
+            raise ConfigError(f"{name} must name a file, directory, glob or manifest (or builtin), "
+                              f"got {value!r}")
+    if cfg.optim.lr is not None:
+        positive_number("optim.lr", cfg.optim.lr)
+    if cfg.optim.adamw_lr is not None:
+        positive_number("optim.adamw_lr", cfg.optim.adamw_lr)
+        if cfg.optim.name not in MUON_FAMILY:
+            raise ConfigError(f"optim.adamw_lr is the learning rate of muon's AdamW part; it "
+                              f"does not apply to optim.name={cfg.optim.name!r} (use --lr)")
+    non_negative_number("optim.weight_decay", cfg.optim.weight_decay)
+    check_mitigation(cfg)
+    non_negative_number("optim.momentum", cfg.optim.momentum)
+    if cfg.optim.clip_grad_norm is not None:
+        positive_number("optim.clip_grad_norm", cfg.optim.clip_grad_norm)
+        if cfg.optim.clip_grad_norm == float("inf"):
+            raise ConfigError("optim.clip_grad_norm must be finite; leave --clip-grad-norm out to not clip")
+    non_negative_int("optim.warmup_steps", cfg.optim.warmup_steps)
+    try:
+        cfg.lr_schedule().validate(LR_SCHEDULE_FLAGS)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.optim.min_lr_ratio is not None and cfg.optim.lr_schedule == "constant":
+        raise ConfigError("--min-lr-ratio is where cosine and wsd decay to; the constant schedule never "
+                          "decays: drop --min-lr-ratio or pass --lr-schedule cosine or wsd")
+    if not 0 < cfg.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
+    blocks = cfg.model.num_blocks
+    if cfg.pipeline.stages > blocks:
+        raise ConfigError(f"pipeline.stages={cfg.pipeline.stages} exceeds the model's {blocks} "
+                          f"blocks (n_layer {cfg.model.n_layer} + embedding + head); use "
+                          f"--stages <= {blocks} or a deeper model (--n-layer)")
+    check_delays(cfg)
+
+
+def _check_optimizer_available(name: str) -> None:
+    """A library optimizer whose optional package is missing fails here, before any run starts."""
+    from ..optim.library import check_available
+
+    try:
+        check_available(name)
+    except ValueError as exc:
+        raise ConfigError(f"optim.name={name!r}: {exc}") from None
