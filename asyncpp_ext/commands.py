@@ -54,6 +54,14 @@ def export(argv: Optional[Sequence[str]] = None) -> int:
     return _import_then_run("asyncpp-export", load, argv)
 
 
+def sample(argv: Optional[Sequence[str]] = None) -> int:
+    """``asyncpp-sample`` (training/sample.py)."""
+    def load():
+        from .training.sample import main
+        return main
+    return _import_then_run("asyncpp-sample", load, argv)
+
+
 def schedule(argv: Optional[Sequence[str]] = None) -> int:
     """``asyncpp-schedule`` (schedule/cli.py)."""
     def load():
@@ -62,4 +70,4 @@ def schedule(argv: Optional[Sequence[str]] = None) -> int:
     return _import_then_run("asyncpp-schedule", load, argv)
 
 
-__all__ = ["export", "prepare_data", "schedule", "train"]
+__all__ = ["export", "prepare_data", "sample", "schedule", "train"]

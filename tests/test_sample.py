@@ -1,0 +1,276 @@
+"""``asyncpp-sample`` and models/generate.py: the text a checkpoint writes after a prompt. Greedy
+output equals an independent loop over the model's full forward (bytes and a BPE run, the window
+slid past seq_len); seeded draws repeat and stay inside top-k / top-p; the end-of-text token ends a
+sample; bad inputs give one line and exit 2."""
+import math
+
+import pytest
+import torch
+
+from asyncpp_ext.models import generate as gen
+from asyncpp_ext.models.registry import build_model, model_config
+from asyncpp_ext.training import sample as sm
+from asyncpp_ext.training.checkpoint import checkpoint_named
+from asyncpp_ext.training.cli import main as train
+from asyncpp_ext.training.export import load_model
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture(scope="module")
+def byte_run(tmp_path_factory):
+    """The tiny GPT (seq_len 32) trained 3 steps on the built-in corpus (UTF-8 bytes)."""
+    out = tmp_path_factory.mktemp("sample") / "run"
+    assert train(["--model", "tiny", "--seq-len", "32", "--simulate", "--steps", "3", "--no-progress",
+                  "--eval-batches", "0", "--out", str(out)]) == 0
+    return out
+
+
+def _sample(argv, capsys):
+    rc = sm.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _greedy(model, ids: list[int], n: int, window: int, allowed: int | None = None) -> list[int]:
+    """n greedy ids after ``ids``: the full forward's last logits over the newest ``window`` ids."""
+    drawn = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([(ids + drawn)[-window:]]))[0][0, -1]
+            if allowed is not None:
+                logits = logits[:allowed]
+            drawn.append(int(torch.argmax(logits)))
+    return drawn
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_the_last_positions_logits_are_the_full_forwards(name):
+    model = build_model(model_config(name), seed=3).eval()
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids)[0][:, -1]
+        last = gen.last_logits(model, ids)
+    torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_text_is_the_full_forwards_argmax_with_the_window_slid_past_seq_len(byte_run, capsys):
+    """48 new bytes after a 10-byte prompt: the last 26 draws see a window that no longer holds the
+    prompt's start (seq_len 32)."""
+    rc, out, err = _sample([byte_run, "--prompt", "def main(x", "--temperature", "0", "--max-new-tokens", "48"],
+                           capsys)
+    assert rc == 0, err
+    _, _, model = load_model(checkpoint_named(str(byte_run), "RUN"))
+    expected = _greedy(model, list(b"def main(x"), 48, window=32)
+    assert out == (b"def main(x" + bytes(expected)).decode("utf-8", "replace") + "\n"
+    assert "48 drawn" in err and "greedy" in err and err.count("\n") == 1
+
+
+def test_generate_slides_the_window_past_seq_len():
+    """An untrained model with large weights (its greedy choice depends on the whole window): 30
+    new ids after 10, seq_len 16."""
+    model = build_model(model_config("tiny", seq_len=16, init_std=0.3), seed=0).eval()
+    prompt = list(b"def main(x")
+    steps = gen.generate(model, torch.tensor([prompt]), 30, window=16, temperature=0)
+    drawn = torch.stack(list(steps))[:, 0].tolist()
+    assert drawn == _greedy(model, prompt, 30, window=16)
+    assert drawn != _greedy(model, prompt, 30, window=15)  # what the window holds changes the choices
+
+
+def test_without_a_prompt_a_byte_run_starts_after_a_newline_it_does_not_print(byte_run, capsys):
+    rc, out, _ = _sample([byte_run, "--temperature", "0", "--max-new-tokens", "20"], capsys)
+    assert rc == 0
+    _, _, model = load_model(checkpoint_named(str(byte_run), "RUN"))
+    assert out == bytes(_greedy(model, [10], 20, window=32)).decode("utf-8", "replace") + "\n"
+
+
+def test_the_same_seed_draws_the_same_text_and_another_seed_other_text(byte_run, capsys):
+    texts = []
+    for seed in (1, 1, 2):
+        rc, out, _ = _sample([byte_run, "--prompt", "import ", "--temperature", "1", "--max-new-tokens", "40",
+                              "--seed", seed], capsys)
+        assert rc == 0
+        texts.append(out)
+    assert texts[0] == texts[1] and texts[0] != texts[2]
+    # top-k 1 leaves one id to draw: greedy whatever the temperature and seed
+    rc, greedy, _ = _sample([byte_run, "--prompt", "import ", "--temperature", "0", "--max-new-tokens", "40"], capsys)
+    rc_k, top1, _ = _sample([byte_run, "--prompt", "import ", "--temperature", "1", "--top-k", "1",
+                             "--max-new-tokens", "40", "--seed", "2"], capsys)
+    assert rc == rc_k == 0 and top1 == greedy
+
+
+def test_several_samples_are_printed_between_separators(byte_run, capsys):
+    rc, single, _ = _sample([byte_run, "--prompt", "class ", "--temperature", "0", "--max-new-tokens", "12"], capsys)
+    assert rc == 0
+    rc, out, err = _sample([byte_run, "--prompt", "class ", "--temperature", "0", "--max-new-tokens", "12",
+                            "--samples", "3"], capsys)
+    assert rc == 0 and "3 x up to 12 tokens, 36 drawn" in err
+    assert out == (sm.SEPARATOR + "\n").join([single] * 3)  # greedy: the batch's rows alike
+    rc, out, _ = _sample([byte_run, "--prompt", "class ", "--temperature", "1.5", "--max-new-tokens", "30",
+                          "--samples", "3"], capsys)
+    blocks = out.split(sm.SEPARATOR + "\n")
+    assert rc == 0 and len(blocks) == 3 and len(set(blocks)) == 3 and all(b.startswith("class ") for b in blocks)
+
+
+def test_top_k_and_top_p_keep_the_ids_they_name():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]]))
+    kept = lambda **cut: torch.isfinite(gen.filter_logits(logits, **cut))[0].tolist()  # noqa: E731
+    assert kept(top_k=2) == [False, True, False, True]
+    assert kept(top_k=1) == [False, True, False, False]
+    assert kept(top_p=0.79) == [False, True, False, True]  # 0.5 + 0.3 reach it
+    assert kept(top_p=0.81) == [False, True, True, True]
+    assert kept(top_p=0.1) == [False, True, False, False]  # the most likely id always stays
+    # after top-k the nucleus is of the renormalised probabilities: 0.5 and 0.3 of 0.95 sum to 0.842
+    assert kept(top_k=3, top_p=0.84) == [False, True, False, True]
+    assert kept(top_k=3, top_p=0.85) == [False, True, True, True]
+
+
+def test_draws_follow_the_renormalised_probabilities_inside_top_k():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]])).repeat(20_000, 1)
+    ids = gen.choose_next(logits, temperature=1.0, top_k=2, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(ids, minlength=4).double() / len(ids)
+    assert counts[0] == 0 and counts[2] == 0
+    assert abs(counts[1].item() - 0.5 / 0.8) < 0.015 and abs(counts[3].item() - 0.3 / 0.8) < 0.015
+    hot = gen.choose_next(logits[:2000], temperature=0.25, generator=torch.Generator().manual_seed(0))
+    # temperature 1/4 raises each probability to the 4th power before normalising
+    p = torch.tensor([0.05, 0.5, 0.15, 0.3]) ** 4
+    assert abs((hot == 1).double().mean().item() - (p[1] / p.sum()).item()) < 0.03
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
+    model = build_model(model_config("tiny"), seed=0).eval()
+    steps = gen.generate(model, torch.zeros(4, 3, dtype=torch.long), 30, window=64, temperature=5.0,
+                         allowed=7, generator=torch.Generator().manual_seed(0))
+    drawn = torch.stack(list(steps))
+    assert drawn.shape == (30, 4) and int(drawn.max()) < 7 and len(torch.unique(drawn)) > 3
+
+
+def test_text_is_printed_as_whole_characters_as_their_bytes_arrive():
+    import io
+    stream = io.StringIO()
+    printer = sm.Printer(sm.decoder(sm.ByteTokenizer()), stream)
+    for byte in "aé€".encode():
+        printer.add(byte)
+        assert "\ufffd" not in stream.getvalue()
+    printer.finish()
+    assert stream.getvalue() == "aé€\n"
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory):
+    """A llama-tiny run on data prepared with a byte-level BPE whose documents end in <|endoftext|>."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from asyncpp_ext.data import builtin_corpus
+    from asyncpp_ext.data import prepare as prep
+    root = tmp_path_factory.mktemp("sample_bpe")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    text = bytes(builtin_corpus()[:40_000]).decode("utf-8", "ignore")
+    tok.train_from_iterator(text.splitlines(keepends=True), tokenizers.trainers.BpeTrainer(
+        vocab_size=300, show_progress=False, special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tokenizer.json"))
+    (root / "corpus.txt").write_text(text)
+    assert prep.main(["--tokenizer", str(root / "tokenizer.json"), "--input", str(root / "corpus.txt"),
+                      "--out", str(root / "data" / "c.bin")]) == 0
+    # an embedding wider than the tokenizer's 300 ids: the extra ids must never be drawn
+    assert train(["--model", "llama-tiny", "--vocab-size", "320", "--data", str(root / "data" / "c.bin"),
+                  "--simulate", "--steps", "2", "--no-progress", "--eval-batches", "0",
+                  "--out", str(root / "run")]) == 0
+    return root, tok
+
+
+def test_a_bpe_run_encodes_and_decodes_with_the_tokenizer_its_data_was_prepared_with(bpe_run, capsys):
+    root, tok = bpe_run
+    prompt = "def f(self):\n    return"
+    rc, out, err = _sample([root / "run", "--prompt", prompt, "--temperature", "0", "--max-new-tokens", "30",
+                            "--no-stop-at-eos"], capsys)
+    assert rc == 0, err
+    cfg, _, model = load_model(checkpoint_named(str(root / "run"), "RUN"))
+    ids = tok.encode(prompt).ids
+    drawn = _greedy(model, ids, 30, window=cfg.model.seq_len, allowed=300)
+    assert out == tok.decode(ids + drawn, skip_special_tokens=False) + "\n"
+    rc, out, _ = _sample([root / "run", "--temperature", "0", "--max-new-tokens", "10", "--no-stop-at-eos"], capsys)
+    eos = tok.token_to_id("<|endoftext|>")
+    assert rc == 0 and out == tok.decode(_greedy(model, [eos], 10, window=cfg.model.seq_len, allowed=300),
+                                         skip_special_tokens=False) + "\n"
+
+
+def test_the_end_of_text_token_ends_a_sample(bpe_run, capsys, monkeypatch):
+    root, tok = bpe_run
+    eos, a, b = tok.token_to_id("<|endoftext|>"), tok.token_to_id("a"), tok.token_to_id("b")
+    rows = [[a, a], [b, eos], [eos, b], [a, b]]  # row 0 ends at step 2, row 1 at step 1
+
+    def scripted(model, prompt, max_new_tokens, **_):
+        for step in rows[:max_new_tokens]:
+            yield torch.tensor(step)
+
+    monkeypatch.setattr(sm, "generate", scripted)
+    rc, out, err = _sample([root / "run", "--prompt", "x", "--samples", "2", "--max-new-tokens", "4"], capsys)
+    assert rc == 0 and out == f"xab\n{sm.SEPARATOR}\nxa\n" and "5 drawn" in err
+    rc, out, _ = _sample([root / "run", "--prompt", "x", "--samples", "2", "--max-new-tokens", "4",
+                          "--no-stop-at-eos"], capsys)
+    assert rc == 0 and out.split(f"{sm.SEPARATOR}\n")[0] == tok.decode(
+        tok.encode("x").ids + [a, b, eos, a], skip_special_tokens=False) + "\n"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--samples", "0"], "--samples must be at least 1"),
+    (["--tokenizer", "none"], "--tokenizer none: sampling encodes the prompt"),
+    (["--tokenizer", "missing.json"], "the run trained on UTF-8 bytes"),
+])
+def test_bad_inputs_give_one_line_and_exit_2(byte_run, capsys, flags, words):
+    rc, out, err = _sample([byte_run, *flags], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("asyncpp-sample: error: "), err
+    assert words in err
+
+
+def test_a_run_without_a_checkpoint_and_a_bpe_run_without_its_tokenizer_are_one_line(bpe_run, tmp_path, capsys):
+    rc, _, err = _sample([tmp_path, "--prompt", "x"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "checkpoint" in err
+    root, _ = bpe_run
+    moved = tmp_path / "elsewhere.json"
+    (root / "tokenizer.json").rename(moved)
+    try:
+        rc, out, err = _sample([root / "run", "--prompt", "x"], capsys)
+        assert rc == 2 and out == "" and err.count("\n") == 1
+        assert "the run's tokenizer is unknown" in err and "--tokenizer FILE" in err
+        rc, out, _ = _sample([root / "run", "--prompt", "x", "--tokenizer", moved, "--max-new-tokens", "3"], capsys)
+        assert rc == 0 and out.startswith("x")
+    finally:
+        moved.rename(root / "tokenizer.json")
+
+
+@pytest.mark.parametrize("failure, rc, line", [
+    (KeyboardInterrupt(), 130, "asyncpp-sample: interrupted"),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1, "asyncpp-sample: error: out of memory"),
+])
+def test_a_stop_or_out_of_memory_mid_sample_keeps_the_text_drawn_and_ends_with_a_line(byte_run, capsys, monkeypatch,
+                                                                                     failure, rc, line):
+    def failing(model, prompt, max_new_tokens, **_):
+        yield torch.tensor([ord("a")])
+        yield torch.tensor([ord("b")])
+        raise failure
+
+    monkeypatch.setattr(sm, "generate", failing)
+    code, out, err = _sample([byte_run, "--prompt", "x"], capsys)
+    assert code == rc and out == "xab" and err.strip().count("\n") == 0 and err.strip().startswith(line), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_one_line(byte_run, capsys):
+    rc, _, err = _sample([byte_run, "--device", "cuda"], capsys)
+    assert rc == 2 and "no CUDA device is visible" in err
+
+
+def test_temperature_zero_ignores_the_generator():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 2.0]])
+    assert gen.choose_next(logits, temperature=0).tolist() == [1, 0]
+    assert math.isinf(gen.filter_logits(logits, top_k=1)[0, 0].item())
