@@ -54,6 +54,19 @@ def test_the_last_positions_logits_are_the_full_forwards(name):
     torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
 
 
+def test_a_hugging_face_models_last_logits_are_its_full_forwards():
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install 'asyncpp_ext[hf]'")
+    from asyncpp_ext.models import hf
+    model = hf.from_config({"model_type": "qwen2", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+                            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "max_position_embeddings": 64, "tie_word_embeddings": True}, seed=1).eval()
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids)[0][:, -1]
+        last = gen.last_logits(model, ids)
+    torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
+
+
 def test_greedy_text_is_the_full_forwards_argmax_with_the_window_slid_past_seq_len(byte_run, capsys):
     """48 new bytes after a 10-byte prompt: the last 26 draws see a window that no longer holds the
     prompt's start (seq_len 32)."""
