@@ -54,6 +54,14 @@ def export(argv: Optional[Sequence[str]] = None) -> int:
     return _import_then_run("asyncpp-export", load, argv)
 
 
+def evaluate(argv: Optional[Sequence[str]] = None) -> int:
+    """``asyncpp-eval`` (training/evaluation.py)."""
+    def load():
+        from .training.evaluation import main
+        return main
+    return _import_then_run("asyncpp-eval", load, argv)
+
+
 def sample(argv: Optional[Sequence[str]] = None) -> int:
     """``asyncpp-sample`` (training/sample.py)."""
     def load():
@@ -70,4 +78,4 @@ def schedule(argv: Optional[Sequence[str]] = None) -> int:
     return _import_then_run("asyncpp-schedule", load, argv)
 
 
-__all__ = ["export", "prepare_data", "sample", "schedule", "train"]
+__all__ = ["evaluate", "export", "prepare_data", "sample", "schedule", "train"]

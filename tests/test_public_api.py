@@ -29,11 +29,13 @@ PROMISED = {
     "asyncpp_ext.training.cli": ["main"],
     "asyncpp_ext.schedule.cli": ["main"],
     "asyncpp_ext.train": ["main"],
-    "asyncpp_ext.commands": ["train", "prepare_data", "schedule", "export", "sample"],
+    "asyncpp_ext.commands": ["train", "prepare_data", "schedule", "export", "sample", "evaluate"],
     "asyncpp_ext.export": ["main"],
     "asyncpp_ext.training.export": ["main"],
     "asyncpp_ext.sample": ["main"],
     "asyncpp_ext.training.sample": ["main"],
+    "asyncpp_ext.eval": ["main"],
+    "asyncpp_ext.training.evaluation": ["main"],
     "asyncpp_ext.models.generate": ["generate", "choose_next", "filter_logits", "last_logits"],
     "asyncpp_ext.gpu_check": ["main"],
 }
@@ -66,7 +68,7 @@ def test_console_scripts_resolve_to_callables():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(scripts) >= {"asyncpp-train", "asyncpp-schedule", "asyncpp-prepare-data", "asyncpp-export",
-                            "asyncpp-sample"}
+                            "asyncpp-sample", "asyncpp-eval"}
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), f"{name} -> {target}"
@@ -74,7 +76,7 @@ def test_console_scripts_resolve_to_callables():
 
 @pytest.mark.parametrize("module", ["asyncpp_ext.train", "asyncpp_ext.schedule", "asyncpp_ext", "asyncpp_ext.gpu_check",
                                     "asyncpp_ext.data.prepare", "asyncpp_ext.export",
-                                    "asyncpp_ext.sample"])
+                                    "asyncpp_ext.sample", "asyncpp_ext.eval"])
 def test_python_dash_m_entry_points_answer_help(module):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr

@@ -1,0 +1,170 @@
+"""``asyncpp-eval``: the held-out loss of one or more checkpoints, side by side.
+
+Each checkpoint's newest weights (loaded as ``asyncpp-export`` loads them) are evaluated on a fixed
+set of windows: by default the run's own evaluation set -- the same windows, as many batches of
+the same size, as training evaluated on, so the loss equals the run's ``eval_loss`` at that step
+-- or on ``--data FILE`` (a held-out file made with the run's tokenizer), where runs of one
+``seq_len`` evaluated with the same ``--batches`` and ``--batch-size`` see the very same windows:
+runs of different schedules or optimizers compared on equal terms. The loss is the mean cross
+entropy per token in nats (the mean of the batches' means), its perplexity exp(loss), and for a
+run on bytes its bits per byte (loss / ln 2).
+
+A table goes to stdout, and with ``--json FILE`` its rows as a JSON list. A bad input ends with one
+line ``asyncpp-eval: error: ...`` and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..command_line import OneLineParser, UsageError
+from ..data import DataError, eval_batches, load_tokens, split_tokens
+from ..data.sources import BYTES_TOKENIZER, describe_tokenizer, tokenizer_of, tokenizers_differ
+from ..models.hf_checks import HFModelError
+from ..oom import out_of_memory
+from ..stop_signals import Stopped, stop_signals_raise
+from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints
+from .config import ConfigError
+from .export import load_model
+from .run_files import write_text_atomic
+
+PROG = "asyncpp-eval"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="run directories (the latest checkpoint of each) or checkpoint directories, ckpt-NNNNNN")
+    p.add_argument("--data", metavar="FILE",
+                   help="evaluate on this file, glob, directory or manifest (the formats of asyncpp-train "
+                        "--data; made with the runs' tokenizer) instead of each run's own evaluation set")
+    p.add_argument("--batches", type=int, metavar="N",
+                   help="batches of windows to evaluate, spread evenly over the data (default: the run's "
+                        "--eval-batches)")
+    p.add_argument("--batch-size", type=int, metavar="B",
+                   help="windows per batch (default: the run's micro-batch size times --dp, as it evaluated)")
+    p.add_argument("--every-checkpoint", action="store_true",
+                   help="evaluate every checkpoint of each run directory, not only its latest (a loss curve)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list to FILE")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the model runs (float32): auto = cuda when a GPU is visible (default auto)")
+    return p
+
+
+def check_arguments(args) -> None:
+    for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
+        raise UsageError(f"--json {args.json}: its directory does not exist")
+
+
+def checkpoints_of(run: str, every: bool) -> list[Path]:
+    """The checkpoints named by ``run``: its latest (or the one given), or all of a run directory's."""
+    path = Path(run)
+    if every and path.is_dir() and not path.name.startswith("ckpt-"):
+        found = [p for _, p in list_checkpoints(path)]
+        if found:
+            return found
+    return [checkpoint_named(run, "RUN")]
+
+
+def evaluation_set(cfg, data: Optional[str], batches: Optional[int], batch_size: Optional[int]) -> tuple[list, str]:
+    """(the (inputs, targets) batches to evaluate ``cfg``'s model on, what they are)."""
+    count = cfg.data.eval_batches if batches is None else batches
+    size = cfg.pipeline.global_micro_batch_size if batch_size is None else batch_size
+    if count == 0:
+        raise UsageError("the run never evaluated (--eval-batches 0): pass --batches N")
+    vocab, seq_len = cfg.model.vocab_size, cfg.model.seq_len
+    if data is None and cfg.data.val_source is not None:
+        tokens = load_tokens(cfg.data.val_source, vocab, flag="--val-data")
+        return eval_batches(tokens, size, seq_len, count, vocab, f"--val-data {cfg.data.val_source}"), \
+            cfg.data.val_source
+    if data is None:  # the split training made (where it falls does not depend on the batch size)
+        tokens = split_tokens(load_tokens(cfg.data.source, vocab), cfg.data.eval_fraction, 1, seq_len,
+                              source=cfg.data.source)[1]
+        return eval_batches(tokens, size, seq_len, count, vocab, f"--data {cfg.data.source}"), \
+            f"the held-out {cfg.data.eval_fraction:g} of {cfg.data.source}"
+    theirs, ours = tokenizer_of(data), tokenizer_of(cfg.data.source) if cfg.data.source else None
+    if tokenizers_differ(ours, theirs):
+        raise DataError(f"--data {data} holds ids of {describe_tokenizer(theirs)} but the run trained on those of "
+                        f"{describe_tokenizer(ours)}: its loss would mean nothing; evaluate on data made with the "
+                        "run's tokenizer")
+    tokens = load_tokens(data, vocab)
+    return eval_batches(tokens, size, seq_len, count, vocab, f"--data {data}"), data
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, batches: list, device: torch.device) -> float:
+    """The mean over ``batches`` of each batch's mean cross entropy (nats per token)."""
+    total = 0.0
+    for x, y in batches:
+        _, loss = model(x.to(device), y.to(device))
+        total += loss.item()
+    return total / len(batches)
+
+
+def evaluate(args) -> list[dict]:
+    """One row per checkpoint; prints the table as rows are done."""
+    check_arguments(args)
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    ckpts = [(run, ckpt) for run in args.runs for ckpt in checkpoints_of(run, args.every_checkpoint)]
+    rows = []
+    print(f"{'checkpoint':<44} {'step':>7} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'tokens':>10} {'s':>6}")
+    for run, ckpt in ckpts:
+        cfg, step, model = load_model(ckpt)
+        batches, what = evaluation_set(cfg, args.data, args.batches, args.batch_size)
+        start = time.perf_counter()
+        loss = mean_loss(model.to(device), batches, device)
+        mark = tokenizer_of(cfg.data.source) if cfg.data.source else None
+        on_bytes = mark is not None and mark["tokenizer"] == BYTES_TOKENIZER
+        row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "loss": loss,
+               "perplexity": math.exp(loss) if loss < 700 else math.inf,
+               "bits_per_byte": loss / math.log(2) if on_bytes else None,
+               "tokens": sum(int(y.numel()) for _, y in batches), "data": what,
+               "seconds": time.perf_counter() - start}
+        rows.append(row)
+        bpb = f"{row['bits_per_byte']:.4f}" if on_bytes else "-"
+        print(f"{str(ckpt)[-44:]:<44} {step:>7} {loss:>8.4f} {row['perplexity']:>9.3f} {bpb:>9} "
+              f"{row['tokens']:>10,} {row['seconds']:>6.1f}", flush=True)
+    datas = sorted({r["data"] for r in rows})
+    print(f"data: {datas[0]}" if len(datas) == 1 else "data: each run's own evaluation set (pass --data to compare "
+          "runs on the same windows)")
+    if args.json is not None:
+        write_text_atomic(Path(args.json), json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def main(argv: Optional[list] = None) -> int:
+    try:
+        with stop_signals_raise():
+            evaluate(build_parser().parse_args(argv))
+        return 0
+    except KeyboardInterrupt as exc:
+        what = f"stopped by {exc.name}" if isinstance(exc, Stopped) else "interrupted"
+        sys.stdout.flush()
+        sys.stderr.write(f"\n{PROG}: {what}\n")
+        return 128 + exc.signum if isinstance(exc, Stopped) else 130
+    except (UsageError, CheckpointError, ConfigError, DataError, HFModelError) as exc:
+        sys.stdout.flush()
+        sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
+        return 2
+    except (MemoryError, RuntimeError) as exc:
+        text = out_of_memory(exc)
+        if text is None:
+            raise
+        sys.stderr.write(f"{PROG}: error: out of memory ({text}); try --device cpu or a smaller --batch-size\n")
+        return 1
+
+
+__all__ = ["main", "evaluate", "evaluation_set", "mean_loss"]

@@ -1,0 +1,130 @@
+"""``asyncpp-eval``: a checkpoint's held-out loss equals the ``eval_loss`` its run logged at that
+step (one process and a 2-stage pipeline, the held-out end of --data and a --val-data file); runs
+compared on one --data see the same windows; bad inputs give one line and exit 2."""
+import json
+import math
+
+import pytest
+
+from asyncpp_ext.data import builtin_corpus
+from asyncpp_ext.training import evaluation as ev
+from asyncpp_ext.training.cli import main as train
+from asyncpp_ext.training.run_files import read_metrics
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+FLAGS = ["--model", "tiny", "--seq-len", "32", "--steps", "4", "--no-progress", "--eval-every", "2",
+         "--ckpt-every", "2", "--eval-batches", "3"]
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """A training and a validation text file (UTF-8 bytes)."""
+    root = tmp_path_factory.mktemp("eval_texts")
+    corpus = bytes(builtin_corpus()[:120_000])
+    (root / "train.txt").write_bytes(corpus[:100_000])
+    (root / "val.txt").write_bytes(corpus[100_000:])
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, texts):
+    """2bw Muon in one process on the built-in corpus; the same as a 2-stage pipeline; sync and 2bw
+    with --val-data."""
+    root = tmp_path_factory.mktemp("eval_runs")
+    val = ["--data", str(texts / "train.txt"), "--val-data", str(texts / "val.txt")]
+    plans = {"sim": ["--simulate", "--optimizer", "muon"], "pipe": ["--stages", "2", "--optimizer", "muon"],
+             "val-sync": ["--simulate", "--schedule", "sync", *val], "val-2bw": ["--simulate", *val]}
+    for name, flags in plans.items():
+        assert train([*FLAGS, *flags, "--out", str(root / name)]) == 0
+    return root
+
+
+def _eval(argv, capsys):
+    rc = ev.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out.splitlines(), err
+
+
+def _logged(run_dir) -> dict:
+    return {r["step"]: r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r}
+
+
+@pytest.mark.parametrize("name", ["sim", "pipe", "val-sync", "val-2bw"])
+def test_every_checkpoints_loss_is_the_eval_loss_its_run_logged(runs, name, tmp_path, capsys):
+    rc, lines, err = _eval([runs / name, "--every-checkpoint", "--json", tmp_path / "rows.json"], capsys)
+    assert rc == 0, err
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    logged = _logged(runs / name)
+    assert [r["step"] for r in rows] == [2, 4] == sorted(logged)
+    for row in rows:
+        assert row["loss"] == pytest.approx(logged[row["step"]], rel=1e-6, abs=0)
+        assert row["perplexity"] == pytest.approx(math.exp(row["loss"]))
+        assert row["bits_per_byte"] == pytest.approx(row["loss"] / math.log(2))
+        assert row["tokens"] == 3 * 8 * 32  # --eval-batches 3 of the tiny preset's 8 x 32 tokens
+    assert len(lines) == 4 and lines[1].split()[1:3] == ["2", f"{rows[0]['loss']:.4f}"]
+
+
+def test_the_latest_checkpoint_alone_by_default(runs, capsys):
+    rc, lines, _ = _eval([runs / "sim"], capsys)
+    assert rc == 0 and len(lines) == 3 and lines[1].split()[1] == "4"
+    assert lines[2] == "data: the held-out 0.1 of builtin"
+
+
+def test_runs_compared_on_one_file_see_the_same_windows(runs, texts, tmp_path, capsys):
+    """--data the runs' own --val-data file: each row is the run's logged eval_loss, and the data line
+    names the file once."""
+    rc, lines, err = _eval([runs / "val-sync", runs / "val-2bw", "--data", texts / "val.txt", "--json",
+                            tmp_path / "rows.json"], capsys)
+    assert rc == 0, err
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    for row, name in zip(rows, ["val-sync", "val-2bw"]):
+        assert row["loss"] == pytest.approx(_logged(runs / name)[4], rel=1e-6, abs=0)
+    assert rows[0]["loss"] != rows[1]["loss"] and lines[-1] == f"data: {texts / 'val.txt'}"
+    rc, lines, _ = _eval([runs / "sim", runs / "val-2bw"], capsys)
+    assert rc == 0 and lines[-1].startswith("data: each run's own evaluation set")
+
+
+def test_batches_and_batch_size_set_the_windows(runs, tmp_path, capsys):
+    rc, _, _ = _eval([runs / "sim", "--batches", "2", "--batch-size", "5", "--json", tmp_path / "r.json"], capsys)
+    row = json.loads((tmp_path / "r.json").read_text())[0]
+    assert rc == 0 and row["tokens"] == 2 * 5 * 32
+    # the run's own batches are the first 3 x 8 windows spread over the split, not these
+    assert row["loss"] != pytest.approx(_logged(runs / "sim")[4], rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def bpe_data(tmp_path_factory, texts):
+    """train.txt prepared with a byte-level BPE (another vocabulary than bytes)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from asyncpp_ext.data import prepare as prep
+    root = tmp_path_factory.mktemp("eval_bpe")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([(texts / "train.txt").read_text(errors="ignore")], tokenizers.trainers.BpeTrainer(
+        vocab_size=280, show_progress=False, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tokenizer.json"))
+    assert prep.main(["--tokenizer", str(root / "tokenizer.json"), "--input", str(texts / "train.txt"),
+                      "--out", str(root / "c.bin")]) == 0
+    return root / "c.bin"
+
+
+def test_data_of_another_tokenizer_is_refused(runs, bpe_data, capsys):
+    rc, lines, err = _eval([runs / "sim", "--data", bpe_data], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "its loss would mean nothing" in err, err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--batches", "0"], "--batches must be at least 1"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--json", "/nonexistent/dir/rows.json"], "its directory does not exist"),
+    (["--data", "/nonexistent.bin"], "/nonexistent.bin"),
+    (["--batches", "100000"], "distinct ones"),
+])
+def test_bad_inputs_give_one_line_and_exit_2(runs, capsys, flags, words):
+    rc, _, err = _eval([runs / "sim", *flags], capsys)
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("asyncpp-eval: error: ") and words in err, err
+
+
+def test_a_directory_without_checkpoints_is_one_line(tmp_path, capsys):
+    rc, _, err = _eval([tmp_path, "--every-checkpoint"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "checkpoint" in err
