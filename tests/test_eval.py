@@ -10,6 +10,7 @@ from asyncpp_ext.data import builtin_corpus
 from asyncpp_ext.training import evaluation as ev
 from asyncpp_ext.training.cli import main as train
 from asyncpp_ext.training.run_files import read_metrics
+from bpe_tokenizer import train_bpe
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 FLAGS = ["--model", "tiny", "--seq-len", "32", "--steps", "4", "--no-progress", "--eval-every", "2",
@@ -95,14 +96,9 @@ def test_batches_and_batch_size_set_the_windows(runs, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def bpe_data(tmp_path_factory, texts):
     """train.txt prepared with a byte-level BPE (another vocabulary than bytes)."""
-    tokenizers = pytest.importorskip("tokenizers")
     from asyncpp_ext.data import prepare as prep
     root = tmp_path_factory.mktemp("eval_bpe")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator([(texts / "train.txt").read_text(errors="ignore")], tokenizers.trainers.BpeTrainer(
-        vocab_size=280, show_progress=False, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(root / "tokenizer.json"))
+    train_bpe(root / "tokenizer.json", (texts / "train.txt").read_text(errors="ignore"), 280)
     assert prep.main(["--tokenizer", str(root / "tokenizer.json"), "--input", str(texts / "train.txt"),
                       "--out", str(root / "c.bin")]) == 0
     return root / "c.bin"

@@ -17,6 +17,7 @@ from asyncpp_ext.models.registry import build_model
 from asyncpp_ext.training import export as ex
 from asyncpp_ext.training.checkpoint import checkpoint_named
 from asyncpp_ext.training.cli import main as train
+from bpe_tokenizer import train_bpe
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install 'asyncpp_ext[hf]'")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed")
@@ -131,16 +132,9 @@ def test_bf16_export_holds_each_weight_rounded_and_the_logits_of_those(runs, tmp
 @pytest.fixture(scope="module")
 def tokenized_run(tmp_path_factory):
     """A llama-tiny run on data prepared with a byte-level BPE whose documents end in <|endoftext|>."""
-    tokenizers = pytest.importorskip("tokenizers")
     root = tmp_path_factory.mktemp("tokenized")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
     text = bytes(builtin_corpus()[:60_000]).decode("utf-8", "ignore")
-    tok.train_from_iterator(text.splitlines(keepends=True), tokenizers.trainers.BpeTrainer(
-        vocab_size=400, show_progress=False, special_tokens=["<|endoftext|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(root / "tokenizer.json"))
+    train_bpe(root / "tokenizer.json", text, 400, special_tokens=("<|endoftext|>",))
     (root / "corpus.txt").write_text(text)
     assert prep.main(["--tokenizer", str(root / "tokenizer.json"), "--input", str(root / "corpus.txt"),
                       "--out", str(root / "data" / "c.bin")]) == 0

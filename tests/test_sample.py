@@ -13,6 +13,7 @@ from asyncpp_ext.training import sample as sm
 from asyncpp_ext.training.checkpoint import checkpoint_named
 from asyncpp_ext.training.cli import main as train
 from asyncpp_ext.training.export import load_model
+from bpe_tokenizer import train_bpe
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -172,18 +173,11 @@ def test_text_is_printed_as_whole_characters_as_their_bytes_arrive():
 @pytest.fixture(scope="module")
 def bpe_run(tmp_path_factory):
     """A llama-tiny run on data prepared with a byte-level BPE whose documents end in <|endoftext|>."""
-    tokenizers = pytest.importorskip("tokenizers")
     from asyncpp_ext.data import builtin_corpus
     from asyncpp_ext.data import prepare as prep
     root = tmp_path_factory.mktemp("sample_bpe")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
     text = bytes(builtin_corpus()[:40_000]).decode("utf-8", "ignore")
-    tok.train_from_iterator(text.splitlines(keepends=True), tokenizers.trainers.BpeTrainer(
-        vocab_size=300, show_progress=False, special_tokens=["<|endoftext|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(root / "tokenizer.json"))
+    tok = train_bpe(root / "tokenizer.json", text, 300, special_tokens=("<|endoftext|>",))
     (root / "corpus.txt").write_text(text)
     assert prep.main(["--tokenizer", str(root / "tokenizer.json"), "--input", str(root / "corpus.txt"),
                       "--out", str(root / "data" / "c.bin")]) == 0

@@ -17,19 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..command_line import OneLineParser, UsageError
+from ..command_line import OneLineParser, UsageError, run_command
 from ..data import DataError, eval_batches, load_tokens, split_tokens
 from ..data.sources import BYTES_TOKENIZER, describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
-from ..oom import out_of_memory
-from ..stop_signals import Stopped, stop_signals_raise
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints
 from .config import ConfigError
 from .export import load_model
@@ -146,25 +143,9 @@ def evaluate(args) -> list[dict]:
 
 
 def main(argv: Optional[list] = None) -> int:
-    try:
-        with stop_signals_raise():
-            evaluate(build_parser().parse_args(argv))
-        return 0
-    except KeyboardInterrupt as exc:
-        what = f"stopped by {exc.name}" if isinstance(exc, Stopped) else "interrupted"
-        sys.stdout.flush()
-        sys.stderr.write(f"\n{PROG}: {what}\n")
-        return 128 + exc.signum if isinstance(exc, Stopped) else 130
-    except (UsageError, CheckpointError, ConfigError, DataError, HFModelError) as exc:
-        sys.stdout.flush()
-        sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
-        return 2
-    except (MemoryError, RuntimeError) as exc:
-        text = out_of_memory(exc)
-        if text is None:
-            raise
-        sys.stderr.write(f"{PROG}: error: out of memory ({text}); try --device cpu or a smaller --batch-size\n")
-        return 1
+    return run_command(PROG, lambda: evaluate(build_parser().parse_args(argv)),
+                       (UsageError, CheckpointError, ConfigError, DataError, HFModelError),
+                       oom_hint="; try --device cpu or a smaller --batch-size")
 
 
 __all__ = ["main", "evaluate", "evaluation_set", "mean_loss"]

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..command_line import OneLineParser, UsageError
+from ..command_line import OneLineParser, UsageError, run_command
 from ..data import DataError
 from ..data.encode import load_tokenizer
 from ..data.sources import BYTES_TOKENIZER, tokenizer_of
@@ -33,8 +33,6 @@ from ..models.hf import require_transformers
 from ..models.hf_checks import HFModelError
 from ..models.hf_export import DTYPE_NAMES, ExportError, to_transformers
 from ..models.registry import build_model, describe
-from ..oom import out_of_memory
-from ..stop_signals import Stopped, stop_signals_raise
 from .checkpoint import CheckpointError, checkpoint_named, load_weights, read_meta
 from .config import ConfigError, RunConfig
 
@@ -291,34 +289,25 @@ def export(args) -> list[str]:
     return lines
 
 
-def main(argv: Optional[list] = None) -> int:
-    try:
-        with stop_signals_raise():
-            args = build_parser().parse_args(argv)
-            for line in export(args):
-                print(line)
-        return 0
-    except KeyboardInterrupt as exc:
-        what = f"stopped by {exc.name}" if isinstance(exc, Stopped) else "interrupted"
-        sys.stderr.write(f"\n{PROG}: {what}; nothing was written\n")
-        return 128 + exc.signum if isinstance(exc, Stopped) else 130
-    except (UsageError, CheckpointError, ExportError, ConfigError, HFModelError) as exc:
-        sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
-        return 2
-    except ExportCheckError as exc:
+def _written_nothing(exc: Exception) -> Optional[int]:
+    """The export's own failures: a check that failed, a file that could not be written."""
+    if isinstance(exc, ExportCheckError):
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return 1
-    except OSError as exc:
+    if isinstance(exc, OSError):
         where = f" ({exc.filename})" if exc.filename else ""
         sys.stderr.write(f"{PROG}: error: {exc.strerror or exc}{where}; nothing was written (free disk space "
                          "or choose another --out)\n")
         return 1
-    except (MemoryError, RuntimeError) as exc:
-        text = out_of_memory(exc)
-        if text is None:
-            raise
-        sys.stderr.write(f"{PROG}: error: out of memory ({text}); nothing was written\n")
-        return 1
+    return None
+
+
+def main(argv: Optional[list] = None) -> int:
+    def work():
+        for line in export(build_parser().parse_args(argv)):
+            print(line)
+    return run_command(PROG, work, (UsageError, CheckpointError, ExportError, ConfigError, HFModelError),
+                       stopped_note="; nothing was written", oom_hint="; nothing was written", other=_written_nothing)
 
 
 __all__ = ["main", "export", "load_model", "check_logits"]

@@ -18,14 +18,12 @@ from typing import Optional
 
 import torch
 
-from ..command_line import OneLineParser, UsageError
+from ..command_line import OneLineParser, UsageError, run_command
 from ..data.encode import ByteTokenizer
 from ..data.sources import BYTES_TOKENIZER, tokenizer_of
 from ..models.generate import generate
 from ..models.hf_checks import HFModelError
 from ..models.registry import describe
-from ..oom import out_of_memory
-from ..stop_signals import Stopped, stop_signals_raise
 from .checkpoint import CheckpointError, checkpoint_named
 from .config import ConfigError
 from .export import choose_tokenizer, load_model
@@ -194,25 +192,9 @@ def sample(args, out=None) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
-    try:
-        with stop_signals_raise():
-            args = build_parser().parse_args(argv)
-            sys.stderr.write(sample(args) + "\n")
-        return 0
-    except KeyboardInterrupt as exc:
-        what = f"stopped by {exc.name}" if isinstance(exc, Stopped) else "interrupted"
-        sys.stdout.flush()
-        sys.stderr.write(f"\n{PROG}: {what}\n")
-        return 128 + exc.signum if isinstance(exc, Stopped) else 130
-    except (UsageError, CheckpointError, ConfigError, HFModelError) as exc:
-        sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
-        return 2
-    except (MemoryError, RuntimeError) as exc:
-        text = out_of_memory(exc)
-        if text is None:
-            raise
-        sys.stderr.write(f"{PROG}: error: out of memory ({text}); try --device cpu or fewer --samples\n")
-        return 1
+    return run_command(PROG, lambda: sys.stderr.write(sample(build_parser().parse_args(argv)) + "\n"),
+                       (UsageError, CheckpointError, ConfigError, HFModelError),
+                       oom_hint="; try --device cpu or fewer --samples")
 
 
 __all__ = ["main", "sample", "first_ids", "Printer"]
