@@ -93,6 +93,17 @@ def test_batches_and_batch_size_set_the_windows(runs, tmp_path, capsys):
     assert row["loss"] != pytest.approx(_logged(runs / "sim")[4], rel=1e-6)
 
 
+@pytest.mark.parametrize("loss, shown", [(float("nan"), "nan"), (1e4, "inf")])
+def test_a_non_finite_figure_is_printed_and_written_null(runs, tmp_path, capsys, monkeypatch, loss, shown):
+    monkeypatch.setattr(ev, "mean_loss", lambda *args: loss)
+    rc, lines, _ = _eval([runs / "sim", "--json", tmp_path / "r.json"], capsys)
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    row = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)[0]
+    assert rc == 0 and lines[1].split()[3] == shown and row["perplexity"] is None
+    assert row["loss"] == (None if math.isnan(loss) else loss)
+
+
 @pytest.fixture(scope="module")
 def bpe_data(tmp_path_factory, texts):
     """train.txt prepared with a byte-level BPE (another vocabulary than bytes)."""

@@ -126,7 +126,7 @@ def evaluate(args) -> list[dict]:
         mark = tokenizer_of(cfg.data.source) if cfg.data.source else None
         on_bytes = mark is not None and mark["tokenizer"] == BYTES_TOKENIZER
         row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "loss": loss,
-               "perplexity": math.exp(loss) if loss < 700 else math.inf,
+               "perplexity": math.inf if loss >= 709 else math.exp(loss),  # math.exp raises past ~709.78
                "bits_per_byte": loss / math.log(2) if on_bytes else None,
                "tokens": sum(int(y.numel()) for _, y in batches), "data": what,
                "seconds": time.perf_counter() - start}
@@ -137,8 +137,10 @@ def evaluate(args) -> list[dict]:
     datas = sorted({r["data"] for r in rows})
     print(f"data: {datas[0]}" if len(datas) == 1 else "data: each run's own evaluation set (pass --data to compare "
           "runs on the same windows)")
-    if args.json is not None:
-        write_text_atomic(Path(args.json), json.dumps(rows, indent=1) + "\n")
+    if args.json is not None:  # JSON has no NaN or Infinity: a non-finite figure is written null
+        finite = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                  for r in rows]
+        write_text_atomic(Path(args.json), json.dumps(finite, indent=1) + "\n")
     return rows
 
 
