@@ -4,13 +4,10 @@ the parameter counts and FLOPs per token of the PaLM formula, and the GPUs' dens
 formula and its conventions are written out in gpu_throughput.py's docstring)."""
 from __future__ import annotations
 
+from asyncpp_ext.models.flops import PEAK_TFLOPS, palm_flops_per_token, peak_tflops  # noqa: F401 (PEAK_TFLOPS: re-exported)
 from bench_command import BenchError  # noqa: F401 (the bench's error, re-exported)
 
 
-# Dense bf16 tensor-core peaks (TFLOP/s) from NVIDIA's datasheets (the "with sparsity" figure / 2).
-# First match wins: more specific names first ("GH200" contains "H200").
-PEAK_TFLOPS = [("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0),
-               ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0)]
 # The published SmolLM shapes as Hugging Face config fields, checked against asyncpp's presets
 # (asyncpp_ext/models/llama.py) at run time: a difference stops the bench.
 SMOLLM_HF = {
@@ -80,14 +77,14 @@ def total_params(shape: dict) -> int:
 
 
 def flops_per_token(shape: dict, seq_len: int) -> float:
-    """6 N + 12 L H Q T (H Q = the model width C)."""
-    return 6.0 * matmul_params(shape) + 12.0 * shape["n_layer"] * shape["n_embd"] * seq_len
+    """6 N + 12 L H Q T (H Q = the model width C): asyncpp_ext/models/flops.py's formula."""
+    return palm_flops_per_token(matmul_params(shape), shape["n_layer"], shape["n_embd"], seq_len)
 
 
 def peak_for_gpu(name: str | None):
-    """(TFLOP/s, source) of a GPU name from the table, or (None, reason)."""
-    if name:
-        for key, tflops in PEAK_TFLOPS:
-            if key.lower() in name.lower():
-                return tflops, f"table: {key} dense bf16"
+    """(TFLOP/s, source) of a GPU name from the package's table (models/flops.py), or (None, reason)."""
+    peak = peak_tflops(name)
+    if peak is not None:
+        key = next(k for k, v in PEAK_TFLOPS if k.lower() in name.lower())
+        return peak, f"table: {key} dense bf16"
     return None, "unknown device: pass --peak-tflops"

@@ -243,6 +243,7 @@ def test_tensorboard_gets_the_metrics_and_each_stages_shares(tmp_path):
     assert [e.step for e in root.Scalars("eval/loss")] == [3, 6]
     assert [e.value for e in root.Scalars("train/lr")] == pytest.approx([r["lr"] for r in rows])
     assert len(root.Scalars("train/tokens_per_s")) == 6
+    assert [e.value for e in root.Scalars("train/tflops")] == pytest.approx([r["tflops"] for r in rows], rel=1e-6)
     for stage in (0, 1):
         acc = EventAccumulator(str(tmp_path / "run" / "tensorboard" / f"stage{stage}"))
         acc.Reload()

@@ -34,7 +34,7 @@ ROWS = [
     {"step": 1, "loss": 5.25, "lr": 1e-4, "tokens": 512, "elapsed_s": 0.5, "tokens_per_s": 1024.0},
     {"step": 2, "loss": None, "lr": 2e-4, "tokens": 1024, "elapsed_s": 1.0, "skipped": True},
     {"step": 3, "loss": 4.75, "lr": 3e-4, "tokens": 1536, "elapsed_s": 1.4, "tokens_per_s": 1280.0,
-     "eval_loss": 4.9},
+     "eval_loss": 4.9, "tflops": 0.5, "mfu": 0.25},
 ]
 
 
@@ -44,7 +44,8 @@ def test_metrics_rows_read_back(tmp_path):
         for row in ROWS:
             tb.log_metrics(row)
     scalars = read_scalars(tmp_path)
-    assert set(scalars) == {"train/loss", "train/lr", "eval/loss", "train/tokens_per_s"}
+    assert set(scalars) == {"train/loss", "train/lr", "eval/loss", "train/tokens_per_s", "train/tflops", "train/mfu"}
+    assert scalars["train/tflops"] == [(3, 0.5)] and scalars["train/mfu"] == [(3, 0.25)]
     assert scalars["train/loss"] == [(1, 5.25), (3, 4.75)]  # step 2's None is not logged
     assert scalars["train/lr"] == [(1, f32(1e-4)), (2, f32(2e-4)), (3, f32(3e-4))]
     assert scalars["eval/loss"] == [(3, f32(4.9))]

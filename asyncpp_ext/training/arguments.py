@@ -199,6 +199,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="intra-op threads per process (default: cores / (stages x dp) for each rank "
                           "of a multi-process run, torch's default for one process); runs match "
                           "bitwise only at equal counts")
+    run.add_argument("--peak-tflops", type=float, metavar="X",
+                     help="peak TFLOP/s of one device, for the MFU in the metrics (default: on cuda the "
+                          "dense bf16 peak of the GPU's name, H100/H200/A100; none on cpu)")
     run.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                      help="also write TensorBoard events to OUT/tensorboard (pip install "
                           "'asyncpp_ext[tensorboard]')")
@@ -285,6 +288,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "progress"): args.progress,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
+        ("train", "peak_tflops"): args.peak_tflops,
         ("train", "nonfinite_check"): args.nonfinite_check,
         ("train", "compile"): args.compile, ("train", "compile_scope"): args.compile_scope,
         ("train", "compile_mode"): args.compile_mode,
@@ -329,7 +333,7 @@ FIELD_FLAGS = {
     "train.keep_checkpoints": "--keep-checkpoints",
     "data.eval_batches": "--eval-batches", "data.source": "--data", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
-    "train.threads": "--threads", "model.n_layer": "--n-layer",
+    "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",

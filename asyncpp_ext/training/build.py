@@ -20,6 +20,7 @@ from ..data import BatchStream, DataError, eval_batches, load_tokens, resolve_to
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.attention import resolve_attention
 from ..models.base import forward_through
+from ..models.flops import flops_per_token
 from ..models.compile import inductor_mode, resolve_compile
 from ..models.head_loss import KERNELS, UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, require_kernel, resolve_head_loss
 from ..models.regions import compile_regions, scope_regions
@@ -266,6 +267,7 @@ def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None,
     p = cfg.pipeline
     compute = compute or stage_compute(cfg)
     model = build_run_model(cfg, first_weights).to(cfg.train.device)
+    model_flops = flops_per_token(model, cfg.model.seq_len)
     if compute.compile:
         compile_stages(model, cfg.train.device, compute.compile_scope, p.stages, compute.compile_mode,
                        dict(compute.inductor_options))
@@ -289,6 +291,7 @@ def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None,
     if compute.cuda_graphs and simulator.delayed:  # it swaps weight versions in, which a graph cannot see
         raise ValueError(f"--cuda-graphs cannot run the simulation of {p.schedule} (its delayed weight "
                          "versions move the parameters a graph reads); run it as a pipeline or drop --cuda-graphs")
+    simulator.flops_per_token = model_flops  # the Trainer's TFLOP/s and MFU (utilisation.py)
     return simulator
 
 
@@ -315,6 +318,7 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: 
     p = cfg.pipeline
     compute = compute or stage_compute(cfg, device)
     model = build_run_model(cfg, first_weights)
+    model_flops = flops_per_token(model, cfg.model.seq_len)  # of the whole model, before the split
     pipe = Pipeline(model, loss_fn=type(model).loss, optimizer=optimizer_factory(cfg), schedule=p.schedule,
                     compile=compute.compile, compile_scope=compute.compile_scope, compile_mode=compute.compile_mode,
                     compile_options=dict(compute.inductor_options),
@@ -326,7 +330,9 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: 
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
                     lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
                     **cfg.mitigation_kwargs())
-    return PipelineEngine(pipe)
+    engine = PipelineEngine(pipe)
+    engine.flops_per_token = model_flops  # the Trainer's TFLOP/s and MFU (utilisation.py)
+    return engine
 
 
 # ---- resume ---------------------------------------------------------------------------------

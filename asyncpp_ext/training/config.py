@@ -283,6 +283,10 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write TensorBoard events (loss, eval loss, lr, tokens/s, each stage's compute and wait
     shares) under the run directory's tensorboard/ (needs ``pip install 'asyncpp_ext[tensorboard]'``)."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s of one of the run's devices, for the MFU in metrics.jsonl and the summary line
+    (models/flops.py: model TFLOP/s / (devices x peak)). None: on cuda the dense bf16 peak of the
+    GPU's name where the table knows it; on cpu no MFU (the model TFLOP/s are written anyway)."""
     threads: Optional[int] = None
     """Intra-op threads per process (``torch.set_num_threads``). None: each rank of a multi-process
     run takes the machine's cores divided by stages x dp, a one-process run keeps torch's default.

@@ -198,6 +198,8 @@ def check_run(cfg: RunConfig) -> None:
     choice("train.nonfinite_check", cfg.train.nonfinite_check, NONFINITE_CHECKS)
     check_compute(cfg)
     positive_number("train.timeout_s", cfg.train.timeout_s)
+    if cfg.train.peak_tflops is not None:
+        positive_number("train.peak_tflops", cfg.train.peak_tflops)
     if cfg.train.threads is not None:
         positive_int("train.threads", cfg.train.threads, limit=MAX_THREADS)
     if cfg.train.timeout_s < MIN_TIMEOUT_S:

@@ -206,6 +206,16 @@ def steady_tokens_per_s(rows: list) -> float | None:
     return (rows[-1]["tokens"] - rows[0]["tokens"]) / (rows[-1]["elapsed_s"] - rows[0]["elapsed_s"])
 
 
+def steady_utilisation(rows: list, rate: float) -> str:
+    """", 12.3 TFLOP/s, MFU 41.2%" at the steady tokens/s ``rate``, from a row's ratio of its
+    figures to its tokens/s (each proportional to it); "" where the rows have none."""
+    row = next((r for r in reversed(rows) if r.get("tflops") and r.get("tokens_per_s")), None)
+    if row is None:
+        return ""
+    text = f", {rate * row['tflops'] / row['tokens_per_s']:.3g} TFLOP/s"
+    return text + (f", MFU {100 * rate * row['mfu'] / row['tokens_per_s']:.1f}%" if row.get("mfu") else "")
+
+
 def print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
     """One line: where the run ended, its last loss, its training time (the steps' own, as
     metrics.jsonl's elapsed_s: start-up and compilation before the first step are not in it), its
@@ -223,11 +233,12 @@ def print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
     shown += f" ({skipped} step{'s' if skipped != 1 else ''} skipped: non-finite values)" if skipped else ""
     loss = "skipped" if last["loss"] is None else f"{last['loss']:.4f}"
     rate = steady_tokens_per_s(rows)
+    speed = f", {rate:,.0f} tokens/s{steady_utilisation(rows, rate)}" if rate else ""
     print(f"{out}: step {last['step']} loss {loss}{shown} "
-          f"({last['elapsed_s']:.1f} s training{f', {rate:,.0f} tokens/s' if rate else ''}, {describe(cfg.model)}, {cfg.pipeline.schedule}, {cfg.optim.name}, "
+          f"({last['elapsed_s']:.1f} s training{speed}, {describe(cfg.model)}, {cfg.pipeline.schedule}, {cfg.optim.name}, "
           f"{cfg.pipeline.stages} stage{'s' if cfg.pipeline.stages > 1 else ''}"
           f"{f' x {cfg.pipeline.dp} replicas' if cfg.pipeline.dp > 1 else ''})")
 
 
 __all__ = ["RunSetupError", "preflight", "check_rank_devices", "train", "start_run_dir", "print_summary",
-           "steady_tokens_per_s"]
+           "steady_tokens_per_s", "steady_utilisation"]

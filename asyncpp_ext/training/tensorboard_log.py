@@ -1,8 +1,8 @@
 """TensorBoard logging of a run's metrics rows and of each pipeline stage's compute/wait split.
 
 ``TensorboardLogger`` writes the scalars of the rows the trainer appends to ``metrics.jsonl``
-(train/loss, eval/loss, train/lr, train/tokens_per_s, keyed by optimizer step) and per-stage time
-shares (stage{s}/compute_share, stage{s}/wait_share). ``stage_time_shares`` computes those shares
+(train/loss, eval/loss, train/lr, train/tokens_per_s, train/tflops, train/mfu, keyed by optimizer
+step) and per-stage time shares (stage{s}/compute_share, stage{s}/wait_share). ``stage_time_shares`` computes those shares
 from a ``Pipeline.trace``. TensorBoard is optional: ``pip install 'asyncpp_ext[tensorboard]'``; it
 is imported only when a logger is created.
 """
@@ -22,7 +22,7 @@ waits for or hand-offs of transfers."""
 
 # metrics.jsonl key -> TensorBoard tag
 METRIC_TAGS = (("loss", "train/loss"), ("eval_loss", "eval/loss"), ("lr", "train/lr"),
-               ("tokens_per_s", "train/tokens_per_s"))
+               ("tokens_per_s", "train/tokens_per_s"), ("tflops", "train/tflops"), ("mfu", "train/mfu"))
 
 
 class TensorboardUnavailableError(ValueError):
@@ -79,7 +79,7 @@ class TensorboardLogger:
 
     def log_metrics(self, row: Mapping) -> None:
         """Log one metrics.jsonl row ({"step", "loss", "lr", "tokens", "elapsed_s", optional
-        "eval_loss", "tokens_per_s"}) at its ``step``; keys whose value is None (a skipped or
+        "eval_loss", "tokens_per_s", "tflops", "mfu"}) at its ``step``; keys whose value is None (a skipped or
         non-finite loss) or that the row lacks are not logged."""
         if "step" not in row:
             raise TensorboardLogError(f"a metrics row needs a 'step', got keys {sorted(row)}")

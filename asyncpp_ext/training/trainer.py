@@ -20,6 +20,7 @@ from .profiling import StepProfiler, parse_profile_steps
 from .config import RunConfig
 from ..data import BatchStream
 from .run_files import METRICS_NAME, plot_losses
+from .utilisation import run_peak_tflops, step_figures
 
 class StepOutcome(NamedTuple):
     """What an engine yields for a step whose update was skipped (non-finite values); plain
@@ -72,6 +73,10 @@ class Trainer:
         self.num_stages = num_stages
         p = cfg.pipeline
         self.tokens_per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
+        # model TFLOP/s and MFU per step (utilisation.py), where the engine knows its model's FLOPs
+        self.flops_per_token = getattr(engine, "flops_per_token", None)
+        compute_device = torch.device(getattr(engine, "device", None) or self.device)
+        self.peak_tflops = run_peak_tflops(cfg, compute_device) if self.flops_per_token else None
         self.lr_schedule = cfg.lr_schedule()
         self.base_lr = cfg.optim.effective_lr()
         # TensorBoard: the metrics writer logs the rows under tensorboard/; each stage of replica 0
@@ -163,6 +168,8 @@ class Trainer:
                     pending.append({"step": self.step, "loss": loss, "lr": lr,
                                     "tokens": self.step * self.tokens_per_step,
                                     "tokens_per_s": round(self.tokens_per_step / step_s, 1) if step_s > 0 else None,
+                                    **step_figures(self.tokens_per_step / step_s if step_s > 0 else None,
+                                                   self.flops_per_token, self.peak_tflops),
                                     "elapsed_s": round(elapsed, 4),
                                     # when the loss reached the host (Unix seconds): a run's steps
                                     # set against what happened around them (its process's start)
