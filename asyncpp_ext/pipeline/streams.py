@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Self
+from typing import Iterable, Iterator
 
 import torch
 
@@ -100,7 +100,7 @@ class StreamControl:
         if callable(cancel):
             cancel(reason)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> StreamControl:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
