@@ -9,6 +9,7 @@ print so; ``run_command`` is that ``main`` for the commands that read a checkpoi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Optional
 
@@ -29,6 +30,7 @@ class OneLineParser(argparse.ArgumentParser):
 def run_command(prog: str, work: Callable[[], None], bad_input: tuple, *, stopped_note: str = "",
                 oom_hint: str = "", other: Optional[Callable[[Exception], Optional[int]]] = None) -> int:
     """``work()`` under the stop signals (stop_signals.py), and its exit code: 0 when it returns;
+    141 (128 + SIGPIPE), silently, when stdout's reader closed it;
     130 / 128 + the signal's number after a line ``PROG: interrupted`` (or ``stopped by SIGTERM``)
     followed by ``stopped_note``; 2 after a line ``PROG: error: ...`` for the ``bad_input``
     exceptions; ``other(exc)``'s code where it gives one (it printed its line); 1 after a line for
@@ -37,6 +39,9 @@ def run_command(prog: str, work: Callable[[], None], bad_input: tuple, *, stoppe
         with stop_signals_raise():
             work()
         return 0
+    except BrokenPipeError:  # the reader of stdout went away (``| head``): stop quietly, as a Unix tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 128 + 13  # SIGPIPE's
     except KeyboardInterrupt as exc:
         what = f"stopped by {exc.name}" if isinstance(exc, Stopped) else "interrupted"
         sys.stdout.flush()  # what was printed before the stop stays above its line

@@ -271,6 +271,18 @@ def test_a_stop_or_out_of_memory_mid_sample_keeps_the_text_drawn_and_ends_with_a
     assert code == rc and out == "xab" and err.strip().count("\n") == 0 and err.strip().startswith(line), err
 
 
+def test_a_reader_that_stops_reading_ends_the_sampling_quietly(byte_run):
+    """``asyncpp-sample ... | head -c 10``: exit 141 (128 + SIGPIPE) without a traceback."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "asyncpp_ext.sample", str(byte_run), "--max-new-tokens", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(proc.stdout.read(10)) == 10
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and err == b"", err.decode()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_device_cuda_without_a_gpu_is_one_line(byte_run, capsys):
     rc, _, err = _sample([byte_run, "--device", "cuda"], capsys)
