@@ -66,6 +66,37 @@ def test_a_hugging_face_models_last_logits_are_its_full_forwards():
         full = model(ids)[0][:, -1]
         last = gen.last_logits(model, ids)
     torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
+    assert not gen.supports_cache(model)  # transformers' layers: the window reruns for each token
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_the_key_value_cache_gives_the_windows_logits_before_and_after_the_window_fills(name):
+    """Large weights (every logit depends on the whole window), seq_len 16, 3 rows; llama-tiny's
+    keys and values are grouped (4 query heads on 2)."""
+    model = build_model(model_config(name, seq_len=16, init_std=0.3), seed=0).eval()
+    assert gen.supports_cache(model)
+    ids = torch.randint(0, 256, (3, 30), generator=torch.Generator().manual_seed(1))
+    cached = gen.CachedLogits(model, window=16)
+    with torch.no_grad():
+        for n in range(5, 31):  # 5..16 ids in the window, then 17..30: the newest 16 of them
+            torch.testing.assert_close(cached(ids[:, :n]), gen.last_logits(model, ids[:, :n][:, -16:]),
+                                       rtol=1e-5, atol=1e-5)
+            assert cached.held == (n if n <= 16 else 0)
+    steps = dict.fromkeys([True, False])
+    for use_cache in steps:
+        steps[use_cache] = torch.stack(list(gen.generate(model, ids[:, :5], 25, window=16, temperature=0,
+                                                         use_cache=use_cache)))
+    assert torch.equal(steps[True], steps[False])
+
+
+def test_a_filled_cache_takes_one_position_at_a_time():
+    from asyncpp_ext.models.base import extend_cache
+    cache = {}
+    k = torch.zeros(1, 2, 3, 4)
+    assert extend_cache(cache, k, k)[2] is True and cache["k"].shape[2] == 3
+    assert extend_cache(cache, k[:, :, :1], k[:, :, :1])[2] is False and cache["k"].shape[2] == 4
+    with pytest.raises(ValueError, match="one new position at a time"):
+        extend_cache(cache, k, k)
 
 
 def test_greedy_text_is_the_full_forwards_argmax_with_the_window_slid_past_seq_len(byte_run, capsys):

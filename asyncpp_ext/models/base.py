@@ -114,6 +114,21 @@ def check_seed(seed) -> int:
     return seed
 
 
+def extend_cache(cache: dict, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Sampling's key/value cache of one attention layer (models/generate.py): ``k`` and ``v`` (B,
+    heads, T, D) of the new positions appended to those ``cache`` holds, which then holds them all;
+    returns (keys, values, whether the new queries need the causal mask). The first call fills an
+    empty cache with a whole prompt (causal); later ones add one position, which attends to every
+    key (no mask)."""
+    if "k" in cache:
+        if k.shape[2] != 1:
+            raise ValueError(f"a filled key/value cache takes one new position at a time, got {k.shape[2]}")
+        k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+    causal = "k" not in cache
+    cache["k"], cache["v"] = k, v
+    return k, v, causal
+
+
 TOKEN_ID_DTYPES = (torch.int64, torch.int32)
 """The index dtypes ``nn.Embedding`` takes."""
 
@@ -175,5 +190,5 @@ def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
             p.copy_(values)
 
 
-__all__ = ["MAX_SEED", "check_seed", "TOKEN_ID_DTYPES", "check_token_ids", "check_init_std", "REGION_MARK",
+__all__ = ["MAX_SEED", "check_seed", "extend_cache", "TOKEN_ID_DTYPES", "check_token_ids", "check_init_std", "REGION_MARK",
            "forward_through", "BlockSequence", "BlockModel", "ProjectionHead", "skip_default_init", "init_normal_"]

@@ -1,10 +1,13 @@
 """Sampling text from a trained model, one token at a time: what ``asyncpp-sample`` runs.
 
-Each new token reruns the model over the newest ``window`` ids (the model's ``seq_len``) and
-applies the output head to the last position only (the head is position-wise, so its logits equal
-the full forward's there). There is no key/value cache: a step costs one forward of the window,
-which is what a model of the demo's size or a small Llama on a GPU can afford; a transformers
-export (``asyncpp-export``) generates with a cache for anything larger.
+Each new token's logits are those of the model over the newest ``window`` ids (the model's
+``seq_len``) at the last position; the output head runs on that position only (it is
+position-wise, so its logits equal the full forward's there). The package's GPT and Llama keep a
+key/value cache (``forward_cached`` of their blocks, base.extend_cache): the prompt fills it in one
+causal forward and each new token then costs one position's forward, until the ids outgrow the
+window -- from then on every token reruns the window from position 0 (its positions change with
+each token, so no cache survives), as a model without a cache (a Hugging Face model's) does
+throughout. Either way the logits are the window's: ``use_cache=False`` computes them without.
 
 The choice of each token, from the last position's float32 logits:
 
@@ -64,15 +67,48 @@ def choose_next(logits: torch.Tensor, *, temperature: float, top_k: Optional[int
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def supports_cache(model: nn.Module) -> bool:
+    """Whether every layer of ``model`` has ``forward_cached`` (the package's GPT and Llama)."""
+    layers = getattr(model, "layers", None)
+    return layers is not None and len(layers) > 0 and all(hasattr(layer, "forward_cached") for layer in layers)
+
+
+class CachedLogits:
+    """The last position's logits of the newest ``window`` ids, with one key/value cache per layer
+    kept while each call adds one id to the ones the cache holds (the module docstring)."""
+
+    def __init__(self, model: nn.Module, window: int):
+        self.model, self.window = model, window
+        self.caches: list[dict] = []
+        self.held = 0  # ids whose keys and values the caches hold: ids[:, :held], positions 0..held-1
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        if self.held and self.held == n - 1 and n <= self.window:
+            x, start = ids[:, -1:], self.held  # one new position
+        else:  # the first call, or past the window: fill anew from the newest window at position 0
+            self.caches = [{} for _ in self.model.layers]
+            x, start = ids[:, -self.window:], 0
+        x = self.model.embed(x, start=start)
+        for layer, cache in zip(self.model.layers, self.caches):
+            x = layer.forward_cached(x, cache, start)
+        self.held = start + x.shape[1] if n <= self.window else 0  # past the window nothing is kept
+        return self.model.head(x[:, -1:])[:, -1].float()
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, window: int,
              temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-             allowed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> Iterator[torch.Tensor]:
+             allowed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+             use_cache: bool = True) -> Iterator[torch.Tensor]:
     """Yield ``max_new_tokens`` steps of (B,) new ids after ``prompt`` (B, T >= 1, int64), each
-    chosen from the logits of the newest ``window`` ids (the prompt's and those drawn so far)."""
+    chosen from the logits of the newest ``window`` ids (the prompt's and those drawn so far),
+    through a key/value cache where the model keeps one and ``use_cache``."""
+    logits_of = CachedLogits(model, window) if use_cache and supports_cache(model) else \
+        (lambda ids: last_logits(model, ids[:, -window:]))
     ids = prompt
     for _ in range(max_new_tokens):
-        logits = last_logits(model, ids[:, -window:])
+        logits = logits_of(ids)
         if allowed is not None and allowed < logits.shape[-1]:
             logits[:, allowed:] = float("-inf")
         new = choose_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
@@ -80,4 +116,4 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, win
         yield new
 
 
-__all__ = ["last_logits", "filter_logits", "choose_next", "generate"]
+__all__ = ["last_logits", "filter_logits", "choose_next", "supports_cache", "CachedLogits", "generate"]

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BlockModel, ProjectionHead, check_init_std, check_token_ids, init_normal_, skip_default_init
+from .base import (BlockModel, ProjectionHead, check_init_std, check_token_ids, extend_cache, init_normal_,
+                   skip_default_init)
 
 
 @dataclass(frozen=True)
@@ -91,15 +92,16 @@ class Embedding(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos = nn.Embedding(cfg.seq_len, cfg.n_embd)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``start``: the position of ``idx``'s first id (sampling with a key/value cache)."""
         check_token_ids(idx, self.tok.num_embeddings)
         if idx.dim() != 2:
             raise ValueError(f"token ids must have shape (batch, time), got {tuple(idx.shape)}")
         t = idx.shape[1]
-        if t > self.seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.seq_len}; "
+        if start + t > self.seq_len:
+            raise ValueError(f"sequence length {start + t} exceeds the model's seq_len {self.seq_len}; "
                              "shorten the input or build the model with a larger seq_len")
-        positions = torch.arange(t, device=idx.device)
+        positions = torch.arange(start, start + t, device=idx.device)
         return self.tok(idx) + self.pos(positions)
 
 
@@ -111,12 +113,25 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+    def forward_cached(self, x: torch.Tensor, cache: dict) -> torch.Tensor:
+        """``forward`` of new positions after those whose keys and values ``cache`` holds (base.extend_cache)."""
+        q, k, v = self.heads(x)
+        k, v, causal = extend_cache(cache, k, v)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, C) -> q, k, v, each (B, heads, T, C/heads)."""
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
-        # (B, T, C) -> (B, heads, T, C/heads)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return tuple(z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs (B, heads, T, C/heads) -> the output projection of (B, T, C)."""
+        b, _, t, _ = y.shape
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -141,6 +156,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def forward_cached(self, x: torch.Tensor, cache: dict, start: int) -> torch.Tensor:
+        """``forward`` of the positions from ``start`` on, attending to the cached ones before them."""
+        x = x + self.attn.forward_cached(self.ln1(x), cache)
         return x + self.mlp(self.ln2(x))
 
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BlockModel, ProjectionHead, check_init_std, check_token_ids, init_normal_, skip_default_init
+from .base import (BlockModel, ProjectionHead, check_init_std, check_token_ids, extend_cache, init_normal_,
+                   skip_default_init)
 
 NATIVE_GQA_DEVICES = ("cuda",) if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5) else ()
 """Devices where attention hands grouped-query key/value heads to SDPA as they are
@@ -284,17 +285,25 @@ class Attention(nn.Module):
                 k.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2),
                 v.view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of the rotated q, k and v (B, heads, T, D), then the output projection."""
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache: dict) -> torch.Tensor:
+        """``forward`` of new positions (``cos``/``sin_signed``: their rows of the rotary tables)
+        after those whose rotated keys and values ``cache`` holds (base.extend_cache)."""
+        q, k, v = self.project(x)
+        k, v, causal = extend_cache(cache, apply_rotary(k, cos, sin_signed), v)
+        return self.attend(apply_rotary(q, cos, sin_signed), k, v, causal)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        """Attention of the rotated q, k and v (B, heads, T, D) -- causal unless a cache's new
+        position reads every key -- then the output projection."""
         b, _, t, _ = q.shape
         group = self.n_head // self.n_kv_head  # query head h reads key/value head h // group
         if group > 1 and q.device.type in NATIVE_GQA_DEVICES:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         else:
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
 
 
@@ -330,13 +339,14 @@ class LlamaEmbedding(nn.Module):
         self.seq_len = cfg.seq_len
         self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``start``: the position of ``idx``'s first id (sampling with a key/value cache)."""
         check_token_ids(idx, self.tok.num_embeddings, LlamaInputError)
         if idx.dim() != 2:
             raise LlamaInputError(f"token ids must have shape (batch, time), got {tuple(idx.shape)}")
         t = idx.shape[1]
-        if t > self.seq_len:
-            raise LlamaInputError(f"sequence length {t} exceeds the model's seq_len {self.seq_len}; "
+        if start + t > self.seq_len:
+            raise LlamaInputError(f"sequence length {start + t} exceeds the model's seq_len {self.seq_len}; "
                                   "shorten the input or build the model with a larger seq_len")
         return self.tok(idx)
 
@@ -365,6 +375,13 @@ class LlamaBlock(nn.Module):
         t = x.shape[1]  # the embedding refused inputs longer than seq_len
         cos, sin_signed = self.rope_cos[:t].to(x.dtype), self.rope_sin_signed[:t].to(x.dtype)
         x = x + self.attn(self.attn_norm(x), cos, sin_signed)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward_cached(self, x: torch.Tensor, cache: dict, start: int) -> torch.Tensor:
+        """``forward`` of the positions from ``start`` on, attending to the cached ones before them."""
+        t = x.shape[1]
+        cos, sin_signed = self.rope_cos[start:start + t].to(x.dtype), self.rope_sin_signed[start:start + t].to(x.dtype)
+        x = x + self.attn.forward_cached(self.attn_norm(x), cos, sin_signed, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
