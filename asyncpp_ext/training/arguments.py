@@ -199,6 +199,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="intra-op threads per process (default: cores / (stages x dp) for each rank "
                           "of a multi-process run, torch's default for one process); runs match "
                           "bitwise only at equal counts")
+    run.add_argument("--time-limit", metavar="DURATION",
+                     help="stop with a checkpoint before this much time has passed since training "
+                          "started, to be resumed with --resume (a batch job's limit less its "
+                          "start-up): minutes (230) or units h, m, s (3h50m, 45m, 600s)")
     run.add_argument("--peak-tflops", type=float, metavar="X",
                      help="peak TFLOP/s of one device, for the MFU in the metrics (default: on cuda the "
                           "dense bf16 peak of the GPU's name, H100/H200/A100; none on cpu)")
@@ -288,7 +292,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "progress"): args.progress,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
-        ("train", "peak_tflops"): args.peak_tflops,
+        ("train", "peak_tflops"): args.peak_tflops, ("train", "time_limit_s"): _time_limit(args.time_limit),
         ("train", "nonfinite_check"): args.nonfinite_check,
         ("train", "compile"): args.compile, ("train", "compile_scope"): args.compile_scope,
         ("train", "compile_mode"): args.compile_mode,
@@ -306,6 +310,18 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         cfg.pipeline.microbatches = 1  # the only count pipedream runs: one microbatch per step
     cfg.train.resume = args.resume
     return cfg
+
+
+def _time_limit(text: Optional[str]) -> Optional[float]:
+    """--time-limit in seconds (None when not given)."""
+    from .time_limit import parse_duration
+
+    if text is None:
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise ConfigError(f"--time-limit: {exc}") from None
 
 
 def _env_timeout() -> Optional[float]:
@@ -333,7 +349,7 @@ FIELD_FLAGS = {
     "train.keep_checkpoints": "--keep-checkpoints",
     "data.eval_batches": "--eval-batches", "data.source": "--data", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
-    "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "model.n_layer": "--n-layer",
+    "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",

@@ -283,6 +283,10 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write TensorBoard events (loss, eval loss, lr, tokens/s, each stage's compute and wait
     shares) under the run directory's tensorboard/ (needs ``pip install 'asyncpp_ext[tensorboard]'``)."""
+    time_limit_s: Optional[float] = None
+    """Wall-clock budget of this process's training loop, in seconds (``--time-limit``, e.g. a
+    batch job's limit less its start-up): the last segment is sized to end, with its checkpoint,
+    before it passes, and the run stops there to be resumed (time_limit.py). None = no limit."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one of the run's devices, for the MFU in metrics.jsonl and the summary line
     (models/flops.py: model TFLOP/s / (devices x peak)). None: on cuda the dense bf16 peak of the

@@ -198,6 +198,11 @@ def check_run(cfg: RunConfig) -> None:
     choice("train.nonfinite_check", cfg.train.nonfinite_check, NONFINITE_CHECKS)
     check_compute(cfg)
     positive_number("train.timeout_s", cfg.train.timeout_s)
+    if cfg.train.time_limit_s is not None:
+        positive_number("train.time_limit_s", cfg.train.time_limit_s)
+        if not cfg.train.checkpoints:
+            raise ConfigError("train.time_limit_s stops a run to be resumed from the checkpoint it writes, but "
+                              "--no-checkpoints writes none: drop one of them")
     if cfg.train.peak_tflops is not None:
         positive_number("train.peak_tflops", cfg.train.peak_tflops)
     if cfg.train.threads is not None:

@@ -60,6 +60,20 @@ def _collective_checkpoint(pipe: Pipeline, run_dir: Path, keep: Optional[int] = 
     return save
 
 
+def _agree_on_end(pipe: Pipeline):
+    """--time-limit: every rank ends the next segment at the earliest step any of them proposes
+    (one all-reduce over the default group; the ranks' clocks differ, their segments must not)."""
+    def agree(end: int) -> int:
+        proposal = torch.tensor([end], dtype=torch.int64)
+        try:
+            dist.all_reduce(proposal, op=dist.ReduceOp.MIN)
+        except RuntimeError as e:  # a peer died or stalled: this rank only reacts (launch.py)
+            raise TransportError(f"stage {pipe.stage}: agreeing on the next segment's end under --time-limit "
+                                 f"failed -- a peer has probably exited: {peer_failure_reason(e)}") from None
+        return int(proposal.item())
+    return agree
+
+
 def rank_placement(cfg: RunConfig) -> tuple[str, str, str]:
     """(device, transport, default-group backend) of this process's rank (devices.py's rules):
     spawned ranks and torchrun's both number the ranks of a machine by LOCAL_RANK."""
@@ -113,7 +127,8 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
         trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=resumed.start_step,
                           elapsed_s=resumed.elapsed_s, device="cpu",
                           checkpoint_fn=_collective_checkpoint(pipe, run_dir, cfg.train.keep_checkpoints),
-                          writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages)
+                          writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages,
+                          agree_on_end=_agree_on_end(pipe))
         with pipe:
             trainer.run()
 

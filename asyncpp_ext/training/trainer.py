@@ -20,6 +20,7 @@ from .profiling import StepProfiler, parse_profile_steps
 from .config import RunConfig
 from ..data import BatchStream
 from .run_files import METRICS_NAME, plot_losses
+from .time_limit import SegmentClock, describe_duration
 from .utilisation import run_peak_tflops, step_figures
 
 class StepOutcome(NamedTuple):
@@ -58,8 +59,12 @@ class Trainer:
                  eval_set: Sequence[tuple[torch.Tensor, torch.Tensor]], run_dir: str | os.PathLike,
                  start_step: int = 0, elapsed_s: float = 0.0, device: str = "cpu",
                  checkpoint_fn: Optional[Callable[[int, dict], Path]] = None,
-                 writes_metrics: bool = True, num_stages: int = 1):
+                 writes_metrics: bool = True, num_stages: int = 1,
+                 agree_on_end: Optional[Callable[[int], int]] = None):
         self.cfg = cfg
+        # --time-limit: the ranks of a pipeline end each segment where the earliest of them
+        # proposes (an all-reduce in distributed.py); one process decides alone
+        self.agree_on_end = agree_on_end or (lambda end: end)
         self.engine = engine
         self.stream = stream
         self.device = torch.device(device)
@@ -149,10 +154,12 @@ class Trainer:
         profiler = self._profiler()
         pending = []  # this segment's rows, written at its end (with its checkpoint)
         failed = False
+        clock = SegmentClock(self.cfg.train.time_limit_s, start)
+        end = clock.first_end(self.step, self._segment_end())
         try:
             while self.step < total:
-                end = self._segment_end()
                 pending = []
+                segment_from, segment_start = self.step, time.perf_counter()
                 profiler.before_steps(self.step + 1)
                 for loss in self.engine.train_steps(self.stream, end - self.step):
                     skipped = isinstance(loss, StepOutcome) and loss.skipped
@@ -180,10 +187,19 @@ class Trainer:
                         bar.update(1)
                         if loss is not None and not skipped:
                             bar.set_postfix(loss=f"{loss:.4f}")
+                clock.trained(end - segment_from, time.perf_counter() - segment_start)
                 if self.eval_set and self._is_due(end, self.cfg.train.eval_every):
-                    eval_loss = self.engine.eval_loss(self.eval_set)
+                    with clock.timing("eval"):
+                        eval_loss = self.engine.eval_loss(self.eval_set)
                     if eval_loss is not None:  # JSON has no NaN: a non-finite one is written null
                         pending[-1]["eval_loss"] = eval_loss if math.isfinite(eval_loss) else None
+                checkpoint_due = self.cfg.train.checkpoints and self._is_due(end, self.cfg.train.ckpt_every)
+                next_end = self._segment_end() if self.step < total else total
+                if clock.limit_s is not None and self.step < total:
+                    next_end = self.agree_on_end(clock.next_end(self.step, next_end, checkpoint_due))
+                stop = next_end == self.step < total  # the time limit leaves no room for another step
+                if stop:
+                    pending[-1]["stopped"] = "time limit"
                 written, pending = pending, []
                 if metrics is not None:
                     metrics.write("".join(json.dumps(row) + "\n" for row in written))  # one write
@@ -191,8 +207,16 @@ class Trainer:
                     os.fsync(metrics.fileno())  # metrics up to a checkpoint survive with it
                 rows += written
                 self._log_tensorboard(written)
-                if self.cfg.train.checkpoints and self._is_due(end, self.cfg.train.ckpt_every):
-                    self.save(self.elapsed_before + time.perf_counter() - start)
+                if checkpoint_due or stop:
+                    with clock.timing("checkpoint"):
+                        saved = self.save(self.elapsed_before + time.perf_counter() - start)
+                if stop:
+                    if self.writes_metrics:
+                        print(f"{self.run_dir}: --time-limit {describe_duration(clock.limit_s)}: stopped at step "
+                              f"{self.step} of {total} with checkpoint {saved.name}; continue with --resume "
+                              f"{self.run_dir}", flush=True)
+                    break
+                end = next_end
         except Exception:
             failed = True  # a NaN/Inf stop, a lost peer: the plot shows the losses that led there
             raise

@@ -1,0 +1,75 @@
+"""``--time-limit``: a run stops with a checkpoint before its time is up, every stage of a pipeline
+at the same step, and a resume continues it loss for loss as a run without the limit."""
+import json
+
+import pytest
+
+from asyncpp_ext.training.cli import main as train
+from asyncpp_ext.training.time_limit import SLACK, describe_duration, limited_end, parse_duration
+
+COMMON = ["--model", "tiny", "--no-progress", "--eval-every", "50", "--ckpt-every", "1000", "--threads", "1"]
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 5400.0), ("45s", 45.0), ("30m", 1800.0), ("2h", 7200.0),
+                                           ("1h30m", 5400.0), ("1.5h", 5400.0), (" 2H ", 7200.0),
+                                           ("1h2m3s", 3723.0)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "abc", "1x", "m", "1h1h", "0s", "nan", "inf", "1h 30m", ""])
+def test_bad_durations(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_durations_described():
+    assert [describe_duration(s) for s in (5400, 45, 3723, 7200)] == ["1h30m", "45s", "1h2m3s", "2h"]
+
+
+def test_segment_ends():
+    assert limited_end(10, 100, 0.0, 60.0, None, 0.0) == 11  # no time per step yet: one step
+    assert limited_end(10, 100, 0.0, 60.0, None, 0.0) == limited_end(10, 11, 50.0, 60.0, None, 9.0)
+    # 60 s budget, 20 s gone, 5 s kept for a checkpoint: 35 s of 1 s steps counted SLACK slower
+    assert limited_end(10, 1000, 20.0, 60.0, 1.0, 5.0) == 10 + int(35 // SLACK)
+    assert limited_end(10, 20, 20.0, 60.0, 1.0, 5.0) == 20  # the segment's own end comes first
+    assert limited_end(10, 1000, 59.5, 60.0, 1.0, 0.0) == 10  # not one more step fits: stop here
+    assert limited_end(10, 1000, 70.0, 60.0, 1.0, 0.0) == 10
+    assert limited_end(10, 1000, 20.0, 60.0, 1.0, 50.0) == 10  # the checkpoint alone would not fit
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("flags", [["--simulate"], ["--stages", "2", "--timeout", "30"]],
+                         ids=["one-process", "2-stage-pipeline"])
+def test_a_run_stops_with_a_checkpoint_and_resumes_as_if_never_stopped(tmp_path, capfd, flags):
+    run = tmp_path / "run"
+    assert train([*COMMON, *flags, "--steps", "1000000", "--time-limit", "2s", "--out", str(run)]) == 0
+    out = capfd.readouterr().out  # a pipeline's line comes from its last stage's process
+    rows = _rows(run)
+    stopped = rows[-1]["step"]
+    assert 1 < stopped < 1_000_000 and rows[-1]["stopped"] == "time limit"
+    assert not any("stopped" in r for r in rows[:-1])
+    assert [r["step"] for r in rows] == list(range(1, stopped + 1))
+    shards = sorted(p.name for p in (run / f"ckpt-{stopped:06d}").iterdir())
+    assert len([s for s in shards if s.startswith("stage")]) == (2 if "--stages" in flags else 1), shards
+    assert f"--time-limit 2s: stopped at step {stopped} of 1000000 with checkpoint ckpt-{stopped:06d}" in out
+    # resumed to 5 steps past the stop without the limit: the losses of a run that never stopped
+    assert train(["--resume", str(run), "--steps", str(stopped + 5), "--time-limit", "1h"]) == 0
+    straight = tmp_path / "straight"
+    assert train([*COMMON, *flags, "--steps", str(stopped + 5), "--out", str(straight)]) == 0
+    assert [r["loss"] for r in _rows(run)] == [r["loss"] for r in _rows(straight)]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--time-limit", "0"], "--time-limit: '0' is not a positive duration"),
+    (["--time-limit", "1x"], "--time-limit: '1x' is not a duration"),
+    (["--time-limit", "1h", "--no-checkpoints"], "--no-checkpoints writes none"),
+])
+def test_bad_limits_are_one_line(tmp_path, capsys, flags, words):
+    assert train([*COMMON, "--simulate", "--steps", "3", *flags, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "r").exists()
