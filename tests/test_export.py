@@ -10,14 +10,12 @@ import sys
 import pytest
 import torch
 
-from asyncpp_ext.data import builtin_corpus
-from asyncpp_ext.data import prepare as prep
 from asyncpp_ext.models import hf_export
 from asyncpp_ext.models.registry import build_model
 from asyncpp_ext.training import export as ex
 from asyncpp_ext.training.checkpoint import checkpoint_named
 from asyncpp_ext.training.cli import main as train
-from bpe_tokenizer import train_bpe
+from bpe_tokenizer import bpe_llama_run
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install 'asyncpp_ext[hf]'")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed")
@@ -133,14 +131,7 @@ def test_bf16_export_holds_each_weight_rounded_and_the_logits_of_those(runs, tmp
 def tokenized_run(tmp_path_factory):
     """A llama-tiny run on data prepared with a byte-level BPE whose documents end in <|endoftext|>."""
     root = tmp_path_factory.mktemp("tokenized")
-    text = bytes(builtin_corpus()[:60_000]).decode("utf-8", "ignore")
-    train_bpe(root / "tokenizer.json", text, 400, special_tokens=("<|endoftext|>",))
-    (root / "corpus.txt").write_text(text)
-    assert prep.main(["--tokenizer", str(root / "tokenizer.json"), "--input", str(root / "corpus.txt"),
-                      "--out", str(root / "data" / "c.bin")]) == 0
-    assert train(["--model", "llama-tiny", "--vocab-size", "400", "--data", str(root / "data" / "c.bin"),
-                  "--simulate", "--steps", "2", "--no-progress", "--eval-batches", "0",
-                  "--out", str(root / "run")]) == 0
+    bpe_llama_run(root, 60_000, 400, model_vocab=400)
     return root
 
 

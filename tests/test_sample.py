@@ -13,7 +13,7 @@ from asyncpp_ext.training import sample as sm
 from asyncpp_ext.training.checkpoint import checkpoint_named
 from asyncpp_ext.training.cli import main as train
 from asyncpp_ext.training.export import load_model
-from bpe_tokenizer import train_bpe
+from bpe_tokenizer import bpe_llama_run
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -204,18 +204,9 @@ def test_text_is_printed_as_whole_characters_as_their_bytes_arrive():
 @pytest.fixture(scope="module")
 def bpe_run(tmp_path_factory):
     """A llama-tiny run on data prepared with a byte-level BPE whose documents end in <|endoftext|>."""
-    from asyncpp_ext.data import builtin_corpus
-    from asyncpp_ext.data import prepare as prep
     root = tmp_path_factory.mktemp("sample_bpe")
-    text = bytes(builtin_corpus()[:40_000]).decode("utf-8", "ignore")
-    tok = train_bpe(root / "tokenizer.json", text, 300, special_tokens=("<|endoftext|>",))
-    (root / "corpus.txt").write_text(text)
-    assert prep.main(["--tokenizer", str(root / "tokenizer.json"), "--input", str(root / "corpus.txt"),
-                      "--out", str(root / "data" / "c.bin")]) == 0
     # an embedding wider than the tokenizer's 300 ids: the extra ids must never be drawn
-    assert train(["--model", "llama-tiny", "--vocab-size", "320", "--data", str(root / "data" / "c.bin"),
-                  "--simulate", "--steps", "2", "--no-progress", "--eval-batches", "0",
-                  "--out", str(root / "run")]) == 0
+    tok = bpe_llama_run(root, 40_000, 300, model_vocab=320)
     return root, tok
 
 
