@@ -190,6 +190,18 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_drawn():
     assert drawn.shape == (30, 4) and int(drawn.max()) < 7 and len(torch.unique(drawn)) > 3
 
 
+def test_without_a_prompt_a_tokenizer_without_boundary_tokens_starts_after_its_newline(tmp_path):
+    """A BPE with no end-of-text token: the first id is its own newline's, not byte 10."""
+    from bpe_tokenizer import train_bpe
+    from asyncpp_ext.data.encode import load_tokenizer
+    tok = train_bpe(tmp_path / "tokenizer.json", "ab\ncd\n" * 50 + "".join(map(chr, range(32, 127))), 270)
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.boundary_tokens()[1:] == (None, None)
+    ids, hidden = sm.first_ids(tokenizer, "")
+    assert ids == tok.encode("\n").ids != [10] and hidden == 1
+    assert sm.first_ids(sm.ByteTokenizer(), "") == ([10], 1) and sm.first_ids(tokenizer, "ab") == (tok.encode("ab").ids, 0)
+
+
 def test_text_is_printed_as_whole_characters_as_their_bytes_arrive():
     import io
     stream = io.StringIO()

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory (its latest checkpoint) or one checkpoint directory, ckpt-NNNNNN")
     p.add_argument("--prompt", default="",
                    help="the text to continue (default: none -- a new document: after the tokenizer's "
-                        "end-of-text token, or a newline for a run on bytes)")
+                        "end-of-text token, or a newline where it has none, as bytes have none)")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
                    help="tokens to draw after the prompt (default 256)")
     p.add_argument("--temperature", type=float, default=0.8,
@@ -105,13 +105,14 @@ def decoder(tokenizer):
 
 def first_ids(tokenizer, prompt: str) -> tuple[list[int], int]:
     """(the prompt's ids, how many of them begin a new document and are not printed): without a
-    prompt, the tokenizer's end-of-text (or beginning-of-text) token, a newline for bytes."""
-    ids = [int(i) for i in tokenizer.encode([prompt])[0]] if prompt else []
+    prompt, the tokenizer's end-of-text (or beginning-of-text) token, else a newline's ids."""
+    encode = lambda text: [int(i) for i in tokenizer.encode([text])[0]]  # noqa: E731
+    ids = encode(prompt) if prompt else []
     if ids:
         return ids, 0
     _, eos, bos = tokenizer.boundary_tokens()
     start = tokenizer.token_to_id(eos or bos) if (eos or bos) else None
-    return ([start] if start is not None else list(b"\n")), 1
+    return ([start] if start is not None else encode("\n")), 1
 
 
 class Printer:
