@@ -134,3 +134,21 @@ def test_a_bad_peak_is_one_line(tmp_path, capsys, value):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--peak-tflops" in err and "train.peak_tflops" in err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.cuda
+def test_a_gpu_run_writes_its_mfu_against_the_gpus_peak(tmp_path, capsys):
+    """On a GPU the table knows (H100, H200, A100): every row's mfu is its tflops over the peak of
+    torch.cuda.get_device_name (one GPU); on another GPU no mfu is written."""
+    out = tmp_path / "run"
+    assert train(["--model", "llama-tiny", "--device", "cuda", "--simulate", "--steps", "4", "--no-progress",
+                  "--eval-batches", "0", "--no-compile", "--out", str(out)]) == 0
+    peak = flops.peak_tflops(torch.cuda.get_device_name(0))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["tflops"] > 0
+        if peak is None:
+            assert "mfu" not in row
+        else:
+            assert row["mfu"] == pytest.approx(row["tflops"] / peak, rel=1e-3)
+    assert ("MFU" in capsys.readouterr().out.strip().splitlines()[-1]) == (peak is not None)

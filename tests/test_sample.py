@@ -89,6 +89,20 @@ def test_the_key_value_cache_gives_the_windows_logits_before_and_after_the_windo
     assert torch.equal(steps[True], steps[False])
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_on_a_gpu_the_cache_gives_the_windows_logits(name):
+    """As above on the GPU, where SDPA picks its kernel by shape (one query position against a
+    whole prompt): float32 logits within 1e-4."""
+    model = build_model(model_config(name, seq_len=16, init_std=0.3), seed=0).eval().cuda()
+    ids = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(1)).cuda()
+    cached = gen.CachedLogits(model, window=16)
+    with torch.no_grad():
+        for n in range(5, 25):
+            torch.testing.assert_close(cached(ids[:, :n]), gen.last_logits(model, ids[:, :n][:, -16:]),
+                                       rtol=1e-4, atol=1e-4)
+
+
 def test_a_filled_cache_takes_one_position_at_a_time():
     from asyncpp_ext.models.base import extend_cache
     cache = {}
