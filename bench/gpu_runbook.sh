@@ -25,7 +25,8 @@
 #           gloo with two ranks on one GPU, one device wait per step, the gradient accumulate
 #           kernel, flash attention with in-place grouped-query heads, --attention cudnn and flash
 #           each running its kernel, compiled blocks and regions, the optimizer's step skipped on
-#           the device (the scan's flag read by the kernels, the losses read from pinned memory)
+#           the device (the scan's flag read by the kernels, the losses read from pinned memory),
+#           the metrics' MFU against the GPU's peak, sampling's key/value cache on the GPU
 #   p2p     (60) bench/p2p.py --backend ipc-cuda: the ipc transport against gloo through the host
 #   360m    (420) ours with graphs (the default), the same with inductor's horizontal fusion (the
 #           combo-kernels row: fewer kernels per block, the one block_step form faster than the
