@@ -2,9 +2,9 @@
 
 ``TensorboardLogger`` writes the scalars of the rows the trainer appends to ``metrics.jsonl``
 (train/loss, eval/loss, train/lr, train/tokens_per_s, train/tflops, train/mfu, keyed by optimizer
-step) and per-stage time shares (stage{s}/compute_share, stage{s}/wait_share). ``stage_time_shares`` computes those shares
-from a ``Pipeline.trace``. TensorBoard is optional: ``pip install 'asyncpp_ext[tensorboard]'``; it
-is imported only when a logger is created.
+step) and per-stage time shares (stage{s}/compute_share, stage{s}/wait_share).
+``stage_time_shares`` computes those shares from a ``Pipeline.trace``. TensorBoard is optional:
+``pip install 'asyncpp_ext[tensorboard]'``; it is imported only when a logger is created.
 """
 from __future__ import annotations
 

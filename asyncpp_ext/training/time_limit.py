@@ -3,13 +3,13 @@
 A batch system ends a job at its time limit wherever the job is; the steps since its last
 checkpoint are lost. With ``--time-limit D`` the trainer sizes its segments (the steps between two
 points where every stage is quiet, Trainer._segment_end) so that the last one ends, and its
-checkpoint is written, before D has passed since the training loop started: before each segment
-it proposes to end it at the last step that fits (the latest segment's time per step, the last
-checkpoint's write time kept in reserve, steps counted ``SLACK`` times slower), every rank of a pipeline takes
-the smallest of the ranks' proposals (one all-reduce per segment), and a proposal of no step at
-all ends the run there, with a checkpoint. The first segment of a process is one step (its time
-holds the compile and start-up, so the next proposal errs short); start-up before the loop is
-not counted -- leave it room in D.
+checkpoint is written, before D has passed since the training loop started: after each segment
+every rank proposes the next one's end at the last step that fits (steps counted ``SLACK`` times
+slower than the latest segment's, the latest evaluation's and checkpoint's times kept in
+reserve), the ranks of a pipeline take the smallest proposal (one all-reduce per segment), and a
+proposal of no step at all ends the run there, with a checkpoint. The first segment of a process
+is one step (its time holds the compile and start-up, so the next proposal errs short); start-up
+before the loop is not counted -- leave it room in D.
 """
 from __future__ import annotations
 
