@@ -50,7 +50,8 @@ def test_a_run_stops_with_a_checkpoint_and_resumes_as_if_never_stopped(tmp_path,
     out = capfd.readouterr().out  # a pipeline's line comes from its last stage's process
     rows = _rows(run)
     stopped = rows[-1]["step"]
-    assert 1 < stopped < 1_000_000 and rows[-1]["stopped"] == "time limit"
+    # the first segment is one step; a machine slow enough may stop right after it
+    assert 1 <= stopped < 1_000_000 and rows[-1]["stopped"] == "time limit"
     assert not any("stopped" in r for r in rows[:-1])
     assert [r["step"] for r in rows] == list(range(1, stopped + 1))
     shards = sorted(p.name for p in (run / f"ckpt-{stopped:06d}").iterdir())
