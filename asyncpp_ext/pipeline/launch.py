@@ -82,6 +82,13 @@ def spawned_locally() -> bool:
     return os.environ.get(_SPAWNED_ENV) == "1"
 
 
+def launcher() -> str:
+    """Which launcher started this process's run: "torchrun" in a process torchrun started, else
+    "spawn" (a rank ``spawn`` started, the process that spawns them, or a run of one process);
+    ``devices.local_world_size`` counts this machine's ranks by it."""
+    return "torchrun" if under_launcher() and not spawned_locally() else "spawn"
+
+
 def init_distributed(timeout_s: float | None = None, backend: str = "gloo") -> tuple[int, int]:
     """Join the world described by the environment; returns (rank, world_size).
 

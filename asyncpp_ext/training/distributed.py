@@ -25,7 +25,7 @@ from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, f
 from .config import ConfigError, RunConfig
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
-from ..pipeline.launch import check_local_address, lost_a_peer, report_rank_failure, spawned_locally
+from ..pipeline.launch import check_local_address, launcher, lost_a_peer, report_rank_failure, spawned_locally
 from ..pipeline.watchdog import EXIT_PEER_LOST
 from ..pipeline.start_method import start_method
 from ..pipeline.ipc import slots_from_env
@@ -80,10 +80,10 @@ def rank_placement(cfg: RunConfig) -> tuple[str, str, str]:
     transport = choose_transport(cfg.pipeline.transport, cfg.train.device)
     device = cfg.train.device
     if device == "cuda":
-        launcher = "spawn" if spawned_locally() else "torchrun"
-        local_world = local_world_size(launcher, cfg.pipeline.stages * cfg.pipeline.dp, os.environ)
+        started_by = launcher()
+        local_world = local_world_size(started_by, cfg.pipeline.stages * cfg.pipeline.dp, os.environ)
         device = rank_device(device, int(os.environ.get("LOCAL_RANK", "0")), local_world,
-                             torch.cuda.device_count(), transport, launcher)
+                             torch.cuda.device_count(), transport, started_by)
         torch.cuda.set_device(torch.device(device))  # before any CUDA work: NCCL binds to it
     return device, transport, process_group_backend(transport, device)
 

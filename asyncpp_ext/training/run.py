@@ -18,7 +18,7 @@ from ..models.compile_support import resolve_compile
 from ..models.registry import describe
 from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
-from ..pipeline import under_launcher
+from ..pipeline.launch import launcher
 from .build import build_data, build_simulator, resume, stage_compute
 from .checkpoint import CheckpointError, load_checkpoint, read_meta, restore_rng_state
 from .config import ConfigError, RunConfig
@@ -80,13 +80,13 @@ def check_rank_devices(cfg: RunConfig) -> None:
 
     try:
         transport = choose_transport(cfg.pipeline.transport, cfg.train.device)
-        launcher = "torchrun" if under_launcher() else "spawn"
-        if launcher == "spawn":  # under torchrun, --nproc-per-node says how many run here
+        started_by = launcher()
+        if started_by == "spawn":  # under torchrun, --nproc-per-node says how many run here
             check_spawned_ranks(cfg.pipeline.stages * cfg.pipeline.dp, usable_cores())
         if cfg.train.device != "cuda":
             return
-        local_world = local_world_size(launcher, cfg.pipeline.stages * cfg.pipeline.dp, os.environ)
-        check_local_world(local_world, torch.cuda.device_count(), transport, launcher)
+        local_world = local_world_size(started_by, cfg.pipeline.stages * cfg.pipeline.dp, os.environ)
+        check_local_world(local_world, torch.cuda.device_count(), transport, started_by)
     except DeviceError as exc:
         raise RunSetupError(str(exc)) from None
     if transport == "nccl":

@@ -15,7 +15,7 @@ import torch
 
 from ..models.flops import peak_tflops
 from ..pipeline.devices import local_world_size
-from ..pipeline.launch import under_launcher
+from ..pipeline.launch import launcher
 from .config import RunConfig
 
 SIGNIFICANT = 4
@@ -26,8 +26,7 @@ def devices_in_use(cfg: RunConfig) -> int:
     """How many devices the run computes on: distinct GPUs over all machines on cuda (ranks beyond a
     machine's GPUs share them), machines on cpu."""
     ranks = 1 if cfg.train.simulate else cfg.pipeline.stages * cfg.pipeline.dp
-    launcher = "torchrun" if under_launcher() else "spawn"
-    local = local_world_size(launcher, ranks, os.environ) if ranks > 1 else 1
+    local = local_world_size(launcher(), ranks, os.environ) if ranks > 1 else 1
     machines = max(1, ranks // local)
     if cfg.train.device != "cuda":
         return machines
