@@ -68,6 +68,10 @@ class Trainer:
         self.engine = engine
         self.stream = stream
         self.device = torch.device(device)
+        # The engine's compute device where it has one (a pipeline rank's Trainer holds its data
+        # on the CPU while the stage runs on a GPU, whose kernels and peak the profiler and the
+        # MFU are about).
+        self.compute_device = torch.device(getattr(engine, "device", None) or self.device)
         self.eval_set = [(x.to(self.device), y.to(self.device)) for x, y in eval_set]
         self.run_dir = Path(run_dir)
         self.step = start_step
@@ -80,8 +84,7 @@ class Trainer:
         self.tokens_per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
         # model TFLOP/s and MFU per step (utilisation.py), where the engine knows its model's FLOPs
         self.flops_per_token = getattr(engine, "flops_per_token", None)
-        compute_device = torch.device(getattr(engine, "device", None) or self.device)
-        self.peak_tflops = run_peak_tflops(cfg, compute_device) if self.flops_per_token else None
+        self.peak_tflops = run_peak_tflops(cfg, self.compute_device) if self.flops_per_token else None
         self.lr_schedule = cfg.lr_schedule()
         self.base_lr = cfg.optim.effective_lr()
         # TensorBoard: the metrics writer logs the rows under tensorboard/; each stage of replica 0
@@ -103,11 +106,8 @@ class Trainer:
         who = f"stage{getattr(self.engine, 'stage', 0)}"
         if getattr(getattr(self.engine, "pipe", None), "dp", 1) > 1:
             who += f"_dp{getattr(self.engine, 'replica', 0)}"
-        # The engine's compute device where it has one (a pipeline rank's Trainer holds its data
-        # on the CPU while the stage runs on a GPU, whose kernels are what the trace is for).
-        device = torch.device(getattr(self.engine, "device", None) or self.device)
         return StepProfiler(parse_profile_steps(spec) if spec else None, self.run_dir / "profile", who,
-                            device.type)
+                            self.compute_device.type)
 
     def _save_single_process(self, step: int, meta: dict) -> Path:
         return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta,
