@@ -219,7 +219,7 @@ def test_without_a_prompt_a_tokenizer_without_boundary_tokens_starts_after_its_n
 def test_text_is_printed_as_whole_characters_as_their_bytes_arrive():
     import io
     stream = io.StringIO()
-    printer = sm.Printer(sm.decoder(sm.ByteTokenizer()), stream)
+    printer = sm.Printer(sm.ByteTokenizer().decode, stream)
     for byte in "aé€".encode():
         printer.add(byte)
         assert "\ufffd" not in stream.getvalue()

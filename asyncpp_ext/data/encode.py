@@ -97,6 +97,10 @@ class ByteTokenizer(_Encoder):
         """Token ids of each piece."""
         return [np.frombuffer(p.encode("utf-8"), dtype=np.uint8) for p in pieces]
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``; bytes that do not make a whole UTF-8 character decode as U+FFFD."""
+        return bytes(ids).decode("utf-8", errors="replace")
+
 
 class HFTokenizer(_Encoder):
     """A Hugging Face ``tokenizers`` tokenizer read from a local tokenizer.json (no network)."""
@@ -142,6 +146,10 @@ class HFTokenizer(_Encoder):
         ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64,
                           count=int(lengths.sum()))
         return ids, lengths
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens included."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self.tokenizer.token_to_id(token)

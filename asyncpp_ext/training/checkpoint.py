@@ -333,6 +333,15 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, mmap: bool = False) -> tuple[di
     return meta, shards
 
 
+def saved_config(ckpt_dir: str | os.PathLike, meta: dict) -> RunConfig:
+    """The run config checkpoint ``ckpt_dir``'s ``meta`` (read_meta) holds; CheckpointError where it
+    cannot be read."""
+    try:
+        return RunConfig.from_dict(meta["config"])
+    except (ConfigError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt_dir} holds an unusable config ({exc})") from None
+
+
 def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig) -> None:
     """Raise CheckpointError naming the first field that would change the resumed run's numbers."""
     try:
@@ -434,7 +443,7 @@ def merge_engine_states(states: Sequence[dict]) -> dict:
     return merged
 
 
-__all__ = ["merge_engine_states", "checkpoint_named", "load_weights", "FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "to_cpu", "checkpoint_path", "temp_checkpoint_path", "shard_name",
+__all__ = ["merge_engine_states", "checkpoint_named", "load_weights", "saved_config", "FORMAT_VERSION", "CheckpointError", "NonFiniteCheckpointError", "to_cpu", "checkpoint_path", "temp_checkpoint_path", "shard_name",
            "capture_rng_state", "restore_rng_state", "begin_checkpoint", "write_shard",
            "finalize_checkpoint", "save_checkpoint", "prune_checkpoints", "list_checkpoints", "latest_checkpoint",
            "read_meta", "load_checkpoint", "check_resume_config"]

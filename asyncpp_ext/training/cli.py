@@ -17,7 +17,7 @@ from typing import Optional
 
 from .arguments import PROG, UsageError, build_parser, config_from_args, name_flag
 from .checkpoint import (CheckpointError, CheckpointWriteError, NonFiniteCheckpointError, check_resume_config,
-                         checkpoint_named, latest_checkpoint, list_checkpoints, read_meta)
+                         checkpoint_named, latest_checkpoint, list_checkpoints, read_meta, saved_config)
 from .config import ConfigError, RunConfig, init_from_mismatch
 from ..data import DataError
 from ..oom import out_of_memory
@@ -51,10 +51,7 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
                              "run continues in its own directory, drop --out")
         resume_dir = latest_checkpoint(run_dir)
         meta = read_meta(resume_dir)  # shards are verified when they are loaded
-        try:
-            saved = RunConfig.from_dict(meta["config"])
-        except (ConfigError, TypeError, KeyError) as exc:
-            raise CheckpointError(f"checkpoint {resume_dir} holds an unusable config ({exc})") from None
+        saved = saved_config(resume_dir, meta)
         cfg = config_from_args(args, base=saved)
         cfg.train.out = str(run_dir)
         check_resume_config(resume_dir, meta["config"], cfg)
@@ -78,11 +75,7 @@ def start_from(cfg: RunConfig, args) -> None:
     """``--init-from``: the checkpoint it names stored in ``cfg``, and the model the checkpoint's
     (with the model flags given applied), refused where a weight's shape would differ."""
     ckpt = checkpoint_named(args.init_from, "--init-from")
-    meta = read_meta(ckpt)  # its shards are verified when they are loaded
-    try:
-        saved = RunConfig.from_dict(meta["config"]).model
-    except (ConfigError, TypeError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {ckpt} holds an unusable config ({exc})") from None
+    saved = saved_config(ckpt, read_meta(ckpt)).model  # its shards are verified when they are loaded
     cfg.model = model_from_args(args, replace(saved, hf_model=None))  # its weights come from ckpt
     why = init_from_mismatch(saved, cfg.model)
     if why is not None:

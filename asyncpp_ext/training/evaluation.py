@@ -25,11 +25,11 @@ import torch
 
 from ..command_line import OneLineParser, UsageError, run_command
 from ..data import DataError, eval_batches, load_tokens, split_tokens
-from ..data.sources import BYTES_TOKENIZER, describe_tokenizer, tokenizer_of, tokenizers_differ
+from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints
 from .config import ConfigError
-from .export import load_model
+from .export import command_device, data_tokenizer, load_model, trained_on_bytes
 from .run_files import write_text_atomic
 
 PROG = "asyncpp-eval"
@@ -59,8 +59,6 @@ def check_arguments(args) -> None:
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is visible; use --device cpu")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"--json {args.json}: its directory does not exist")
 
@@ -91,7 +89,7 @@ def evaluation_set(cfg, data: Optional[str], batches: Optional[int], batch_size:
                               source=cfg.data.source)[1]
         return eval_batches(tokens, size, seq_len, count, vocab, f"--data {cfg.data.source}"), \
             f"the held-out {cfg.data.eval_fraction:g} of {cfg.data.source}"
-    theirs, ours = tokenizer_of(data), tokenizer_of(cfg.data.source) if cfg.data.source else None
+    theirs, ours = tokenizer_of(data), data_tokenizer(cfg)
     if tokenizers_differ(ours, theirs):
         raise DataError(f"--data {data} holds ids of {describe_tokenizer(theirs)} but the run trained on those of "
                         f"{describe_tokenizer(ours)}: its loss would mean nothing; evaluate on data made with the "
@@ -113,18 +111,19 @@ def mean_loss(model: torch.nn.Module, batches: list, device: torch.device) -> fl
 def evaluate(args) -> list[dict]:
     """One row per checkpoint; prints the table as rows are done."""
     check_arguments(args)
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = command_device(args.device)
     ckpts = [(run, ckpt) for run in args.runs for ckpt in checkpoints_of(run, args.every_checkpoint)]
     rows = []
     print(f"{'checkpoint':<44} {'step':>7} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'tokens':>10} {'s':>6}")
+    sets = {}  # the checkpoints of one run share their data and window shape: read them once
     for run, ckpt in ckpts:
         cfg, step, model = load_model(ckpt)
-        batches, what = evaluation_set(cfg, args.data, args.batches, args.batch_size)
+        key = (repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
+        if key not in sets:
+            sets[key] = (*evaluation_set(cfg, args.data, args.batches, args.batch_size), trained_on_bytes(cfg))
+        batches, what, on_bytes = sets[key]
         start = time.perf_counter()
         loss = mean_loss(model.to(device), batches, device)
-        mark = tokenizer_of(cfg.data.source) if cfg.data.source else None
-        on_bytes = mark is not None and mark["tokenizer"] == BYTES_TOKENIZER
         row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "loss": loss,
                "perplexity": math.inf if loss >= 709 else math.exp(loss),  # math.exp raises past ~709.78
                "bits_per_byte": loss / math.log(2) if on_bytes else None,

@@ -33,7 +33,7 @@ from ..models.hf import require_transformers
 from ..models.hf_checks import HFModelError
 from ..models.hf_export import DTYPE_NAMES, ExportError, to_transformers
 from ..models.registry import build_model, describe
-from .checkpoint import CheckpointError, checkpoint_named, load_weights, read_meta
+from .checkpoint import CheckpointError, checkpoint_named, load_weights, read_meta, saved_config
 from .config import ConfigError, RunConfig
 
 PROG = "asyncpp-export"
@@ -81,10 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_model(ckpt: Path) -> tuple[RunConfig, int, torch.nn.Module]:
     """(run config, step, the model with the checkpoint's newest weights), on the CPU in float32."""
-    try:
-        cfg = RunConfig.from_dict(read_meta(ckpt)["config"])
-    except (ConfigError, TypeError, KeyError) as exc:
-        raise CheckpointError(f"checkpoint {ckpt} holds an unusable config ({exc})") from None
+    cfg = saved_config(ckpt, read_meta(ckpt))
     model_cfg = replace(cfg.model, hf_model=None)  # a run from --hf-model: its config, not its files
     model = build_model(model_cfg, seed=cfg.train.seed).eval()
     meta = load_weights(model, ckpt)
@@ -95,11 +92,31 @@ def load_model(ckpt: Path) -> tuple[RunConfig, int, torch.nn.Module]:
 # The tokenizer
 
 
+def data_tokenizer(cfg: RunConfig) -> Optional[dict]:
+    """Which tokenizer made the run's training ids, as its ``--data`` sidecars say
+    (``data.sources.tokenizer_of``: ``"bytes"`` for text and the built-in corpus), or None."""
+    return tokenizer_of(cfg.data.source) if cfg.data.source else None
+
+
+def trained_on_bytes(cfg: RunConfig) -> bool:
+    """Whether the run's ids are UTF-8 bytes (its --data is text or the built-in corpus)."""
+    mark = data_tokenizer(cfg)
+    return mark is not None and mark["tokenizer"] == BYTES_TOKENIZER
+
+
+def command_device(choice: str) -> torch.device:
+    """``--device auto|cpu|cuda`` of asyncpp-sample and asyncpp-eval: auto = cuda where a GPU is
+    visible; UsageError for cuda without one."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    return torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
+
+
 def choose_tokenizer(spec: str, cfg: RunConfig, vocab_size: int):
     """(tokenizer or None, a line saying what was chosen). ``spec``: auto, none or a file."""
     if spec == "none":
         return None, "none (--tokenizer none)"
-    mark = tokenizer_of(cfg.data.source) if cfg.data.source else None
+    mark = data_tokenizer(cfg)
     if spec == "auto":
         if mark is None:
             return None, (f"none (no sidecar of --data {cfg.data.source} found from here names one; pass "
@@ -310,4 +327,4 @@ def main(argv: Optional[list] = None) -> int:
                        stopped_note="; nothing was written", oom_hint="; nothing was written", other=_written_nothing)
 
 
-__all__ = ["main", "export", "load_model", "check_logits"]
+__all__ = ["main", "export", "load_model", "check_logits", "data_tokenizer", "trained_on_bytes", "command_device"]

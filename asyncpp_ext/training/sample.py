@@ -20,13 +20,12 @@ import torch
 
 from ..command_line import OneLineParser, UsageError, run_command
 from ..data.encode import ByteTokenizer
-from ..data.sources import BYTES_TOKENIZER, tokenizer_of
 from ..models.generate import generate
 from ..models.hf_checks import HFModelError
 from ..models.registry import describe
 from .checkpoint import CheckpointError, checkpoint_named
 from .config import ConfigError
-from .export import choose_tokenizer, load_model
+from .export import choose_tokenizer, command_device, load_model, trained_on_bytes
 
 PROG = "asyncpp-sample"
 SEPARATOR = "-" * 40
@@ -75,8 +74,6 @@ def check_arguments(args) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.samples < 1:
         raise UsageError(f"--samples must be at least 1, got {args.samples}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is visible; use --device cpu")
     if args.tokenizer == "none":
         raise UsageError("--tokenizer none: sampling encodes the prompt and decodes the ids; pass auto or a "
                          "tokenizer.json")
@@ -85,8 +82,7 @@ def check_arguments(args) -> None:
 def run_tokenizer(spec: str, cfg, vocab_size: int):
     """The tokenizer that made the run's ids: ``ByteTokenizer`` for a run on bytes, else the one
     ``choose_tokenizer`` finds (export.py); UsageError where none can be found."""
-    mark = tokenizer_of(cfg.data.source) if cfg.data.source else None
-    if spec == "auto" and mark is not None and mark["tokenizer"] == BYTES_TOKENIZER:
+    if spec == "auto" and trained_on_bytes(cfg):
         if vocab_size < ByteTokenizer.vocab_size:
             raise UsageError(f"the run trained on bytes but its model embeds {vocab_size} ids, not 256")
         return ByteTokenizer()
@@ -94,13 +90,6 @@ def run_tokenizer(spec: str, cfg, vocab_size: int):
     if tokenizer is None:
         raise UsageError(f"the run's tokenizer is unknown: {line.removeprefix('none (').removesuffix(')')}")
     return tokenizer
-
-
-def decoder(tokenizer):
-    """ids (a list of ints) -> text. Bytes that do not end a UTF-8 character decode as U+FFFD."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return lambda ids: bytes(ids).decode("utf-8", errors="replace")
-    return lambda ids: tokenizer.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def first_ids(tokenizer, prompt: str) -> tuple[list[int], int]:
@@ -145,14 +134,13 @@ def sample(args, out=None) -> str:
     """Draw and print the samples (to ``out``, default stdout); the line of figures."""
     check_arguments(args)
     out = sys.stdout if out is None else out
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = command_device(args.device)
     ckpt = checkpoint_named(args.run, "RUN")
     cfg, step, model = load_model(ckpt)
     tokenizer = run_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
     prompt, hidden = first_ids(tokenizer, args.prompt)
     model = model.to(device)
-    decode = decoder(tokenizer)
+    decode = tokenizer.decode
     eos_name = tokenizer.boundary_tokens()[1]
     eos = tokenizer.token_to_id(eos_name) if (eos_name and args.stop_at_eos) else None
     generator = torch.Generator(device=device).manual_seed(args.seed)
