@@ -8,6 +8,7 @@ from then on.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 from typing import Callable, Optional, Sequence
@@ -30,52 +31,20 @@ def _import_then_run(prog: str, load: Callable[[], Callable], argv: Optional[Seq
     return main(argv)
 
 
-def train(argv: Optional[Sequence[str]] = None) -> int:
-    """``asyncpp-train`` (training/cli.py)."""
-    def load():
-        from .training.cli import main
-        return main
-    return _import_then_run("asyncpp-train", load, argv)
+def _command(prog: str, module: str) -> Callable[[Optional[Sequence[str]]], int]:
+    """The console entry point of ``prog``: ``module``'s ``main``, imported when the command runs."""
+    def run(argv: Optional[Sequence[str]] = None) -> int:
+        return _import_then_run(prog, lambda: importlib.import_module(module, __package__).main, argv)
+    run.__doc__ = f"``{prog}`` ({module.lstrip('.').replace('.', '/')}.py)."
+    return run
 
 
-def prepare_data(argv: Optional[Sequence[str]] = None) -> int:
-    """``asyncpp-prepare-data`` (data/prepare.py)."""
-    def load():
-        from .data.prepare import main
-        return main
-    return _import_then_run("asyncpp-prepare-data", load, argv)
-
-
-def export(argv: Optional[Sequence[str]] = None) -> int:
-    """``asyncpp-export`` (training/export.py)."""
-    def load():
-        from .training.export import main
-        return main
-    return _import_then_run("asyncpp-export", load, argv)
-
-
-def evaluate(argv: Optional[Sequence[str]] = None) -> int:
-    """``asyncpp-eval`` (training/evaluation.py)."""
-    def load():
-        from .training.evaluation import main
-        return main
-    return _import_then_run("asyncpp-eval", load, argv)
-
-
-def sample(argv: Optional[Sequence[str]] = None) -> int:
-    """``asyncpp-sample`` (training/sample.py)."""
-    def load():
-        from .training.sample import main
-        return main
-    return _import_then_run("asyncpp-sample", load, argv)
-
-
-def schedule(argv: Optional[Sequence[str]] = None) -> int:
-    """``asyncpp-schedule`` (schedule/cli.py)."""
-    def load():
-        from .schedule.cli import main
-        return main
-    return _import_then_run("asyncpp-schedule", load, argv)
+train = _command("asyncpp-train", ".training.cli")
+prepare_data = _command("asyncpp-prepare-data", ".data.prepare")
+export = _command("asyncpp-export", ".training.export")
+evaluate = _command("asyncpp-eval", ".training.evaluation")
+sample = _command("asyncpp-sample", ".training.sample")
+schedule = _command("asyncpp-schedule", ".schedule.cli")
 
 
 __all__ = ["evaluate", "export", "prepare_data", "sample", "schedule", "train"]
