@@ -68,10 +68,6 @@ class Trainer:
         self.engine = engine
         self.stream = stream
         self.device = torch.device(device)
-        # The engine's compute device where it has one (a pipeline rank's Trainer holds its data
-        # on the CPU while the stage runs on a GPU, whose kernels and peak the profiler and the
-        # MFU are about).
-        self.compute_device = torch.device(getattr(engine, "device", None) or self.device)
         self.eval_set = [(x.to(self.device), y.to(self.device)) for x, y in eval_set]
         self.run_dir = Path(run_dir)
         self.step = start_step
@@ -99,6 +95,13 @@ class Trainer:
                 self.tensorboard = TensorboardLogger(root, purge_step=start_step + 1)
             if callable(getattr(engine, "time_shares", None)) and getattr(engine, "replica", 0) == 0:
                 self.tensorboard_stage = TensorboardLogger(root / f"stage{engine.stage}", purge_step=start_step + 1)
+
+    @property
+    def compute_device(self) -> torch.device:
+        """The engine's compute device where it has one (a pipeline rank's Trainer holds its data
+        on the CPU while the stage runs on a GPU, whose kernels and peak the profiler and the MFU
+        are about), else the Trainer's."""
+        return torch.device(getattr(self.engine, "device", None) or self.device)
 
     def _profiler(self) -> StepProfiler:
         """``--profile-steps``: this process's tracer, its files named by stage (and replica)."""
