@@ -46,7 +46,8 @@ def _rows(run):
                          ids=["one-process", "2-stage-pipeline"])
 def test_a_run_stops_with_a_checkpoint_and_resumes_as_if_never_stopped(tmp_path, capfd, flags):
     run = tmp_path / "run"
-    assert train([*COMMON, *flags, "--steps", "1000000", "--time-limit", "2s", "--out", str(run)]) == 0
+    # the limit counts from the command's start: a 2-stage pipeline's ranks take seconds to start
+    assert train([*COMMON, *flags, "--steps", "1000000", "--time-limit", "6s", "--out", str(run)]) == 0
     out = capfd.readouterr().out  # a pipeline's line comes from its last stage's process
     rows = _rows(run)
     stopped = rows[-1]["step"]
@@ -56,12 +57,35 @@ def test_a_run_stops_with_a_checkpoint_and_resumes_as_if_never_stopped(tmp_path,
     assert [r["step"] for r in rows] == list(range(1, stopped + 1))
     shards = sorted(p.name for p in (run / f"ckpt-{stopped:06d}").iterdir())
     assert len([s for s in shards if s.startswith("stage")]) == (2 if "--stages" in flags else 1), shards
-    assert f"--time-limit 2s: stopped at step {stopped} of 1000000 with checkpoint ckpt-{stopped:06d}" in out
+    assert f"--time-limit 6s: stopped at step {stopped} of 1000000 with checkpoint ckpt-{stopped:06d}" in out
     # resumed to 5 steps past the stop without the limit: the losses of a run that never stopped
     assert train(["--resume", str(run), "--steps", str(stopped + 5), "--time-limit", "1h"]) == 0
     straight = tmp_path / "straight"
     assert train([*COMMON, *flags, "--steps", str(stopped + 5), "--out", str(straight)]) == 0
     assert [r["loss"] for r in _rows(run)] == [r["loss"] for r in _rows(straight)]
+
+
+def test_the_limit_counts_the_start_up(tmp_path, monkeypatch):
+    """Three seconds of start-up (a slow data read) are part of a 5 s limit: the steps stop
+    before 5 s have passed since the command started, not since its training loop did."""
+    import time
+
+    from asyncpp_ext.training import run as run_module
+
+    build_data = run_module.build_data
+
+    def slow_build_data(cfg):
+        time.sleep(3.0)
+        return build_data(cfg)
+
+    monkeypatch.setattr(run_module, "build_data", slow_build_data)
+    run = tmp_path / "run"
+    began = time.time()
+    assert train([*COMMON, "--simulate", "--steps", "1000000", "--time-limit", "5s", "--out", str(run)]) == 0
+    rows = _rows(run)
+    assert rows[-1]["stopped"] == "time limit" and rows[-1]["step"] > 1
+    assert rows[0]["time"] - rows[0]["elapsed_s"] > began + 3.0  # the loop started after the start-up
+    assert rows[-1]["time"] < began + 5.0
 
 
 @pytest.mark.parametrize("flags, words", [

@@ -166,3 +166,36 @@ def test_under_torchrun_an_out_in_use_ends_every_rank_with_rank_0s_reason(tmp_pa
     # (torchrun may still stop rank 1 after its line, as it exits: a rank's end is not ours to time)
     assert "[rank" not in r.stderr and "stopped by SIGTERM" not in r.stderr
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_under_torchrun_its_sigterm_stops_every_rank_with_a_checkpoint(tmp_path, free_port):
+    """torchrun passes a SIGTERM (a preemption's) on to its workers and waits for them: with
+    --stop-on-signal TERM they stop at one step with a checkpoint. torchrun itself then exits
+    non-zero with its own report of the signal."""
+    import os
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port), "-m", "asyncpp_ext.train", "--model", "tiny", "--stages", "2",
+           "--steps", "1000000", "--eval-every", "50", "--ckpt-every", "1000", "--threads", "1", "--no-progress",
+           "--stop-on-signal", "TERM", "--signal-response", "1s", "--timeout", "30", "--out", str(run)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    rows = _metrics(run)
+    stopped = rows[-1]["step"]
+    assert rows[-1]["stopped"] == "SIGTERM" and [r["step"] for r in rows] == list(range(1, stopped + 1))
+    assert sorted(p.name for p in (run / f"ckpt-{stopped:06d}").glob("stage*")) == ["stage-00.pt", "stage-01.pt"]
+    assert f"SIGTERM (--stop-on-signal): stopped at step {stopped} of 1000000" in out, (out, err)
+    assert "asyncpp: rank" not in err, err  # no rank failed

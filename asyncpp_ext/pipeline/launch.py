@@ -23,11 +23,11 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from ..stop_signals import Stopped, die_with_parent, stop_signals_raise
+from ..stop_signals import Stopped, die_with_parent, signals_handled, stop_signals_raise
 from .devices import check_spawned_ranks, usable_cores
 from .peer_errors import TransportError, peer_gone
 from .start_method import START_METHOD_ENV, _context, _stdout_and_stderr_open
@@ -267,9 +267,12 @@ def lost_a_peer(e: BaseException) -> bool:
     return isinstance(e, TransportError) or peer_gone(e)
 
 
-def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0) -> None:
+def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0,
+          forward: Sequence[str] = ()) -> None:
     """Run ``fn(*args)`` in ``nprocs`` local ranks; raise LaunchError if any rank fails
     (ValueError, before anything starts, if ``ASYNCPP_START_METHOD`` is not a valid choice).
+    The signals named in ``forward`` ("SIGUSR1", ...), sent to this process, are passed on to
+    every rank still running instead of taking their effect here (``--stop-on-signal``).
     A forkserver started here imports ``fn``'s module where it is part of this package, so a rank
     starts with nothing left to import (a Ctrl-C then finds no import of a rank in progress);
     other modules, which could resolve differently from another working directory, are imported
@@ -289,51 +292,58 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0)
              for r in range(nprocs)]
     started = []  # a Ctrl-C can come between two starts: the ranks already started stop too
     deadline = None
-    try:
+
+    def pass_on(signum, frame):
+        for p in started:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    with signals_handled(pass_on, [getattr(signal, name) for name in forward]):
         try:
-            for p in procs:
-                p.start()  # rank 0 gets its own duplicate of the listening socket
-                started.append(p)
+            try:
+                for p in procs:
+                    p.start()  # rank 0 gets its own duplicate of the listening socket
+                    started.append(p)
+            finally:
+                listener.close()
+            while any(p.is_alive() for p in procs):
+                while not channel.empty():
+                    r, message = channel.get()
+                    reasons.setdefault(r, message)
+                if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
+                    deadline = time.monotonic() + grace_s
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Stopped:
+            # A stop request to this process alone (SIGTERM, SIGHUP; Ctrl-C reaches the whole process
+            # group): passed on as SIGTERM, which each rank answers with its line (not SIGINT: a run
+            # started in the background of a script inherits SIGINT ignored), and a moment for it.
+            for p in started:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM)
+            for p in started:
+                p.join(STOP_GRACE_S)
+            raise
+        except KeyboardInterrupt:
+            # A Ctrl-C reaches the whole process group: each rank ends on it with its own line
+            # ("interrupted"). A moment for that before the ones left (a SIGINT to this process alone)
+            # are stopped below: a SIGTERM landing in a rank as it handles its SIGINT replaces its line.
+            end = time.monotonic() + INTERRUPT_GRACE_S
+            for p in started:
+                p.join(max(0.0, end - time.monotonic()))
+            raise
         finally:
-            listener.close()
-        while any(p.is_alive() for p in procs):
-            while not channel.empty():
-                r, message = channel.get()
-                reasons.setdefault(r, message)
-            if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
-                deadline = time.monotonic() + grace_s
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    except Stopped:
-        # A stop request to this process alone (SIGTERM, SIGHUP; Ctrl-C reaches the whole process
-        # group): passed on as SIGTERM, which each rank answers with its line (not SIGINT: a run
-        # started in the background of a script inherits SIGINT ignored), and a moment for it.
-        for p in started:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM)
-        for p in started:
-            p.join(STOP_GRACE_S)
-        raise
-    except KeyboardInterrupt:
-        # A Ctrl-C reaches the whole process group: each rank ends on it with its own line
-        # ("interrupted"). A moment for that before the ones left (a SIGINT to this process alone)
-        # are stopped below: a SIGTERM landing in a rank as it handles its SIGINT replaces its line.
-        end = time.monotonic() + INTERRUPT_GRACE_S
-        for p in started:
-            p.join(max(0.0, end - time.monotonic()))
-        raise
-    finally:
-        exit_codes = [p.exitcode for p in procs]  # before any rank is stopped by us
-        ended_by_us = [r for r, p in enumerate(procs) if p in started and p.is_alive()]
-        for p in started:
-            if p.is_alive():
-                p.terminate()
-        for p in started:
-            p.join(2.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            exit_codes = [p.exitcode for p in procs]  # before any rank is stopped by us
+            ended_by_us = [r for r, p in enumerate(procs) if p in started and p.is_alive()]
+            for p in started:
+                if p.is_alive():
+                    p.terminate()
+            for p in started:
+                p.join(2.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
     while not channel.empty():
         r, message = channel.get()
         reasons.setdefault(r, message)

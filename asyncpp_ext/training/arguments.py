@@ -200,9 +200,17 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "of a multi-process run, torch's default for one process); runs match "
                           "bitwise only at equal counts")
     run.add_argument("--time-limit", metavar="DURATION",
-                     help="stop with a checkpoint before this much time has passed since training "
-                          "started, to be resumed with --resume (a batch job's limit less its "
-                          "start-up): minutes (230) or units h, m, s (3h50m, 45m, 600s)")
+                     help="stop with a checkpoint before this much time has passed since the command "
+                          "started, to be resumed with --resume (a batch job's limit less a margin): "
+                          "minutes (230) or units h, m, s (3h50m, 45m, 600s)")
+    run.add_argument("--stop-on-signal", metavar="SIGNAL",
+                     help="on this signal (USR1, USR2 or TERM; none: off) stop at the end of the current "
+                          "segment with a checkpoint, to be resumed with --resume: a batch system's "
+                          "warning (SLURM --signal=USR1@120) or a preemption's SIGTERM (default: off)")
+    run.add_argument("--signal-response", metavar="DURATION",
+                     help="with --stop-on-signal: the longest training segment, so the stop comes "
+                          "within about this long after the signal, plus an evaluation and the "
+                          f"checkpoint; units h, m, s (default {_D.train.signal_response_s:g}s)")
     run.add_argument("--peak-tflops", type=float, metavar="X",
                      help="peak TFLOP/s of one device, for the MFU in the metrics (default: on cuda the "
                           "dense bf16 peak of the GPU's name, H100/H200/A100; none on cpu)")
@@ -292,7 +300,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "progress"): args.progress,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
-        ("train", "peak_tflops"): args.peak_tflops, ("train", "time_limit_s"): _time_limit(args.time_limit),
+        ("train", "peak_tflops"): args.peak_tflops, ("train", "time_limit_s"): _duration("--time-limit", args.time_limit),
+        ("train", "signal_response_s"): _duration("--signal-response", args.signal_response),
         ("train", "nonfinite_check"): args.nonfinite_check,
         ("train", "compile"): args.compile, ("train", "compile_scope"): args.compile_scope,
         ("train", "compile_mode"): args.compile_mode,
@@ -306,14 +315,15 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
     for (section, name), value in sets.items():
         if value is not None:
             setattr(getattr(cfg, section), name, value)
+    _stop_signal(cfg, args.stop_on_signal)
     if base is None and args.microbatches is None and cfg.pipeline.schedule == "pipedream":
         cfg.pipeline.microbatches = 1  # the only count pipedream runs: one microbatch per step
     cfg.train.resume = args.resume
     return cfg
 
 
-def _time_limit(text: Optional[str]) -> Optional[float]:
-    """--time-limit in seconds (None when not given)."""
+def _duration(flag: str, text: Optional[str]) -> Optional[float]:
+    """A DURATION flag in seconds (None when not given)."""
     from .time_limit import parse_duration
 
     if text is None:
@@ -321,7 +331,18 @@ def _time_limit(text: Optional[str]) -> Optional[float]:
     try:
         return parse_duration(text)
     except ValueError as exc:
-        raise ConfigError(f"--time-limit: {exc}") from None
+        raise ConfigError(f"{flag}: {exc}") from None
+
+
+def _stop_signal(cfg: RunConfig, text: Optional[str]) -> None:
+    """--stop-on-signal: the signal's full name, or none (a resumed run drops its saved one)."""
+    from .stop_request import signal_name
+
+    if text is not None:
+        try:
+            cfg.train.stop_signal = signal_name(text)
+        except ValueError as exc:
+            raise ConfigError(f"--stop-on-signal: {exc}") from None
 
 
 def _env_timeout() -> Optional[float]:
@@ -349,7 +370,8 @@ FIELD_FLAGS = {
     "train.keep_checkpoints": "--keep-checkpoints",
     "data.eval_batches": "--eval-batches", "data.source": "--data", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
-    "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit", "model.n_layer": "--n-layer",
+    "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
+    "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",

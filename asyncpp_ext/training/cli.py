@@ -85,11 +85,12 @@ def start_from(cfg: RunConfig, args) -> None:
 
 
 def main(argv=None) -> int:
+    started_at = time.time()  # --time-limit counts from here
     cfg = None
     try:
         with stop_signals_raise():  # SIGTERM / SIGHUP end the run as Ctrl-C does
             cfg, resume_dir = resolve(argv)
-            return train(cfg, resume_dir)
+            return train(cfg, resume_dir, started_at)
     except (NonFiniteError, NonFiniteCheckpointError) as exc:  # a run failure, not a bad input
         sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")
         return 1

@@ -284,9 +284,18 @@ class TrainConfig:
     """Also write TensorBoard events (loss, eval loss, lr, tokens/s, each stage's compute and wait
     shares) under the run directory's tensorboard/ (needs ``pip install 'asyncpp_ext[tensorboard]'``)."""
     time_limit_s: Optional[float] = None
-    """Wall-clock budget of this process's training loop, in seconds (``--time-limit``, e.g. a
-    batch job's limit less its start-up): the last segment is sized to end, with its checkpoint,
+    """Wall-clock budget of the command, from its start, in seconds (``--time-limit``, e.g. a
+    batch job's limit less a margin): the last segment is sized to end, with its checkpoint,
     before it passes, and the run stops there to be resumed (time_limit.py). None = no limit."""
+    stop_signal: Optional[str] = None
+    """A signal (``--stop-on-signal``: "SIGUSR1", "SIGUSR2" or "SIGTERM") on which the run stops at
+    the end of its current segment with a checkpoint, to be resumed: a batch system's warning
+    before its time limit or a preemption (stop_request.py). None = the signal's usual effect."""
+    signal_response_s: float = 30.0
+    """With ``stop_signal``: the longest a segment may train (``--signal-response``), so the run
+    reaches its stop within about this long after the signal, plus an evaluation and the
+    checkpoint. Each segment end costs a pipeline drain; steps longer than this make one-step
+    segments."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one of the run's devices, for the MFU in metrics.jsonl and the summary line
     (models/flops.py: model TFLOP/s / (devices x peak)). None: on cuda the dense bf16 peak of the

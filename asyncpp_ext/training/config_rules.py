@@ -20,6 +20,7 @@ from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DEVICES, DTYPES,
 from .field_checks import (ConfigError, choice, non_negative_int, non_negative_number, positive_int,
                            positive_number)
 from .profiling import ProfileSpecError, parse_profile_steps
+from .stop_request import STOP_SIGNALS
 
 
 def check_mitigation(cfg: RunConfig) -> None:
@@ -203,6 +204,12 @@ def check_run(cfg: RunConfig) -> None:
         if not cfg.train.checkpoints:
             raise ConfigError("train.time_limit_s stops a run to be resumed from the checkpoint it writes, but "
                               "--no-checkpoints writes none: drop one of them")
+    if cfg.train.stop_signal is not None:
+        choice("train.stop_signal", cfg.train.stop_signal, STOP_SIGNALS)
+        if not cfg.train.checkpoints:
+            raise ConfigError("train.stop_signal stops a run to be resumed from the checkpoint it writes, but "
+                              "--no-checkpoints writes none: drop one of them")
+    positive_number("train.signal_response_s", cfg.train.signal_response_s)
     if cfg.train.peak_tflops is not None:
         positive_number("train.peak_tflops", cfg.train.peak_tflops)
     if cfg.train.threads is not None:

@@ -31,6 +31,7 @@ from ..pipeline.start_method import start_method
 from ..pipeline.ipc import slots_from_env
 from ..pipeline.sockets import SocketSetupError, explicit_host, inline_recv_bytes, recv_spin_us
 from ..pipeline.transport import TransportError, peer_failure_reason
+from . import stop_request
 from .trainer import Trainer
 
 
@@ -61,16 +62,18 @@ def _collective_checkpoint(pipe: Pipeline, run_dir: Path, keep: Optional[int] = 
 
 
 def _agree_on_end(pipe: Pipeline):
-    """--time-limit: every rank ends the next segment at the earliest step any of them proposes
-    (one all-reduce over the default group; the ranks' clocks differ, their segments must not)."""
-    def agree(end: int) -> int:
-        proposal = torch.tensor([end], dtype=torch.int64)
+    """--time-limit, --stop-on-signal: every rank ends the next segment at the earliest step any of
+    them proposes, and learns whether any noted the stop signal (one all-reduce over the default
+    group; the ranks' clocks and signals differ, their segments must not)."""
+    def agree(end: int, noted: bool) -> tuple[int, bool]:
+        proposal = torch.tensor([end, -int(noted)], dtype=torch.int64)  # the minimum of -noted: any
         try:
             dist.all_reduce(proposal, op=dist.ReduceOp.MIN)
         except RuntimeError as e:  # a peer died or stalled: this rank only reacts (launch.py)
-            raise TransportError(f"stage {pipe.stage}: agreeing on the next segment's end under --time-limit "
-                                 f"failed -- a peer has probably exited: {peer_failure_reason(e)}") from None
-        return int(proposal.item())
+            raise TransportError(f"stage {pipe.stage}: agreeing on the next segment's end (--time-limit, "
+                                 f"--stop-on-signal) failed -- a peer has probably exited: "
+                                 f"{peer_failure_reason(e)}") from None
+        return int(proposal[0]), bool(proposal[1] < 0)
     return agree
 
 
@@ -104,9 +107,15 @@ def check_same_data(stream) -> None:
                         "files on each; the builtin corpus depends on the Python installation)")
 
 
-def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
-    """One rank of a pipeline run (under torchrun or spawned by ``launch``)."""
+def rank_main(cfg_dict: dict, resume_dir: Optional[str], started_at: Optional[float] = None) -> None:
+    """One rank of a pipeline run (under torchrun or spawned by ``launch``); ``started_at``: when
+    the run's command started (Unix time), where --time-limit counts from."""
     cfg = RunConfig.from_dict(cfg_dict)
+    with stop_request.noting(cfg.train.stop_signal):  # --stop-on-signal: noted for the trainer
+        _rank_run(cfg, resume_dir, started_at)
+
+
+def _rank_run(cfg: RunConfig, resume_dir: Optional[str], started_at: Optional[float]) -> None:
     device, transport, backend = rank_placement(cfg)
     init_distributed(cfg.train.timeout_s, backend=backend)
     threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // (cfg.pipeline.stages * cfg.pipeline.dp))
@@ -128,7 +137,7 @@ def rank_main(cfg_dict: dict, resume_dir: Optional[str]) -> None:
                           elapsed_s=resumed.elapsed_s, device="cpu",
                           checkpoint_fn=_collective_checkpoint(pipe, run_dir, cfg.train.keep_checkpoints),
                           writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages,
-                          agree_on_end=_agree_on_end(pipe))
+                          agree_on_end=_agree_on_end(pipe), started_at=started_at)
         with pipe:
             trainer.run()
 
@@ -149,12 +158,12 @@ def check_one_process_world(cfg: RunConfig) -> None:
                       + (" and drop --simulate" if cfg.train.simulate else ""))
 
 
-def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:
+def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare, started_at: Optional[float] = None) -> None:
     """Run the pipeline under torchrun's world, or spawn ``stages * dp`` local ranks on 127.0.0.1.
 
     ``prepare()`` creates the run directory and config.json: here in the parent for a local
-    launch, on rank 0 (the others wait) under torchrun."""
-    args = (cfg.to_dict(), str(resume_dir) if resume_dir is not None else None)
+    launch, on rank 0 (the others wait) under torchrun. ``started_at``: rank_main's."""
+    args = (cfg.to_dict(), str(resume_dir) if resume_dir is not None else None, started_at)
     try:  # a bad ASYNCPP_START_METHOD, RECV_SPIN_US, INLINE_RECV_BYTES, IPC_SLOTS, SOCKET_HOST or a
         recv_spin_us()  # local MASTER_ADDR stops the run before anything is written (the ranks read them again)
         inline_recv_bytes()
@@ -167,7 +176,9 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare) -> None:
         raise ConfigError(str(exc)) from None
     if not under_launcher():
         prepare()
-        spawn(rank_main, cfg.pipeline.stages * cfg.pipeline.dp, args)
+        # --stop-on-signal: the signal, sent to this process, is passed on to every rank
+        forward = (cfg.train.stop_signal,) if cfg.train.stop_signal else ()
+        spawn(rank_main, cfg.pipeline.stages * cfg.pipeline.dp, args, forward=forward)
         return
     try:  # torchrun's world: its rendezvous waits --timeout for the other ranks, no longer
         rank, world = init_distributed(cfg.train.timeout_s, backend=rank_placement(cfg)[2])

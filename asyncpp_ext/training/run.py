@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -142,24 +143,32 @@ def changed_settings(saved: dict, now: dict, shown: int = 6) -> list[str]:
     return changed[:shown] + ([f"{len(changed) - shown} more"] if len(changed) > shown else [])
 
 
-def train(cfg: RunConfig, resume_dir: Optional[Path] = None) -> int:
+def train(cfg: RunConfig, resume_dir: Optional[Path] = None, started_at: Optional[float] = None) -> int:
     """Run ``cfg`` (validated) to the end: one process (the simulator, or a 1-stage 1-replica
-    run), or one process per stage and replica (spawned here, or torchrun's). Returns 0."""
+    run), or one process per stage and replica (spawned here, or torchrun's). Returns 0.
+    ``started_at``: when the command started (Unix time; default now), which --time-limit counts
+    from: the start-up (the build, the ranks' start, a checkpoint's load) is part of a job's time."""
+    from .stop_request import noting
+
+    started_at = time.time() if started_at is None else started_at
     threads = torch.get_num_threads()
     try:
-        if cfg.runs_multi_process():
-            return _train_pipeline(cfg, resume_dir)
-        from .distributed import check_one_process_world
-        check_one_process_world(cfg)
-        if cfg.train.threads is not None:
-            torch.set_num_threads(cfg.train.threads)
-        return _train_single_process(cfg, resume_dir)
+        # --stop-on-signal: from here on the signal is noted for the trainer (a launcher passes it
+        # on to its ranks once they run) instead of ending the process where it is
+        with noting(cfg.train.stop_signal):
+            if cfg.runs_multi_process():
+                return _train_pipeline(cfg, resume_dir, started_at)
+            from .distributed import check_one_process_world
+            check_one_process_world(cfg)
+            if cfg.train.threads is not None:
+                torch.set_num_threads(cfg.train.threads)
+            return _train_single_process(cfg, resume_dir, started_at)
     finally:  # train() may be called as a library function: leave the caller's setting as it was
         torch.set_num_threads(threads)
         release_run_dir(cfg.train.out)  # held from start_run_dir on
 
 
-def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
+def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path], started_at: float) -> int:
     from .trainer import Trainer
 
     stream, eval_set = build_data(cfg)  # --dp R simulates one replica on the global microbatches
@@ -171,12 +180,12 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
         if resumed.rng is not None:
             restore_rng_state(resumed.rng)
         Trainer(cfg, engine, stream, eval_set, out, start_step=resumed.start_step, elapsed_s=resumed.elapsed_s,
-                device=cfg.train.device).run()
+                device=cfg.train.device, started_at=started_at).run()
     print_summary(out, cfg, resumed.start_step)
     return 0
 
 
-def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
+def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path], started_at: float) -> int:
     from ..pipeline import under_launcher
     from .distributed import launch
 
@@ -192,7 +201,7 @@ def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
         start_step = int(meta["step"])
     elif cfg.train.init_from is not None:
         load_checkpoint(cfg.train.init_from, mmap=True)  # verifies its shard files (each rank reads them)
-    launch(cfg, resume_dir, lambda: start_run_dir(cfg, resume_dir, start_step))
+    launch(cfg, resume_dir, lambda: start_run_dir(cfg, resume_dir, start_step), started_at)
     if not under_launcher() or os.environ.get("RANK") == "0":
         print_summary(Path(cfg.train.out), cfg, start_step)
     return 0

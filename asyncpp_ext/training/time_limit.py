@@ -3,13 +3,14 @@
 A batch system ends a job at its time limit wherever the job is; the steps since its last
 checkpoint are lost. With ``--time-limit D`` the trainer sizes its segments (the steps between two
 points where every stage is quiet, Trainer._segment_end) so that the last one ends, and its
-checkpoint is written, before D has passed since the training loop started: after each segment
+checkpoint is written, before D has passed since the command started (``asyncpp-train``'s
+``main``; a library call of ``train``: that call; a spawned rank: its launcher's): after each segment
 every rank proposes the next one's end at the last step that fits (steps counted ``SLACK`` times
 slower than the latest segment's, the latest evaluation's and checkpoint's times kept in
 reserve), the ranks of a pipeline take the smallest proposal (one all-reduce per segment), and a
 proposal of no step at all ends the run there, with a checkpoint. The first segment of a process
-is one step (its time holds the compile and start-up, so the next proposal errs short); start-up
-before the loop is not counted -- leave it room in D.
+is one step (its time holds the compile and start-up, so the next proposal errs short). The
+interpreter's own start and imports (seconds) come before the command's clock: leave them room.
 """
 from __future__ import annotations
 
@@ -60,19 +61,34 @@ def limited_end(step: int, end: int, elapsed_s: float, limit_s: float, step_s: O
     return end if step_s <= 0 else min(end, step + int(left // (SLACK * step_s)))
 
 
+def capped_end(step: int, end: int, cap_s: float, step_s: Optional[float]) -> int:
+    """Where the segment starting after ``step`` should end (instead of ``end``) to train no longer
+    than ``cap_s`` at ``step_s`` per step: one step at least, and while no time per step is known."""
+    if step_s is None or step_s <= 0:
+        return min(end, step + 1) if step_s is None else end
+    return min(end, step + max(1, int(cap_s // step_s)))
+
+
 class SegmentClock:
     """The trainer's side of the limit: the time per step of the latest segment and of the latest
-    evaluation and checkpoint, and the segment ends they allow (``limit_s`` None: no limit, the
-    ends as given)."""
+    evaluation and checkpoint, and the segment ends they allow (``limit_s`` None: no limit;
+    ``cap_s``: no segment longer than this, ``--stop-on-signal``'s response; both None: the ends
+    as given)."""
 
-    def __init__(self, limit_s: Optional[float], start: float):
-        self.limit_s, self.start = limit_s, start  # start: time.perf_counter() at the loop's start
+    def __init__(self, limit_s: Optional[float], start: float, cap_s: Optional[float] = None):
+        self.limit_s, self.start = limit_s, start  # start: the limit's origin on time.perf_counter()
+        self.cap_s = cap_s
         self.step_s: Optional[float] = None
         self.spent = {"eval": 0.0, "checkpoint": 0.0}
 
+    @property
+    def sizes_segments(self) -> bool:
+        """Whether segment ends are this clock's to propose (and a pipeline's ranks must agree)."""
+        return self.limit_s is not None or self.cap_s is not None
+
     def first_end(self, step: int, end: int) -> int:
-        """The first segment's end: one step under a limit (the same on every rank: no clock read)."""
-        return end if self.limit_s is None else limited_end(step, end, 0.0, self.limit_s, None, 0.0)
+        """The first segment's end: one step when sizing (the same on every rank: no clock read)."""
+        return min(end, step + 1) if self.sizes_segments else end
 
     def trained(self, steps: int, seconds: float) -> None:
         if steps > 0:
@@ -90,6 +106,10 @@ class SegmentClock:
         """This rank's proposal for the next segment's end, after ``step``: the last evaluation's and
         checkpoint's times kept in reserve (the checkpoint's twice when one is due now, before
         the segment starts)."""
+        if self.cap_s is not None:
+            end = capped_end(step, end, self.cap_s, self.step_s)
+        if self.limit_s is None:
+            return end
         reserve = self.spent["checkpoint"] * (2 if checkpoint_due else 1) + self.spent["eval"]
         return limited_end(step, end, time.perf_counter() - self.start, self.limit_s, self.step_s, reserve)
 
@@ -102,4 +122,4 @@ def describe_duration(seconds: float) -> str:
     return "".join(f"{v}{u}" for v, u in ((h, "h"), (m, "m"), (s, "s")) if v) or f"{seconds:g}s"
 
 
-__all__ = ["SLACK", "parse_duration", "limited_end", "SegmentClock", "describe_duration"]
+__all__ = ["SLACK", "parse_duration", "limited_end", "capped_end", "SegmentClock", "describe_duration"]

@@ -20,6 +20,7 @@ from .profiling import StepProfiler, parse_profile_steps
 from .config import RunConfig
 from ..data import BatchStream
 from .run_files import METRICS_NAME, plot_losses
+from . import stop_request
 from .time_limit import SegmentClock, describe_duration
 from .utilisation import run_peak_tflops, step_figures
 
@@ -60,11 +61,14 @@ class Trainer:
                  start_step: int = 0, elapsed_s: float = 0.0, device: str = "cpu",
                  checkpoint_fn: Optional[Callable[[int, dict], Path]] = None,
                  writes_metrics: bool = True, num_stages: int = 1,
-                 agree_on_end: Optional[Callable[[int], int]] = None):
+                 agree_on_end: Optional[Callable[[int, bool], tuple[int, bool]]] = None,
+                 started_at: Optional[float] = None):
         self.cfg = cfg
-        # --time-limit: the ranks of a pipeline end each segment where the earliest of them
-        # proposes (an all-reduce in distributed.py); one process decides alone
-        self.agree_on_end = agree_on_end or (lambda end: end)
+        self.started_at = started_at  # when the command started (Unix time): --time-limit's origin
+        # --time-limit, --stop-on-signal: the ranks of a pipeline end each segment where the
+        # earliest of them proposes, and learn whether any noted the stop signal (an all-reduce in
+        # distributed.py); one process decides alone
+        self.agree_on_end = agree_on_end or (lambda end, noted: (end, noted))
         self.engine = engine
         self.stream = stream
         self.device = torch.device(device)
@@ -157,7 +161,10 @@ class Trainer:
         profiler = self._profiler()
         pending = []  # this segment's rows, written at its end (with its checkpoint)
         failed = False
-        clock = SegmentClock(self.cfg.train.time_limit_s, start)
+        t = self.cfg.train
+        # --time-limit counts from the command's start where it is known, else from here
+        origin = start - max(0.0, time.time() - self.started_at) if self.started_at is not None else start
+        clock = SegmentClock(t.time_limit_s, origin, t.signal_response_s if t.stop_signal else None)
         end = clock.first_end(self.step, self._segment_end())
         try:
             while self.step < total:
@@ -198,11 +205,15 @@ class Trainer:
                         pending[-1]["eval_loss"] = eval_loss if math.isfinite(eval_loss) else None
                 checkpoint_due = self.cfg.train.checkpoints and self._is_due(end, self.cfg.train.ckpt_every)
                 next_end = self._segment_end() if self.step < total else total
-                if clock.limit_s is not None and self.step < total:
-                    next_end = self.agree_on_end(clock.next_end(self.step, next_end, checkpoint_due))
-                stop = next_end == self.step < total  # the time limit leaves no room for another step
+                signalled = False
+                if clock.sizes_segments and self.step < total:
+                    noted = stop_request.requested()  # read once: a signal may land between two reads
+                    proposal = self.step if noted else clock.next_end(self.step, next_end, checkpoint_due)
+                    next_end, signalled = self.agree_on_end(proposal, noted)
+                # the stop signal, or the time limit leaving no room for another step
+                stop = next_end == self.step < total
                 if stop:
-                    pending[-1]["stopped"] = "time limit"
+                    pending[-1]["stopped"] = t.stop_signal if signalled else "time limit"
                 written, pending = pending, []
                 if metrics is not None:
                     metrics.write("".join(json.dumps(row) + "\n" for row in written))  # one write
@@ -215,9 +226,10 @@ class Trainer:
                         saved = self.save(self.elapsed_before + time.perf_counter() - start)
                 if stop:
                     if self.writes_metrics:
-                        print(f"{self.run_dir}: --time-limit {describe_duration(clock.limit_s)}: stopped at step "
-                              f"{self.step} of {total} with checkpoint {saved.name}; continue with --resume "
-                              f"{self.run_dir}", flush=True)
+                        why = (f"{t.stop_signal} (--stop-on-signal)" if signalled else
+                               f"--time-limit {describe_duration(clock.limit_s)}")
+                        print(f"{self.run_dir}: {why}: stopped at step {self.step} of {total} with checkpoint "
+                              f"{saved.name}; continue with --resume {self.run_dir}", flush=True)
                     break
                 end = next_end
         except Exception:
