@@ -178,6 +178,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR",
                      help="continue DIR's run from its latest checkpoint up to --steps; flags "
                           "left out are taken from the checkpoint")
+    run.add_argument("--auto-resume", action="store_true", default=None,
+                     help="with --out DIR: continue DIR's run from its latest checkpoint when it has one "
+                          "(as --resume DIR with these flags), else start it there: one command for every "
+                          "job of a chain (with --time-limit or --stop-on-signal); --init-from then "
+                          "serves the first job only")
     run.add_argument("--init-from", metavar="CKPT",
                      help="start a new run from the newest weights of a checkpoint (or of a run "
                           "directory's latest): a new phase with its own data, optimizer and lr schedule, "
@@ -295,7 +300,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
         ("train", "checkpoints"): args.checkpoints, ("data", "eval_batches"): args.eval_batches,
         ("train", "keep_checkpoints"): args.keep_checkpoints,
-        ("train", "out"): args.out, ("train", "device"): args.device,
+        ("train", "out"): args.out, ("train", "device"): args.device, ("train", "auto_resume"): args.auto_resume,
         ("train", "simulate"): args.simulate,
         ("train", "progress"): args.progress,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
@@ -371,7 +376,8 @@ FIELD_FLAGS = {
     "data.eval_batches": "--eval-batches", "data.source": "--data", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
-    "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response", "model.n_layer": "--n-layer",
+    "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",
+    "train.auto_resume": "--auto-resume", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",

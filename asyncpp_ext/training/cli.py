@@ -39,6 +39,8 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
                          "with its own; pass one of them")
     if args.init_from is not None and args.hf_model is not None:
         raise UsageError("--init-from and --hf-model each give the model's first weights; pass one of them")
+    if args.auto_resume:
+        auto_resume(args)
     if args.resume is not None:
         run_dir = Path(args.resume)
         if not args.resume:  # Path("") is the working directory
@@ -69,6 +71,17 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     preflight(cfg)
     return cfg, resume_dir
+
+
+def auto_resume(args) -> None:
+    """``--auto-resume``: ``args`` turned into a resume of --out when it holds a checkpoint (its
+    --init-from dropped: the run's own checkpoint has its weights), else left a start."""
+    if args.resume is not None:
+        raise UsageError("--auto-resume continues the run in --out itself; drop --resume")
+    if not args.out:
+        raise UsageError("--auto-resume needs --out DIR: the run directory every job of the chain continues")
+    if Path(args.out).is_dir() and list_checkpoints(args.out):
+        args.resume, args.out, args.init_from = args.out, None, None
 
 
 def start_from(cfg: RunConfig, args) -> None:

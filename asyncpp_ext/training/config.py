@@ -249,6 +249,9 @@ class TrainConfig:
     """Run directory: metrics.jsonl, config.json, loss.png, ckpt-NNNNNN/."""
     resume: Optional[str] = None
     """Run directory to continue from its latest checkpoint (None = fresh run)."""
+    auto_resume: bool = False
+    """Started with ``--auto-resume``: a start (its --out had no checkpoint) that may take over the
+    rows of an earlier attempt which wrote none, dropping them; a resume is a plain one."""
     init_from: Optional[str] = None
     """A checkpoint directory (ckpt-NNNNNN) whose newest weights a fresh run's model starts from
     instead of the seed's initialisation: a new phase of training (other data, learning rates,

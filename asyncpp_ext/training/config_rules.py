@@ -204,6 +204,9 @@ def check_run(cfg: RunConfig) -> None:
         if not cfg.train.checkpoints:
             raise ConfigError("train.time_limit_s stops a run to be resumed from the checkpoint it writes, but "
                               "--no-checkpoints writes none: drop one of them")
+    if cfg.train.auto_resume and not cfg.train.checkpoints:
+        raise ConfigError("train.auto_resume continues a run from its checkpoints, but --no-checkpoints writes "
+                          "none: drop one of them")
     if cfg.train.stop_signal is not None:
         choice("train.stop_signal", cfg.train.stop_signal, STOP_SIGNALS)
         if not cfg.train.checkpoints:

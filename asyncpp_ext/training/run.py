@@ -107,7 +107,12 @@ def check_rank_devices(cfg: RunConfig) -> None:
 def start_run_dir(cfg: RunConfig, resume_dir: Optional[Path], start_step: int) -> Path:
     """The run directory, made (or checked) only after every other check passed, with its
     config.json, and metrics rows past the checkpoint dropped on resume."""
-    out = prepare_run_dir(cfg.train.out, resuming=resume_dir is not None)
+    # --auto-resume found no checkpoint: rows an earlier attempt wrote before it died go
+    again = resume_dir is None and cfg.train.auto_resume
+    out = prepare_run_dir(cfg.train.out, resuming=resume_dir is not None or again)
+    if again:
+        truncate_metrics(out, 0)
+        remove_unfinished_checkpoints(out)
     if resume_dir is not None:
         truncate_metrics(out, start_step)
         remove_unfinished_checkpoints(out)
