@@ -150,7 +150,8 @@ run_step() {
                    tests/test_ipc_transport.py tests/test_stage_host.py tests/test_compute_copies.py \
                    tests/test_stage_compute.py tests/test_compile_cuda.py tests/test_head_loss.py \
                    tests/test_attention.py tests/test_optim_api.py tests/test_step_boundary.py \
-                   tests/test_main_grad.py tests/test_flops.py tests/test_sample.py tests/test_cuda_graphs.py ;;
+                   tests/test_main_grad.py tests/test_flops.py tests/test_sample.py tests/test_eval.py \
+                   tests/test_cuda_graphs.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         360m-more) bench 360m-more 330 -- "${ROWS_360M_MORE[@]}" ;;

@@ -68,7 +68,7 @@ def test_every_checkpoints_loss_is_the_eval_loss_its_run_logged(runs, name, tmp_
 def test_the_latest_checkpoint_alone_by_default(runs, capsys):
     rc, lines, _ = _eval([runs / "sim"], capsys)
     assert rc == 0 and len(lines) == 3 and lines[1].split()[1] == "4"
-    assert lines[2] == "data: the held-out 0.1 of builtin"
+    assert lines[2] == "data: the held-out 0.1 of builtin; on cpu in fp32"  # --dtype auto on the cpu
 
 
 def test_runs_compared_on_one_file_see_the_same_windows(runs, texts, tmp_path, capsys):
@@ -80,9 +80,29 @@ def test_runs_compared_on_one_file_see_the_same_windows(runs, texts, tmp_path, c
     rows = json.loads((tmp_path / "rows.json").read_text())
     for row, name in zip(rows, ["val-sync", "val-2bw"]):
         assert row["loss"] == pytest.approx(_logged(runs / name)[4], rel=1e-6, abs=0)
-    assert rows[0]["loss"] != rows[1]["loss"] and lines[-1] == f"data: {texts / 'val.txt'}"
+    assert rows[0]["loss"] != rows[1]["loss"] and lines[-1] == f"data: {texts / 'val.txt'}; on cpu in fp32"
     rc, lines, _ = _eval([runs / "sim", runs / "val-2bw"], capsys)
     assert rc == 0 and lines[-1].startswith("data: each run's own evaluation set")
+
+
+def test_bf16_autocast_on_request(runs, tmp_path, capsys):
+    """--dtype bf16: the forward under bf16 autocast, a loss near float32's but not float32's."""
+    rc, lines, err = _eval([runs / "sim", "--dtype", "bf16", "--json", tmp_path / "bf16.json"], capsys)
+    assert rc == 0 and lines[-1].endswith("; on cpu in bf16"), err
+    row = json.loads((tmp_path / "bf16.json").read_text())[0]
+    fp32 = _logged(runs / "sim")[4]
+    assert row["dtype"] == "bf16" and row["loss"] == pytest.approx(fp32, rel=2e-2) and row["loss"] != fp32
+
+
+@pytest.mark.cuda
+def test_on_cuda_auto_is_bf16_and_equals_a_cuda_runs_eval_loss(tmp_path, capsys):
+    """A run trained on the GPU (bf16 autocast, --dtype auto) evaluated there with --dtype auto."""
+    run = tmp_path / "gpu"
+    assert train([*FLAGS, "--simulate", "--device", "cuda", "--no-compile", "--out", str(run)]) == 0
+    rc, lines, err = _eval([run, "--json", tmp_path / "rows.json"], capsys)
+    row = json.loads((tmp_path / "rows.json").read_text())[0]
+    assert rc == 0 and (row["device"], row["dtype"]) == ("cuda", "bf16"), err
+    assert row["loss"] == pytest.approx(_logged(run)[4], rel=5e-3)
 
 
 def test_batches_and_batch_size_set_the_windows(runs, tmp_path, capsys):

@@ -125,6 +125,23 @@ def test_greedy_text_is_the_full_forwards_argmax_with_the_window_slid_past_seq_l
     assert "48 drawn" in err and "greedy" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("flags, autocast", [([], False), (["--dtype", "fp32"], False), (["--dtype", "bf16"], True)])
+def test_dtype_sets_the_forwards_autocast(byte_run, capsys, monkeypatch, flags, autocast):
+    """--dtype auto is fp32 on the cpu; bf16 runs every token's forward under bf16 autocast."""
+    seen = []
+    generate = gen.generate
+
+    def watched(*args, **kwargs):
+        for new in generate(*args, **kwargs):
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+            yield new
+
+    monkeypatch.setattr(sm, "generate", watched)
+    rc, _, err = _sample([byte_run, "--max-new-tokens", "5", *flags], capsys)
+    assert rc == 0 and f"tokens/s on cpu, {'bf16' if autocast else 'fp32'})" in err, err
+    assert len(seen) == 5 and all(s == (autocast, torch.bfloat16) if autocast else not s[0] for s in seen), seen
+
+
 def test_generate_slides_the_window_past_seq_len():
     """An untrained model with large weights (its greedy choice depends on the whole window): 30
     new ids after 10, seq_len 16."""

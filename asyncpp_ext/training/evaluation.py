@@ -29,7 +29,7 @@ from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints
 from .config import ConfigError
-from .export import command_device, data_tokenizer, load_model, trained_on_bytes
+from .export import add_compute_flags, command_autocast, command_device, data_tokenizer, load_model, trained_on_bytes
 from .run_files import write_text_atomic
 
 PROG = "asyncpp-eval"
@@ -50,8 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--every-checkpoint", action="store_true",
                    help="evaluate every checkpoint of each run directory, not only its latest (a loss curve)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list to FILE")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="where the model runs (float32): auto = cuda when a GPU is visible (default auto)")
+    add_compute_flags(p)
     return p
 
 
@@ -112,6 +111,7 @@ def evaluate(args) -> list[dict]:
     """One row per checkpoint; prints the table as rows are done."""
     check_arguments(args)
     device = command_device(args.device)
+    precision, dtype = command_autocast(args.dtype, device)
     ckpts = [(run, ckpt) for run in args.runs for ckpt in checkpoints_of(run, args.every_checkpoint)]
     rows = []
     print(f"{'checkpoint':<44} {'step':>7} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'tokens':>10} {'s':>6}")
@@ -123,19 +123,21 @@ def evaluate(args) -> list[dict]:
             sets[key] = (*evaluation_set(cfg, args.data, args.batches, args.batch_size), trained_on_bytes(cfg))
         batches, what, on_bytes = sets[key]
         start = time.perf_counter()
-        loss = mean_loss(model.to(device), batches, device)
+        with precision:
+            loss = mean_loss(model.to(device), batches, device)
         row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "loss": loss,
                "perplexity": math.inf if loss >= 709 else math.exp(loss),  # math.exp raises past ~709.78
                "bits_per_byte": loss / math.log(2) if on_bytes else None,
-               "tokens": sum(int(y.numel()) for _, y in batches), "data": what,
+               "tokens": sum(int(y.numel()) for _, y in batches), "data": what, "device": device.type,
+               "dtype": dtype,
                "seconds": time.perf_counter() - start}
         rows.append(row)
         bpb = f"{row['bits_per_byte']:.4f}" if on_bytes else "-"
         print(f"{str(ckpt)[-44:]:<44} {step:>7} {loss:>8.4f} {row['perplexity']:>9.3f} {bpb:>9} "
               f"{row['tokens']:>10,} {row['seconds']:>6.1f}", flush=True)
     datas = sorted({r["data"] for r in rows})
-    print(f"data: {datas[0]}" if len(datas) == 1 else "data: each run's own evaluation set (pass --data to compare "
-          "runs on the same windows)")
+    print((f"data: {datas[0]}" if len(datas) == 1 else "data: each run's own evaluation set (pass --data to "
+           "compare runs on the same windows)") + f"; on {device.type} in {dtype}")
     if args.json is not None:  # JSON has no NaN or Infinity: a non-finite figure is written null
         finite = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
                   for r in rows]

@@ -112,6 +112,23 @@ def command_device(choice: str) -> torch.device:
     return torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
 
 
+def add_compute_flags(p: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype`` of asyncpp-sample and asyncpp-eval."""
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the model runs: auto = cuda when a GPU is visible (default auto)")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="the forward's precision: bf16 autocast (weights stay float32) or float32; auto = "
+                        "bf16 on cuda, fp32 on cpu, as training's --dtype auto (default auto)")
+
+
+def command_autocast(choice: str, device: torch.device):
+    """(the autocast context of ``--dtype``'s ``choice`` on ``device``, its name: "bf16" or "fp32")."""
+    from ..pipeline.recompute import autocast_context, resolve_autocast
+
+    dtype = resolve_autocast(choice, device)
+    return autocast_context(device, dtype), "fp32" if dtype is None else "bf16"
+
+
 def choose_tokenizer(spec: str, cfg: RunConfig, vocab_size: int):
     """(tokenizer or None, a line saying what was chosen). ``spec``: auto, none or a file."""
     if spec == "none":

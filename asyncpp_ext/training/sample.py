@@ -25,7 +25,7 @@ from ..models.hf_checks import HFModelError
 from ..models.registry import describe
 from .checkpoint import CheckpointError, checkpoint_named
 from .config import ConfigError
-from .export import choose_tokenizer, command_device, load_model, trained_on_bytes
+from .export import add_compute_flags, choose_tokenizer, command_autocast, command_device, load_model, trained_on_bytes
 
 PROG = "asyncpp-sample"
 SEPARATOR = "-" * 40
@@ -57,8 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="auto", metavar="auto|FILE",
                    help="the tokenizer.json the run's data was prepared with; auto: the one its --data "
                         "sidecar names, or bytes for a run on text (default auto)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="where the model runs: auto = cuda when a GPU is visible (default auto)")
+    add_compute_flags(p)
     return p
 
 
@@ -135,6 +134,7 @@ def sample(args, out=None) -> str:
     check_arguments(args)
     out = sys.stdout if out is None else out
     device = command_device(args.device)
+    precision, dtype = command_autocast(args.dtype, device)
     ckpt = checkpoint_named(args.run, "RUN")
     cfg, step, model = load_model(ckpt)
     tokenizer = run_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
@@ -153,19 +153,20 @@ def sample(args, out=None) -> str:
     steps = generate(model, torch.tensor([prompt] * args.samples, device=device), args.max_new_tokens,
                      window=cfg.model.seq_len, temperature=args.temperature, top_k=args.top_k or None,
                      top_p=args.top_p, allowed=tokenizer.vocab_size, generator=generator)
-    for new in steps:
-        for row, token in enumerate(new.tolist()):
-            if not live[row]:
-                continue
-            drawn += 1
-            if token == eos:
-                live[row] = False
-            elif args.samples == 1:
-                printers[row].add(token)
-            else:
-                printers[row].ids.append(token)
-        if not any(live):
-            break
+    with precision:  # each token's forward runs as the loop asks for it
+        for new in steps:
+            for row, token in enumerate(new.tolist()):
+                if not live[row]:
+                    continue
+                drawn += 1
+                if token == eos:
+                    live[row] = False
+                elif args.samples == 1:
+                    printers[row].add(token)
+                else:
+                    printers[row].ids.append(token)
+            if not any(live):
+                break
     seconds = time.perf_counter() - start
     if args.samples == 1:
         printers[0].finish()
@@ -176,7 +177,7 @@ def sample(args, out=None) -> str:
     how = "greedy" if args.temperature == 0 else (
         f"temperature {args.temperature:g}, top-k {args.top_k or 'all'}, top-p {args.top_p:g}, seed {args.seed}")
     return (f"{PROG}: {ckpt} (step {step}, {describe(cfg.model)}), {args.samples} x up to {args.max_new_tokens} "
-            f"tokens, {drawn:,} drawn in {seconds:.1f} s ({drawn / max(seconds, 1e-9):,.0f} tokens/s on {device}), "
+            f"tokens, {drawn:,} drawn in {seconds:.1f} s ({drawn / max(seconds, 1e-9):,.0f} tokens/s on {device}, {dtype}), "
             f"{how}")
 
 
