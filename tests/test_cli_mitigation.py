@@ -67,7 +67,7 @@ def test_good_values_are_pinned_in_the_run_config(tmp_path, argv, pinned, monkey
     from asyncpp_ext.training import run
 
     built = []
-    monkeypatch.setattr(run, "_train_single_process", lambda cfg, resume: built.append(cfg) or 0)
+    monkeypatch.setattr(run, "_train_single_process", lambda cfg, resume, started_at: built.append(cfg) or 0)
     assert main(argv + ["--simulate", "--steps", "3", "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     optim = built[0].optim
     assert {k: getattr(optim, k) for k in pinned} == pinned

@@ -85,7 +85,9 @@ def test_the_limit_counts_the_start_up(tmp_path, monkeypatch):
     rows = _rows(run)
     assert rows[-1]["stopped"] == "time limit" and rows[-1]["step"] > 1
     assert rows[0]["time"] - rows[0]["elapsed_s"] > began + 3.0  # the loop started after the start-up
-    assert rows[-1]["time"] < began + 5.0
+    # the loop had the 2 s the start-up left, not 5 s (steps on a busy machine can outrun the
+    # estimate by a little: the stop is an estimate, the start-up's 3 s are not)
+    assert rows[-1]["elapsed_s"] < 3.0
 
 
 @pytest.mark.parametrize("flags, words", [

@@ -214,7 +214,7 @@ def test_an_interrupted_run_names_resume_only_when_it_has_a_checkpoint(tmp_path,
     # main's own handling of an interrupt: the run it dispatches to is replaced by one that stops
     out = tmp_path / "run"
 
-    def interrupted(cfg, resume_dir):
+    def interrupted(cfg, resume_dir, started_at):
         out.mkdir(parents=True, exist_ok=True)
         if checkpointed:
             (out / "ckpt-000002").mkdir()
@@ -351,7 +351,7 @@ def test_a_resume_reads_the_same_data_under_another_path(tmp_path, monkeypatch, 
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
     (RuntimeError("a bug in a run"), False)])
 def test_a_run_out_of_memory_is_one_line_and_exit_1(tmp_path, capsys, monkeypatch, failure, one_line):
-    def fails(cfg, resume_dir):
+    def fails(cfg, resume_dir, started_at):
         raise failure
 
     monkeypatch.setattr("asyncpp_ext.training.cli.train", fails)
