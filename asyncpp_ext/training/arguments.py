@@ -168,6 +168,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--checkpoints", action=argparse.BooleanOptionalAction, default=None,
                      help="--no-checkpoints: write no checkpoint, not even at the end (a throughput "
                           "run nothing resumes)")
+    run.add_argument("--async-checkpoints", action=argparse.BooleanOptionalAction, default=None,
+                     help="write each checkpoint in the background while training goes on, the loop "
+                          "waiting only for a copy of the state in host memory (default: on for cuda, "
+                          "off on cpu, where that copy doubles the state's memory)")
     run.add_argument("--keep-checkpoints", type=int, metavar="N",
                      help="keep only the newest N checkpoints: older ones are removed as each new one "
                           "is complete (default: keep every one)")
@@ -299,7 +303,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("data", "sampling"): args.sampling,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
         ("train", "checkpoints"): args.checkpoints, ("data", "eval_batches"): args.eval_batches,
-        ("train", "keep_checkpoints"): args.keep_checkpoints,
+        ("train", "keep_checkpoints"): args.keep_checkpoints, ("train", "async_checkpoints"): args.async_checkpoints,
         ("train", "out"): args.out, ("train", "device"): args.device, ("train", "auto_resume"): args.auto_resume,
         ("train", "simulate"): args.simulate,
         ("train", "progress"): args.progress,
@@ -372,7 +376,7 @@ FIELD_FLAGS = {
     "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta", "optim.ns_dtype": "--ns-dtype",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
-    "train.keep_checkpoints": "--keep-checkpoints",
+    "train.keep_checkpoints": "--keep-checkpoints", "train.async_checkpoints": "--async-checkpoints",
     "data.eval_batches": "--eval-batches", "data.source": "--data", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",

@@ -55,7 +55,8 @@ class NonFiniteCheckpointError(RuntimeError):
     """A checkpoint write refused because a weight holds NaN/Inf (nothing was written)."""
 
 
-def _check_finite_weights(stage: int, engine_state: dict) -> None:
+def check_finite_weights(stage: int, engine_state: dict) -> None:
+    """NonFiniteCheckpointError when a weight of ``engine_state`` holds NaN/Inf."""
     for section in ("params", "stash", "older"):
         for name, value in engine_state.get(section, {}).items():
             for t in value if isinstance(value, list) else [value]:
@@ -151,11 +152,11 @@ def _interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
     return None
 
 
-def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict | None = None) -> None:
-    """Write stage ``stage``'s shard into the temporary directory and fsync it. Tensors are saved as
-    CPU tensors whatever device they live on. Refuses (NonFiniteCheckpointError) when a weight
-    holds NaN/Inf: a checkpoint never stores NaN."""
-    _check_finite_weights(stage, engine_state)
+def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict | None = None) -> tuple[int, str]:
+    """Write stage ``stage``'s shard into the temporary directory and fsync it; its (bytes,
+    SHA-256). Tensors are saved as CPU tensors whatever device they live on. Refuses
+    (NonFiniteCheckpointError) when a weight holds NaN/Inf: a checkpoint never stores NaN."""
+    check_finite_weights(stage, engine_state)
     path = Path(tmp_dir) / shard_name(stage)
     payload = {"format": FORMAT_VERSION, "stage": stage, "engine": to_cpu(engine_state),
                "rng": capture_rng_state() if rng_state is None else rng_state}
@@ -172,18 +173,21 @@ def write_shard(tmp_dir: Path, stage: int, engine_state: dict, rng_state: dict |
         free = shutil.disk_usage(path.parent).free / 2**20
         raise CheckpointWriteError(f"could not write checkpoint shard {path} ({reason}); {free:.0f} MiB are "
                                    "free there: free disk space or choose another --out") from None
+    return path.stat().st_size, _sha256(path)
 
 
 def finalize_checkpoint(run_dir: str | os.PathLike, tmp_dir: Path, step: int, meta: dict,
-                        keep: int | None = None) -> Path:
-    """Write ``meta.json`` (with the shards' sizes and hashes) last, then rename into place; then,
-    with ``keep``, remove the checkpoints older than the newest ``keep`` (prune_checkpoints)."""
+                        keep: int | None = None, hashed: dict | None = None) -> Path:
+    """Write ``meta.json`` (with the shards' sizes and hashes: ``hashed``'s, by shard name, where
+    their writers gave them, else read here) last, then rename into place; then, with ``keep``,
+    remove the checkpoints older than the newest ``keep`` (prune_checkpoints)."""
     tmp_dir = Path(tmp_dir)
     shards = sorted(p.name for p in tmp_dir.glob("stage-*.pt"))
     if not shards:
         raise CheckpointError(f"{tmp_dir} holds no stage shard; write_shard must run first")
+    hashed = hashed or {}
     record = {**meta, "format": FORMAT_VERSION, "step": step,
-              "shards": {n: {"bytes": (tmp_dir / n).stat().st_size, "sha256": _sha256(tmp_dir / n)}
+              "shards": {n: hashed.get(n) or {"bytes": (tmp_dir / n).stat().st_size, "sha256": _sha256(tmp_dir / n)}
                          for n in shards}}
     with open(tmp_dir / META_NAME, "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
@@ -224,14 +228,15 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> list[int]:
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, engine_states: list[dict],
-                    meta: dict, keep: int | None = None) -> Path:
-    """Single-process convenience: all shards (one per stage, in order), then the metadata."""
+                    meta: dict, keep: int | None = None, rng_state: dict | None = None) -> Path:
+    """Single-process convenience: all shards (one per stage, in order), then the metadata.
+    ``rng_state``: the RNG states to store (default: this process's now)."""
     for stage, state in enumerate(engine_states):
-        _check_finite_weights(stage, state)  # before anything is created
+        check_finite_weights(stage, state)  # before anything is created
     tmp = begin_checkpoint(run_dir, step)
-    for stage, state in enumerate(engine_states):
-        write_shard(tmp, stage, state)
-    return finalize_checkpoint(run_dir, tmp, step, meta, keep)
+    hashed = {shard_name(stage): dict(zip(("bytes", "sha256"), write_shard(tmp, stage, state, rng_state)))
+              for stage, state in enumerate(engine_states)}
+    return finalize_checkpoint(run_dir, tmp, step, meta, keep, hashed)
 
 
 # -- reading ------------------------------------------------------------------------------------

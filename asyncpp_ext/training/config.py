@@ -241,6 +241,11 @@ class TrainConfig:
     """Write checkpoints at all (``ckpt_every`` says when); False = none, not even at the end: a
     throughput or smoke run that nothing will resume (the final save of weights and optimizer
     state, 1.6 GB at smollm-135m with AdamW, and its checksum take seconds)."""
+    async_checkpoints: Optional[bool] = None
+    """Write each checkpoint in a background thread while training goes on (async_checkpoint.py):
+    the loop waits only for a copy of the state in host memory. None = on for cuda (where that
+    copy is the device-to-host one a checkpoint makes anyway), off on cpu (where it is a second
+    copy of the state). The files are the same either way."""
     keep_checkpoints: Optional[int] = None
     """How many of the newest checkpoints a run directory keeps: once a checkpoint is complete, the
     older ones past this count are removed (a smollm-360m checkpoint with AdamW state is ~6 GB, one
@@ -421,6 +426,11 @@ class RunConfig:
         mitigation = o.effective_mitigation()
         return dict(mitigation=mitigation, dc_lambda=o.dc_lambda,
                     rescale_steps=o.effective_rescale_steps(self.train.steps) if mitigation == "lr-rescale" else None)
+
+    def writes_checkpoints_async(self) -> bool:
+        """``train.async_checkpoints`` resolved: None = on for cuda."""
+        t = self.train
+        return t.async_checkpoints if t.async_checkpoints is not None else t.device == "cuda"
 
     def runs_multi_process(self) -> bool:
         """A pipeline or data-parallel run that is not simulated: one process per stage and replica."""

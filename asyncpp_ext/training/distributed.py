@@ -20,8 +20,9 @@ import torch.distributed as dist
 from ..models.attention import attention_preference
 from ..data import DataError
 from .build import build_data, build_pipeline_engine, resume, stage_compute
-from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
-                         restore_rng_state, temp_checkpoint_path, write_shard)
+from .async_checkpoint import BackgroundWriter, detached_copy, mark_done, wait_for_marks
+from .checkpoint import (begin_checkpoint, capture_rng_state, check_finite_weights, checkpoint_path,
+                         finalize_checkpoint, restore_rng_state, shard_name, temp_checkpoint_path, write_shard)
 from .config import ConfigError, RunConfig
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
@@ -35,7 +36,11 @@ from . import stop_request
 from .trainer import Trainer
 
 
-def _collective_checkpoint(pipe: Pipeline, run_dir: Path, keep: Optional[int] = None):
+def _collective_checkpoint(pipe: Pipeline, run_dir: Path, keep: Optional[int] = None,
+                           background: Optional[BackgroundWriter] = None, timeout_s: float = 300.0):
+    """The checkpoint of every stage: each of replica 0's ranks writes its shard, the last stage's
+    seals it. With ``background`` (--async-checkpoints) each writes from its thread and the sealing
+    one waits for the others' marks there (async_checkpoint.py); otherwise barriers order it."""
     def barrier(what: str) -> None:
         try:
             dist.barrier()
@@ -48,9 +53,15 @@ def _collective_checkpoint(pipe: Pipeline, run_dir: Path, keep: Optional[int] = 
     def save(step: int, meta: dict) -> Path:
         step_now[0] = step
         writer = pipe.host.is_last and pipe.replica == 0
+        if background is not None:
+            background.wait()  # this rank's share of the checkpoint before (and its seal, if it seals)
         tmp = begin_checkpoint(run_dir, step) if writer else None
         barrier("waiting for the temporary directory")
         tmp = tmp or temp_checkpoint_path(run_dir, step)
+        if background is not None:
+            if pipe.replica == 0:
+                background.start(_shard_writer(pipe, run_dir, tmp, step, meta, keep, writer, timeout_s))
+            return checkpoint_path(run_dir, step)
         if pipe.replica == 0:  # every replica holds the same state
             write_shard(tmp, pipe.stage, pipe.state_dict(), capture_rng_state())
         barrier("waiting for every shard")
@@ -59,6 +70,28 @@ def _collective_checkpoint(pipe: Pipeline, run_dir: Path, keep: Optional[int] = 
         barrier("waiting for the checkpoint to be sealed")
         return final
     return save
+
+
+def _shard_writer(pipe: Pipeline, run_dir: Path, tmp: Path, step: int, meta: dict, keep: Optional[int],
+                  seals: bool, timeout_s: float):
+    """--async-checkpoints: the write of this stage's shard (and, where ``seals``, the checkpoint's
+    seal once every stage's shard is marked done), from a copy of the state taken now."""
+    state, rng = pipe.state_dict(), capture_rng_state()
+    check_finite_weights(pipe.stage, state)  # refused now, as the synchronous write refuses
+    snapshot = detached_copy(state)
+    shards = [shard_name(s) for s in range(pipe.stages)]
+
+    def write() -> None:
+        size, digest = write_shard(tmp, pipe.stage, snapshot, rng)
+        mark_done(tmp / shard_name(pipe.stage), size, digest)
+        if seals:
+            try:
+                hashed = wait_for_marks(tmp, shards, timeout_s)
+            except TimeoutError as exc:
+                raise TransportError(f"stage {pipe.stage}: checkpoint of step {step}: {exc} -- a peer has "
+                                     "probably exited") from None
+            finalize_checkpoint(run_dir, tmp, step, meta, keep, hashed)
+    return write
 
 
 def _agree_on_end(pipe: Pipeline):
@@ -133,9 +166,12 @@ def _rank_run(cfg: RunConfig, resume_dir: Optional[str], started_at: Optional[fl
         if resumed.rng is not None:
             restore_rng_state(resumed.rng)
         run_dir = Path(cfg.train.out)
+        writer = BackgroundWriter() if cfg.writes_checkpoints_async() else None  # --async-checkpoints
         trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=resumed.start_step,
                           elapsed_s=resumed.elapsed_s, device="cpu",
-                          checkpoint_fn=_collective_checkpoint(pipe, run_dir, cfg.train.keep_checkpoints),
+                          checkpoint_fn=_collective_checkpoint(pipe, run_dir, cfg.train.keep_checkpoints,
+                                                               writer, cfg.train.timeout_s),
+                          checkpoint_writer=writer,
                           writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages,
                           agree_on_end=_agree_on_end(pipe), started_at=started_at)
         with pipe:

@@ -15,7 +15,8 @@ from typing import Callable, Iterator, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from .checkpoint import save_checkpoint
+from .async_checkpoint import BackgroundWriter, detached_copy
+from .checkpoint import capture_rng_state, check_finite_weights, checkpoint_path, save_checkpoint
 from .profiling import StepProfiler, parse_profile_steps
 from .config import RunConfig
 from ..data import BatchStream
@@ -62,7 +63,7 @@ class Trainer:
                  checkpoint_fn: Optional[Callable[[int, dict], Path]] = None,
                  writes_metrics: bool = True, num_stages: int = 1,
                  agree_on_end: Optional[Callable[[int, bool], tuple[int, bool]]] = None,
-                 started_at: Optional[float] = None):
+                 started_at: Optional[float] = None, checkpoint_writer: Optional[BackgroundWriter] = None):
         self.cfg = cfg
         self.started_at = started_at  # when the command started (Unix time): --time-limit's origin
         # --time-limit, --stop-on-signal: the ranks of a pipeline end each segment where the
@@ -78,6 +79,10 @@ class Trainer:
         self.elapsed_before = elapsed_s
         # How a checkpoint gets written; a pipeline run replaces this with per-stage shards.
         self.checkpoint_fn = checkpoint_fn or self._save_single_process
+        # --async-checkpoints: the thread that writes them (a pipeline's checkpoint_fn shares it)
+        self.checkpoint_writer = checkpoint_writer
+        if checkpoint_fn is None and cfg.writes_checkpoints_async():
+            self.checkpoint_writer = BackgroundWriter()
         self.writes_metrics = writes_metrics
         self.num_stages = num_stages
         p = cfg.pipeline
@@ -117,8 +122,21 @@ class Trainer:
                             self.compute_device.type)
 
     def _save_single_process(self, step: int, meta: dict) -> Path:
-        return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta,
-                               keep=self.cfg.train.keep_checkpoints)
+        keep = self.cfg.train.keep_checkpoints
+        if self.checkpoint_writer is None:
+            return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta, keep=keep)
+        self.checkpoint_writer.wait()  # the write before: one copy of the state in memory at a time
+        state, rng = self.engine.state_dict(), capture_rng_state()
+        check_finite_weights(0, state)  # refused now, not in the background
+        snapshot = detached_copy(state)
+        self.checkpoint_writer.start(lambda: save_checkpoint(self.run_dir, step, [snapshot], meta, keep=keep,
+                                                             rng_state=rng))
+        return checkpoint_path(self.run_dir, step)
+
+    def _checkpoint_written(self) -> None:
+        """--async-checkpoints: until the checkpoint in flight is sealed (its error, if it failed)."""
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.wait()
 
     def _is_due(self, step: int, every: int) -> bool:
         return step == self.cfg.train.steps or (every > 0 and step % every == 0)
@@ -225,6 +243,7 @@ class Trainer:
                     with clock.timing("checkpoint"):
                         saved = self.save(self.elapsed_before + time.perf_counter() - start)
                 if stop:
+                    self._checkpoint_written()
                     if self.writes_metrics:
                         why = (f"{t.stop_signal} (--stop-on-signal)" if signalled else
                                f"--time-limit {describe_duration(clock.limit_s)}")
@@ -232,6 +251,7 @@ class Trainer:
                               f"{saved.name}; continue with --resume {self.run_dir}", flush=True)
                     break
                 end = next_end
+            self._checkpoint_written()  # the run's last checkpoint is sealed before it ends
         except Exception:
             failed = True  # a NaN/Inf stop, a lost peer: the plot shows the losses that led there
             raise
