@@ -67,6 +67,8 @@
 #           (mps-off), then with every process a client of one CUDA MPS server (bench/with_mps.sh):
 #           the stages' kernels side by side instead of the GPU switching between the processes'
 #           contexts; the same rows on the same machine, one after the other
+#   ckpt    (150) bench/checkpoint_overlap.py on the GPU: a 24 x 1024 GPT checkpointed every 2 steps,
+#           written in the loop against in the background (--async-checkpoints, on by default there)
 # RUNBOOK_PLAN=FILE writes each step (name, limit, command; fields separated by the unit separator
 # 0x1f) to FILE instead of running it, and nothing else (tests/test_gpu_runbook.py checks the plan).
 # PYTHON picks the interpreter (default python3). A step that fails or runs out of time is noted
@@ -78,7 +80,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_runbook}
 PLAN=${RUNBOOK_PLAN:-}
 STEPS=(build 135m tests p2p 360m 360m-more attention blocks code pipeline-graphs quick quick-serial head profile
-       autotune mps)
+       autotune mps ckpt)
 [ $# -gt 0 ] || set -- build 135m
 for s in "$@"; do
     if [[ " ${STEPS[*]} " != *" $s "* ]]; then
@@ -153,6 +155,8 @@ run_step() {
                    tests/test_main_grad.py tests/test_flops.py tests/test_sample.py tests/test_eval.py \
                    tests/test_cuda_graphs.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
+        ckpt) step ckpt 150 "$PY" bench/checkpoint_overlap.py --device cuda --n-embd 1024 --n-layer 24 --seq-len 512 \
+                  --steps 12 --repeats 1 --json ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         360m-more) bench 360m-more 330 -- "${ROWS_360M_MORE[@]}" ;;
         attention) step attention 60 "$PY" bench/attention_kernels.py --json "$OUT/attention.json" ;;
