@@ -99,3 +99,18 @@ def test_keep_checkpoints_prunes_after_each_seal(tmp_path):
                   "--keep-checkpoints", "2", "--out", str(run)]) == 0
     assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000006", "ckpt-000008"]
     assert not list(run.glob(".tmp-ckpt-*")) and not list(run.glob("**/*.done"))
+
+
+def test_a_time_limit_keeps_the_background_writes_time_in_reserve(tmp_path, monkeypatch):
+    """Checkpoints whose writes take 1.5 s under --time-limit 8s: the stop's checkpoint waits for
+    its write, so the run keeps that time in reserve and ends within the limit (it would end about
+    1.5 s past it counting only the loop's copy of the state)."""
+    _slow_saves(monkeypatch, 1.5)
+    run = tmp_path / "run"
+    began = time.time()
+    assert train([*COMMON, "--simulate", "--steps", "1000000", "--ckpt-every", "200", "--async-checkpoints",
+                  "--time-limit", "8s", "--out", str(run)]) == 0
+    ended = time.time()
+    rows = _rows(run)
+    assert rows[-1]["stopped"] == "time limit" and (run / f"ckpt-{rows[-1]['step']:06d}" / "meta.json").is_file()
+    assert len(list(run.glob("ckpt-*"))) >= 1 and ended - began < 8.0 + 0.5, ended - began

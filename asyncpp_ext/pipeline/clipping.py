@@ -20,6 +20,8 @@ import torch
 
 EPS = 1e-6
 """Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does."""
+KEPT_NORMS = 65536
+"""The newest steps' norms kept for the metrics (``take_grad_norms``) until they are taken."""
 
 
 def norm_terms(grads: Iterable[torch.Tensor]) -> list[float]:
@@ -75,4 +77,4 @@ class PreviousNormClipper:
         self.previous_norm = None if not state else state.get("previous_norm")
 
 
-__all__ = ["EPS", "norm_terms", "total_norm", "clip_coefficient", "PreviousNormClipper"]
+__all__ = ["EPS", "KEPT_NORMS", "norm_terms", "total_norm", "clip_coefficient", "PreviousNormClipper"]

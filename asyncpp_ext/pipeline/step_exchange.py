@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .clipping import clip_coefficient, norm_terms, total_norm
+from .clipping import KEPT_NORMS, clip_coefficient, norm_terms, total_norm
 from .ties import Tie
 from .transport import TransportError, peer_failure_reason
 
@@ -83,6 +83,7 @@ class StepExchange:
                     self.clip_group = group
         self.pad = max(norm_terms_per_stage)  # every stage's norms fill a gather slot of this length
         self.previous_norm: Optional[float] = None
+        self.norms: dict[int, float] = {}  # step index -> its global norm, as each gather completes
         self._gather = None        # (step, work, outputs) of the norms all-gather in flight
         self._grad_recvs = {}      # step -> [(work, buffer)] posted for the owned remote mirrors
         self._weight_recvs = {}    # version -> [(work, buffer, mirror name)]
@@ -207,6 +208,9 @@ class StepExchange:
                 self._wait(work, f"gathering the gradient norms of step {step}", -1)
             # Stage order, parameter order; zero padding adds nothing, so the sum is the simulator's.
             self.previous_norm = total_norm(v for out in outputs for v in out.tolist())
+            self.norms[step] = self.previous_norm
+            if len(self.norms) > KEPT_NORMS:  # nobody takes them (Pipeline used without a Trainer)
+                del self.norms[next(iter(self.norms))]
             self._gather = None
         return self.previous_norm
 

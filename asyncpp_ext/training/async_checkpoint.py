@@ -43,6 +43,15 @@ def detached_copy(obj):
     return obj
 
 
+def take_snapshot(stage: int, state: dict) -> tuple[dict, dict]:
+    """(a copy of stage ``stage``'s ``state``, the RNG states now): what a background write writes.
+    NaN/Inf weights are refused here, where a write in the loop refuses them."""
+    from .checkpoint import capture_rng_state, check_finite_weights
+
+    check_finite_weights(stage, state)
+    return detached_copy(state), capture_rng_state()
+
+
 def mark_done(shard: Path, size: int, sha256: str) -> None:
     """The mark that ``shard`` is complete: written to a temporary name, then renamed."""
     mark = shard.with_name(shard.name + DONE_SUFFIX)
@@ -77,16 +86,21 @@ class BackgroundWriter:
     def __init__(self):
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self.last_write_s = 0.0
+        """How long the latest finished write took (0 before the first): what a stop's checkpoint,
+        which waits for its write, needs kept in reserve (--time-limit)."""
 
     def start(self, write: Callable[[], None]) -> None:
         """Wait for the write before (raising its error), then run ``write`` in the background."""
         self.wait()
 
         def run() -> None:
+            began = time.perf_counter()
             try:
                 write()
             except BaseException as exc:  # noqa: BLE001 -- handed to the training thread by wait()
                 self._error = exc
+            self.last_write_s = time.perf_counter() - began
 
         # a daemon: a run that fails or is stopped does not wait for a checkpoint it will not use
         self._thread = threading.Thread(target=run, name="asyncpp-checkpoint", daemon=True)
@@ -106,4 +120,4 @@ class BackgroundWriter:
         return self._thread is not None and self._thread.is_alive()
 
 
-__all__ = ["BackgroundWriter", "detached_copy", "mark_done", "wait_for_marks", "DONE_SUFFIX"]
+__all__ = ["BackgroundWriter", "detached_copy", "take_snapshot", "mark_done", "wait_for_marks", "DONE_SUFFIX"]

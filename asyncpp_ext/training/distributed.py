@@ -20,9 +20,9 @@ import torch.distributed as dist
 from ..models.attention import attention_preference
 from ..data import DataError
 from .build import build_data, build_pipeline_engine, resume, stage_compute
-from .async_checkpoint import BackgroundWriter, detached_copy, mark_done, wait_for_marks
-from .checkpoint import (begin_checkpoint, capture_rng_state, check_finite_weights, checkpoint_path,
-                         finalize_checkpoint, restore_rng_state, shard_name, temp_checkpoint_path, write_shard)
+from .async_checkpoint import BackgroundWriter, mark_done, take_snapshot, wait_for_marks
+from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
+                         restore_rng_state, shard_name, temp_checkpoint_path, write_shard)
 from .config import ConfigError, RunConfig
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
@@ -76,9 +76,7 @@ def _shard_writer(pipe: Pipeline, run_dir: Path, tmp: Path, step: int, meta: dic
                   seals: bool, timeout_s: float):
     """--async-checkpoints: the write of this stage's shard (and, where ``seals``, the checkpoint's
     seal once every stage's shard is marked done), from a copy of the state taken now."""
-    state, rng = pipe.state_dict(), capture_rng_state()
-    check_finite_weights(pipe.stage, state)  # refused now, as the synchronous write refuses
-    snapshot = detached_copy(state)
+    snapshot, rng = take_snapshot(pipe.stage, pipe.state_dict())
     shards = [shard_name(s) for s in range(pipe.stages)]
 
     def write() -> None:

@@ -37,6 +37,12 @@ class PipelineEngine:
         for stats in self.pipe.train(minibatches, steps):
             yield StepOutcome(stats.loss, True) if stats.skipped else stats.loss
 
+    def take_grad_norms(self) -> dict:
+        """The global gradient norms of the steps since the last call, by step index (--clip-grad-norm
+        gathers them; a segment's end has every one of its steps')."""
+        norms, self.pipe.exchange.norms = self.pipe.exchange.norms, {}
+        return norms
+
     def eval_loss(self, batches):
         return self.pipe.evaluate(batches)
 

@@ -49,7 +49,7 @@ from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compe
                                  resolve_mitigation)
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from ..optim.versioned import step_versioned, wants_previous_weights
-from ..pipeline.clipping import PreviousNormClipper
+from ..pipeline.clipping import KEPT_NORMS, PreviousNormClipper
 from ..pipeline.compute_copies import ComputeCopies
 from ..pipeline.devices import to_device
 from ..pipeline.nonfinite import POLICIES, DeferredScan, NonFiniteError, first_nonfinite_index
@@ -184,6 +184,7 @@ class DelaySimulator:
         self.predicted = [torch.empty_like(p) if d and self.mitigation.predicts else None
                           for p, d in zip(self.params, self.delays)]
         self.steps_done = 0
+        self.grad_norms: dict[int, float] = {}  # step index -> its gradient's global norm (clipping's)
         # Every submodule in training mode once (a loaded model may hold some in eval mode); a
         # step then walks the modules only when something switched the whole model out of it.
         model.train()
@@ -351,6 +352,10 @@ class DelaySimulator:
         if undo is None:
             if self.clipper is not None:
                 self.clipper.clip([p.grad for p in self.params if p.grad is not None], self.last_skipped)
+                if not self.last_skipped:
+                    self.grad_norms[self.steps_done] = self.clipper.previous_norm
+                    if len(self.grad_norms) > KEPT_NORMS:  # nobody takes them (used without a Trainer)
+                        del self.grad_norms[next(iter(self.grad_norms))]
             if self.mitigation.compensates and not self.last_skipped:  # W(t - d_p) is still in the ring
                 self._compensate_delays()
             if self.delayed:
@@ -367,6 +372,12 @@ class DelaySimulator:
         if self.lr_schedule is not None or self.mitigation.rescales_lr:
             schedule = self.lr_schedule.multiplier(self.steps_done) if self.lr_schedule is not None else 1.0
             apply_lr(self.optimizer, schedule * rescale)
+
+    def take_grad_norms(self) -> dict[int, float]:
+        """The global gradient norms (before clipping) of the steps run since the last call, by step
+        index, where --clip-grad-norm measured them (StepEngine)."""
+        norms, self.grad_norms = self.grad_norms, {}
+        return norms
 
     def train_steps(self, stream, steps: int):
         """``steps`` steps on the stream's next minibatches, yielding each loss (StepEngine)."""

@@ -22,7 +22,8 @@ waits for or hand-offs of transfers."""
 
 # metrics.jsonl key -> TensorBoard tag
 METRIC_TAGS = (("loss", "train/loss"), ("eval_loss", "eval/loss"), ("lr", "train/lr"),
-               ("tokens_per_s", "train/tokens_per_s"), ("tflops", "train/tflops"), ("mfu", "train/mfu"))
+               ("tokens_per_s", "train/tokens_per_s"), ("tflops", "train/tflops"), ("mfu", "train/mfu"),
+               ("grad_norm", "train/grad_norm"))
 
 
 class TensorboardUnavailableError(ValueError):
@@ -79,7 +80,7 @@ class TensorboardLogger:
 
     def log_metrics(self, row: Mapping) -> None:
         """Log one metrics.jsonl row ({"step", "loss", "lr", "tokens", "elapsed_s", optional
-        "eval_loss", "tokens_per_s", "tflops", "mfu"}) at its ``step``; keys whose value is None (a skipped or
+        "eval_loss", "tokens_per_s", "tflops", "mfu", "grad_norm"}) at its ``step``; keys whose value is None (a skipped or
         non-finite loss) or that the row lacks are not logged."""
         if "step" not in row:
             raise TensorboardLogError(f"a metrics row needs a 'step', got keys {sorted(row)}")

@@ -15,8 +15,8 @@ from typing import Callable, Iterator, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
-from .async_checkpoint import BackgroundWriter, detached_copy
-from .checkpoint import capture_rng_state, check_finite_weights, checkpoint_path, save_checkpoint
+from .async_checkpoint import BackgroundWriter, take_snapshot
+from .checkpoint import checkpoint_path, save_checkpoint
 from .profiling import StepProfiler, parse_profile_steps
 from .config import RunConfig
 from ..data import BatchStream
@@ -40,6 +40,9 @@ class StepEngine(Protocol):
         ...
 
     def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]: ...
+
+    # Optional: ``take_grad_norms() -> {step index: norm}``, the global gradient norms measured
+    # (by --clip-grad-norm) since the last call; the rows of those steps get ``grad_norm``.
 
     def state_dict(self) -> dict: ...
 
@@ -126,9 +129,7 @@ class Trainer:
         if self.checkpoint_writer is None:
             return save_checkpoint(self.run_dir, step, [self.engine.state_dict()], meta, keep=keep)
         self.checkpoint_writer.wait()  # the write before: one copy of the state in memory at a time
-        state, rng = self.engine.state_dict(), capture_rng_state()
-        check_finite_weights(0, state)  # refused now, not in the background
-        snapshot = detached_copy(state)
+        snapshot, rng = take_snapshot(0, self.engine.state_dict())
         self.checkpoint_writer.start(lambda: save_checkpoint(self.run_dir, step, [snapshot], meta, keep=keep,
                                                              rng_state=rng))
         return checkpoint_path(self.run_dir, step)
@@ -216,6 +217,11 @@ class Trainer:
                         if loss is not None and not skipped:
                             bar.set_postfix(loss=f"{loss:.4f}")
                 clock.trained(end - segment_from, time.perf_counter() - segment_start)
+                # --clip-grad-norm's measured norms (a pipeline's last stage has the segment's by its end)
+                norms = self.engine.take_grad_norms() if callable(getattr(self.engine, "take_grad_norms", None)) else {}
+                for row in pending:
+                    if row["step"] - 1 in norms:
+                        row["grad_norm"] = norms[row["step"] - 1]
                 if self.eval_set and self._is_due(end, self.cfg.train.eval_every):
                     with clock.timing("eval"):
                         eval_loss = self.engine.eval_loss(self.eval_set)
@@ -242,8 +248,11 @@ class Trainer:
                 if checkpoint_due or stop:
                     with clock.timing("checkpoint"):
                         saved = self.save(self.elapsed_before + time.perf_counter() - start)
+                        if stop:
+                            self._checkpoint_written()  # sealed before the line that names it
+                    if self.checkpoint_writer is not None:  # a stop's checkpoint waits for its write
+                        clock.spent["checkpoint"] += self.checkpoint_writer.last_write_s
                 if stop:
-                    self._checkpoint_written()
                     if self.writes_metrics:
                         why = (f"{t.stop_signal} (--stop-on-signal)" if signalled else
                                f"--time-limit {describe_duration(clock.limit_s)}")
