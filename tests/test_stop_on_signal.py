@@ -2,9 +2,7 @@
 segment with a checkpoint, every stage of a pipeline at the same step (whichever rank the signal
 reached), and a resume continues it loss for loss as a run that never stopped."""
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +12,8 @@ import pytest
 from asyncpp_ext.training.cli import main as train
 from asyncpp_ext.training.stop_request import signal_name
 from asyncpp_ext.training.time_limit import SegmentClock, capped_end
+from group_signals import signal_once_training
+from stopped_runs import check_resumes_as_never_stopped, check_stopped
 
 COMMON = ["--model", "tiny", "--no-progress", "--eval-every", "50", "--ckpt-every", "1000", "--threads", "1"]
 
@@ -71,26 +71,16 @@ def _rank_pids(launcher: int) -> list[int]:
 def _stopped_run(run, flags, signum, to_first_rank=False):
     """Start a run of 1,000,000 steps, send ``signum`` once its first rows are written (to the
     command, or to its first rank alone), and return its exit status and stdout."""
-    proc = subprocess.Popen([sys.executable, "-m", "asyncpp_ext.train", *COMMON, *flags, "--steps", "1000000",
-                             "--signal-response", "1s", "--out", str(run)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
-        target = proc.pid
-        if to_first_rank:
-            ranks = _rank_pids(proc.pid)
-            assert len(ranks) == 2, ranks
-            target = ranks[0]
-        os.kill(target, signum)
-        out, err = proc.communicate(timeout=120)  # without the stop it would train for an hour
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0 and err == "", err
+    def first_rank(proc):
+        ranks = _rank_pids(proc.pid)
+        assert len(ranks) == 2, ranks
+        return ranks[0]
+
+    # without the stop it would train for an hour: signal_once_training kills it after 120 s
+    rc, out, err = signal_once_training([sys.executable, "-m", "asyncpp_ext.train", *COMMON, *flags, "--steps",
+                                         "1000000", "--signal-response", "1s", "--out", str(run)], run, signum,
+                                        **({"target": first_rank} if to_first_rank else {}))
+    assert rc == 0 and err == "", err
     return out
 
 
@@ -103,23 +93,13 @@ def test_a_signalled_run_stops_with_a_checkpoint_and_resumes_as_if_never_stopped
                                                                                    to_first_rank):
     run = tmp_path / "run"
     out = _stopped_run(run, flags, signum, to_first_rank)
-    rows = _rows(run)
-    stopped = rows[-1]["step"]
     name = signal.Signals(signum).name
-    assert 1 <= stopped < 1_000_000 and rows[-1]["stopped"] == name
-    assert not any("stopped" in r for r in rows[:-1])
-    assert [r["step"] for r in rows] == list(range(1, stopped + 1))
-    shards = sorted(p.name for p in (run / f"ckpt-{stopped:06d}").iterdir())
-    assert len([s for s in shards if s.startswith("stage")]) == (2 if "--stages" in flags else 1), shards
-    assert f"{name} (--stop-on-signal): stopped at step {stopped} of 1000000 with checkpoint ckpt-{stopped:06d}" in out
+    stopped = check_stopped(run, name, 2 if "--stages" in flags else 1, out, f"{name} (--stop-on-signal)")
     # resumed 5 steps further, the signal dropped: the losses of a run that never stopped
-    assert train(["--resume", str(run), "--steps", str(stopped + 5), "--stop-on-signal", "none"]) == 0
+    plain = [f for f in flags if f not in ("--stop-on-signal", "usr1", "TERM", "USR2")]
+    check_resumes_as_never_stopped(run, stopped, ["--stop-on-signal", "none"], [*COMMON, *plain], tmp_path / "straight")
     meta = json.loads((run / f"ckpt-{stopped + 5:06d}" / "meta.json").read_text())
     assert meta["config"]["train"]["stop_signal"] is None
-    straight = tmp_path / "straight"
-    plain = [f for f in flags if f not in ("--stop-on-signal", "usr1", "TERM", "USR2")]
-    assert train([*COMMON, *plain, "--steps", str(stopped + 5), "--out", str(straight)]) == 0
-    assert [r["loss"] for r in _rows(run)] == [r["loss"] for r in _rows(straight)]
 
 
 @pytest.mark.parametrize("flags, words", [

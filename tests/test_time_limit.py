@@ -6,6 +6,7 @@ import pytest
 
 from asyncpp_ext.training.cli import main as train
 from asyncpp_ext.training.time_limit import SLACK, describe_duration, limited_end, parse_duration
+from stopped_runs import check_resumes_as_never_stopped, check_stopped
 
 COMMON = ["--model", "tiny", "--no-progress", "--eval-every", "50", "--ckpt-every", "1000", "--threads", "1"]
 
@@ -49,20 +50,10 @@ def test_a_run_stops_with_a_checkpoint_and_resumes_as_if_never_stopped(tmp_path,
     # the limit counts from the command's start: a 2-stage pipeline's ranks take seconds to start
     assert train([*COMMON, *flags, "--steps", "1000000", "--time-limit", "6s", "--out", str(run)]) == 0
     out = capfd.readouterr().out  # a pipeline's line comes from its last stage's process
-    rows = _rows(run)
-    stopped = rows[-1]["step"]
-    # the first segment is one step; a machine slow enough may stop right after it
-    assert 1 <= stopped < 1_000_000 and rows[-1]["stopped"] == "time limit"
-    assert not any("stopped" in r for r in rows[:-1])
-    assert [r["step"] for r in rows] == list(range(1, stopped + 1))
-    shards = sorted(p.name for p in (run / f"ckpt-{stopped:06d}").iterdir())
-    assert len([s for s in shards if s.startswith("stage")]) == (2 if "--stages" in flags else 1), shards
-    assert f"--time-limit 6s: stopped at step {stopped} of 1000000 with checkpoint ckpt-{stopped:06d}" in out
+    # (the first segment is one step; a machine slow enough may stop right after it)
+    stopped = check_stopped(run, "time limit", 2 if "--stages" in flags else 1, out, "--time-limit 6s")
     # resumed to 5 steps past the stop without the limit: the losses of a run that never stopped
-    assert train(["--resume", str(run), "--steps", str(stopped + 5), "--time-limit", "1h"]) == 0
-    straight = tmp_path / "straight"
-    assert train([*COMMON, *flags, "--steps", str(stopped + 5), "--out", str(straight)]) == 0
-    assert [r["loss"] for r in _rows(run)] == [r["loss"] for r in _rows(straight)]
+    check_resumes_as_never_stopped(run, stopped, ["--time-limit", "1h"], [*COMMON, *flags], tmp_path / "straight")
 
 
 def test_the_limit_counts_the_start_up(tmp_path, monkeypatch):

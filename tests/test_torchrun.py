@@ -172,27 +172,16 @@ def test_under_torchrun_its_sigterm_stops_every_rank_with_a_checkpoint(tmp_path,
     """torchrun passes a SIGTERM (a preemption's) on to its workers and waits for them: with
     --stop-on-signal TERM they stop at one step with a checkpoint. torchrun itself then exits
     non-zero with its own report of the signal."""
-    import os
     import signal
-    import time
+
+    from group_signals import signal_once_training
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port), "-m", "asyncpp_ext.train", "--model", "tiny", "--stages", "2",
            "--steps", "1000000", "--eval-every", "50", "--ckpt-every", "1000", "--threads", "1", "--no-progress",
            "--stop-on-signal", "TERM", "--signal-response", "1s", "--timeout", "30", "--out", str(run)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
-        os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    _, out, err = signal_once_training(cmd, run, signal.SIGTERM)
     rows = _metrics(run)
     stopped = rows[-1]["step"]
     assert rows[-1]["stopped"] == "SIGTERM" and [r["step"] for r in rows] == list(range(1, stopped + 1))
