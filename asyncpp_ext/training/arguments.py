@@ -179,6 +179,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help=f"evaluation batches per eval, 0 = never evaluate (default {_D.data.eval_batches})")
     run.add_argument("--out", help="run directory (default runs/YYYYmmdd-HHMMSS; with --resume, "
                                    "the resumed directory)")
+    run.add_argument("--config", metavar="FILE",
+                     help="flags from a TOML or JSON file: keys are these long flags without the dashes "
+                          "(steps = 2000, micro-batch-size = 8, simulate = true); the command line's flags "
+                          "win over the file's")
     run.add_argument("--resume", metavar="DIR",
                      help="continue DIR's run from its latest checkpoint up to --steps; flags "
                           "left out are taken from the checkpoint")

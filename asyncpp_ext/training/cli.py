@@ -19,6 +19,7 @@ from .arguments import PROG, UsageError, build_parser, config_from_args, name_fl
 from .checkpoint import (CheckpointError, CheckpointWriteError, NonFiniteCheckpointError, check_resume_config,
                          checkpoint_named, latest_checkpoint, list_checkpoints, read_meta, saved_config)
 from .config import ConfigError, RunConfig, init_from_mismatch
+from .config_file import ConfigFileError, expand_config
 from ..data import DataError
 from ..oom import out_of_memory
 from .model_source import ModelSourceError, model_from_args
@@ -32,7 +33,10 @@ from .run_files import RunDirError
 def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
     """The run's config (a resumed run's saved config with the flags given applied) and the
     checkpoint to resume from; every check done (run.preflight)."""
-    args = build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    parser = build_parser(__doc__.split("\n\n")[0])
+    args = parser.parse_args(expand_config(sys.argv[1:] if argv is None else list(argv), parser))
+    if args.config is not None:  # an abbreviation of --config, which argparse accepts and expand_config not
+        raise UsageError(f"write --config in full (given as an abbreviation, for {args.config})")
     resume_dir = None
     if args.resume is not None and args.init_from is not None:
         raise UsageError("--init-from starts a new run from another run's weights, --resume continues a run "
@@ -116,7 +120,7 @@ def main(argv=None) -> int:
         sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
         return 130
     except (UsageError, RunSetupError, RunDirError, ConfigError, DataError, CheckpointError,
-            ModelSourceError) as exc:
+            ModelSourceError, ConfigFileError) as exc:
         message = " ".join(str(exc).split())  # exactly one line
         if isinstance(exc, ConfigError):
             message = name_flag(message)
