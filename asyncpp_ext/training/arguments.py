@@ -230,6 +230,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                      help="also write TensorBoard events to OUT/tensorboard (pip install "
                           "'asyncpp_ext[tensorboard]')")
+    run.add_argument("--wandb", action=argparse.BooleanOptionalAction, default=None,
+                     help="also log the metrics rows to Weights & Biases, a W&B run named after OUT "
+                          "(pip install 'asyncpp_ext[wandb]'; WANDB_MODE=offline logs to OUT/wandb)")
+    run.add_argument("--wandb-project", metavar="NAME",
+                     help=f"the W&B project (default {_D.train.wandb_project})")
     run.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="compile each block with torch.compile (--no-compile: eager); default auto: on "
                           "for cuda where torch can compile, off on cpu")
@@ -303,6 +308,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("optim", "lr_schedule"): args.lr_schedule, ("optim", "warmup_steps"): args.warmup_steps,
         ("optim", "decay_steps"): args.decay_steps, ("optim", "min_lr_ratio"): args.min_lr_ratio,
         ("optim", "clip_grad_norm"): args.clip_grad_norm, ("train", "tensorboard"): args.tensorboard,
+        ("train", "wandb"): args.wandb, ("train", "wandb_project"): args.wandb_project,
         ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
         ("data", "sampling"): args.sampling,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
@@ -385,7 +391,7 @@ FIELD_FLAGS = {
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",
-    "train.auto_resume": "--auto-resume", "model.n_layer": "--n-layer",
+    "train.auto_resume": "--auto-resume", "train.wandb_project": "--wandb-project", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",

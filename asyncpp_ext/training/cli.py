@@ -20,6 +20,7 @@ from .checkpoint import (CheckpointError, CheckpointWriteError, NonFiniteCheckpo
                          checkpoint_named, latest_checkpoint, list_checkpoints, read_meta, saved_config)
 from .config import ConfigError, RunConfig, init_from_mismatch
 from .config_file import ConfigFileError, expand_config
+from .wandb_log import WandbSetupError
 from ..data import DataError
 from ..oom import out_of_memory
 from .model_source import ModelSourceError, model_from_args
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
         sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
         return 130
     except (UsageError, RunSetupError, RunDirError, ConfigError, DataError, CheckpointError,
-            ModelSourceError, ConfigFileError) as exc:
+            ModelSourceError, ConfigFileError, WandbSetupError) as exc:
         message = " ".join(str(exc).split())  # exactly one line
         if isinstance(exc, ConfigError):
             message = name_flag(message)

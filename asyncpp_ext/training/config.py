@@ -291,6 +291,11 @@ class TrainConfig:
     tensorboard: bool = False
     """Also write TensorBoard events (loss, eval loss, lr, tokens/s, each stage's compute and wait
     shares) under the run directory's tensorboard/ (needs ``pip install 'asyncpp_ext[tensorboard]'``)."""
+    wandb: bool = False
+    """Also log the metrics rows to Weights & Biases (wandb_log.py; needs ``pip install
+    'asyncpp_ext[wandb]'``; W&B's environment, e.g. ``WANDB_MODE=offline``, applies)."""
+    wandb_project: str = "asyncpp"
+    """The W&B project the run logs to (``--wandb-project``)."""
     time_limit_s: Optional[float] = None
     """Wall-clock budget of the command, from its start, in seconds (``--time-limit``, e.g. a
     batch job's limit less a margin): the last segment is sized to end, with its checkpoint,

@@ -43,6 +43,12 @@ def preflight(cfg: RunConfig) -> None:
             require_tensorboard()
         except TensorboardUnavailableError as exc:
             raise RunSetupError(str(exc)) from None
+    if cfg.train.wandb:
+        from .wandb_log import WandbSetupError, require_wandb
+        try:
+            require_wandb()
+        except WandbSetupError as exc:
+            raise RunSetupError(str(exc)) from None
     try:  # the CPU-path variables fail here, not inside a rank after the run has started
         bf16_matmul_choice()
         cpu_kernel_isa()  # spawned ranks read $ASYNCPP_CPU_ISA afresh; this process too, if no kernel ran yet

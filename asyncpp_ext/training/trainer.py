@@ -107,6 +107,11 @@ class Trainer:
                 self.tensorboard = TensorboardLogger(root, purge_step=start_step + 1)
             if callable(getattr(engine, "time_shares", None)) and getattr(engine, "replica", 0) == 0:
                 self.tensorboard_stage = TensorboardLogger(root / f"stage{engine.stage}", purge_step=start_step + 1)
+        self.wandb = None  # --wandb: the metrics writer logs its rows to a W&B run too
+        if cfg.train.wandb and writes_metrics:
+            from .wandb_log import WandbLogger
+
+            self.wandb = WandbLogger(self.run_dir, cfg.train.wandb_project, cfg.to_dict())
 
     @property
     def compute_device(self) -> torch.device:
@@ -156,7 +161,11 @@ class Trainer:
                 "elapsed_s": elapsed_s, "num_stages": self.num_stages}
         return self.checkpoint_fn(self.step, meta)
 
-    def _log_tensorboard(self, rows: list[dict]) -> None:
+    def _log_rows(self, rows: list[dict]) -> None:
+        """The rows written to metrics.jsonl, to TensorBoard and W&B where the run logs there."""
+        if self.wandb is not None:
+            for row in rows:
+                self.wandb.log_metrics(row)
         if self.tensorboard is not None:
             for row in rows:
                 self.tensorboard.log_metrics(row)
@@ -244,7 +253,7 @@ class Trainer:
                     metrics.flush()
                     os.fsync(metrics.fileno())  # metrics up to a checkpoint survive with it
                 rows += written
-                self._log_tensorboard(written)
+                self._log_rows(written)
                 if checkpoint_due or stop:
                     with clock.timing("checkpoint"):
                         saved = self.save(self.elapsed_before + time.perf_counter() - start)
@@ -271,7 +280,7 @@ class Trainer:
                 metrics.write("".join(json.dumps(row) + "\n" for row in pending))
                 metrics.close()
             profiler.close()
-            for logger in (self.tensorboard, self.tensorboard_stage):
+            for logger in (self.tensorboard, self.tensorboard_stage, self.wandb):
                 if logger is not None:
                     logger.close()
             if bar is not None:
