@@ -69,3 +69,19 @@ def test_the_first_step_and_skipped_steps_leave_the_gradient_alone():
     assert torch.allclose(k[0], torch.full((4,), 1.0 / 6.0))
     with pytest.raises(ValueError, match="clip_grad_norm"):
         PreviousNormClipper(-1.0)
+
+
+def test_norm_terms_are_each_gradients_squared_norm_read_at_once(monkeypatch):
+    """The terms are the per-gradient norms (float32 and bfloat16 reductions, squared in float64),
+    exactly as reading each norm would give them, read from the device in one copy."""
+    from asyncpp_ext.pipeline import clipping
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, 32, generator=g) * 1e-3, torch.randn(7, generator=g) * 100,
+             torch.randn(33, 5, generator=g).bfloat16()]
+    each = [float(torch.linalg.vector_norm(t)) ** 2 for t in grads]
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.numel()) or tolist(self))
+    assert clipping.norm_terms(grads) == each and reads == [3]
+    assert clipping.norm_terms([]) == []
