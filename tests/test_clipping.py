@@ -85,3 +85,12 @@ def test_norm_terms_are_each_gradients_squared_norm_read_at_once(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.numel()) or tolist(self))
     assert clipping.norm_terms(grads) == each and reads == [3]
     assert clipping.norm_terms([]) == []
+
+
+@pytest.mark.cuda
+def test_norm_terms_on_the_gpu_are_its_per_gradient_norms():
+    from asyncpp_ext.pipeline.clipping import norm_terms
+
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(256, 128, generator=g).cuda(), torch.randn(300, generator=g).cuda().bfloat16()]
+    assert norm_terms(grads) == [float(torch.linalg.vector_norm(t)) ** 2 for t in grads]
