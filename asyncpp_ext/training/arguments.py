@@ -205,6 +205,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="run the schedule's update rule in one process (delay simulator)")
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="a progress bar on a terminal; --no-progress: none (default on)")
+    run.add_argument("--log-every", type=int, metavar="N",
+                     help="print a line every N steps (loss, lr, tokens/s, MFU, ETA) and each eval loss on "
+                          "stdout, for a batch job's log, where no progress bar shows (default 0: none)")
     run.add_argument("--timeout", type=float, metavar="SECONDS",
                      help=f"abort every rank with a report when no pipeline instruction completes "
                           f"for this long (default {_D.train.timeout_s:g}, or $ASYNCPP_TIMEOUT)")
@@ -316,7 +319,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "keep_checkpoints"): args.keep_checkpoints, ("train", "async_checkpoints"): args.async_checkpoints,
         ("train", "out"): args.out, ("train", "device"): args.device, ("train", "auto_resume"): args.auto_resume,
         ("train", "simulate"): args.simulate,
-        ("train", "progress"): args.progress,
+        ("train", "progress"): args.progress, ("train", "log_every"): args.log_every,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
         ("train", "peak_tflops"): args.peak_tflops, ("train", "time_limit_s"): _duration("--time-limit", args.time_limit),
@@ -391,7 +394,7 @@ FIELD_FLAGS = {
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",
-    "train.auto_resume": "--auto-resume", "train.wandb_project": "--wandb-project", "model.n_layer": "--n-layer",
+    "train.auto_resume": "--auto-resume", "train.wandb_project": "--wandb-project", "train.log_every": "--log-every", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",

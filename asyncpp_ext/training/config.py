@@ -276,6 +276,9 @@ class TrainConfig:
     """Run the single-process delay simulator instead of the multi-process pipeline."""
     progress: bool = True
     """Show a progress bar (only when stderr is a terminal)."""
+    log_every: int = 0
+    """Print a line on stdout every this many steps (loss, lr, tokens/s, MFU, ETA) and each
+    evaluation's loss, for logs no progress bar reaches (a batch job's); 0 = none (step_lines.py)."""
     timeout_s: float = 300.0
     """Seconds without any completed pipeline instruction after which every rank reports what it
     was doing and aborts (the watchdog); also the collectives' timeout. 300 s covers a slow CPU

@@ -213,6 +213,7 @@ def check_run(cfg: RunConfig) -> None:
             raise ConfigError("train.stop_signal stops a run to be resumed from the checkpoint it writes, but "
                               "--no-checkpoints writes none: drop one of them")
     positive_number("train.signal_response_s", cfg.train.signal_response_s)
+    non_negative_int("train.log_every", cfg.train.log_every)
     if not isinstance(cfg.train.wandb_project, str) or not cfg.train.wandb_project.strip():
         raise ConfigError(f"train.wandb_project must name a W&B project, got {cfg.train.wandb_project!r}")
     if cfg.train.peak_tflops is not None:

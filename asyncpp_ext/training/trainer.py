@@ -21,6 +21,7 @@ from .profiling import StepProfiler, parse_profile_steps
 from .config import RunConfig
 from ..data import BatchStream
 from .run_files import METRICS_NAME, plot_losses
+from .step_lines import StepLines
 from . import stop_request
 from .time_limit import SegmentClock, describe_duration
 from .utilisation import run_peak_tflops, step_figures
@@ -194,6 +195,8 @@ class Trainer:
         origin = start - max(0.0, time.time() - self.started_at) if self.started_at is not None else start
         clock = SegmentClock(t.time_limit_s, origin, t.signal_response_s if t.stop_signal else None)
         end = clock.first_end(self.step, self._segment_end())
+        lines = StepLines(self.run_dir, t.log_every if self.writes_metrics else 0, total, self.tokens_per_step,
+                          self.flops_per_token, self.peak_tflops, self.step, self.elapsed_before)
         try:
             while self.step < total:
                 pending = []
@@ -221,6 +224,7 @@ class Trainer:
                                     "time": round(time.time(), 3)})
                     if skipped:
                         pending[-1]["skipped"] = True
+                    lines.step(pending[-1])
                     if bar is not None:
                         bar.update(1)
                         if loss is not None and not skipped:
@@ -236,6 +240,7 @@ class Trainer:
                         eval_loss = self.engine.eval_loss(self.eval_set)
                     if eval_loss is not None:  # JSON has no NaN: a non-finite one is written null
                         pending[-1]["eval_loss"] = eval_loss if math.isfinite(eval_loss) else None
+                        lines.evaluated(end, pending[-1]["eval_loss"])
                 checkpoint_due = self.cfg.train.checkpoints and self._is_due(end, self.cfg.train.ckpt_every)
                 next_end = self._segment_end() if self.step < total else total
                 signalled = False
