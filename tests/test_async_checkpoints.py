@@ -113,4 +113,6 @@ def test_a_time_limit_keeps_the_background_writes_time_in_reserve(tmp_path, monk
     ended = time.time()
     rows = _rows(run)
     assert rows[-1]["stopped"] == "time limit" and (run / f"ckpt-{rows[-1]['step']:06d}" / "meta.json").is_file()
-    assert len(list(run.glob("ckpt-*"))) >= 1 and ended - began < 8.0 + 0.5, ended - began
+    # the margin for step-time jitter on a busy machine (the stop is an estimate) stays under the
+    # write's 1.5 s, which a run not keeping it in reserve overruns by (10.07 s when tried)
+    assert len(list(run.glob("ckpt-*"))) >= 1 and ended - began < 8.0 + 1.0, ended - began
