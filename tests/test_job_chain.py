@@ -5,6 +5,8 @@ import json
 import signal
 import sys
 
+import pytest
+
 from asyncpp_ext.training.cli import main as train
 from group_signals import signal_once_training
 
@@ -31,6 +33,7 @@ def _losses(run):
 
 
 def test_one_command_trains_a_run_across_jobs(tmp_path):
+    pytest.importorskip("tomllib", reason="the job's file is TOML (Python 3.11's tomllib)")
     run, straight = tmp_path / "run", tmp_path / "straight"
     (tmp_path / "job.toml").write_text(CONFIG.format(steps=1_000_000))
     job = [sys.executable, "-m", "asyncpp_ext.train", "--config", str(tmp_path / "job.toml"), "--out", str(run)]

@@ -22,6 +22,7 @@ ROOT = TESTS.parent
 EXTRAS = {
     "hf": (["transformers", "tokenizers", "safetensors"], ["hf_config", "hf-config", "hf-model", "hf_model"]),
     "tensorboard": (["tensorboard"], []),
+    "wandb": (["wandb"], []),
     "study": (["pytorch_optimizer"], ["lion", "adan", "soap", "mars"]),
     "hypothesis (test)": (["hypothesis"], []),
     "data": (["pyarrow", "zstandard", "datasets"], ["parquet", "zstd"]),
