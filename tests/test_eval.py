@@ -85,6 +85,24 @@ def test_runs_compared_on_one_file_see_the_same_windows(runs, texts, tmp_path, c
     assert rc == 0 and lines[-1].startswith("data: each run's own evaluation set")
 
 
+def test_each_data_file_gives_each_checkpoint_a_row(runs, texts, tmp_path, capsys):
+    """--data twice: a row per checkpoint and file, each naming its file; the run's own held-out
+    file's row is its logged eval_loss."""
+    train_txt, val_txt = texts / "train.txt", texts / "val.txt"
+    rc, lines, err = _eval([runs / "val-2bw", "--every-checkpoint", "--data", train_txt, "--data", val_txt,
+                            "--json", tmp_path / "rows.json"], capsys)
+    assert rc == 0, err
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [(r["step"], r["data"]) for r in rows] == [(2, str(train_txt)), (2, str(val_txt)),
+                                                      (4, str(train_txt)), (4, str(val_txt))]
+    logged = _logged(runs / "val-2bw")
+    for row in rows[1::2]:
+        assert row["loss"] == pytest.approx(logged[row["step"]], rel=1e-6, abs=0)
+    assert rows[0]["loss"] != rows[1]["loss"]
+    assert lines[0].endswith("  data") and lines[1].endswith(f"  {train_txt}") and lines[2].endswith(f"  {val_txt}")
+    assert lines[-1] == "data: each row's column; on cpu in fp32"
+
+
 def test_bf16_autocast_on_request(runs, tmp_path, capsys):
     """--dtype bf16: the forward under bf16 autocast, a loss near float32's but not float32's."""
     rc, lines, err = _eval([runs / "sim", "--dtype", "bf16", "--json", tmp_path / "bf16.json"], capsys)

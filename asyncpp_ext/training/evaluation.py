@@ -39,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="run directories (the latest checkpoint of each) or checkpoint directories, ckpt-NNNNNN")
-    p.add_argument("--data", metavar="FILE",
+    p.add_argument("--data", metavar="FILE", action="append",
                    help="evaluate on this file, glob, directory or manifest (the formats of asyncpp-train "
-                        "--data; made with the runs' tokenizer) instead of each run's own evaluation set")
+                        "--data; made with the runs' tokenizer) instead of each run's own evaluation set; "
+                        "repeat it for a row per checkpoint and file (held-out sets of several domains)")
     p.add_argument("--batches", type=int, metavar="N",
                    help="batches of windows to evaluate, spread evenly over the data (default: the run's "
                         "--eval-batches)")
@@ -108,36 +109,42 @@ def mean_loss(model: torch.nn.Module, batches: list, device: torch.device) -> fl
 
 
 def evaluate(args) -> list[dict]:
-    """One row per checkpoint; prints the table as rows are done."""
+    """One row per checkpoint (and ``--data`` file); prints the table as rows are done."""
     check_arguments(args)
     device = command_device(args.device)
     precision, dtype = command_autocast(args.dtype, device)
     ckpts = [(run, ckpt) for run in args.runs for ckpt in checkpoints_of(run, args.every_checkpoint)]
+    datas = args.data or [None]  # None: each run's own evaluation set
+    several = len(datas) > 1  # then each row names its data
     rows = []
-    print(f"{'checkpoint':<44} {'step':>7} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'tokens':>10} {'s':>6}")
+    print(f"{'checkpoint':<44} {'step':>7} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'tokens':>10} {'s':>6}"
+          + ("  data" if several else ""))
     sets = {}  # the checkpoints of one run share their data and window shape: read them once
     for run, ckpt in ckpts:
         cfg, step, model = load_model(ckpt)
-        key = (repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
-        if key not in sets:
-            sets[key] = (*evaluation_set(cfg, args.data, args.batches, args.batch_size), trained_on_bytes(cfg))
-        batches, what, on_bytes = sets[key]
-        start = time.perf_counter()
-        with precision:
-            loss = mean_loss(model.to(device), batches, device)
-        row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "loss": loss,
-               "perplexity": math.inf if loss >= 709 else math.exp(loss),  # math.exp raises past ~709.78
-               "bits_per_byte": loss / math.log(2) if on_bytes else None,
-               "tokens": sum(int(y.numel()) for _, y in batches), "data": what, "device": device.type,
-               "dtype": dtype,
-               "seconds": time.perf_counter() - start}
-        rows.append(row)
-        bpb = f"{row['bits_per_byte']:.4f}" if on_bytes else "-"
-        print(f"{str(ckpt)[-44:]:<44} {step:>7} {loss:>8.4f} {row['perplexity']:>9.3f} {bpb:>9} "
-              f"{row['tokens']:>10,} {row['seconds']:>6.1f}", flush=True)
-    datas = sorted({r["data"] for r in rows})
-    print((f"data: {datas[0]}" if len(datas) == 1 else "data: each run's own evaluation set (pass --data to "
-           "compare runs on the same windows)") + f"; on {device.type} in {dtype}")
+        model = model.to(device)
+        for data in datas:
+            key = (data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
+            if key not in sets:
+                sets[key] = (*evaluation_set(cfg, data, args.batches, args.batch_size), trained_on_bytes(cfg))
+            batches, what, on_bytes = sets[key]
+            start = time.perf_counter()
+            with precision:
+                loss = mean_loss(model, batches, device)
+            row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "loss": loss,
+                   "perplexity": math.inf if loss >= 709 else math.exp(loss),  # math.exp raises past ~709.78
+                   "bits_per_byte": loss / math.log(2) if on_bytes else None,
+                   "tokens": sum(int(y.numel()) for _, y in batches), "data": what, "device": device.type,
+                   "dtype": dtype,
+                   "seconds": time.perf_counter() - start}
+            rows.append(row)
+            bpb = f"{row['bits_per_byte']:.4f}" if on_bytes else "-"
+            print(f"{str(ckpt)[-44:]:<44} {step:>7} {loss:>8.4f} {row['perplexity']:>9.3f} {bpb:>9} "
+                  f"{row['tokens']:>10,} {row['seconds']:>6.1f}" + (f"  {what}" if several else ""), flush=True)
+    shown = sorted({r["data"] for r in rows})
+    print((f"data: {shown[0]}" if len(shown) == 1 else "data: each row's column" if several else
+           "data: each run's own evaluation set (pass --data to compare runs on the same windows)")
+          + f"; on {device.type} in {dtype}")
     if args.json is not None:  # JSON has no NaN or Infinity: a non-finite figure is written null
         finite = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
                   for r in rows]
