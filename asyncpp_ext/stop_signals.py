@@ -1,6 +1,9 @@
-"""Stop requests (Ctrl-C, SIGTERM, SIGHUP) for the command lines: one place that sets their handlers.
+"""Stop requests (Ctrl-C, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2) for the command lines: one place that
+sets their handlers.
 
-A SIGTERM's or SIGHUP's default ends the process where it stands: temporary files stay behind, a
+A SIGTERM's or SIGHUP's default ends the process where it stands -- and so does SIGUSR1's and
+SIGUSR2's, which batch systems send as a warning before a job's time runs out (SLURM's
+``--signal``): temporary files stay behind, a
 pipeline's ranks run on until they notice their launcher is gone, and nothing says what happened.
 ``stop_signals_raise`` raises them as an exception (``Stopped``, a KeyboardInterrupt) instead, so
 they take the path Ctrl-C takes: cleanup in ``finally`` blocks, the ranks stopped, one line, exit
@@ -21,10 +24,10 @@ import sys
 import threading
 from typing import Callable, Iterator
 
-SIGNAL_NAMES = ("SIGTERM", "SIGHUP")
+SIGNAL_NAMES = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 """Raised as ``Stopped`` by ``stop_signals_raise``."""
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", *SIGNAL_NAMES) if hasattr(signal, name))
-"""Every stop request: Ctrl-C, SIGTERM and SIGHUP (where the platform has them)."""
+"""Every stop request: Ctrl-C and SIGNAL_NAMES (where the platform has them)."""
 
 
 class Stopped(KeyboardInterrupt):

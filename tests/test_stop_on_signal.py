@@ -112,3 +112,14 @@ def test_bad_signal_flags_are_one_line(tmp_path, capsys, flags, words):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_without_the_flag_a_warning_signal_stops_with_a_line_naming_it(tmp_path):
+    """SIGUSR1's default would end the run without a word (a batch job's log: nothing); it stops as
+    SIGTERM does, 128 + its number, the line naming the flag that would have checkpointed."""
+    run = tmp_path / "run"
+    rc, _, err = signal_once_training([sys.executable, "-m", "asyncpp_ext.train", *COMMON, "--simulate",
+                                       "--steps", "1000000", "--eval-every", "1", "--out", str(run)], run,
+                                      signal.SIGUSR1)
+    assert rc == 128 + signal.SIGUSR1, (rc, err)
+    assert err.strip() == "asyncpp-train: stopped by SIGUSR1 (--stop-on-signal USR1 stops at a checkpoint instead)"

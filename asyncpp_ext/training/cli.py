@@ -116,7 +116,11 @@ def main(argv=None) -> int:
         resumable = cfg is not None and list_checkpoints(cfg.train.out)  # what --resume would find
         where = f"; continue with --resume {cfg.train.out}" if resumable else ""
         if isinstance(exc, Stopped):
-            sys.stderr.write(f"\n{PROG}: stopped by {exc.name}{where}\n")
+            # a batch system's warning signal: the flag that would have stopped with a checkpoint
+            armed = cfg is not None and cfg.train.stop_signal == exc.name
+            hint = (f" (--stop-on-signal {exc.name[3:]} stops at a checkpoint instead)"
+                    if exc.name in ("SIGUSR1", "SIGUSR2") and not armed else "")
+            sys.stderr.write(f"\n{PROG}: stopped by {exc.name}{hint}{where}\n")
             return 128 + exc.signum
         sys.stderr.write(f"\n{PROG}: interrupted{where}\n")
         return 130

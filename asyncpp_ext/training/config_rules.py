@@ -20,7 +20,7 @@ from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DEVICES, DTYPES,
 from .field_checks import (ConfigError, choice, non_negative_int, non_negative_number, positive_int,
                            positive_number)
 from .profiling import ProfileSpecError, parse_profile_steps
-from .stop_request import STOP_SIGNALS
+from .stop_request import CHECKPOINT_SIGNALS
 
 
 def check_mitigation(cfg: RunConfig) -> None:
@@ -208,7 +208,7 @@ def check_run(cfg: RunConfig) -> None:
         raise ConfigError("train.auto_resume continues a run from its checkpoints, but --no-checkpoints writes "
                           "none: drop one of them")
     if cfg.train.stop_signal is not None:
-        choice("train.stop_signal", cfg.train.stop_signal, STOP_SIGNALS)
+        choice("train.stop_signal", cfg.train.stop_signal, CHECKPOINT_SIGNALS)
         if not cfg.train.checkpoints:
             raise ConfigError("train.stop_signal stops a run to be resumed from the checkpoint it writes, but "
                               "--no-checkpoints writes none: drop one of them")

@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 
 from ..stop_signals import signals_handled
 
-STOP_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
+CHECKPOINT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
 """The signals ``--stop-on-signal`` takes: a batch system's warnings. SIGINT stays Ctrl-C's stop."""
 
 _noted: list[int] = []  # the signals noted in this process since the outermost ``noting`` began
@@ -34,8 +34,8 @@ def signal_name(text: str) -> Optional[str]:
     if name == "NONE":
         return None
     name = name if name.startswith("SIG") else "SIG" + name
-    if name not in STOP_SIGNALS:
-        raise ValueError(f"{text!r} is not one of {', '.join(s[3:] for s in STOP_SIGNALS)} (or none)")
+    if name not in CHECKPOINT_SIGNALS:
+        raise ValueError(f"{text!r} is not one of {', '.join(s[3:] for s in CHECKPOINT_SIGNALS)} (or none)")
     return name
 
 
@@ -61,4 +61,4 @@ def requested() -> bool:
     return bool(_noted)
 
 
-__all__ = ["STOP_SIGNALS", "noting", "requested", "signal_name"]
+__all__ = ["CHECKPOINT_SIGNALS", "noting", "requested", "signal_name"]
