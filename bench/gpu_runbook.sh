@@ -12,7 +12,8 @@
 #                                         build quick code
 #                                         build quick-serial | quick (at once, on the warm machine)
 #                                         build mps | build profile | build attention pipeline-graphs
-#                                         build tests p2p | build autotune)
+#                                         build tests p2p | build autotune | build clip
+#                                         build ckpt)
 #   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)
 #
 # Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
@@ -67,6 +68,8 @@
 #           (mps-off), then with every process a client of one CUDA MPS server (bench/with_mps.sh):
 #           the stages' kernels side by side instead of the GPU switching between the processes'
 #           contexts; the same rows on the same machine, one after the other
+#   clip    (420) ours with graphs at 360m / 2048 beside the same with --clip-grad-norm 1.0: what
+#           clipping costs a step (its per-parameter norms, read in one copy, and the host's check)
 #   ckpt    (150) bench/checkpoint_overlap.py on the GPU: a 24 x 1024 GPT checkpointed every 2 steps,
 #           written in the loop against in the background (--async-checkpoints, on by default there)
 # RUNBOOK_PLAN=FILE writes each step (name, limit, command; fields separated by the unit separator
@@ -80,7 +83,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_runbook}
 PLAN=${RUNBOOK_PLAN:-}
 STEPS=(build 135m tests p2p 360m 360m-more attention blocks code pipeline-graphs quick quick-serial head profile
-       autotune mps ckpt)
+       autotune mps ckpt clip)
 [ $# -gt 0 ] || set -- build 135m
 for s in "$@"; do
     if [[ " ${STEPS[*]} " != *" $s "* ]]; then
@@ -126,17 +129,20 @@ bench() {  # bench NAME SECONDS [ENV=VALUE ...] -- ARGS...: gpu_throughput.py, i
 
 ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
            --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
+           --skip "clip,eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
 # (combo-kernels left out: a first compile of unknown length before the Hugging Face row, the
 # step's reason to be; block_step's combo-kernels form measures it first)
 ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --profile --only "ours sync adamw graphs,hf compile adamw"
-           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,mix-order,pdl,host-check")
+           --skip "clip,eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,mix-order,pdl,host-check")
 # the launch-side variants, each beside the default row of the same run (ratios side by side)
 ROWS_360M_MORE=(--models smollm-360m --seq-lens 2048 --row-timeout 200 --profile --only "ours sync adamw graphs"
-                --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,mix-order,combo-kernels smollm,grad-accum-fusion")
+                --skip "clip,eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,mix-order,combo-kernels smollm,grad-accum-fusion")
 ROWS_PIPELINE_GRAPHS=(--models smollm-135m --seq-lens 1024 --row-timeout 80
                       --only "ours sync adamw graphs,ours 2bw 2st 1gpu adamw ipc graphs"
-                      --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
+                      --skip "clip,eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
+# clipping's cost: ours with graphs beside the same clipping at 1.0 (the norms, the host's check)
+ROWS_CLIP=(--models smollm-360m --seq-lens 2048 --row-timeout 200 --only "ours sync adamw graphs"
+           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
 ROWS_MPS=(--models smollm-135m --seq-lens 1024 --row-timeout 80 --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc"
           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order,grad-accum-fusion")
 
@@ -155,6 +161,7 @@ run_step() {
                    tests/test_main_grad.py tests/test_flops.py tests/test_sample.py tests/test_eval.py \
                    tests/test_clipping.py tests/test_cuda_graphs.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
+        clip) bench clip 420 -- "${ROWS_CLIP[@]}" ;;
         ckpt) step ckpt 150 "$PY" bench/checkpoint_overlap.py --device cuda --n-embd 1024 --n-layer 24 --seq-len 512 \
                   --steps 12 --repeats 1 --json ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
@@ -168,9 +175,9 @@ run_step() {
         quick-serial) bench quick-serial 280 TORCHINDUCTOR_CACHE_DIR="$(fresh_dir)" -- --quick --no-prestart ;;
         head) bench head 120 -- --only head --row-timeout 100 --profile --head-chunk-rows 682,4096 ;;
         profile) bench profile 150 -- --models smollm-135m --seq-lens 1024 --row-timeout 110 --profile \
-                     --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion" ;;
+                     --only "ours sync adamw graphs" --skip "clip,eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion" ;;
         autotune) bench autotune 420 -- --models smollm-360m --seq-lens 2048 --row-timeout 330 --profile \
-                      --only "ours sync adamw graphs" --skip "eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion" ;;
+                      --only "ours sync adamw graphs" --skip "clip,eager,no-copies,bf16-params,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion" ;;
         mps) bench mps-off 180 -- "${ROWS_MPS[@]}"
              step mps 180 bash bench/with_mps.sh "$PY" bench/gpu_throughput.py --json "$OUT/mps.json" "${ROWS_MPS[@]}" ;;
     esac

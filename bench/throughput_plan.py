@@ -31,6 +31,7 @@ def detect_cli_flags() -> dict:
             "compile_mode": "--compile-mode" in text, "attention": "--attention" in text,
             "inductor_option": "--inductor-option" in text, "nonfinite_check": "--nonfinite-check" in text,
             "gradient_accumulation_fusion": "--gradient-accumulation-fusion" in text,
+            "clip_grad_norm": "--clip-grad-norm" in text,
             "no_checkpoints": "--no-checkpoints" in text and "--eval-batches" in text}
 
 
@@ -165,6 +166,11 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     # the step's NaN/Inf check read on the host before the optimizer is queued (the
                     # CLI's default queues it first): what the device-side skip is worth
                     ours(mdl, seq, "adamw", compile_=True, graphs=graphs[-1], nonfinite_check="host")
+                if (mdl, seq) == last and dev == "cuda" and flags.get("clip_grad_norm"):
+                    # clipping by the previous step's global norm at 1.0, as pretraining runs clip:
+                    # the per-parameter norms, read in one copy, and the step's check on the host
+                    # (the device-side skip does not combine with clipping)
+                    ours(mdl, seq, "adamw", compile_=True, graphs=graphs[-1], clip_grad_norm=1.0)
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

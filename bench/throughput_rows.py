@@ -101,6 +101,7 @@ VARIANT_SUFFIXES = (
     ("gradient_accumulation_fusion", lambda v: " grad-accum-fusion" if v else ""),
     ("attention", lambda v: f" {v}-attention" if v else ""),
     ("nonfinite_check", lambda v: f" {v}-check" if v else ""),
+    ("clip_grad_norm", lambda v: " clip" if v else ""),
 )
 """How an ours row's name says how it computes: the one table the plan names rows by
 (throughput_plan.ours) and the report reads them back by (throughput_report: which row a variant
@@ -163,6 +164,8 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
         cmd += ["--attention", r["attention"]]
     if r.get("nonfinite_check"):
         cmd += ["--nonfinite-check", r["nonfinite_check"]]
+    if r.get("clip_grad_norm"):
+        cmd += ["--clip-grad-norm", str(r["clip_grad_norm"])]
     if r.get("gradient_accumulation_fusion"):
         cmd += ["--gradient-accumulation-fusion"]
     for name, value in inductor_preset(r.get("inductor")).items():

@@ -20,7 +20,8 @@ CALL_LIMIT_S = 590  # a device call runs at most 600 s; 10 s for copying its fil
 KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (timeout --kill-after)
 CALLS = [[], ["build", "blocks", "head"], ["build", "quick", "code"], ["build", "quick-serial"], ["build", "mps"],
          ["build", "360m"], ["build", "360m-more"], ["build", "profile"],
-         ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "autotune"]]  # [] = build 135m
+         ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "autotune"],
+         ["build", "clip"]]  # [] = build 135m
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
                  "ours sync adamw,ours 2bw 2st 1gpu adamw ipc", "--skip",
@@ -43,6 +44,7 @@ ROWS = {
              f"head-loss fused 4096 rows {HEAD}"],
     "profile": [f"ours sync adamw graphs {R135}"],
     "autotune": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs max-autotune {R360}"],
+    "clip": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs clip {R360}"],
     "mps-off": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
     "mps": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
 }

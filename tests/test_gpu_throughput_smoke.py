@@ -296,6 +296,10 @@ def test_plan_rows_compile_flags_and_gpu_counts():
     _one_variant_at_the_last_point(dict(with_mode, nonfinite_check=True), "nonfinite_check",
                                    "ours sync adamw graphs host-check", "--nonfinite-check", "host", args, full)
     assert gt.detect_cli_flags()["nonfinite_check"]
+    # --clip-grad-norm 1.0: clipping's cost, at the last CUDA point
+    _one_variant_at_the_last_point(dict(with_mode, clip_grad_norm=True), "clip_grad_norm",
+                                   "ours sync adamw graphs clip", "--clip-grad-norm", "1.0", args, full)
+    assert gt.detect_cli_flags()["clip_grad_norm"]
     # --head-chunk-rows: one more fused head row per chunk size
     heads = [(r["name"], r["head_mode"]) for r in gt.build_plan(_plan_args(head_chunk_rows=[1365, 2730]), flags_on,
                                                                  gpus=1)[0] if r["impl"] == "head"]
@@ -427,7 +431,8 @@ def test_variant_rows_are_checked_against_the_row_they_vary():
             ours("ours sync adamw graphs flash-attention", off, graphs=True, attention="flash"),
             ours("ours sync adamw graphs pdl", off, graphs=True, inductor="pdl"),
             ours("ours sync adamw graphs combo-kernels-pdl", base, graphs=True, inductor="combo-kernels-pdl"),
-            ours("ours sync adamw graphs host-check", off, graphs=True, nonfinite_check="host")]
+            ours("ours sync adamw graphs host-check", off, graphs=True, nonfinite_check="host"),
+            ours("ours sync adamw graphs clip", off, graphs=True, clip_grad_norm=1.0)]
     variant_checks(rows)
     got = {r["name"]: (r["check"], r.get("loss_vs")) for r in rows}
     assert got["ours sync adamw"] == ("ok", None) and got["ours 2bw 2st 1gpu adamw"] == ("ok", None)
@@ -444,6 +449,9 @@ def test_variant_rows_are_checked_against_the_row_they_vary():
         assert re.fullmatch(rf"FAIL: losses differ from {against}'s by up to (9\.9e-02|1\.0e-01) "
                             rf"\(> {VARIANT_LOSS_TOL:g}\)", got[name][0]), got[name]
     assert got["ours sync adamw bf16-params"] == ("ok", dict(row="ours sync adamw", max_rel_diff=pytest.approx(0.1)))
+    # clipping scales the steps by design: its difference recorded, not failed
+    assert got["ours sync adamw graphs clip"] == ("ok", dict(row="ours sync adamw graphs",
+                                                             max_rel_diff=pytest.approx(0.1, rel=0.02)))
     # a run without the graphs row (the runbook's 360m step): graphs with a stage region against plain
     lone = [ours("ours sync adamw", base), ours("ours sync adamw graphs stage-compile", base, graphs=True, scope="stage")]
     variant_checks(lone)
