@@ -42,10 +42,6 @@ def test_segments_are_capped_at_the_response_time():
     assert not SegmentClock(None, 0.0).sizes_segments and SegmentClock(None, 0.0).first_end(10, 1000) == 1000
 
 
-def _rows(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def _rank_pids(launcher: int) -> list[int]:
     """The launcher's rank processes, oldest first: the descendants without children of their own
     but multiprocessing's resource tracker (under the forkserver, the ranks are its children)."""

@@ -1,12 +1,11 @@
 """``--time-limit``: a run stops with a checkpoint before its time is up, every stage of a pipeline
 at the same step, and a resume continues it loss for loss as a run without the limit."""
-import json
 
 import pytest
 
 from asyncpp_ext.training.cli import main as train
 from asyncpp_ext.training.time_limit import SLACK, describe_duration, limited_end, parse_duration
-from stopped_runs import check_resumes_as_never_stopped, check_stopped
+from stopped_runs import check_resumes_as_never_stopped, check_stopped, rows_of
 
 COMMON = ["--model", "tiny", "--no-progress", "--eval-every", "50", "--ckpt-every", "1000", "--threads", "1"]
 
@@ -39,10 +38,6 @@ def test_segment_ends():
     assert limited_end(10, 1000, 20.0, 60.0, 1.0, 50.0) == 10  # the checkpoint alone would not fit
 
 
-def _rows(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("flags", [["--simulate"], ["--stages", "2", "--timeout", "30"]],
                          ids=["one-process", "2-stage-pipeline"])
 def test_a_run_stops_with_a_checkpoint_and_resumes_as_if_never_stopped(tmp_path, capfd, flags):
@@ -73,7 +68,7 @@ def test_the_limit_counts_the_start_up(tmp_path, monkeypatch):
     run = tmp_path / "run"
     began = time.time()
     assert train([*COMMON, "--simulate", "--steps", "1000000", "--time-limit", "5s", "--out", str(run)]) == 0
-    rows = _rows(run)
+    rows = rows_of(run)
     assert rows[-1]["stopped"] == "time limit" and rows[-1]["step"] > 1
     assert rows[0]["time"] - rows[0]["elapsed_s"] > began + 3.0  # the loop started after the start-up
     # the loop had the 2 s the start-up left, not 5 s (steps on a busy machine can outrun the

@@ -24,32 +24,17 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-
 DONE_SUFFIX = ".done"
 POLL_S = 0.05  # how often the sealing process looks for the other stages' marks
-
-
-def detached_copy(obj):
-    """``obj`` with every tensor in its dicts, lists and tuples copied to the CPU: a snapshot that
-    training can no longer change (a state dict's optimizer tensors are the live ones)."""
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: detached_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        copied = [detached_copy(v) for v in obj]
-        return copied if isinstance(obj, list) else tuple(copied)
-    return obj
 
 
 def take_snapshot(stage: int, state: dict) -> tuple[dict, dict]:
     """(a copy of stage ``stage``'s ``state``, the RNG states now): what a background write writes.
     NaN/Inf weights are refused here, where a write in the loop refuses them."""
-    from .checkpoint import capture_rng_state, check_finite_weights
+    from .checkpoint import capture_rng_state, check_finite_weights, to_cpu
 
     check_finite_weights(stage, state)
-    return detached_copy(state), capture_rng_state()
+    return to_cpu(state, copy=True), capture_rng_state()
 
 
 def mark_done(shard: Path, size: int, sha256: str) -> None:
@@ -115,9 +100,5 @@ class BackgroundWriter:
             error, self._error = self._error, None
             raise error
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
-
-__all__ = ["BackgroundWriter", "detached_copy", "take_snapshot", "mark_done", "wait_for_marks", "DONE_SUFFIX"]
+__all__ = ["BackgroundWriter", "take_snapshot", "mark_done", "wait_for_marks", "DONE_SUFFIX"]

@@ -128,15 +128,18 @@ def begin_checkpoint(run_dir: str | os.PathLike, step: int) -> Path:
     return tmp
 
 
-def to_cpu(obj):
+def to_cpu(obj, copy: bool = False):
     """``obj`` with every tensor in its dicts, lists and tuples moved to the CPU, so a shard written
-    on a GPU loads anywhere (and loading never touches a device)."""
+    on a GPU loads anywhere (and loading never touches a device). ``copy``: CPU tensors copied too,
+    a snapshot training can no longer change (a state dict's optimizer tensors are the live ones)."""
     if torch.is_tensor(obj):
-        return obj.detach().cpu()
+        moved = obj.detach().cpu()  # from another device: a copy already
+        return moved.clone() if copy and obj.device.type == "cpu" else moved
     if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v, copy) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [to_cpu(v) for v in obj] if isinstance(obj, list) else tuple(to_cpu(v) for v in obj)
+        moved = [to_cpu(v, copy) for v in obj]
+        return moved if isinstance(obj, list) else tuple(moved)
     return obj
 
 
