@@ -1,4 +1,5 @@
-"""Token data: where tokens come from (``sources``), how batches are cut from them (``batches``), and
+"""Token data: where tokens come from (``sources``), how batches are cut from them (``batches``;
+a weighted mixture of sources: ``mixture``), and
 the ``asyncpp-prepare-data`` tokenizer CLI (``prepare``).
 
 The batch names are imported on first use: they need torch, and ``asyncpp-prepare-data`` (which
@@ -11,6 +12,7 @@ from .sources import (BUILTIN, BUILTIN_MAX_BYTES, TOKEN_DTYPES, TOKEN_FORMAT, TO
 
 _BATCH_NAMES = ("BatchStream", "DEFAULT_EVAL_BATCHES", "Microbatch", "eval_batches", "min_tokens_needed",
                 "split_tokens", "token_fingerprint")
+_MIXTURE_NAMES = ("MixtureStream", "mixture_eval_batches")
 
 
 def __getattr__(name: str):
@@ -18,9 +20,14 @@ def __getattr__(name: str):
         from . import batches
 
         return getattr(batches, name)
+    if name in _MIXTURE_NAMES:
+        from . import mixture
+
+        return getattr(mixture, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "DataError", "TOKEN_DTYPES", "TOKEN_FORMAT",
            "TOKEN_FORMAT_VERSION", "TokenShards", "builtin_corpus", "load_shards", "load_tokens",
-           "resolve_token_paths", "scan_max_token_id", "sidecar_path", "token_dtype_for_vocab", "token_file_info", *_BATCH_NAMES]
+           "resolve_token_paths", "scan_max_token_id", "sidecar_path", "token_dtype_for_vocab", "token_file_info", *_BATCH_NAMES,
+           *_MIXTURE_NAMES]

@@ -62,8 +62,10 @@ def split_tokens(tokens: np.ndarray, eval_fraction: float, micro_batch_size: int
     return tokens[:cut], tokens[cut:]
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
-             vocab_size: Optional[int] = None, source: Optional[str] = None) -> Microbatch:
+def window_rows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
+                vocab_size: Optional[int] = None, source: Optional[str] = None) -> np.ndarray:
+    """The windows of ``seq_len`` + 1 tokens at ``starts``, int64 (len(starts), seq_len + 1), their
+    ids checked against ``vocab_size``."""
     rows = np.stack([np.asarray(tokens[s: s + seq_len + 1], dtype=np.int64) for s in starts])
     # The load checked the ids against the vocabulary by the sidecar's max_token_id, not by a
     # scan: a sidecar that understates it would otherwise reach the embedding as an IndexError.
@@ -73,8 +75,18 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
                "(asyncpp-prepare-data), or" if source else "outside the vocabulary;")
         raise DataError(f"{source or 'the data'} holds token id {top} >= vocab_size {vocab_size}, {why} "
                         f"train with a vocabulary of at least {top + 1} (--vocab-size)")
+    return rows
+
+
+def as_microbatch(rows: np.ndarray) -> Microbatch:
+    """(inputs, targets) of windows as ``window_rows`` gives them."""
     block = torch.from_numpy(rows)
     return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
+             vocab_size: Optional[int] = None, source: Optional[str] = None) -> Microbatch:
+    return as_microbatch(window_rows(tokens, starts, seq_len, vocab_size, source))
 
 
 @dataclass
@@ -95,6 +107,9 @@ class BatchStream:
     """Every window's ids are checked to be below it (None: not checked)."""
     source: Optional[str] = None
     """What the tokens came from, for messages (e.g. "--data train_*.bin")."""
+    key: tuple = ()
+    """Words appended to the seeds of its generators: the sources of a mixture (mixture.py) draw
+    apart from each other and from a plain stream; () = a plain stream's draws."""
 
     def __post_init__(self):
         if self.sampling not in SAMPLINGS:
@@ -119,24 +134,28 @@ class BatchStream:
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if self._order[0] != epoch:
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch, EPOCH_STREAM]))
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch, EPOCH_STREAM, *self.key]))
             self._order = (epoch, rng.permutation(self.num_windows))
         return self._order[1]
 
     def minibatch(self, position: int) -> list[Microbatch]:
         """The minibatch at ``position`` (pure function of seed and position)."""
-        shape = (self.microbatches, self.micro_batch_size)
-        if self.sampling == "random":
-            rng = np.random.Generator(np.random.PCG64([self.seed, position]))
-            starts = rng.integers(0, self.max_start + 1, size=shape)
-        else:
-            count = self.microbatches * self.micro_batch_size
-            visit = np.arange(position * count, (position + 1) * count, dtype=np.int64)
-            epochs, slots = np.divmod(visit, self.num_windows)
-            starts = np.concatenate([self._epoch_order(int(e))[slots[epochs == e]]
-                                     for e in np.unique(epochs)]) * self.seq_len
-            starts = starts.reshape(shape)
+        count = self.microbatches * self.micro_batch_size
+        starts = self.starts(position, position * count, count).reshape(self.microbatches, self.micro_batch_size)
         return [_windows(self.tokens, row, self.seq_len, self.vocab_size, self.source) for row in starts]
+
+    def starts(self, position: int, first: int, count: int) -> np.ndarray:
+        """Starts of ``count`` windows of minibatch ``position``: uniform draws of the position's
+        generator (random), or the windows ``first`` .. ``first + count - 1`` of the epoch order."""
+        if self.sampling == "random":
+            rng = np.random.Generator(np.random.PCG64([self.seed, position, *self.key]))
+            return rng.integers(0, self.max_start + 1, size=count)
+        if count == 0:
+            return np.zeros(0, dtype=np.int64)
+        visit = np.arange(first, first + count, dtype=np.int64)
+        epochs, slots = np.divmod(visit, self.num_windows)
+        return np.concatenate([self._epoch_order(int(e))[slots[epochs == e]]
+                               for e in np.unique(epochs)]) * self.seq_len
 
     def tokens_per_epoch(self) -> int:
         """Input tokens an epoch of the "epoch" order covers (every training token but the last)."""
@@ -166,6 +185,9 @@ class BatchStream:
         return self._fingerprint_of
 
     def load_state_dict(self, state: dict) -> None:
+        if "mix" in state:
+            raise DataError("the checkpoint's run trained on a --data-mix mixture, this run on one --data "
+                            "source; resume with the run's --data-mix")
         if state.get("seed") != self.seed:
             raise DataError(f"batch stream state has seed {state.get('seed')!r} but this stream "
                             f"uses {self.seed}; resume with the seed the run started with")

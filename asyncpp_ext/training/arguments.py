@@ -3,6 +3,7 @@ flags onto config fields (and back, so a config complaint can name the flag to t
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Optional
 
@@ -42,6 +43,19 @@ def inductor_option(text: str) -> tuple:
         return parse_inductor_option(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def data_mix_entry(text: str) -> list:
+    """``--data-mix PATH=WEIGHT`` -> [PATH, WEIGHT] (the last '=' splits: a path may hold one)."""
+    path, sep, weight = text.rpartition("=")
+    try:
+        value = float(weight)
+    except ValueError:
+        value = None
+    if not sep or not path.strip() or value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not PATH=WEIGHT with a weight > 0 "
+                                         "(e.g. --data-mix 'web/*.bin=0.7')")
+    return [path, value]
 
 
 class _Parser(OneLineParser):
@@ -139,6 +153,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                                       "modded-nanogpt shard, or written by asyncpp-prepare-data), or "
                                       "several: a quoted glob ('data/train_*.bin'), a directory of "
                                       ".bin shards or a shard manifest (default builtin)")
+    model.add_argument("--data-mix", action="append", metavar="PATH=WEIGHT", type=data_mix_entry,
+                       help="train on a weighted mixture instead of --data: once per source (any --data "
+                            "format), e.g. --data-mix 'web/*.bin=0.7' --data-mix code.bin=0.3; weights are "
+                            "normalised, each minibatch takes each source's share of its windows (to within "
+                            "a window); each source holds out its own end for evaluation")
     model.add_argument("--val-data", metavar="FILE",
                        help="evaluate on this file, glob, directory or manifest (same formats as "
                             "--data) instead of the end of --data")
@@ -313,7 +332,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("optim", "clip_grad_norm"): args.clip_grad_norm, ("train", "tensorboard"): args.tensorboard,
         ("train", "wandb"): args.wandb, ("train", "wandb_project"): args.wandb_project,
         ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
-        ("data", "sampling"): args.sampling,
+        ("data", "sampling"): args.sampling, ("data", "mix"): args.data_mix,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
         ("train", "checkpoints"): args.checkpoints, ("data", "eval_batches"): args.eval_batches,
         ("train", "keep_checkpoints"): args.keep_checkpoints, ("train", "async_checkpoints"): args.async_checkpoints,
@@ -390,7 +409,7 @@ FIELD_FLAGS = {
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
     "train.keep_checkpoints": "--keep-checkpoints", "train.async_checkpoints": "--async-checkpoints",
-    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
+    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",

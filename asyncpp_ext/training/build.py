@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..data import BatchStream, DataError, eval_batches, load_tokens, resolve_token_paths, split_tokens
+from ..data.mixture import MIX_STREAM, MixtureStream, mixture_eval_batches
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.attention import resolve_attention
 from ..models.base import forward_through
@@ -41,7 +42,9 @@ def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
     with --dp R each microbatch holds the global R*B sequences (a replica takes its rows), and a
     simulation trains on exactly those. So data-parallel replicas read disjoint parts of the data
     by construction (disjoint rows of one seeded draw), whether --data is one file or many shards
-    (a glob, directory or manifest, joined in sorted order: data/shards.py)."""
+    (a glob, directory or manifest, joined in sorted order: data/shards.py), or a mixture."""
+    if cfg.data.mix:
+        return build_mixture(cfg)
     p = cfg.pipeline
     batch = p.global_micro_batch_size
     tokens = load_tokens(cfg.data.source, cfg.model.vocab_size)
@@ -51,42 +54,98 @@ def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
     else:  # a separate validation file: every token of --data trains
         _refuse_shared_files(cfg.data.source, cfg.data.val_source)
         _refuse_other_tokenizer(cfg.data.source, cfg.data.val_source)
-        train_tokens, eval_tokens = tokens, load_tokens(cfg.data.val_source, cfg.model.vocab_size,
-                                                     flag="--val-data")
-        for what, part, need in (("--data", train_tokens, batch), ("--val-data", eval_tokens, 1)):
-            if len(part) < need * (cfg.model.seq_len + 1):
-                raise DataError(f"{what} holds {len(part)} tokens, fewer than {need} window(s) of "
-                                f"seq_len {cfg.model.seq_len} + 1; use more data or a smaller --seq-len")
+        train_tokens = tokens
+        if len(train_tokens) < batch * (cfg.model.seq_len + 1):
+            raise DataError(f"--data holds {len(train_tokens)} tokens, fewer than {batch} window(s) of "
+                            f"seq_len {cfg.model.seq_len} + 1; use more data or a smaller --seq-len")
     vocab = cfg.model.vocab_size
     stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed,
                          sampling=cfg.data.sampling, vocab_size=vocab, source=f"--data {cfg.data.source}")
-    held_out = f"--data {cfg.data.source}" if cfg.data.val_source is None else f"--val-data {cfg.data.val_source}"
+    if cfg.data.val_source is not None:
+        return stream, _val_data_batches(cfg)
+    held_out = f"--data {cfg.data.source}"
     return stream, eval_batches(eval_tokens, batch, cfg.model.seq_len, cfg.data.eval_batches, vocab, held_out)
 
 
-def _refuse_shared_files(train: str, val: str) -> None:
+def _val_data_batches(cfg: RunConfig) -> list:
+    """The evaluation set of a run with --val-data."""
+    eval_tokens = load_tokens(cfg.data.val_source, cfg.model.vocab_size, flag="--val-data")
+    if len(eval_tokens) < cfg.model.seq_len + 1:
+        raise DataError(f"--val-data holds {len(eval_tokens)} tokens, fewer than 1 window(s) of "
+                        f"seq_len {cfg.model.seq_len} + 1; use more data or a smaller --seq-len")
+    return eval_batches(eval_tokens, cfg.pipeline.global_micro_batch_size, cfg.model.seq_len,
+                        cfg.data.eval_batches, cfg.model.vocab_size, f"--val-data {cfg.data.val_source}")
+
+
+def _refuse_shared_files(train: str, val: str, train_flag: str = "--data") -> None:
     """DataError when a file --val-data names is also one --data names (a directory of shards
     takes every .bin in it, asyncpp-prepare-data's validation shards beside the training ones
     included): what is evaluated must not be trained on."""
     try:
-        train_files = {p.resolve() for p in resolve_token_paths(train)[0]}
+        train_files = {p.resolve() for p in resolve_token_paths(train, train_flag)[0]}
         val_files = [p for p in resolve_token_paths(val, "--val-data")[0] if p.resolve() in train_files]
     except DataError:
         return  # named by the loading that follows
     if val_files:
-        raise DataError(f"--val-data {val} and --data {train} share {len(val_files)} file(s), e.g. "
-                        f"{val_files[0]}: the evaluation would be trained on; point --data at the training "
-                        "shards only (a glob like 'dir/train_*.bin', or their manifest)")
+        raise DataError(f"--val-data {val} and {train_flag} {train} share {len(val_files)} file(s), e.g. "
+                        f"{val_files[0]}: the evaluation would be trained on; point {train_flag} at the "
+                        "training shards only (a glob like 'dir/train_*.bin', or their manifest)")
 
 
-def _refuse_other_tokenizer(train: str, val: str) -> None:
-    """DataError when --val-data's sidecars show another tokenizer than --data's (a text file is
-    UTF-8 bytes): its loss would score ids of another vocabulary."""
-    train_mark, val_mark = tokenizer_of(train), tokenizer_of(val, "--val-data")
+def _refuse_other_tokenizer(train: str, val: str, train_flag: str = "--data", val_flag: str = "--val-data",
+                            fix: str = "asyncpp-prepare-data --val-fraction writes both") -> None:
+    """DataError when ``val``'s sidecars show another tokenizer than ``train``'s (a text file is
+    UTF-8 bytes): a loss over both would score ids of another vocabulary."""
+    train_mark, val_mark = tokenizer_of(train, train_flag), tokenizer_of(val, val_flag)
     if tokenizers_differ(train_mark, val_mark):
-        raise DataError(f"--val-data {val} holds ids of {describe_tokenizer(val_mark)} but --data {train} "
+        raise DataError(f"{val_flag} {val} holds ids of {describe_tokenizer(val_mark)} but {train_flag} {train} "
                         f"those of {describe_tokenizer(train_mark)}: its loss would mean nothing; make both "
-                        "with the same tokenizer (asyncpp-prepare-data --val-fraction writes both)")
+                        f"with the same tokenizer ({fix})")
+
+
+def mixture_sources(cfg: RunConfig) -> tuple[list, list]:
+    """(training tokens, held-out tokens) of each ``--data-mix`` source: its last eval_fraction
+    held out, or all of it training with --val-data (then the held-out list is empty)."""
+    seq_len, vocab = cfg.model.seq_len, cfg.model.vocab_size
+    paths = [path for path, _ in cfg.data.mix]
+    for path in paths[1:]:
+        _refuse_other_tokenizer(paths[0], path, "--data-mix", "--data-mix", "make every source with one tokenizer")
+    train_parts, held_out = [], []
+    for path in paths:
+        tokens = load_tokens(path, vocab, flag="--data-mix")
+        if cfg.data.val_source is None:
+            train, evaluate = split_tokens(tokens, cfg.data.eval_fraction, 1, seq_len, source=path)
+            train_parts.append(train)
+            held_out.append(evaluate)
+            continue
+        _refuse_shared_files(path, cfg.data.val_source, "--data-mix")
+        _refuse_other_tokenizer(path, cfg.data.val_source, "--data-mix")
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"--data-mix {path} holds {len(tokens)} tokens, fewer than one window of seq_len "
+                            f"{seq_len} + 1; use more data or a smaller --seq-len")
+        train_parts.append(tokens)
+    return train_parts, held_out
+
+
+def mixture_held_out_batches(cfg: RunConfig, held_out: list, batch_size: int, count: int) -> list:
+    """``count`` evaluation batches of the sources' held-out windows, mixed by the weights."""
+    return mixture_eval_batches(held_out, [weight for _, weight in cfg.data.mix], batch_size, cfg.model.seq_len,
+                                count, cfg.model.vocab_size, [f"--data-mix {path}" for path, _ in cfg.data.mix])
+
+
+def build_mixture(cfg: RunConfig) -> tuple[MixtureStream, list]:
+    """``build_data`` for ``--data-mix`` (data/mixture.py): a stream per source over its training
+    part, keyed apart, and the held-out windows of every source by the weights (or --val-data)."""
+    p = cfg.pipeline
+    train_parts, held_out = mixture_sources(cfg)
+    parts = [BatchStream(tokens, p.microbatches, p.global_micro_batch_size, cfg.model.seq_len, seed=cfg.train.seed,
+                         sampling=cfg.data.sampling, vocab_size=cfg.model.vocab_size, source=f"--data-mix {path}",
+                         key=(MIX_STREAM, j))
+             for j, ((path, _), tokens) in enumerate(zip(cfg.data.mix, train_parts))]
+    stream = MixtureStream(parts, [weight for _, weight in cfg.data.mix], names=[path for path, _ in cfg.data.mix])
+    if cfg.data.val_source is not None:
+        return stream, _val_data_batches(cfg)
+    return stream, mixture_held_out_batches(cfg, held_out, p.global_micro_batch_size, cfg.data.eval_batches)
 
 
 # ---- optimizer ------------------------------------------------------------------------------

@@ -70,6 +70,11 @@ class DataConfig:
     sampling: str = "random"
     """Order of the training windows: random (uniform starts, nanoGPT's way) | epoch (consecutive
     windows in a seeded permutation per epoch: no token trains twice within an epoch)."""
+    mix: list = field(default_factory=list)
+    """A weighted mixture of sources instead of ``source``: [path, weight] pairs (``--data-mix
+    PATH=WEIGHT``; weights any positive numbers, normalised). Each minibatch takes each source's
+    share of its windows, to within a window (data/mixture.py); each source holds out its own last
+    ``eval_fraction``, and the eval set mixes them by the weights. [] = train on ``source``."""
 
 
 LR_AUTO = DefaultsView("lr")
@@ -460,8 +465,9 @@ class RunConfig:
 # says how much of the held-out split an evaluation reads, not what trains. So may the data's
 # paths (data.source, data.val_source): a relative path read from another directory, or data
 # moved, is the same data, and what trains is compared itself (the stream's token count, shards
-# and fingerprint, data/batches.py), while --val-data only says what is evaluated.
-RESUME_MAY_DIFFER_DATA = ("eval_batches", "source", "val_source")
+# and fingerprint, data/batches.py; a mixture's weights and each source's, data/mixture.py), while
+# --val-data only says what is evaluated.
+RESUME_MAY_DIFFER_DATA = ("eval_batches", "source", "val_source", "mix")
 RESUME_MUST_MATCH = (
     [f"model.{f.name}" for f in fields(ModelConfig)]
     + [f"data.{f.name}" for f in fields(DataConfig) if f.name not in RESUME_MAY_DIFFER_DATA]

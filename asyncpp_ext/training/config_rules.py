@@ -4,6 +4,8 @@ schedule's delays, and how the stages compute. Each raises ConfigError naming th
 cannot run and what to do."""
 from __future__ import annotations
 
+import math
+
 from ..data.batches import SAMPLINGS
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, MITIGATIONS, SIMULATOR_ONLY_MITIGATIONS
 from ..optim.versioned import EF_SOURCES
@@ -233,6 +235,7 @@ def check_run(cfg: RunConfig) -> None:
         if value is not None and (not isinstance(value, str) or not value.strip()):  # '' reads as '.'
             raise ConfigError(f"{name} must name a file, directory, glob or manifest (or builtin), "
                               f"got {value!r}")
+    check_mix(cfg.data)
     if cfg.optim.lr is not None:
         positive_number("optim.lr", cfg.optim.lr)
     if cfg.optim.adamw_lr is not None:
@@ -273,3 +276,26 @@ def _check_optimizer_available(name: str) -> None:
         check_available(name)
     except ValueError as exc:
         raise ConfigError(f"optim.name={name!r}: {exc}") from None
+
+
+def check_mix(data) -> None:
+    """data.mix: [path, weight] pairs (a positive finite weight each), given instead of data.source."""
+    if not isinstance(data.mix, (list, tuple)):
+        raise ConfigError(f"data.mix must be a list of [path, weight] pairs, got {data.mix!r}")
+    for entry in data.mix:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[0], str)
+                or not entry[0].strip()):
+            raise ConfigError(f"data.mix entry {entry!r} is not a [path, weight] pair; write "
+                              "--data-mix PATH=WEIGHT")
+        weight = entry[1]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or weight <= 0:
+            raise ConfigError(f"data.mix: {entry[0]} has weight {weight!r}; give each source a finite weight "
+                              "> 0 (weights need not sum to 1)")
+    if data.mix and data.source != "builtin":
+        raise ConfigError(f"data.source ({data.source}) and data.mix both name the training data; give "
+                          "--data or --data-mix, not both")
+    paths = [entry[0] for entry in data.mix]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise ConfigError(f"data.mix names {twice[0]} twice; give each source once, with its whole weight")

@@ -27,6 +27,7 @@ from ..command_line import OneLineParser, UsageError, run_command
 from ..data import DataError, eval_batches, load_tokens, split_tokens
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
+from .build import mixture_held_out_batches, mixture_sources
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints
 from .config import ConfigError
 from .export import add_compute_flags, command_autocast, command_device, data_tokenizer, load_model, trained_on_bytes
@@ -84,6 +85,9 @@ def evaluation_set(cfg, data: Optional[str], batches: Optional[int], batch_size:
         tokens = load_tokens(cfg.data.val_source, vocab, flag="--val-data")
         return eval_batches(tokens, size, seq_len, count, vocab, f"--val-data {cfg.data.val_source}"), \
             cfg.data.val_source
+    if data is None and cfg.data.mix:  # each source's held-out end, mixed as training mixed them
+        return mixture_held_out_batches(cfg, mixture_sources(cfg)[1], size, count), \
+            f"the held-out {cfg.data.eval_fraction:g} of each --data-mix source"
     if data is None:  # the split training made (where it falls does not depend on the batch size)
         tokens = split_tokens(load_tokens(cfg.data.source, vocab), cfg.data.eval_fraction, 1, seq_len,
                               source=cfg.data.source)[1]

@@ -95,7 +95,16 @@ def load_model(ckpt: Path) -> tuple[RunConfig, int, torch.nn.Module]:
 def data_tokenizer(cfg: RunConfig) -> Optional[dict]:
     """Which tokenizer made the run's training ids, as its ``--data`` sidecars say
     (``data.sources.tokenizer_of``: ``"bytes"`` for text and the built-in corpus), or None."""
+    if cfg.data.mix:  # every source has one tokenizer (the run's build refuses others)
+        return tokenizer_of(cfg.data.mix[0][0], "--data-mix")
     return tokenizer_of(cfg.data.source) if cfg.data.source else None
+
+
+def training_data(cfg: RunConfig) -> str:
+    """The run's training data as its flags named it: ``--data X`` or ``--data-mix A, B``."""
+    if cfg.data.mix:
+        return "--data-mix " + ", ".join(path for path, _ in cfg.data.mix)
+    return f"--data {cfg.data.source}"
 
 
 def trained_on_bytes(cfg: RunConfig) -> bool:
@@ -136,7 +145,7 @@ def choose_tokenizer(spec: str, cfg: RunConfig, vocab_size: int):
     mark = data_tokenizer(cfg)
     if spec == "auto":
         if mark is None:
-            return None, (f"none (no sidecar of --data {cfg.data.source} found from here names one; pass "
+            return None, (f"none (no sidecar of {training_data(cfg)} found from here names one; pass "
                           "--tokenizer FILE)")
         if mark["tokenizer"] == BYTES_TOKENIZER:
             return None, "none (the run trained on UTF-8 bytes: ids are bytes)"
@@ -145,7 +154,7 @@ def choose_tokenizer(spec: str, cfg: RunConfig, vocab_size: int):
         spec = mark["tokenizer"]
     how = " (the one the run's --data was prepared with)" if spec == (mark or {}).get("tokenizer") else ""
     if mark is not None and mark["tokenizer"] == BYTES_TOKENIZER:
-        raise UsageError(f"--tokenizer {spec}: the run trained on UTF-8 bytes (--data {cfg.data.source}), "
+        raise UsageError(f"--tokenizer {spec}: the run trained on UTF-8 bytes ({training_data(cfg)}), "
                          "not on a tokenizer's ids; drop --tokenizer")
     path = Path(spec)
     if path.is_dir():
