@@ -206,3 +206,44 @@ def test_bad_mixtures_are_one_line_and_write_nothing(tmp_path, texts, capsys, fl
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words.replace("{tmp}", str(tmp_path)) in err[0], err
     assert not out.exists()
+
+
+def _mixture_per_rank(differ: bool) -> None:
+    import torch.distributed as dist
+    from asyncpp_ext.pipeline import init_distributed
+    from asyncpp_ext.training.distributed import check_same_data
+
+    init_distributed(30)
+    light = _tokens("b", 3000, 1)
+    if differ and dist.get_rank() == 1:
+        light[1500] += 1  # this rank's copy of the light source differs in one token
+    parts = [BatchStream(tokens, MB, B, SEQ, seed=0, key=(MIX_STREAM, j))
+             for j, tokens in enumerate((_tokens("a", 5000), light))]
+    check_same_data(MixtureStream(parts, [3, 1]))
+
+
+@pytest.mark.multiproc
+def test_ranks_reading_another_copy_of_a_source_are_stopped_at_start():
+    from asyncpp_ext.pipeline import LaunchError, spawn
+
+    spawn(_mixture_per_rank, 2, (False,))
+    with pytest.raises(LaunchError, match=r"rank 1 reads other training data than rank 0 .* every rank must "
+                                          r"read the same --data or --data-mix"):
+        spawn(_mixture_per_rank, 2, (True,))
+
+
+def test_a_resume_under_other_weights_is_one_line_and_changes_nothing(tmp_path, texts, capsys):
+    run = tmp_path / "run"
+    pipeline = [*COMMON, *_mix(texts), "--stages", "2", "--timeout", "30"]
+    assert train([*pipeline, "--steps", "2", "--ckpt-every", "2", "--out", str(run)]) == 0
+    before = {p.name: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")}
+    capsys.readouterr()
+    other = [texts[0].replace("=3", "=1"), texts[1]]
+    assert train(["--resume", str(run), "--steps", "4", "--no-progress", *_mix(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "weights 0.75, 0.25 (normalised), this run 2 with 0.5, 0.5" in err[0], err
+    assert {p.name: p.read_bytes() for p in (run / "config.json", run / "metrics.jsonl")} == before
+    moved = tmp_path / "moved.txt"  # the same data at another path resumes
+    moved.write_bytes((tmp_path / "letters.txt").read_bytes())
+    assert train(["--resume", str(run), "--steps", "4", "--no-progress",
+                  *_mix([f"{moved}=3", texts[1]])]) == 0

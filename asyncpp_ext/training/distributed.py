@@ -128,13 +128,13 @@ def check_same_data(stream) -> None:
     the world once, at start. On several nodes each reads its own copy of --data (and the builtin
     corpus is built from the Python installation's files), so they can differ."""
     state = stream.state_dict()
-    mine = {k: state.get(k) for k in ("num_tokens", "shards", "fingerprint")}
+    mine = {k: state.get(k) for k in ("num_tokens", "shards", "fingerprint", "mix")}  # mix: each source's
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     other = next((r for r, theirs in enumerate(every) if theirs != every[0]), None)
     if other is not None:
         raise DataError(f"rank {other} reads other training data than rank 0 ({every[other]} against "
-                        f"{every[0]}): every rank must read the same --data (on several nodes, the same "
+                        f"{every[0]}): every rank must read the same --data or --data-mix (on several nodes, the same "
                         "files on each; the builtin corpus depends on the Python installation)")
 
 
