@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .checks import non_negative, positive, real_number, unit_interval
+from .decay import split_by_decay, undecayed_names
 from .error_feedback import ErrorFeedback
 from .library import build_library_optimizer
 from .optimizers import AdamW, MuonHybrid
@@ -18,6 +19,7 @@ class OptimizerArgumentError(ValueError):
 def build_optimizer(model: torch.nn.Module, name: str, lr: float | None = None,
                     weight_decay: float = DEFAULT_WEIGHT_DECAY, ef_beta: float | None = None,
                     adamw_lr: float | None = None, shard_group=None, ef_source: str = DEFAULT_EF_SOURCE,
+                    decay_norms_and_biases: bool = True, decay_embeddings: bool = True,
                     **kwargs) -> torch.optim.Optimizer:
     """An optimizer for `model` (a whole model or one pipeline stage's part of it).
 
@@ -37,7 +39,10 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float | None = None,
       "lion", "adan", "soap", "mars" -> pytorch_optimizer's class (library.py; needs the extra
                  `study`), all parameters in one group, kwargs to the class; wrapped in
                  ErrorFeedback when ef_beta > 0.
-    weight_decay is decoupled (AdamW/Muon, and as each library optimizer applies it) or L2 (SGD).
+    weight_decay is decoupled (AdamW/Muon, and as each library optimizer applies it) or L2 (SGD);
+    decay_norms_and_biases=False leaves tensors of fewer than 2 dimensions undecayed,
+    decay_embeddings=False the embedding tables (a tied head with them): decay.py. They then sit
+    in param groups of their own with weight decay 0.
     ef_beta > 0 turns on error feedback (fused into the kernels for "muon", "normuon" and "adamw",
     the ErrorFeedback wrapper for the others); pass 0 to turn it off (the default is 0.5 for every
     optimizer but sgd). ef_source ("buffer" = E is the stored previous update) is handed to the
@@ -63,6 +68,12 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float | None = None,
     if not named:
         raise ValueError("model has no trainable parameters")
 
+    for flag, value in (("decay_norms_and_biases", decay_norms_and_biases), ("decay_embeddings", decay_embeddings)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag} must be True or False, got {value!r}")
+    undecayed = undecayed_names(model, decay_norms_and_biases, decay_embeddings) & {n for n, _ in named}
+    groups = split_by_decay(dict(params=named, weight_decay=weight_decay), undecayed)
+
     ef = dict(ef_source=ef_source)
     if spec.family == "muon":
         fixed = {k for n in muon_family() for k in optimizer_spec(n).build_kwargs} & set(kwargs)
@@ -74,13 +85,13 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float | None = None,
                                          f"{', '.join(f'{k}=' for k in sorted(fixed))} in kwargs")
         return MuonHybrid(model, lr=lr, adamw_lr=spec.adamw_lr if adamw_lr is None else adamw_lr,
                           weight_decay=weight_decay, ef_beta=ef_beta, shard_group=shard_group,
-                          **spec.build_kwargs, **ef, **kwargs)
+                          no_decay_names=sorted(undecayed), **spec.build_kwargs, **ef, **kwargs)
     if adamw_lr is not None:
         raise ValueError(f"adamw_lr is only used with the muon family {muon_family()}; for {name!r} pass lr")
     if spec.family == "adamw":
-        return AdamW(named, lr=lr, weight_decay=weight_decay, ef_beta=ef_beta, **ef, **kwargs)
+        return AdamW(groups, lr=lr, weight_decay=weight_decay, ef_beta=ef_beta, **ef, **kwargs)
     if spec.family == "library":
-        opt = build_library_optimizer(named, name, lr, weight_decay, **kwargs)
+        opt = build_library_optimizer(named, name, lr, weight_decay, undecayed=undecayed, **kwargs)
     else:  # sgd
-        opt = torch.optim.SGD(named_param_groups(named), lr=lr, weight_decay=weight_decay, **kwargs)
+        opt = torch.optim.SGD(named_param_groups(groups), lr=lr, weight_decay=weight_decay, **kwargs)
     return ErrorFeedback(opt, ef_beta, **ef) if ef_beta > 0 else opt

@@ -13,6 +13,7 @@ import inspect
 
 import torch
 
+from .decay import split_by_decay
 from .param_groups import named_param_groups
 from .registry import library_classes
 
@@ -68,12 +69,13 @@ def check_available(name: str) -> None:
         _library_class(name)
 
 
-def build_library_optimizer(named_params, name: str, lr: float, weight_decay: float,
+def build_library_optimizer(named_params, name: str, lr: float, weight_decay: float, undecayed=(),
                             **kwargs) -> torch.optim.Optimizer:
     """The pytorch_optimizer optimizer `name` (a key of LIBRARY_OPTIMIZERS) over `named_params`.
 
     named_params: (name, tensor) pairs, kept as pairs so the param group carries "param_names".
-    All parameters go in one group. kwargs (e.g. betas=...) go to the class and win over
+    All parameters go in one group, but those `undecayed` names, which go in a second with every
+    weight-decay setting 0 (decay.py). kwargs (e.g. betas=...) go to the class and win over
     everything below; a keyword the class does not take raises LibraryOptimizerError (the classes
     would otherwise store it silently, and their group-level extras such as cautious= are
     therefore not reachable from here).
@@ -105,7 +107,8 @@ def build_library_optimizer(named_params, name: str, lr: float, weight_decay: fl
         raise LibraryOptimizerError(f"{name}: no parameters to optimize")
     args = _fair_overrides(name, lr, weight_decay)
     args.update(kwargs)
-    return cls(named_param_groups(named), **args)
+    decay = {key: value for key, value in args.items() if key.startswith("weight_decay")}
+    return cls(named_param_groups(split_by_decay(dict(params=named, **decay), set(undecayed))), **args)
 
 
 __all__ = ["LIBRARY_OPTIMIZERS", "INSTALL_HINT", "MissingExtraError", "LibraryOptimizerError", "check_available",

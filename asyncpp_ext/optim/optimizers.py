@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .decay import split_by_decay
 from .fused import ADAMW, MUON, FusedOptimizer
 from .newton_schulz import NS_COEFFICIENTS
 from .normuon import NORMUON_BETA2
@@ -71,7 +72,9 @@ class MuonHybrid(FusedOptimizer):
     the output head go to AdamW; `is_muon(name, param) -> bool`, `adamw_names` and `muon_names` override.
     Param group 0 is Muon (lr, weight_decay, ...), group 1 AdamW (adamw_lr, adamw_betas, adamw_eps,
     adamw_weight_decay which defaults to weight_decay). `shard_group` splits the Muon
-    orthogonalisations among data-parallel replicas (see Muon). `normuon`/`normuon_beta2` make the
+    orthogonalisations among data-parallel replicas (see Muon). `no_decay_names`: parameters updated
+    without weight decay, each part's in a group of its own after its decayed group (decay.py).
+    `normuon`/`normuon_beta2` make the
     Muon part NorMuon (see Muon). Groups without parameters are omitted; each
     group's "algorithm" says which it is. `ef_beta` and `ef_source` (see Muon) apply to both parts.
     Defaults: lr, adamw_lr and momentum are the registry's for "muon" (registry.py: 0.02, 3e-3,
@@ -86,7 +89,8 @@ class MuonHybrid(FusedOptimizer):
                  adjust_lr_fn: str | None = None, ns_dtype: torch.dtype | None = None,
                  adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, adamw_weight_decay: float | None = None,
                  ef_beta: float = 0.0, is_muon=None, adamw_names=(), muon_names=(), shard_group=None,
-                 normuon: bool = False, normuon_beta2: float = NORMUON_BETA2, ef_source: str = "buffer"):
+                 normuon: bool = False, normuon_beta2: float = NORMUON_BETA2, ef_source: str = "buffer",
+                 no_decay_names=()):
         muon_params, adamw_params = split_named_parameters(
             model_or_named_params, is_muon=is_muon, adamw_names=adamw_names, muon_names=muon_names)
         groups = []
@@ -102,6 +106,10 @@ class MuonHybrid(FusedOptimizer):
                                ef_beta=ef_beta))
         if not groups:
             raise ValueError("MuonHybrid got no trainable parameters (all have requires_grad=False?)")
+        unknown = set(no_decay_names) - {n for n, _ in muon_params + adamw_params}
+        if unknown:
+            raise ValueError(f"no_decay_names mentions {sorted(unknown)}, which are not trainable parameters here")
+        groups = [part for group in groups for part in split_by_decay(group, set(no_decay_names))]
         super().__init__(groups, dict(ef_beta=ef_beta), shard_group=shard_group, ef_source=ef_source)
 
 

@@ -114,6 +114,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     opt.add_argument("--adamw-lr", type=float,
                      help=f"lr of muon's AdamW part (embeddings, head, norms, biases); default {MUON_ADAMW_LR:g}")
     opt.add_argument("--weight-decay", type=float, help=f"default {_D.optim.weight_decay}")
+    opt.add_argument("--decay-norms-and-biases", action=argparse.BooleanOptionalAction, default=None,
+                     help="weight decay on tensors of fewer than 2 dimensions: norm gains, biases "
+                          "(default on; --no-decay-norms-and-biases leaves them undecayed)")
+    opt.add_argument("--decay-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                     help="weight decay on the embedding tables and a head tied to them (default on; "
+                          "--no-decay-embeddings leaves them undecayed)")
     opt.add_argument("--ef-beta", type=float,
                      help="error-feedback delay correction strength, 0 = off (default auto: "
                           + ", ".join(f"{k} {v:g}" for k, v in EF_BETA_AUTO.items()) + ")")
@@ -323,6 +329,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "dtype"): args.dtype,
         ("optim", "name"): args.optimizer, ("optim", "lr"): args.lr,
         ("optim", "adamw_lr"): args.adamw_lr, ("optim", "weight_decay"): args.weight_decay,
+        ("optim", "decay_norms_and_biases"): args.decay_norms_and_biases,
+        ("optim", "decay_embeddings"): args.decay_embeddings,
         ("optim", "ef_beta"): args.ef_beta, ("optim", "ns_dtype"): args.ns_dtype, ("train", "steps"): args.steps,
         ("optim", "ef_source"): args.ef_source, ("optim", "mitigation"): args.mitigation,
         ("optim", "dc_lambda"): args.dc_lambda, ("optim", "rescale_steps"): args.rescale_steps,
@@ -405,7 +413,8 @@ FIELD_FLAGS = {
     "pipeline.dp": "--dp", "pipeline.transport": "--transport", "train.dtype": "--dtype",
     "pipeline.delay": "--delay", "pipeline.delay_only": "--delay-only", "model.tie_embeddings": "--model",
     "optim.name": "--optimizer", "optim.lr": "--lr", "optim.adamw_lr": "--adamw-lr",
-    "optim.weight_decay": "--weight-decay", "optim.ef_beta": "--ef-beta", "optim.ns_dtype": "--ns-dtype",
+    "optim.weight_decay": "--weight-decay", "optim.decay_norms_and_biases": "--decay-norms-and-biases",
+    "optim.decay_embeddings": "--decay-embeddings", "optim.ef_beta": "--ef-beta", "optim.ns_dtype": "--ns-dtype",
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
     "train.keep_checkpoints": "--keep-checkpoints", "train.async_checkpoints": "--async-checkpoints",

@@ -156,7 +156,9 @@ def optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
     if optimizer_spec(o.name).family == "muon":
         extra.update(adamw_lr=o.effective_adamw_lr(), ns_dtype=o.ns_torch_dtype(), momentum=o.muon_momentum)
     return lambda module: build_optimizer(module, o.name, o.effective_lr(), weight_decay=o.weight_decay,
-                                          ef_beta=o.effective_ef_beta(), ef_source=o.ef_source, **extra)
+                                          ef_beta=o.effective_ef_beta(), ef_source=o.ef_source,
+                                          decay_norms_and_biases=o.decay_norms_and_biases,
+                                          decay_embeddings=o.decay_embeddings, **extra)
 
 
 # ---- stage compute --------------------------------------------------------------------------

@@ -100,6 +100,12 @@ class OptimConfig:
     """Learning rate of the AdamW part of muon (embeddings, head, norms, biases); None = 3e-3."""
     weight_decay: float = DEFAULT_WEIGHT_DECAY
     """Decoupled weight decay."""
+    decay_norms_and_biases: bool = True
+    """Whether weight decay applies to tensors of fewer than 2 dimensions (norm gains, biases);
+    False leaves them undecayed (optim/decay.py)."""
+    decay_embeddings: bool = True
+    """Whether weight decay applies to the embedding tables (and a head tied to them); False
+    leaves them undecayed (optim/decay.py)."""
     ef_beta: Optional[float] = None
     """Error-feedback delay correction strength; 0 turns it off (no extra buffer). None = "auto":
     ``EF_BETA_AUTO[name]``: 0.5 for muon and adamw, 0 (off) for sgd, chosen from the delay study

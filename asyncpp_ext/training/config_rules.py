@@ -244,6 +244,9 @@ def check_run(cfg: RunConfig) -> None:
             raise ConfigError(f"optim.adamw_lr is the learning rate of muon's AdamW part; it "
                               f"does not apply to optim.name={cfg.optim.name!r} (use --lr)")
     non_negative_number("optim.weight_decay", cfg.optim.weight_decay)
+    for name in ("decay_norms_and_biases", "decay_embeddings"):
+        if not isinstance(getattr(cfg.optim, name), bool):
+            raise ConfigError(f"optim.{name} must be true or false, got {getattr(cfg.optim, name)!r}")
     check_mitigation(cfg)
     non_negative_number("optim.momentum", cfg.optim.momentum)
     if cfg.optim.clip_grad_norm is not None:
