@@ -51,10 +51,12 @@ def clip_coefficient(max_norm: float, previous_norm: Optional[float]) -> float:
 
 
 def check_max_norm(max_norm) -> float:
-    """``max_norm`` as a float; ValueError unless it is a finite number > 0."""
+    """``max_norm`` as a float; ValueError unless it is a number > 0. ``math.inf`` measures each
+    step's norm (for the metrics) and never clips: c(t) = 1, the gradients untouched."""
     if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
-            and math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"clip_grad_norm must be a finite number > 0 (or None: no clipping), got {max_norm!r}")
+            and not math.isnan(max_norm) and max_norm > 0):
+        raise ValueError(f"clip_grad_norm must be a number > 0 (inf: measure the norm, never clip; None: "
+                         f"neither), got {max_norm!r}")
     return float(max_norm)
 
 

@@ -90,7 +90,8 @@ class Pipeline(StreamControl):
         lr_schedule: an object with ``multiplier(step)`` (optim/lr_schedule.py): every parameter
             group's learning rate is its initial value times it at each optimizer step.
         clip_grad_norm: clip each step's gradient by the global norm of the previous step's
-            (clipping.py); None = off.
+            (clipping.py); ``math.inf`` measures the norms (``take_grad_norms``) without clipping;
+            None = off.
         mitigation: staleness mitigation applied per stage with its own delay (optim/mitigations.py):
             None/"none", "ef" (error feedback, inside the optimizer), "dc" (delay compensation of the
             gradient, strength ``dc_lambda``) or "lr-rescale" (the lr scaled by (1 + d) ** -p(t),

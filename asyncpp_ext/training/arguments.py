@@ -167,6 +167,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     model.add_argument("--val-data", metavar="FILE",
                        help="evaluate on this file, glob, directory or manifest (same formats as "
                             "--data) instead of the end of --data")
+    model.add_argument("--eval-data", action="append", metavar="PATH",
+                       help="another held-out set (same formats as --data) evaluated at every evaluation beside "
+                            "eval_loss; once per set: each row's eval_losses holds each set's loss by its path "
+                            "(a --data-mix run also gets each source's held-out part there)")
     model.add_argument("--sampling", choices=SAMPLINGS,
                        help="order of the training windows: random (uniform starts; default) or epoch "
                             "(consecutive windows, a seeded permutation per epoch: no token trains twice "
@@ -230,6 +234,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="run the schedule's update rule in one process (delay simulator)")
     run.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="a progress bar on a terminal; --no-progress: none (default on)")
+    run.add_argument("--log-grad-norm", action=argparse.BooleanOptionalAction, default=None,
+                     help="log each step's global gradient norm (grad_norm in the metrics rows) also without "
+                          "--clip-grad-norm, which logs it anyway; costs what clipping's measurement costs")
     run.add_argument("--log-every", type=int, metavar="N",
                      help="print a line every N steps (loss, lr, tokens/s, MFU, ETA) and each eval loss on "
                           "stdout, for a batch job's log, where no progress bar shows (default 0: none)")
@@ -341,12 +348,14 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "wandb"): args.wandb, ("train", "wandb_project"): args.wandb_project,
         ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
         ("data", "sampling"): args.sampling, ("data", "mix"): args.data_mix,
+        ("data", "eval_data"): args.eval_data,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
         ("train", "checkpoints"): args.checkpoints, ("data", "eval_batches"): args.eval_batches,
         ("train", "keep_checkpoints"): args.keep_checkpoints, ("train", "async_checkpoints"): args.async_checkpoints,
         ("train", "out"): args.out, ("train", "device"): args.device, ("train", "auto_resume"): args.auto_resume,
         ("train", "simulate"): args.simulate,
         ("train", "progress"): args.progress, ("train", "log_every"): args.log_every,
+        ("train", "log_grad_norm"): args.log_grad_norm,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
         ("train", "peak_tflops"): args.peak_tflops, ("train", "time_limit_s"): _duration("--time-limit", args.time_limit),
@@ -418,11 +427,11 @@ FIELD_FLAGS = {
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
     "train.keep_checkpoints": "--keep-checkpoints", "train.async_checkpoints": "--async-checkpoints",
-    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
+    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.eval_data": "--eval-data", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",
-    "train.auto_resume": "--auto-resume", "train.wandb_project": "--wandb-project", "train.log_every": "--log-every", "model.n_layer": "--n-layer",
+    "train.auto_resume": "--auto-resume", "train.wandb_project": "--wandb-project", "train.log_every": "--log-every", "train.log_grad_norm": "--log-grad-norm", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",

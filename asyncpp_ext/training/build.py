@@ -16,7 +16,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..data import BatchStream, DataError, eval_batches, load_tokens, resolve_token_paths, split_tokens
+from ..data import (DEFAULT_EVAL_BATCHES, BatchStream, DataError, eval_batches, load_tokens, resolve_token_paths,
+                    split_tokens)
 from ..data.mixture import MIX_STREAM, MixtureStream, mixture_eval_batches
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.attention import resolve_attention
@@ -77,17 +78,17 @@ def _val_data_batches(cfg: RunConfig) -> list:
                         cfg.data.eval_batches, cfg.model.vocab_size, f"--val-data {cfg.data.val_source}")
 
 
-def _refuse_shared_files(train: str, val: str, train_flag: str = "--data") -> None:
+def _refuse_shared_files(train: str, val: str, train_flag: str = "--data", val_flag: str = "--val-data") -> None:
     """DataError when a file --val-data names is also one --data names (a directory of shards
     takes every .bin in it, asyncpp-prepare-data's validation shards beside the training ones
     included): what is evaluated must not be trained on."""
     try:
         train_files = {p.resolve() for p in resolve_token_paths(train, train_flag)[0]}
-        val_files = [p for p in resolve_token_paths(val, "--val-data")[0] if p.resolve() in train_files]
+        val_files = [p for p in resolve_token_paths(val, val_flag)[0] if p.resolve() in train_files]
     except DataError:
         return  # named by the loading that follows
     if val_files:
-        raise DataError(f"--val-data {val} and {train_flag} {train} share {len(val_files)} file(s), e.g. "
+        raise DataError(f"{val_flag} {val} and {train_flag} {train} share {len(val_files)} file(s), e.g. "
                         f"{val_files[0]}: the evaluation would be trained on; point {train_flag} at the "
                         "training shards only (a glob like 'dir/train_*.bin', or their manifest)")
 
@@ -146,6 +147,37 @@ def build_mixture(cfg: RunConfig) -> tuple[MixtureStream, list]:
     if cfg.data.val_source is not None:
         return stream, _val_data_batches(cfg)
     return stream, mixture_held_out_batches(cfg, held_out, p.global_micro_batch_size, cfg.data.eval_batches)
+
+
+def build_eval_sets(cfg: RunConfig) -> dict:
+    """The named held-out sets evaluated beside ``eval_loss`` (rows' ``eval_losses``), by path:
+    each ``--data-mix`` source's held-out part (without --val-data), then each ``--eval-data``;
+    ``--eval-batches`` batches each (at most one pass over a set's windows). {} when the run
+    never evaluates."""
+    count, batch = cfg.data.eval_batches, cfg.pipeline.global_micro_batch_size
+    seq_len, vocab = cfg.model.seq_len, cfg.model.vocab_size
+    if count == 0:
+        return {}
+    named = []
+    if cfg.data.mix and cfg.data.val_source is None:
+        named += [(path, tokens, f"--data-mix {path}") for (path, _), tokens in zip(cfg.data.mix, mixture_sources(cfg)[1])]
+    trains = [path for path, _ in cfg.data.mix] or [cfg.data.source]
+    flag = "--data-mix" if cfg.data.mix else "--data"
+    for path in cfg.data.eval_data:
+        for source in trains:
+            _refuse_shared_files(source, path, flag, "--eval-data")
+        _refuse_other_tokenizer(trains[0], path, flag, "--eval-data")
+        tokens = load_tokens(path, vocab, flag="--eval-data")
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"--eval-data {path} holds {len(tokens)} tokens, fewer than one window of seq_len "
+                            f"{seq_len} + 1; use more data or a smaller --seq-len")
+        named.append((path, tokens, f"--eval-data {path}"))
+    sets = {}
+    for name, tokens, what in named:
+        windows = len(tokens) - seq_len  # distinct window starts
+        sets[name] = eval_batches(tokens, batch, seq_len, min(count, max(windows // batch, DEFAULT_EVAL_BATCHES)),
+                                  vocab, what)
+    return sets
 
 
 # ---- optimizer ------------------------------------------------------------------------------
@@ -347,7 +379,7 @@ def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None,
                                loss_fn=simulator_loss(cfg, compute), compute_copies=copies,
                                on_nonfinite=cfg.train.on_nonfinite, device_skip=cfg.train.nonfinite_check == "auto",
                                lr_schedule=cfg.lr_schedule(),
-                               clip_grad_norm=cfg.optim.clip_grad_norm, stages=p.stages, delay=p.delay,
+                               clip_grad_norm=cfg.grad_norm_limit(), stages=p.stages, delay=p.delay,
                                delay_only=p.delay_only, **cfg.mitigation_kwargs())
     if compute.cuda_graphs and simulator.delayed:  # it swaps weight versions in, which a graph cannot see
         raise ValueError(f"--cuda-graphs cannot run the simulation of {p.schedule} (its delayed weight "
@@ -389,7 +421,7 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: 
                     cuda_graphs=compute.cuda_graphs, compute_copies=compute.compute_copies,
                     gradient_accumulation_fusion=compute.gradient_accumulation_fusion,
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
-                    lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.optim.clip_grad_norm,
+                    lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.grad_norm_limit(),
                     **cfg.mitigation_kwargs())
     engine = PipelineEngine(pipe)
     engine.flops_per_token = model_flops  # the Trainer's TFLOP/s and MFU (utilisation.py)
@@ -423,5 +455,5 @@ def resume(engine, stream: BatchStream, resume_dir: Optional[Path], stage: int =
     return Resumed(int(meta["step"]), float(meta.get("elapsed_s", 0.0)), rng)
 
 
-__all__ = ["build_data", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "build_simulator", "compile_stages", "build_pipeline_engine",
+__all__ = ["build_data", "build_eval_sets", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "build_simulator", "compile_stages", "build_pipeline_engine",
            "Resumed", "resume", "OptimizerFactory"]

@@ -33,7 +33,8 @@ from typing import Sequence
 import torch
 
 from ..schedule.table import schedule_spec
-from .config import RESUME_MUST_MATCH, ConfigError, RunConfig, get_field, resolved_field
+from .config import ConfigError, RunConfig
+from .resume_rules import RESUME_MUST_MATCH, get_field, resolved_field
 
 FORMAT_VERSION = 1
 META_NAME = "meta.json"

@@ -18,7 +18,8 @@ from typing import Optional
 from .arguments import PROG, UsageError, build_parser, config_from_args, name_flag
 from .checkpoint import (CheckpointError, CheckpointWriteError, NonFiniteCheckpointError, check_resume_config,
                          checkpoint_named, latest_checkpoint, list_checkpoints, read_meta, saved_config)
-from .config import ConfigError, RunConfig, init_from_mismatch
+from .config import ConfigError, RunConfig
+from .resume_rules import init_from_mismatch
 from .config_file import ConfigFileError, expand_config
 from .wandb_log import WandbSetupError
 from ..data import DataError

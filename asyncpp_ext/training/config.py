@@ -5,6 +5,8 @@ field (``pipeline.microbatches``, ``optim.lr``...) and what to do about it.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
@@ -15,7 +17,6 @@ from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
                               muon_family, optimizer_names, optimizer_spec)
 from ..pipeline.devices import TRANSPORTS
-from ..precision import auto_precision_name
 from ..schedule.table import SCHEDULES as SCHEDULE_TABLE, schedule_names
 from .field_checks import ConfigError
 
@@ -70,6 +71,10 @@ class DataConfig:
     sampling: str = "random"
     """Order of the training windows: random (uniform starts, nanoGPT's way) | epoch (consecutive
     windows in a seeded permutation per epoch: no token trains twice within an epoch)."""
+    eval_data: list = field(default_factory=list)
+    """More held-out sets evaluated at every evaluation beside ``eval_loss`` (``--eval-data PATH``,
+    repeated; same formats as ``source``): each row's ``eval_losses`` holds each one's loss by its
+    path, as it does each ``mix`` source's held-out part's."""
     mix: list = field(default_factory=list)
     """A weighted mixture of sources instead of ``source``: [path, weight] pairs (``--data-mix
     PATH=WEIGHT``; weights any positive numbers, normalised). Each minibatch takes each source's
@@ -287,6 +292,10 @@ class TrainConfig:
     """Run the single-process delay simulator instead of the multi-process pipeline."""
     progress: bool = True
     """Show a progress bar (only when stderr is a terminal)."""
+    log_grad_norm: bool = False
+    """Measure each step's global gradient norm (before clipping) for the metrics rows'
+    ``grad_norm`` also without ``--clip-grad-norm`` (which always measures it): the same
+    measurement clipping makes, at its cost, leaving the gradients as they are."""
     log_every: int = 0
     """Print a line on stdout every this many steps (loss, lr, tokens/s, MFU, ETA) and each
     evaluation's loss, for logs no progress bar reaches (a batch job's); 0 = none (step_lines.py)."""
@@ -451,6 +460,13 @@ class RunConfig:
         t = self.train
         return t.async_checkpoints if t.async_checkpoints is not None else t.device == "cuda"
 
+    def grad_norm_limit(self) -> Optional[float]:
+        """What the engines' ``clip_grad_norm`` gets: the clipping threshold, ``math.inf`` to only
+        measure the norms (``train.log_grad_norm``), or None (neither)."""
+        if self.optim.clip_grad_norm is not None:
+            return self.optim.clip_grad_norm
+        return math.inf if self.train.log_grad_norm else None
+
     def runs_multi_process(self) -> bool:
         """A pipeline or data-parallel run that is not simulated: one process per stage and replica."""
         return (self.pipeline.stages > 1 or self.pipeline.dp > 1) and not self.train.simulate
@@ -462,60 +478,6 @@ class RunConfig:
         check_run(self)
 
 
-# Fields that change the numbers a run produces: a checkpoint resumed under a different value of
-# any of them would not continue the same run. stages may differ (checkpoints are keyed by global
-# parameter names, and the update semantics do not depend on the split), and so may dp and
-# micro_batch_size as long as their product, the sequences the stream draws per microbatch, stays:
-# every replica holds the same state, and R replicas of B sequences average the gradient of the
-# same R*B sequences (equal up to float summation order). data.eval_batches may differ too: it
-# says how much of the held-out split an evaluation reads, not what trains. So may the data's
-# paths (data.source, data.val_source): a relative path read from another directory, or data
-# moved, is the same data, and what trains is compared itself (the stream's token count, shards
-# and fingerprint, data/batches.py; a mixture's weights and each source's, data/mixture.py), while
-# --val-data only says what is evaluated.
-RESUME_MAY_DIFFER_DATA = ("eval_batches", "source", "val_source", "mix")
-RESUME_MUST_MATCH = (
-    [f"model.{f.name}" for f in fields(ModelConfig)]
-    + [f"data.{f.name}" for f in fields(DataConfig) if f.name not in RESUME_MAY_DIFFER_DATA]
-    + [f"optim.{f.name}" for f in fields(OptimConfig)]
-    + ["pipeline.schedule", "pipeline.microbatches", "pipeline.global_micro_batch_size", "pipeline.delay",
-       "pipeline.delay_only", "train.seed", "train.dtype"]
-)
-
-
-def init_from_mismatch(saved: ModelConfig, model: ModelConfig) -> Optional[str]:
-    """Why a run of ``model`` cannot start from the weights of a checkpoint of ``saved`` (None if it
-    can): every field that shapes a weight must agree. ``init_std`` and ``hf_model`` (where the
-    first weights came from) do not count, nor ``seq_len`` but for the GPT (whose position table it
-    sizes; Llama's rotary tables and a Hugging Face model's window are computed, not stored)."""
-    free = {"init_std", "hf_model"} | (set() if model.arch == "gpt" else {"seq_len"})
-    for f in fields(ModelConfig):
-        before, now = getattr(saved, f.name), getattr(model, f.name)
-        if f.name in free or before == now:
-            continue
-        if f.name == "hf_config":
-            return "its Hugging Face config differs from this run's"
-        return f"its model has {f.name}={before!r}, this run's {now!r}"
-    return None
-
-
-def get_field(cfg: RunConfig, dotted: str):
-    section, name = dotted.split(".")
-    return getattr(getattr(cfg, section), name)
-
-
-def resolved_field(cfg: RunConfig, dotted: str):
-    """``get_field``, with an "auto" precision replaced by what it runs as on ``cfg``'s device
-    (bf16 on cuda, fp32 on cpu): the autocast dtype, and a Muon-family optimizer's Newton-Schulz
-    dtype. A resume compares these, so "auto" on cpu and "fp32" count as the same run and "auto" on
-    cpu and on cuda do not."""
-    value = get_field(cfg, dotted)
-    auto_precision = dotted == "train.dtype" or (dotted == "optim.ns_dtype" and cfg.optim.name in MUON_FAMILY)
-    if value == "auto" and auto_precision:
-        return auto_precision_name(cfg.train.device)
-    return value
-
-
 __all__ = ["SCHEDULES", "SYNC_SCHEDULES", "EF_BETA_MAX", "MUON_FAMILY", "NONFINITE_POLICIES", "NONFINITE_CHECKS", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
-           "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig", "RESUME_MUST_MATCH",
-           "get_field", "resolved_field", "init_from_mismatch", "COMPILE_SCOPES", "COMPILE_MODES"]
+           "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig",
+           "COMPILE_SCOPES", "COMPILE_MODES"]

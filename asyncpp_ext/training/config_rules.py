@@ -113,6 +113,9 @@ def check_delays(cfg: RunConfig) -> None:
     if cfg.optim.clip_grad_norm is not None:
         raise ConfigError(f"optim.clip_grad_norm is not supported with {p.schedule} (its stages finish a step "
                           "S-1 steps apart, so a global norm would stall them); use 2bw to clip")
+    if cfg.train.log_grad_norm:
+        raise ConfigError(f"train.log_grad_norm is not supported with {p.schedule} (its stages finish a step "
+                          "S-1 steps apart, so a global norm would stall them); use 2bw to log it")
     if cfg.model.tie_embeddings and p.stages > 1:
         raise ConfigError(f"model.tie_embeddings: {p.schedule} runs each stage on a different weight version, "
                           f"so the embedding (stage 0) and the tied head (stage {p.stages - 1}) cannot share "
@@ -134,6 +137,8 @@ def check_compute(cfg: RunConfig) -> None:
         check_inductor_options(t.inductor_options)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if not isinstance(t.log_grad_norm, bool):
+        raise ConfigError(f"train.log_grad_norm must be true or false, got {t.log_grad_norm!r}")
     if not isinstance(t.checkpoints, bool):
         raise ConfigError(f"train.checkpoints must be true or false, got {t.checkpoints!r}")
     if not isinstance(t.compute_copies, bool):
@@ -235,7 +240,7 @@ def check_run(cfg: RunConfig) -> None:
         if value is not None and (not isinstance(value, str) or not value.strip()):  # '' reads as '.'
             raise ConfigError(f"{name} must name a file, directory, glob or manifest (or builtin), "
                               f"got {value!r}")
-    check_mix(cfg.data)
+    check_data_lists(cfg.data)
     if cfg.optim.lr is not None:
         positive_number("optim.lr", cfg.optim.lr)
     if cfg.optim.adamw_lr is not None:
@@ -281,8 +286,9 @@ def _check_optimizer_available(name: str) -> None:
         raise ConfigError(f"optim.name={name!r}: {exc}") from None
 
 
-def check_mix(data) -> None:
-    """data.mix: [path, weight] pairs (a positive finite weight each), given instead of data.source."""
+def check_data_lists(data) -> None:
+    """data.mix: [path, weight] pairs (a positive finite weight each), given instead of data.source;
+    data.eval_data: paths, each once."""
     if not isinstance(data.mix, (list, tuple)):
         raise ConfigError(f"data.mix must be a list of [path, weight] pairs, got {data.mix!r}")
     for entry in data.mix:
@@ -298,6 +304,10 @@ def check_mix(data) -> None:
     if data.mix and data.source != "builtin":
         raise ConfigError(f"data.source ({data.source}) and data.mix both name the training data; give "
                           "--data or --data-mix, not both")
+    if not isinstance(data.eval_data, (list, tuple)) or not all(isinstance(p, str) and p.strip() for p in data.eval_data):
+        raise ConfigError(f"data.eval_data must be a list of paths (--eval-data PATH), got {data.eval_data!r}")
+    if len(set(data.eval_data)) != len(data.eval_data):
+        raise ConfigError("data.eval_data names a set twice; give each --eval-data once")
     paths = [entry[0] for entry in data.mix]
     twice = sorted({p for p in paths if paths.count(p) > 1})
     if twice:

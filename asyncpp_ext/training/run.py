@@ -20,7 +20,7 @@ from ..models.registry import describe
 from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline.launch import launcher
-from .build import build_data, build_simulator, resume, stage_compute
+from .build import build_data, build_eval_sets, build_simulator, resume, stage_compute
 from .checkpoint import CheckpointError, load_checkpoint, read_meta, restore_rng_state
 from .config import ConfigError, RunConfig
 from .run_files import (CONFIG_NAME, prepare_run_dir, read_metrics, release_run_dir, remove_unfinished_checkpoints,
@@ -183,6 +183,7 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path], started_at
     from .trainer import Trainer
 
     stream, eval_set = build_data(cfg)  # --dp R simulates one replica on the global microbatches
+    eval_sets = build_eval_sets(cfg)
     compute = stage_compute(cfg)
     with attention_preference(compute.attention):  # from the compile on: it keys compiled blocks
         engine = build_simulator(cfg, compute, first_weights=resume_dir is None)
@@ -191,7 +192,7 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path], started_at
         if resumed.rng is not None:
             restore_rng_state(resumed.rng)
         Trainer(cfg, engine, stream, eval_set, out, start_step=resumed.start_step, elapsed_s=resumed.elapsed_s,
-                device=cfg.train.device, started_at=started_at).run()
+                device=cfg.train.device, started_at=started_at, eval_sets=eval_sets).run()
     print_summary(out, cfg, resumed.start_step)
     return 0
 
@@ -202,6 +203,7 @@ def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path], started_at: floa
 
     # Every check that can fail on bad input happens before any process starts.
     stream, _ = build_data(cfg)
+    build_eval_sets(cfg)
     start_step = 0
     if resume_dir is not None:
         meta = load_checkpoint(resume_dir)[0]  # verifies the checkpoint's shard files

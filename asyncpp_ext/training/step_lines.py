@@ -46,10 +46,13 @@ class StepLines:
             line += f" | {describe_duration(row['elapsed_s'])}, ETA {describe_duration(left)}"
         print(line, flush=True)
 
-    def evaluated(self, step: int, eval_loss: Optional[float]) -> None:
+    def evaluated(self, step: int, eval_loss: Optional[float], named: Optional[dict] = None) -> None:
         if self.every:
-            shown = "non-finite" if eval_loss is None else f"{eval_loss:.4f}"
-            print(f"{self.run_dir}: step {step} eval_loss {shown}", flush=True)
+            def shown(loss):
+                return "non-finite" if loss is None else f"{loss:.4f}"
+
+            each = f" ({', '.join(f'{name} {shown(loss)}' for name, loss in named.items())})" if named else ""
+            print(f"{self.run_dir}: step {step} eval_loss {shown(eval_loss)}{each}", flush=True)
 
 
 __all__ = ["StepLines"]

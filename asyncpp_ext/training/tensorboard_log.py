@@ -26,6 +26,20 @@ METRIC_TAGS = (("loss", "train/loss"), ("eval_loss", "eval/loss"), ("lr", "train
                ("grad_norm", "train/grad_norm"))
 
 
+EVAL_SET_TAG = "eval/loss/{}"
+"""Tag of each named held-out set's loss (a row's ``eval_losses``; build.build_eval_sets)."""
+
+
+def row_scalars(row: Mapping) -> dict:
+    """A metrics row's figures by tag: METRIC_TAGS' keys, and each ``eval_losses`` entry under
+    EVAL_SET_TAG; a value that is None (skipped, non-finite) or missing is left out."""
+    values = {tag: float(row[key]) for key, tag in METRIC_TAGS if row.get(key) is not None}
+    for name, loss in (row.get("eval_losses") or {}).items():
+        if loss is not None:
+            values[EVAL_SET_TAG.format(name)] = float(loss)
+    return values
+
+
 class TensorboardUnavailableError(ValueError):
     """TensorBoard logging was asked for but the tensorboard package cannot be imported."""
 
@@ -80,15 +94,14 @@ class TensorboardLogger:
 
     def log_metrics(self, row: Mapping) -> None:
         """Log one metrics.jsonl row ({"step", "loss", "lr", "tokens", "elapsed_s", optional
-        "eval_loss", "tokens_per_s", "tflops", "mfu", "grad_norm"}) at its ``step``; keys whose value is None (a skipped or
-        non-finite loss) or that the row lacks are not logged."""
+        "eval_loss", "eval_losses", "tokens_per_s", "tflops", "mfu", "grad_norm"}) at its ``step``
+        (``row_scalars``); keys whose value is None (a skipped or non-finite loss) or that the row
+        lacks are not logged."""
         if "step" not in row:
             raise TensorboardLogError(f"a metrics row needs a 'step', got keys {sorted(row)}")
         step = _non_negative_int(row["step"], "the row's 'step'")
-        for key, tag in METRIC_TAGS:
-            value = row.get(key)
-            if value is not None:
-                self.writer.add_scalar(tag, float(value), global_step=step)
+        for tag, value in row_scalars(row).items():
+            self.writer.add_scalar(tag, value, global_step=step)
 
     def log_stage_shares(self, stage: int, step: int, shares: Mapping[str, float]) -> None:
         """Log ``stage_time_shares`` output as stage{stage}/compute_share and
@@ -158,4 +171,4 @@ def stage_time_shares(trace: Iterable[tuple], start_ns: Optional[int] = None,
 
 
 __all__ = ["TensorboardLogger", "TensorboardUnavailableError", "TensorboardLogError", "StageTraceError",
-           "stage_time_shares", "INSTALL_HINT", "COMPUTE_OPS"]
+           "stage_time_shares", "row_scalars", "EVAL_SET_TAG", "INSTALL_HINT", "COMPUTE_OPS"]

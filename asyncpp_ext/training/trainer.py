@@ -67,7 +67,8 @@ class Trainer:
                  checkpoint_fn: Optional[Callable[[int, dict], Path]] = None,
                  writes_metrics: bool = True, num_stages: int = 1,
                  agree_on_end: Optional[Callable[[int, bool], tuple[int, bool]]] = None,
-                 started_at: Optional[float] = None, checkpoint_writer: Optional[BackgroundWriter] = None):
+                 started_at: Optional[float] = None, checkpoint_writer: Optional[BackgroundWriter] = None,
+                 eval_sets: Optional[dict] = None):
         self.cfg = cfg
         self.started_at = started_at  # when the command started (Unix time): --time-limit's origin
         # --time-limit, --stop-on-signal: the ranks of a pipeline end each segment where the
@@ -78,6 +79,9 @@ class Trainer:
         self.stream = stream
         self.device = torch.device(device)
         self.eval_set = [(x.to(self.device), y.to(self.device)) for x, y in eval_set]
+        # more held-out sets by name (build.build_eval_sets), evaluated with eval_set: eval_losses
+        self.eval_sets = {name: [(x.to(self.device), y.to(self.device)) for x, y in batches]
+                          for name, batches in (eval_sets or {}).items()}
         self.run_dir = Path(run_dir)
         self.step = start_step
         self.elapsed_before = elapsed_s
@@ -238,9 +242,14 @@ class Trainer:
                 if self.eval_set and self._is_due(end, self.cfg.train.eval_every):
                     with clock.timing("eval"):
                         eval_loss = self.engine.eval_loss(self.eval_set)
+                        # every rank evaluates every set, in one order (a pipeline's are collective)
+                        named = {name: self.engine.eval_loss(batches) for name, batches in self.eval_sets.items()}
                     if eval_loss is not None:  # JSON has no NaN: a non-finite one is written null
                         pending[-1]["eval_loss"] = eval_loss if math.isfinite(eval_loss) else None
-                        lines.evaluated(end, pending[-1]["eval_loss"])
+                        if named:
+                            pending[-1]["eval_losses"] = {name: loss if math.isfinite(loss) else None
+                                                          for name, loss in named.items()}
+                        lines.evaluated(end, pending[-1]["eval_loss"], pending[-1].get("eval_losses"))
                 checkpoint_due = self.cfg.train.checkpoints and self._is_due(end, self.cfg.train.ckpt_every)
                 next_end = self._segment_end() if self.step < total else total
                 signalled = False

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Mapping
 from urllib.parse import urlparse
 
-from .tensorboard_log import METRIC_TAGS
+from .tensorboard_log import row_scalars
 
 INSTALL_HINT = "pip install 'asyncpp_ext[wandb]'"
 ID_NAME = "wandb_id"
@@ -81,8 +81,9 @@ class WandbLogger:
     def log_metrics(self, row: Mapping) -> None:
         if row["step"] < self.first_step:  # logged by the attempt this run resumed
             return
-        values = {tag: float(row[key]) for key, tag in (*METRIC_TAGS, ("tokens", "train/tokens"))
-                  if row.get(key) is not None}
+        values = row_scalars(row)
+        if row.get("tokens") is not None:
+            values["train/tokens"] = float(row["tokens"])
         self.run.log(values, step=row["step"])
 
     def close(self) -> None:

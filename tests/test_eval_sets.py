@@ -1,0 +1,91 @@
+"""``--eval-data PATH`` (and a ``--data-mix`` run's sources): more held-out sets evaluated at every
+evaluation beside ``eval_loss``, in each row's ``eval_losses`` by path -- the same number
+asyncpp-eval gives for that file, a pipeline's equal to its simulation's."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from asyncpp_ext.eval import main as evaluate
+from asyncpp_ext.training.cli import main as train
+from asyncpp_ext.training.tensorboard_log import row_scalars
+
+COMMON = ["--model", "tiny", "--no-progress", "--threads", "1", "--seq-len", "16", "--micro-batch-size", "2",
+          "--microbatches", "2", "--eval-every", "2", "--eval-batches", "2", "--steps", "4"]
+
+
+@pytest.fixture
+def texts(tmp_path):
+    rng = np.random.default_rng(1)
+    for name, chars, n in (("train", "abcdefghij \n", 8000), ("code", "(){};=+0123", 3000), ("prose", "etaoin ,.", 3000)):
+        (tmp_path / f"{name}.txt").write_text("".join(rng.choice(list(chars), size=n)))
+    return {name: str(tmp_path / f"{name}.txt") for name in ("train", "code", "prose")}
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _named(rows):
+    return [(r["step"], r["eval_losses"]) for r in rows if "eval_losses" in r]
+
+
+def test_each_set_is_scored_at_each_evaluation_as_asyncpp_eval_scores_it(tmp_path, texts, capsys):
+    sim, pipe = tmp_path / "sim", tmp_path / "pipe"
+    sets = ["--eval-data", texts["code"], "--eval-data", texts["prose"]]
+    assert train([*COMMON, "--data", texts["train"], *sets, "--simulate", "--out", str(sim)]) == 0
+    assert train([*COMMON, "--data", texts["train"], *sets, "--stages", "2", "--timeout", "30",
+                  "--out", str(pipe)]) == 0
+    named = _named(_rows(sim))
+    assert [step for step, _ in named] == [2, 4]
+    assert all(list(losses) == [texts["code"], texts["prose"]] for _, losses in named)
+    assert named[0][1][texts["code"]] != named[0][1][texts["prose"]]
+    assert _named(_rows(pipe)) == named  # exactly
+    capsys.readouterr()
+    assert evaluate([str(sim), "--data", texts["code"], "--json", str(tmp_path / "eval.json")]) == 0
+    (row,) = json.loads((tmp_path / "eval.json").read_text())
+    assert math.isclose(row["loss"], named[-1][1][texts["code"]], rel_tol=1e-5)
+
+
+def test_the_log_line_names_each_set(tmp_path, texts, capsys):
+    run = tmp_path / "run"
+    assert train([*COMMON, "--data", texts["train"], "--eval-data", texts["code"], "--simulate", "--out", str(run),
+                  "--log-every", "4"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{run}: step 4 eval_loss")]
+    losses = dict(_named(_rows(run)))[4]
+    assert len(lines) == 1 and lines[0].endswith(f"({texts['code']} {losses[texts['code']]:.4f})"), lines
+
+
+def test_a_mixture_scores_each_sources_held_out_part(tmp_path, texts):
+    run = tmp_path / "run"
+    mix = ["--data-mix", f"{texts['code']}=1", "--data-mix", f"{texts['prose']}=1"]
+    assert train([*COMMON, *mix, "--eval-data", texts["train"], "--simulate", "--out", str(run)]) == 0
+    (_, last), = _named(_rows(run))[-1:]
+    assert list(last) == [texts["code"], texts["prose"], texts["train"]]
+
+
+def test_without_more_sets_rows_are_as_before(tmp_path, texts):
+    run = tmp_path / "run"
+    assert train([*COMMON, "--data", texts["train"], "--simulate", "--out", str(run)]) == 0
+    assert not _named(_rows(run)) and any("eval_loss" in r for r in _rows(run))
+
+
+def test_each_set_gets_a_tag():
+    row = {"step": 3, "loss": 2.0, "eval_loss": 1.5, "eval_losses": {"a.bin": 1.25, "b.bin": None}}
+    assert row_scalars(row) == {"train/loss": 2.0, "eval/loss": 1.5, "eval/loss/a.bin": 1.25}
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--eval-data", "{tmp}/none.txt"], "none.txt"),
+    (["--eval-data", "{tmp}/train.txt"], "--eval-data {tmp}/train.txt and --data {tmp}/train.txt share 1 file(s)"),
+    (["--eval-data", "{tmp}/code.txt", "--eval-data", "{tmp}/code.txt"], "names a set twice"),
+])
+@pytest.mark.parametrize("where", [["--simulate"], ["--stages", "2", "--timeout", "30"]], ids=["one", "pipeline"])
+def test_bad_sets_are_one_line_and_write_nothing(tmp_path, texts, capsys, flags, words, where):
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    out = tmp_path / "out"
+    assert train([*COMMON, "--data", texts["train"], *where, *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words.replace("{tmp}", str(tmp_path)) in err[0], err
+    assert not out.exists()
