@@ -89,8 +89,30 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int,
     return as_microbatch(window_rows(tokens, starts, seq_len, vocab_size, source))
 
 
+class PositionedStream:
+    """What a training stream shares (BatchStream, mixture.MixtureStream): ``minibatch(position)``
+    is a pure function of the seed and the position, and ``next()`` yields the one at
+    ``position`` and advances it."""
+
+    def next(self) -> list[Microbatch]:
+        batch = self.minibatch(self.position)
+        self.position += 1
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next()
+
+    def order_state(self) -> dict:
+        """The state every stream's ``state_dict`` starts with."""
+        state = {"seed": self.seed, "position": self.position}
+        if self.sampling != "random":  # older checkpoints, and random-order ones, carry no key
+            state["sampling"] = self.sampling
+        return state
+
+
 @dataclass
-class BatchStream:
+class BatchStream(PositionedStream):
     """Training minibatches: ``microbatches`` microbatches of ``micro_batch_size`` windows of
     ``seq_len`` + 1 tokens, split into (inputs, targets). State = (seed, position)."""
 
@@ -161,19 +183,8 @@ class BatchStream:
         """Input tokens an epoch of the "epoch" order covers (every training token but the last)."""
         return self.num_windows * self.seq_len
 
-    def next(self) -> list[Microbatch]:
-        batch = self.minibatch(self.position)
-        self.position += 1
-        return batch
-
-    def __iter__(self):
-        while True:
-            yield self.next()
-
     def state_dict(self) -> dict:
-        state = {"seed": self.seed, "position": self.position}
-        if self.sampling != "random":  # older checkpoints, and random-order ones, carry no key
-            state["sampling"] = self.sampling
+        state = self.order_state()
         shards = self.tokens.num_shards if isinstance(self.tokens, TokenShards) else 1
         state.update(num_tokens=len(self.tokens), shards=shards, fingerprint=self._fingerprint())
         return state

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .batches import Microbatch, as_microbatch, window_rows
+from .batches import Microbatch, PositionedStream, as_microbatch, window_rows
 from .errors import DataError
 
 MIX_STREAM = 3
@@ -80,7 +80,7 @@ def check_fits(weights, windows: int, sources) -> None:
 
 
 @dataclass
-class MixtureStream:
+class MixtureStream(PositionedStream):
     """Training minibatches drawn from several ``BatchStream``s (one per source, each over its
     own training tokens, with the same shape, seed and sampling) by fixed weights. Its state is
     ``(seed, position)`` as a BatchStream's, with each source's data checked on a resume."""
@@ -125,19 +125,8 @@ class MixtureStream:
         block = np.concatenate(rows)[order].reshape(self.microbatches, self.micro_batch_size, self.seq_len + 1)
         return [as_microbatch(rows) for rows in block]
 
-    def next(self) -> list[Microbatch]:
-        batch = self.minibatch(self.position)
-        self.position += 1
-        return batch
-
-    def __iter__(self):
-        while True:
-            yield self.next()
-
     def state_dict(self) -> dict:
-        state = {"seed": self.seed, "position": self.position}
-        if self.sampling != "random":
-            state["sampling"] = self.sampling
+        state = self.order_state()
         state["mix"] = []
         for part, weight in zip(self.parts, self.weights):
             own = part.state_dict()
