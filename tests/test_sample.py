@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from asyncpp_ext.data.encode import ByteTokenizer
 from asyncpp_ext.models import generate as gen
 from asyncpp_ext.models.registry import build_model, model_config
 from asyncpp_ext.training import sample as sm
@@ -230,13 +231,13 @@ def test_without_a_prompt_a_tokenizer_without_boundary_tokens_starts_after_its_n
     assert tokenizer.boundary_tokens()[1:] == (None, None)
     ids, hidden = sm.first_ids(tokenizer, "")
     assert ids == tok.encode("\n").ids != [10] and hidden == 1
-    assert sm.first_ids(sm.ByteTokenizer(), "") == ([10], 1) and sm.first_ids(tokenizer, "ab") == (tok.encode("ab").ids, 0)
+    assert sm.first_ids(ByteTokenizer(), "") == ([10], 1) and sm.first_ids(tokenizer, "ab") == (tok.encode("ab").ids, 0)
 
 
 def test_text_is_printed_as_whole_characters_as_their_bytes_arrive():
     import io
     stream = io.StringIO()
-    printer = sm.Printer(sm.ByteTokenizer().decode, stream)
+    printer = sm.Printer(ByteTokenizer().decode, stream)
     for byte in "aé€".encode():
         printer.add(byte)
         assert "\ufffd" not in stream.getvalue()

@@ -9,8 +9,9 @@ runs of different schedules or optimizers compared on equal terms. The loss is t
 entropy per token in nats (the mean of the batches' means), its perplexity exp(loss), and for a
 run on bytes its bits per byte (loss / ln 2).
 
-A table goes to stdout, and with ``--json FILE`` its rows as a JSON list. A bad input ends with one
-line ``asyncpp-eval: error: ...`` and exit code 2.
+With ``--choices FILE`` it scores multiple-choice examples instead (HellaSwag and alike:
+choice_eval.py). A table goes to stdout, and with ``--json FILE`` its rows as a JSON list. A bad
+input ends with one line ``asyncpp-eval: error: ...`` and exit code 2.
 """
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ from ..models.hf_checks import HFModelError
 from .build import mixture_held_out_batches, mixture_sources
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints
 from .config import ConfigError
-from .export import add_compute_flags, command_autocast, command_device, data_tokenizer, load_model, trained_on_bytes
+from .choice_eval import read_choices, score_choices
+from .export import (add_compute_flags, command_autocast, command_device, data_tokenizer, load_model, run_tokenizer,
+                     trained_on_bytes)
 from .run_files import write_text_atomic
 
 PROG = "asyncpp-eval"
@@ -51,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="windows per batch (default: the run's micro-batch size times --dp, as it evaluated)")
     p.add_argument("--every-checkpoint", action="store_true",
                    help="evaluate every checkpoint of each run directory, not only its latest (a loss curve)")
+    p.add_argument("--choices", metavar="FILE", action="append",
+                   help="instead of the loss, the multiple-choice accuracy on a JSON-lines task file of "
+                        '{"context", "endings", "label"} examples (HellaSwag\'s jsonl as it is); repeat it for '
+                        "a row per checkpoint and file")
+    p.add_argument("--limit", type=int, metavar="N", help="--choices: score the first N examples of each file")
+    p.add_argument("--tokenizer", default="auto", metavar="auto|FILE",
+                   help="--choices: the tokenizer.json the run's data was prepared with; auto: the one its "
+                        "data's sidecar names, or bytes for a run on text (default auto)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list to FILE")
     add_compute_flags(p)
     return p
@@ -60,6 +71,16 @@ def check_arguments(args) -> None:
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.choices:
+        given = [flag for flag, value in (("--data", args.data), ("--batches", args.batches),
+                                          ("--batch-size", args.batch_size)) if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} sets the windows of the loss; --choices scores its examples instead: "
+                             "drop one of them")
+        if args.limit is not None and args.limit < 1:
+            raise UsageError(f"--limit must be at least 1, got {args.limit}")
+    elif args.limit is not None or args.tokenizer != "auto":
+        raise UsageError(f"{'--limit' if args.limit is not None else '--tokenizer'} applies to --choices only")
     if args.json is not None and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"--json {args.json}: its directory does not exist")
 
@@ -118,6 +139,8 @@ def evaluate(args) -> list[dict]:
     device = command_device(args.device)
     precision, dtype = command_autocast(args.dtype, device)
     ckpts = [(run, ckpt) for run in args.runs for ckpt in checkpoints_of(run, args.every_checkpoint)]
+    if args.choices:
+        return _write_json(args, evaluate_choices(args, ckpts, device, precision, dtype))
     datas = args.data or [None]  # None: each run's own evaluation set
     several = len(datas) > 1  # then each row names its data
     rows = []
@@ -149,10 +172,35 @@ def evaluate(args) -> list[dict]:
     print((f"data: {shown[0]}" if len(shown) == 1 else "data: each row's column" if several else
            "data: each run's own evaluation set (pass --data to compare runs on the same windows)")
           + f"; on {device.type} in {dtype}")
+    return _write_json(args, rows)
+
+
+def _write_json(args, rows: list[dict]) -> list[dict]:
     if args.json is not None:  # JSON has no NaN or Infinity: a non-finite figure is written null
         finite = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
                   for r in rows]
         write_text_atomic(Path(args.json), json.dumps(finite, indent=1) + "\n")
+    return rows
+
+
+def evaluate_choices(args, ckpts: list, device, precision, dtype: str) -> list[dict]:
+    """One row per checkpoint and --choices file: its accuracy and accuracy_norm (choice_eval.py)."""
+    tasks = {path: read_choices(path, args.limit) for path in args.choices}  # every file checked first
+    rows = []
+    print(f"{'checkpoint':<44} {'step':>7} {'accuracy':>9} {'acc_norm':>9} {'examples':>9} {'s':>6}  task")
+    for run, ckpt in ckpts:
+        cfg, step, model = load_model(ckpt)
+        model = model.to(device)
+        tokenizer = run_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
+        encode = lambda text: [int(i) for i in tokenizer.encode([text])[0]]  # noqa: E731
+        for path, examples in tasks.items():
+            row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "task": path,
+                   **score_choices(model, encode, examples, cfg.model.seq_len, device, precision),
+                   "device": device.type, "dtype": dtype}
+            rows.append(row)
+            print(f"{str(ckpt)[-44:]:<44} {step:>7} {row['accuracy']:>9.4f} {row['accuracy_norm']:>9.4f} "
+                  f"{row['examples']:>9,} {row['seconds']:>6.1f}  {path}", flush=True)
+    print(f"on {device.type} in {dtype}; accuracy: the label's ending the most likely, acc_norm: per byte")
     return rows
 
 
@@ -162,4 +210,4 @@ def main(argv: Optional[list] = None) -> int:
                        oom_hint="; try --device cpu or a smaller --batch-size")
 
 
-__all__ = ["main", "evaluate", "evaluation_set", "mean_loss"]
+__all__ = ["main", "evaluate", "evaluate_choices", "evaluation_set", "mean_loss"]

@@ -26,7 +26,7 @@ import torch
 
 from ..command_line import OneLineParser, UsageError, run_command
 from ..data import DataError
-from ..data.encode import load_tokenizer
+from ..data.encode import ByteTokenizer, load_tokenizer
 from ..data.sources import BYTES_TOKENIZER, tokenizer_of
 from ..directories import chmod_as_created
 from ..models.hf import require_transformers
@@ -173,6 +173,19 @@ def choose_tokenizer(spec: str, cfg: RunConfig, vocab_size: int):
         raise UsageError(f"--tokenizer {path} is not the tokenizer the run's --data was prepared with "
                          f"({mark['tokenizer']}); pass that one, or --tokenizer none")
     return tokenizer, f"{path}{how}"
+
+
+def run_tokenizer(spec: str, cfg, vocab_size: int):
+    """The tokenizer that made the run's ids: ``ByteTokenizer`` for a run on bytes, else the one
+    ``choose_tokenizer`` finds (export.py); UsageError where none can be found."""
+    if spec == "auto" and trained_on_bytes(cfg):
+        if vocab_size < ByteTokenizer.vocab_size:
+            raise UsageError(f"the run trained on bytes but its model embeds {vocab_size} ids, not 256")
+        return ByteTokenizer()
+    tokenizer, line = choose_tokenizer(spec, cfg, vocab_size)
+    if tokenizer is None:
+        raise UsageError(f"the run's tokenizer is unknown: {line.removeprefix('none (').removesuffix(')')}")
+    return tokenizer
 
 
 def _write_tokenizer(tokenizer, out: Path, config: dict, seq_len: int) -> None:
@@ -353,4 +366,5 @@ def main(argv: Optional[list] = None) -> int:
                        stopped_note="; nothing was written", oom_hint="; nothing was written", other=_written_nothing)
 
 
-__all__ = ["main", "export", "load_model", "check_logits", "data_tokenizer", "trained_on_bytes", "command_device"]
+__all__ = ["main", "export", "load_model", "check_logits", "data_tokenizer", "training_data", "trained_on_bytes",
+           "run_tokenizer", "command_device"]

@@ -19,13 +19,12 @@ from typing import Optional
 import torch
 
 from ..command_line import OneLineParser, UsageError, run_command
-from ..data.encode import ByteTokenizer
 from ..models.generate import generate
 from ..models.hf_checks import HFModelError
 from ..models.registry import describe
 from .checkpoint import CheckpointError, checkpoint_named
 from .config import ConfigError
-from .export import add_compute_flags, choose_tokenizer, command_autocast, command_device, load_model, trained_on_bytes
+from .export import add_compute_flags, command_autocast, command_device, load_model, run_tokenizer
 
 PROG = "asyncpp-sample"
 SEPARATOR = "-" * 40
@@ -76,19 +75,6 @@ def check_arguments(args) -> None:
     if args.tokenizer == "none":
         raise UsageError("--tokenizer none: sampling encodes the prompt and decodes the ids; pass auto or a "
                          "tokenizer.json")
-
-
-def run_tokenizer(spec: str, cfg, vocab_size: int):
-    """The tokenizer that made the run's ids: ``ByteTokenizer`` for a run on bytes, else the one
-    ``choose_tokenizer`` finds (export.py); UsageError where none can be found."""
-    if spec == "auto" and trained_on_bytes(cfg):
-        if vocab_size < ByteTokenizer.vocab_size:
-            raise UsageError(f"the run trained on bytes but its model embeds {vocab_size} ids, not 256")
-        return ByteTokenizer()
-    tokenizer, line = choose_tokenizer(spec, cfg, vocab_size)
-    if tokenizer is None:
-        raise UsageError(f"the run's tokenizer is unknown: {line.removeprefix('none (').removesuffix(')')}")
-    return tokenizer
 
 
 def first_ids(tokenizer, prompt: str) -> tuple[list[int], int]:
