@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncpp_ext.data import BatchStream, DataError
-from asyncpp_ext.data.mixture import (MIX_STREAM, MixtureStream, check_fits, mixture_eval_batches, proportional,
+from asyncpp_ext.data.mixture import (MixtureStream, check_fits, mixture_eval_batches, proportional,
                                       windows_before)
 from asyncpp_ext.training.cli import main as train
 from asyncpp_ext.eval import main as evaluate
@@ -34,7 +34,7 @@ def _source_of(window):
 
 def _mixture(weights, sampling="random", sizes=(5000, 3000, 2000), seed=3):
     names = list(weights)
-    parts = [BatchStream(_tokens(n, size, j), MB, B, SEQ, seed=seed, sampling=sampling, key=(MIX_STREAM, j))
+    parts = [BatchStream(_tokens(n, size, j), MB, B, SEQ, seed=seed, sampling=sampling)
              for j, (n, size) in enumerate(zip(names, sizes))]
     return MixtureStream(parts, list(weights.values()), names=names)
 
@@ -217,8 +217,8 @@ def _mixture_per_rank(differ: bool) -> None:
     light = _tokens("b", 3000, 1)
     if differ and dist.get_rank() == 1:
         light[1500] += 1  # this rank's copy of the light source differs in one token
-    parts = [BatchStream(tokens, MB, B, SEQ, seed=0, key=(MIX_STREAM, j))
-             for j, tokens in enumerate((_tokens("a", 5000), light))]
+    parts = [BatchStream(tokens, MB, B, SEQ, seed=0)
+             for tokens in (_tokens("a", 5000), light)]
     check_same_data(MixtureStream(parts, [3, 1]))
 
 

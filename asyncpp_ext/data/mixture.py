@@ -2,7 +2,8 @@
 
 Each source (any ``--data`` format: a text file, a ``.bin``, a glob, a directory of shards, a
 manifest) keeps its own last ``eval_fraction`` for evaluation and trains on the rest through its
-own ``BatchStream`` (its own window order, ``--sampling`` as for one source). A minibatch of ``W``
+own ``BatchStream`` (its own window order, ``--sampling`` as for one source; its generators
+seeded by its tokens' fingerprint, not by where it is listed). A minibatch of ``W``
 windows takes from source ``j`` a number of windows fixed by the weights, not drawn:
 
 * every source but the heaviest has given ``floor(n * w_j + 1/2)`` (``n * w_j`` rounded) of the
@@ -33,7 +34,8 @@ from .errors import DataError
 
 MIX_STREAM = 3
 """Word of the mixture's generator seeds ((seed, position, MIX_STREAM) orders a minibatch's windows;
-(seed, ..., MIX_STREAM, j) are source j's draws): keeps them apart from a plain stream's. Fixed:
+a source's draws add (MIX_STREAM, its fingerprint): ``source_key``): keeps them apart from a plain
+stream's. Fixed:
 changing it would change every mixture's batches and break the resume of its checkpoints."""
 
 
@@ -79,20 +81,31 @@ def check_fits(weights, windows: int, sources) -> None:
                         "--micro-batch-size)")
 
 
+DATA_KEYS = ("num_tokens", "shards", "fingerprint")
+"""What identifies a source's training tokens in a state (BatchStream.state_dict)."""
+
+
 @dataclass
 class MixtureStream(PositionedStream):
     """Training minibatches drawn from several ``BatchStream``s (one per source, each over its
     own training tokens, with the same shape, seed and sampling) by fixed weights. Its state is
-    ``(seed, position)`` as a BatchStream's, with each source's data checked on a resume."""
+    ``(seed, position)`` as a BatchStream's, with each source's data checked on a resume.
+
+    A run may change its mixture at a resume (``change=True``, ``--change-data-mix``): the new
+    weights and sources form a *phase* from the checkpoint's position on, counted as a run of
+    their own from there; the earlier phases are kept in the state (``history``), so a source that
+    was in them (the same tokens) continues its window order where they left it."""
 
     parts: list
-    """One BatchStream per source, keyed (MIX_STREAM, j) so their draws differ."""
+    """One BatchStream per source; each is keyed here by its tokens (``source_key``)."""
     weights: list
     """The sources' weights (any positive numbers; normalised here)."""
     names: list = field(default_factory=list)
     """The sources as the user named them, for messages."""
     position: int = 0
     """Index of the next minibatch to yield."""
+    change: bool = False
+    """Whether ``load_state_dict`` may start a new phase where the state's mixture differs."""
 
     def __post_init__(self):
         if len(self.parts) != len(self.weights) or not self.parts:
@@ -109,50 +122,97 @@ class MixtureStream(PositionedStream):
         self.seq_len, self.seed, self.sampling = first.seq_len, first.seed, first.sampling
         self.windows = self.microbatches * self.micro_batch_size
         check_fits(self.weights, self.windows, self.names)
+        for part in self.parts:
+            part.key = source_key(part)
+        self.phase_start = 0  # the position this mixture took over at
+        self.history = []  # the earlier phases: {"start", "end", "mix"} (the mix as state_dict writes it)
+        self.given_before = [0] * len(self.parts)  # windows each source gave in the earlier phases
 
     def counts(self, position: int) -> list[int]:
         """Windows each source gives to minibatch ``position``."""
-        before = windows_before(self.weights, position * self.windows)
-        return [after - b for after, b in zip(windows_before(self.weights, (position + 1) * self.windows), before)]
+        n = (position - self.phase_start) * self.windows
+        return [after - b for after, b in zip(windows_before(self.weights, n + self.windows),
+                                              windows_before(self.weights, n))]
 
     def minibatch(self, position: int) -> list[Microbatch]:
-        """The minibatch at ``position`` (pure function of seed and position)."""
-        before = windows_before(self.weights, position * self.windows)
-        rows = [window_rows(part.tokens, part.starts(position, first, count), self.seq_len,
+        """The minibatch at ``position`` (pure function of seed and position, in this phase)."""
+        if position < self.phase_start:
+            raise DataError(f"minibatch {position} belongs to an earlier mixture (this one starts at "
+                            f"{self.phase_start})")
+        before = windows_before(self.weights, (position - self.phase_start) * self.windows)
+        rows = [window_rows(part.tokens, part.starts(position, given + first, count), self.seq_len,
                             part.vocab_size, part.source)
-                for part, first, count in zip(self.parts, before, self.counts(position)) if count]
+                for part, given, first, count in zip(self.parts, self.given_before, before, self.counts(position))
+                if count]
         order = np.random.Generator(np.random.PCG64([self.seed, position, MIX_STREAM])).permutation(self.windows)
         block = np.concatenate(rows)[order].reshape(self.microbatches, self.micro_batch_size, self.seq_len + 1)
         return [as_microbatch(rows) for rows in block]
 
     def state_dict(self) -> dict:
         state = self.order_state()
-        state["mix"] = []
-        for part, weight in zip(self.parts, self.weights):
-            own = part.state_dict()
-            state["mix"].append(dict(weight=weight, **{k: v for k, v in own.items() if k not in state}))
+        state["mix"] = self._mix_state()
+        if self.history:  # a run that never changed its mixture writes the state it always wrote
+            state.update(phase_start=self.phase_start, history=self.history)
         return state
+
+    def _mix_state(self) -> list:
+        keep = ("seed", "position", "sampling")
+        return [dict(weight=weight, **{k: v for k, v in part.state_dict().items() if k not in keep})
+                for part, weight in zip(self.parts, self.weights)]
 
     def load_state_dict(self, state: dict) -> None:
         mix = state.get("mix")
         if mix is None:
             raise DataError("the checkpoint's run trained on one --data source, this run on a --data-mix "
                             "mixture; resume with the run's --data")
-        if len(mix) != len(self.parts) or any(abs(m.get("weight", -1) - w) > 1e-12
-                                              for m, w in zip(mix, self.weights)):
+        position = state.get("position")
+        for part in self.parts:  # the seed, the sampling and the position, checked once
+            part.load_state_dict({k: v for k, v in state.items() if k in ("seed", "position", "sampling")})
+        history, start = list(state.get("history", [])), state.get("phase_start", 0)
+        if not self._same_mixture(mix):
+            if not self.change:
+                self._refuse(mix)
+            history, start = history + [{"start": start, "end": position, "mix": mix}], position
+        self.history, self.phase_start, self.position = history, start, position
+        self.given_before = [sum(windows_before([m["weight"] for m in phase["mix"]],
+                                                (phase["end"] - phase["start"]) * self.windows)[k]
+                                 for phase in history for k, m in enumerate(phase["mix"]) if _key(m) == _key(mine))
+                             for mine in self._mix_state()]
+
+    def _same_mixture(self, mix: list) -> bool:
+        mine = self._mix_state()
+        return len(mix) == len(mine) and all(
+            abs(m.get("weight", -1) - o["weight"]) <= 1e-12 and all(m[k] == o[k] for k in DATA_KEYS if k in m)
+            for m, o in zip(mix, mine))
+
+    def _refuse(self, mix: list) -> None:
+        """The DataError of a resume whose mixture differs from the state's, naming what differs."""
+        hint = "; or pass --change-data-mix to continue with the new mixture from the checkpoint's step"
+        if len(mix) != len(self.parts) or any(abs(m.get("weight", -1) - w) > 1e-12 for m, w in zip(mix, self.weights)):
             theirs = ", ".join(f"{m.get('weight', '?'):.4g}" for m in mix)
             ours = ", ".join(f"{w:.4g}" for w in self.weights)
             raise DataError(f"the checkpoint's run mixed {len(mix)} sources with weights {theirs} (normalised), "
                             f"this run {len(self.parts)} with {ours}; resume with the run's --data-mix "
-                            "(the same sources in the same order and weights)")
+                            f"(the same sources in the same order and weights){hint}")
         for name, part, own in zip(self.names, self.parts, mix):
-            part_state = {k: v for k, v in own.items() if k != "weight"}
-            part_state.update({k: v for k, v in state.items() if k != "mix"})
             try:
-                part.load_state_dict(part_state)
+                part.load_state_dict({"seed": self.seed, "position": 0, "sampling": self.sampling,
+                                      **{k: v for k, v in own.items() if k != "weight"}})
             except DataError as exc:
-                raise DataError(f"--data-mix source {name}: {exc}") from None
-        self.position = state["position"]
+                raise DataError(f"--data-mix source {name}: {exc}{hint}") from None
+        raise DataError(f"the checkpoint's mixture differs from this run's --data-mix{hint}")
+
+
+def source_key(part) -> tuple:
+    """The words a source's generators are seeded with besides (seed, ...): (MIX_STREAM, its
+    tokens' fingerprint as a number). Its draws and epoch order depend on its tokens only, not on
+    its place in the list, so a source keeps its window order across mixtures (a source listed
+    twice under two names with the same tokens would draw the same windows twice)."""
+    return (MIX_STREAM, int(part.state_dict()["fingerprint"], 16))
+
+
+def _key(entry: dict) -> tuple:
+    return tuple(entry.get(k) for k in DATA_KEYS)
 
 
 def proportional(weights, total: int) -> list[int]:
@@ -187,5 +247,5 @@ def mixture_eval_batches(held_out: list, weights, batch_size: int, seq_len: int,
     return [as_microbatch(b) for b in block]
 
 
-__all__ = ["MIX_STREAM", "MixtureStream", "normalised_weights", "windows_before", "check_fits",
+__all__ = ["MIX_STREAM", "MixtureStream", "source_key", "normalised_weights", "windows_before", "check_fits",
            "proportional", "mixture_eval_batches"]

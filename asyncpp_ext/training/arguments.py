@@ -167,6 +167,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     model.add_argument("--val-data", metavar="FILE",
                        help="evaluate on this file, glob, directory or manifest (same formats as "
                             "--data) instead of the end of --data")
+    model.add_argument("--change-data-mix", action="store_true",
+                       help="with --resume (or --auto-resume): a --data-mix other than the checkpoint's takes over "
+                            "from its step (e.g. an annealing mixture) instead of being refused; sources in "
+                            "both continue their window order")
     model.add_argument("--eval-data", action="append", metavar="PATH",
                        help="another held-out set (same formats as --data) evaluated at every evaluation beside "
                             "eval_loss; once per set: each row's eval_losses holds each set's loss by its path "
@@ -377,6 +381,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
     if base is None and args.microbatches is None and cfg.pipeline.schedule == "pipedream":
         cfg.pipeline.microbatches = 1  # the only count pipedream runs: one microbatch per step
     cfg.train.resume = args.resume
+    cfg.data.change_mix = bool(args.change_data_mix)  # this start only, as --resume
     return cfg
 
 
@@ -427,7 +432,7 @@ FIELD_FLAGS = {
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
     "train.keep_checkpoints": "--keep-checkpoints", "train.async_checkpoints": "--async-checkpoints",
-    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.eval_data": "--eval-data", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
+    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.eval_data": "--eval-data", "data.change_mix": "--change-data-mix", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..data import (DEFAULT_EVAL_BATCHES, BatchStream, DataError, eval_batches, load_tokens, resolve_token_paths,
                     split_tokens)
-from ..data.mixture import MIX_STREAM, MixtureStream, mixture_eval_batches
+from ..data.mixture import MixtureStream, mixture_eval_batches
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.attention import resolve_attention
 from ..models.base import forward_through
@@ -140,10 +140,10 @@ def build_mixture(cfg: RunConfig) -> tuple[MixtureStream, list]:
     p = cfg.pipeline
     train_parts, held_out = mixture_sources(cfg)
     parts = [BatchStream(tokens, p.microbatches, p.global_micro_batch_size, cfg.model.seq_len, seed=cfg.train.seed,
-                         sampling=cfg.data.sampling, vocab_size=cfg.model.vocab_size, source=f"--data-mix {path}",
-                         key=(MIX_STREAM, j))
-             for j, ((path, _), tokens) in enumerate(zip(cfg.data.mix, train_parts))]
-    stream = MixtureStream(parts, [weight for _, weight in cfg.data.mix], names=[path for path, _ in cfg.data.mix])
+                         sampling=cfg.data.sampling, vocab_size=cfg.model.vocab_size, source=f"--data-mix {path}")
+             for (path, _), tokens in zip(cfg.data.mix, train_parts)]
+    stream = MixtureStream(parts, [weight for _, weight in cfg.data.mix], names=[path for path, _ in cfg.data.mix],
+                           change=cfg.data.change_mix)
     if cfg.data.val_source is not None:
         return stream, _val_data_batches(cfg)
     return stream, mixture_held_out_batches(cfg, held_out, p.global_micro_batch_size, cfg.data.eval_batches)

@@ -80,6 +80,11 @@ class DataConfig:
     PATH=WEIGHT``; weights any positive numbers, normalised). Each minibatch takes each source's
     share of its windows, to within a window (data/mixture.py); each source holds out its own last
     ``eval_fraction``, and the eval set mixes them by the weights. [] = train on ``source``."""
+    change_mix: bool = False
+    """This start only (``--change-data-mix``; not kept for the next resume): a resume whose ``mix``
+    differs from the checkpoint's continues with the new mixture from the checkpoint's step (a new
+    phase, e.g. an annealing mix for the final decay) instead of being refused; the same mixture
+    continues as it was."""
 
 
 LR_AUTO = DefaultsView("lr")

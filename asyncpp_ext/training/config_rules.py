@@ -301,6 +301,9 @@ def check_data_lists(data) -> None:
                 or weight <= 0:
             raise ConfigError(f"data.mix: {entry[0]} has weight {weight!r}; give each source a finite weight "
                               "> 0 (weights need not sum to 1)")
+    if data.change_mix and not data.mix:
+        raise ConfigError("--change-data-mix changes a --data-mix mixture at a resume; this run has none "
+                          "(give the new --data-mix)")
     if data.mix and data.source != "builtin":
         raise ConfigError(f"data.source ({data.source}) and data.mix both name the training data; give "
                           "--data or --data-mix, not both")

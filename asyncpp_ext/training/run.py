@@ -143,13 +143,17 @@ def _compiles(cfg: RunConfig) -> bool:
     return resolve_compile(cfg.train.compile, cfg.train.device)
 
 
+PER_START = (("train", "out"), ("train", "resume"), ("data", "change_mix"))
+"""Settings of one start, not of the run: a resume's line does not list them as changed."""
+
+
 def changed_settings(saved: dict, now: dict, shown: int = 6) -> list[str]:
     """``section.field before->after`` for each setting a resumed run changes (the ones allowed to:
     the checks refused the others), the first ``shown`` of them and a count of the rest."""
     changed = [f"{section}.{name} {before!r}->{now[section].get(name)!r}"
                for section, fields in saved.items() if isinstance(fields, dict)
                for name, before in fields.items()
-               if section in now and (section, name) not in (("train", "out"), ("train", "resume"))
+               if section in now and (section, name) not in PER_START
                and now[section].get(name, before) != before]
     return changed[:shown] + ([f"{len(changed) - shown} more"] if len(changed) > shown else [])
 
