@@ -113,3 +113,14 @@ def test_toml_without_a_reader_names_the_fix(tmp_path, capsys, monkeypatch):
     assert train(["--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs Python 3.11 or `pip install tomli`" in err, err
+
+
+@needs_toml
+def test_a_table_named_after_a_key_value_flag_gives_its_values(tmp_path):
+    (tmp_path / "mix.toml").write_text('[data-mix]\n"web/*.bin" = 0.7\n"a=b.txt" = 3\n'
+                                       '[inductor-option]\nmax_autotune = true\nunroll_reductions_threshold = 4\n')
+    tokens = expand_config(["--config", str(tmp_path / "mix.toml"), "--steps", "2"], build_parser())
+    assert tokens == ["--data-mix", "web/*.bin=0.7", "--data-mix", "a=b.txt=3", "--inductor-option",
+                      "max_autotune=true", "--inductor-option", "unroll_reductions_threshold=4", "--steps", "2"]
+    args = build_parser().parse_args(tokens)
+    assert args.data_mix == [["web/*.bin", 0.7], ["a=b.txt", 3.0]]  # the last '=' splits

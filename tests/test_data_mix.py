@@ -247,3 +247,14 @@ def test_a_resume_under_other_weights_is_one_line_and_changes_nothing(tmp_path, 
     moved.write_bytes((tmp_path / "letters.txt").read_bytes())
     assert train(["--resume", str(run), "--steps", "4", "--no-progress",
                   *_mix([f"{moved}=3", texts[1]])]) == 0
+
+
+def test_the_plan_line_gives_each_sources_share_tokens_and_epochs(tmp_path, texts, capsys):
+    stream = _mixture({"a": 5, "b": 2, "c": 1})  # 400 : 160 : 80 windows of 8 tokens in 40 steps
+    assert stream.plan(40) == ("--data-mix to step 40: a 62% (5,000 tokens, 0.64 epochs), "
+                               "b 25% (3,000 tokens, 0.43 epochs), c 12% (2,000 tokens, 0.32 epochs)")
+    for flags in (["--simulate"], ["--stages", "2", "--timeout", "30"]):
+        out = tmp_path / flags[0].strip("-")
+        assert train([*COMMON, *_mix(texts), *flags, "--steps", "2", "--out", str(out)]) == 0
+        lines = [line for line in capsys.readouterr().err.splitlines() if "--data-mix to step 2" in line]
+        assert len(lines) == 1 and "letters.txt 75%" in lines[0] and "digits.txt 25%" in lines[0], lines

@@ -179,6 +179,16 @@ class MixtureStream(PositionedStream):
                                  for phase in history for k, m in enumerate(phase["mix"]) if _key(m) == _key(mine))
                              for mine in self._mix_state()]
 
+    def plan(self, steps: int) -> str:
+        """What the mixture gives each source from its phase's start to minibatch ``steps``: its
+        share, its tokens, and how many passes over them that is (a source upweighted past its
+        size repeats its tokens)."""
+        given = windows_before(self.weights, max(steps - self.phase_start, 0) * self.windows)
+        each = [f"{name} {w:.0%} ({len(part.tokens):,} tokens, {n * self.seq_len / len(part.tokens):.2f} epochs)"
+                for name, w, part, n in zip(self.names, self.weights, self.parts, given)]
+        since = f" from step {self.phase_start}" if self.phase_start else ""
+        return f"--data-mix{since} to step {steps}: {', '.join(each)}"
+
     def _same_mixture(self, mix: list) -> bool:
         mine = self._mix_state()
         return len(mix) == len(mine) and all(

@@ -212,6 +212,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help=f"evaluation batches per eval, 0 = never evaluate (default {_D.data.eval_batches})")
     run.add_argument("--out", help="run directory (default runs/YYYYmmdd-HHMMSS; with --resume, "
                                    "the resumed directory)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="check everything a start checks (flags, data, evaluation sets, the checkpoint to "
+                          "resume, --out) and print the run and the config.json it would write; nothing is "
+                          "written, nothing trains")
     run.add_argument("--config", metavar="FILE",
                      help="flags from a TOML or JSON file: keys are these long flags without the dashes "
                           "(steps = 2000, micro-batch-size = 8, simulate = true); the command line's flags "

@@ -32,9 +32,9 @@ from .run import RunSetupError, preflight, train
 from .run_files import RunDirError
 
 
-def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
-    """The run's config (a resumed run's saved config with the flags given applied) and the
-    checkpoint to resume from; every check done (run.preflight)."""
+def resolve(argv) -> tuple[RunConfig, Optional[Path], bool]:
+    """The run's config (a resumed run's saved config with the flags given applied), the
+    checkpoint to resume from, and whether this is a --dry-run; every check done (run.preflight)."""
     parser = build_parser(__doc__.split("\n\n")[0])
     args = parser.parse_args(expand_config(sys.argv[1:] if argv is None else list(argv), parser))
     if args.config is not None:  # an abbreviation of --config, which argparse accepts and expand_config not
@@ -76,7 +76,7 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path]]:
         if args.out is None:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     preflight(cfg)
-    return cfg, resume_dir
+    return cfg, resume_dir, args.dry_run
 
 
 def auto_resume(args) -> None:
@@ -108,7 +108,10 @@ def main(argv=None) -> int:
     cfg = None
     try:
         with stop_signals_raise():  # SIGTERM / SIGHUP end the run as Ctrl-C does
-            cfg, resume_dir = resolve(argv)
+            cfg, resume_dir, dry = resolve(argv)
+            if dry:
+                from .dry_run import dry_run
+                return dry_run(cfg, resume_dir)
             return train(cfg, resume_dir, started_at)
     except (NonFiniteError, NonFiniteCheckpointError) as exc:  # a run failure, not a bad input
         sys.stderr.write(f"{PROG}: error: {' '.join(str(exc).split())}\n")

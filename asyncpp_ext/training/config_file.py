@@ -4,8 +4,10 @@ A run of many settings reads better, and is kept with an experiment better, as a
 command line. The file's keys are ``asyncpp-train``'s long flags without their dashes (``steps``,
 ``micro-batch-size`` or ``micro_batch_size``); tables only group keys for the reader (their names
 are not read). A value is the flag's value; ``true`` / ``false`` turn an on/off flag on or off
-(``--X`` / ``--no-X``); a list repeats a repeatable flag (``inductor-option``). The file's flags
-come before the command line's, so a flag given there wins (a repeatable one adds to the file's)::
+(``--X`` / ``--no-X``); a list repeats a repeatable flag (``inductor-option``), and a table named
+after a repeatable KEY=VALUE flag gives one value per entry (``[data-mix]`` with ``"web/*.bin" =
+0.7``: ``--data-mix web/*.bin=0.7``). The file's flags come before the command line's, so a flag
+given there wins (a repeatable one adds to the file's)::
 
     # runs/exp1.toml
     model = "smollm-135m"
@@ -14,6 +16,9 @@ come before the command line's, so a flag given there wins (a repeatable one add
     optimizer = "muon"
     lr = 0.02
     clip-grad-norm = 1.0
+    [data-mix]
+    "data/web/*.bin" = 0.7
+    "data/code.bin" = 0.3
 
     asyncpp-train --config runs/exp1.toml --out runs/exp1 --steps 100   # a short try of it
 
@@ -64,15 +69,29 @@ def _read(path: Path) -> dict:
     return data
 
 
-def _flat(data: dict, path: Path, where: str = "") -> list[tuple[str, Any]]:
-    """(key, value) of every setting, tables opened (their names only group)."""
+def _flat(data: dict, path: Path, keyed: set, where: str = "") -> list[tuple[str, Any]]:
+    """(key, value) of every setting, tables opened (their names only group), but a table named
+    after a repeatable ``KEY=VALUE`` flag (``keyed``): its entries are that flag's values."""
     found = []
     for key, value in data.items():
-        if isinstance(value, dict):
-            found += _flat(value, path, f"{where}{key}.")
+        if isinstance(value, dict) and key.replace("_", "-") in keyed:
+            found.append((key, [f"{k}={_text(v)}" for k, v in value.items()]))
+        elif isinstance(value, dict):
+            found += _flat(value, path, keyed, f"{where}{key}.")
         else:
             found.append((key, value))
     return found
+
+
+def _text(value: Any) -> str:
+    """A table entry's value as the command line writes it (true/false as JSON does)."""
+    return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def _keyed_flags(parser: argparse.ArgumentParser) -> set:
+    """Names (no dashes) of the repeatable flags whose values are KEY=VALUE: a table may give them."""
+    return {o[2:] for a in parser._actions if isinstance(a, argparse._AppendAction) and "=" in (a.metavar or "")
+            for o in a.option_strings if o.startswith("--")}
 
 
 def _tokens(parser: argparse.ArgumentParser, path: Path, key: str, value: Any) -> list[str]:
@@ -122,7 +141,8 @@ def expand_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]
         i += 1
     if path is None:
         return list(argv)
-    tokens = [t for key, value in _flat(_read(path), path) for t in _tokens(parser, path, key, value)]
+    tokens = [t for key, value in _flat(_read(path), path, _keyed_flags(parser))
+              for t in _tokens(parser, path, key, value)]
     return tokens + rest
 
 

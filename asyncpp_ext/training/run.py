@@ -193,6 +193,7 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path], started_at
         engine = build_simulator(cfg, compute, first_weights=resume_dir is None)
         resumed = resume(engine, stream, resume_dir)
         out = start_run_dir(cfg, resume_dir, resumed.start_step)
+        show_plan(stream, cfg)
         if resumed.rng is not None:
             restore_rng_state(resumed.rng)
         Trainer(cfg, engine, stream, eval_set, out, start_step=resumed.start_step, elapsed_s=resumed.elapsed_s,
@@ -206,22 +207,37 @@ def _train_pipeline(cfg: RunConfig, resume_dir: Optional[Path], started_at: floa
     from .distributed import launch
 
     # Every check that can fail on bad input happens before any process starts.
-    stream, _ = build_data(cfg)
-    build_eval_sets(cfg)
-    start_step = 0
-    if resume_dir is not None:
-        meta = load_checkpoint(resume_dir)[0]  # verifies the checkpoint's shard files
-        try:  # and that the data is the run's (the ranks check it again)
-            stream.load_state_dict(meta["data"])
-        except (KeyError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {resume_dir} does not fit this run ({exc})") from None
-        start_step = int(meta["step"])
-    elif cfg.train.init_from is not None:
-        load_checkpoint(cfg.train.init_from, mmap=True)  # verifies its shard files (each rank reads them)
+    stream, start_step = check_inputs(cfg, resume_dir)
+    if not under_launcher() or os.environ.get("RANK") == "0":  # under torchrun, one line for the run
+        show_plan(stream, cfg)
     launch(cfg, resume_dir, lambda: start_run_dir(cfg, resume_dir, start_step), started_at)
     if not under_launcher() or os.environ.get("RANK") == "0":
         print_summary(Path(cfg.train.out), cfg, start_step)
     return 0
+
+
+def check_inputs(cfg: RunConfig, resume_dir: Optional[Path]):
+    """(the training stream at the run's start, its start step): the data and evaluation sets
+    built, and the checkpoint to resume or start from verified (its shards; the resumed data is
+    the run's, which the ranks check again)."""
+    stream, _ = build_data(cfg)
+    build_eval_sets(cfg)
+    if resume_dir is None:
+        if cfg.train.init_from is not None:
+            load_checkpoint(cfg.train.init_from, mmap=True)  # verifies its shard files (each rank reads them)
+        return stream, 0
+    meta = load_checkpoint(resume_dir)[0]  # verifies the checkpoint's shard files
+    try:
+        stream.load_state_dict(meta["data"])
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {resume_dir} does not fit this run ({exc})") from None
+    return stream, int(meta["step"])
+
+
+def show_plan(stream, cfg: RunConfig) -> None:
+    """A mixture's line on stderr: each source's share, tokens and epochs over the run."""
+    if hasattr(stream, "plan"):
+        print(f"asyncpp-train: {stream.plan(cfg.train.steps)}", file=sys.stderr)
 
 
 def steady_tokens_per_s(rows: list) -> float | None:
@@ -266,5 +282,5 @@ def print_summary(out: Path, cfg: RunConfig, start_step: int) -> None:
           f"{f' x {cfg.pipeline.dp} replicas' if cfg.pipeline.dp > 1 else ''})")
 
 
-__all__ = ["RunSetupError", "preflight", "check_rank_devices", "train", "start_run_dir", "print_summary",
+__all__ = ["RunSetupError", "preflight", "check_inputs", "show_plan", "check_rank_devices", "train", "start_run_dir", "print_summary",
            "steady_tokens_per_s", "steady_utilisation"]

@@ -120,16 +120,27 @@ def prepare_run_dir(out: str | os.PathLike, resuming: bool) -> Path:
         # first step (bad data found in its first window, say) leaves its --out free for the next.
         created = make_directories(missing_directories(out))
         _hold(out)  # first: a run in progress is named as such; also the write probe (a new file)
-        metrics = out / METRICS_NAME
-        if not resuming and ((metrics.exists() and metrics.stat().st_size > 0) or any(out.glob("ckpt-*"))):
+        if not resuming and holds_run(out):
             release_run_dir(out)
-            hint = f"continue it with --resume {out} or " if list_checkpoints(out) else ""  # what --resume finds
-            raise RunDirError(f"--out {out} already holds a run; {hint}choose another --out")
+            raise RunDirError(taken_message(out))
     except OSError as exc:  # unwritable, or a name too long for the file system
         remove_directories(created)
         fix = "a shorter name" if exc.errno == errno.ENAMETOOLONG else "a writable directory"
         raise RunDirError(f"cannot write to --out {out} ({exc.strerror or exc}); choose {fix}") from None
     return out
+
+
+def holds_run(out: Path) -> bool:
+    """Whether ``out`` holds a run: a metrics row or a checkpoint (one that failed before its
+    first step leaves it free for the next)."""
+    metrics = out / METRICS_NAME
+    return (metrics.exists() and metrics.stat().st_size > 0) or any(out.glob("ckpt-*"))
+
+
+def taken_message(out: Path) -> str:
+    """The refusal of a new run in ``out``, which holds one."""
+    hint = f"continue it with --resume {out} or " if list_checkpoints(out) else ""  # what --resume finds
+    return f"--out {out} already holds a run; {hint}choose another --out"
 
 
 def _hold(out: Path) -> None:
@@ -183,6 +194,6 @@ def remove_unfinished_checkpoints(out: Path) -> None:
               f"{', ...' if len(stale) > 1 else ''}) that a stopped run left in {out}", file=sys.stderr)
 
 
-__all__ = ["METRICS_NAME", "CONFIG_NAME", "PLOT_NAME", "LOCK_NAME", "RunDirError", "write_text_atomic",
+__all__ = ["holds_run", "taken_message", "METRICS_NAME", "CONFIG_NAME", "PLOT_NAME", "LOCK_NAME", "RunDirError", "write_text_atomic",
            "read_metrics", "truncate_metrics", "plot_losses", "prepare_run_dir", "release_run_dir",
            "remove_unfinished_checkpoints"]

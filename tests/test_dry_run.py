@@ -1,0 +1,68 @@
+"""``asyncpp-train --dry-run``: the checks of a start, the run it would make and the config.json it
+would write -- the same one the start writes -- with nothing written and nothing trained."""
+import json
+
+import pytest
+
+from asyncpp_ext.models.registry import MODEL_PRESETS, build_model, model_config
+from asyncpp_ext.training.cli import main as train
+from asyncpp_ext.training.config import RunConfig
+from asyncpp_ext.training.dry_run import parameter_count
+
+COMMON = ["--model", "tiny", "--no-progress", "--threads", "1", "--seq-len", "16", "--micro-batch-size", "2",
+          "--steps", "4", "--eval-every", "2"]
+
+
+def _printed_config(out: str) -> dict:
+    return json.loads(out.split("config.json:\n", 1)[1])
+
+
+def _files(path):
+    return sorted((p.relative_to(path).as_posix(), p.stat().st_size) for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("flags", [["--simulate"], ["--stages", "2", "--timeout", "30"]], ids=["one", "pipeline"])
+def test_the_dry_run_prints_the_config_the_start_writes_and_writes_nothing(tmp_path, capsys, flags):
+    run = tmp_path / "run"
+    assert train([*COMMON, *flags, "--out", str(run), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert not run.exists()
+    assert out.startswith("asyncpp-train --dry-run: every check passed; nothing was written\n")
+    assert f"run: {run}, a new run" in out and "steps: 4 x 128 tokens (4 microbatches of 2 x 16)" in out
+    assert train([*COMMON, *flags, "--out", str(run)]) == 0
+    assert _printed_config(out) == json.loads((run / "config.json").read_text())
+
+
+def test_a_dry_run_of_a_resume_checks_the_checkpoint_and_changes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert train([*COMMON, "--simulate", "--out", str(run), "--ckpt-every", "2"]) == 0
+    before = _files(run)
+    capsys.readouterr()
+    assert train(["--resume", str(run), "--steps", "8", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"run: resuming {run} at step 4 (ckpt-000004)" in out and _printed_config(out)["train"]["steps"] == 8
+    assert _files(run) == before
+
+
+def test_the_parameter_count_is_the_models():
+    for name in ("tiny", "llama-tiny"):
+        cfg = RunConfig()
+        cfg.model = model_config(name)
+        assert parameter_count(cfg) == sum(p.numel() for p in build_model(MODEL_PRESETS[name]).parameters())
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--data", "{tmp}/none.txt"], "none.txt"),
+    (["--out", "{tmp}/taken"], "already holds a run"),
+    (["--lr", "-1"], "--lr"),
+])
+def test_a_dry_run_refuses_what_a_start_refuses(tmp_path, capsys, flags, words):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    out = ["--out", str(tmp_path / "fresh")] if "--out" not in flags else []
+    assert train([*COMMON, "--simulate", *out, *flags, "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not (tmp_path / "fresh").exists()
