@@ -29,6 +29,7 @@ def test_the_dry_run_prints_the_config_the_start_writes_and_writes_nothing(tmp_p
     assert not run.exists()
     assert out.startswith("asyncpp-train --dry-run: every check passed; nothing was written\n")
     assert f"run: {run}, a new run" in out and "steps: 4 x 128 tokens (4 microbatches of 2 x 16)" in out
+    assert "data: --data builtin: " in out and " epochs to step 4\n" in out
     assert train([*COMMON, *flags, "--out", str(run)]) == 0
     assert _printed_config(out) == json.loads((run / "config.json").read_text())
 
@@ -66,3 +67,11 @@ def test_a_dry_run_refuses_what_a_start_refuses(tmp_path, capsys, flags, words):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
     assert not (tmp_path / "fresh").exists()
+
+
+def test_a_streams_plan_counts_the_passes_over_its_tokens():
+    import numpy as np
+    from asyncpp_ext.data import BatchStream
+
+    stream = BatchStream(np.arange(1000, dtype=np.uint16), 2, 4, 8, source="--data x.bin")
+    assert stream.plan(10) == "--data x.bin: 1,000 training tokens, 0.64 epochs to step 10"  # 10 x 2 x 4 x 8 = 640

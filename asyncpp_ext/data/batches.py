@@ -183,6 +183,12 @@ class BatchStream(PositionedStream):
         """Input tokens an epoch of the "epoch" order covers (every training token but the last)."""
         return self.num_windows * self.seq_len
 
+    def plan(self, steps: int) -> str:
+        """What the run reads to minibatch ``steps``: its training tokens and the passes over them."""
+        read = steps * self.microbatches * self.micro_batch_size * self.seq_len
+        return (f"{self.source or 'the data'}: {len(self.tokens):,} training tokens, "
+                f"{read / max(len(self.tokens), 1):.2f} epochs to step {steps}")
+
     def state_dict(self) -> dict:
         state = self.order_state()
         shards = self.tokens.num_shards if isinstance(self.tokens, TokenShards) else 1

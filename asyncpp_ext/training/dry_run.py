@@ -42,9 +42,7 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     tokens_per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
     params = parameter_count(cfg)
     where = f"resuming {out} at step {start} ({resume_dir.name})" if resume_dir is not None else f"{out}, a new run"
-    data = stream.plan(t.steps) if hasattr(stream, "plan") else (
-        f"--data {cfg.data.source}: {len(stream.tokens):,} training tokens, "
-        f"{t.steps * tokens_per_step / max(len(stream.tokens), 1):.2f} epochs to step {t.steps}")
+    data = stream.plan(t.steps)
     sets = f" and {len(cfg.data.eval_data)} more set(s)" if cfg.data.eval_data else ""
     evaluation = (f"every {t.eval_every} steps, {cfg.data.eval_batches} batches{sets}"
                   if t.eval_every and cfg.data.eval_batches else "none")

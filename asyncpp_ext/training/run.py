@@ -235,8 +235,9 @@ def check_inputs(cfg: RunConfig, resume_dir: Optional[Path]):
 
 
 def show_plan(stream, cfg: RunConfig) -> None:
-    """A mixture's line on stderr: each source's share, tokens and epochs over the run."""
-    if hasattr(stream, "plan"):
+    """A mixture's line on stderr: each source's share, tokens and epochs over the run (one
+    source's run prints none: its output stays what scripts read)."""
+    if cfg.data.mix:
         print(f"asyncpp-train: {stream.plan(cfg.train.steps)}", file=sys.stderr)
 
 
