@@ -32,8 +32,8 @@ from .build import mixture_held_out_batches, mixture_sources
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints
 from .config import ConfigError
 from .choice_eval import read_choices, score_choices
-from .export import (add_compute_flags, command_autocast, command_device, data_tokenizer, load_model, run_tokenizer,
-                     trained_on_bytes)
+from .export import (add_compute_flags, averaged_checkpoints, command_autocast, command_device, data_tokenizer,
+                     load_average, run_tokenizer, trained_on_bytes)
 from .run_files import write_text_atomic
 
 PROG = "asyncpp-eval"
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--eval-batches)")
     p.add_argument("--batch-size", type=int, metavar="B",
                    help="windows per batch (default: the run's micro-batch size times --dp, as it evaluated)")
+    p.add_argument("--average", type=int, default=1, metavar="N",
+                   help="evaluate the mean of the weights of each checkpoint and the N-1 before it in its run "
+                        "(checkpoint averaging; default 1: the checkpoint alone)")
     p.add_argument("--every-checkpoint", action="store_true",
                    help="evaluate every checkpoint of each run directory, not only its latest (a loss curve)")
     p.add_argument("--choices", metavar="FILE", action="append",
@@ -71,6 +74,11 @@ def check_arguments(args) -> None:
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.average < 1:
+        raise UsageError(f"--average must be at least 1 (1: the checkpoint alone), got {args.average}")
+    if args.average > 1 and args.every_checkpoint:
+        raise UsageError("--average N with --every-checkpoint: pass one of them (evaluate the runs' latest "
+                         "averages, or every checkpoint alone)")
     if args.choices:
         given = [flag for flag, value in (("--data", args.data), ("--batches", args.batches),
                                           ("--batch-size", args.batch_size)) if value is not None]
@@ -139,6 +147,8 @@ def evaluate(args) -> list[dict]:
     device = command_device(args.device)
     precision, dtype = command_autocast(args.dtype, device)
     ckpts = [(run, ckpt) for run in args.runs for ckpt in checkpoints_of(run, args.every_checkpoint)]
+    for _, ckpt in ckpts:  # every --average window there before any weights are read
+        averaged_checkpoints(ckpt, args.average)
     if args.choices:
         return _write_json(args, evaluate_choices(args, ckpts, device, precision, dtype))
     datas = args.data or [None]  # None: each run's own evaluation set
@@ -148,7 +158,7 @@ def evaluate(args) -> list[dict]:
           + ("  data" if several else ""))
     sets = {}  # the checkpoints of one run share their data and window shape: read them once
     for run, ckpt in ckpts:
-        cfg, step, model = load_model(ckpt)
+        cfg, step, model, _ = load_average(ckpt, args.average)
         model = model.to(device)
         for data in datas:
             key = (data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
@@ -162,7 +172,7 @@ def evaluate(args) -> list[dict]:
                    "perplexity": math.inf if loss >= 709 else math.exp(loss),  # math.exp raises past ~709.78
                    "bits_per_byte": loss / math.log(2) if on_bytes else None,
                    "tokens": sum(int(y.numel()) for _, y in batches), "data": what, "device": device.type,
-                   "dtype": dtype,
+                   "dtype": dtype, "averaged": args.average,
                    "seconds": time.perf_counter() - start}
             rows.append(row)
             bpb = f"{row['bits_per_byte']:.4f}" if on_bytes else "-"
@@ -171,8 +181,13 @@ def evaluate(args) -> list[dict]:
     shown = sorted({r["data"] for r in rows})
     print((f"data: {shown[0]}" if len(shown) == 1 else "data: each row's column" if several else
            "data: each run's own evaluation set (pass --data to compare runs on the same windows)")
-          + f"; on {device.type} in {dtype}")
+          + f"; on {device.type} in {dtype}" + _averaged(args))
     return _write_json(args, rows)
+
+
+def _averaged(args) -> str:
+    return (f"; each row the mean of the weights of its checkpoint and the {args.average - 1} before it"
+            if args.average > 1 else "")
 
 
 def _write_json(args, rows: list[dict]) -> list[dict]:
@@ -189,18 +204,19 @@ def evaluate_choices(args, ckpts: list, device, precision, dtype: str) -> list[d
     rows = []
     print(f"{'checkpoint':<44} {'step':>7} {'accuracy':>9} {'acc_norm':>9} {'examples':>9} {'s':>6}  task")
     for run, ckpt in ckpts:
-        cfg, step, model = load_model(ckpt)
+        cfg, step, model, _ = load_average(ckpt, args.average)
         model = model.to(device)
         tokenizer = run_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
         encode = lambda text: [int(i) for i in tokenizer.encode([text])[0]]  # noqa: E731
         for path, examples in tasks.items():
             row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "task": path,
                    **score_choices(model, encode, examples, cfg.model.seq_len, device, precision),
-                   "device": device.type, "dtype": dtype}
+                   "device": device.type, "dtype": dtype, "averaged": args.average}
             rows.append(row)
             print(f"{str(ckpt)[-44:]:<44} {step:>7} {row['accuracy']:>9.4f} {row['accuracy_norm']:>9.4f} "
                   f"{row['examples']:>9,} {row['seconds']:>6.1f}  {path}", flush=True)
-    print(f"on {device.type} in {dtype}; accuracy: the label's ending the most likely, acc_norm: per byte")
+    print(f"on {device.type} in {dtype}; accuracy: the label's ending the most likely, acc_norm: per byte"
+          + _averaged(args))
     return rows
 
 

@@ -33,7 +33,7 @@ from ..models.hf import require_transformers
 from ..models.hf_checks import HFModelError
 from ..models.hf_export import DTYPE_NAMES, ExportError, to_transformers
 from ..models.registry import build_model, describe
-from .checkpoint import CheckpointError, checkpoint_named, load_weights, read_meta, saved_config
+from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints, load_weights, read_meta, saved_config
 from .config import ConfigError, RunConfig
 
 PROG = "asyncpp-export"
@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a tokenizer.json to write beside the weights (with a tokenizer_config.json "
                         "naming its bos/eos tokens); auto: the one the run's --data was prepared with, "
                         "when its sidecar names a file that still exists; none: no tokenizer (default auto)")
+    p.add_argument("--average", type=int, default=1, metavar="N",
+                   help="export the mean of the weights of the checkpoint and the N-1 before it in its run "
+                        "(checkpoint averaging; default 1: the checkpoint alone)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="load the written directory with transformers and compare its logits with the "
                         "checkpoint's model before the directory appears (default on; needs transformers)")
@@ -86,6 +89,40 @@ def load_model(ckpt: Path) -> tuple[RunConfig, int, torch.nn.Module]:
     model = build_model(model_cfg, seed=cfg.train.seed).eval()
     meta = load_weights(model, ckpt)
     return cfg, meta["step"], model
+
+
+def averaged_checkpoints(ckpt: Path, count: int, flag: str = "--average") -> list[Path]:
+    """``ckpt`` and the ``count - 1`` checkpoints of its run just before it, oldest first;
+    UsageError where the run holds fewer."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise UsageError(f"{flag} must be at least 1 (1: the checkpoint alone), got {count!r}")
+    paths = [path.resolve() for _, path in list_checkpoints(ckpt.parent)]  # oldest first
+    upto = paths[:paths.index(ckpt.resolve()) + 1] if ckpt.resolve() in paths else [ckpt]
+    if len(upto) < count:
+        raise UsageError(f"{flag} {count}: {ckpt.parent} has {len(upto)} checkpoint(s) up to {ckpt.name}; "
+                         f"pass {flag} {len(upto)} or less")
+    return upto[-count:]
+
+
+@torch.no_grad()
+def load_average(ckpt: Path, count: int) -> tuple[RunConfig, int, torch.nn.Module, str]:
+    """``load_model`` of the mean of the newest weights of ``ckpt`` and the ``count - 1``
+    checkpoints before it (``averaged_checkpoints``): each parameter summed in float64 and
+    rounded once, the way a checkpoint average (LAWA, the stand-in for a final decay) is taken;
+    with what it is for messages. The step is ``ckpt``'s."""
+    ckpts = averaged_checkpoints(ckpt, count)
+    cfg, step, model = load_model(ckpts[-1])
+    if count == 1:
+        return cfg, step, model, ckpts[-1].name
+    sums = {name: p.detach().to(torch.float64, copy=True) for name, p in model.named_parameters()}
+    scratch = build_model(replace(cfg.model, hf_model=None), seed=cfg.train.seed)
+    for other in ckpts[:-1]:
+        load_weights(scratch, other)  # the names and shapes checked: one run's model
+        for name, p in scratch.named_parameters():
+            sums[name] += p.double()
+    for name, p in model.named_parameters():
+        p.copy_((sums[name] / count).to(p.dtype))
+    return cfg, step, model, f"mean of {ckpts[0].name}..{ckpts[-1].name} ({count})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +343,8 @@ def export(args) -> list[str]:
     max_shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
     dtype = DTYPES[args.dtype]
     ckpt = checkpoint_named(args.run, "RUN")
-    cfg, step, model = load_model(ckpt)
+    averaged_checkpoints(ckpt, args.average)  # a bad --average before any weights are read
+    cfg, step, model, what = load_average(ckpt, args.average)
     tokenizer, tokenizer_line = choose_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
     config, tensors = to_transformers(model, cfg.model, dtype)
     tmp = out.resolve().parent / f".tmp-export-{out.name}-{os.getpid()}"
@@ -319,7 +357,8 @@ def export(args) -> list[str]:
         files = write_weights(tensors, tmp, max_shard_bytes, save_file)
         size = sum((tmp / f).stat().st_size for f in files)
         where = files[0] if len(files) == 1 else f"{len(files)} shards indexed by {WEIGHTS_INDEX}"
-        lines = [f"{ckpt} (step {step}, {describe(cfg.model)}) -> {out}",
+        averaged = f", the {what}" if args.average > 1 else ""
+        lines = [f"{ckpt} (step {step}{averaged}, {describe(cfg.model)}) -> {out}",
                  f"  {config['architectures'][0] if config.get('architectures') else config['model_type']}, "
                  f"{DTYPE_NAMES[dtype]}, {sum(t.numel() for t in tensors.values()):,} parameters, "
                  f"{where}, {size / 2**20:.1f} MiB",
@@ -366,5 +405,5 @@ def main(argv: Optional[list] = None) -> int:
                        stopped_note="; nothing was written", oom_hint="; nothing was written", other=_written_nothing)
 
 
-__all__ = ["main", "export", "load_model", "check_logits", "data_tokenizer", "training_data", "trained_on_bytes",
+__all__ = ["main", "export", "load_model", "load_average", "averaged_checkpoints", "check_logits", "data_tokenizer", "training_data", "trained_on_bytes",
            "run_tokenizer", "command_device"]
