@@ -167,6 +167,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     model.add_argument("--val-data", metavar="FILE",
                        help="evaluate on this file, glob, directory or manifest (same formats as "
                             "--data) instead of the end of --data")
+    model.add_argument("--skip-batches", type=int, metavar="N",
+                       help="with --resume: pass over the data's next N minibatches and continue from the "
+                            "checkpoint's step on the ones after them (past a loss spike's batches)")
     model.add_argument("--change-data-mix", action="store_true",
                        help="with --resume (or --auto-resume): a --data-mix other than the checkpoint's takes over "
                             "from its step (e.g. an annealing mixture) instead of being refused; sources in "
@@ -386,6 +389,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         cfg.pipeline.microbatches = 1  # the only count pipedream runs: one microbatch per step
     cfg.train.resume = args.resume
     cfg.data.change_mix = bool(args.change_data_mix)  # this start only, as --resume
+    cfg.data.skip_batches = args.skip_batches or 0  # this start only
     return cfg
 
 
@@ -436,7 +440,7 @@ FIELD_FLAGS = {
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
     "train.keep_checkpoints": "--keep-checkpoints", "train.async_checkpoints": "--async-checkpoints",
-    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.eval_data": "--eval-data", "data.change_mix": "--change-data-mix", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
+    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.eval_data": "--eval-data", "data.change_mix": "--change-data-mix", "data.skip_batches": "--skip-batches", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",

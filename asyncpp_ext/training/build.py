@@ -439,9 +439,10 @@ class Resumed:
 
 
 def resume(engine, stream: BatchStream, resume_dir: Optional[Path], stage: int = 0,
-           stages: int = 1) -> Resumed:
+           stages: int = 1, skip_batches: int = 0) -> Resumed:
     """Load ``resume_dir`` (a checkpoint written at any pipeline depth) into the engine and the
-    data stream; the RNG state of this stage's shard (shard 0 when the depth changed)."""
+    data stream, moved on by ``skip_batches`` minibatches (--skip-batches); the RNG state of this
+    stage's shard (shard 0 when the depth changed)."""
     if resume_dir is None:
         return Resumed()
     meta, shards = load_checkpoint(resume_dir)
@@ -451,6 +452,7 @@ def resume(engine, stream: BatchStream, resume_dir: Optional[Path], stage: int =
     except (KeyError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {resume_dir} does not fit this run "
                               f"({str(exc).splitlines()[0]})") from None
+    stream.position += skip_batches
     rng = shards[stage if len(shards) == stages else 0]["rng"]
     return Resumed(int(meta["step"]), float(meta.get("elapsed_s", 0.0)), rng)
 

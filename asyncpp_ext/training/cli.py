@@ -45,6 +45,12 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path], bool]:
                          "with its own; pass one of them")
     if args.init_from is not None and args.hf_model is not None:
         raise UsageError("--init-from and --hf-model each give the model's first weights; pass one of them")
+    if args.skip_batches:
+        if args.auto_resume:
+            raise UsageError("--skip-batches with --auto-resume would skip again at every job of the chain; "
+                             "resume once with --resume RUN --skip-batches N, then go on with the chain")
+        if args.resume is None:
+            raise UsageError("--skip-batches passes over data at a resume; pass --resume RUN")
     if args.auto_resume:
         auto_resume(args)
     if args.resume is not None:

@@ -80,6 +80,11 @@ class DataConfig:
     PATH=WEIGHT``; weights any positive numbers, normalised). Each minibatch takes each source's
     share of its windows, to within a window (data/mixture.py); each source holds out its own last
     ``eval_fraction``, and the eval set mixes them by the weights. [] = train on ``source``."""
+    skip_batches: int = 0
+    """This start only (``--skip-batches N``, with ``--resume``): the stream passes over its next N
+    minibatches, so the run continues from the checkpoint's step on the data after them (the
+    way past a loss spike: resume from a checkpoint before it, skip the batches around it). The
+    checkpoints after it record the stream's position, so later resumes keep the skip."""
     change_mix: bool = False
     """This start only (``--change-data-mix``; not kept for the next resume): a resume whose ``mix``
     differs from the checkpoint's continues with the new mixture from the checkpoint's step (a new

@@ -301,6 +301,8 @@ def check_data_lists(data) -> None:
                 or weight <= 0:
             raise ConfigError(f"data.mix: {entry[0]} has weight {weight!r}; give each source a finite weight "
                               "> 0 (weights need not sum to 1)")
+    if isinstance(data.skip_batches, bool) or not isinstance(data.skip_batches, int) or data.skip_batches < 0:
+        raise ConfigError(f"data.skip_batches must be an integer >= 0, got {data.skip_batches!r}")
     if data.change_mix and not data.mix:
         raise ConfigError("--change-data-mix changes a --data-mix mixture at a resume; this run has none "
                           "(give the new --data-mix)")

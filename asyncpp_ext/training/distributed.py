@@ -160,7 +160,8 @@ def _rank_run(cfg: RunConfig, resume_dir: Optional[str], started_at: Optional[fl
     with attention_preference(compute.attention):  # as its --simulate run, from the compile on
         engine = build_pipeline_engine(cfg, device, transport, compute, first_weights=resume_dir is None)
         pipe = engine.pipe
-        resumed = resume(engine, stream, Path(resume_dir) if resume_dir is not None else None, pipe.stage, p.stages)
+        resumed = resume(engine, stream, Path(resume_dir) if resume_dir is not None else None, pipe.stage, p.stages,
+                         skip_batches=cfg.data.skip_batches)
         if resumed.rng is not None:
             restore_rng_state(resumed.rng)
         run_dir = Path(cfg.train.out)

@@ -21,7 +21,7 @@ from .config import MUON_FAMILY, DataConfig, ModelConfig, OptimConfig, RunConfig
 # and fingerprint, data/batches.py; a mixture's weights and each source's, data/mixture.py), while
 # --val-data and --eval-data only say what is evaluated (and --change-data-mix lets the mixture
 # change at that resume: the stream keeps the phases it ran).
-RESUME_MAY_DIFFER_DATA = ("eval_batches", "source", "val_source", "mix", "eval_data", "change_mix")
+RESUME_MAY_DIFFER_DATA = ("eval_batches", "source", "val_source", "mix", "eval_data", "change_mix", "skip_batches")
 RESUME_MUST_MATCH = (
     [f"model.{f.name}" for f in fields(ModelConfig)]
     + [f"data.{f.name}" for f in fields(DataConfig) if f.name not in RESUME_MAY_DIFFER_DATA]

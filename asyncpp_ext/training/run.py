@@ -125,6 +125,9 @@ def start_run_dir(cfg: RunConfig, resume_dir: Optional[Path], start_step: int) -
         changed = changed_settings(read_meta(resume_dir)["config"], cfg.to_dict())
         print(f"asyncpp-train: resuming from {resume_dir.name} (step {start_step})"
               + (f"; changed: {', '.join(changed)}" if changed else ""), file=sys.stderr)
+        if cfg.data.skip_batches:
+            print(f"asyncpp-train: passing over the next {cfg.data.skip_batches} minibatches of the data "
+                  "(--skip-batches)", file=sys.stderr)
     elif cfg.train.init_from is not None:
         print(f"asyncpp-train: starting from the weights of {cfg.train.init_from} (step "
               f"{read_meta(cfg.train.init_from)['step']}); optimizer, steps, data order and lr schedule anew",
@@ -143,7 +146,7 @@ def _compiles(cfg: RunConfig) -> bool:
     return resolve_compile(cfg.train.compile, cfg.train.device)
 
 
-PER_START = (("train", "out"), ("train", "resume"), ("data", "change_mix"))
+PER_START = (("train", "out"), ("train", "resume"), ("data", "change_mix"), ("data", "skip_batches"))
 """Settings of one start, not of the run: a resume's line does not list them as changed."""
 
 
@@ -191,7 +194,7 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path], started_at
     compute = stage_compute(cfg)
     with attention_preference(compute.attention):  # from the compile on: it keys compiled blocks
         engine = build_simulator(cfg, compute, first_weights=resume_dir is None)
-        resumed = resume(engine, stream, resume_dir)
+        resumed = resume(engine, stream, resume_dir, skip_batches=cfg.data.skip_batches)
         out = start_run_dir(cfg, resume_dir, resumed.start_step)
         show_plan(stream, cfg)
         if resumed.rng is not None:
