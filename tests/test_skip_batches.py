@@ -1,6 +1,7 @@
-"""``--resume RUN --skip-batches N``: the run continues from the checkpoint's step on the data after
-its next N minibatches (past a loss spike) -- the step after the resume trains on minibatch
-position step + N, a pipeline skips as its simulation does, later resumes keep the skip."""
+"""Past a loss spike: ``--resume RUN --rewind STEP`` continues from an earlier checkpoint (the later
+ones and their rows set aside, kept), and ``--skip-batches N`` continues on the data after the next
+N minibatches -- the step after the resume trains on minibatch position step + N, a pipeline skips
+as its simulation does, later resumes keep the skip."""
 import json
 
 import pytest
@@ -49,7 +50,29 @@ def test_a_pipeline_skips_as_its_simulation_and_later_resumes_keep_it(tmp_path):
     assert _losses(plain)[:3] == _losses(runs["sim"])[:3] and _losses(plain)[3:] != _losses(runs["sim"])[3:6]
 
 
+@pytest.mark.parametrize("flags", [["--simulate"], ["--stages", "2", "--timeout", "30"]], ids=["one", "pipeline"])
+def test_rewind_continues_from_an_earlier_checkpoint_and_keeps_the_later_ones_aside(tmp_path, capsys, flags):
+    run = tmp_path / "run"
+    assert train([*COMMON, *flags, "--steps", "9", "--out", str(run)]) == 0
+    straight = _losses(run)
+    old = {name: (run / name / "meta.json").read_bytes() for name in ("ckpt-000006", "ckpt-000009")}
+    capsys.readouterr()
+    assert train(["--resume", str(run), "--rewind", "3", "--steps", "9", "--no-progress"]) == 0
+    assert "resuming from ckpt-000003 (step 3)" in capsys.readouterr().err
+    assert _losses(run) == straight  # the same run again from step 3: nothing differs
+    (attic,) = [p for p in run.iterdir() if p.name.startswith("rewound-")]
+    assert attic.name == "rewound-1-to-step-3" and not (run / "ckpt-000009").samefile(attic / "ckpt-000009")
+    assert [json.loads(line)["step"] for line in (attic / "metrics.jsonl").read_text().splitlines()] == [4, 5, 6, 7,
+                                                                                                        8, 9]
+    assert {name: (attic / name / "meta.json").read_bytes() for name in old} == old
+    assert train(["--resume", str(run), "--rewind", "6", "--skip-batches", "3", "--steps", "9",
+                  "--no-progress"]) == 0
+    assert _losses(run)[:6] == straight[:6] and _losses(run)[6:] != straight[6:]
+
+
 @pytest.mark.parametrize("flags, words", [
+    (["--resume", "{run}", "--rewind", "2"], "--rewind 2: {run} has no checkpoint at step 2 (its checkpoints: 3)"),
+    (["--rewind", "3"], "--rewind STEP resumes a run from an earlier checkpoint; pass it with --resume RUN"),
     (["--skip-batches", "2"], "--skip-batches passes over data at a resume; pass --resume RUN"),
     (["--skip-batches", "2", "--auto-resume"], "--skip-batches with --auto-resume would skip again"),
     (["--resume", "{run}", "--skip-batches", "-1"], "data.skip_batches must be an integer >= 0"),
@@ -62,4 +85,4 @@ def test_bad_skips_are_one_line(tmp_path, capsys, flags, words):
     out = [] if "--resume" in flags else ["--out", str(tmp_path / "other")]
     assert train([*COMMON, "--simulate", "--steps", "6", *out, *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and words in err[0], err
+    assert len(err) == 1 and words.replace("{run}", str(run)) in err[0], err

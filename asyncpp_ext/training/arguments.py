@@ -226,6 +226,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="DIR",
                      help="continue DIR's run from its latest checkpoint up to --steps; flags "
                           "left out are taken from the checkpoint")
+    run.add_argument("--rewind", type=int, metavar="STEP",
+                     help="with --resume: continue from the run's checkpoint at STEP instead of its latest; the "
+                          "later checkpoints and metrics rows are moved to RUN/rewound-*/ (e.g. with "
+                          "--skip-batches, past a loss spike)")
     run.add_argument("--auto-resume", action="store_true", default=None,
                      help="with --out DIR: continue DIR's run from its latest checkpoint when it has one "
                           "(as --resume DIR with these flags), else start it there: one command for every "

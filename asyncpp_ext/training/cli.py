@@ -45,6 +45,9 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path], bool]:
                          "with its own; pass one of them")
     if args.init_from is not None and args.hf_model is not None:
         raise UsageError("--init-from and --hf-model each give the model's first weights; pass one of them")
+    if args.rewind is not None and (args.resume is None or args.auto_resume):
+        raise UsageError("--rewind STEP resumes a run from an earlier checkpoint; pass it with --resume RUN "
+                         "(not --auto-resume)")
     if args.skip_batches:
         if args.auto_resume:
             raise UsageError("--skip-batches with --auto-resume would skip again at every job of the chain; "
@@ -63,7 +66,7 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path], bool]:
         if args.out is not None and Path(args.out).resolve() != run_dir.resolve():
             raise UsageError(f"--out {args.out} differs from --resume {args.resume}; a resumed "
                              "run continues in its own directory, drop --out")
-        resume_dir = latest_checkpoint(run_dir)
+        resume_dir = latest_checkpoint(run_dir) if args.rewind is None else rewound_checkpoint(run_dir, args.rewind)
         meta = read_meta(resume_dir)  # shards are verified when they are loaded
         saved = saved_config(resume_dir, meta)
         cfg = config_from_args(args, base=saved)
@@ -83,6 +86,15 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path], bool]:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     preflight(cfg)
     return cfg, resume_dir, args.dry_run
+
+
+def rewound_checkpoint(run_dir: Path, step: int) -> Path:
+    """``--rewind STEP``: the run's checkpoint at STEP, or UsageError naming the steps it has."""
+    found = dict(list_checkpoints(run_dir))
+    if step not in found:
+        have = ", ".join(map(str, sorted(found))) or "none"
+        raise UsageError(f"--rewind {step}: {run_dir} has no checkpoint at step {step} (its checkpoints: {have})")
+    return found[step]
 
 
 def auto_resume(args) -> None:

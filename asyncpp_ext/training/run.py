@@ -23,7 +23,7 @@ from ..pipeline.launch import launcher
 from .build import build_data, build_eval_sets, build_simulator, resume, stage_compute
 from .checkpoint import CheckpointError, load_checkpoint, read_meta, restore_rng_state
 from .config import ConfigError, RunConfig
-from .run_files import (CONFIG_NAME, prepare_run_dir, read_metrics, release_run_dir, remove_unfinished_checkpoints,
+from .run_files import (CONFIG_NAME, prepare_run_dir, set_aside_later, read_metrics, release_run_dir, remove_unfinished_checkpoints,
                         truncate_metrics, write_text_atomic)
 
 
@@ -120,6 +120,10 @@ def start_run_dir(cfg: RunConfig, resume_dir: Optional[Path], start_step: int) -
         truncate_metrics(out, 0)
         remove_unfinished_checkpoints(out)
     if resume_dir is not None:
+        attic = set_aside_later(out, start_step)  # --rewind: the abandoned branch kept aside
+        if attic is not None:
+            print(f"asyncpp-train: the checkpoints and metrics rows after step {start_step} moved to {attic}",
+                  file=sys.stderr)
         truncate_metrics(out, start_step)
         remove_unfinished_checkpoints(out)
         changed = changed_settings(read_meta(resume_dir)["config"], cfg.to_dict())

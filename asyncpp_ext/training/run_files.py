@@ -15,6 +15,7 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from typing import Optional
 
 from ..directories import make_directories, missing_directories, remove_directories
 from .checkpoint import list_checkpoints
@@ -81,6 +82,29 @@ def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> None:
         return
     kept = [line for line, row in _metric_lines(path) if row["step"] <= last_step]
     write_text_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def set_aside_later(run_dir: str | os.PathLike, step: int) -> Optional[Path]:
+    """A run resumed from its checkpoint at ``step`` (``--rewind``): its later checkpoints and its
+    metrics rows past ``step`` moved into ``rewound-<k>-to-step-<step>/`` inside it (the k-th rewind) (kept, not deleted: the
+    abandoned branch stays readable, and no later checkpoint of it can be mistaken for the run's
+    latest). Returns that directory, or None when nothing lies past ``step``."""
+    run_dir = Path(run_dir)
+    later = [path for s, path in list_checkpoints(run_dir) if s > step]
+    metrics = run_dir / METRICS_NAME
+    rows = [line for line, row in _metric_lines(metrics) if row["step"] > step] if metrics.exists() else []
+    if not later and not rows:
+        return None
+    k = 1 + sum(1 for p in run_dir.glob("rewound-*"))
+    while (run_dir / f"rewound-{k}-to-step-{step}").exists():
+        k += 1
+    attic = run_dir / f"rewound-{k}-to-step-{step}"
+    attic.mkdir()
+    if rows:
+        write_text_atomic(attic / METRICS_NAME, "".join(line + "\n" for line in rows))
+    for path in later:
+        path.rename(attic / path.name)
+    return attic
 
 
 def plot_losses(run_dir: str | os.PathLike) -> Path:
@@ -194,6 +218,6 @@ def remove_unfinished_checkpoints(out: Path) -> None:
               f"{', ...' if len(stale) > 1 else ''}) that a stopped run left in {out}", file=sys.stderr)
 
 
-__all__ = ["holds_run", "taken_message", "METRICS_NAME", "CONFIG_NAME", "PLOT_NAME", "LOCK_NAME", "RunDirError", "write_text_atomic",
+__all__ = ["set_aside_later", "holds_run", "taken_message", "METRICS_NAME", "CONFIG_NAME", "PLOT_NAME", "LOCK_NAME", "RunDirError", "write_text_atomic",
            "read_metrics", "truncate_metrics", "plot_losses", "prepare_run_dir", "release_run_dir",
            "remove_unfinished_checkpoints"]
