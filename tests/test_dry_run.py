@@ -75,3 +75,14 @@ def test_a_streams_plan_counts_the_passes_over_its_tokens():
 
     stream = BatchStream(np.arange(1000, dtype=np.uint16), 2, 4, 8, source="--data x.bin")
     assert stream.plan(10) == "--data x.bin: 1,000 training tokens, 0.64 epochs to step 10"  # 10 x 2 x 4 x 8 = 640
+
+
+def test_the_stage_line_splits_as_the_pipeline_does(tmp_path, capsys):
+    # llama-tiny at 4 layers: embed 256 x 32 = 8,192; a layer 2 x 32 (norms) + 2 x 1,024 (q, o) + 2 x 512 (k, v)
+    # + 3 x 2,048 (mlp) = 9,280; the head a norm of 32 and its copy of the tied embedding, 8,224
+    assert train(["--model", "llama-tiny", "--n-layer", "4", "--stages", "3", "--out", str(tmp_path / "r"),
+                  "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert ("stages of 6 blocks: 0: blocks 0-1 (17,472 parameters), 1: blocks 2-3 (18,560 parameters), "
+            "2: blocks 4-5 (17,504 parameters)\n") in out
+    assert "45,344 parameters" in out  # 8,192 + 4 x 9,280 + 32: the tied tensor once

@@ -17,19 +17,38 @@ from typing import Optional
 import torch
 
 from ..models.registry import build_model, describe
+from ..pipeline.partition import as_blocks, split
 from .config import RunConfig
 from .run import check_inputs
 from .run_files import RunDirError, holds_run, taken_message
 
 
-def parameter_count(cfg: RunConfig) -> Optional[int]:
-    """The model's parameters (a tied tensor once), built on the meta device: no memory, no
-    weights read; None where the model cannot be built there (a Hugging Face model's own code)."""
+def meta_model(cfg: RunConfig) -> Optional[torch.nn.Module]:
+    """The model built on the meta device (no memory, no weights read), or None where it cannot be
+    built there (a Hugging Face model's own code may need real tensors)."""
     try:
         with torch.device("meta"):
-            return sum(p.numel() for p in build_model(cfg.model, seed=cfg.train.seed).parameters())
-    except Exception:  # noqa: BLE001 -- only a figure of the summary is lost
+            return build_model(cfg.model, seed=cfg.train.seed)
+    except Exception:  # noqa: BLE001 -- only figures of the summary are lost
         return None
+
+
+def parameter_count(cfg: RunConfig) -> Optional[int]:
+    """The model's parameters (a tied tensor once), or None (``meta_model``)."""
+    model = meta_model(cfg)
+    return None if model is None else sum(p.numel() for p in model.parameters())
+
+
+def stage_line(model: torch.nn.Module, stages: int) -> str:
+    """Each stage's blocks and parameters as the pipeline splits them (balanced by parameters; a
+    tied tensor counts on every stage that holds a copy of it)."""
+    blocks = as_blocks(model)
+    each = []
+    for stage, indices in enumerate(split(blocks, stages)):
+        count = sum(p.numel() for i in indices for p in blocks[i].parameters())
+        span = f"block {indices[0]}" if len(indices) == 1 else f"blocks {indices[0]}-{indices[-1]}"
+        each.append(f"{stage}: {span} ({count:,} parameters)")
+    return f"stages of {len(blocks)} blocks: " + ", ".join(each)
 
 
 def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
@@ -40,7 +59,8 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
         raise RunDirError(taken_message(out))
     p, t = cfg.pipeline, cfg.train
     tokens_per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
-    params = parameter_count(cfg)
+    model = meta_model(cfg)
+    params = None if model is None else sum(p.numel() for p in model.parameters())
     where = f"resuming {out} at step {start} ({resume_dir.name})" if resume_dir is not None else f"{out}, a new run"
     data = stream.plan(t.steps)
     sets = f" and {len(cfg.data.eval_data)} more set(s)" if cfg.data.eval_data else ""
@@ -55,6 +75,8 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
           f"{p.global_micro_batch_size} x {cfg.model.seq_len}), {t.steps * tokens_per_step:,} tokens in all")
     print(f"schedule: {p.schedule}, {p.stages} stage{'s' if p.stages > 1 else ''}{replicas}"
           f"{', simulated in one process' if t.simulate else ''}, on {t.device}")
+    if model is not None and p.stages > 1:
+        print(stage_line(model, p.stages))
     print(f"optimizer: {cfg.optim.name}, lr {cfg.optim.effective_lr():g}, {cfg.optim.lr_schedule} schedule")
     print(f"data: {data}")
     print(f"evaluation: {evaluation}")
@@ -63,4 +85,4 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     return 0
 
 
-__all__ = ["dry_run", "parameter_count"]
+__all__ = ["dry_run", "meta_model", "parameter_count", "stage_line"]
