@@ -12,6 +12,7 @@ from asyncpp_ext.models.generate import last_logits
 from asyncpp_ext.models.registry import MODEL_PRESETS, build_model
 from asyncpp_ext.training.choice_eval import Example, ending_log_likelihoods, ending_text, score_choices
 from asyncpp_ext.training.cli import main as train
+from asyncpp_ext.training.export import load_model
 
 
 def encode(text):
@@ -19,12 +20,12 @@ def encode(text):
 
 
 @torch.no_grad()
-def _reference(model, example, seq_len):
+def _reference(model, example, seq_len, start=()):
     """sum of log p(token | every token before it in the window), one prefix at a time."""
     totals = []
     for ending in example.endings:
         tail = encode(ending_text(example.context, ending))
-        ids = (encode(example.context) + tail)[-(seq_len + 1):]
+        ids = (list(start) + encode(example.context) + tail)[-(seq_len + 1):]
         total = 0.0
         for k in range(max(1, len(ids) - len(tail)), len(ids)):
             logp = F.log_softmax(last_logits(model, torch.tensor([ids[:k]])), dim=-1)
@@ -45,6 +46,14 @@ def test_each_endings_log_likelihood_is_the_token_by_token_one(example):
     want = _reference(model, example, 32)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
     assert len(set(round(g, 6) for g in got)) == len(got)
+
+
+def test_a_document_start_goes_before_the_context():
+    model = build_model(MODEL_PRESETS["tiny"], seed=3).eval()
+    example = Example("Once", ("upon a time", "x"), 0)
+    got = ending_log_likelihoods(model, encode, example, 32, torch.device("cpu"), prefix=[10])
+    assert got == pytest.approx(_reference(model, example, 32, start=[10]), rel=1e-5, abs=1e-4)
+    assert got != pytest.approx(_reference(model, example, 32), rel=1e-5, abs=1e-4)
 
 
 def test_accuracy_counts_the_most_likely_ending_and_norm_the_most_likely_per_byte():
@@ -96,7 +105,6 @@ def test_the_command_scores_each_checkpoint_and_file(run, tmp_path, capsys):
     assert evaluate([str(run), "--choices", task, "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["task"] == task and row["examples"] == 3 and row["step"] == 2 and row["dtype"] == "fp32"
-    from asyncpp_ext.training.export import load_model
     from asyncpp_ext.training.choice_eval import read_choices
     model = load_model(run / "ckpt-000002")[2]
     want = score_choices(model, encode, read_choices(task), 32, torch.device("cpu"), torch.autocast("cpu", enabled=False))
@@ -129,3 +137,28 @@ def test_bad_tasks_and_flags_are_one_line(run, tmp_path, capsys, lines, flags, w
 def test_limit_without_choices_is_one_line(run, capsys):
     assert evaluate([str(run), "--limit", "3"]) == 2
     assert "--limit applies to --choices only" in capsys.readouterr().err
+
+
+def test_a_run_on_a_tokenizer_scores_after_its_end_of_text_token(tmp_path):
+    pytest.importorskip("tokenizers", reason="a BPE run needs the tokenizers package")
+    from bpe_tokenizer import bpe_llama_run
+
+    tok = bpe_llama_run(tmp_path, 40_000, 300, model_vocab=320)
+    task = _task(tmp_path, HELLASWAG_LIKE)
+    assert evaluate([str(tmp_path / "run"), "--choices", task, "--json", str(tmp_path / "rows.json")]) == 0
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    from asyncpp_ext.training.choice_eval import read_choices
+    cfg, _, model = load_model(tmp_path / "run" / "ckpt-000002")
+    bpe = lambda text: tok.encode(text).ids  # noqa: E731
+    eos = [tok.token_to_id("<|endoftext|>")]
+    cpu, plain = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    examples = read_choices(task)
+    want = score_choices(model, bpe, examples, cfg.model.seq_len, cpu, plain, prefix=eos)
+    assert (row["accuracy"], row["accuracy_norm"]) == (want["accuracy"], want["accuracy_norm"])
+    from asyncpp_ext.data.encode import ByteTokenizer
+    from asyncpp_ext.training.choice_eval import document_start
+    from asyncpp_ext.training.export import run_tokenizer
+    assert document_start(run_tokenizer("auto", cfg, 320)) == eos and document_start(ByteTokenizer()) == []
+    first = examples[0]
+    with_start = ending_log_likelihoods(model, bpe, first, cfg.model.seq_len, cpu, prefix=eos)
+    assert with_start != ending_log_likelihoods(model, bpe, first, cfg.model.seq_len, cpu)

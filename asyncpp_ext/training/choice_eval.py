@@ -5,7 +5,10 @@ A task file is JSON lines, one example each: ``{"context": "...", "endings": [".
 Each ending is scored by the log-likelihood the model gives its tokens after the context's,
 ``sum_i log p(e_i | context, e_<i)``: the context and the ending are encoded apart with the run's
 tokenizer (the ending with a space in front where neither side has whitespace there, as the
-sentence would be written), joined, and cut to the model's last ``seq_len`` + 1 tokens. The
+sentence would be written), joined after the token that starts a document where the tokenizer has
+one (its end-of-text token, else its beginning-of-text token, as training's documents follow one
+and asyncpp-sample starts from one; bytes have none), and cut to the model's last ``seq_len`` + 1
+tokens. The
 example counts as right when the label's ending is the most likely (``accuracy``) and, for
 ``accuracy_norm``, the most likely per UTF-8 byte of the ending (lm-evaluation-harness's
 ``acc_norm``: longer endings are not penalised for their length, whatever the tokenizer).
@@ -73,15 +76,24 @@ def _example(line: str, where: str) -> Example:
     return Example(context, tuple(endings), label)
 
 
+def document_start(tokenizer) -> list[int]:
+    """The ids that start a document for ``tokenizer``: its end-of-text token, else its
+    beginning-of-text token; none for bytes (asyncpp-sample starts a new document the same way)."""
+    _, eos, bos = tokenizer.boundary_tokens()
+    token = eos or bos
+    return [int(tokenizer.token_to_id(token))] if token is not None else []
+
+
 def ending_text(context: str, ending: str) -> str:
     """The ending as it follows the context: a space in front where neither side has whitespace."""
     return ending if context[-1:].isspace() or ending[:1].isspace() else " " + ending
 
 
 @torch.no_grad()
-def ending_log_likelihoods(model, encode, example: Example, seq_len: int, device) -> list[float]:
-    """``sum_i log p(e_i | context, e_<i)`` of each ending (the module docstring)."""
-    context = encode(example.context)
+def ending_log_likelihoods(model, encode, example: Example, seq_len: int, device, prefix=()) -> list[float]:
+    """``sum_i log p(e_i | context, e_<i)`` of each ending (the module docstring); ``prefix``: ids
+    before the context (the token that starts a document)."""
+    context = list(prefix) + encode(example.context)
     rows, scored = [], []
     for ending in example.endings:
         tail = encode(ending_text(example.context, ending))
@@ -103,13 +115,13 @@ def ending_log_likelihoods(model, encode, example: Example, seq_len: int, device
     return totals
 
 
-def score_choices(model, encode, examples: list, seq_len: int, device, precision) -> dict:
+def score_choices(model, encode, examples: list, seq_len: int, device, precision, prefix=()) -> dict:
     """accuracy and accuracy_norm of ``model`` over ``examples`` (module docstring)."""
     right = right_norm = 0
     start = time.perf_counter()
     for example in examples:
         with precision:
-            totals = ending_log_likelihoods(model, encode, example, seq_len, device)
+            totals = ending_log_likelihoods(model, encode, example, seq_len, device, prefix)
         per_byte = [t / len(ending_text(example.context, e).encode("utf-8"))
                     for t, e in zip(totals, example.endings)]
         right += max(range(len(totals)), key=totals.__getitem__) == example.label
@@ -118,4 +130,4 @@ def score_choices(model, encode, examples: list, seq_len: int, device, precision
             "seconds": time.perf_counter() - start}
 
 
-__all__ = ["Example", "read_choices", "ending_text", "ending_log_likelihoods", "score_choices"]
+__all__ = ["Example", "read_choices", "document_start", "ending_text", "ending_log_likelihoods", "score_choices"]

@@ -31,7 +31,7 @@ from ..models.hf_checks import HFModelError
 from .build import mixture_held_out_batches, mixture_sources
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints
 from .config import ConfigError
-from .choice_eval import read_choices, score_choices
+from .choice_eval import document_start, read_choices, score_choices
 from .export import (add_compute_flags, averaged_checkpoints, command_autocast, command_device, data_tokenizer,
                      load_average, run_tokenizer, trained_on_bytes)
 from .run_files import write_text_atomic
@@ -208,9 +208,10 @@ def evaluate_choices(args, ckpts: list, device, precision, dtype: str) -> list[d
         model = model.to(device)
         tokenizer = run_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
         encode = lambda text: [int(i) for i in tokenizer.encode([text])[0]]  # noqa: E731
+        prefix = document_start(tokenizer)
         for path, examples in tasks.items():
             row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "task": path,
-                   **score_choices(model, encode, examples, cfg.model.seq_len, device, precision),
+                   **score_choices(model, encode, examples, cfg.model.seq_len, device, precision, prefix),
                    "device": device.type, "dtype": dtype, "averaged": args.average}
             rows.append(row)
             print(f"{str(ckpt)[-44:]:<44} {step:>7} {row['accuracy']:>9.4f} {row['accuracy_norm']:>9.4f} "
