@@ -62,6 +62,28 @@ def signals_handled(handler: Callable, numbers=STOP_SIGNALS) -> Iterator[None]:
             signal.signal(number, signal.SIG_DFL if earlier is None else earlier)
 
 
+_early: list[int] = []  # signals noted by ``notes_early`` and not yet taken
+
+
+@contextlib.contextmanager
+def notes_early(names) -> Iterator[None]:
+    """For the block, the signals ``names`` ("SIGUSR1", ...) are noted (``take_early_notes``)
+    instead of stopping the process. A pipeline's rank starts under it for the signal its launcher
+    passes on (``--stop-on-signal``), which may arrive while the rank is still setting up, before
+    its own noting is in place: without this it would stop the rank instead of the run at a
+    checkpoint."""
+    with signals_handled(lambda signum, frame: _early.append(signum),
+                         [getattr(signal, name) for name in names if hasattr(signal, name)]):
+        yield
+
+
+def take_early_notes() -> list[int]:
+    """The signals ``notes_early`` noted since the last call (then forgotten)."""
+    taken = list(_early)
+    del _early[:len(taken)]
+    return taken
+
+
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
     """SIGTERM and SIGHUP raise ``Stopped`` for the block, and no stop request is lost: Python drops

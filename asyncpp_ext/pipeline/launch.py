@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import torch.distributed as dist
 
-from ..stop_signals import Stopped, die_with_parent, signals_handled, stop_signals_raise
+from ..stop_signals import Stopped, die_with_parent, notes_early, signals_handled, stop_signals_raise
 from .devices import check_spawned_ranks, usable_cores
 from .peer_errors import TransportError, peer_gone
 from .start_method import START_METHOD_ENV, _context, _stdout_and_stderr_open
@@ -195,7 +195,8 @@ def _launcher_stdio_in_rank(out, err) -> tuple:
 
 def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel=None,
            listener: socket.socket | None = None, environ: dict | None = None,
-           stdio: tuple | None = None, launcher: int | None = None, interruptible: bool = True) -> None:
+           stdio: tuple | None = None, launcher: int | None = None, interruptible: bool = True,
+           forward: Sequence[str] = ()) -> None:
     global _failure_channel, _store_listener
     _die_with_parent()
     if interruptible:  # a forkserver's ranks start with SIGINT ignored (forkserver_start.py)
@@ -219,7 +220,9 @@ def _child(fn: Callable, rank: int, nprocs: int, port: int, args: tuple, channel
     if os.environ["MASTER_ADDR"] in ("127.0.0.1", "localhost") and loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # gloo's sockets on loopback too
     try:
-        with stop_signals_raise():  # SIGTERM: a line and a clean end, as a Ctrl-C gives
+        # SIGTERM: a line and a clean end, as a Ctrl-C gives; a signal the launcher passes on
+        # (``forward``) is noted until fn's own handling takes it (stop_request.noting)
+        with stop_signals_raise(), notes_early(forward):
             fn(*args)
             # A stream fn left (a break) runs on and may use the groups destroyed below.
             join_left_streams("before the rank ends")
@@ -288,7 +291,8 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0,
     stdio = _LauncherStdio() if ctx.get_start_method() == "forkserver" and _stdout_and_stderr_open() else None
     interruptible = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # a background job's is not
     procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, args, channel, listener if r == 0 else None,
-                                              environ, stdio, os.getpid(), interruptible), daemon=False)
+                                              environ, stdio, os.getpid(), interruptible, tuple(forward)),
+                         daemon=False)
              for r in range(nprocs)]
     started = []  # a Ctrl-C can come between two starts: the ranks already started stop too
     deadline = None

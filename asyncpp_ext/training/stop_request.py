@@ -19,7 +19,7 @@ import contextlib
 import signal
 from typing import Iterator, Optional
 
-from ..stop_signals import signals_handled
+from ..stop_signals import signals_handled, take_early_notes
 
 CHECKPOINT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM")
 """The signals ``--stop-on-signal`` takes: a batch system's warnings. SIGINT stays Ctrl-C's stop."""
@@ -42,12 +42,14 @@ def signal_name(text: str) -> Optional[str]:
 @contextlib.contextmanager
 def noting(name: Optional[str]) -> Iterator[None]:
     """For the block, signal ``name`` (None: nothing changes) is noted for ``requested()`` instead of
-    taking its usual effect; notes from before the block are forgotten. Inside a block noting the
-    same signal (a torchrun rank: the command's block, then the rank's) nothing changes either."""
+    taking its usual effect; notes from before the block are forgotten, but those of the same
+    signal ``stop_signals.notes_early`` took while a spawned rank was starting. Inside a block
+    noting the same signal (a torchrun rank: the command's block, then the rank's) nothing
+    changes either."""
     if name is None or name in _noting:
         yield
         return
-    _noted.clear()
+    _noted[:] = [number for number in take_early_notes() if number == getattr(signal, name)]
     _noting.append(name)
     try:
         with signals_handled(lambda number, frame: _noted.append(number), [getattr(signal, name)]):
