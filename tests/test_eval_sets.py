@@ -39,13 +39,13 @@ def test_each_set_is_scored_at_each_evaluation_as_asyncpp_eval_scores_it(tmp_pat
                   "--out", str(pipe)]) == 0
     named = _named(_rows(sim))
     assert [step for step, _ in named] == [2, 4]
-    assert all(list(losses) == [texts["code"], texts["prose"]] for _, losses in named)
-    assert named[0][1][texts["code"]] != named[0][1][texts["prose"]]
+    assert all(list(losses) == ["code", "prose"] for _, losses in named)  # the files' short names
+    assert named[0][1]["code"] != named[0][1]["prose"]
     assert _named(_rows(pipe)) == named  # exactly
     capsys.readouterr()
     assert evaluate([str(sim), "--data", texts["code"], "--json", str(tmp_path / "eval.json")]) == 0
     (row,) = json.loads((tmp_path / "eval.json").read_text())
-    assert math.isclose(row["loss"], named[-1][1][texts["code"]], rel_tol=1e-5)
+    assert math.isclose(row["loss"], named[-1][1]["code"], rel_tol=1e-5)
 
 
 def test_the_log_line_names_each_set(tmp_path, texts, capsys):
@@ -54,7 +54,7 @@ def test_the_log_line_names_each_set(tmp_path, texts, capsys):
                   "--log-every", "4"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"{run}: step 4 eval_loss")]
     losses = dict(_named(_rows(run)))[4]
-    assert len(lines) == 1 and lines[0].endswith(f"({texts['code']} {losses[texts['code']]:.4f})"), lines
+    assert len(lines) == 1 and lines[0].endswith(f"(code {losses['code']:.4f})"), lines
 
 
 def test_a_mixture_scores_each_sources_held_out_part(tmp_path, texts):
@@ -62,7 +62,7 @@ def test_a_mixture_scores_each_sources_held_out_part(tmp_path, texts):
     mix = ["--data-mix", f"{texts['code']}=1", "--data-mix", f"{texts['prose']}=1"]
     assert train([*COMMON, *mix, "--eval-data", texts["train"], "--simulate", "--out", str(run)]) == 0
     (_, last), = _named(_rows(run))[-1:]
-    assert list(last) == [texts["code"], texts["prose"], texts["train"]]
+    assert list(last) == ["code", "prose", "train"]
 
 
 def test_without_more_sets_rows_are_as_before(tmp_path, texts):
@@ -89,3 +89,11 @@ def test_bad_sets_are_one_line_and_write_nothing(tmp_path, texts, capsys, flags,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words.replace("{tmp}", str(tmp_path)) in err[0], err
     assert not out.exists()
+
+
+def test_sets_are_named_by_their_files():
+    from asyncpp_ext.training.build import set_names
+
+    assert set_names(["data/web/*.bin", "val/code.bin", "d/fw.val.manifest.json", "x/prose.txt", "shards/"]) == [
+        "web", "code", "fw.val", "prose", "shards"]
+    assert set_names(["a/val.bin", "b/val.bin"]) == ["a/val.bin", "b/val.bin"]  # one name for two: the paths

@@ -176,7 +176,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                             "both continue their window order")
     model.add_argument("--eval-data", action="append", metavar="PATH",
                        help="another held-out set (same formats as --data) evaluated at every evaluation beside "
-                            "eval_loss; once per set: each row's eval_losses holds each set's loss by its path "
+                            "eval_loss; once per set: each row's eval_losses holds each set's loss by its file's name "
                             "(a --data-mix run also gets each source's held-out part there)")
     model.add_argument("--sampling", choices=SAMPLINGS,
                        help="order of the training windows: random (uniform starts; default) or epoch "

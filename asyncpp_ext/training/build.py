@@ -149,9 +149,26 @@ def build_mixture(cfg: RunConfig) -> tuple[MixtureStream, list]:
     return stream, mixture_held_out_batches(cfg, held_out, p.global_micro_batch_size, cfg.data.eval_batches)
 
 
+def set_names(paths: list) -> list:
+    """Short names of data paths for the metrics (``eval_losses`` keys, ``eval/loss/NAME`` tags):
+    the last component that is not a glob, without its data suffixes (``data/web/*.bin`` -> web,
+    ``val/code.bin`` -> code, ``fw.val.manifest.json`` -> fw.val); the paths themselves where two
+    would share a name."""
+    names = []
+    for path in paths:
+        parts = [part for part in Path(path).parts if not any(c in part for c in "*?[")]
+        name = parts[-1] if parts else str(path)
+        for suffix in (".manifest.json", ".bin", ".txt", ".jsonl", ".json"):
+            if name.endswith(suffix) and len(name) > len(suffix):
+                name = name[:-len(suffix)]
+                break
+        names.append(name)
+    return names if len(set(names)) == len(names) else [str(p) for p in paths]
+
+
 def build_eval_sets(cfg: RunConfig) -> dict:
-    """The named held-out sets evaluated beside ``eval_loss`` (rows' ``eval_losses``), by path:
-    each ``--data-mix`` source's held-out part (without --val-data), then each ``--eval-data``;
+    """The named held-out sets evaluated beside ``eval_loss`` (rows' ``eval_losses``), by
+    ``set_names``: each ``--data-mix`` source's held-out part (without --val-data), then each ``--eval-data``;
     ``--eval-batches`` batches each (at most one pass over a set's windows). {} when the run
     never evaluates."""
     count, batch = cfg.data.eval_batches, cfg.pipeline.global_micro_batch_size
@@ -173,7 +190,7 @@ def build_eval_sets(cfg: RunConfig) -> dict:
                             f"{seq_len} + 1; use more data or a smaller --seq-len")
         named.append((path, tokens, f"--eval-data {path}"))
     sets = {}
-    for name, tokens, what in named:
+    for name, (_, tokens, what) in zip(set_names([path for path, _, _ in named]), named):
         windows = len(tokens) - seq_len  # distinct window starts
         sets[name] = eval_batches(tokens, batch, seq_len, min(count, max(windows // batch, DEFAULT_EVAL_BATCHES)),
                                   vocab, what)

@@ -74,7 +74,7 @@ class DataConfig:
     eval_data: list = field(default_factory=list)
     """More held-out sets evaluated at every evaluation beside ``eval_loss`` (``--eval-data PATH``,
     repeated; same formats as ``source``): each row's ``eval_losses`` holds each one's loss by its
-    path, as it does each ``mix`` source's held-out part's."""
+    file's name (build.set_names), as it does each ``mix`` source's held-out part's."""
     mix: list = field(default_factory=list)
     """A weighted mixture of sources instead of ``source``: [path, weight] pairs (``--data-mix
     PATH=WEIGHT``; weights any positive numbers, normalised). Each minibatch takes each source's
