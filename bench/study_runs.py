@@ -134,7 +134,7 @@ def run_data(cfg, eval_micro_batch_size: int) -> tuple:
     train_tokens, eval_tokens = split_tokens(tokens, cfg.data.eval_fraction, eval_micro_batch_size,
                                              cfg.model.seq_len, source=cfg.data.source)
     stream = BatchStream(train_tokens, p.microbatches, p.micro_batch_size, cfg.model.seq_len,
-                         seed=cfg.train.seed, sampling=cfg.data.sampling)
+                         seed=cfg.data_seed(), sampling=cfg.data.sampling)
     eval_set = eval_batches(eval_tokens, eval_micro_batch_size, cfg.model.seq_len, cfg.data.eval_batches)
     return stream, eval_set
 

@@ -142,6 +142,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="muon's Newton-Schulz dtype: auto = bf16 on CUDA, fp32 on CPU (default auto)")
     run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
     run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
+    run.add_argument("--data-seed", type=int, metavar="N",
+                     help="seed of the batch order alone (default: --seed's), so that init and data order "
+                          "can vary apart")
     opt.add_argument("--lr-schedule", choices=LR_SCHEDULES,
                      help="lr multiplier over the run: constant, cosine (toward --min-lr-ratio, reached "
                           "as the run ends) or wsd (warmup, stable, linear decay over --decay-steps) "
@@ -362,7 +365,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("optim", "clip_grad_norm"): args.clip_grad_norm, ("train", "tensorboard"): args.tensorboard,
         ("train", "wandb"): args.wandb, ("train", "wandb_project"): args.wandb_project,
         ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
-        ("data", "sampling"): args.sampling, ("data", "mix"): args.data_mix,
+        ("data", "sampling"): args.sampling, ("data", "seed"): args.data_seed, ("data", "mix"): args.data_mix,
         ("data", "eval_data"): args.eval_data,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
         ("train", "checkpoints"): args.checkpoints, ("data", "eval_batches"): args.eval_batches,
@@ -444,7 +447,7 @@ FIELD_FLAGS = {
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
     "train.keep_checkpoints": "--keep-checkpoints", "train.async_checkpoints": "--async-checkpoints",
-    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.eval_data": "--eval-data", "data.change_mix": "--change-data-mix", "data.skip_batches": "--skip-batches", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
+    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.eval_data": "--eval-data", "data.change_mix": "--change-data-mix", "data.seed": "--data-seed", "data.skip_batches": "--skip-batches", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",

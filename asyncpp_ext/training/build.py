@@ -60,7 +60,7 @@ def build_data(cfg: RunConfig) -> tuple[BatchStream, list]:
             raise DataError(f"--data holds {len(train_tokens)} tokens, fewer than {batch} window(s) of "
                             f"seq_len {cfg.model.seq_len} + 1; use more data or a smaller --seq-len")
     vocab = cfg.model.vocab_size
-    stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.train.seed,
+    stream = BatchStream(train_tokens, p.microbatches, batch, cfg.model.seq_len, seed=cfg.data_seed(),
                          sampling=cfg.data.sampling, vocab_size=vocab, source=f"--data {cfg.data.source}")
     if cfg.data.val_source is not None:
         return stream, _val_data_batches(cfg)
@@ -139,7 +139,7 @@ def build_mixture(cfg: RunConfig) -> tuple[MixtureStream, list]:
     part, keyed apart, and the held-out windows of every source by the weights (or --val-data)."""
     p = cfg.pipeline
     train_parts, held_out = mixture_sources(cfg)
-    parts = [BatchStream(tokens, p.microbatches, p.global_micro_batch_size, cfg.model.seq_len, seed=cfg.train.seed,
+    parts = [BatchStream(tokens, p.microbatches, p.global_micro_batch_size, cfg.model.seq_len, seed=cfg.data_seed(),
                          sampling=cfg.data.sampling, vocab_size=cfg.model.vocab_size, source=f"--data-mix {path}")
              for (path, _), tokens in zip(cfg.data.mix, train_parts)]
     stream = MixtureStream(parts, [weight for _, weight in cfg.data.mix], names=[path for path, _ in cfg.data.mix],

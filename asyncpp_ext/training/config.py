@@ -68,6 +68,9 @@ class DataConfig:
     """Number of evaluation batches (each of micro_batch_size windows) per evaluation; 0 = the run
     never evaluates (a throughput measurement: under ``--compile`` the first evaluation compiles
     each region's no-grad graph, seconds on a GPU)."""
+    seed: Optional[int] = None
+    """Seed of the batch order (``--data-seed``); None = ``train.seed``, which then seeds both the
+    model's init and the order. Set apart, runs can share one while the other varies."""
     sampling: str = "random"
     """Order of the training windows: random (uniform starts, nanoGPT's way) | epoch (consecutive
     windows in a seeded permutation per epoch: no token trains twice within an epoch)."""
@@ -469,6 +472,10 @@ class RunConfig:
         """``train.async_checkpoints`` resolved: None = on for cuda."""
         t = self.train
         return t.async_checkpoints if t.async_checkpoints is not None else t.device == "cuda"
+
+    def data_seed(self) -> int:
+        """The batch order's seed: ``data.seed``, or ``train.seed`` when it is None."""
+        return self.train.seed if self.data.seed is None else self.data.seed
 
     def grad_norm_limit(self) -> Optional[float]:
         """What the engines' ``clip_grad_norm`` gets: the clipping threshold, ``math.inf`` to only

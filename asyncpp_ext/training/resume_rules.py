@@ -53,11 +53,14 @@ def get_field(cfg: RunConfig, dotted: str):
 
 
 def resolved_field(cfg: RunConfig, dotted: str):
-    """``get_field``, with an "auto" precision replaced by what it runs as on ``cfg``'s device
+    """``get_field``, with the batch order's seed as it is (``RunConfig.data_seed``) and an "auto"
+    precision replaced by what it runs as on ``cfg``'s device
     (bf16 on cuda, fp32 on cpu): the autocast dtype, and a Muon-family optimizer's Newton-Schulz
     dtype. A resume compares these, so "auto" on cpu and "fp32" count as the same run and "auto" on
     cpu and on cuda do not."""
     value = get_field(cfg, dotted)
+    if dotted == "data.seed" and value is None:  # the order's seed is the run's (older configs: no field)
+        return cfg.train.seed
     auto_precision = dotted == "train.dtype" or (dotted == "optim.ns_dtype" and cfg.optim.name in MUON_FAMILY)
     if value == "auto" and auto_precision:
         return auto_precision_name(cfg.train.device)
