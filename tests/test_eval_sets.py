@@ -97,3 +97,17 @@ def test_sets_are_named_by_their_files():
     assert set_names(["data/web/*.bin", "val/code.bin", "d/fw.val.manifest.json", "x/prose.txt", "shards/"]) == [
         "web", "code", "fw.val", "prose", "shards"]
     assert set_names(["a/val.bin", "b/val.bin"]) == ["a/val.bin", "b/val.bin"]  # one name for two: the paths
+
+
+def test_asyncpp_eval_scores_a_runs_sets_as_its_rows_hold_them(tmp_path, texts, capsys):
+    run = tmp_path / "run"
+    mix = ["--data-mix", f"{texts['code']}=1", "--data-mix", f"{texts['prose']}=1"]
+    assert train([*COMMON, *mix, "--eval-data", texts["train"], "--simulate", "--out", str(run)]) == 0
+    assert evaluate([str(run), "--json", str(tmp_path / "rows.json")]) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    last = [r for r in _rows(run) if "eval_loss" in r][-1]
+    assert [r["data"] for r in rows[1:]] == ["code", "prose", "train"]
+    assert math.isclose(rows[0]["loss"], last["eval_loss"], rel_tol=1e-5)
+    for row in rows[1:]:
+        assert math.isclose(row["loss"], last["eval_losses"][row["data"]], rel_tol=1e-5), row["data"]
+    assert "data: each row's column" in capsys.readouterr().out

@@ -166,12 +166,19 @@ def set_names(paths: list) -> list:
     return names if len(set(names)) == len(names) else [str(p) for p in paths]
 
 
-def build_eval_sets(cfg: RunConfig) -> dict:
+def has_eval_sets(cfg: RunConfig) -> bool:
+    """Whether ``build_eval_sets`` gives any set for ``cfg`` (read from its config alone)."""
+    return bool(cfg.data.eval_data) or bool(cfg.data.mix and cfg.data.val_source is None)
+
+
+def build_eval_sets(cfg: RunConfig, count: Optional[int] = None, batch_size: Optional[int] = None) -> dict:
     """The named held-out sets evaluated beside ``eval_loss`` (rows' ``eval_losses``), by
     ``set_names``: each ``--data-mix`` source's held-out part (without --val-data), then each ``--eval-data``;
-    ``--eval-batches`` batches each (at most one pass over a set's windows). {} when the run
-    never evaluates."""
-    count, batch = cfg.data.eval_batches, cfg.pipeline.global_micro_batch_size
+    ``--eval-batches`` batches each (at most one pass over a set's windows; ``count`` and
+    ``batch_size`` replace the run's, as asyncpp-eval's --batches and --batch-size do). {} when
+    the run never evaluates."""
+    count = cfg.data.eval_batches if count is None else count
+    batch = cfg.pipeline.global_micro_batch_size if batch_size is None else batch_size
     seq_len, vocab = cfg.model.seq_len, cfg.model.vocab_size
     if count == 0:
         return {}

@@ -28,8 +28,8 @@ from ..command_line import OneLineParser, UsageError, run_command
 from ..data import DataError, eval_batches, load_tokens, split_tokens
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
-from .build import mixture_held_out_batches, mixture_sources
-from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints
+from .build import build_eval_sets, has_eval_sets, mixture_held_out_batches, mixture_sources
+from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints, read_meta, saved_config
 from .config import ConfigError
 from .choice_eval import document_start, read_choices, score_choices
 from .export import (add_compute_flags, averaged_checkpoints, command_autocast, command_device, data_tokenizer,
@@ -141,6 +141,35 @@ def mean_loss(model: torch.nn.Module, batches: list, device: torch.device) -> fl
     return total / len(batches)
 
 
+def _sets_of(cfg, data, args) -> list[tuple]:
+    """(batches, what they are, whether the run is on bytes) of each set a run is scored on for
+    ``data``: the file, or (None) the run's own evaluation set and then each of its named sets
+    (build.build_eval_sets: the ones its rows' eval_losses hold, under the same names)."""
+    on_bytes = trained_on_bytes(cfg)
+    found = [(*evaluation_set(cfg, data, args.batches, args.batch_size), on_bytes)]
+    if data is None:
+        named = build_eval_sets(cfg, count=args.batches, batch_size=args.batch_size)
+        found += [(batches, name, on_bytes) for name, batches in named.items()]
+    return found
+
+
+def _row(run, ckpt, step, model, batches, what, on_bytes, device, precision, dtype, args, several) -> dict:
+    """One checkpoint's loss on one set, printed as the table's line."""
+    start = time.perf_counter()
+    with precision:
+        loss = mean_loss(model, batches, device)
+    row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "loss": loss,
+           "perplexity": math.inf if loss >= 709 else math.exp(loss),  # math.exp raises past ~709.78
+           "bits_per_byte": loss / math.log(2) if on_bytes else None,
+           "tokens": sum(int(y.numel()) for _, y in batches), "data": what, "device": device.type,
+           "dtype": dtype, "averaged": args.average,
+           "seconds": time.perf_counter() - start}
+    bpb = f"{row['bits_per_byte']:.4f}" if on_bytes else "-"
+    print(f"{str(ckpt)[-44:]:<44} {step:>7} {loss:>8.4f} {row['perplexity']:>9.3f} {bpb:>9} "
+          f"{row['tokens']:>10,} {row['seconds']:>6.1f}" + (f"  {what}" if several else ""), flush=True)
+    return row
+
+
 def evaluate(args) -> list[dict]:
     """One row per checkpoint (and ``--data`` file); prints the table as rows are done."""
     check_arguments(args)
@@ -151,8 +180,10 @@ def evaluate(args) -> list[dict]:
         averaged_checkpoints(ckpt, args.average)
     if args.choices:
         return _write_json(args, evaluate_choices(args, ckpts, device, precision, dtype))
-    datas = args.data or [None]  # None: each run's own evaluation set
-    several = len(datas) > 1  # then each row names its data
+    datas = args.data or [None]  # None: each run's own evaluation set, and its eval_losses sets
+    # then each row names its data
+    several = len(datas) > 1 or (args.data is None and any(has_eval_sets(saved_config(c, read_meta(c)))
+                                                           for _, c in ckpts))
     rows = []
     print(f"{'checkpoint':<44} {'step':>7} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'tokens':>10} {'s':>6}"
           + ("  data" if several else ""))
@@ -163,21 +194,10 @@ def evaluate(args) -> list[dict]:
         for data in datas:
             key = (data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
             if key not in sets:
-                sets[key] = (*evaluation_set(cfg, data, args.batches, args.batch_size), trained_on_bytes(cfg))
-            batches, what, on_bytes = sets[key]
-            start = time.perf_counter()
-            with precision:
-                loss = mean_loss(model, batches, device)
-            row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "loss": loss,
-                   "perplexity": math.inf if loss >= 709 else math.exp(loss),  # math.exp raises past ~709.78
-                   "bits_per_byte": loss / math.log(2) if on_bytes else None,
-                   "tokens": sum(int(y.numel()) for _, y in batches), "data": what, "device": device.type,
-                   "dtype": dtype, "averaged": args.average,
-                   "seconds": time.perf_counter() - start}
-            rows.append(row)
-            bpb = f"{row['bits_per_byte']:.4f}" if on_bytes else "-"
-            print(f"{str(ckpt)[-44:]:<44} {step:>7} {loss:>8.4f} {row['perplexity']:>9.3f} {bpb:>9} "
-                  f"{row['tokens']:>10,} {row['seconds']:>6.1f}" + (f"  {what}" if several else ""), flush=True)
+                sets[key] = _sets_of(cfg, data, args)
+            for batches, what, on_bytes in sets[key]:
+                rows.append(_row(run, ckpt, step, model, batches, what, on_bytes, device, precision, dtype, args,
+                                 several))
     shown = sorted({r["data"] for r in rows})
     print((f"data: {shown[0]}" if len(shown) == 1 else "data: each row's column" if several else
            "data: each run's own evaluation set (pass --data to compare runs on the same windows)")
