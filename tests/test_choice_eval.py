@@ -162,3 +162,21 @@ def test_a_run_on_a_tokenizer_scores_after_its_end_of_text_token(tmp_path):
     first = examples[0]
     with_start = ending_log_likelihoods(model, bpe, first, cfg.model.seq_len, cpu, prefix=eos)
     assert with_start != ending_log_likelihoods(model, bpe, first, cfg.model.seq_len, cpu)
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_sums_are_the_cpus_and_auto_is_bf16(run, tmp_path):
+    """fp32 on the GPU against the CPU (rel 1e-4), bf16 autocast within 2 % (tolerances set without
+    a GPU run: a failure there means measuring the difference, not widening it)."""
+    model = load_model(run / "ckpt-000002")[2]
+    cpu = [ending_log_likelihoods(model, encode, e, 32, torch.device("cpu")) for e in EXAMPLES]
+    model = model.cuda()
+    gpu = [ending_log_likelihoods(model, encode, e, 32, torch.device("cuda")) for e in EXAMPLES]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        bf16 = [ending_log_likelihoods(model, encode, e, 32, torch.device("cuda")) for e in EXAMPLES]
+    for c, g, b in zip(cpu, gpu, bf16):
+        assert g == pytest.approx(c, rel=1e-4) and b == pytest.approx(c, rel=2e-2)
+    task = _task(tmp_path, HELLASWAG_LIKE)
+    assert evaluate([str(run), "--choices", task, "--device", "cuda", "--json", str(tmp_path / "g.json")]) == 0
+    (row,) = json.loads((tmp_path / "g.json").read_text())
+    assert (row["device"], row["dtype"], row["examples"]) == ("cuda", "bf16", 3)
