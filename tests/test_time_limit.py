@@ -58,13 +58,13 @@ def test_the_limit_counts_the_start_up(tmp_path, monkeypatch):
 
     from asyncpp_ext.training import run as run_module
 
-    build_data = run_module.build_data
+    build_run_data = run_module.build_run_data
 
-    def slow_build_data(cfg):
+    def slow_build_run_data(cfg):
         time.sleep(3.0)
-        return build_data(cfg)
+        return build_run_data(cfg)
 
-    monkeypatch.setattr(run_module, "build_data", slow_build_data)
+    monkeypatch.setattr(run_module, "build_run_data", slow_build_run_data)
     run = tmp_path / "run"
     began = time.time()
     assert train([*COMMON, "--simulate", "--steps", "1000000", "--time-limit", "5s", "--out", str(run)]) == 0

@@ -128,22 +128,25 @@ class MixtureStream(PositionedStream):
         self.history = []  # the earlier phases: {"start", "end", "mix"} (the mix as state_dict writes it)
         self.given_before = [0] * len(self.parts)  # windows each source gave in the earlier phases
 
+    def _span(self, position: int) -> tuple[list[int], list[int]]:
+        """(windows each source gave this phase before minibatch ``position``, those it gives to it)."""
+        n = (position - self.phase_start) * self.windows
+        before = windows_before(self.weights, n)
+        return before, [after - b for after, b in zip(windows_before(self.weights, n + self.windows), before)]
+
     def counts(self, position: int) -> list[int]:
         """Windows each source gives to minibatch ``position``."""
-        n = (position - self.phase_start) * self.windows
-        return [after - b for after, b in zip(windows_before(self.weights, n + self.windows),
-                                              windows_before(self.weights, n))]
+        return self._span(position)[1]
 
     def minibatch(self, position: int) -> list[Microbatch]:
         """The minibatch at ``position`` (pure function of seed and position, in this phase)."""
         if position < self.phase_start:
             raise DataError(f"minibatch {position} belongs to an earlier mixture (this one starts at "
                             f"{self.phase_start})")
-        before = windows_before(self.weights, (position - self.phase_start) * self.windows)
+        before, counts = self._span(position)
         rows = [window_rows(part.tokens, part.starts(position, given + first, count), self.seq_len,
                             part.vocab_size, part.source)
-                for part, given, first, count in zip(self.parts, self.given_before, before, self.counts(position))
-                if count]
+                for part, given, first, count in zip(self.parts, self.given_before, before, counts) if count]
         order = np.random.Generator(np.random.PCG64([self.seed, position, MIX_STREAM])).permutation(self.windows)
         block = np.concatenate(rows)[order].reshape(self.microbatches, self.micro_batch_size, self.seq_len + 1)
         return [as_microbatch(rows) for rows in block]
@@ -189,16 +192,18 @@ class MixtureStream(PositionedStream):
         since = f" from step {self.phase_start}" if self.phase_start else ""
         return f"--data-mix{since} to step {steps}: {', '.join(each)}"
 
+    def _same_weights(self, mix: list) -> bool:
+        return len(mix) == len(self.weights) and all(abs(m.get("weight", -1) - w) <= 1e-12
+                                                     for m, w in zip(mix, self.weights))
+
     def _same_mixture(self, mix: list) -> bool:
-        mine = self._mix_state()
-        return len(mix) == len(mine) and all(
-            abs(m.get("weight", -1) - o["weight"]) <= 1e-12 and all(m[k] == o[k] for k in DATA_KEYS if k in m)
-            for m, o in zip(mix, mine))
+        return self._same_weights(mix) and all(all(m[k] == o[k] for k in DATA_KEYS if k in m)
+                                               for m, o in zip(mix, self._mix_state()))
 
     def _refuse(self, mix: list) -> None:
         """The DataError of a resume whose mixture differs from the state's, naming what differs."""
         hint = "; or pass --change-data-mix to continue with the new mixture from the checkpoint's step"
-        if len(mix) != len(self.parts) or any(abs(m.get("weight", -1) - w) > 1e-12 for m, w in zip(mix, self.weights)):
+        if not self._same_weights(mix):
             theirs = ", ".join(f"{m.get('weight', '?'):.4g}" for m in mix)
             ours = ", ".join(f"{w:.4g}" for w in self.weights)
             raise DataError(f"the checkpoint's run mixed {len(mix)} sources with weights {theirs} (normalised), "

@@ -134,11 +134,12 @@ def mixture_held_out_batches(cfg: RunConfig, held_out: list, batch_size: int, co
                                 count, cfg.model.vocab_size, [f"--data-mix {path}" for path, _ in cfg.data.mix])
 
 
-def build_mixture(cfg: RunConfig) -> tuple[MixtureStream, list]:
+def build_mixture(cfg: RunConfig, sources: Optional[tuple] = None) -> tuple[MixtureStream, list]:
     """``build_data`` for ``--data-mix`` (data/mixture.py): a stream per source over its training
-    part, keyed apart, and the held-out windows of every source by the weights (or --val-data)."""
+    part, keyed apart, and the held-out windows of every source by the weights (or --val-data).
+    ``sources``: ``mixture_sources(cfg)`` where the caller has read them already."""
     p = cfg.pipeline
-    train_parts, held_out = mixture_sources(cfg)
+    train_parts, held_out = mixture_sources(cfg) if sources is None else sources
     parts = [BatchStream(tokens, p.microbatches, p.global_micro_batch_size, cfg.model.seq_len, seed=cfg.data_seed(),
                          sampling=cfg.data.sampling, vocab_size=cfg.model.vocab_size, source=f"--data-mix {path}")
              for (path, _), tokens in zip(cfg.data.mix, train_parts)]
@@ -171,11 +172,22 @@ def has_eval_sets(cfg: RunConfig) -> bool:
     return bool(cfg.data.eval_data) or bool(cfg.data.mix and cfg.data.val_source is None)
 
 
-def build_eval_sets(cfg: RunConfig, count: Optional[int] = None, batch_size: Optional[int] = None) -> dict:
+def build_run_data(cfg: RunConfig) -> tuple:
+    """(``build_data``'s stream and evaluation set, ``build_eval_sets``' named sets) of a run, a
+    mixture's sources read once for both."""
+    if not cfg.data.mix:
+        return (*build_data(cfg), build_eval_sets(cfg))
+    sources = mixture_sources(cfg)
+    return (*build_mixture(cfg, sources), build_eval_sets(cfg, held_out=sources[1]))
+
+
+def build_eval_sets(cfg: RunConfig, count: Optional[int] = None, batch_size: Optional[int] = None,
+                    held_out: Optional[list] = None) -> dict:
     """The named held-out sets evaluated beside ``eval_loss`` (rows' ``eval_losses``), by
     ``set_names``: each ``--data-mix`` source's held-out part (without --val-data), then each ``--eval-data``;
     ``--eval-batches`` batches each (at most one pass over a set's windows; ``count`` and
-    ``batch_size`` replace the run's, as asyncpp-eval's --batches and --batch-size do). {} when
+    ``batch_size`` replace the run's, as asyncpp-eval's --batches and --batch-size do; ``held_out``:
+    the mixture's held-out tokens, ``mixture_sources(cfg)[1]``, where the caller has them). {} when
     the run never evaluates."""
     count = cfg.data.eval_batches if count is None else count
     batch = cfg.pipeline.global_micro_batch_size if batch_size is None else batch_size
@@ -184,7 +196,8 @@ def build_eval_sets(cfg: RunConfig, count: Optional[int] = None, batch_size: Opt
         return {}
     named = []
     if cfg.data.mix and cfg.data.val_source is None:
-        named += [(path, tokens, f"--data-mix {path}") for (path, _), tokens in zip(cfg.data.mix, mixture_sources(cfg)[1])]
+        held_out = mixture_sources(cfg)[1] if held_out is None else held_out
+        named += [(path, tokens, f"--data-mix {path}") for (path, _), tokens in zip(cfg.data.mix, held_out)]
     trains = [path for path, _ in cfg.data.mix] or [cfg.data.source]
     flag = "--data-mix" if cfg.data.mix else "--data"
     for path in cfg.data.eval_data:
@@ -481,5 +494,5 @@ def resume(engine, stream: BatchStream, resume_dir: Optional[Path], stage: int =
     return Resumed(int(meta["step"]), float(meta.get("elapsed_s", 0.0)), rng)
 
 
-__all__ = ["build_data", "build_eval_sets", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "build_simulator", "compile_stages", "build_pipeline_engine",
+__all__ = ["build_data", "build_run_data", "build_eval_sets", "optimizer_factory", "StageCompute", "stage_compute", "model_loss", "simulator_loss", "build_simulator", "compile_stages", "build_pipeline_engine",
            "Resumed", "resume", "OptimizerFactory"]

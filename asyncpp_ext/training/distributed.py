@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..models.attention import attention_preference
 from ..data import DataError
-from .build import build_data, build_eval_sets, build_pipeline_engine, resume, stage_compute
+from .build import build_pipeline_engine, build_run_data, resume, stage_compute
 from .async_checkpoint import BackgroundWriter, mark_done, take_snapshot, wait_for_marks
 from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
                          restore_rng_state, shard_name, temp_checkpoint_path, write_shard)
@@ -154,7 +154,7 @@ def _rank_run(cfg: RunConfig, resume_dir: Optional[str], started_at: Optional[fl
     p = cfg.pipeline
     # Every replica draws the same stream and takes its rows; every replica evaluates the whole
     # set (same weights, same numbers) so none waits for another.
-    stream, eval_set = build_data(cfg)
+    stream, eval_set, eval_sets = build_run_data(cfg)
     check_same_data(stream)
     compute = stage_compute(cfg, device)
     with attention_preference(compute.attention):  # as its --simulate run, from the compile on
@@ -172,7 +172,7 @@ def _rank_run(cfg: RunConfig, resume_dir: Optional[str], started_at: Optional[fl
                                                                writer, cfg.train.timeout_s),
                           checkpoint_writer=writer,
                           writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages,
-                          agree_on_end=_agree_on_end(pipe), started_at=started_at, eval_sets=build_eval_sets(cfg))
+                          agree_on_end=_agree_on_end(pipe), started_at=started_at, eval_sets=eval_sets)
         with pipe:
             trainer.run()
 

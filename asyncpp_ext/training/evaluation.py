@@ -74,8 +74,6 @@ def check_arguments(args) -> None:
     for flag, value in (("--batches", args.batches), ("--batch-size", args.batch_size)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
-    if args.average < 1:
-        raise UsageError(f"--average must be at least 1 (1: the checkpoint alone), got {args.average}")
     if args.average > 1 and args.every_checkpoint:
         raise UsageError("--average N with --every-checkpoint: pass one of them (evaluate the runs' latest "
                          "averages, or every checkpoint alone)")

@@ -343,8 +343,7 @@ def export(args) -> list[str]:
     max_shard_bytes = parse_size(args.max_shard_size, "--max-shard-size")
     dtype = DTYPES[args.dtype]
     ckpt = checkpoint_named(args.run, "RUN")
-    averaged_checkpoints(ckpt, args.average)  # a bad --average before any weights are read
-    cfg, step, model, what = load_average(ckpt, args.average)
+    cfg, step, model, what = load_average(ckpt, args.average)  # a bad --average before any weights are read
     tokenizer, tokenizer_line = choose_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
     config, tensors = to_transformers(model, cfg.model, dtype)
     tmp = out.resolve().parent / f".tmp-export-{out.name}-{os.getpid()}"

@@ -20,7 +20,7 @@ from ..models.registry import describe
 from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline.launch import launcher
-from .build import build_data, build_eval_sets, build_simulator, resume, stage_compute
+from .build import build_run_data, build_simulator, resume, stage_compute
 from .checkpoint import CheckpointError, load_checkpoint, read_meta, restore_rng_state
 from .config import ConfigError, RunConfig
 from .run_files import (CONFIG_NAME, prepare_run_dir, set_aside_later, read_metrics, release_run_dir, remove_unfinished_checkpoints,
@@ -193,8 +193,7 @@ def train(cfg: RunConfig, resume_dir: Optional[Path] = None, started_at: Optiona
 def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path], started_at: float) -> int:
     from .trainer import Trainer
 
-    stream, eval_set = build_data(cfg)  # --dp R simulates one replica on the global microbatches
-    eval_sets = build_eval_sets(cfg)
+    stream, eval_set, eval_sets = build_run_data(cfg)  # --dp R: one replica on the global microbatches
     compute = stage_compute(cfg)
     with attention_preference(compute.attention):  # from the compile on: it keys compiled blocks
         engine = build_simulator(cfg, compute, first_weights=resume_dir is None)
@@ -227,8 +226,7 @@ def check_inputs(cfg: RunConfig, resume_dir: Optional[Path]):
     """(the training stream at the run's start, its start step): the data and evaluation sets
     built, and the checkpoint to resume or start from verified (its shards; the resumed data is
     the run's, which the ranks check again)."""
-    stream, _ = build_data(cfg)
-    build_eval_sets(cfg)
+    stream = build_run_data(cfg)[0]
     if resume_dir is None:
         if cfg.train.init_from is not None:
             load_checkpoint(cfg.train.init_from, mmap=True)  # verifies its shard files (each rank reads them)
