@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .routing import _looks_like_embedding, _module_facts
+from .routing import embedding_ids
 
 
 def undecayed_names(model_or_named, decay_norms_and_biases: bool = True,
@@ -25,15 +25,12 @@ def undecayed_names(model_or_named, decay_norms_and_biases: bool = True,
     """Names of the trainable parameters weight decay should skip (the first name of a tied one)."""
     if decay_norms_and_biases and decay_embeddings:
         return set()
-    if isinstance(model_or_named, nn.Module):
-        named = list(model_or_named.named_parameters())
-        embedding_ids = _module_facts(model_or_named)[0]
-    else:
-        named, embedding_ids = list(model_or_named), set()
-    embedding_ids |= {id(p) for n, p in named if _looks_like_embedding(n)}
+    module = isinstance(model_or_named, nn.Module)
+    named = list(model_or_named.named_parameters() if module else model_or_named)
+    embeddings = embedding_ids(model_or_named if module else named)  # a module: its nn.Embedding types too
     skipped = set()
     for name, p in named:
-        if (not decay_norms_and_biases and p.ndim < 2) or (not decay_embeddings and id(p) in embedding_ids):
+        if (not decay_norms_and_biases and p.ndim < 2) or (not decay_embeddings and id(p) in embeddings):
             skipped.add(name)
     return skipped
 

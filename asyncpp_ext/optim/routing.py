@@ -41,6 +41,17 @@ def _module_facts(model: nn.Module):
     return embedding_ids, head_ids
 
 
+def embedding_ids(model_or_named) -> set[int]:
+    """ids of the embedding tables among a module's parameters (``nn.Embedding`` weights and
+    tables named like one) or among (name, parameter) pairs (by name only)."""
+    if isinstance(model_or_named, nn.Module):
+        named = list(model_or_named.named_parameters())
+        found = _module_facts(model_or_named)[0]
+    else:
+        named, found = list(model_or_named), set()
+    return found | {id(p) for n, p in named if _looks_like_embedding(n)}
+
+
 def split_named_parameters(model_or_named_params, is_muon=None, adamw_names=(), muon_names=()):
     """Split trainable parameters into (muon, adamw) lists of (name, parameter).
 
@@ -56,15 +67,14 @@ def split_named_parameters(model_or_named_params, is_muon=None, adamw_names=(), 
     """
     if isinstance(model_or_named_params, nn.Module):
         named = list(model_or_named_params.named_parameters())
-        embedding_ids, head_ids = _module_facts(model_or_named_params)
-        embedding_ids |= {id(p) for n, p in named if _looks_like_embedding(n)}
+        embeddings, head_ids = embedding_ids(model_or_named_params), _module_facts(model_or_named_params)[1]
     else:
         named = list(model_or_named_params)
         for item in named:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise ValueError("MuonHybrid needs an nn.Module or (name, parameter) pairs, "
                                  f"e.g. model.named_parameters(); got an element {type(item).__name__}")
-        embedding_ids = {id(p) for n, p in named if _looks_like_embedding(n)}
+        embeddings = embedding_ids(named)
         head_ids = {id(p) for n, p in named if _looks_like_head(n)}
     overlap = set(muon_names) & set(adamw_names)
     if overlap:
@@ -92,6 +102,6 @@ def split_named_parameters(model_or_named_params, is_muon=None, adamw_names=(), 
                 raise ValueError(f"is_muon chose '{name}' of shape {tuple(p.shape)}, but Muon only "
                                  "updates 2-D matrices")
         else:
-            use_muon = p.ndim == 2 and id(p) not in embedding_ids and id(p) not in head_ids
+            use_muon = p.ndim == 2 and id(p) not in embeddings and id(p) not in head_ids
         (muon if use_muon else adamw).append((name, p))
     return muon, adamw

@@ -35,6 +35,14 @@ def norm_terms(grads: Iterable[torch.Tensor]) -> list[float]:
     return [value ** 2 for value in torch.stack([n.double() for n in norms]).tolist()]
 
 
+def keep_norm(norms: dict, step: int, norm: float) -> None:
+    """Record step ``step``'s ``norm`` for ``take_grad_norms``, dropping the oldest past
+    ``KEPT_NORMS`` (a Pipeline or simulator used without a Trainer: nobody takes them)."""
+    norms[step] = norm
+    if len(norms) > KEPT_NORMS:
+        del norms[next(iter(norms))]
+
+
 def total_norm(terms: Iterable[float]) -> float:
     """sqrt of the terms added one by one in the given order."""
     total = 0.0
@@ -85,4 +93,4 @@ class PreviousNormClipper:
         self.previous_norm = None if not state else state.get("previous_norm")
 
 
-__all__ = ["EPS", "KEPT_NORMS", "norm_terms", "total_norm", "clip_coefficient", "PreviousNormClipper"]
+__all__ = ["EPS", "KEPT_NORMS", "keep_norm", "norm_terms", "total_norm", "clip_coefficient", "PreviousNormClipper"]

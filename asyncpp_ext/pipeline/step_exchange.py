@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .clipping import KEPT_NORMS, clip_coefficient, norm_terms, total_norm
+from .clipping import clip_coefficient, keep_norm, norm_terms, total_norm
 from .ties import Tie
 from .transport import TransportError, peer_failure_reason
 
@@ -208,9 +208,7 @@ class StepExchange:
                 self._wait(work, f"gathering the gradient norms of step {step}", -1)
             # Stage order, parameter order; zero padding adds nothing, so the sum is the simulator's.
             self.previous_norm = total_norm(v for out in outputs for v in out.tolist())
-            self.norms[step] = self.previous_norm
-            if len(self.norms) > KEPT_NORMS:  # nobody takes them (Pipeline used without a Trainer)
-                del self.norms[next(iter(self.norms))]
+            keep_norm(self.norms, step, self.previous_norm)
             self._gather = None
         return self.previous_norm
 

@@ -49,7 +49,7 @@ from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compe
                                  resolve_mitigation)
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from ..optim.versioned import step_versioned, wants_previous_weights
-from ..pipeline.clipping import KEPT_NORMS, PreviousNormClipper
+from ..pipeline.clipping import PreviousNormClipper, keep_norm
 from ..pipeline.compute_copies import ComputeCopies
 from ..pipeline.devices import to_device
 from ..pipeline.nonfinite import POLICIES, DeferredScan, NonFiniteError, first_nonfinite_index
@@ -353,9 +353,7 @@ class DelaySimulator:
             if self.clipper is not None:
                 self.clipper.clip([p.grad for p in self.params if p.grad is not None], self.last_skipped)
                 if not self.last_skipped:
-                    self.grad_norms[self.steps_done] = self.clipper.previous_norm
-                    if len(self.grad_norms) > KEPT_NORMS:  # nobody takes them (used without a Trainer)
-                        del self.grad_norms[next(iter(self.grad_norms))]
+                    keep_norm(self.grad_norms, self.steps_done, self.clipper.previous_norm)
             if self.mitigation.compensates and not self.last_skipped:  # W(t - d_p) is still in the ring
                 self._compensate_delays()
             if self.delayed:
