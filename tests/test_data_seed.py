@@ -47,4 +47,4 @@ def test_a_resume_compares_the_orders_seed(tmp_path, capsys):
 
 def test_a_bad_data_seed_is_one_line(tmp_path, capsys):
     assert train([*COMMON, "--data-seed", "-1", "--out", str(tmp_path / "r")]) == 2
-    assert "data.seed must be an integer" in capsys.readouterr().err
+    assert "data.seed must be a non-negative integer, got -1" in capsys.readouterr().err

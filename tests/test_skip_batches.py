@@ -75,7 +75,7 @@ def test_rewind_continues_from_an_earlier_checkpoint_and_keeps_the_later_ones_as
     (["--rewind", "3"], "--rewind STEP resumes a run from an earlier checkpoint; pass it with --resume RUN"),
     (["--skip-batches", "2"], "--skip-batches passes over data at a resume; pass --resume RUN"),
     (["--skip-batches", "2", "--auto-resume"], "--skip-batches with --auto-resume would skip again"),
-    (["--resume", "{run}", "--skip-batches", "-1"], "data.skip_batches must be an integer >= 0"),
+    (["--resume", "{run}", "--skip-batches", "-1"], "data.skip_batches must be a non-negative integer, got -1"),
 ])
 def test_bad_skips_are_one_line(tmp_path, capsys, flags, words):
     run = tmp_path / "run"

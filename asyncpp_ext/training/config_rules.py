@@ -301,11 +301,9 @@ def check_data_lists(data) -> None:
                 or weight <= 0:
             raise ConfigError(f"data.mix: {entry[0]} has weight {weight!r}; give each source a finite weight "
                               "> 0 (weights need not sum to 1)")
-    if data.seed is not None and (isinstance(data.seed, bool) or not isinstance(data.seed, int)
-                                  or not 0 <= data.seed <= MAX_SEED):
-        raise ConfigError(f"data.seed must be an integer in [0, {MAX_SEED}] (or None: train.seed), got {data.seed!r}")
-    if isinstance(data.skip_batches, bool) or not isinstance(data.skip_batches, int) or data.skip_batches < 0:
-        raise ConfigError(f"data.skip_batches must be an integer >= 0, got {data.skip_batches!r}")
+    if data.seed is not None:  # None: train.seed's
+        non_negative_int("data.seed", data.seed, limit=MAX_SEED)
+    non_negative_int("data.skip_batches", data.skip_batches)
     if data.change_mix and not data.mix:
         raise ConfigError("--change-data-mix changes a --data-mix mixture at a resume; this run has none "
                           "(give the new --data-mix)")
