@@ -31,6 +31,12 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def require_positive(self, args, names) -> None:
+        """``error`` naming the first of the integer options ``names`` (dests) below 1."""
+        for name in names:
+            if getattr(args, name) < 1:
+                self.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+
 
 def check_report_path(path: str, example: str = "report.json", flag: str = "--json") -> None:
     """BenchError unless ``flag PATH`` can be written as ``write_json`` writes it (PATH.tmp, then

@@ -102,9 +102,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.n_embd, a.n_layer, a.seq_len, a.steps, a.repeats = 64, 2, 32, 6, 1
-    for name in ("n_embd", "n_layer", "seq_len", "steps", "ckpt_every", "stages", "repeats"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    p.require_positive(a, ("n_embd", "n_layer", "seq_len", "steps", "ckpt_every", "stages", "repeats"))
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible; use --device cpu")
     train_args = ["--model", a.model, "--n-embd", str(a.n_embd), "--n-layer", str(a.n_layer), "--n-head", "8",

@@ -108,9 +108,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.seq_len, a.microbatches, a.micro_batch_size, a.tokens, a.steps = 64, 2, 8, 200_000, 10
-    for name in ("seq_len", "microbatches", "micro_batch_size", "tokens", "steps"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    p.require_positive(a, ("seq_len", "microbatches", "micro_batch_size", "tokens", "steps"))
     if a.tokens < 4 * a.microbatches * a.micro_batch_size * (a.seq_len + 1):
         p.error(f"--tokens {a.tokens} is too few for minibatches of {a.microbatches} x {a.micro_batch_size} "
                 f"windows of {a.seq_len} + 1; raise --tokens")

@@ -367,9 +367,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="round-robin repeats; the fastest is kept")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)
-    for name in ("microbatches", "micro_batch_size", "steps", "warmup", "repeats"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    p.require_positive(a, ("microbatches", "micro_batch_size", "steps", "warmup", "repeats"))
     if a.microbatches < STAGES:
         p.error(f"--microbatches must be >= {STAGES} (2bw needs at least one microbatch per stage)")
     if a.ties and a.model is not None:
