@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 import time
 import warnings
 from typing import Optional
@@ -119,7 +120,8 @@ def _chunk_stats(logits: torch.Tensor, t: torch.Tensor, valid: torch.Tensor) -> 
     return lse, torch.where(valid, lse - x.gather(1, t).squeeze(1), 0.0).sum()
 
 
-def _chunk_grad(logits: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _chunk_grad(logits: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype,
+                z_loss: float = 0.0) -> torch.Tensor:
     """softmax - onehot(t) of a chunk, in ``dtype``: exp(logit - lse) from the saved logsumexp,
     computed in fp32, 1 taken off at the target in fp32 (in bf16 p_t - 1 would lose its digits as
     p_t nears 1), then rounded once to the matmul dtype, as plain autocast rounds its gradient.
@@ -128,8 +130,13 @@ def _chunk_grad(logits: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, dtype:
     inductor cannot fuse: it wrote an fp32 (rows, V) buffer, scattered into it, then converted it
     in a second kernel -- three times the bytes, and that buffer on top of the chunk's memory).
     Eagerly the scatter writes in place, where the comparison would make a (rows, V) mask and a
-    promoted temporary. Both give p - 1 at the target and p + (-0) = p elsewhere, bit for bit."""
+    promoted temporary. Both give p - 1 at the target and p + (-0) = p elsewhere, bit for bit.
+    With a ``z_loss`` coefficient z the softmax is first scaled by 1 + 2 z lse per row: the
+    derivative of z lse^2 adds 2 z lse p (``z_loss_term`` says what the term is); z = 0 leaves the
+    pass as it was."""
     g = logits.float().sub_(lse).exp_()
+    if z_loss:
+        g.mul_(lse.mul(2.0 * z_loss).add_(1.0))
     if torch.compiler.is_compiling():
         onehot = torch.arange(g.shape[1], device=g.device) == t
         return g.add_(onehot, alpha=-1).to(dtype)
@@ -204,10 +211,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     backward, which only scales them. A backward that recomputed the logits would cost one
     (N x C x V) matmul more per call, a quarter of the head's matmul work. The numbers are those of
     the recomputing form bit for bit: the same products of the same logits, scaled by the same
-    factors in the same order. Without ``grads`` (evaluation) only the loss is computed."""
+    factors in the same order. Without ``grads`` (evaluation) only the loss is computed.
+
+    ``z_loss`` (a coefficient z >= 0) adds z * lse^2 per valid row to what the gradients are of,
+    not to the value returned (``z_loss_term``)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_rows, ignore_index, compute_dtype, grads):
+    def forward(ctx, hidden, weight, bias, targets, chunk_rows, ignore_index, compute_dtype, grads, z_loss=0.0):
         n = hidden.shape[0]
         need_h, need_w, need_b = (grads and flag for flag in ctx.needs_input_grad[:3])
         valid = targets != ignore_index
@@ -233,7 +243,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             total += nll
             if not (need_h or need_w or need_b):
                 continue
-            g = passes.grad(logits, safe[s:e, None], lse[s:e, None], compute_dtype)
+            g = passes.grad(logits, safe[s:e, None], lse[s:e, None], compute_dtype, z_loss)
             del logits  # one (rows, V) buffer alive at a time
             if need_h:
                 torch.matmul(g, w, out=g_w[s:e])
@@ -262,7 +272,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_w = grad_w.mul_(scale).to(weight_dtype)
         if grad_b is not None:
             grad_b = grad_b.mul_(scale).to(bias_dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _flatten(hidden, weight, targets, bias):
@@ -277,14 +287,47 @@ def _flatten(hidden, weight, targets, bias):
     return h2, t
 
 
+def check_z_loss(z_loss) -> float:
+    """``z_loss`` as a float, or ValueError (one line) unless it is a finite number >= 0."""
+    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not math.isfinite(z_loss) or z_loss < 0:
+        raise ValueError(f"z_loss must be a finite number >= 0 (PaLM's is 1e-4; 0 = off), got {z_loss!r}")
+    return float(z_loss)
+
+
+def z_loss_term(logits: torch.Tensor, targets: torch.Tensor, z_loss: float, ignore_index: int = -100) -> torch.Tensor:
+    """A tensor of value 0 whose gradient is that of the z-loss, ``z_loss * mean_i lse_i^2`` over the
+    rows i whose target is not ``ignore_index`` (lse_i = logsumexp of row i's logits, in fp32):
+    PaLM's auxiliary loss, which pulls the softmax normaliser log Z towards 0 and so keeps the
+    logits from drifting to magnitudes where bf16 loses them. Added to a cross entropy it leaves the
+    value (what the rows log as ``loss``, comparable with a run without it, as ``eval_loss`` is)
+    and adds the term to the gradient, as decoupled weight decay is in the update but not in the
+    loss. Both head paths put it there alike: the fused kernel by ``_chunk_grad``."""
+    x = logits.reshape(-1, logits.shape[-1]).float()
+    valid = targets.reshape(-1) != ignore_index
+    lse = torch.logsumexp(x, dim=1)
+    term = torch.where(valid, lse.square(), 0.0).sum() * z_loss / valid.sum().clamp(min=1)
+    return term - term.detach()
+
+
+def plain_loss(loss_fn, logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+    """``loss_fn(logits, targets)``, with the z-loss's gradient (``z_loss_term``) where ``z_loss`` is
+    on and gradients are being formed; z = 0 is ``loss_fn``'s call alone, bit for bit."""
+    loss = loss_fn(logits, targets)
+    if z_loss and torch.is_grad_enabled():
+        return loss + z_loss_term(logits, targets, z_loss)
+    return loss
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None,
-                         ignore_index: int = -100) -> torch.Tensor:
+                         ignore_index: int = -100, z_loss: float = 0.0) -> torch.Tensor:
     """Mean cross entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, chunked over rows
     (the portable kernel; any device). hidden (N, C) or (B, T, C); weight (V, C); targets int64.
 
     Under autocast the matmuls run in autocast's dtype and the softmax in fp32, as the plain path's
-    nn.Linear + F.cross_entropy do; gradients come back in the inputs' dtypes."""
+    nn.Linear + F.cross_entropy do; gradients come back in the inputs' dtypes. ``z_loss`` (>= 0)
+    adds the z-loss to the gradients, not to the value (``z_loss_term``)."""
+    z_loss = check_z_loss(z_loss)
     h2, t = _flatten(hidden, weight, targets, bias)
     dtype = _autocast_dtype(h2.device)
     if dtype is None:
@@ -299,7 +342,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
     with _no_autocast(h2.device):
         return _ChunkedLinearCrossEntropy.apply(h2, weight, bias, t, rows, ignore_index, dtype,
-                                                torch.is_grad_enabled())
+                                                torch.is_grad_enabled(), z_loss)
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,14 +371,26 @@ def fused_kernel_name(device, dtype: Optional[torch.dtype] = None, bias: bool = 
     return "chunked"
 
 
-def require_kernel(kernel: str, device, dtype: Optional[torch.dtype] = None, bias: bool = False) -> str:
-    """``kernel`` ("auto" or one of KERNELS) checked against ``device``, the matmul ``dtype`` and
-    the installed extras; returns the kernel that will run, or raises ValueError (one line) when
-    an explicitly named kernel cannot run here."""
+def check_kernel_z_loss(kernel: str, z_loss: float) -> None:
+    """ValueError (one line) for a library ``kernel`` named with a ``z_loss``: Liger's and
+    cut-cross-entropy's kernels add a z-loss to their value, if at all, not to the gradient alone as
+    ``z_loss_term`` defines it, so only the package's chunked kernel ("auto" picks it) forms it."""
+    if z_loss and kernel in ("liger", "cce"):
+        raise ValueError(f"head-loss kernel {kernel!r} does not form the z-loss's gradient; use the fused "
+                         "head's own kernel (--head-loss chunked or auto) or plain, or drop --z-loss")
+
+
+def require_kernel(kernel: str, device, dtype: Optional[torch.dtype] = None, bias: bool = False,
+                   z_loss: float = 0.0) -> str:
+    """``kernel`` ("auto" or one of KERNELS) checked against ``device``, the matmul ``dtype``, the
+    installed extras and a ``z_loss`` (which only the chunked kernel forms: "auto" means it then);
+    returns the kernel that will run, or raises ValueError (one line) when an explicitly named
+    kernel cannot run here."""
     if kernel == "auto":
-        return fused_kernel_name(device, dtype, bias)
+        return "chunked" if z_loss else fused_kernel_name(device, dtype, bias)
     if kernel not in KERNELS:
         raise ValueError(f"unknown head-loss kernel {kernel!r}; choose auto, {', '.join(KERNELS)}")
+    check_kernel_z_loss(kernel, z_loss)
     if kernel != "chunked":
         if torch.device(device).type != "cuda":
             raise ValueError(f"head-loss kernel {kernel!r} runs on CUDA only; use 'chunked' on {device}")
@@ -365,13 +420,13 @@ def kernel_for_graphs(kernel: str, cuda_graphs: bool) -> str:
 
 
 def fused_linear_cross_entropy(hidden, weight, targets, *, bias=None, kernel: str = "auto",
-                               chunk_rows: Optional[int] = None) -> torch.Tensor:
+                               chunk_rows: Optional[int] = None, z_loss: float = 0.0) -> torch.Tensor:
     """Mean cross entropy of ``hidden @ weight.T (+ bias)`` by ``kernel`` (``require_kernel``);
-    ``chunk_rows`` applies to the chunked kernel only."""
+    ``chunk_rows`` applies to the chunked kernel only, and a ``z_loss`` runs there."""
     dtype = _autocast_dtype(hidden.device) or weight.dtype  # what the matmul runs in
-    name = require_kernel(kernel, hidden.device, dtype, bias is not None)
+    name = require_kernel(kernel, hidden.device, dtype, bias is not None, z_loss)
     if name == "chunked":
-        return linear_cross_entropy(hidden, weight, targets, bias=bias, chunk_rows=chunk_rows)
+        return linear_cross_entropy(hidden, weight, targets, bias=bias, chunk_rows=chunk_rows, z_loss=z_loss)
     h2, t = _flatten(hidden, weight, targets, bias)
     if name == "liger":
         # Liger computes under the caller's autocast (bf16 matmul of the fp32 weight, fp32 softmax,
@@ -395,16 +450,17 @@ def resolve_head_loss(mode: str, vocab_size: int, device=None) -> str:
 
 
 def head_loss(head, x: torch.Tensor, targets: torch.Tensor, mode: str = "plain", *,
-              kernel: str = "auto", chunk_rows: Optional[int] = None) -> torch.Tensor:
+              kernel: str = "auto", chunk_rows: Optional[int] = None, z_loss: float = 0.0) -> torch.Tensor:
     """The last block's mean cross entropy. "plain": ``BlockModel.loss(head(x), targets)``, the
     historical path, bit for bit. "fused": ``head.features(x)`` into the fused kernel with the
-    head's ``output_weight``/``output_bias`` read now (a re-pointed or tied Parameter is used)."""
+    head's ``output_weight``/``output_bias`` read now (a re-pointed or tied Parameter is used).
+    ``z_loss``: the z-loss's gradient on either path (``z_loss_term``)."""
     if mode == "plain":
-        return BlockModel.loss(head(x), targets)
+        return plain_loss(BlockModel.loss, head(x), targets, z_loss)
     if mode != "fused":
         raise ValueError(f"head_loss mode must be 'plain' or 'fused' (resolve 'auto' first), got {mode!r}")
     return fused_linear_cross_entropy(head.features(x), head.output_weight, targets,
-                                      bias=head.output_bias, kernel=kernel, chunk_rows=chunk_rows)
+                                      bias=head.output_bias, kernel=kernel, chunk_rows=chunk_rows, z_loss=z_loss)
 
 
 def _cpu_peak_bytes(prof) -> int:
@@ -481,5 +537,5 @@ def measure_head_loss(mode: str, batch: int, seq: int, n_embd: int, vocab: int, 
 
 __all__ = ["HEAD_LOSS_MODES", "KERNELS", "FUSED_VOCAB_THRESHOLD", "CHUNK_BYTES", "EAGER_LOGIT_BYTES",
            "default_chunk_rows", "linear_cross_entropy", "fused_linear_cross_entropy", "fused_kernel_name",
-           "require_kernel", "kernel_for_graphs", "resolve_head_loss", "head_loss", "measure_head_loss",
-           "addmm_writes_fp32"]
+           "require_kernel", "kernel_for_graphs", "check_z_loss", "check_kernel_z_loss", "z_loss_term", "plain_loss", "resolve_head_loss",
+           "head_loss", "measure_head_loss", "addmm_writes_fp32"]

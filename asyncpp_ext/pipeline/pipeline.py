@@ -19,6 +19,7 @@ from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
 from ..models.base import BlockSequence
+from ..models.head_loss import check_kernel_z_loss, check_z_loss
 from ..models.compile_support import check_inductor_options, inductor_mode
 from ..models.regions import compile_regions, scope_regions
 from ..schedule.table import schedule_names, schedule_spec
@@ -118,6 +119,9 @@ class Pipeline(StreamControl):
             product adds into the float32 gradient itself (main_grad.py: no bf16 rounding of each
             microbatch's weight gradient; cuBLAS on CUDA). With dp > 1 each product announces its
             weights' gradients complete to the buckets.
+        z_loss: coefficient z >= 0 of the z-loss, z * mean(logsumexp(logits)^2) over the last stage's
+            targets (PaLM's; 1e-4 there): added to the gradient of the last stage's loss, not to its
+            value (models/head_loss.z_loss_term), with either ``head_loss``; 0 = off.
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).
@@ -134,7 +138,7 @@ class Pipeline(StreamControl):
                  compile: bool = False, compile_scope: str = "block", compile_mode: str = "default",
                  compile_options: dict | None = None, head_loss: str = "plain",
                  head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = True,
-                 gradient_accumulation_fusion: bool = False):
+                 gradient_accumulation_fusion: bool = False, z_loss: float = 0.0):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
@@ -143,6 +147,9 @@ class Pipeline(StreamControl):
                              track_memory=track_memory, shard_optimizer=shard_optimizer, recompute=recompute,
                              compile=compile, cuda_graphs=cuda_graphs, compute_copies=compute_copies,
                              gradient_accumulation_fusion=gradient_accumulation_fusion))
+        z_loss = check_z_loss(z_loss)
+        if z_loss and head_loss == "fused":
+            check_kernel_z_loss(head_loss_kernel, z_loss)
         if clip_grad_norm is not None:
             clip_grad_norm = check_max_norm(clip_grad_norm)
         spec = schedule_spec(schedule)
@@ -235,7 +242,8 @@ class Pipeline(StreamControl):
                               dp_group=self.dp_group, dp=dp, shard_optimizer=shard_optimizer,
                               head_loss=head_loss, head_loss_kernel=head_loss_kernel, cuda_graphs=cuda_graphs,
                               compute_copies=compute_copies, params_in_compute_dtype=every_param,
-                              gradient_accumulation_fusion=gradient_accumulation_fusion, device=self.device)
+                              gradient_accumulation_fusion=gradient_accumulation_fusion, z_loss=z_loss,
+                              device=self.device)
         self.transport = None
         # Boundary tensors between the host and the transport; receive slots are reused.
         self.board = C.MessageBoard(self.host)

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from ..models.base import forward_through
 from ..models.graphs import GraphedCompute
-from ..models.head_loss import head_loss, kernel_for_graphs
+from ..models.head_loss import check_kernel_z_loss, check_z_loss, head_loss, kernel_for_graphs, plain_loss
 from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import MitigationSettings, delay_compensate_
 from ..optim.versioned import step_versioned, wants_previous_weights
@@ -92,7 +92,7 @@ class StageHost:
                  dp_group=None, dp: int = 1, shard_optimizer: bool = False, head_loss: str = "plain",
                  head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = False,
                  params_in_compute_dtype: bool = False, gradient_accumulation_fusion: bool = False,
-                 device: torch.device | str | None = None):
+                 z_loss: float = 0.0, device: torch.device | str | None = None):
         """``device``: where the stage computes (default: where its first parameter lives; a stage
         without parameters needs it to set up autocast and its receive buffers there).
         ``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
@@ -102,7 +102,8 @@ class StageHost:
         with ``dp`` > 1 the gradient is averaged over ``dp_group`` before each step and, with
         ``shard_optimizer``, Muon's orthogonalisations are split among the replicas. On the last
         stage ``head_loss`` "fused" computes the last block's loss without whole logits
-        (models/head_loss.py, with ``head_loss_kernel``); "plain" is ``loss_fn(blocks(x), targets)``.
+        (models/head_loss.py, with ``head_loss_kernel``); "plain" is ``loss_fn(blocks(x), targets)``;
+        either with the z-loss's gradient where ``z_loss`` > 0 (head_loss.z_loss_term).
         ``cuda_graphs`` replays each microbatch's forward and backward from CUDA graphs, per
         weight-version replica (models/graphs.py); not with ``recompute``. ``compute_copies`` (under
         bf16 autocast) runs each replica's microbatches on bf16 copies of its linear weights,
@@ -122,7 +123,10 @@ class StageHost:
         self.stop_reason: str | None = None  # set from another thread: the stream ends (stream_worker.py)
         if head_loss not in ("plain", "fused"):
             raise ValueError(f"head_loss must be 'plain' or 'fused', got {head_loss!r}")
+        self.z_loss = check_z_loss(z_loss)
         self.head_loss, self.head_loss_kernel = head_loss, kernel_for_graphs(head_loss_kernel, cuda_graphs)
+        if head_loss == "fused":  # refused here, before any step, rather than at the first loss
+            check_kernel_z_loss(self.head_loss_kernel, self.z_loss)
         self.num_versions = schedule_spec(schedule).stage_lags(stages)[stage].versions
         self.ring = self.num_versions > 1
 
@@ -288,16 +292,15 @@ class StageHost:
         """The stage's output of ``x``; on the last stage its loss against ``targets``."""
         if not self.is_last:
             return replica(x)
-        if self.head_loss != "plain":
-            return self.loss_of(replica, x, targets)
-        return self.loss_fn(replica(x), targets)
+        return self.loss_of(replica, x, targets)
 
     def loss_of(self, replica: nn.Module, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of input ``x`` through ``replica`` (training and evaluation)."""
         if self.head_loss == "plain":
-            return self.loss_fn(replica(x), targets)
+            return plain_loss(self.loss_fn, replica(x), targets, self.z_loss)
         *body, head = replica  # the stage's blocks; the last one is the model's head
-        return head_loss(head, forward_through(body, x), targets, "fused", kernel=self.head_loss_kernel)
+        return head_loss(head, forward_through(body, x), targets, "fused", kernel=self.head_loss_kernel,
+                         z_loss=self.z_loss)
 
     def _loss_gradient(self, loss: torch.Tensor) -> torch.Tensor:
         """d(step loss)/d(microbatch loss) = 1/m, computed once as ``ones / m`` in the loss's dtype:

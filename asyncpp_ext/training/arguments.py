@@ -156,6 +156,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     opt.add_argument("--clip-grad-norm", type=float, metavar="X",
                      help="clip the gradient to global norm X, measured on the previous step's gradient so "
                           "no stage waits for the others (default: no clipping)")
+    opt.add_argument("--z-loss", type=float, metavar="Z",
+                     help="add the z-loss Z * mean(logsumexp(logits)^2) to the gradient (PaLM's, 1e-4 there), "
+                          "which keeps the logits from drifting; the logged loss stays the cross entropy "
+                          "(default 0: off)")
     model = p.add_argument_group("model and data")
     model.add_argument("--data", help="'builtin' (Python's standard library source), a UTF-8 text "
                                       "file, a .bin token file (uint16 nanoGPT format, an llm.c / "
@@ -362,7 +366,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("optim", "muon_momentum"): args.muon_momentum,
         ("optim", "lr_schedule"): args.lr_schedule, ("optim", "warmup_steps"): args.warmup_steps,
         ("optim", "decay_steps"): args.decay_steps, ("optim", "min_lr_ratio"): args.min_lr_ratio,
-        ("optim", "clip_grad_norm"): args.clip_grad_norm, ("train", "tensorboard"): args.tensorboard,
+        ("optim", "clip_grad_norm"): args.clip_grad_norm, ("optim", "z_loss"): args.z_loss,
+        ("train", "tensorboard"): args.tensorboard,
         ("train", "wandb"): args.wandb, ("train", "wandb_project"): args.wandb_project,
         ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
         ("data", "sampling"): args.sampling, ("data", "seed"): args.data_seed, ("data", "mix"): args.data_mix,
@@ -453,7 +458,7 @@ FIELD_FLAGS = {
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",
     "train.auto_resume": "--auto-resume", "train.wandb_project": "--wandb-project", "train.log_every": "--log-every", "train.log_grad_norm": "--log-grad-norm", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
-    "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm",
+    "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm", "optim.z_loss": "--z-loss",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",
     "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",

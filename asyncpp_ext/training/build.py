@@ -24,7 +24,8 @@ from ..models.attention import resolve_attention
 from ..models.base import forward_through
 from ..models.flops import flops_per_token
 from ..models.compile import inductor_mode, resolve_compile
-from ..models.head_loss import KERNELS, UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, require_kernel, resolve_head_loss
+from ..models.head_loss import (KERNELS, UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, plain_loss,
+                                require_kernel, resolve_head_loss)
 from ..models.regions import compile_regions, scope_regions
 from ..models.registry import build_model
 from ..optim import build_optimizer
@@ -32,7 +33,7 @@ from ..optim.registry import optimizer_spec
 from ..pipeline.partition import as_blocks, split
 from .checkpoint import CheckpointError, load_checkpoint, load_weights, merge_engine_states
 from .config import RunConfig
-from .simulate import DelaySimulator, default_loss
+from .simulate import DelaySimulator, default_loss, model_logits
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -258,6 +259,9 @@ class StageCompute:
     gradient_accumulation_fusion: bool = False
     """The compute copies' weight gradients added into float32 by their products
     (pipeline/main_grad.py)."""
+    z_loss: float = 0.0
+    """The z-loss's coefficient (--z-loss; models/head_loss.z_loss_term): in the gradient of the
+    last block's loss on either head path; the fused head then runs its chunked kernel."""
 
 
 @contextlib.contextmanager
@@ -280,12 +284,15 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
     device = torch.device(device or cfg.train.device)
     mode = cfg.train.head_loss
     kernel = mode if mode in KERNELS else "auto"  # --head-loss liger|cce|chunked: fused by that kernel
+    z_loss = cfg.optim.z_loss
     with _refusals_name("--head-loss"):
         if kernel != "auto":
-            require_kernel(kernel, device)
+            require_kernel(kernel, device, z_loss=z_loss)
             mode = "fused"
         graphs = resolve_cuda_graphs(cfg, device)
         kernel = kernel_for_graphs(kernel, graphs)  # "auto": the chunked kernel under graphs
+        if z_loss and kernel == "auto":  # the one kernel that forms the z-loss's gradient
+            kernel = "chunked"
         head = resolve_head_loss(mode, cfg.model.vocab_size, device)
     with _refusals_name("--compile"):
         compile_ = resolve_compile(cfg.train.compile, device)
@@ -305,7 +312,7 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
         check_gradient_accumulation_fusion(cfg, device)
     return StageCompute(compile_, head, kernel, cuda_graphs=graphs, compute_copies=cfg.train.compute_copies,
                         compile_scope=scope, compile_mode=compile_mode, inductor_options=options,
-                        attention=attention, gradient_accumulation_fusion=fusion)
+                        attention=attention, gradient_accumulation_fusion=fusion, z_loss=z_loss)
 
 
 def check_gradient_accumulation_fusion(cfg: RunConfig, device) -> None:
@@ -339,12 +346,18 @@ def resolve_cuda_graphs(cfg: RunConfig, device) -> bool:
 def model_loss(compute: StageCompute):
     """``(model, inputs, targets) -> loss`` of a whole model with blocks(): the blocks in order and
     the last one's loss by ``compute.head_loss`` (the plain path is default_loss, bit for bit)."""
+    z_loss = compute.z_loss
     if compute.head_loss == "plain":
-        return default_loss
+        if not z_loss:
+            return default_loss
+
+        def plain(model, inputs, targets):
+            return plain_loss(model.loss, model_logits(model, inputs), targets, z_loss)
+        return plain
 
     def loss(model, inputs, targets):
         *body, head = model.blocks()
-        return head_loss(head, forward_through(body, inputs), targets, "fused", kernel=compute.kernel)
+        return head_loss(head, forward_through(body, inputs), targets, "fused", kernel=compute.kernel, z_loss=z_loss)
     return loss
 
 
@@ -456,7 +469,7 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: 
                     microbatches=p.microbatches, stages=p.stages, dp=p.dp, shard_optimizer=p.shard_muon,
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
                     cuda_graphs=compute.cuda_graphs, compute_copies=compute.compute_copies,
-                    gradient_accumulation_fusion=compute.gradient_accumulation_fusion,
+                    gradient_accumulation_fusion=compute.gradient_accumulation_fusion, z_loss=compute.z_loss,
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
                     lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.grad_norm_limit(),
                     **cfg.mitigation_kwargs())

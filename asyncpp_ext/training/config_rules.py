@@ -258,6 +258,7 @@ def check_run(cfg: RunConfig) -> None:
         positive_number("optim.clip_grad_norm", cfg.optim.clip_grad_norm)
         if cfg.optim.clip_grad_norm == float("inf"):
             raise ConfigError("optim.clip_grad_norm must be finite; leave --clip-grad-norm out to not clip")
+    non_negative_number("optim.z_loss", cfg.optim.z_loss)
     non_negative_int("optim.warmup_steps", cfg.optim.warmup_steps)
     try:
         cfg.lr_schedule().validate(LR_SCHEDULE_FLAGS)

@@ -72,11 +72,15 @@ def _train_mode(module: nn.Module) -> nn.Module:
     return module if module.training else module.train()
 
 
+def model_logits(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The logits of a model whose forward returns logits (or (logits, _))."""
+    out = model(inputs)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``model.loss(logits, targets)`` of a model whose forward returns logits (or (logits, _))."""
-    out = model(inputs)
-    logits = out[0] if isinstance(out, tuple) else out
-    return model.loss(logits, targets)
+    return model.loss(model_logits(model, inputs), targets)
 
 
 class DelaySimulator:
