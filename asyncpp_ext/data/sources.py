@@ -338,6 +338,23 @@ def tokenizer_of(source: str, flag: str = "--data") -> Optional[dict]:
     return None
 
 
+def boundary_of(source: str, flag: str = "--data") -> Optional[tuple[int, str]]:
+    """The token that marks documents in ``source`` as its sidecars say -- (id, token), from
+    ``asyncpp-prepare-data --doc-boundary eos|bos`` -- or None where none says (no sidecar, a
+    text file or the built-in corpus, data prepared with ``--doc-boundary none``). For several
+    shards, the first that says (one preparation writes them all). DataError where the files
+    cannot be read."""
+    from .shards import is_multi_spec, resolve_token_paths
+
+    if source == BUILTIN or (not is_multi_spec(source) and Path(source).suffix != ".bin"):
+        return None
+    for path in resolve_token_paths(source, flag)[0]:
+        header = _read_sidecar(path) or {}
+        if header.get("doc_boundary", "none") != "none" and isinstance(header.get("boundary_token_id"), int):
+            return header["boundary_token_id"], str(header.get("boundary_token"))
+    return None
+
+
 def load_shards(spec: str, vocab_size: int = 256, flag: str = "--data"):
     """The token files a glob, directory or manifest names, as one ``TokenShards`` (a single
     match: that file's memmap). Every shard is checked like a single ``.bin``."""
@@ -420,4 +437,4 @@ __all__ = ["BUILTIN", "BUILTIN_MAX_BYTES", "BYTES_TOKENIZER", "DataError", "LLMC
            "SCAN_CHUNK_TOKENS", "TOKEN_DTYPES", "TOKEN_FORMAT", "TOKEN_FORMAT_VERSION",
            "builtin_corpus", "load_shards", "load_tokens",
            "scan_max_token_id", "sidecar_path", "token_dtype_for_vocab", "token_file_info", "tokenizer_of",
-           "tokenizers_differ", "describe_tokenizer"]
+           "tokenizers_differ", "describe_tokenizer", "boundary_of"]

@@ -30,6 +30,7 @@ from torch import nn
 
 from .base import (BlockModel, ProjectionHead, check_init_std, check_token_ids, extend_cache, init_normal_,
                    skip_default_init)
+from .document_mask import active_mask
 
 NATIVE_GQA_DEVICES = ("cuda",) if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5) else ()
 """Devices where attention hands grouped-query key/value heads to SDPA as they are
@@ -270,7 +271,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """``cos`` and ``sin_signed``: the rotary tables (T, D) of ``apply_rotary``."""
         q, k, v = self.project(x)
-        return self.attend(apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed), v)
+        return self.attend(apply_rotary(q, cos, sin_signed), apply_rotary(k, cos, sin_signed), v,
+                           mask=active_mask())
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, T, C) -> q, k, v, each (B, heads, T, D): views of the projections' (B, T, heads, D)."""
@@ -292,18 +294,21 @@ class Attention(nn.Module):
         k, v, causal = extend_cache(cache, apply_rotary(k, cos, sin_signed), v)
         return self.attend(apply_rotary(q, cos, sin_signed), k, v, causal)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the rotated q, k and v (B, heads, T, D) -- causal unless a cache's new
-        position reads every key -- then the output projection."""
+        position reads every key, or by ``mask`` (a boolean (B, 1, T, T), True where allowed:
+        models/document_mask.py) -- then the output projection."""
         b, _, t, _ = q.shape
         group = self.n_head // self.n_kv_head  # query head h reads key/value head h // group
+        how = {"is_causal": causal} if mask is None else {"attn_mask": mask}
         if group > 1 and q.device.type in NATIVE_GQA_DEVICES:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **how)
         else:
             if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            y = F.scaled_dot_product_attention(q, k, v, **how)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
 
 

@@ -19,6 +19,7 @@ from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
 from ..models.base import BlockSequence
+from ..models.document_mask import check_document_mask, within_documents
 from ..models.head_loss import check_kernel_z_loss, check_z_loss
 from ..models.compile_support import check_inductor_options, inductor_mode
 from ..models.regions import compile_regions, scope_regions
@@ -122,6 +123,10 @@ class Pipeline(StreamControl):
         z_loss: coefficient z >= 0 of the z-loss, z * mean(logsumexp(logits)^2) over the last stage's
             targets (PaLM's; 1e-4 there): added to the gradient of the last stage's loss, not to its
             value (models/head_loss.z_loss_term), with either ``head_loss``; 0 = off.
+        document_mask: a boundary token id: each position attends only to the earlier positions of
+            its document, documents starting at that token in the microbatch's input ids
+            (models/document_mask.py; every stage reads the input ids from ``batches``); for the
+            package's models (their attention reads the mask); not with ``cuda_graphs``. None = off.
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).
@@ -138,7 +143,8 @@ class Pipeline(StreamControl):
                  compile: bool = False, compile_scope: str = "block", compile_mode: str = "default",
                  compile_options: dict | None = None, head_loss: str = "plain",
                  head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = True,
-                 gradient_accumulation_fusion: bool = False, z_loss: float = 0.0):
+                 gradient_accumulation_fusion: bool = False, z_loss: float = 0.0,
+                 document_mask: int | None = None):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
@@ -148,6 +154,7 @@ class Pipeline(StreamControl):
                              compile=compile, cuda_graphs=cuda_graphs, compute_copies=compute_copies,
                              gradient_accumulation_fusion=gradient_accumulation_fusion))
         z_loss = check_z_loss(z_loss)
+        check_document_mask(document_mask, cuda_graphs)
         if z_loss and head_loss == "fused":
             check_kernel_z_loss(head_loss_kernel, z_loss)
         if clip_grad_norm is not None:
@@ -243,7 +250,7 @@ class Pipeline(StreamControl):
                               head_loss=head_loss, head_loss_kernel=head_loss_kernel, cuda_graphs=cuda_graphs,
                               compute_copies=compute_copies, params_in_compute_dtype=every_param,
                               gradient_accumulation_fusion=gradient_accumulation_fusion, z_loss=z_loss,
-                              device=self.device)
+                              document_mask=document_mask, device=self.device)
         self.transport = None
         # Boundary tensors between the host and the transport; receive slots are reused.
         self.board = C.MessageBoard(self.host)
@@ -337,7 +344,7 @@ class Pipeline(StreamControl):
                     a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
                     self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
                     a = a.to(self.device)
-                with h.autocast():
+                with h.autocast(), within_documents(x.to(self.device), h.document_mask):
                     loss = h.loss_of(model, a, y.to(self.device)) if h.is_last else None
                     out = None if h.is_last else model(a)
                 if h.is_last:

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ..models.base import forward_through
 from ..models.graphs import GraphedCompute
+from ..models.document_mask import within_documents
 from ..models.head_loss import check_kernel_z_loss, check_z_loss, head_loss, kernel_for_graphs, plain_loss
 from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import MitigationSettings, delay_compensate_
@@ -92,7 +93,8 @@ class StageHost:
                  dp_group=None, dp: int = 1, shard_optimizer: bool = False, head_loss: str = "plain",
                  head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = False,
                  params_in_compute_dtype: bool = False, gradient_accumulation_fusion: bool = False,
-                 z_loss: float = 0.0, device: torch.device | str | None = None):
+                 z_loss: float = 0.0, document_mask: int | None = None,
+                 device: torch.device | str | None = None):
         """``device``: where the stage computes (default: where its first parameter lives; a stage
         without parameters needs it to set up autocast and its receive buffers there).
         ``on_nonfinite`` and ``param_names`` configure the NaN/Inf guard (nonfinite.py);
@@ -104,6 +106,9 @@ class StageHost:
         stage ``head_loss`` "fused" computes the last block's loss without whole logits
         (models/head_loss.py, with ``head_loss_kernel``); "plain" is ``loss_fn(blocks(x), targets)``;
         either with the z-loss's gradient where ``z_loss`` > 0 (head_loss.z_loss_term).
+        ``document_mask``: a boundary token id; each microbatch's blocks then attend within the
+        documents of its input ids (models/document_mask.py), which every stage reads from the
+        batch source, and for a recomputation in backward again.
         ``cuda_graphs`` replays each microbatch's forward and backward from CUDA graphs, per
         weight-version replica (models/graphs.py); not with ``recompute``. ``compute_copies`` (under
         bf16 autocast) runs each replica's microbatches on bf16 copies of its linear weights,
@@ -124,6 +129,7 @@ class StageHost:
         if head_loss not in ("plain", "fused"):
             raise ValueError(f"head_loss must be 'plain' or 'fused', got {head_loss!r}")
         self.z_loss = check_z_loss(z_loss)
+        self.document_mask = document_mask
         self.head_loss, self.head_loss_kernel = head_loss, kernel_for_graphs(head_loss_kernel, cuda_graphs)
         if head_loss == "fused":  # refused here, before any step, rather than at the first loss
             check_kernel_z_loss(self.head_loss_kernel, self.z_loss)
@@ -277,6 +283,12 @@ class StageHost:
     def _run_blocks(self, replica: nn.Module, x: torch.Tensor, step: int, mb: int):
         """The stage output, or on the last stage its loss (backward starts there with the
         gradient 1/m, see ``_loss_gradient``)."""
+        if self.document_mask is not None:
+            with within_documents(self._batch(step)[0][mb], self.document_mask):
+                return self._autocast_blocks_and_loss(replica, x, step, mb)
+        return self._autocast_blocks_and_loss(replica, x, step, mb)
+
+    def _autocast_blocks_and_loss(self, replica: nn.Module, x: torch.Tensor, step: int, mb: int):
         if self.autocast_dtype is None:  # the common case: no context manager per microbatch
             return self._blocks_and_loss(replica, x, step, mb)
         with self.autocast():

@@ -45,6 +45,20 @@ def inductor_option(text: str) -> tuple:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def document_mask_value(text: str):
+    """``--document-mask [ID]``: "data" (the data's boundary token) or a token id."""
+    if text == "data":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token id (an integer >= 0) or 'data'; give the id of "
+                                         "the token that starts or ends each document, or no value for the data's own")
+    return value
+
+
 def data_mix_entry(text: str) -> list:
     """``--data-mix PATH=WEIGHT`` -> [PATH, WEIGHT] (the last '=' splits: a path may hold one)."""
     path, sep, weight = text.rpartition("=")
@@ -318,6 +332,11 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                      help="which attention kernel runs first on cuda: cudnn (a shape it cannot serve runs on "
                           "the next), flash (cuDNN's kernels off), or auto (cudnn on Hopper GPUs, torch's own "
                           "choice elsewhere) (default auto)")
+    run.add_argument("--document-mask", nargs="?", const="data", type=document_mask_value, metavar="ID",
+                     help="attend within documents: each position reads only the earlier positions of its "
+                          "own document, documents starting at a boundary token: the one the data's "
+                          "sidecar records (asyncpp-prepare-data), or token id ID (default: off, the whole "
+                          "window)")
     run.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="replay each microbatch's forward and backward from CUDA graphs (one launch per "
                           "graph: for small, host-bound models; cuda only, not with --recompute) (default: on only "
@@ -388,7 +407,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "compile_mode"): args.compile_mode,
         ("train", "inductor_options"): _inductor_options(args.inductor_option),
         ("train", "head_loss"): args.head_loss,
-        ("train", "attention"): args.attention,
+        ("train", "attention"): args.attention, ("train", "document_mask"): args.document_mask,
         ("train", "profile_steps"): args.profile_steps, ("train", "cuda_graphs"): args.cuda_graphs,
         ("train", "compute_copies"): args.compute_copies,
         ("train", "gradient_accumulation_fusion"): args.gradient_accumulation_fusion,
@@ -464,6 +483,7 @@ FIELD_FLAGS = {
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
     "train.compile_scope": "--compile-scope", "train.compile_mode": "--compile-mode", "train.inductor_options": "--inductor-option", "train.compile": "--compile", "train.head_loss": "--head-loss", "train.attention": "--attention",
+    "train.document_mask": "--document-mask",
     "train.profile_steps": "--profile-steps",
     "train.cuda_graphs": "--cuda-graphs", "train.compute_copies": "--compute-copies",
     "train.gradient_accumulation_fusion": "--gradient-accumulation-fusion",

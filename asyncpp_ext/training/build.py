@@ -19,9 +19,10 @@ from torch import nn
 from ..data import (DEFAULT_EVAL_BATCHES, BatchStream, DataError, eval_batches, load_tokens, resolve_token_paths,
                     split_tokens)
 from ..data.mixture import MixtureStream, mixture_eval_batches
-from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
+from ..data.sources import boundary_of, describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.attention import resolve_attention
 from ..models.base import forward_through
+from ..models.document_mask import within_documents
 from ..models.flops import flops_per_token
 from ..models.compile import inductor_mode, resolve_compile
 from ..models.head_loss import (KERNELS, UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, plain_loss,
@@ -262,6 +263,9 @@ class StageCompute:
     z_loss: float = 0.0
     """The z-loss's coefficient (--z-loss; models/head_loss.z_loss_term): in the gradient of the
     last block's loss on either head path; the fused head then runs its chunked kernel."""
+    document_boundary: Optional[int] = None
+    """--document-mask's boundary token id: attention within documents (models/document_mask.py);
+    None = the whole window."""
 
 
 @contextlib.contextmanager
@@ -310,9 +314,39 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
     fusion = cfg.train.gradient_accumulation_fusion
     if fusion:
         check_gradient_accumulation_fusion(cfg, device)
+    with _refusals_name("--document-mask"):
+        boundary = document_boundary(cfg)
     return StageCompute(compile_, head, kernel, cuda_graphs=graphs, compute_copies=cfg.train.compute_copies,
                         compile_scope=scope, compile_mode=compile_mode, inductor_options=options,
-                        attention=attention, gradient_accumulation_fusion=fusion, z_loss=z_loss)
+                        attention=attention, gradient_accumulation_fusion=fusion, z_loss=z_loss,
+                        document_boundary=boundary)
+
+
+def document_boundary(cfg: RunConfig) -> Optional[int]:
+    """--document-mask's token id: as given, or for "data" the boundary token the training data's
+    sidecars record (every --data-mix source's the same); None when off. ValueError (one line)
+    where the data records none, or its sources record different ones."""
+    mask = cfg.train.document_mask
+    if mask != "data":
+        return mask
+    d = cfg.data
+    sources = [d.source] if not d.mix else [path for path, _ in d.mix]
+    try:
+        found = {source: boundary_of(source, "--data-mix" if d.mix else "--data") for source in sources}
+    except DataError as exc:
+        raise ValueError(f"the data's boundary token cannot be read: {exc}") from None
+    missing = [source for source, b in found.items() if b is None]
+    if missing:
+        raise ValueError(f"{missing[0]} records no document boundary token (text, the built-in corpus, a .bin "
+                         "without asyncpp-prepare-data's sidecar, or prepared with --doc-boundary none); pass "
+                         "the id of the token that marks its documents (e.g. --document-mask 50256 for GPT-2's "
+                         "<|endoftext|>), or prepare it with --doc-boundary eos")
+    ids = {b[0] for b in found.values()}
+    if len(ids) > 1:
+        raise ValueError(f"the --data-mix sources mark documents by different tokens "
+                         f"({', '.join(f'{s}: {b[1]} = {b[0]}' for s, b in found.items())}); prepare them alike "
+                         "or name one id")
+    return ids.pop()
 
 
 def check_gradient_accumulation_fusion(cfg: RunConfig, device) -> None:
@@ -339,26 +373,32 @@ def resolve_cuda_graphs(cfg: RunConfig, device) -> bool:
     t = cfg.train
     if t.cuda_graphs is not None:
         return t.cuda_graphs
-    return (torch.device(device).type == "cuda" and cfg.pipeline.schedule == "sync"
-            and not cfg.pipeline.recompute and t.head_loss not in UNCAPTURABLE_KERNELS)
+    return (torch.device(device).type == "cuda" and cfg.pipeline.schedule == "sync" and not cfg.pipeline.recompute
+            and t.head_loss not in UNCAPTURABLE_KERNELS and t.document_mask is None)
 
 
 def model_loss(compute: StageCompute):
     """``(model, inputs, targets) -> loss`` of a whole model with blocks(): the blocks in order and
     the last one's loss by ``compute.head_loss`` (the plain path is default_loss, bit for bit)."""
-    z_loss = compute.z_loss
+    z_loss, boundary = compute.z_loss, compute.document_boundary
     if compute.head_loss == "plain":
         if not z_loss:
-            return default_loss
+            inner = default_loss
+        else:
+            def inner(model, inputs, targets):
+                return plain_loss(model.loss, model_logits(model, inputs), targets, z_loss)
+    else:
+        def inner(model, inputs, targets):
+            *body, head = model.blocks()
+            return head_loss(head, forward_through(body, inputs), targets, "fused", kernel=compute.kernel,
+                             z_loss=z_loss)
+    if boundary is None:
+        return inner
 
-        def plain(model, inputs, targets):
-            return plain_loss(model.loss, model_logits(model, inputs), targets, z_loss)
-        return plain
-
-    def loss(model, inputs, targets):
-        *body, head = model.blocks()
-        return head_loss(head, forward_through(body, inputs), targets, "fused", kernel=compute.kernel, z_loss=z_loss)
-    return loss
+    def within(model, inputs, targets):  # the blocks attend within the inputs' documents
+        with within_documents(inputs, boundary):
+            return inner(model, inputs, targets)
+    return within
 
 
 # ---- engines --------------------------------------------------------------------------------
@@ -470,6 +510,7 @@ def build_pipeline_engine(cfg: RunConfig, device: str, transport: str, compute: 
                     recompute=p.recompute, dtype=cfg.train.dtype, device=device, transport=transport,
                     cuda_graphs=compute.cuda_graphs, compute_copies=compute.compute_copies,
                     gradient_accumulation_fusion=compute.gradient_accumulation_fusion, z_loss=compute.z_loss,
+                    document_mask=compute.document_boundary,
                     timeout_s=cfg.train.timeout_s, on_nonfinite=cfg.train.on_nonfinite,
                     lr_schedule=cfg.lr_schedule(), clip_grad_norm=cfg.grad_norm_limit(),
                     **cfg.mitigation_kwargs())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Optional
+from typing import Optional, Union
 
 from ..data.batches import DEFAULT_EVAL_BATCHES
 from ..models.compile_support import MODES as COMPILE_MODES  # TrainConfig.compile_mode's values
@@ -391,6 +391,12 @@ class TrainConfig:
     runs on the next, in torch's order) | flash (cuDNN's kernels off) | auto (cudnn on Hopper GPUs,
     where its kernels are the faster; torch's own choice elsewhere). Off CUDA torch chooses
     (models/attention.py)."""
+    document_mask: Optional[Union[int, str]] = None
+    """Attend within documents: a position attends only to the earlier positions of its own
+    document, documents starting at a boundary token (models/document_mask.py). None = off (every
+    earlier position of the window); "data" = the boundary token the data's sidecars record
+    (asyncpp-prepare-data --doc-boundary eos|bos); an int = that token id. The package's models
+    only; not with CUDA graphs."""
     cuda_graphs: Optional[bool] = None
     """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py): one launch
     per graph instead of one per kernel, for host-bound small models. CUDA only; not with

@@ -122,6 +122,24 @@ def check_delays(cfg: RunConfig) -> None:
                           "one tensor; use 2bw, --stages 1, or an untied model")
 
 
+def check_document_mask(cfg: RunConfig) -> None:
+    """train.document_mask: off, "data" or a token id of the vocabulary; the package's models only;
+    not with CUDA graphs (a graph replays the mask it captured)."""
+    mask = cfg.train.document_mask
+    if mask is None:
+        return
+    if mask != "data" and (isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < cfg.model.vocab_size):
+        raise ConfigError(f"train.document_mask must be 'data' or a token id in [0, {cfg.model.vocab_size}) "
+                          f"(the model's vocabulary), got {mask!r}")
+    if cfg.model.arch == "hf":
+        raise ConfigError("--document-mask masks the package's models' attention (gpt, llama, smollm); a Hugging "
+                          "Face model attends by its own code: use --model llama with its shape, or drop "
+                          "--document-mask")
+    if cfg.train.cuda_graphs:
+        raise ConfigError("--cuda-graphs cannot run with --document-mask (a graph replays the mask of the "
+                          "microbatch it captured); drop one of them")
+
+
 def check_compute(cfg: RunConfig) -> None:
     """How the stages compute: --head-loss, --attention, --compile, --compile-scope, --compile-mode,
     --inductor-option, --cuda-graphs, --compute-copies, --gradient-accumulation-fusion,
@@ -153,6 +171,7 @@ def check_compute(cfg: RunConfig) -> None:
         raise ConfigError(f"train.cuda_graphs must be true, false or null (auto), got {t.cuda_graphs!r}")
     if t.cuda_graphs and t.device != "cuda":
         raise ConfigError(f"train.cuda_graphs replays CUDA graphs: it needs --device cuda, got {t.device}")
+    check_document_mask(cfg)
     if t.cuda_graphs and cfg.pipeline.recompute:
         raise ConfigError("train.cuda_graphs cannot run with --recompute (a graph replays a forward "
                           "together with its backward); drop one of them")

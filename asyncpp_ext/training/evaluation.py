@@ -28,7 +28,8 @@ from ..command_line import OneLineParser, UsageError, run_command
 from ..data import DataError, eval_batches, load_tokens, split_tokens
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
-from .build import build_eval_sets, has_eval_sets, mixture_held_out_batches, mixture_sources
+from ..models.document_mask import within_documents
+from .build import build_eval_sets, document_boundary, has_eval_sets, mixture_held_out_batches, mixture_sources
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints, read_meta, saved_config
 from .config import ConfigError
 from .choice_eval import document_start, read_choices, score_choices
@@ -130,11 +131,14 @@ def evaluation_set(cfg, data: Optional[str], batches: Optional[int], batch_size:
 
 
 @torch.no_grad()
-def mean_loss(model: torch.nn.Module, batches: list, device: torch.device) -> float:
-    """The mean over ``batches`` of each batch's mean cross entropy (nats per token)."""
+def mean_loss(model: torch.nn.Module, batches: list, device: torch.device, boundary: Optional[int] = None) -> float:
+    """The mean over ``batches`` of each batch's mean cross entropy (nats per token); with a
+    ``boundary`` token id, attending within documents as the run trained (--document-mask)."""
     total = 0.0
     for x, y in batches:
-        _, loss = model(x.to(device), y.to(device))
+        x = x.to(device)
+        with within_documents(x, boundary):
+            _, loss = model(x, y.to(device))
         total += loss.item()
     return total / len(batches)
 
@@ -151,11 +155,12 @@ def _sets_of(cfg, data, args) -> list[tuple]:
     return found
 
 
-def _row(run, ckpt, step, model, batches, what, on_bytes, device, precision, dtype, args, several) -> dict:
+def _row(run, ckpt, step, model, batches, what, on_bytes, device, precision, dtype, args, several,
+         boundary=None) -> dict:
     """One checkpoint's loss on one set, printed as the table's line."""
     start = time.perf_counter()
     with precision:
-        loss = mean_loss(model, batches, device)
+        loss = mean_loss(model, batches, device, boundary)
     row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "loss": loss,
            "perplexity": math.inf if loss >= 709 else math.exp(loss),  # math.exp raises past ~709.78
            "bits_per_byte": loss / math.log(2) if on_bytes else None,
@@ -189,13 +194,17 @@ def evaluate(args) -> list[dict]:
     for run, ckpt in ckpts:
         cfg, step, model, _ = load_average(ckpt, args.average)
         model = model.to(device)
+        try:
+            boundary = document_boundary(cfg)
+        except ValueError as exc:
+            raise UsageError(f"{ckpt}: its run's --document-mask: {exc}") from None
         for data in datas:
             key = (data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
             if key not in sets:
                 sets[key] = _sets_of(cfg, data, args)
             for batches, what, on_bytes in sets[key]:
                 rows.append(_row(run, ckpt, step, model, batches, what, on_bytes, device, precision, dtype, args,
-                                 several))
+                                 several, boundary))
     shown = sorted({r["data"] for r in rows})
     print((f"data: {shown[0]}" if len(shown) == 1 else "data: each row's column" if several else
            "data: each run's own evaluation set (pass --data to compare runs on the same windows)")

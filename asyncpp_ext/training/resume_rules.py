@@ -27,7 +27,7 @@ RESUME_MUST_MATCH = (
     + [f"data.{f.name}" for f in fields(DataConfig) if f.name not in RESUME_MAY_DIFFER_DATA]
     + [f"optim.{f.name}" for f in fields(OptimConfig)]
     + ["pipeline.schedule", "pipeline.microbatches", "pipeline.global_micro_batch_size", "pipeline.delay",
-       "pipeline.delay_only", "train.seed", "train.dtype"]
+       "pipeline.delay_only", "train.seed", "train.dtype", "train.document_mask"]
 )
 
 
@@ -53,12 +53,19 @@ def get_field(cfg: RunConfig, dotted: str):
 
 
 def resolved_field(cfg: RunConfig, dotted: str):
-    """``get_field``, with the batch order's seed as it is (``RunConfig.data_seed``) and an "auto"
+    """``get_field``, with the batch order's seed as it is (``RunConfig.data_seed``), --document-mask's
+    "data" as the token id the data records, and an "auto"
     precision replaced by what it runs as on ``cfg``'s device
     (bf16 on cuda, fp32 on cpu): the autocast dtype, and a Muon-family optimizer's Newton-Schulz
     dtype. A resume compares these, so "auto" on cpu and "fp32" count as the same run and "auto" on
     cpu and on cuda do not."""
     value = get_field(cfg, dotted)
+    if dotted == "train.document_mask" and value == "data":  # the data's boundary token: the id it names
+        from .build import document_boundary
+        try:
+            return document_boundary(cfg)
+        except ValueError:  # the start's own checks say what is wrong with the data
+            return value
     if dotted == "data.seed" and value is None:  # the order's seed is the run's (older configs: no field)
         return cfg.train.seed
     auto_precision = dotted == "train.dtype" or (dotted == "optim.ns_dtype" and cfg.optim.name in MUON_FAMILY)

@@ -1,0 +1,89 @@
+"""Attention within documents (``--document-mask``): a training window packs several documents, and
+with this mask a position attends only to the earlier positions of its own document.
+
+The data marks documents with a boundary token (``asyncpp-prepare-data --doc-boundary``: the
+tokenizer's end-of-text after each document, or its beginning-of-text before each). Either way the
+boundary token here *starts* a segment: position i belongs to segment ``#{j <= i : x_j = boundary}``.
+So a document's last token, predicting the boundary, reads its own document; the boundary token,
+predicting the next document's first token, reads only itself -- as generation starts a document
+from that token (asyncpp-sample) -- and never the document before it.
+
+The mask is (B, 1, T, T) booleans, True where attention is allowed: causal, and both positions in
+one segment. The diagonal is always allowed, so no row is empty (no NaN from a softmax of nothing).
+
+How blocks see it: each block takes one tensor (models/base.py), so the mask is not an argument.
+Whoever runs a microbatch's blocks -- the simulator's loss, a pipeline stage for each forward (and
+for its recomputation in backward), an evaluation -- computes it from that microbatch's input ids
+and holds it here (``attending_within``) while the blocks run; the attention layers' ``forward``
+reads ``active_mask()`` (None: plain causal attention, the usual path bit for bit). Autograd keeps
+the mask a layer used for its backward, and a compiled block takes it as an input (a tensor read
+from a module-level attribute is a graph input with shape guards, not a constant: no recompile per
+microbatch). A CUDA graph would replay the mask it captured, so the two are not combined.
+Generation (``forward_cached``) never reads it: it runs one document.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+
+class _Active:
+    """The mask the blocks running now attend by (one compute thread per process runs blocks)."""
+    mask: Optional[torch.Tensor] = None
+
+
+_ACTIVE = _Active()
+
+
+def document_ids(inputs: torch.Tensor, boundary: int) -> torch.Tensor:
+    """(B, T) input ids -> (B, T) segment numbers: how many boundary tokens up to and including
+    each position."""
+    return (inputs == boundary).cumsum(dim=1)
+
+
+def document_mask(inputs: torch.Tensor, boundary: int) -> torch.Tensor:
+    """(B, T) input ids -> the (B, 1, T, T) boolean attention mask: causal, within a segment."""
+    ids = document_ids(inputs, boundary)
+    t = inputs.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=inputs.device).tril_()
+    return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
+
+
+def active_mask() -> Optional[torch.Tensor]:
+    """The mask of the microbatch whose blocks run now, or None (plain causal attention)."""
+    return _ACTIVE.mask
+
+
+@contextlib.contextmanager
+def attending_within(mask: Optional[torch.Tensor]) -> Iterator[None]:
+    """Hold ``mask`` (``document_mask``'s, or None) while a microbatch's blocks run."""
+    before, _ACTIVE.mask = _ACTIVE.mask, mask
+    try:
+        yield
+    finally:
+        _ACTIVE.mask = before
+
+
+def within_documents(inputs: torch.Tensor, boundary: Optional[int]):
+    """The context a microbatch of ``inputs`` runs its blocks in: its document mask for a
+    ``boundary`` token, nothing for None (no mask held, not even None over an outer one)."""
+    if boundary is None:
+        return contextlib.nullcontext()
+    return attending_within(document_mask(inputs, boundary))
+
+
+def check_document_mask(boundary, cuda_graphs: bool = False) -> None:
+    """TypeError / ValueError (one line) unless ``boundary`` is None or a token id >= 0, and not
+    with ``cuda_graphs`` (a graph replays the mask it captured)."""
+    if boundary is None:
+        return
+    if isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 0:
+        raise ValueError(f"document_mask must be a token id (an integer >= 0) or None, got {boundary!r}")
+    if cuda_graphs:
+        raise ValueError("document_mask cannot run with cuda_graphs (a graph replays the mask of the microbatch "
+                         "it captured); drop one of them")
+
+
+__all__ = ["check_document_mask", "document_ids", "document_mask", "active_mask", "attending_within", "within_documents"]

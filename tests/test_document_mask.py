@@ -1,0 +1,196 @@
+"""Attention within documents (``--document-mask``, models/document_mask.py): a position attends
+only to the earlier positions of its own document, documents starting at the boundary token; the
+same in one process, a pipeline (whose every stage masks, recomputed or not), its evaluation and
+asyncpp-eval; compiled blocks read each microbatch's mask without recompiling."""
+import copy
+import json
+
+import pytest
+import torch
+
+from asyncpp_ext.eval import main as evaluate
+from asyncpp_ext.models.compile import compile_blocks, uncompile
+from asyncpp_ext.models.document_mask import check_document_mask, document_ids, document_mask, within_documents
+from asyncpp_ext.models.registry import build_model, model_config
+from asyncpp_ext.training.cli import main as train
+from bpe_tokenizer import train_bpe
+
+SEP = 1
+
+
+def _tokens(batch, time, seed, boundaries=()):
+    x = torch.randint(3, 200, (batch, time), generator=torch.Generator().manual_seed(seed))
+    for row, col in boundaries:
+        x[row, col] = SEP
+    return x
+
+
+def test_the_boundary_token_starts_a_segment():
+    x = torch.tensor([[5, 0, 7, 8, 0, 9]])
+    assert document_ids(x, 0).tolist() == [[0, 1, 1, 1, 2, 2]]
+    allowed = document_mask(x, 0)[0, 0].int().tolist()
+    assert allowed == [[1, 0, 0, 0, 0, 0],
+                       [0, 1, 0, 0, 0, 0],
+                       [0, 1, 1, 0, 0, 0],
+                       [0, 1, 1, 1, 0, 0],
+                       [0, 0, 0, 0, 1, 0],
+                       [0, 0, 0, 0, 1, 1]]
+    # no boundary: plain causal
+    assert torch.equal(document_mask(torch.tensor([[4, 4, 4]]), 0)[0, 0], torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "tiny"])
+def test_a_document_sees_nothing_of_the_one_before(name):
+    model = build_model(model_config(name), seed=0).eval()
+    x = _tokens(2, 32, 0, boundaries=[(0, 10), (1, 10), (1, 20)])
+    other = x.clone()
+    other[:, :10] = _tokens(2, 10, 1)  # another first document
+    with torch.no_grad():
+        with within_documents(x, SEP):
+            masked = model(x)[0]
+        with within_documents(other, SEP):
+            masked_other = model(other)[0]
+        plain, plain_other = model(x)[0], model(other)[0]
+    assert torch.equal(masked[:, 10:], masked_other[:, 10:])  # bit for bit: masked keys weigh exactly 0
+    assert (plain[:, 10:] - plain_other[:, 10:]).abs().max() > 1e-3  # the whole window: they leak
+    assert torch.equal(masked[:, :10], plain[:, :10])  # the first document: causal attention as before
+
+
+def test_with_rotary_positions_a_packed_document_is_the_document_alone():
+    model = build_model(model_config("llama-tiny"), seed=0).eval()
+    x = _tokens(1, 32, 2, boundaries=[(0, 12)])
+    with torch.no_grad():
+        with within_documents(x, SEP):
+            packed = model(x)[0]
+        alone = model(x[:, 12:])[0]
+    assert torch.allclose(packed[:, 12:], alone, rtol=0, atol=1e-5)  # rotary attention is relative
+
+
+def test_compiled_blocks_read_each_microbatchs_mask_without_recompiling():
+    """aot_eager: dynamo's guards decide recompilation (test_compile.py says why it stands for
+    inductor here). A compiler that baked the first mask in would fail the second comparison."""
+    model = build_model(model_config("llama-tiny", n_layer=2), seed=0)
+    eager = copy.deepcopy(model)
+    report = compile_blocks(model, device="cpu", backend="aot_eager")
+    masks = [_tokens(3, 17, 10 + i, boundaries=[(0, 3 + i), (2, 9 - i)]) for i in range(3)]
+    outs = []
+    for x in masks:
+        with within_documents(x, SEP):
+            got, want = model(x)[0], eager(x)[0]
+            got.sum().backward()
+        assert torch.allclose(got, want, rtol=0, atol=1e-5)
+        outs.append(got.detach())
+    assert dict(report.compiles) == {"LlamaEmbedding": 1, "LlamaBlock": 1, "LlamaHead": 1}
+    assert not torch.allclose(outs[0], outs[1], atol=1e-3)
+    uncompile(model)
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """A BPE corpus of many documents (the built-in text split at blank lines), <|endoftext|> after
+    each, as asyncpp-prepare-data writes it."""
+    from asyncpp_ext.data import builtin_corpus
+    from asyncpp_ext.data import prepare as prep
+
+    root = tmp_path_factory.mktemp("documents")
+    text = bytes(builtin_corpus()[:60000]).decode("utf-8", "ignore")
+    train_bpe(root / "tokenizer.json", text, 300, special_tokens=("<|endoftext|>",))
+    (root / "corpus.txt").write_text(text)
+    assert prep.main(["--tokenizer", str(root / "tokenizer.json"), "--input", str(root / "corpus.txt"),
+                      "--doc-separator", "\\n\\n", "--out", str(root / "d.bin")]) == 0
+    return root / "d.bin"
+
+
+def _flags(data):
+    return ["--model", "llama-tiny", "--vocab-size", "320", "--data", str(data), "--seq-len", "64",
+            "--micro-batch-size", "2", "--microbatches", "3", "--steps", "4", "--eval-every", "2",
+            "--eval-batches", "2", "--no-checkpoints", "--no-progress", "--threads", "1"]
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _curve(run):
+    return [(r["loss"], r.get("eval_loss")) for r in _rows(run)]
+
+
+def test_a_pipelines_every_stage_masks_as_its_simulation(tmp_path, documents):
+    runs = {}
+    for name, flags in (("sim", ["--simulate", "--document-mask"]),
+                        ("three", ["--stages", "3", "--timeout", "60", "--document-mask"]),
+                        ("recompute", ["--stages", "2", "--timeout", "60", "--recompute", "--document-mask"]),
+                        ("none", ["--simulate"])):
+        assert train([*_flags(documents), *flags, "--out", str(tmp_path / name)]) == 0
+        runs[name] = _curve(tmp_path / name)
+    assert runs["three"] == runs["sim"] == runs["recompute"]  # losses and eval losses, list equality
+    assert runs["sim"][0][0] != runs["none"][0][0] and runs["sim"][3] != runs["none"][3]
+    assert json.loads((tmp_path / "sim" / "config.json").read_text())["train"]["document_mask"] == "data"
+
+
+def test_asyncpp_eval_masks_as_the_run_did(tmp_path, documents):
+    run = tmp_path / "run"
+    flags = [f for f in _flags(documents) if f != "--no-checkpoints"]
+    assert train([*flags, "--simulate", "--document-mask", "0", "--out", str(run)]) == 0  # <|endoftext|> is id 0
+    assert evaluate([str(run), "--json", str(tmp_path / "rows.json")]) == 0
+    row, = json.loads((tmp_path / "rows.json").read_text())
+    assert row["loss"] == pytest.approx(_rows(run)[-1]["eval_loss"], rel=1e-6)
+
+
+def test_an_explicit_id_masks_data_without_a_sidecar(tmp_path):
+    """The built-in corpus is bytes without boundaries: the newline (10) taken as one."""
+    flags = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--microbatches", "2", "--steps", "3",
+             "--eval-every", "0", "--no-checkpoints", "--no-progress", "--threads", "1", "--simulate"]
+    for name, extra in (("lines", ["--document-mask", "10"]), ("none", [])):
+        assert train([*flags, *extra, "--out", str(tmp_path / name)]) == 0
+    assert _curve(tmp_path / "lines")[0] != _curve(tmp_path / "none")[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--document-mask"], "records no document boundary token"),  # the built-in corpus: bytes
+    (["--document-mask", "300"], "train.document_mask must be 'data' or a token id in [0, 256)"),
+    (["--document-mask", "x"], "is not a token id"),
+    (["--hf-config", "{}", "--document-mask", "3"], None),  # refused: the model's own attention
+])
+def test_bad_document_masks_are_one_line(tmp_path, capsys, extra, message):
+    out = tmp_path / "run"
+    if extra[0] == "--hf-config":
+        config = tmp_path / "llama.json"
+        config.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
+                                      "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "max_position_embeddings": 64}))
+        extra = ["--hf-config", str(config), *extra[2:]]
+        message = "a Hugging Face model attends by its own code"
+    model = [] if extra[0] == "--hf-config" else ["--model", "tiny"]
+    assert train([*model, "--seq-len", "16", "--steps", "2", "--simulate", "--no-progress", *extra,
+                  "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+def test_a_resume_keeps_the_mask_and_refuses_another(tmp_path, capsys, documents):
+    run = tmp_path / "run"
+    flags = [f for f in _flags(documents) if f != "--no-checkpoints"]
+    assert train([*flags, "--simulate", "--document-mask", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert train([*flags, "--simulate", "--steps", "6", "--document-mask", "5", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "document_mask" in err[0], err
+    assert train([*flags, "--simulate", "--steps", "6", "--resume", str(run)]) == 0
+    # the id the data records (<|endoftext|>, 0) is the same mask as "data"
+    assert train([*flags, "--simulate", "--steps", "8", "--document-mask", "0", "--resume", str(run)]) == 0
+
+
+def test_the_pipeline_api_checks_its_document_mask():
+    from asyncpp_ext.pipeline import Pipeline
+
+    check_document_mask(None, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cannot run with cuda_graphs"):
+        check_document_mask(0, cuda_graphs=True)
+    model = build_model(model_config("tiny"), seed=0)
+    for bad in (-1, True, "data"):
+        with pytest.raises(ValueError, match="document_mask must be a token id"):
+            Pipeline(model, loss_fn=type(model).loss, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                     stages=1, document_mask=bad)
