@@ -82,7 +82,7 @@ def test_a_run_holds_its_preference_while_it_trains_and_gives_it_back(tmp_path, 
     on the CPU, where it changes no kernel), and the caller's priority is back afterwards."""
     from asyncpp_ext.models import llama
 
-    monkeypatch.setattr("asyncpp_ext.training.build.resolve_attention", lambda name, device: "cudnn")
+    monkeypatch.setattr("asyncpp_ext.training.stage_compute.resolve_attention", lambda name, device: "cudnn")
     seen = []
     real = llama.F.scaled_dot_product_attention
 

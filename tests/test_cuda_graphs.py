@@ -230,7 +230,7 @@ def test_the_fused_head_under_graphs_runs_the_kernel_that_captures():
     host, _ = _host(True, FakeGraphs(), head_loss="fused")
     assert host.head_loss_kernel == "chunked"
     assert _host(False, None, head_loss="fused")[0].head_loss_kernel == "auto"
-    from asyncpp_ext.training.build import stage_compute  # the simulator's and the CLI's choice
+    from asyncpp_ext.training.stage_compute import stage_compute  # the simulator's and the CLI's choice
     from asyncpp_ext.training.config import RunConfig
 
     cfg = RunConfig.from_dict({"model": {"vocab_size": 49152}, "train": {"cuda_graphs": True, "compile": False}})
@@ -254,7 +254,7 @@ def test_the_fused_head_under_graphs_runs_the_kernel_that_captures():
     ("cuda", "2bw", True, {}, True),
 ])
 def test_cuda_graphs_auto_is_on_for_the_sync_run_on_cuda_only(device, schedule, flag, extra, want):
-    from asyncpp_ext.training.build import resolve_cuda_graphs, stage_compute
+    from asyncpp_ext.training.stage_compute import resolve_cuda_graphs, stage_compute
     from asyncpp_ext.training.config import RunConfig
 
     cfg = RunConfig.from_dict({"model": {"vocab_size": 49152}, "train": {"cuda_graphs": flag, "compile": False},

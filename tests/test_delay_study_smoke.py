@@ -174,7 +174,7 @@ def test_a_run_too_short_for_a_gap_reports_no_share(study, text_file, capsys):
 def test_paired_runs_on_cuda_all_run_without_cuda_graphs(study):
     """CUDA graphs' auto rule turns them on for sync alone; a study's sync reference must compute
     as its other runs do (graphs also switch the fused head to the chunked kernel)."""
-    from asyncpp_ext.training.build import resolve_cuda_graphs
+    from asyncpp_ext.training.stage_compute import resolve_cuda_graphs
 
     args = dict(model="llama-tiny", n_layer=None, data="builtin", steps=2, microbatches=2, micro_batch_size=2,
                 eval_every=0, eval_batches=1)

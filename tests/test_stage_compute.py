@@ -136,7 +136,7 @@ def test_compile_where_torch_cannot_is_one_line(tmp_path, capsys, monkeypatch):
 def test_each_stage_compute_refusal_starts_with_its_flag(monkeypatch):
     """stage_compute's refusals start with the flag they are about, whichever resolver raised them
     (the library's messages speak of kernels and devices; the CLI prints them as they are)."""
-    from asyncpp_ext.training.build import stage_compute
+    from asyncpp_ext.training.stage_compute import stage_compute
     from asyncpp_ext.training.config import RunConfig
 
     def refusal(train):

@@ -404,7 +404,7 @@ class TrainConfig:
     on CUDA (measured on an H100: 2.17x the tokens/s of smollm-135m's step without them) unless
     --recompute or a liger/cce head kernel rules it out; off for pipelines and their simulations
     (opt-in there: two stages sharing one H100 gained nothing from them) and on CPU
-    (training/build.resolve_cuda_graphs)."""
+    (training/stage_compute.resolve_cuda_graphs)."""
     compute_copies: bool = True
     """Under bf16: keep a bf16 copy of every nn.Linear weight per weight version, refreshed when the
     weights change, and run the blocks on it (pipeline/compute_copies.py), instead of autocast

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from ..models.attention import attention_preference
 from ..data import DataError
-from .build import build_pipeline_engine, build_run_data, resume, stage_compute
+from .build import build_pipeline_engine, build_run_data, resume
+from .stage_compute import stage_compute
 from .async_checkpoint import BackgroundWriter, mark_done, take_snapshot, wait_for_marks
 from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
                          restore_rng_state, shard_name, temp_checkpoint_path, write_shard)

@@ -29,7 +29,8 @@ from ..data import DataError, eval_batches, load_tokens, split_tokens
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
 from ..models.document_mask import within_documents
-from .build import build_eval_sets, document_boundary, has_eval_sets, mixture_held_out_batches, mixture_sources
+from .build import build_eval_sets, has_eval_sets, mixture_held_out_batches, mixture_sources
+from .stage_compute import document_boundary
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints, read_meta, saved_config
 from .config import ConfigError
 from .choice_eval import document_start, read_choices, score_choices

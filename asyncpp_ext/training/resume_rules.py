@@ -61,7 +61,7 @@ def resolved_field(cfg: RunConfig, dotted: str):
     cpu and on cuda do not."""
     value = get_field(cfg, dotted)
     if dotted == "train.document_mask" and value == "data":  # the data's boundary token: the id it names
-        from .build import document_boundary
+        from .stage_compute import document_boundary
         try:
             return document_boundary(cfg)
         except ValueError:  # the start's own checks say what is wrong with the data

@@ -20,7 +20,8 @@ from ..models.registry import describe
 from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline.launch import launcher
-from .build import build_run_data, build_simulator, resume, stage_compute
+from .build import build_run_data, build_simulator, resume
+from .stage_compute import stage_compute
 from .checkpoint import CheckpointError, load_checkpoint, read_meta, restore_rng_state
 from .config import ConfigError, RunConfig
 from .run_files import (CONFIG_NAME, prepare_run_dir, set_aside_later, read_metrics, release_run_dir, remove_unfinished_checkpoints,
