@@ -32,6 +32,19 @@ def forward_through(blocks, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def row_losses(blocks, x: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """(B,) float32: per row of ``x`` the summed cross entropy, through ``blocks`` (the last one the
+    model's head), over the row's targets that are not ``ignore_index``. The head runs one row at
+    a time, so at most one row's fp32 logits (T x V) exist at once: an evaluation's figure (the
+    multiple-choice scores of --eval-choices), computed the same way in one process and on a
+    pipeline's last stage."""
+    *body, head = blocks
+    hidden = forward_through(body, x)
+    sums = [F.cross_entropy(head(hidden[i:i + 1])[0].float(), targets[i], ignore_index=ignore_index, reduction="sum")
+            for i in range(hidden.shape[0])]
+    return torch.stack(sums)
+
+
 class BlockSequence(nn.Sequential):
     """A pipeline stage's blocks: an nn.Sequential (same names, same state_dict) whose forward runs
     them through ``forward_through``, so a compiled region among them is one call."""
@@ -191,4 +204,4 @@ def init_normal_(model: nn.Module, seed: int, std: float, n_layer: int, *,
 
 
 __all__ = ["MAX_SEED", "check_seed", "extend_cache", "TOKEN_ID_DTYPES", "check_token_ids", "check_init_std", "REGION_MARK",
-           "forward_through", "BlockSequence", "BlockModel", "ProjectionHead", "skip_default_init", "init_normal_"]
+           "forward_through", "row_losses", "BlockSequence", "BlockModel", "ProjectionHead", "skip_default_init", "init_normal_"]

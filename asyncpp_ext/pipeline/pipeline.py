@@ -18,7 +18,7 @@ import torch.nn as nn
 from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
-from ..models.base import BlockSequence
+from ..models.base import BlockSequence, row_losses
 from ..models.document_mask import check_document_mask, within_documents
 from ..models.head_loss import check_kernel_z_loss, check_z_loss
 from ..models.compile_support import check_inductor_options, inductor_mode
@@ -326,10 +326,12 @@ class Pipeline(StreamControl):
 
     # ---- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[tuple]) -> float | None:
+    def evaluate(self, batches: Sequence[tuple], per_row: bool = False) -> float | list | None:
         """Mean loss of the newest weights over ``batches`` (microbatch-sized (x, y) pairs, of R*B
         sequences with dp = R: each replica evaluates its rows), run forward-only through the
-        pipeline. Returns the loss on the last stages, None elsewhere."""
+        pipeline. Returns the loss on the last stages, None elsewhere. ``per_row``: instead, each
+        row's summed cross entropy over its targets (models/base.row_losses), every row of every
+        batch in order (a replica's with the others' gathered), on the last stages."""
         self._settle("evaluate", check_whole=True)
         h = self.host
         model = h.compute_module(h.newest_version())  # what training computes with (its copies)
@@ -345,22 +347,34 @@ class Pipeline(StreamControl):
                     self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
                     a = a.to(self.device)
                 with h.autocast(), within_documents(x.to(self.device), h.document_mask):
-                    loss = h.loss_of(model, a, y.to(self.device)) if h.is_last else None
+                    if h.is_last:
+                        y = y.to(self.device)
+                        loss = row_losses(list(model), a, y) if per_row else h.loss_of(model, a, y)
                     out = None if h.is_last else model(a)
                 if h.is_last:
-                    losses.append(float(loss))
+                    losses.append(loss.tolist() if per_row else float(loss))
                 else:
                     h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
                     self._p2p(dist.send, out.contiguous().cpu(), self.stage + 1, "evaluation", _EVAL_TAG)
                 self.watchdog.beat(f"evaluation batch {i}")
         if not (h.is_last and losses):
             return None
+        if per_row:
+            return self._gather_rows(losses)
         mean = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
         if self.dp > 1:  # equal shares: the global mean is the mean of the replicas' means
             dist.all_reduce(mean, group=self.dp_group)
             mean /= self.dp
         return float(mean.item())
 
+    def _gather_rows(self, shares: list) -> list:
+        """Every row's figure, batch by batch, from each replica's ``shares`` (its rows of each
+        batch: replica_share's contiguous slices, in replica order)."""
+        if self.dp == 1:
+            return [x for share in shares for x in share]
+        every = [None] * self.dp
+        dist.all_gather_object(every, shares, group=self.dp_group)
+        return [x for b in range(len(shares)) for replica in every for x in replica[b]]
 
 
 def _choose_transport(transport: str, device: torch.device) -> str:

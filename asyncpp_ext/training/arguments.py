@@ -199,6 +199,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                        help="another held-out set (same formats as --data) evaluated at every evaluation beside "
                             "eval_loss; once per set: each row's eval_losses holds each set's loss by its file's name "
                             "(a --data-mix run also gets each source's held-out part there)")
+    model.add_argument("--eval-choices", action="append", metavar="FILE",
+                       help="a multiple-choice task (JSON lines of context, endings, label: HellaSwag's val file "
+                            "as it is) scored at every evaluation; once per task: each row's choices holds its "
+                            "accuracy, accuracy_norm and right_loglik by the file's name")
+    model.add_argument("--eval-choices-limit", type=int, metavar="N",
+                       help="score the first N examples of each --eval-choices task (default: all)")
     model.add_argument("--sampling", choices=SAMPLINGS,
                        help="order of the training windows: random (uniform starts; default) or epoch "
                             "(consecutive windows, a seeded permutation per epoch: no token trains twice "
@@ -390,7 +396,8 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "wandb"): args.wandb, ("train", "wandb_project"): args.wandb_project,
         ("train", "seed"): args.seed, ("data", "source"): args.data, ("data", "val_source"): args.val_data,
         ("data", "sampling"): args.sampling, ("data", "seed"): args.data_seed, ("data", "mix"): args.data_mix,
-        ("data", "eval_data"): args.eval_data,
+        ("data", "eval_data"): args.eval_data, ("data", "eval_choices"): args.eval_choices,
+        ("data", "eval_choices_limit"): args.eval_choices_limit,
         ("train", "eval_every"): args.eval_every, ("train", "ckpt_every"): args.ckpt_every,
         ("train", "checkpoints"): args.checkpoints, ("data", "eval_batches"): args.eval_batches,
         ("train", "keep_checkpoints"): args.keep_checkpoints, ("train", "async_checkpoints"): args.async_checkpoints,
@@ -471,7 +478,7 @@ FIELD_FLAGS = {
     "train.steps": "--steps", "train.seed": "--seed", "train.eval_every": "--eval-every",
     "train.ckpt_every": "--ckpt-every", "train.checkpoints": "--checkpoints",
     "train.keep_checkpoints": "--keep-checkpoints", "train.async_checkpoints": "--async-checkpoints",
-    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.eval_data": "--eval-data", "data.change_mix": "--change-data-mix", "data.seed": "--data-seed", "data.skip_batches": "--skip-batches", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
+    "data.eval_batches": "--eval-batches", "data.source": "--data", "data.mix": "--data-mix", "data.eval_data": "--eval-data", "data.eval_choices": "--eval-choices", "data.eval_choices_limit": "--eval-choices-limit", "data.change_mix": "--change-data-mix", "data.seed": "--data-seed", "data.skip_batches": "--skip-batches", "data.val_source": "--val-data", "train.device": "--device", "train.timeout_s": "--timeout", "train.out": "--out",
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",

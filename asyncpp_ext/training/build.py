@@ -19,6 +19,8 @@ from ..data import (DEFAULT_EVAL_BATCHES, BatchStream, DataError, eval_batches, 
                     split_tokens)
 from ..data.mixture import MixtureStream, mixture_eval_batches
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
+from ..models.base import row_losses
+from ..models.document_mask import within_documents
 from ..models.flops import flops_per_token
 from ..models.compile import inductor_mode
 from ..models.regions import compile_regions, scope_regions
@@ -214,6 +216,27 @@ def build_eval_sets(cfg: RunConfig, count: Optional[int] = None, batch_size: Opt
     return sets
 
 
+def build_choice_sets(cfg: RunConfig) -> dict:
+    """--eval-choices: each task file's ``ChoiceSet`` by its short name (``set_names``), encoded
+    with the run's tokenizer (found from its data, as asyncpp-eval finds it) after the token that
+    starts a document, in batches of the evaluation's shape. UsageError (one line) for a file
+    that is not a task, or a run whose tokenizer is unknown."""
+    from .choice_eval import choice_set, document_start, read_choices
+    from .export import run_tokenizer
+
+    d = cfg.data
+    if not d.eval_choices:
+        return {}
+    tasks = [read_choices(path, d.eval_choices_limit, "--eval-choices") for path in d.eval_choices]
+    tokenizer = run_tokenizer("auto", cfg, cfg.model.vocab_size)
+    prefix = document_start(tokenizer)
+
+    def encode(text):
+        return [int(i) for i in tokenizer.encode([text])[0]]
+    return {name: choice_set(examples, encode, cfg.model.seq_len, cfg.pipeline.global_micro_batch_size, prefix)
+            for name, examples in zip(set_names(d.eval_choices), tasks)}
+
+
 # ---- optimizer ------------------------------------------------------------------------------
 def optimizer_factory(cfg: RunConfig) -> OptimizerFactory:
     """``(module) -> optimizer`` for cfg.optim (a whole model or one pipeline stage's blocks)."""
@@ -256,6 +279,21 @@ def simulator_loss(cfg: RunConfig, compute: Optional[StageCompute] = None):
     return loss
 
 
+def simulator_row_losses(cfg: RunConfig, compute: Optional[StageCompute] = None):
+    """The simulator's per-row losses (--eval-choices: models/base.row_losses) under the run's
+    --dtype and --document-mask, as a pipeline's last stage computes them."""
+    from ..pipeline.recompute import autocast_context, resolve_autocast
+
+    device = torch.device(cfg.train.device)
+    autocast_dtype = resolve_autocast(cfg.train.dtype, device)
+    boundary = (compute or stage_compute(cfg)).document_boundary
+
+    def rows(model_, inputs, targets):
+        with autocast_context(device, autocast_dtype), within_documents(inputs, boundary):
+            return row_losses(model_.blocks(), inputs, targets)
+    return rows
+
+
 def build_run_model(cfg: RunConfig, first_weights: bool = True) -> nn.Module:
     """The run's model on the CPU: initialised from the run's seed, then, for a run started
     ``--init-from`` a checkpoint and ``first_weights`` (False where a resumed run's checkpoint
@@ -293,6 +331,7 @@ def build_simulator(cfg: RunConfig, compute: Optional[StageCompute] = None,
                                     fuse_weight_gradients=compute.gradient_accumulation_fusion)
     simulator = DelaySimulator(model, optimizer_factory(cfg)(model), p.schedule,
                                loss_fn=simulator_loss(cfg, compute), compute_copies=copies,
+                               row_loss_fn=simulator_row_losses(cfg, compute),
                                on_nonfinite=cfg.train.on_nonfinite, device_skip=cfg.train.nonfinite_check == "auto",
                                lr_schedule=cfg.lr_schedule(),
                                clip_grad_norm=cfg.grad_norm_limit(), stages=p.stages, delay=p.delay,

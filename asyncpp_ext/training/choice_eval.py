@@ -35,12 +35,12 @@ class Example:
     label: int
 
 
-def read_choices(path: str, limit=None) -> list[Example]:
-    """The examples of a task file (the first ``limit``); UsageError naming the file and line of
-    the first that is not one."""
+def read_choices(path: str, limit=None, flag: str = "--choices") -> list[Example]:
+    """The examples of a task file (the first ``limit``); UsageError naming ``flag``, the file and
+    the line of the first that is not one."""
     file = Path(path)
     if not file.is_file():
-        raise UsageError(f"--choices {path}: no such file; pass a JSON-lines file of "
+        raise UsageError(f"{flag} {path}: no such file; pass a JSON-lines file of "
                          '{"context", "endings", "label"} examples')
     examples = []
     with file.open(encoding="utf-8") as lines:
@@ -49,9 +49,9 @@ def read_choices(path: str, limit=None) -> list[Example]:
                 continue
             if limit is not None and len(examples) == limit:
                 break
-            examples.append(_example(line, f"--choices {path}, line {number}"))
+            examples.append(_example(line, f"{flag} {path}, line {number}"))
     if not examples:
-        raise UsageError(f"--choices {path} holds no examples")
+        raise UsageError(f"{flag} {path} holds no examples")
     return examples
 
 
@@ -89,17 +89,23 @@ def ending_text(context: str, ending: str) -> str:
     return ending if context[-1:].isspace() or ending[:1].isspace() else " " + ending
 
 
+def ending_rows(encode, example: Example, seq_len: int, prefix=()) -> list[tuple[list, int]]:
+    """Each ending's window and how many of its last targets are the ending's: (ids, scored), ids
+    the last ``seq_len`` + 1 tokens of prefix + context + ending (the module docstring)."""
+    context = list(prefix) + encode(example.context)
+    rows = []
+    for ending in example.endings:
+        tail = encode(ending_text(example.context, ending))
+        ids = (context + tail)[-(seq_len + 1):]  # the window's last seq_len + 1 tokens
+        rows.append((ids, min(len(tail), len(ids) - 1)))  # the window's first token has no prediction
+    return rows
+
+
 @torch.no_grad()
 def ending_log_likelihoods(model, encode, example: Example, seq_len: int, device, prefix=()) -> list[float]:
     """``sum_i log p(e_i | context, e_<i)`` of each ending (the module docstring); ``prefix``: ids
     before the context (the token that starts a document)."""
-    context = list(prefix) + encode(example.context)
-    rows, scored = [], []
-    for ending in example.endings:
-        tail = encode(ending_text(example.context, ending))
-        ids = (context + tail)[-(seq_len + 1):]  # the window's last seq_len + 1 tokens
-        rows.append(ids)
-        scored.append(min(len(tail), len(ids) - 1))  # the window's first token has no prediction
+    rows, scored = zip(*ending_rows(encode, example, seq_len, prefix))
     width = max(len(r) for r in rows)
     batch = torch.zeros(len(rows), width, dtype=torch.long)
     for i, ids in enumerate(rows):
@@ -115,19 +121,65 @@ def ending_log_likelihoods(model, encode, example: Example, seq_len: int, device
     return totals
 
 
+def choice_scores(examples: list, totals: list) -> dict:
+    """accuracy and accuracy_norm (module docstring) from each example's endings' log-likelihoods
+    ``totals``, and ``right_loglik``: the mean log-likelihood of the right endings (a figure that
+    moves while a young model's accuracy still sits at chance)."""
+    right = right_norm = 0
+    for example, sums in zip(examples, totals):
+        per_byte = [t / len(ending_text(example.context, e).encode("utf-8")) for t, e in zip(sums, example.endings)]
+        right += max(range(len(sums)), key=sums.__getitem__) == example.label
+        right_norm += max(range(len(per_byte)), key=per_byte.__getitem__) == example.label
+    n = len(examples)
+    return {"examples": n, "accuracy": right / n, "accuracy_norm": right_norm / n,
+            "right_loglik": sum(sums[e.label] for e, sums in zip(examples, totals)) / n}
+
+
+IGNORE = -100  # F.cross_entropy's ignore_index: a target that is not the ending's
+
+
+@dataclass
+class ChoiceSet:
+    """A task's endings as training evaluates them (``--eval-choices``): every ending's window one
+    row of fixed (batch_size, seq_len) batches -- the shape a pipeline's evaluation sends between
+    its stages -- its inputs right-padded, its targets ``IGNORE`` but for the ending's tokens, so
+    that a row's summed cross entropy is minus the ending's log-likelihood (rows past the last
+    ending: every target ignored, a sum of 0). ``score`` turns the engine's row sums into the
+    task's figures."""
+    examples: list
+    batches: list
+
+    def score(self, row_losses) -> dict:
+        totals, i = [], 0
+        for example in self.examples:
+            n = len(example.endings)
+            totals.append([-float(x) for x in row_losses[i:i + n]])
+            i += n
+        return choice_scores(self.examples, totals)
+
+
+def choice_set(examples: list, encode, seq_len: int, batch_size: int, prefix=()) -> ChoiceSet:
+    """The ``ChoiceSet`` of ``examples`` for a model of ``seq_len`` fed ``batch_size`` rows."""
+    rows = [row for example in examples for row in ending_rows(encode, example, seq_len, prefix)]
+    count = -(-len(rows) // batch_size) * batch_size
+    x = torch.zeros(count, seq_len, dtype=torch.long)
+    y = torch.full((count, seq_len), IGNORE, dtype=torch.long)
+    for i, (ids, scored) in enumerate(rows):
+        n = len(ids) - 1  # inputs ids[:-1], targets ids[1:]; the ending's: the last `scored`
+        x[i, :n] = torch.tensor(ids[:-1])
+        y[i, n - scored:n] = torch.tensor(ids[n + 1 - scored:])
+    return ChoiceSet(examples, [(x[s:s + batch_size], y[s:s + batch_size]) for s in range(0, count, batch_size)])
+
+
 def score_choices(model, encode, examples: list, seq_len: int, device, precision, prefix=()) -> dict:
     """accuracy and accuracy_norm of ``model`` over ``examples`` (module docstring)."""
-    right = right_norm = 0
     start = time.perf_counter()
+    totals = []
     for example in examples:
         with precision:
-            totals = ending_log_likelihoods(model, encode, example, seq_len, device, prefix)
-        per_byte = [t / len(ending_text(example.context, e).encode("utf-8"))
-                    for t, e in zip(totals, example.endings)]
-        right += max(range(len(totals)), key=totals.__getitem__) == example.label
-        right_norm += max(range(len(per_byte)), key=per_byte.__getitem__) == example.label
-    return {"examples": len(examples), "accuracy": right / len(examples), "accuracy_norm": right_norm / len(examples),
-            "seconds": time.perf_counter() - start}
+            totals.append(ending_log_likelihoods(model, encode, example, seq_len, device, prefix))
+    return {**choice_scores(examples, totals), "seconds": time.perf_counter() - start}
 
 
-__all__ = ["Example", "read_choices", "document_start", "ending_text", "ending_log_likelihoods", "score_choices"]
+__all__ = ["Example", "read_choices", "document_start", "ending_text", "ending_rows", "ending_log_likelihoods",
+           "choice_scores", "score_choices", "ChoiceSet", "choice_set"]

@@ -78,6 +78,13 @@ class DataConfig:
     """More held-out sets evaluated at every evaluation beside ``eval_loss`` (``--eval-data PATH``,
     repeated; same formats as ``source``): each row's ``eval_losses`` holds each one's loss by its
     file's name (build.set_names), as it does each ``mix`` source's held-out part's."""
+    eval_choices: list = field(default_factory=list)
+    """Multiple-choice task files (``--eval-choices FILE``, repeated; JSON lines of context, endings,
+    label: HellaSwag's val file as it is) scored at every evaluation with the run's tokenizer: each
+    row's ``choices`` holds each task's accuracy, accuracy_norm and right_loglik by its file's name
+    (training/choice_eval.py)."""
+    eval_choices_limit: Optional[int] = None
+    """Score only the first this many examples of each ``eval_choices`` file; None = all."""
     mix: list = field(default_factory=list)
     """A weighted mixture of sources instead of ``source``: [path, weight] pairs (``--data-mix
     PATH=WEIGHT``; weights any positive numbers, normalised). Each minibatch takes each source's

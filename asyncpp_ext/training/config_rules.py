@@ -308,7 +308,7 @@ def _check_optimizer_available(name: str) -> None:
 
 def check_data_lists(data) -> None:
     """data.mix: [path, weight] pairs (a positive finite weight each), given instead of data.source;
-    data.eval_data: paths, each once."""
+    data.eval_data and data.eval_choices: paths, each once."""
     if not isinstance(data.mix, (list, tuple)):
         raise ConfigError(f"data.mix must be a list of [path, weight] pairs, got {data.mix!r}")
     for entry in data.mix:
@@ -334,6 +334,14 @@ def check_data_lists(data) -> None:
         raise ConfigError(f"data.eval_data must be a list of paths (--eval-data PATH), got {data.eval_data!r}")
     if len(set(data.eval_data)) != len(data.eval_data):
         raise ConfigError("data.eval_data names a set twice; give each --eval-data once")
+    if not isinstance(data.eval_choices, (list, tuple)) or not all(isinstance(p, str) and p.strip()
+                                                                   for p in data.eval_choices):
+        raise ConfigError(f"data.eval_choices must be a list of task files (--eval-choices FILE), got "
+                          f"{data.eval_choices!r}")
+    if len(set(data.eval_choices)) != len(data.eval_choices):
+        raise ConfigError("data.eval_choices names a task twice; give each --eval-choices once")
+    if data.eval_choices_limit is not None:
+        positive_int("data.eval_choices_limit", data.eval_choices_limit)
     paths = [entry[0] for entry in data.mix]
     twice = sorted({p for p in paths if paths.count(p) > 1})
     if twice:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..models.attention import attention_preference
 from ..data import DataError
-from .build import build_pipeline_engine, build_run_data, resume
+from .build import build_choice_sets, build_pipeline_engine, build_run_data, resume
 from .stage_compute import stage_compute
 from .async_checkpoint import BackgroundWriter, mark_done, take_snapshot, wait_for_marks
 from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, finalize_checkpoint,
@@ -156,6 +156,7 @@ def _rank_run(cfg: RunConfig, resume_dir: Optional[str], started_at: Optional[fl
     # Every replica draws the same stream and takes its rows; every replica evaluates the whole
     # set (same weights, same numbers) so none waits for another.
     stream, eval_set, eval_sets = build_run_data(cfg)
+    choice_sets = build_choice_sets(cfg)
     check_same_data(stream)
     compute = stage_compute(cfg, device)
     with attention_preference(compute.attention):  # as its --simulate run, from the compile on
@@ -173,7 +174,8 @@ def _rank_run(cfg: RunConfig, resume_dir: Optional[str], started_at: Optional[fl
                                                                writer, cfg.train.timeout_s),
                           checkpoint_writer=writer,
                           writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages,
-                          agree_on_end=_agree_on_end(pipe), started_at=started_at, eval_sets=eval_sets)
+                          agree_on_end=_agree_on_end(pipe), started_at=started_at, eval_sets=eval_sets,
+                          choice_sets=choice_sets)
         with pipe:
             trainer.run()
 

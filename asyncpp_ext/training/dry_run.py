@@ -64,6 +64,8 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     where = f"resuming {out} at step {start} ({resume_dir.name})" if resume_dir is not None else f"{out}, a new run"
     data = stream.plan(t.steps)
     sets = f" and {len(cfg.data.eval_data)} more set(s)" if cfg.data.eval_data else ""
+    if cfg.data.eval_choices:
+        sets += f", {len(cfg.data.eval_choices)} multiple-choice task(s)"
     evaluation = (f"every {t.eval_every} steps, {cfg.data.eval_batches} batches{sets}"
                   if t.eval_every and cfg.data.eval_batches else "none")
     replicas = f" x {p.dp} replicas" if p.dp > 1 else ""

@@ -46,6 +46,10 @@ class PipelineEngine:
     def eval_loss(self, batches):
         return self.pipe.evaluate(batches)
 
+    def row_losses(self, batches):
+        """Each row's summed cross entropy (--eval-choices), on the last stages; None elsewhere."""
+        return self.pipe.evaluate(batches, per_row=True)
+
     def state_dict(self) -> dict:
         return self.pipe.state_dict()
 

@@ -19,9 +19,10 @@ from .config import MUON_FAMILY, DataConfig, ModelConfig, OptimConfig, RunConfig
 # paths (data.source, data.val_source): a relative path read from another directory, or data
 # moved, is the same data, and what trains is compared itself (the stream's token count, shards
 # and fingerprint, data/batches.py; a mixture's weights and each source's, data/mixture.py), while
-# --val-data and --eval-data only say what is evaluated (and --change-data-mix lets the mixture
+# --val-data, --eval-data and --eval-choices only say what is evaluated (and --change-data-mix lets the mixture
 # change at that resume: the stream keeps the phases it ran).
-RESUME_MAY_DIFFER_DATA = ("eval_batches", "source", "val_source", "mix", "eval_data", "change_mix", "skip_batches")
+RESUME_MAY_DIFFER_DATA = ("eval_batches", "source", "val_source", "mix", "eval_data", "eval_choices",
+                          "eval_choices_limit", "change_mix", "skip_batches")
 RESUME_MUST_MATCH = (
     [f"model.{f.name}" for f in fields(ModelConfig)]
     + [f"data.{f.name}" for f in fields(DataConfig) if f.name not in RESUME_MAY_DIFFER_DATA]

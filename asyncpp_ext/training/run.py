@@ -20,7 +20,7 @@ from ..models.registry import describe
 from ..optim._kernels import cpu_kernel_isa
 from ..optim.newton_schulz import bf16_matmul_choice
 from ..pipeline.launch import launcher
-from .build import build_run_data, build_simulator, resume
+from .build import build_choice_sets, build_run_data, build_simulator, resume
 from .stage_compute import stage_compute
 from .checkpoint import CheckpointError, load_checkpoint, read_meta, restore_rng_state
 from .config import ConfigError, RunConfig
@@ -195,6 +195,7 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path], started_at
     from .trainer import Trainer
 
     stream, eval_set, eval_sets = build_run_data(cfg)  # --dp R: one replica on the global microbatches
+    choice_sets = build_choice_sets(cfg)
     compute = stage_compute(cfg)
     with attention_preference(compute.attention):  # from the compile on: it keys compiled blocks
         engine = build_simulator(cfg, compute, first_weights=resume_dir is None)
@@ -204,7 +205,7 @@ def _train_single_process(cfg: RunConfig, resume_dir: Optional[Path], started_at
         if resumed.rng is not None:
             restore_rng_state(resumed.rng)
         Trainer(cfg, engine, stream, eval_set, out, start_step=resumed.start_step, elapsed_s=resumed.elapsed_s,
-                device=cfg.train.device, started_at=started_at, eval_sets=eval_sets).run()
+                device=cfg.train.device, started_at=started_at, eval_sets=eval_sets, choice_sets=choice_sets).run()
     print_summary(out, cfg, resumed.start_step)
     return 0
 
@@ -228,6 +229,7 @@ def check_inputs(cfg: RunConfig, resume_dir: Optional[Path]):
     built, and the checkpoint to resume or start from verified (its shards; the resumed data is
     the run's, which the ranks check again)."""
     stream = build_run_data(cfg)[0]
+    build_choice_sets(cfg)  # the task files and the run's tokenizer
     if resume_dir is None:
         if cfg.train.init_from is not None:
             load_checkpoint(cfg.train.init_from, mmap=True)  # verifies its shard files (each rank reads them)

@@ -44,6 +44,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from ..models.base import row_losses
 from ..optim.lr_schedule import apply_lr, check_lr_schedule
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compensate_, predicted_weights,
                                  resolve_mitigation)
@@ -83,6 +84,11 @@ def default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) 
     return model.loss(model_logits(model, inputs), targets)
 
 
+def default_row_losses(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's summed cross entropy through a model's ``blocks()`` (models/base.row_losses)."""
+    return row_losses(model.blocks(), inputs, targets)
+
+
 class DelaySimulator:
     """Step engine running a schedule's update rule (sync, 2bw, pipedream, K-step delay) in one
     process.
@@ -116,7 +122,8 @@ class DelaySimulator:
                  delay: int | None = None, mitigation: str | None = None, dc_lambda: float = DEFAULT_DC_LAMBDA,
                  rescale_steps: int | None = None, delay_only: str | None = None,
                  compute_copies: Callable[[nn.Module], Optional[ComputeCopies]] | None = None,
-                 device_skip: bool = True):
+                 device_skip: bool = True,
+                 row_loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_row_losses):
         if schedule not in SCHEDULES:
             raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -144,7 +151,7 @@ class DelaySimulator:
         self.optimizer = optimizer
         self.schedule = schedule
         self.stages = stages if per_stage else None  # the depth matters only where lags differ
-        self.loss_fn = loss_fn
+        self.loss_fn, self.row_loss_fn = loss_fn, row_loss_fn
         self.lr_schedule = lr_schedule
         self.clipper = PreviousNormClipper(clip_grad_norm) if clip_grad_norm is not None else None
         # Untie (each use its own Parameter on the owner's storage) after the optimizer was built on
@@ -401,17 +408,27 @@ class DelaySimulator:
         """Mean loss of the newest weights over ``batches`` (in eval mode, no gradients)."""
         if not batches:
             raise ValueError("eval_loss needs at least one batch")
+        return sum(self._evaluated(self.loss_fn, batches, lambda loss: loss.item())) / len(batches)
+
+    @torch.no_grad()
+    def row_losses(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """Per row of ``batches``, in order, the newest weights' summed cross entropy over the row's
+        targets (``row_loss_fn``; --eval-choices)."""
+        return [x for sums in self._evaluated(self.row_loss_fn, batches, lambda sums: sums.tolist()) for x in sums]
+
+    def _evaluated(self, fn, batches, read) -> list:
+        """``read(fn(model, x, y))`` of each batch, the model in eval mode on what training computes
+        with (its compute copies; bf16-params: every weight in bf16)."""
         model = self.model
-        if self.copies is not None:  # what training computes with (bf16-params: every weight in bf16)
+        if self.copies is not None:
             self.copies.refresh()
             model = self.copies.module
         was_training = model.training
         model.eval()
         try:
-            total = sum(self.loss_fn(model, x, y).item() for x, y in batches)
+            return [read(fn(model, x, y)) for x, y in batches]
         finally:
             model.train(was_training)
-        return total / len(batches)
 
     # -- state: keyed by global parameter names so a checkpoint can be re-split later ------------
     def state_dict(self) -> dict:

@@ -46,13 +46,16 @@ class StepLines:
             line += f" | {describe_duration(row['elapsed_s'])}, ETA {describe_duration(left)}"
         print(line, flush=True)
 
-    def evaluated(self, step: int, eval_loss: Optional[float], named: Optional[dict] = None) -> None:
+    def evaluated(self, step: int, eval_loss: Optional[float], named: Optional[dict] = None,
+                  choices: Optional[dict] = None) -> None:
         if self.every:
             def shown(loss):
                 return "non-finite" if loss is None else f"{loss:.4f}"
 
             each = f" ({', '.join(f'{name} {shown(loss)}' for name, loss in named.items())})" if named else ""
-            print(f"{self.run_dir}: step {step} eval_loss {shown(eval_loss)}{each}", flush=True)
+            tasks = "".join(f", {name} accuracy {task['accuracy']:.4f} acc_norm {task['accuracy_norm']:.4f}"
+                            for name, task in (choices or {}).items())
+            print(f"{self.run_dir}: step {step} eval_loss {shown(eval_loss)}{each}{tasks}", flush=True)
 
 
 __all__ = ["StepLines"]

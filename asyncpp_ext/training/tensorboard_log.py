@@ -29,14 +29,24 @@ METRIC_TAGS = (("loss", "train/loss"), ("eval_loss", "eval/loss"), ("lr", "train
 EVAL_SET_TAG = "eval/loss/{}"
 """Tag of each named held-out set's loss (a row's ``eval_losses``; build.build_eval_sets)."""
 
+CHOICE_TAG = "eval/choices/{}/{}"
+"""Tag of each multiple-choice task's figure (a row's ``choices``: task name, then accuracy,
+accuracy_norm or right_loglik; --eval-choices)."""
+CHOICE_FIGURES = ("accuracy", "accuracy_norm", "right_loglik")
+
 
 def row_scalars(row: Mapping) -> dict:
-    """A metrics row's figures by tag: METRIC_TAGS' keys, and each ``eval_losses`` entry under
-    EVAL_SET_TAG; a value that is None (skipped, non-finite) or missing is left out."""
+    """A metrics row's figures by tag: METRIC_TAGS' keys, each ``eval_losses`` entry under
+    EVAL_SET_TAG and each ``choices`` task's figures under CHOICE_TAG; a value that is None
+    (skipped, non-finite) or missing is left out."""
     values = {tag: float(row[key]) for key, tag in METRIC_TAGS if row.get(key) is not None}
     for name, loss in (row.get("eval_losses") or {}).items():
         if loss is not None:
             values[EVAL_SET_TAG.format(name)] = float(loss)
+    for name, figures in (row.get("choices") or {}).items():
+        for figure in CHOICE_FIGURES:
+            if figures.get(figure) is not None:
+                values[CHOICE_TAG.format(name, figure)] = float(figures[figure])
     return values
 
 

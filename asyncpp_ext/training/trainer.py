@@ -10,6 +10,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple, Optional, Protocol, Sequence
 
@@ -33,6 +34,11 @@ class StepOutcome(NamedTuple):
     skipped: bool
 
 
+def finite(figures: dict) -> dict:
+    """``figures`` with each non-finite float written None (JSON has no NaN or Infinity)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in figures.items()}
+
+
 class StepEngine(Protocol):
     def train_steps(self, stream: BatchStream, steps: int) -> Iterator[Optional[float]]:
         """Run ``steps`` steps on the stream's next minibatches as one unit (a pipeline runs them
@@ -41,6 +47,11 @@ class StepEngine(Protocol):
         ...
 
     def eval_loss(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[float]: ...
+
+    def row_losses(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[list]:
+        """Each row's summed cross entropy over its targets, rows in order (--eval-choices; None
+        where this process does not see them)."""
+        ...
 
     # Optional: ``take_grad_norms() -> {step index: norm}``, the global gradient norms measured
     # (by --clip-grad-norm) since the last call; the rows of those steps get ``grad_norm``.
@@ -68,7 +79,7 @@ class Trainer:
                  writes_metrics: bool = True, num_stages: int = 1,
                  agree_on_end: Optional[Callable[[int, bool], tuple[int, bool]]] = None,
                  started_at: Optional[float] = None, checkpoint_writer: Optional[BackgroundWriter] = None,
-                 eval_sets: Optional[dict] = None):
+                 eval_sets: Optional[dict] = None, choice_sets: Optional[dict] = None):
         self.cfg = cfg
         self.started_at = started_at  # when the command started (Unix time): --time-limit's origin
         # --time-limit, --stop-on-signal: the ranks of a pipeline end each segment where the
@@ -82,6 +93,10 @@ class Trainer:
         # more held-out sets by name (build.build_eval_sets), evaluated with eval_set: eval_losses
         self.eval_sets = {name: [(x.to(self.device), y.to(self.device)) for x, y in batches]
                           for name, batches in (eval_sets or {}).items()}
+        # --eval-choices: multiple-choice tasks by name (choice_eval.ChoiceSet), scored at each
+        # evaluation after the losses: the rows' ``choices``
+        self.choice_sets = {name: replace(task, batches=[(x.to(self.device), y.to(self.device)) for x, y in task.batches])
+                            for name, task in (choice_sets or {}).items()}
         self.run_dir = Path(run_dir)
         self.step = start_step
         self.elapsed_before = elapsed_s
@@ -244,12 +259,18 @@ class Trainer:
                         eval_loss = self.engine.eval_loss(self.eval_set)
                         # every rank evaluates every set, in one order (a pipeline's are collective)
                         named = {name: self.engine.eval_loss(batches) for name, batches in self.eval_sets.items()}
+                        choices = {name: (task, self.engine.row_losses(task.batches))
+                                   for name, task in self.choice_sets.items()}
                     if eval_loss is not None:  # JSON has no NaN: a non-finite one is written null
                         pending[-1]["eval_loss"] = eval_loss if math.isfinite(eval_loss) else None
                         if named:
                             pending[-1]["eval_losses"] = {name: loss if math.isfinite(loss) else None
                                                           for name, loss in named.items()}
-                        lines.evaluated(end, pending[-1]["eval_loss"], pending[-1].get("eval_losses"))
+                        if choices:
+                            pending[-1]["choices"] = {name: finite(task.score(rows))
+                                                      for name, (task, rows) in choices.items()}
+                        lines.evaluated(end, pending[-1]["eval_loss"], pending[-1].get("eval_losses"),
+                                        pending[-1].get("choices"))
                 checkpoint_due = self.cfg.train.checkpoints and self._is_due(end, self.cfg.train.ckpt_every)
                 next_end = self._segment_end() if self.step < total else total
                 signalled = False
