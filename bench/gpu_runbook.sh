@@ -13,7 +13,7 @@
 #                                         build quick-serial | quick (at once, on the warm machine)
 #                                         build mps | build profile | build attention pipeline-graphs
 #                                         build tests p2p | build autotune | build clip
-#                                         build ckpt)
+#                                         build ckpt | build docmask)
 #   OUT=dir bench/gpu_runbook.sh build 360m     (OUT, RUNBOOK_PLAN: relative to the repository root)
 #
 # Steps (limits in seconds; the estimates are from the earlier H200 rows, docs/gpu.md):
@@ -72,6 +72,9 @@
 #           clipping costs a step (its per-parameter norms, read in one copy, and the host's check)
 #   ckpt    (150) bench/checkpoint_overlap.py on the GPU: a 24 x 1024 GPT checkpointed every 2 steps,
 #           written in the loop against in the background (--async-checkpoints, on by default there)
+#   docmask (420) ours without graphs at 360m / 2048 beside the same with --document-mask 10 (each
+#           line of the built-in corpus a document): what attention within documents costs (SDPA
+#           with a boolean mask: no flash kernel; graphs off under the mask)
 # RUNBOOK_PLAN=FILE writes each step (name, limit, command; fields separated by the unit separator
 # 0x1f) to FILE instead of running it, and nothing else (tests/test_gpu_runbook.py checks the plan).
 # PYTHON picks the interpreter (default python3). A step that fails or runs out of time is noted
@@ -83,7 +86,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_runbook}
 PLAN=${RUNBOOK_PLAN:-}
 STEPS=(build 135m tests p2p 360m 360m-more attention blocks code pipeline-graphs quick quick-serial head profile
-       autotune mps ckpt clip)
+       autotune mps ckpt clip docmask)
 [ $# -gt 0 ] || set -- build 135m
 for s in "$@"; do
     if [[ " ${STEPS[*]} " != *" $s "* ]]; then
@@ -129,7 +132,7 @@ bench() {  # bench NAME SECONDS [ENV=VALUE ...] -- ARGS...: gpu_throughput.py, i
 
 ROWS_135M=(--models smollm-135m --seq-lens 1024 --row-timeout 150
            --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc,hf compile adamw"
-           --skip "clip,eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
+           --skip "clip,eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion,doc-mask")
 # (combo-kernels left out: a first compile of unknown length before the Hugging Face row, the
 # step's reason to be; block_step's combo-kernels form measures it first)
 ROWS_360M=(--models smollm-360m --seq-lens 2048 --row-timeout 270 --profile --only "ours sync adamw graphs,hf compile adamw"
@@ -143,8 +146,11 @@ ROWS_PIPELINE_GRAPHS=(--models smollm-135m --seq-lens 1024 --row-timeout 80
 # clipping's cost: ours with graphs beside the same clipping at 1.0 (the norms, the host's check)
 ROWS_CLIP=(--models smollm-360m --seq-lens 2048 --row-timeout 200 --only "ours sync adamw graphs"
            --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
+# --document-mask's cost: ours without graphs (refused under the mask) beside the same with the mask
+ROWS_DOCMASK=(--models smollm-360m --seq-lens 2048 --row-timeout 200 --only "ours sync adamw"
+              --skip "graphs,clip,eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
 ROWS_MPS=(--models smollm-135m --seq-lens 1024 --row-timeout 80 --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc"
-          --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order,grad-accum-fusion")
+          --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order,grad-accum-fusion,doc-mask")
 
 run_step() {
     case $1 in
@@ -162,6 +168,7 @@ run_step() {
                    tests/test_clipping.py tests/test_cuda_graphs.py tests/test_choice_eval.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         clip) bench clip 420 -- "${ROWS_CLIP[@]}" ;;
+        docmask) bench docmask 420 -- "${ROWS_DOCMASK[@]}" ;;
         ckpt) step ckpt 150 "$PY" bench/checkpoint_overlap.py --device cuda --n-embd 1024 --n-layer 24 --seq-len 512 \
                   --steps 12 --repeats 1 --json ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;

@@ -14,6 +14,9 @@ DEFAULTS = {  # per device: models, sequence lengths, micro-batch (at the first 
     "cuda": dict(models=["smollm-135m", "smollm-360m"], seq_lens=[1024, 2048], micro_batch_size=8, microbatches=8),
     "cpu": dict(models=["llama-tiny", "llama-tiny-4x64"], seq_lens=[64, 128], micro_batch_size=8, microbatches=4),
 }
+DOCUMENT_MASK_TOKEN = 10
+"""The document-mask row's boundary: the newline, which makes each line of the built-in corpus (the
+rows' data) a document."""
 HEAD_SHAPE = dict(batch=8, seq=1024, n_embd=576, vocab=49152)  # smollm-135m's head at micro-batch 8 x 1024
 SMOKE_HEAD_SHAPE = dict(batch=2, seq=64, n_embd=64, vocab=512)
 
@@ -31,7 +34,7 @@ def detect_cli_flags() -> dict:
             "compile_mode": "--compile-mode" in text, "attention": "--attention" in text,
             "inductor_option": "--inductor-option" in text, "nonfinite_check": "--nonfinite-check" in text,
             "gradient_accumulation_fusion": "--gradient-accumulation-fusion" in text,
-            "clip_grad_norm": "--clip-grad-norm" in text,
+            "clip_grad_norm": "--clip-grad-norm" in text, "document_mask": "--document-mask" in text,
             "no_checkpoints": "--no-checkpoints" in text and "--eval-batches" in text}
 
 
@@ -171,6 +174,12 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     # the per-parameter norms, read in one copy, and the step's check on the host
                     # (the device-side skip does not combine with clipping)
                     ours(mdl, seq, "adamw", compile_=True, graphs=graphs[-1], clip_grad_norm=1.0)
+                if (mdl, seq) == last and dev == "cuda" and flags.get("document_mask"):
+                    # attention within documents, each line of the built-in corpus one (token 10):
+                    # SDPA with a (B, T, T) boolean mask runs another kernel than the causal flag's
+                    # (flash takes no mask), and CUDA graphs stay off under the mask -- set against
+                    # the row without graphs
+                    ours(mdl, seq, "adamw", compile_=True, graphs=False, document_mask=DOCUMENT_MASK_TOKEN)
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

@@ -102,6 +102,7 @@ VARIANT_SUFFIXES = (
     ("attention", lambda v: f" {v}-attention" if v else ""),
     ("nonfinite_check", lambda v: f" {v}-check" if v else ""),
     ("clip_grad_norm", lambda v: " clip" if v else ""),
+    ("document_mask", lambda v: " doc-mask" if v is not None else ""),
 )
 """How an ours row's name says how it computes: the one table the plan names rows by
 (throughput_plan.ours) and the report reads them back by (throughput_report: which row a variant
@@ -168,6 +169,8 @@ def ours_command(r: dict, args, flags: dict, out_dir: Path, peak_file: Path) -> 
         cmd += ["--clip-grad-norm", str(r["clip_grad_norm"])]
     if r.get("gradient_accumulation_fusion"):
         cmd += ["--gradient-accumulation-fusion"]
+    if r.get("document_mask") is not None:
+        cmd += ["--document-mask", str(r["document_mask"])]
     for name, value in inductor_preset(r.get("inductor")).items():
         cmd += ["--inductor-option", f"{name}={value}"]
     if args.profile:  # traced after the measured steps, which the tracing therefore never slows

@@ -21,11 +21,11 @@ KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (tim
 CALLS = [[], ["build", "blocks", "head"], ["build", "quick", "code"], ["build", "quick-serial"], ["build", "mps"],
          ["build", "360m"], ["build", "360m-more"], ["build", "profile"],
          ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "autotune"],
-         ["build", "clip"]]  # [] = build 135m
+         ["build", "clip"], ["build", "docmask"]]  # [] = build 135m
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
                  "ours sync adamw,ours 2bw 2st 1gpu adamw ipc", "--skip",
-                 "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order,grad-accum-fusion"]
+                 "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order,grad-accum-fusion,doc-mask"]
 R135, R360, HEAD = "smollm-135m 1024", "smollm-360m 2048", "head C=576 V=49152 1024"
 ROWS = {
     "135m": [f"ours sync adamw {R135}", f"ours sync adamw graphs {R135}", f"hf compile adamw {R135}",
@@ -45,6 +45,7 @@ ROWS = {
     "profile": [f"ours sync adamw graphs {R135}"],
     "autotune": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs max-autotune {R360}"],
     "clip": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs clip {R360}"],
+    "docmask": [f"ours sync adamw {R360}", f"ours sync adamw doc-mask {R360}"],
     "mps-off": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
     "mps": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
 }

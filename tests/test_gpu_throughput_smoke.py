@@ -531,3 +531,25 @@ def test_a_2bw_row_is_set_against_the_one_stage_row_without_variants_it_lacks():
     two = ours("ours 2bw 2st 1gpu adamw", stages=2, transport="gloo")
     assert _one_stage_twin(two, variants + [plain]) is plain
     assert _one_stage_twin(two, variants) is None
+
+
+def test_a_document_mask_row_at_the_last_cuda_point():
+    """--document-mask's cost: one row at smollm-360m / 2048 of a full CUDA run, without graphs
+    (refused under the mask), each line of the built-in corpus a document; it changes the numbers
+    by design, so its loss difference from the row it varies is recorded, not checked."""
+    from throughput_report import variant_checks
+
+    flags = dict(compile=True, head_loss=True, cuda_graphs=True, document_mask=True)
+    rows = [r for r in gt.build_plan(_plan_args(), flags, gpus=1)[0] if r.get("document_mask") is not None]
+    assert [(r["name"], r["model"], r["seq_len"]) for r in rows] == [("ours sync adamw doc-mask", "smollm-360m", 2048)]
+    args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
+    cmd = gt.ours_command(rows[0], args, flags, Path("o"), Path("p"))
+    assert cmd[cmd.index("--document-mask") + 1] == "10" and "--no-cuda-graphs" in cmd and "--compile" in cmd
+    assert not any(r.get("document_mask") is not None for r in gt.build_plan(_plan_args(mode="quick"), flags, gpus=1)[0])
+    assert gt.detect_cli_flags()["document_mask"]
+    plain = dict(gt.row("ours sync adamw", "ours", "m", 1024, 8, 8, optimizer="adamw", compile=True),
+                 status="ok", losses=[10.6, 9.8, 7.6], check="ok")
+    masked = dict(gt.row("ours sync adamw doc-mask", "ours", "m", 1024, 8, 8, optimizer="adamw", compile=True,
+                         document_mask=10), status="ok", losses=[10.6, 9.0, 7.0], check="ok")
+    variant_checks([plain, masked])
+    assert masked["check"] == "ok" and masked["loss_vs"]["row"] == "ours sync adamw"
