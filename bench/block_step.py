@@ -128,11 +128,11 @@ class ExpandedKVAttention(Attention):
     compiled graph (``repeat_interleave``) instead of SDPA's ``enable_gqa``: the repetition can fuse
     into the kernel that rotates k, and its backward's sum over the group into the rotary backward."""
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, causal=True, mask=None):  # the library's signature (llama.Attention.attend)
         b, _, t, _ = q.shape
         group = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, **({"is_causal": causal} if mask is None else {"attn_mask": mask}))
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
 
 
