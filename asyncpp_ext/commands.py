@@ -45,6 +45,7 @@ export = _command("asyncpp-export", ".training.export")
 evaluate = _command("asyncpp-eval", ".training.evaluation")
 sample = _command("asyncpp-sample", ".training.sample")
 schedule = _command("asyncpp-schedule", ".schedule.cli")
+compare = _command("asyncpp-compare", ".training.compare")
 
 
-__all__ = ["evaluate", "export", "prepare_data", "sample", "schedule", "train"]
+__all__ = ["compare", "evaluate", "export", "prepare_data", "sample", "schedule", "train"]

@@ -29,13 +29,15 @@ PROMISED = {
     "asyncpp_ext.training.cli": ["main"],
     "asyncpp_ext.schedule.cli": ["main"],
     "asyncpp_ext.train": ["main"],
-    "asyncpp_ext.commands": ["train", "prepare_data", "schedule", "export", "sample", "evaluate"],
+    "asyncpp_ext.commands": ["train", "prepare_data", "schedule", "export", "sample", "evaluate", "compare"],
     "asyncpp_ext.export": ["main"],
     "asyncpp_ext.training.export": ["main"],
     "asyncpp_ext.sample": ["main"],
     "asyncpp_ext.training.sample": ["main"],
     "asyncpp_ext.eval": ["main"],
     "asyncpp_ext.training.evaluation": ["main"],
+    "asyncpp_ext.compare": ["main"],
+    "asyncpp_ext.training.compare": ["main"],
     "asyncpp_ext.models.generate": ["generate", "choose_next", "filter_logits", "last_logits"],
     "asyncpp_ext.gpu_check": ["main"],
 }
@@ -50,7 +52,7 @@ ALLOWED_IMPORTS = {
     "schedule": {"_ext", "stop_signals", "figures", "command_line"},  # figures.py: matplotlib + directories.py
     "pipeline": {"_ext", "optim", "models", "schedule", "precision", "stop_signals"},
     "training": {"_ext", "info", "optim", "models", "data", "pipeline", "schedule", "precision", "stop_signals", "directories",
-                 "oom", "command_line"},  # oom.py, command_line.py: stdlib only
+                 "oom", "command_line", "figures"},  # oom.py, command_line.py: stdlib only; figures.py: matplotlib
     "gpu_check": {"info", "optim"},  # runs everything else in subprocesses
 }
 
@@ -68,7 +70,7 @@ def test_console_scripts_resolve_to_callables():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert set(scripts) >= {"asyncpp-train", "asyncpp-schedule", "asyncpp-prepare-data", "asyncpp-export",
-                            "asyncpp-sample", "asyncpp-eval"}
+                            "asyncpp-sample", "asyncpp-eval", "asyncpp-compare"}
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), f"{name} -> {target}"
@@ -76,7 +78,7 @@ def test_console_scripts_resolve_to_callables():
 
 @pytest.mark.parametrize("module", ["asyncpp_ext.train", "asyncpp_ext.schedule", "asyncpp_ext", "asyncpp_ext.gpu_check",
                                     "asyncpp_ext.data.prepare", "asyncpp_ext.export",
-                                    "asyncpp_ext.sample", "asyncpp_ext.eval"])
+                                    "asyncpp_ext.sample", "asyncpp_ext.eval", "asyncpp_ext.compare"])
 def test_python_dash_m_entry_points_answer_help(module):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stderr
