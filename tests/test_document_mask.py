@@ -56,6 +56,43 @@ def test_a_document_sees_nothing_of_the_one_before(name):
     assert torch.equal(masked[:, :10], plain[:, :10])  # the first document: causal attention as before
 
 
+HF_CONFIGS = {  # transformers' own layers (models/hf.py): the Llama family, a sliding window, GPT-2
+    "hf-llama": {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "max_position_embeddings": 64, "tie_word_embeddings": True},
+    "hf-mistral-window": {"model_type": "mistral", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                          "max_position_embeddings": 64, "sliding_window": 8},
+    "hf-gpt2": {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64},
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_a_hugging_face_models_layers_mask_alike(name):
+    """The adapter hands the mask to transformers' layers (with a sliding window's, both): the next
+    document's outputs do not see the one before, and a window without a boundary is causal
+    attention bit for bit."""
+    pytest.importorskip("transformers")
+    from asyncpp_ext.models.registry import ModelConfig
+
+    model = build_model(ModelConfig(arch="hf", vocab_size=256, seq_len=64, n_layer=2, hf_config=HF_CONFIGS[name]),
+                        seed=0).eval()
+    x = _tokens(2, 32, 0, boundaries=[(0, 10), (1, 10), (1, 20)])
+    other = x.clone()
+    other[:, :10] = _tokens(2, 10, 1)
+    with torch.no_grad():
+        with within_documents(x, SEP):
+            masked = model(x)[0]
+        with within_documents(other, SEP):
+            masked_other = model(other)[0]
+        plain, plain_other = model(x)[0], model(other)[0]
+        with within_documents(_tokens(2, 32, 2), SEP):  # no boundary in the window
+            one_document = model(x)[0]
+    assert torch.equal(masked[:, 10:], masked_other[:, 10:])
+    assert (plain[:, 10:] - plain_other[:, 10:]).abs().max() > 1e-3
+    assert torch.equal(one_document, plain)
+
+
 def test_with_rotary_positions_a_packed_document_is_the_document_alone():
     model = build_model(model_config("llama-tiny"), seed=0).eval()
     x = _tokens(1, 32, 2, boundaries=[(0, 12)])
@@ -134,6 +171,20 @@ def test_a_pipelines_every_stage_masks_as_its_simulation(tmp_path, documents):
     assert json.loads((tmp_path / "sim" / "config.json").read_text())["train"]["document_mask"] == "data"
 
 
+def test_a_hugging_face_models_pipeline_masks_as_its_simulation(tmp_path, documents):
+    pytest.importorskip("transformers")
+    config = tmp_path / "qwen2.json"
+    config.write_text(json.dumps({**HF_CONFIGS["hf-llama"], "model_type": "qwen2", "vocab_size": 320}))
+    flags = [f for f in _flags(documents) if f not in ("llama-tiny", "--model", "--vocab-size", "320")]
+    runs = {}
+    for name, extra in (("sim", ["--simulate", "--document-mask"]), ("pipe", ["--stages", "2", "--timeout", "60",
+                                                                           "--document-mask"]),
+                        ("none", ["--simulate"])):
+        assert train(["--hf-config", str(config), *flags, *extra, "--out", str(tmp_path / name)]) == 0
+        runs[name] = _curve(tmp_path / name)
+    assert runs["pipe"] == runs["sim"] != runs["none"]
+
+
 def test_asyncpp_eval_masks_as_the_run_did(tmp_path, documents):
     run = tmp_path / "run"
     flags = [f for f in _flags(documents) if f != "--no-checkpoints"]
@@ -156,19 +207,10 @@ def test_an_explicit_id_masks_data_without_a_sidecar(tmp_path):
     (["--document-mask"], "records no document boundary token"),  # the built-in corpus: bytes
     (["--document-mask", "300"], "train.document_mask must be 'data' or a token id in [0, 256)"),
     (["--document-mask", "x"], "is not a token id"),
-    (["--hf-config", "{}", "--document-mask", "3"], None),  # refused: the model's own attention
 ])
 def test_bad_document_masks_are_one_line(tmp_path, capsys, extra, message):
     out = tmp_path / "run"
-    if extra[0] == "--hf-config":
-        config = tmp_path / "llama.json"
-        config.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
-                                      "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                      "num_key_value_heads": 2, "max_position_embeddings": 64}))
-        extra = ["--hf-config", str(config), *extra[2:]]
-        message = "a Hugging Face model attends by its own code"
-    model = [] if extra[0] == "--hf-config" else ["--model", "tiny"]
-    assert train([*model, "--seq-len", "16", "--steps", "2", "--simulate", "--no-progress", *extra,
+    assert train(["--model", "tiny", "--seq-len", "16", "--steps", "2", "--simulate", "--no-progress", *extra,
                   "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .base import BlockModel, check_seed, check_token_ids
+from .document_mask import active_mask
 from .hf_checks import SIZE_KEYS, HFModelError, check_heads_and_norms, check_sizes_given
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -224,6 +225,9 @@ class LlamaFamilyLayer(nn.Module):
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         cos_sin = self.rotary_emb(x, positions)
         mask = _sliding_window_mask(x.shape[1], self.sliding_window, x.device)
+        documents = active_mask()  # --document-mask's (B, 1, T, T), or None (models/document_mask.py)
+        if documents is not None:
+            mask = documents if mask is None else documents & mask
         out = self.decoder(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
         return out[0] if isinstance(out, tuple) else out  # tolerate releases returning a tuple
 
@@ -236,7 +240,7 @@ class GPT2Layer(nn.Module):
         self.decoder = decoder
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.decoder(x, attention_mask=None)
+        out = self.decoder(x, attention_mask=active_mask())  # --document-mask's, or None: causal
         return out[0] if isinstance(out, tuple) else out  # transformers 4.x returns (hidden, ...)
 
 

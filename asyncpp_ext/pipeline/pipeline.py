@@ -125,8 +125,9 @@ class Pipeline(StreamControl):
             value (models/head_loss.z_loss_term), with either ``head_loss``; 0 = off.
         document_mask: a boundary token id: each position attends only to the earlier positions of
             its document, documents starting at that token in the microbatch's input ids
-            (models/document_mask.py; every stage reads the input ids from ``batches``); for the
-            package's models (their attention reads the mask); not with ``cuda_graphs``. None = off.
+            (models/document_mask.py; every stage reads the input ids from ``batches``); for models
+            whose attention reads the mask (the package's and its Hugging Face adapter's); not with
+            ``cuda_graphs``. None = off.
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).

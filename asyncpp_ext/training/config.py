@@ -402,8 +402,7 @@ class TrainConfig:
     """Attend within documents: a position attends only to the earlier positions of its own
     document, documents starting at a boundary token (models/document_mask.py). None = off (every
     earlier position of the window); "data" = the boundary token the data's sidecars record
-    (asyncpp-prepare-data --doc-boundary eos|bos); an int = that token id. The package's models
-    only; not with CUDA graphs."""
+    (asyncpp-prepare-data --doc-boundary eos|bos); an int = that token id. Not with CUDA graphs."""
     cuda_graphs: Optional[bool] = None
     """Replay each microbatch's forward and backward from CUDA graphs (models/graphs.py): one launch
     per graph instead of one per kernel, for host-bound small models. CUDA only; not with

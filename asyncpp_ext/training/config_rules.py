@@ -123,18 +123,14 @@ def check_delays(cfg: RunConfig) -> None:
 
 
 def check_document_mask(cfg: RunConfig) -> None:
-    """train.document_mask: off, "data" or a token id of the vocabulary; the package's models only;
-    not with CUDA graphs (a graph replays the mask it captured)."""
+    """train.document_mask: off, "data" or a token id of the vocabulary; not with CUDA graphs (a
+    graph replays the mask it captured)."""
     mask = cfg.train.document_mask
     if mask is None:
         return
     if mask != "data" and (isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < cfg.model.vocab_size):
         raise ConfigError(f"train.document_mask must be 'data' or a token id in [0, {cfg.model.vocab_size}) "
                           f"(the model's vocabulary), got {mask!r}")
-    if cfg.model.arch == "hf":
-        raise ConfigError("--document-mask masks the package's models' attention (gpt, llama, smollm); a Hugging "
-                          "Face model attends by its own code: use --model llama with its shape, or drop "
-                          "--document-mask")
     if cfg.train.cuda_graphs:
         raise ConfigError("--cuda-graphs cannot run with --document-mask (a graph replays the mask of the "
                           "microbatch it captured); drop one of them")
