@@ -104,6 +104,16 @@ def test_a_pipeline_scores_as_its_simulation(tmp_path):
     assert len(sim) == 2 and sim[0]["examples"] == 5
 
 
+def test_rows_as_long_as_the_longest_window_cross_the_stages(tmp_path):
+    """At seq_len 128 the task's windows (<= 52 tokens) make rows of 64: the stages pass
+    activations of that length, and the scores are still the simulation's and asyncpp-eval's."""
+    long = ["--seq-len", "128", "--micro-batch-size", "1"]
+    assert [tuple(x.shape) for x, _ in choice_set(EXAMPLES, encode, 128, batch_size=2).batches] == [(2, 64)] * 4
+    sim = _scored(tmp_path, "sim", ["--simulate", *long])
+    assert _scored(tmp_path, "real", ["--stages", "2", "--timeout", "60", *long]) == sim
+    assert len(sim) == 2
+
+
 def test_data_parallel_replicas_score_their_rows_together(tmp_path):
     """2 replicas of 2 rows against one process of 4: the same sequences, gradients summed in
     another order (equal to float rounding, as their losses are); every row scored once, in order."""

@@ -30,7 +30,7 @@ from .data_parallel import Layout, create_dp_group, replica_share
 from .partition import GlobalView, as_blocks, split
 from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .handshake import p2p
-from .stage import StageHost
+from .stage import Signature, StageHost
 from .stage_state import newest_params
 from .stream_worker import join_left_streams
 from .streams import StreamControl
@@ -332,7 +332,9 @@ class Pipeline(StreamControl):
         sequences with dp = R: each replica evaluates its rows), run forward-only through the
         pipeline. Returns the loss on the last stages, None elsewhere. ``per_row``: instead, each
         row's summed cross entropy over its targets (models/base.row_losses), every row of every
-        batch in order (a replica's with the others' gathered), on the last stages."""
+        batch in order (a replica's with the others' gathered), on the last stages. A batch's
+        sequences may be shorter than training's: the activations between the stages take its
+        length (every rank holds the batch)."""
         self._settle("evaluate", check_whole=True)
         h = self.host
         model = h.compute_module(h.newest_version())  # what training computes with (its copies)
@@ -344,7 +346,7 @@ class Pipeline(StreamControl):
                 if h.is_first:
                     a = x.to(self.device)
                 else:  # evaluation messages travel over the (CPU) default process group
-                    a = torch.empty(h.in_sig.shape, dtype=h.in_sig.dtype)
+                    a = torch.empty(_batch_sig(h.in_sig, x).shape, dtype=h.in_sig.dtype)
                     self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
                     a = a.to(self.device)
                 with h.autocast(), within_documents(x.to(self.device), h.document_mask):
@@ -355,7 +357,7 @@ class Pipeline(StreamControl):
                 if h.is_last:
                     losses.append(loss.tolist() if per_row else float(loss))
                 else:
-                    h._check(out, h.out_sig, "evaluation activation", self.next_step, i)
+                    h._check(out, _batch_sig(h.out_sig, x), "evaluation activation", self.next_step, i)
                     self._p2p(dist.send, out.contiguous().cpu(), self.stage + 1, "evaluation", _EVAL_TAG)
                 self.watchdog.beat(f"evaluation batch {i}")
         if not (h.is_last and losses):
@@ -376,6 +378,12 @@ class Pipeline(StreamControl):
         every = [None] * self.dp
         dist.all_gather_object(every, shares, group=self.dp_group)
         return [x for b in range(len(shares)) for replica in every for x in replica[b]]
+
+
+def _batch_sig(sig: Signature, tokens: torch.Tensor) -> Signature:
+    """The agreed activation signature with a batch's rows and sequence length (an evaluation's
+    batch may be shorter than training's)."""
+    return Signature((tokens.shape[0], tokens.shape[1], *sig.shape[2:]), sig.dtype)
 
 
 def _choose_transport(transport: str, device: torch.device) -> str:

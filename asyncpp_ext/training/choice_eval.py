@@ -138,14 +138,19 @@ def choice_scores(examples: list, totals: list) -> dict:
 IGNORE = -100  # F.cross_entropy's ignore_index: a target that is not the ending's
 
 
+WIDTH_STEP = 64
+"""A task's rows are as long as its longest window, rounded up to a multiple of this (at most the
+model's seq_len): few shapes to compile, tiles that fill a GPU's matrix units."""
+
+
 @dataclass
 class ChoiceSet:
     """A task's endings as training evaluates them (``--eval-choices``): every ending's window one
-    row of fixed (batch_size, seq_len) batches -- the shape a pipeline's evaluation sends between
-    its stages -- its inputs right-padded, its targets ``IGNORE`` but for the ending's tokens, so
-    that a row's summed cross entropy is minus the ending's log-likelihood (rows past the last
-    ending: every target ignored, a sum of 0). ``score`` turns the engine's row sums into the
-    task's figures."""
+    row of (batch_size, width) batches -- width the longest window's, rounded up by WIDTH_STEP: a
+    HellaSwag window is ~100 tokens, not seq_len -- its inputs right-padded, its targets
+    ``IGNORE`` but for the ending's tokens, so that a row's summed cross entropy is minus the
+    ending's log-likelihood (rows past the last ending: every target ignored, a sum of 0).
+    ``score`` turns the engine's row sums into the task's figures."""
     examples: list
     batches: list
 
@@ -162,8 +167,10 @@ def choice_set(examples: list, encode, seq_len: int, batch_size: int, prefix=())
     """The ``ChoiceSet`` of ``examples`` for a model of ``seq_len`` fed ``batch_size`` rows."""
     rows = [row for example in examples for row in ending_rows(encode, example, seq_len, prefix)]
     count = -(-len(rows) // batch_size) * batch_size
-    x = torch.zeros(count, seq_len, dtype=torch.long)
-    y = torch.full((count, seq_len), IGNORE, dtype=torch.long)
+    longest = max(len(ids) - 1 for ids, _ in rows)
+    width = min(seq_len, -(-longest // WIDTH_STEP) * WIDTH_STEP)
+    x = torch.zeros(count, width, dtype=torch.long)
+    y = torch.full((count, width), IGNORE, dtype=torch.long)
     for i, (ids, scored) in enumerate(rows):
         n = len(ids) - 1  # inputs ids[:-1], targets ids[1:]; the ending's: the last `scored`
         x[i, :n] = torch.tensor(ids[:-1])
