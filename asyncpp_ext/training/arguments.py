@@ -59,6 +59,27 @@ def document_mask_value(text: str):
     return value
 
 
+TOKEN_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def token_count(text: str) -> int:
+    """``--tokens N``: a positive count, 2500000000 or 2.5B (K, M, B, T: thousand .. trillion)."""
+    scale = TOKEN_SUFFIXES.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count >= 1 (e.g. 2500000000 or 2.5B)")
+    return math.ceil(value)
+
+
+def steps_for_tokens(tokens: int, cfg: RunConfig) -> int:
+    """The optimizer steps that train at least ``tokens`` tokens at ``cfg``'s tokens per step."""
+    p = cfg.pipeline
+    return -(-tokens // (p.microbatches * p.global_micro_batch_size * cfg.model.seq_len))
+
+
 def data_mix_entry(text: str) -> list:
     """``--data-mix PATH=WEIGHT`` -> [PATH, WEIGHT] (the last '=' splits: a path may hold one)."""
     path, sep, weight = text.rpartition("=")
@@ -155,6 +176,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     opt.add_argument("--ns-dtype", choices=NS_DTYPES,
                      help="muon's Newton-Schulz dtype: auto = bf16 on CUDA, fp32 on CPU (default auto)")
     run.add_argument("--steps", type=int, help=f"total optimizer steps (default {_D.train.steps})")
+    run.add_argument("--tokens", type=token_count, metavar="N",
+                     help="train for N tokens instead of naming --steps: the steps that reach N at the run's "
+                          "tokens per step, rounded up (N a count, or with K, M, B or T: 2.5B)")
     run.add_argument("--seed", type=int, help=f"init and batch-order seed (default {_D.train.seed})")
     run.add_argument("--data-seed", type=int, metavar="N",
                      help="seed of the batch order alone (default: --seed's), so that init and data order "
@@ -425,6 +449,10 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
     _stop_signal(cfg, args.stop_on_signal)
     if base is None and args.microbatches is None and cfg.pipeline.schedule == "pipedream":
         cfg.pipeline.microbatches = 1  # the only count pipedream runs: one microbatch per step
+    if args.tokens is not None:  # after every flag that sets the tokens of a step
+        if args.steps is not None:
+            raise UsageError(f"--steps {args.steps} and --tokens {args.tokens} both say how long to train; give one")
+        cfg.train.steps = steps_for_tokens(args.tokens, cfg)
     cfg.train.resume = args.resume
     cfg.data.change_mix = bool(args.change_data_mix)  # this start only, as --resume
     cfg.data.skip_batches = args.skip_batches or 0  # this start only

@@ -84,6 +84,11 @@ def resolve(argv) -> tuple[RunConfig, Optional[Path], bool]:
                              "directory")
         if args.out is None:
             cfg.train.out = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if args.tokens is not None:
+        p = cfg.pipeline
+        per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
+        print(f"asyncpp-train: --tokens {args.tokens:,}: {cfg.train.steps:,} steps of {per_step:,} tokens "
+              f"({cfg.train.steps * per_step:,} tokens)", file=sys.stderr)
     preflight(cfg)
     return cfg, resume_dir, args.dry_run
 
