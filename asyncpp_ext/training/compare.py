@@ -9,7 +9,7 @@ tokens/s (over the rows after the first, whose time holds the first compile), it
 and the tokens/s ratio. Then the time each run took to reach a target eval loss (``--target``, by
 default the least loss every run reached: the largest of the runs' best eval losses), with its ratio
 to the first run's: "the same loss in less time" as one number. ``--plot FILE`` draws the train and
-eval losses against step and against training time; ``--json FILE`` writes the rows.
+eval losses against tokens and against training time; ``--json FILE`` writes the rows.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "which every run reached)")
     p.add_argument("--last", type=int, default=10, metavar="N",
                    help="train loss: the mean of each run's last N steps' losses (default 10)")
-    p.add_argument("--plot", metavar="FILE", help="draw the losses against step and against training time")
+    p.add_argument("--plot", metavar="FILE", help="draw the losses against tokens and against training time")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     return p
 
@@ -74,12 +74,12 @@ def run_figures(path: str, cfg: RunConfig, rows: list, last: int) -> dict:
             "eval_loss": evals[-1]["eval_loss"] if evals else None,
             "best_eval_loss": min(r["eval_loss"] for r in evals) if evals else None,
             "tokens_per_s": steady_tokens_per_s(rows), "elapsed_s": rows[-1]["elapsed_s"],
-            "evals": [(r["step"], r["elapsed_s"], r["eval_loss"]) for r in evals]}
+            "evals": [(r["step"], r["elapsed_s"], r["eval_loss"], r.get("tokens")) for r in evals]}
 
 
 def reached(figures: dict, target: float) -> Optional[tuple]:
     """(step, elapsed_s) of the run's first evaluation at or below ``target``, or None."""
-    return next(((step, t) for step, t, loss in figures["evals"] if loss <= target), None)
+    return next(((step, t) for step, t, loss, _ in figures["evals"] if loss <= target), None)
 
 
 def compare(runs: list, target: Optional[float], last: int) -> tuple[list, Optional[float]]:
@@ -135,7 +135,8 @@ def print_table(rows: list, target: Optional[float], last: int) -> None:
 
 
 def plot(rows: list, runs: list, path: str) -> str:
-    """Train (thin) and eval (dots) losses of every run against step and against training time."""
+    """Train (thin) and eval (dots) losses of every run against tokens trained (runs of other
+    batch sizes side by side) and against training time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,13 +147,13 @@ def plot(rows: list, runs: list, path: str) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r, (_, (_, metrics)) in zip(rows, runs):
         trained = [m for m in metrics if m.get("loss") is not None]
-        for ax, key in zip(axes, ("step", "elapsed_s")):
+        for ax, key, at in zip(axes, ("tokens", "elapsed_s"), (3, 1)):
             line, = ax.plot([m[key] for m in trained], [m["loss"] for m in trained], linewidth=0.8, alpha=0.6,
                             label=f"{r['run']} ({r['how']})")
             if r["evals"]:
-                ax.plot([e[0 if key == "step" else 1] for e in r["evals"]], [e[2] for e in r["evals"]], "o-",
+                ax.plot([e[at] for e in r["evals"]], [e[2] for e in r["evals"]], "o-",
                         color=line.get_color(), markersize=3)
-    for ax, label in zip(axes, ("step", "training time (s)")):
+    for ax, label in zip(axes, ("tokens", "training time (s)")):
         ax.set_xlabel(label)
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
