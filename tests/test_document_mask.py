@@ -171,6 +171,20 @@ def test_a_pipelines_every_stage_masks_as_its_simulation(tmp_path, documents):
     assert json.loads((tmp_path / "sim" / "config.json").read_text())["train"]["document_mask"] == "data"
 
 
+def test_data_parallel_replicas_mask_their_own_rows(tmp_path, documents):
+    """2 replicas of 1 sequence against one process of 2: each replica masks by its own rows' ids
+    (the same sequences; gradients summed in another order, equal to float rounding). A replica
+    masking by another row's documents would be off by far more."""
+    runs = {}
+    for name, extra in (("sim", ["--simulate", "--micro-batch-size", "2"]),
+                        ("dp", ["--dp", "2", "--micro-batch-size", "1", "--timeout", "60"])):
+        assert train([*_flags(documents), *extra, "--document-mask", "--out", str(tmp_path / name)]) == 0
+        runs[name] = _curve(tmp_path / name)
+    assert [e is None for _, e in runs["dp"]] == [e is None for _, e in runs["sim"]]
+    got = [x for row in runs["dp"] for x in row if x is not None]
+    assert got == pytest.approx([x for row in runs["sim"] for x in row if x is not None], rel=1e-5)
+
+
 def test_a_hugging_face_models_pipeline_masks_as_its_simulation(tmp_path, documents):
     pytest.importorskip("transformers")
     config = tmp_path / "qwen2.json"
