@@ -60,6 +60,20 @@ def test_an_unreached_target_and_a_plot(runs, tmp_path, capsys):
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_last_multiple_choice_scores_side_by_side(runs, tmp_path, capsys):
+    task = tmp_path / "quiz.jsonl"
+    task.write_text(json.dumps({"context": "The cat sat on the", "endings": ["mat.", "hat", "x"], "label": 0}) + "\n")
+    scored = tmp_path / "scored"
+    assert train([*FLAGS, "--eval-choices", str(task), "--out", str(scored)]) == 0
+    last = [r["choices"] for r in _rows(scored) if "choices" in r][-1]["quiz"]
+    capsys.readouterr()
+    out = tmp_path / "rows.json"
+    assert compare([str(scored), str(runs / "sync"), "--json", str(out)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("quiz accuracy_norm"))
+    assert line.endswith(f"{scored} {last['accuracy_norm']:.4f}, {runs / 'sync'} none")
+    assert json.loads(out.read_text())[0]["choices"] == {"quiz": last}
+
+
 def test_a_run_without_evaluations_has_no_time_to_a_loss(tmp_path, capsys):
     run = tmp_path / "quiet"
     assert train([*FLAGS, "--eval-batches", "0", "--out", str(run)]) == 0
