@@ -86,3 +86,14 @@ def test_the_stage_line_splits_as_the_pipeline_does(tmp_path, capsys):
     assert ("stages of 6 blocks: 0: blocks 0-1 (17,472 parameters), 1: blocks 2-3 (18,560 parameters), "
             "2: blocks 4-5 (17,504 parameters)\n") in out
     assert "45,344 parameters" in out  # 8,192 + 4 x 9,280 + 32: the tied tensor once
+
+
+def test_the_dry_run_names_the_z_loss_the_document_mask_and_the_tasks(tmp_path, capsys):
+    task = tmp_path / "quiz.jsonl"
+    task.write_text(json.dumps({"context": "a", "endings": ["b", "c"], "label": 0}) + "\n")
+    assert train([*COMMON, "--simulate", "--z-loss", "1e-4", "--document-mask", "10", "--eval-choices", str(task),
+                  "--out", str(tmp_path / "run"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer: adamw, lr 0.001, constant schedule, z-loss 0.0001\n" in out
+    assert "attention: within documents, each starting at token 10\n" in out
+    assert "evaluation: every 2 steps, 4 batches, 1 multiple-choice task(s)\n" in out

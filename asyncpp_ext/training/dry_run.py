@@ -21,6 +21,7 @@ from ..pipeline.partition import as_blocks, split
 from .config import RunConfig
 from .run import check_inputs
 from .run_files import RunDirError, holds_run, taken_message
+from .stage_compute import document_boundary
 
 
 def meta_model(cfg: RunConfig) -> Optional[torch.nn.Module]:
@@ -79,7 +80,10 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
           f"{', simulated in one process' if t.simulate else ''}, on {t.device}")
     if model is not None and p.stages > 1:
         print(stage_line(model, p.stages))
-    print(f"optimizer: {cfg.optim.name}, lr {cfg.optim.effective_lr():g}, {cfg.optim.lr_schedule} schedule")
+    print(f"optimizer: {cfg.optim.name}, lr {cfg.optim.effective_lr():g}, {cfg.optim.lr_schedule} schedule"
+          + (f", z-loss {cfg.optim.z_loss:g}" if cfg.optim.z_loss else ""))
+    if cfg.train.document_mask is not None:
+        print(f"attention: within documents, each starting at token {document_boundary(cfg)}")
     print(f"data: {data}")
     print(f"evaluation: {evaluation}")
     print("config.json:")
