@@ -101,6 +101,42 @@ def test_wsd_stable_region_is_exactly_one_and_decay_ends_at_r(T, W, D, r):
     assert all(x < 1.0 for x in decay) and all(b < a for a, b in zip(decay, decay[1:]))
 
 
+@pytest.mark.parametrize("shape", ["1-sqrt", "cosine"])
+@pytest.mark.parametrize("kind", ["wsd", "linear"])
+def test_decay_shapes_equal_their_closed_forms(kind, shape):
+    """--decay-shape: r + (1 - r) f(p) over the decay, p = (t - (T - D) + 1) / D its progress,
+    f = 1 - sqrt(p) or (1 + cos(pi p)) / 2; warmup and stable phase as the linear decay's."""
+    for T, W, D, r in COMBOS:
+        sched = LRSchedule(kind, T, W, D if kind == "wsd" else None, r, decay_shape=shape)
+        D = sched.effective_decay_steps
+        linear = reference_multipliers(kind, T, W, D, r)
+        want = []
+        for t in range(T):
+            if t < W or t < T - D:
+                want.append(linear[t])
+                continue
+            p = (t - (T - D) + 1) / D
+            f = 1 - math.sqrt(p) if shape == "1-sqrt" else 0.5 * (1 + math.cos(math.pi * p))
+            want.append(r + (1 - r) * f)
+        assert sched.multipliers() == want, (T, W, D, r)
+        if T - W > 0:
+            assert sched.multipliers()[-1] == pytest.approx(r, abs=1e-15)
+
+
+def test_one_minus_sqrt_decays_below_linear_and_cosine_above_it_early():
+    lin, sqrt_, cos_ = (LRSchedule("wsd", 100, 10, 40, 0.1, decay_shape=s).multipliers()
+                        for s in ("linear", "1-sqrt", "cosine"))
+    assert lin[:60] == sqrt_[:60] == cos_[:60]  # warmup and the stable phase
+    assert all(s < x < 1.0 for s, x in zip(sqrt_[60:-1], lin[60:-1]))
+    assert all(c > x for c, x in zip(cos_[60:79], lin[60:79])) and lin[-1] == sqrt_[-1] == 0.1
+    assert all(b < a for a, b in zip(sqrt_[60:], sqrt_[61:]))
+
+
+def test_linear_is_wsd_decaying_over_everything_after_warmup():
+    assert LRSchedule("linear", 50, 5, None, 0.2).multipliers() == LRSchedule("wsd", 50, 5, 45, 0.2).multipliers()
+    assert LRSchedule("linear", 50, 5).effective_decay_steps == 45
+
+
 def test_wsd_default_decay_is_a_fifth_of_the_run_within_what_warmup_leaves():
     assert LRSchedule("wsd", 200).effective_decay_steps == 40
     assert LRSchedule("wsd", 3).effective_decay_steps == 1
@@ -118,8 +154,11 @@ def test_default_min_lr_ratio_and_constant_schedule():
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
-    (dict(kind="linear", steps=10), "kind 'linear' is not one of constant, cosine, wsd"),
+    (dict(kind="step", steps=10), "kind 'step' is not one of constant, cosine, wsd, linear"),
     (dict(kind="cosine", steps=0), "steps must be a positive integer"),
+    (dict(kind="cosine", steps=10, decay_shape="1-sqrt"), "decay_shape 1-sqrt shapes the decay of kind wsd or linear"),
+    (dict(kind="wsd", steps=10, decay_shape="sqrt"), "decay_shape 'sqrt' is not one of linear, 1-sqrt, cosine"),
+    (dict(kind="linear", steps=10, decay_steps=3), "decay_steps only applies to kind wsd"),
     (dict(kind="cosine", steps=10, warmup_steps=-1), "warmup_steps must be a non-negative integer"),
     (dict(kind="cosine", steps=10, warmup_steps=11), "warmup_steps 11 exceeds steps 10"),
     (dict(kind="cosine", steps=10, warmup_steps=2.5), "warmup_steps must be a non-negative integer"),
@@ -367,3 +406,22 @@ def test_regrouped_into_another_split_keeps_each_groups_base():
         assert [g["initial_lr"] for g in stage_opt.param_groups] == [0.02, 3e-3]
         assert apply_lr(stage_opt, sched.multiplier(3)) == [0.02 * sched.multiplier(3),
                                                             3e-3 * sched.multiplier(3)]
+
+
+def test_a_runs_lr_follows_its_decay_shape(tmp_path, capsys):
+    import json
+
+    from asyncpp_ext.training.cli import main as train
+
+    flags = ["--model", "tiny", "--seq-len", "16", "--micro-batch-size", "2", "--steps", "10", "--eval-every", "0",
+             "--no-checkpoints", "--no-progress", "--threads", "1", "--simulate", "--lr", "0.01"]
+    run = tmp_path / "run"
+    assert train([*flags, "--lr-schedule", "wsd", "--decay-steps", "4", "--decay-shape", "1-sqrt",
+                  "--out", str(run)]) == 0
+    lrs = [json.loads(line)["lr"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    want = LRSchedule("wsd", 10, 0, 4, 0.1, decay_shape="1-sqrt").multipliers()
+    assert lrs == pytest.approx([0.01 * m for m in want], rel=1e-12)
+    assert train([*flags, "--decay-shape", "cosine", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--decay-shape cosine shapes the decay of --lr-schedule wsd or linear" in err[0], err
+    assert not (tmp_path / "bad").exists()

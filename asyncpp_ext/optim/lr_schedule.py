@@ -15,8 +15,15 @@ import numbers
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-LR_SCHEDULES = ("constant", "cosine", "wsd")
-"""Schedule kinds: constant (after warmup), cosine decay, warmup-stable-decay."""
+LR_SCHEDULES = ("constant", "cosine", "wsd", "linear")
+"""Schedule kinds: constant (after warmup), cosine decay, warmup-stable-decay, linear decay (wsd
+whose decay is everything after the warmup)."""
+
+DECAY_SHAPES = ("linear", "1-sqrt", "cosine")
+"""The shape of wsd's and linear's decay (--decay-shape): with p in (0, 1] the decay's progress,
+the multiplier is r + (1 - r) * f(p), f = 1 - p (linear), 1 - sqrt(p) (1-sqrt: the cooldown that
+Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations",
+found to end lower than linear's) or (1 + cos(pi p)) / 2 (cosine); each reaches r at the last step."""
 
 WSD_DEFAULT_DECAY_FRACTION_DIVISOR = 5
 """wsd without ``decay_steps`` decays over the last ``steps // 5`` steps (20 % of the run)."""
@@ -47,7 +54,11 @@ class LRSchedule:
     * wsd, W <= t < T - D:      1  (the stable phase; empty when D = T - W);
     * wsd, t >= T - D:          r + (1 - r) * (T - 1 - t) / D
       (linear from 1 at t = T - D - 1, the last stable step, down to exactly r at the last step
-      t = T - 1: each of the last D steps is below 1 when r < 1).
+      t = T - 1: each of the last D steps is below 1 when r < 1);
+    * linear:                   wsd with D = T - W (no stable phase);
+    * ``decay_shape`` "1-sqrt" or "cosine" (wsd, linear): r + (1 - r) * (1 - sqrt(p)) or
+      r + (1 - r) * (1 + cos(pi * p)) / 2 in place of the linear decay, p = (t - (T - D) + 1) / D
+      the decay's progress (1 - p = (T - 1 - t) / D: the linear decay's own factor).
 
     Call ``validate()`` before use; ``multiplier`` validates too and raises ``LRScheduleError``.
     """
@@ -65,22 +76,27 @@ class LRSchedule:
     """r in [0, 1]: the multiplier cosine and wsd decay to (--min-lr-ratio). 0.1 follows the
     common practice of ending cosine runs at a tenth of the peak, and keeps every step a real
     update: with r = 0 wsd's last step would change nothing (a multiplier of exactly 0)."""
+    decay_shape: str = "linear"
+    """wsd's and linear's decay: one of ``DECAY_SHAPES`` (--decay-shape)."""
 
     @property
     def effective_decay_steps(self) -> int:
         """D as wsd uses it: ``decay_steps``, or the default when it is None (0 when the warmup
         covers the whole run)."""
+        room = self.steps - self.warmup_steps
+        if self.kind == "linear":
+            return room
         if self.decay_steps is not None:
             return self.decay_steps
-        room = self.steps - self.warmup_steps
         return min(max(1, self.steps // WSD_DEFAULT_DECAY_FRACTION_DIVISOR), room)
 
     def validate(self, names: Optional[Mapping[str, str]] = None) -> None:
         """Raise ``LRScheduleError`` (a ``ValueError``) naming the first field that cannot run.
         ``names`` maps a field to what the message calls it (a command line passes its flags,
         e.g. ``{"warmup_steps": "--warmup-steps"}``); by default, the field's own name."""
-        kind, steps, warmup, decay, ratio = (
-            (names or {}).get(f, f) for f in ("kind", "steps", "warmup_steps", "decay_steps", "min_lr_ratio"))
+        kind, steps, warmup, decay, ratio, shape = (
+            (names or {}).get(f, f) for f in ("kind", "steps", "warmup_steps", "decay_steps", "min_lr_ratio",
+                                              "decay_shape"))
         if self.kind not in LR_SCHEDULES:
             raise LRScheduleError(f"{kind} {self.kind!r} is not one of {', '.join(LR_SCHEDULES)}")
         if not _is_int(self.steps) or self.steps < 1:
@@ -101,6 +117,11 @@ class LRSchedule:
         r = self.min_lr_ratio
         if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 <= r <= 1.0:  # NaN fails too
             raise LRScheduleError(f"{ratio} must be a number in [0, 1], got {r!r}")
+        if self.decay_shape not in DECAY_SHAPES:
+            raise LRScheduleError(f"{shape} {self.decay_shape!r} is not one of {', '.join(DECAY_SHAPES)}")
+        if self.decay_shape != "linear" and self.kind not in ("wsd", "linear"):
+            raise LRScheduleError(f"{shape} {self.decay_shape} shapes the decay of {kind} wsd or linear, not "
+                                  f"{self.kind!r}; drop {shape} or use {kind} wsd")
 
     def multiplier(self, t: int) -> float:
         """The learning-rate multiplier of 0-based optimizer step ``t`` (see the class docstring)."""
@@ -115,10 +136,15 @@ class LRSchedule:
             return 1.0
         if self.kind == "cosine":
             return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * (t - W) / (T - W)))
-        D = self.effective_decay_steps  # wsd; D >= 1 here because t >= W and t < T
+        D = self.effective_decay_steps  # wsd or linear; D >= 1 here because t >= W and t < T
         if t < T - D:
             return 1.0
-        return r + (1.0 - r) * (T - 1 - t) / D  # this order gives exactly r at t = T - 1
+        if self.decay_shape == "linear":
+            return r + (1.0 - r) * (T - 1 - t) / D  # this order gives exactly r at t = T - 1
+        p = (t - (T - D) + 1) / D  # the decay's progress, 1 at the last step
+        if self.decay_shape == "1-sqrt":
+            return r + (1.0 - r) * (1.0 - math.sqrt(p))
+        return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * p))
 
     def multipliers(self) -> list[float]:
         """``multiplier(t)`` for every step of the run, t = 0..steps-1 (validated first: a schedule
@@ -159,4 +185,4 @@ def apply_lr(optimizer, multiplier: float) -> list[float]:
     return lrs
 
 
-__all__ = ["LR_SCHEDULES", "LRSchedule", "LRScheduleError", "apply_lr", "check_lr_schedule"]
+__all__ = ["LR_SCHEDULES", "DECAY_SHAPES", "LRSchedule", "LRScheduleError", "apply_lr", "check_lr_schedule"]

@@ -10,7 +10,7 @@ from typing import Optional
 from ..command_line import OneLineParser, UsageError
 from ..models.attention import ATTENTION_BACKENDS
 from ..models.compile_support import parse_inductor_option
-from .config import (COMPILE_MODES, COMPILE_SCOPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_CHECKS, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
+from .config import (COMPILE_MODES, COMPILE_SCOPES, DECAY_SHAPES, DELAY_ONLY, DTYPES, HEAD_LOSSES, LR_SCHEDULES, NONFINITE_CHECKS, NONFINITE_POLICIES, NS_DTYPES, EF_BETA_AUTO, LR_AUTO, OPTIMIZERS,
                      SCHEDULES, TRANSPORTS, ConfigError, RunConfig)
 from ..data.batches import SAMPLINGS
 from ..models.registry import MODEL_PRESETS
@@ -185,12 +185,15 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "can vary apart")
     opt.add_argument("--lr-schedule", choices=LR_SCHEDULES,
                      help="lr multiplier over the run: constant, cosine (toward --min-lr-ratio, reached "
-                          "as the run ends) or wsd (warmup, stable, linear decay over --decay-steps) "
-                          "(default constant)")
+                          "as the run ends), wsd (warmup, stable, decay over --decay-steps) or linear (warmup, "
+                          "then decay over the rest) (default constant)")
+    opt.add_argument("--decay-shape", choices=DECAY_SHAPES,
+                     help="wsd's and linear's decay: linear, 1-sqrt (steep, then flat: ends lower in "
+                          "cooldown studies) or cosine (default linear)")
     opt.add_argument("--warmup-steps", type=int, help="linear lr warmup steps (default 0)")
     opt.add_argument("--decay-steps", type=int, help="wsd: steps of the final decay (default: a share of --steps)")
     opt.add_argument("--min-lr-ratio", type=float,
-                     help="cosine/wsd: the lr they decay to, as a fraction of --lr (default 0.1)")
+                     help="cosine/wsd/linear: the lr they decay to, as a fraction of --lr (default 0.1)")
     opt.add_argument("--clip-grad-norm", type=float, metavar="X",
                      help="clip the gradient to global norm X, measured on the previous step's gradient so "
                           "no stage waits for the others (default: no clipping)")
@@ -415,6 +418,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("optim", "muon_momentum"): args.muon_momentum,
         ("optim", "lr_schedule"): args.lr_schedule, ("optim", "warmup_steps"): args.warmup_steps,
         ("optim", "decay_steps"): args.decay_steps, ("optim", "min_lr_ratio"): args.min_lr_ratio,
+        ("optim", "decay_shape"): args.decay_shape,
         ("optim", "clip_grad_norm"): args.clip_grad_norm, ("optim", "z_loss"): args.z_loss,
         ("train", "tensorboard"): args.tensorboard,
         ("train", "wandb"): args.wandb, ("train", "wandb_project"): args.wandb_project,
@@ -514,7 +518,7 @@ FIELD_FLAGS = {
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm", "optim.z_loss": "--z-loss",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",
-    "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule",
+    "optim.min_lr_ratio": "--min-lr-ratio", "optim.lr_schedule": "--lr-schedule", "optim.decay_shape": "--decay-shape",
     "optim.ef_source": "--ef-source", "optim.mitigation": "--mitigation", "optim.dc_lambda": "--dc-lambda",
     "optim.rescale_steps": "--rescale-steps", "optim.muon_momentum": "--muon-momentum",
     "train.compile_scope": "--compile-scope", "train.compile_mode": "--compile-mode", "train.inductor_options": "--inductor-option", "train.compile": "--compile", "train.head_loss": "--head-loss", "train.attention": "--attention",

@@ -13,6 +13,7 @@ from typing import Optional, Union
 from ..data.batches import DEFAULT_EVAL_BATCHES
 from ..models.compile_support import MODES as COMPILE_MODES  # TrainConfig.compile_mode's values
 from ..models.registry import ModelConfig, as_model_config
+from ..optim.lr_schedule import DECAY_SHAPES, LR_SCHEDULES
 from ..optim.mitigations import DEFAULT_DC_LAMBDA, default_rescale_steps
 from ..optim.registry import (DEFAULT_EF_SOURCE, DEFAULT_WEIGHT_DECAY, MUON_ADAMW_LR, MUON_MOMENTUM, DefaultsView,
                               muon_family, optimizer_names, optimizer_spec)
@@ -32,10 +33,10 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16", "bf16-params")
 NS_DTYPES = ("auto", "fp32", "bf16")
 
-LR_SCHEDULES = ("constant", "cosine", "wsd")
 # What a learning-rate schedule complaint calls each LRSchedule field: the flags that set them.
 LR_SCHEDULE_FLAGS = {"kind": "--lr-schedule", "steps": "--steps", "warmup_steps": "--warmup-steps",
-                     "decay_steps": "--decay-steps", "min_lr_ratio": "--min-lr-ratio"}
+                     "decay_steps": "--decay-steps", "min_lr_ratio": "--min-lr-ratio",
+                     "decay_shape": "--decay-shape"}
 HEAD_LOSSES = ("auto", "fused", "plain", "liger", "cce", "chunked")
 COMPILE_SCOPES = ("block", "stage")
 DELAY_ONLY = ("matrices", "others")
@@ -142,14 +143,17 @@ class OptimConfig:
     cheap; fp32 on CPU) | fp32 | bf16. Independent of ``train.dtype``, which only sets autocast."""
     lr_schedule: str = "constant"
     """Learning-rate multiplier over the run: constant | cosine (to min_lr_ratio at the end) | wsd
-    (warmup, stable, then a linear decay over decay_steps); applied to every parameter group (Muon's
-    and AdamW's parts alike). Formulas: optim/lr_schedule.py and docs/design.md."""
+    (warmup, stable, then a decay over decay_steps) | linear (warmup, then a decay over the rest);
+    applied to every parameter group (Muon's and AdamW's parts alike). Formulas:
+    optim/lr_schedule.py and docs/design.md."""
     warmup_steps: int = 0
     """Linear warmup steps at the start (any schedule)."""
     decay_steps: Optional[int] = None
     """wsd: length of the final decay; None = the schedule's default share of train.steps."""
     min_lr_ratio: Optional[float] = None
-    """Final multiplier of cosine and wsd; None = the schedule's default."""
+    """Final multiplier of cosine, wsd and linear; None = the schedule's default."""
+    decay_shape: str = "linear"
+    """The shape of wsd's and linear's decay: linear | 1-sqrt | cosine (optim/lr_schedule.py)."""
     clip_grad_norm: Optional[float] = None
     """Clip the gradient so its global norm is at most this, measured on the PREVIOUS step's
     gradient (docs/design.md: a norm over every stage that no stage waits for); None = off."""
@@ -475,7 +479,8 @@ class RunConfig:
         o = self.optim
         extra = {k: v for k, v in (("decay_steps", o.decay_steps), ("min_lr_ratio", o.min_lr_ratio))
                  if v is not None}
-        return LRSchedule(kind=o.lr_schedule, steps=self.train.steps, warmup_steps=o.warmup_steps, **extra)
+        return LRSchedule(kind=o.lr_schedule, steps=self.train.steps, warmup_steps=o.warmup_steps,
+                          decay_shape=o.decay_shape, **extra)
 
     def mitigation_kwargs(self) -> dict:
         """``mitigation``, ``dc_lambda``, ``rescale_steps`` for DelaySimulator and Pipeline: the
@@ -512,6 +517,6 @@ class RunConfig:
         check_run(self)
 
 
-__all__ = ["SCHEDULES", "SYNC_SCHEDULES", "EF_BETA_MAX", "MUON_FAMILY", "NONFINITE_POLICIES", "NONFINITE_CHECKS", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "ConfigError", "ModelConfig", "DataConfig",
+__all__ = ["SCHEDULES", "SYNC_SCHEDULES", "EF_BETA_MAX", "MUON_FAMILY", "NONFINITE_POLICIES", "NONFINITE_CHECKS", "OPTIMIZERS", "DEVICES", "DTYPES", "TRANSPORTS", "EF_BETA_AUTO", "LR_AUTO", "MUON_ADAMW_LR_AUTO", "LR_SCHEDULES", "DECAY_SHAPES", "ConfigError", "ModelConfig", "DataConfig",
            "OptimConfig", "PipelineConfig", "TrainConfig", "RunConfig",
            "COMPILE_SCOPES", "COMPILE_MODES"]
