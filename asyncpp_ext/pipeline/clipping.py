@@ -35,6 +35,23 @@ def norm_terms(grads: Iterable[torch.Tensor]) -> list[float]:
     return [value ** 2 for value in torch.stack([n.double() for n in norms]).tolist()]
 
 
+def block_of(name: str, prefixes: Sequence[str]) -> str:
+    """The block a global parameter name belongs to: the longest of ``prefixes`` (the blocks' names
+    in the model, ``ties.block_prefixes``) that it starts with."""
+    owners = [p for p in prefixes if name == p or name.startswith(p + ".")]
+    return max(owners, key=len) if owners else name
+
+
+def block_norms(terms: Iterable[float], labels: Iterable[str]) -> dict[str, float]:
+    """Each block's gradient norm from the squared norms ``terms`` of its parameters (``labels``:
+    each term's block), the terms added in the given order -- the global norm's own order, so a
+    pipeline and its simulation give the same bits (--log-block-grad-norms)."""
+    sums: dict[str, float] = {}
+    for value, label in zip(terms, labels):
+        sums[label] = sums.get(label, 0.0) + value
+    return {label: math.sqrt(total) for label, total in sums.items()}
+
+
 def keep_norm(norms: dict, step: int, norm: float) -> None:
     """Record step ``step``'s ``norm`` for ``take_grad_norms``, dropping the oldest past
     ``KEPT_NORMS`` (a Pipeline or simulator used without a Trainer: nobody takes them)."""
@@ -74,13 +91,15 @@ class PreviousNormClipper:
     def __init__(self, max_norm: float):
         self.max_norm = check_max_norm(max_norm)
         self.previous_norm: Optional[float] = None
+        self.last_terms: list = []
 
     @torch.no_grad()
     def clip(self, grads: Sequence[torch.Tensor], skipped: bool) -> float:
         """Scale ``grads`` by c(t); remember this step's norm unless it is skipped. Returns c(t)."""
         coefficient = clip_coefficient(self.max_norm, self.previous_norm)
         if not skipped:
-            self.previous_norm = total_norm(norm_terms(grads))
+            self.last_terms = norm_terms(grads)  # each gradient's squared norm (block norms read them)
+            self.previous_norm = total_norm(self.last_terms)
             if coefficient < 1.0:
                 for g in grads:
                     g.mul_(coefficient)
@@ -93,4 +112,4 @@ class PreviousNormClipper:
         self.previous_norm = None if not state else state.get("previous_norm")
 
 
-__all__ = ["EPS", "KEPT_NORMS", "keep_norm", "norm_terms", "total_norm", "clip_coefficient", "PreviousNormClipper"]
+__all__ = ["EPS", "KEPT_NORMS", "block_of", "block_norms", "keep_norm", "norm_terms", "total_norm", "clip_coefficient", "PreviousNormClipper"]

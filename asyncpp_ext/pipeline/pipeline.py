@@ -34,7 +34,7 @@ from .stage import Signature, StageHost
 from .stage_state import newest_params
 from .stream_worker import join_left_streams
 from .streams import StreamControl
-from .step_exchange import StepExchange
+from .step_exchange import StepExchange, norm_term_blocks
 from .ties import block_prefixes, check_ties_on_one_stage, find_ties, mirror_names, untie
 from .devices import TRANSPORTS, check_device, choose_transport  # noqa: F401 (TRANSPORTS: public name kept here)
 from .transports import TransportContext, create_transport
@@ -128,6 +128,10 @@ class Pipeline(StreamControl):
             (models/document_mask.py; every stage reads the input ids from ``batches``); for models
             whose attention reads the mask (the package's and its Hugging Face adapter's); not with
             ``cuda_graphs``. None = off.
+        block_grad_norms: also each block's gradient norm (the clipping measurement's terms summed
+            per block, step_exchange.norm_term_blocks): ``take_block_grad_norms``-style, in
+            ``self.exchange.block_norms`` by step index; needs ``clip_grad_norm`` (math.inf: only
+            measure).
 
     Tied weights (a Parameter used by several blocks, e.g. embedding and output head) are untied
     into one copy per use in ``model`` itself; the copies stay bitwise equal (ties.py).
@@ -145,7 +149,7 @@ class Pipeline(StreamControl):
                  compile_options: dict | None = None, head_loss: str = "plain",
                  head_loss_kernel: str = "auto", cuda_graphs: bool = False, compute_copies: bool = True,
                  gradient_accumulation_fusion: bool = False, z_loss: float = 0.0,
-                 document_mask: int | None = None):
+                 document_mask: int | None = None, block_grad_norms: bool = False):
         if schedule not in schedule_names(pipeline_only=True):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of "
                              f"{', '.join(schedule_names(pipeline_only=True))}")
@@ -156,6 +160,11 @@ class Pipeline(StreamControl):
                              gradient_accumulation_fusion=gradient_accumulation_fusion))
         z_loss = check_z_loss(z_loss)
         check_document_mask(document_mask, cuda_graphs)
+        if not isinstance(block_grad_norms, bool):
+            raise TypeError(f"block_grad_norms must be True or False, got {block_grad_norms!r}")
+        if block_grad_norms and clip_grad_norm is None:
+            raise ValueError("block_grad_norms sums the clipping measurement's norms per block: pass "
+                             "clip_grad_norm (math.inf to measure without clipping)")
         if z_loss and head_loss == "fused":
             check_kernel_z_loss(head_loss_kernel, z_loss)
         if clip_grad_norm is not None:
@@ -239,7 +248,8 @@ class Pipeline(StreamControl):
             norm_terms_per_stage=[len({id(p) for i in blocks_of for p in blocks[i].parameters()})
                                   - sum(1 for t in ties for u in t.mirrors if u.block in blocks_of)
                                   for blocks_of in self.partition],
-            clip_grad_norm=clip_grad_norm, timeout_s=timeout_s)
+            clip_grad_norm=clip_grad_norm, timeout_s=timeout_s,
+            term_blocks=norm_term_blocks(model, blocks, self.partition, ties) if block_grad_norms else None)
         self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
                               microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
                               batch_source=self._next_batch, track_memory=track_memory,

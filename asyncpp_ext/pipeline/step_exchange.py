@@ -20,9 +20,23 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .clipping import clip_coefficient, keep_norm, norm_terms, total_norm
-from .ties import Tie
+from .clipping import block_norms, block_of, clip_coefficient, keep_norm, norm_terms, total_norm
+from .partition import GlobalView
+from .ties import Tie, block_prefixes, mirror_names
 from .transport import TransportError, peer_failure_reason
+
+
+def norm_term_blocks(model, blocks: Sequence, partition: Sequence[Sequence[int]], ties: Sequence[Tie]) -> list:
+    """Per stage, the block (its name in the model) of each of the stage's clipping-norm terms: its
+    parameters but tied mirrors, in the order ``StepExchange.before_step`` measures them (the
+    stage's parameters by global name, ``partition.GlobalView``)."""
+    mirrors = set(mirror_names(ties))
+    out = []
+    for indices in partition:
+        prefixes = block_prefixes(model, blocks, indices)
+        view = GlobalView([blocks[i] for i in indices], prefixes)
+        out.append([block_of(name, prefixes) for name, _ in view.named_parameters() if name not in mirrors])
+    return out
 
 
 def _pairs_across_stages(ties: Sequence[Tie], stage_of_block: dict) -> list[tuple[int, int]]:
@@ -42,7 +56,10 @@ class StepExchange:
 
     def __init__(self, *, stage: int, replica: int, layout, partition: Sequence[Sequence[int]],
                  ties: Sequence[Tie], names: Sequence[str], sizes: Sequence[int],
-                 norm_terms_per_stage: Sequence[int], clip_grad_norm: Optional[float], timeout_s: float):
+                 norm_terms_per_stage: Sequence[int], clip_grad_norm: Optional[float], timeout_s: float,
+                 term_blocks: Optional[Sequence[Sequence[str]]] = None):
+        """``term_blocks`` (--log-block-grad-norms): per stage, the block of each of its norm terms
+        (``norm_term_blocks``); each gathered step's norms are then also summed per block."""
         self.stage, self.stages = stage, len(partition)
         self.timeout = datetime.timedelta(seconds=2 * timeout_s)  # the watchdog reports first
         self.peer_wait = lambda what: contextlib.nullcontext()  # the watchdog's, set by the stage host
@@ -84,6 +101,8 @@ class StepExchange:
         self.pad = max(norm_terms_per_stage)  # every stage's norms fill a gather slot of this length
         self.previous_norm: Optional[float] = None
         self.norms: dict[int, float] = {}  # step index -> its global norm, as each gather completes
+        self.term_blocks = term_blocks
+        self.block_norms: dict[int, dict] = {}  # step index -> {block: norm}, with term_blocks
         self._gather = None        # (step, work, outputs) of the norms all-gather in flight
         self._grad_recvs = {}      # step -> [(work, buffer)] posted for the owned remote mirrors
         self._weight_recvs = {}    # version -> [(work, buffer, mirror name)]
@@ -207,8 +226,13 @@ class StepExchange:
             if work is not None:
                 self._wait(work, f"gathering the gradient norms of step {step}", -1)
             # Stage order, parameter order; zero padding adds nothing, so the sum is the simulator's.
-            self.previous_norm = total_norm(v for out in outputs for v in out.tolist())
+            terms = [out.tolist() for out in outputs]
+            self.previous_norm = total_norm(v for stage_terms in terms for v in stage_terms)
             keep_norm(self.norms, step, self.previous_norm)
+            if self.term_blocks is not None:
+                keep_norm(self.block_norms, step, block_norms(
+                    (v for stage_terms, labels in zip(terms, self.term_blocks) for v in stage_terms[:len(labels)]),
+                    (label for labels in self.term_blocks for label in labels)))
             self._gather = None
         return self.previous_norm
 
@@ -219,4 +243,4 @@ class StepExchange:
         self.previous_norm = None if not state else state.get("previous_norm")
 
 
-__all__ = ["StepExchange"]
+__all__ = ["StepExchange", "norm_term_blocks"]

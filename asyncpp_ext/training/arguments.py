@@ -306,6 +306,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--log-grad-norm", action=argparse.BooleanOptionalAction, default=None,
                      help="log each step's global gradient norm (grad_norm in the metrics rows) also without "
                           "--clip-grad-norm, which logs it anyway; costs what clipping's measurement costs")
+    run.add_argument("--log-block-grad-norms", action=argparse.BooleanOptionalAction, default=None,
+                     help="log each block's gradient norm too (grad_norms in the metrics rows: embed, "
+                          "layers.0, ..., head): which layer a spike comes from")
     run.add_argument("--log-every", type=int, metavar="N",
                      help="print a line every N steps (loss, lr, tokens/s, MFU, ETA) and each eval loss on "
                           "stdout, for a batch job's log, where no progress bar shows (default 0: none)")
@@ -432,7 +435,7 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
         ("train", "out"): args.out, ("train", "device"): args.device, ("train", "auto_resume"): args.auto_resume,
         ("train", "simulate"): args.simulate,
         ("train", "progress"): args.progress, ("train", "log_every"): args.log_every,
-        ("train", "log_grad_norm"): args.log_grad_norm,
+        ("train", "log_grad_norm"): args.log_grad_norm, ("train", "log_block_grad_norms"): args.log_block_grad_norms,
         ("train", "timeout_s"): args.timeout if args.timeout is not None else _env_timeout(),
         ("train", "on_nonfinite"): args.on_nonfinite, ("train", "threads"): args.threads,
         ("train", "peak_tflops"): args.peak_tflops, ("train", "time_limit_s"): _duration("--time-limit", args.time_limit),
@@ -514,7 +517,7 @@ FIELD_FLAGS = {
     "train.on_nonfinite": "--on-nonfinite", "train.nonfinite_check": "--nonfinite-check",
     "train.threads": "--threads", "train.peak_tflops": "--peak-tflops", "train.time_limit_s": "--time-limit",
     "train.stop_signal": "--stop-on-signal", "train.signal_response_s": "--signal-response",
-    "train.auto_resume": "--auto-resume", "train.wandb_project": "--wandb-project", "train.log_every": "--log-every", "train.log_grad_norm": "--log-grad-norm", "model.n_layer": "--n-layer",
+    "train.auto_resume": "--auto-resume", "train.wandb_project": "--wandb-project", "train.log_every": "--log-every", "train.log_grad_norm": "--log-grad-norm", "train.log_block_grad_norms": "--log-block-grad-norms", "model.n_layer": "--n-layer",
     "model.n_embd": "--n-embd", "model.n_head": "--n-head", "model.seq_len": "--seq-len",
     "model.vocab_size": "--vocab-size", "optim.clip_grad_norm": "--clip-grad-norm", "optim.z_loss": "--z-loss",
     "optim.warmup_steps": "--warmup-steps", "optim.decay_steps": "--decay-steps",

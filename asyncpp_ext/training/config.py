@@ -325,6 +325,10 @@ class TrainConfig:
     """Measure each step's global gradient norm (before clipping) for the metrics rows'
     ``grad_norm`` also without ``--clip-grad-norm`` (which always measures it): the same
     measurement clipping makes, at its cost, leaving the gradients as they are."""
+    log_block_grad_norms: bool = False
+    """Also each block's gradient norm (the rows' ``grad_norms``: {block name: norm}, ``embed``,
+    ``layers.0``, ..., ``head``): the same measurement as ``grad_norm``, summed per block -- which
+    layer a spike comes from. Measures as ``log_grad_norm`` does where nothing clips."""
     log_every: int = 0
     """Print a line on stdout every this many steps (loss, lr, tokens/s, MFU, ETA) and each
     evaluation's loss, for logs no progress bar reaches (a batch job's); 0 = none (step_lines.py)."""
@@ -504,7 +508,7 @@ class RunConfig:
         measure the norms (``train.log_grad_norm``), or None (neither)."""
         if self.optim.clip_grad_norm is not None:
             return self.optim.clip_grad_norm
-        return math.inf if self.train.log_grad_norm else None
+        return math.inf if self.train.log_grad_norm or self.train.log_block_grad_norms else None
 
     def runs_multi_process(self) -> bool:
         """A pipeline or data-parallel run that is not simulated: one process per stage and replica."""

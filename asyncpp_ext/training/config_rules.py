@@ -113,9 +113,10 @@ def check_delays(cfg: RunConfig) -> None:
     if cfg.optim.clip_grad_norm is not None:
         raise ConfigError(f"optim.clip_grad_norm is not supported with {p.schedule} (its stages finish a step "
                           "S-1 steps apart, so a global norm would stall them); use 2bw to clip")
-    if cfg.train.log_grad_norm:
-        raise ConfigError(f"train.log_grad_norm is not supported with {p.schedule} (its stages finish a step "
-                          "S-1 steps apart, so a global norm would stall them); use 2bw to log it")
+    for name in ("log_grad_norm", "log_block_grad_norms"):
+        if getattr(cfg.train, name):
+            raise ConfigError(f"train.{name} is not supported with {p.schedule} (its stages finish a step "
+                              "S-1 steps apart, so a global norm would stall them); use 2bw to log it")
     if cfg.model.tie_embeddings and p.stages > 1:
         raise ConfigError(f"model.tie_embeddings: {p.schedule} runs each stage on a different weight version, "
                           f"so the embedding (stage 0) and the tied head (stage {p.stages - 1}) cannot share "
@@ -151,8 +152,9 @@ def check_compute(cfg: RunConfig) -> None:
         check_inductor_options(t.inductor_options)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if not isinstance(t.log_grad_norm, bool):
-        raise ConfigError(f"train.log_grad_norm must be true or false, got {t.log_grad_norm!r}")
+    for name in ("log_grad_norm", "log_block_grad_norms"):
+        if not isinstance(getattr(t, name), bool):
+            raise ConfigError(f"train.{name} must be true or false, got {getattr(t, name)!r}")
     if not isinstance(t.checkpoints, bool):
         raise ConfigError(f"train.checkpoints must be true or false, got {t.checkpoints!r}")
     if not isinstance(t.compute_copies, bool):

@@ -43,6 +43,12 @@ class PipelineEngine:
         norms, self.pipe.exchange.norms = self.pipe.exchange.norms, {}
         return norms
 
+    def take_block_grad_norms(self) -> dict:
+        """Each block's gradient norm of the steps since the last call, by step index
+        (--log-block-grad-norms)."""
+        norms, self.pipe.exchange.block_norms = self.pipe.exchange.block_norms, {}
+        return norms
+
     def eval_loss(self, batches):
         return self.pipe.evaluate(batches)
 

@@ -50,12 +50,12 @@ from ..optim.mitigations import (DEFAULT_DC_LAMBDA, MitigationError, delay_compe
                                  resolve_mitigation)
 from ..optim.state import load_optimizer_state_by_name, optimizer_state_by_name, regroup_optimizer_state
 from ..optim.versioned import step_versioned, wants_previous_weights
-from ..pipeline.clipping import PreviousNormClipper, keep_norm
+from ..pipeline.clipping import PreviousNormClipper, block_norms, block_of, keep_norm
 from ..pipeline.compute_copies import ComputeCopies
 from ..pipeline.devices import to_device
 from ..pipeline.nonfinite import POLICIES, DeferredScan, NonFiniteError, first_nonfinite_index
 from ..pipeline.partition import as_blocks, split
-from ..pipeline.ties import TieError, check_ties_on_one_stage, find_ties, sum_tied_gradients, untie
+from ..pipeline.ties import TieError, block_prefixes, check_ties_on_one_stage, find_ties, sum_tied_gradients, untie
 from ..schedule.table import SCHEDULES
 from .delays import (DelaySimulatorError, check_delay_arguments, check_versions_fit, only_some_delayed,  # noqa: F401
                      per_stage_delays, stage_delay)  # DelaySimulatorError, stage_delay: public names kept here
@@ -123,7 +123,8 @@ class DelaySimulator:
                  rescale_steps: int | None = None, delay_only: str | None = None,
                  compute_copies: Callable[[nn.Module], Optional[ComputeCopies]] | None = None,
                  device_skip: bool = True,
-                 row_loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_row_losses):
+                 row_loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = default_row_losses,
+                 block_grad_norms: bool = False):
         if schedule not in SCHEDULES:
             raise DelaySimulatorError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -196,6 +197,13 @@ class DelaySimulator:
                           for p, d in zip(self.params, self.delays)]
         self.steps_done = 0
         self.grad_norms: dict[int, float] = {}  # step index -> its gradient's global norm (clipping's)
+        # --log-block-grad-norms: each parameter's block (the clipping terms summed per block)
+        if block_grad_norms and (self.clipper is None or blocks is None):
+            raise DelaySimulatorError("block_grad_norms sums the clipping measurement's norms per block: it needs "
+                                      "clip_grad_norm (math.inf to only measure) and a model with blocks()")
+        prefixes = block_prefixes(model, blocks, range(len(blocks))) if block_grad_norms else []
+        self.block_labels = [block_of(n, prefixes) for n in self.names] if block_grad_norms else None
+        self.block_grad_norms: dict[int, dict] = {}
         # Every submodule in training mode once (a loaded model may hold some in eval mode); a
         # step then walks the modules only when something switched the whole model out of it.
         model.train()
@@ -365,6 +373,8 @@ class DelaySimulator:
                 self.clipper.clip([p.grad for p in self.params if p.grad is not None], self.last_skipped)
                 if not self.last_skipped:
                     keep_norm(self.grad_norms, self.steps_done, self.clipper.previous_norm)
+                    if self.block_labels is not None:
+                        self._keep_block_norms()
             if self.mitigation.compensates and not self.last_skipped:  # W(t - d_p) is still in the ring
                 self._compensate_delays()
             if self.delayed:
@@ -381,6 +391,19 @@ class DelaySimulator:
         if self.lr_schedule is not None or self.mitigation.rescales_lr:
             schedule = self.lr_schedule.multiplier(self.steps_done) if self.lr_schedule is not None else 1.0
             apply_lr(self.optimizer, schedule * rescale)
+
+    def _keep_block_norms(self) -> None:
+        """This step's norm per block from the clipper's terms (a parameter without a gradient: a
+        term of 0, as the pipeline's zero gradient gives; adding it changes no sum)."""
+        terms = iter(self.clipper.last_terms)
+        keep_norm(self.block_grad_norms, self.steps_done, block_norms(
+            [next(terms) if p.grad is not None else 0.0 for p in self.params], self.block_labels))
+
+    def take_block_grad_norms(self) -> dict[int, dict]:
+        """Each block's gradient norm of the steps run since the last call, by step index
+        (--log-block-grad-norms)."""
+        norms, self.block_grad_norms = self.block_grad_norms, {}
+        return norms
 
     def take_grad_norms(self) -> dict[int, float]:
         """The global gradient norms (before clipping) of the steps run since the last call, by step

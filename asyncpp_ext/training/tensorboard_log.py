@@ -29,6 +29,8 @@ METRIC_TAGS = (("loss", "train/loss"), ("eval_loss", "eval/loss"), ("lr", "train
 EVAL_SET_TAG = "eval/loss/{}"
 """Tag of each named held-out set's loss (a row's ``eval_losses``; build.build_eval_sets)."""
 
+BLOCK_NORM_TAG = "train/grad_norm/{}"
+"""Tag of each block's gradient norm (a row's ``grad_norms``; --log-block-grad-norms)."""
 CHOICE_TAG = "eval/choices/{}/{}"
 """Tag of each multiple-choice task's figure (a row's ``choices``: task name, then accuracy,
 accuracy_norm or right_loglik; --eval-choices)."""
@@ -43,6 +45,8 @@ def row_scalars(row: Mapping) -> dict:
     for name, loss in (row.get("eval_losses") or {}).items():
         if loss is not None:
             values[EVAL_SET_TAG.format(name)] = float(loss)
+    for name, norm in (row.get("grad_norms") or {}).items():
+        values[BLOCK_NORM_TAG.format(name)] = float(norm)
     for name, figures in (row.get("choices") or {}).items():
         for figure in CHOICE_FIGURES:
             if figures.get(figure) is not None:

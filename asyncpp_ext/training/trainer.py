@@ -251,9 +251,13 @@ class Trainer:
                 clock.trained(end - segment_from, time.perf_counter() - segment_start)
                 # --clip-grad-norm's measured norms (a pipeline's last stage has the segment's by its end)
                 norms = self.engine.take_grad_norms() if callable(getattr(self.engine, "take_grad_norms", None)) else {}
+                by_block = (self.engine.take_block_grad_norms()
+                            if callable(getattr(self.engine, "take_block_grad_norms", None)) else {})
                 for row in pending:
                     if row["step"] - 1 in norms:
                         row["grad_norm"] = norms[row["step"] - 1]
+                    if row["step"] - 1 in by_block:  # --log-block-grad-norms
+                        row["grad_norms"] = by_block[row["step"] - 1]
                 if self.eval_set and self._is_due(end, self.cfg.train.eval_every):
                     with clock.timing("eval"):
                         eval_loss = self.engine.eval_loss(self.eval_set)
