@@ -131,7 +131,7 @@ def test_bad_model_inputs_are_one_line_and_write_nothing(tmp_path, capsys):
 def test_bad_schedule_clipping_and_data_inputs_are_one_line_and_write_nothing(tmp_path, capsys):
     out = tmp_path / "out"
     _fails_cleanly(capsys, ["--steps", "5", "--warmup-steps", "6"], out, "--warmup-steps")
-    _fails_cleanly(capsys, ["--lr-schedule", "linear"], out, "--lr-schedule")
+    _fails_cleanly(capsys, ["--lr-schedule", "step"], out, "--lr-schedule")
     _fails_cleanly(capsys, ["--clip-grad-norm", "-1"], out, "--clip-grad-norm")
     _fails_cleanly(capsys, ["--lr-schedule", "cosine", "--decay-steps", "3"], out, "--decay-steps")
     tokens = tmp_path / "ids.bin"

@@ -73,7 +73,7 @@ class LRSchedule:
     """D: length of wsd's final linear decay (--decay-steps); wsd only. None = 20 % of ``steps``
     (``steps // 5``), at least 1 and at most ``steps - warmup_steps``."""
     min_lr_ratio: float = 0.1
-    """r in [0, 1]: the multiplier cosine and wsd decay to (--min-lr-ratio). 0.1 follows the
+    """r in [0, 1]: the multiplier cosine, wsd and linear decay to (--min-lr-ratio). 0.1 follows the
     common practice of ending cosine runs at a tenth of the peak, and keeps every step a real
     update: with r = 0 wsd's last step would change nothing (a multiplier of exactly 0)."""
     decay_shape: str = "linear"

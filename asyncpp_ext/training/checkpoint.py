@@ -388,7 +388,7 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
                               f"{saved_cfg.pipeline.stages}, whose depth sets each stage's delay and the "
                               f"weight versions it keeps; resume with --stages {saved_cfg.pipeline.stages}")
     if saved_cfg.optim.lr_schedule != "constant" and saved_cfg.train.steps != run.train.steps:
-        # cosine and wsd place their decay by the run's length: another --steps changes every lr
+        # the decaying schedules place their decay by the run's length: another --steps changes every lr
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by a run of --steps {saved_cfg.train.steps} "
                               f"with --lr-schedule {saved_cfg.optim.lr_schedule}, whose learning rates depend "
                               f"on the run's length; resume with --steps {saved_cfg.train.steps}")

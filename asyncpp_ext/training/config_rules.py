@@ -283,7 +283,7 @@ def check_run(cfg: RunConfig) -> None:
         raise ConfigError(str(exc)) from None
     if cfg.optim.min_lr_ratio is not None and cfg.optim.lr_schedule == "constant":
         raise ConfigError("--min-lr-ratio is where cosine, wsd and linear decay to; the constant schedule never "
-                          "decays: drop --min-lr-ratio or pass --lr-schedule cosine or wsd")
+                          "decays: drop --min-lr-ratio or pass --lr-schedule cosine, wsd or linear")
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {cfg.data.eval_fraction}")
     blocks = cfg.model.num_blocks

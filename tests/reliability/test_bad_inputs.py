@@ -208,7 +208,7 @@ BAD_INPUTS = [
     ("--out=", "--out: train.out must name the run directory, got ''"),
     ("--eval-batches 99999999", "--eval-batches 99999999 needs"),
     # a flag the schedule would ignore
-    ("--min-lr-ratio 0.2", "--min-lr-ratio is where cosine and wsd decay to; the constant schedule never decays"),
+    ("--min-lr-ratio 0.2", "--min-lr-ratio is where cosine, wsd and linear decay to; the constant schedule never decays"),
     ("--optimizer adamw --ns-dtype bf16", "optim.ns_dtype='bf16' sets muon's Newton-Schulz dtype, but the "
                                           "optimizer is 'adamw'"),
     ("--ns-dtype fp64", "invalid choice: 'fp64'"),
