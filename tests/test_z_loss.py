@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncpp_ext.models.head_loss import linear_cross_entropy, plain_loss, z_loss_term
+from asyncpp_ext.models.head_loss import linear_cross_entropy
+from asyncpp_ext.models.z_loss import plain_loss, z_loss_term
 from asyncpp_ext.training.build import build_data, build_run_model
 from asyncpp_ext.training.checkpoint import load_weights
 from asyncpp_ext.training.cli import main as train

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import math
 import time
 import warnings
 from typing import Optional
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import BlockModel
+from .z_loss import check_kernel_z_loss, check_z_loss, plain_loss
 
 HEAD_LOSS_MODES = ("auto", "fused", "plain")
 KERNELS = ("liger", "cce", "chunked")
@@ -132,7 +132,7 @@ def _chunk_grad(logits: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, dtype:
     Eagerly the scatter writes in place, where the comparison would make a (rows, V) mask and a
     promoted temporary. Both give p - 1 at the target and p + (-0) = p elsewhere, bit for bit.
     With a ``z_loss`` coefficient z the softmax is first scaled by 1 + 2 z lse per row: the
-    derivative of z lse^2 adds 2 z lse p (``z_loss_term`` says what the term is); z = 0 leaves the
+    derivative of z lse^2 adds 2 z lse p (models/z_loss.py says what the term is); z = 0 leaves the
     pass as it was."""
     g = logits.float().sub_(lse).exp_()
     if z_loss:
@@ -214,7 +214,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     factors in the same order. Without ``grads`` (evaluation) only the loss is computed.
 
     ``z_loss`` (a coefficient z >= 0) adds z * lse^2 per valid row to what the gradients are of,
-    not to the value returned (``z_loss_term``)."""
+    not to the value returned (models/z_loss.py)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_rows, ignore_index, compute_dtype, grads, z_loss=0.0):
@@ -287,37 +287,6 @@ def _flatten(hidden, weight, targets, bias):
     return h2, t
 
 
-def check_z_loss(z_loss) -> float:
-    """``z_loss`` as a float, or ValueError (one line) unless it is a finite number >= 0."""
-    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not math.isfinite(z_loss) or z_loss < 0:
-        raise ValueError(f"z_loss must be a finite number >= 0 (PaLM's is 1e-4; 0 = off), got {z_loss!r}")
-    return float(z_loss)
-
-
-def z_loss_term(logits: torch.Tensor, targets: torch.Tensor, z_loss: float, ignore_index: int = -100) -> torch.Tensor:
-    """A tensor of value 0 whose gradient is that of the z-loss, ``z_loss * mean_i lse_i^2`` over the
-    rows i whose target is not ``ignore_index`` (lse_i = logsumexp of row i's logits, in fp32):
-    PaLM's auxiliary loss, which pulls the softmax normaliser log Z towards 0 and so keeps the
-    logits from drifting to magnitudes where bf16 loses them. Added to a cross entropy it leaves the
-    value (what the rows log as ``loss``, comparable with a run without it, as ``eval_loss`` is)
-    and adds the term to the gradient, as decoupled weight decay is in the update but not in the
-    loss. Both head paths put it there alike: the fused kernel by ``_chunk_grad``."""
-    x = logits.reshape(-1, logits.shape[-1]).float()
-    valid = targets.reshape(-1) != ignore_index
-    lse = torch.logsumexp(x, dim=1)
-    term = torch.where(valid, lse.square(), 0.0).sum() * z_loss / valid.sum().clamp(min=1)
-    return term - term.detach()
-
-
-def plain_loss(loss_fn, logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
-    """``loss_fn(logits, targets)``, with the z-loss's gradient (``z_loss_term``) where ``z_loss`` is
-    on and gradients are being formed; z = 0 is ``loss_fn``'s call alone, bit for bit."""
-    loss = loss_fn(logits, targets)
-    if z_loss and torch.is_grad_enabled():
-        return loss + z_loss_term(logits, targets, z_loss)
-    return loss
-
-
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None,
                          ignore_index: int = -100, z_loss: float = 0.0) -> torch.Tensor:
@@ -326,7 +295,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 
     Under autocast the matmuls run in autocast's dtype and the softmax in fp32, as the plain path's
     nn.Linear + F.cross_entropy do; gradients come back in the inputs' dtypes. ``z_loss`` (>= 0)
-    adds the z-loss to the gradients, not to the value (``z_loss_term``)."""
+    adds the z-loss to the gradients, not to the value (models/z_loss.py)."""
     z_loss = check_z_loss(z_loss)
     h2, t = _flatten(hidden, weight, targets, bias)
     dtype = _autocast_dtype(h2.device)
@@ -369,15 +338,6 @@ def fused_kernel_name(device, dtype: Optional[torch.dtype] = None, bias: bool = 
         if _library("cce") is not None and (dtype is None or dtype in _HALF) and not bias:
             return "cce"
     return "chunked"
-
-
-def check_kernel_z_loss(kernel: str, z_loss: float) -> None:
-    """ValueError (one line) for a library ``kernel`` named with a ``z_loss``: Liger's and
-    cut-cross-entropy's kernels add a z-loss to their value, if at all, not to the gradient alone as
-    ``z_loss_term`` defines it, so only the package's chunked kernel ("auto" picks it) forms it."""
-    if z_loss and kernel in ("liger", "cce"):
-        raise ValueError(f"head-loss kernel {kernel!r} does not form the z-loss's gradient; use the fused "
-                         "head's own kernel (--head-loss chunked or auto) or plain, or drop --z-loss")
 
 
 def require_kernel(kernel: str, device, dtype: Optional[torch.dtype] = None, bias: bool = False,
@@ -454,7 +414,7 @@ def head_loss(head, x: torch.Tensor, targets: torch.Tensor, mode: str = "plain",
     """The last block's mean cross entropy. "plain": ``BlockModel.loss(head(x), targets)``, the
     historical path, bit for bit. "fused": ``head.features(x)`` into the fused kernel with the
     head's ``output_weight``/``output_bias`` read now (a re-pointed or tied Parameter is used).
-    ``z_loss``: the z-loss's gradient on either path (``z_loss_term``)."""
+    ``z_loss``: the z-loss's gradient on either path (models/z_loss.py)."""
     if mode == "plain":
         return plain_loss(BlockModel.loss, head(x), targets, z_loss)
     if mode != "fused":
@@ -537,5 +497,5 @@ def measure_head_loss(mode: str, batch: int, seq: int, n_embd: int, vocab: int, 
 
 __all__ = ["HEAD_LOSS_MODES", "KERNELS", "FUSED_VOCAB_THRESHOLD", "CHUNK_BYTES", "EAGER_LOGIT_BYTES",
            "default_chunk_rows", "linear_cross_entropy", "fused_linear_cross_entropy", "fused_kernel_name",
-           "require_kernel", "kernel_for_graphs", "check_z_loss", "check_kernel_z_loss", "z_loss_term", "plain_loss", "resolve_head_loss",
+           "require_kernel", "kernel_for_graphs", "resolve_head_loss",
            "head_loss", "measure_head_loss", "addmm_writes_fp32"]

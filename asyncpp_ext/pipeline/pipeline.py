@@ -20,7 +20,7 @@ from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, 
                                  resolve_mitigation)
 from ..models.base import BlockSequence, row_losses
 from ..models.document_mask import check_document_mask, within_documents
-from ..models.head_loss import check_kernel_z_loss, check_z_loss
+from ..models.z_loss import check_kernel_z_loss, check_z_loss
 from ..models.compile_support import check_inductor_options, inductor_mode
 from ..models.regions import compile_regions, scope_regions
 from ..schedule.table import schedule_names, schedule_spec
@@ -122,7 +122,7 @@ class Pipeline(StreamControl):
             weights' gradients complete to the buckets.
         z_loss: coefficient z >= 0 of the z-loss, z * mean(logsumexp(logits)^2) over the last stage's
             targets (PaLM's; 1e-4 there): added to the gradient of the last stage's loss, not to its
-            value (models/head_loss.z_loss_term), with either ``head_loss``; 0 = off.
+            value (models/z_loss.py), with either ``head_loss``; 0 = off.
         document_mask: a boundary token id: each position attends only to the earlier positions of
             its document, documents starting at that token in the microbatch's input ids
             (models/document_mask.py; every stage reads the input ids from ``batches``); for models

@@ -28,7 +28,8 @@ import torch.nn as nn
 from ..models.base import forward_through
 from ..models.graphs import GraphedCompute
 from ..models.document_mask import within_documents
-from ..models.head_loss import check_kernel_z_loss, check_z_loss, head_loss, kernel_for_graphs, plain_loss
+from ..models.head_loss import head_loss, kernel_for_graphs
+from ..models.z_loss import check_kernel_z_loss, check_z_loss, plain_loss
 from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import MitigationSettings, delay_compensate_
 from ..optim.versioned import step_versioned, wants_previous_weights
@@ -105,7 +106,7 @@ class StageHost:
         ``shard_optimizer``, Muon's orthogonalisations are split among the replicas. On the last
         stage ``head_loss`` "fused" computes the last block's loss without whole logits
         (models/head_loss.py, with ``head_loss_kernel``); "plain" is ``loss_fn(blocks(x), targets)``;
-        either with the z-loss's gradient where ``z_loss`` > 0 (head_loss.z_loss_term).
+        either with the z-loss's gradient where ``z_loss`` > 0 (models/z_loss.py).
         ``document_mask``: a boundary token id; each microbatch's blocks then attend within the
         documents of its input ids (models/document_mask.py), which every stage reads from the
         batch source, and for a recomputation in backward again.

@@ -161,7 +161,7 @@ class OptimConfig:
     """Coefficient z of the z-loss, z * mean(logsumexp(logits)^2) over the step's targets (PaLM's
     auxiliary loss, 1e-4 there): it keeps the softmax normaliser near 1 and the logits where bf16
     holds them. Added to the gradient, not to the logged ``loss`` (which stays the cross entropy, as
-    ``eval_loss`` is); 0 = off (models/head_loss.z_loss_term)."""
+    ``eval_loss`` is); 0 = off (models/z_loss.py)."""
     ef_source: str = DEFAULT_EF_SOURCE
     """Where error feedback takes its previous update E: "buffer" (the optimizer's last raw
     update, kept in a buffer of its own) or "weights" (the applied update W(t) - W(t-1), read from

@@ -18,8 +18,9 @@ from ..models.attention import resolve_attention
 from ..models.base import forward_through
 from ..models.compile import resolve_compile
 from ..models.document_mask import within_documents
-from ..models.head_loss import (KERNELS, UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, plain_loss,
-                                require_kernel, resolve_head_loss)
+from ..models.head_loss import (KERNELS, UNCAPTURABLE_KERNELS, head_loss, kernel_for_graphs, require_kernel,
+                                resolve_head_loss)
+from ..models.z_loss import plain_loss
 from .config import RunConfig
 from .simulate import default_loss, model_logits
 
@@ -52,7 +53,7 @@ class StageCompute:
     """The compute copies' weight gradients added into float32 by their products
     (pipeline/main_grad.py)."""
     z_loss: float = 0.0
-    """The z-loss's coefficient (--z-loss; models/head_loss.z_loss_term): in the gradient of the
+    """The z-loss's coefficient (--z-loss; models/z_loss.py): in the gradient of the
     last block's loss on either head path; the fused head then runs its chunked kernel."""
     document_boundary: Optional[int] = None
     """--document-mask's boundary token id: attention within documents (models/document_mask.py);
