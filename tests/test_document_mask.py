@@ -39,18 +39,24 @@ def test_the_boundary_token_starts_a_segment():
     assert torch.equal(document_mask(torch.tensor([[4, 4, 4]]), 0)[0, 0], torch.ones(3, 3, dtype=torch.bool).tril())
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "tiny"])
-def test_a_document_sees_nothing_of_the_one_before(name):
-    model = build_model(model_config(name), seed=0).eval()
+@torch.no_grad()
+def _outputs_with_another_first_document(model):
+    """(masked, masked with another first document, plain, plain with it) of a window whose first
+    document ends at position 10 (and, in row 1, a third starts at 20)."""
     x = _tokens(2, 32, 0, boundaries=[(0, 10), (1, 10), (1, 20)])
     other = x.clone()
     other[:, :10] = _tokens(2, 10, 1)  # another first document
-    with torch.no_grad():
-        with within_documents(x, SEP):
-            masked = model(x)[0]
-        with within_documents(other, SEP):
-            masked_other = model(other)[0]
-        plain, plain_other = model(x)[0], model(other)[0]
+    with within_documents(x, SEP):
+        masked = model(x)[0]
+    with within_documents(other, SEP):
+        masked_other = model(other)[0]
+    return masked, masked_other, model(x)[0], model(other)[0]
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "tiny"])
+def test_a_document_sees_nothing_of_the_one_before(name):
+    model = build_model(model_config(name), seed=0).eval()
+    masked, masked_other, plain, plain_other = _outputs_with_another_first_document(model)
     assert torch.equal(masked[:, 10:], masked_other[:, 10:])  # bit for bit: masked keys weigh exactly 0
     assert (plain[:, 10:] - plain_other[:, 10:]).abs().max() > 1e-3  # the whole window: they leak
     assert torch.equal(masked[:, :10], plain[:, :10])  # the first document: causal attention as before
@@ -77,17 +83,9 @@ def test_a_hugging_face_models_layers_mask_alike(name):
 
     model = build_model(ModelConfig(arch="hf", vocab_size=256, seq_len=64, n_layer=2, hf_config=HF_CONFIGS[name]),
                         seed=0).eval()
-    x = _tokens(2, 32, 0, boundaries=[(0, 10), (1, 10), (1, 20)])
-    other = x.clone()
-    other[:, :10] = _tokens(2, 10, 1)
-    with torch.no_grad():
-        with within_documents(x, SEP):
-            masked = model(x)[0]
-        with within_documents(other, SEP):
-            masked_other = model(other)[0]
-        plain, plain_other = model(x)[0], model(other)[0]
-        with within_documents(_tokens(2, 32, 2), SEP):  # no boundary in the window
-            one_document = model(x)[0]
+    masked, masked_other, plain, plain_other = _outputs_with_another_first_document(model)
+    with torch.no_grad(), within_documents(_tokens(2, 32, 2), SEP):  # no boundary in the window
+        one_document = model(_tokens(2, 32, 0, boundaries=[(0, 10), (1, 10), (1, 20)]))[0]
     assert torch.equal(masked[:, 10:], masked_other[:, 10:])
     assert (plain[:, 10:] - plain_other[:, 10:]).abs().max() > 1e-3
     assert torch.equal(one_document, plain)
