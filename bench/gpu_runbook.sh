@@ -165,7 +165,8 @@ run_step() {
                    tests/test_stage_compute.py tests/test_compile_cuda.py tests/test_head_loss.py \
                    tests/test_attention.py tests/test_optim_api.py tests/test_step_boundary.py \
                    tests/test_main_grad.py tests/test_flops.py tests/test_sample.py tests/test_eval.py \
-                   tests/test_clipping.py tests/test_z_loss.py tests/test_cuda_graphs.py tests/test_choice_eval.py ;;
+                   tests/test_clipping.py tests/test_z_loss.py tests/test_document_mask.py tests/test_cuda_graphs.py \
+                   tests/test_choice_eval.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         clip) bench clip 420 -- "${ROWS_CLIP[@]}" ;;
         docmask) bench docmask 420 -- "${ROWS_DOCMASK[@]}" ;;

@@ -253,3 +253,27 @@ def test_the_pipeline_api_checks_its_document_mask():
         with pytest.raises(ValueError, match="document_mask must be a token id"):
             Pipeline(model, loss_fn=type(model).loss, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                      stages=1, document_mask=bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_on_cuda_a_document_sees_nothing_of_the_one_before(compiled):
+    """The GPU's attention kernels under the mask (SDPA with a boolean mask: cuDNN's or the
+    memory-efficient kernel; compiled: inductor's lowering of it), bf16 autocast: the next
+    document's outputs unchanged by the one before, which they see without the mask."""
+    model = build_model(model_config("llama-tiny"), seed=0).cuda().eval()
+    if compiled:
+        compile_blocks(model, device="cuda")
+    x = _tokens(2, 32, 0, boundaries=[(0, 10), (1, 10), (1, 20)]).cuda()
+    other = x.clone()
+    other[:, :10] = _tokens(2, 10, 1).cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with within_documents(x, SEP):
+            masked = model(x)[0].float()
+        with within_documents(other, SEP):
+            masked_other = model(other)[0].float()
+        plain, plain_other = model(x)[0].float(), model(other)[0].float()
+    assert torch.allclose(masked[:, 10:], masked_other[:, 10:], rtol=0, atol=1e-6)
+    assert (plain[:, 10:] - plain_other[:, 10:]).abs().max() > 1e-3
+    if compiled:
+        uncompile(model)
