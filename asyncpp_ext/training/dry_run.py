@@ -74,7 +74,7 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     print(f"run: {where}")
     print(f"model: {describe(cfg.model)}, seq_len {cfg.model.seq_len}"
           + (f", {params:,} parameters" if params is not None else ""))
-    print(f"steps: {t.steps} x {tokens_per_step:,} tokens ({p.microbatches} microbatches of "
+    print(f"steps: {t.steps:,} x {tokens_per_step:,} tokens ({p.microbatches} microbatches of "
           f"{p.global_micro_batch_size} x {cfg.model.seq_len}), {t.steps * tokens_per_step:,} tokens in all")
     print(f"schedule: {p.schedule}, {p.stages} stage{'s' if p.stages > 1 else ''}{replicas}"
           f"{', simulated in one process' if t.simulate else ''}, on {t.device}")
