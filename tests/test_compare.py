@@ -60,18 +60,25 @@ def test_an_unreached_target_and_a_plot(runs, tmp_path, capsys):
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_last_multiple_choice_scores_side_by_side(runs, tmp_path, capsys):
+def test_the_last_multiple_choice_scores_and_set_losses_side_by_side(runs, tmp_path, capsys):
     task = tmp_path / "quiz.jsonl"
     task.write_text(json.dumps({"context": "The cat sat on the", "endings": ["mat.", "hat", "x"], "label": 0}) + "\n")
     scored = tmp_path / "scored"
-    assert train([*FLAGS, "--eval-choices", str(task), "--out", str(scored)]) == 0
+    held_out = tmp_path / "held.txt"
+    held_out.write_text("Some held-out prose, not the built-in corpus, long enough for a few windows. " * 40)
+    assert train([*FLAGS, "--eval-choices", str(task), "--eval-data", str(held_out), "--out", str(scored)]) == 0
     last = [r["choices"] for r in _rows(scored) if "choices" in r][-1]["quiz"]
+    held = [r["eval_losses"] for r in _rows(scored) if "eval_losses" in r][-1]["held"]
     capsys.readouterr()
     out = tmp_path / "rows.json"
     assert compare([str(scored), str(runs / "sync"), "--json", str(out)]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("quiz accuracy_norm"))
+    lines = capsys.readouterr().out.splitlines()
+    line = next(x for x in lines if x.startswith("quiz accuracy_norm"))
     assert line.endswith(f"{scored} {last['accuracy_norm']:.4f}, {runs / 'sync'} none")
-    assert json.loads(out.read_text())[0]["choices"] == {"quiz": last}
+    line = next(x for x in lines if x.startswith("eval_loss held (the last): "))
+    assert line.endswith(f"{scored} {held:.4f}, {runs / 'sync'} none")
+    row = json.loads(out.read_text())[0]
+    assert row["choices"] == {"quiz": last} and row["eval_losses"] == {"held": held}
 
 
 def test_a_run_without_evaluations_has_no_time_to_a_loss(tmp_path, capsys):

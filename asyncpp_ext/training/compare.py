@@ -8,8 +8,9 @@ tokens/s (over the rows after the first, whose time holds the first compile), it
 (metrics.jsonl's ``elapsed_s``: the steps' own), and against the first run: the eval loss's change
 and the tokens/s ratio. Then the time each run took to reach a target eval loss (``--target``, by
 default the least loss every run reached: the largest of the runs' best eval losses), with its ratio
-to the first run's: "the same loss in less time" as one number; and each ``--eval-choices`` task's
-last accuracy_norm per run. ``--plot FILE`` draws the train and
+to the first run's: "the same loss in less time" as one number; and each named held-out set's last
+loss (``--eval-data``, a mixture's sources) and each ``--eval-choices`` task's last accuracy_norm
+per run. ``--plot FILE`` draws the train and
 eval losses against tokens and against training time; ``--json FILE`` writes the rows.
 """
 from __future__ import annotations
@@ -71,12 +72,14 @@ def run_figures(path: str, cfg: RunConfig, rows: list, last: int) -> dict:
     trained = [r["loss"] for r in rows if r.get("loss") is not None][-last:]
     evals = [r for r in rows if r.get("eval_loss") is not None]
     scored = [r["choices"] for r in rows if r.get("choices")]
+    sets = [r["eval_losses"] for r in rows if r.get("eval_losses")]
     return {"run": path, "how": how_trained(cfg), "steps": rows[-1]["step"], "tokens": rows[-1].get("tokens"),
             "train_loss": sum(trained) / len(trained) if trained else None,
             "eval_loss": evals[-1]["eval_loss"] if evals else None,
             "best_eval_loss": min(r["eval_loss"] for r in evals) if evals else None,
             "tokens_per_s": steady_tokens_per_s(rows), "elapsed_s": rows[-1]["elapsed_s"],
             "choices": scored[-1] if scored else {},  # the last --eval-choices scores, by task
+            "eval_losses": sets[-1] if sets else {},  # the last losses of --eval-data and mixture sets
             "evals": [(r["step"], r["elapsed_s"], r["eval_loss"], r.get("tokens")) for r in evals]}
 
 
@@ -126,6 +129,9 @@ def print_table(rows: list, target: Optional[float], last: int) -> None:
               f"{_text(r['eval_loss_change'], '+.2%'):>7} {_text(r['tokens_per_s'], ',.0f'):>10} "
               f"{_text(r['tokens_per_s_ratio'], '.2f') + ('x' if r['tokens_per_s_ratio'] else ''):>6} "
               f"{r['elapsed_s']:>8.1f}")
+    for name in sorted({n for r in rows for n in r["eval_losses"]}):
+        each = ", ".join(f"{r['run']} " + _text(r["eval_losses"].get(name), ".4f", "none") for r in rows)
+        print(f"eval_loss {name} (the last): {each}")
     for task in sorted({name for r in rows for name in r["choices"]}):
         each = ", ".join(f"{r['run']} " + _text((r["choices"].get(task) or {}).get("accuracy_norm"), ".4f", "none")
                          for r in rows)
