@@ -241,15 +241,15 @@ class Pipeline(StreamControl):
                 raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer; "
                                 "return the optimizer it builds (lambda m: build_optimizer(m, 'adamw'))")
             return built
+        # one norm per optimizer parameter: a stage's distinct parameters less its mirrors, each labelled
+        # by its block
+        term_blocks = norm_term_blocks(model, blocks, self.partition, ties)
         self.exchange = StepExchange(
             stage=self.stage, replica=self.replica, layout=self.layout, partition=self.partition, ties=ties,
             names=self.param_names, sizes=[p.numel() for p in module.parameters()],
-            # one norm per optimizer parameter: a stage's distinct parameters less its mirrors
-            norm_terms_per_stage=[len({id(p) for i in blocks_of for p in blocks[i].parameters()})
-                                  - sum(1 for t in ties for u in t.mirrors if u.block in blocks_of)
-                                  for blocks_of in self.partition],
+            norm_terms_per_stage=[len(labels) for labels in term_blocks],
             clip_grad_norm=clip_grad_norm, timeout_s=timeout_s,
-            term_blocks=norm_term_blocks(model, blocks, self.partition, ties) if block_grad_norms else None)
+            term_blocks=term_blocks if block_grad_norms else None)
         self.host = StageHost(module, stage=self.stage, stages=self.stages, schedule=schedule,
                               microbatches=microbatches, optimizer_factory=optimizer, loss_fn=loss_fn,
                               batch_source=self._next_batch, track_memory=track_memory,
@@ -359,7 +359,8 @@ class Pipeline(StreamControl):
                     a = torch.empty(_batch_sig(h.in_sig, x).shape, dtype=h.in_sig.dtype)
                     self._p2p(dist.recv, a, self.stage - 1, "evaluation", _EVAL_TAG)
                     a = a.to(self.device)
-                with h.autocast(), within_documents(x.to(self.device), h.document_mask):
+                ids = x.to(self.device) if h.document_mask is not None else None  # what the mask is made of
+                with h.autocast(), within_documents(ids, h.document_mask):
                     if h.is_last:
                         y = y.to(self.device)
                         loss = row_losses(list(model), a, y) if per_row else h.loss_of(model, a, y)

@@ -29,7 +29,7 @@ from ..models.base import forward_through
 from ..models.graphs import GraphedCompute
 from ..models.document_mask import within_documents
 from ..models.head_loss import head_loss, kernel_for_graphs
-from ..models.z_loss import check_kernel_z_loss, check_z_loss, plain_loss
+from ..models.z_loss import check_z_loss, plain_loss
 from ..optim.lr_schedule import apply_lr
 from ..optim.mitigations import MitigationSettings, delay_compensate_
 from ..optim.versioned import step_versioned, wants_previous_weights
@@ -132,8 +132,6 @@ class StageHost:
         self.z_loss = check_z_loss(z_loss)
         self.document_mask = document_mask
         self.head_loss, self.head_loss_kernel = head_loss, kernel_for_graphs(head_loss_kernel, cuda_graphs)
-        if head_loss == "fused":  # refused here, before any step, rather than at the first loss
-            check_kernel_z_loss(self.head_loss_kernel, self.z_loss)
         self.num_versions = schedule_spec(schedule).stage_lags(stages)[stage].versions
         self.ring = self.num_versions > 1
 
