@@ -148,7 +148,9 @@ $(VENV)/.build-deps: pyproject.toml | $(PY)
 
 # The package in place without its requirements, then only the requirements that are missing:
 # torch, numpy, ... (needed) and the [test] extra (pytest, pytest-xdist, the optional features;
-# the tests of a feature whose extra cannot be installed skip).
+# the tests of a feature whose extra cannot be installed skip). The test requirements go in one pip
+# call; if it fails (one of them unreachable: a machine with only a local package mirror), one at a
+# time, so that pytest and every reachable extra are still installed.
 $(BUILT): $(SOURCES) $(VENV)/.torch $(VENV)/.build-deps
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	@missing=$$($(PY) -c "$$REQ_MISSING" $$($(PY) -c "$$REQ_OF")) || exit 1; \
@@ -160,8 +162,13 @@ $(BUILT): $(SOURCES) $(VENV)/.torch $(VENV)/.build-deps
 	@missing=$$($(PY) -c "$$REQ_MISSING" $$($(PY) -c "$$REQ_OF" test)) || exit 1; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing the test requirements $$missing"; \
-	  $(PIP) install -q $$missing 2>/dev/null || \
-	    echo "make: cannot install the test requirement(s) $$missing (no package index reachable?); the tests that need them skip"; \
+	  log=$$(mktemp); \
+	  $(PIP) install -q $$missing 2>$$log || { \
+	    failed=""; \
+	    for req in $$missing; do $(PIP) install -q "$$req" 2>$$log || failed="$$failed $$req"; done; \
+	    [ -z "$$failed" ] || \
+	      echo "make: cannot install the test requirement(s)$$failed ($$(grep -m1 '^ERROR' $$log || echo 'no package index reachable?')); the tests that need them skip"; }; \
+	  rm -f $$log; \
 	fi
 	@touch $@
 
