@@ -74,7 +74,8 @@
 #           written in the loop against in the background (--async-checkpoints, on by default there)
 #   docmask (420) ours without graphs at 360m / 2048 beside the same with --document-mask 10 (each
 #           line of the built-in corpus a document): what attention within documents costs (SDPA
-#           with a boolean mask: no flash kernel; graphs off under the mask)
+#           with a boolean mask: no flash kernel; graphs off under the mask), and the same with
+#           --attention flex (FlexAttention's block-sparse kernel: other documents' blocks skipped)
 # RUNBOOK_PLAN=FILE writes each step (name, limit, command; fields separated by the unit separator
 # 0x1f) to FILE instead of running it, and nothing else (tests/test_gpu_runbook.py checks the plan).
 # PYTHON picks the interpreter (default python3). A step that fails or runs out of time is noted
@@ -146,9 +147,10 @@ ROWS_PIPELINE_GRAPHS=(--models smollm-135m --seq-lens 1024 --row-timeout 80
 # clipping's cost: ours with graphs beside the same clipping at 1.0 (the norms, the host's check)
 ROWS_CLIP=(--models smollm-360m --seq-lens 2048 --row-timeout 200 --only "ours sync adamw graphs"
            --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
-# --document-mask's cost: ours without graphs (refused under the mask) beside the same with the mask
+# --document-mask's cost: ours without graphs (refused under the mask) beside the same with the mask,
+# by SDPA and by --attention flex
 ROWS_DOCMASK=(--models smollm-360m --seq-lens 2048 --row-timeout 200 --only "ours sync adamw"
-              --skip "graphs,clip,eager,no-copies,bf16-params,max-autotune,stage-compile,-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
+              --skip "graphs,clip,eager,no-copies,bf16-params,max-autotune,stage-compile,cudnn-attention,flash-attention,cat-fused,combo-kernels,pdl,mix-order,host-check,grad-accum-fusion")
 ROWS_MPS=(--models smollm-135m --seq-lens 1024 --row-timeout 80 --only "ours sync adamw,ours 2bw 2st 1gpu adamw ipc"
           --skip "eager,no-copies,bf16-params,max-autotune,stage-compile,graphs,pdl,mix-order,grad-accum-fusion,doc-mask")
 
@@ -165,8 +167,8 @@ run_step() {
                    tests/test_stage_compute.py tests/test_compile_cuda.py tests/test_head_loss.py \
                    tests/test_attention.py tests/test_optim_api.py tests/test_step_boundary.py \
                    tests/test_main_grad.py tests/test_flops.py tests/test_sample.py tests/test_eval.py \
-                   tests/test_clipping.py tests/test_z_loss.py tests/test_document_mask.py tests/test_cuda_graphs.py \
-                   tests/test_choice_eval.py ;;
+                   tests/test_clipping.py tests/test_z_loss.py tests/test_document_mask.py tests/test_flex_attention.py \
+                   tests/test_choice_eval.py tests/test_cuda_graphs.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         clip) bench clip 420 -- "${ROWS_CLIP[@]}" ;;
         docmask) bench docmask 420 -- "${ROWS_DOCMASK[@]}" ;;

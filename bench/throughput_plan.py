@@ -35,6 +35,7 @@ def detect_cli_flags() -> dict:
             "inductor_option": "--inductor-option" in text, "nonfinite_check": "--nonfinite-check" in text,
             "gradient_accumulation_fusion": "--gradient-accumulation-fusion" in text,
             "clip_grad_norm": "--clip-grad-norm" in text, "document_mask": "--document-mask" in text,
+            "attention_flex": re.search(r"--attention \{[^}]*\bflex\b", text) is not None,
             "no_checkpoints": "--no-checkpoints" in text and "--eval-batches" in text}
 
 
@@ -180,6 +181,11 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
                     # (flash takes no mask), and CUDA graphs stay off under the mask -- set against
                     # the row without graphs
                     ours(mdl, seq, "adamw", compile_=True, graphs=False, document_mask=DOCUMENT_MASK_TOKEN)
+                    if flags.get("attention_flex"):
+                        # the same attention by FlexAttention's block-sparse kernel: key blocks
+                        # wholly in earlier documents skipped, not computed and masked
+                        ours(mdl, seq, "adamw", compile_=True, graphs=False, document_mask=DOCUMENT_MASK_TOKEN,
+                             attention="flex")
                 if primary and flags["compile"]:
                     if cpu_eager:
                         if (mdl, seq) == first:

@@ -99,10 +99,10 @@ VARIANT_SUFFIXES = (
     ("compile_mode", lambda v: f" {v}" if v else ""),
     ("inductor", lambda v: f" {v}" if v else ""),
     ("gradient_accumulation_fusion", lambda v: " grad-accum-fusion" if v else ""),
+    ("document_mask", lambda v: " doc-mask" if v is not None else ""),
     ("attention", lambda v: f" {v}-attention" if v else ""),
     ("nonfinite_check", lambda v: f" {v}-check" if v else ""),
     ("clip_grad_norm", lambda v: " clip" if v else ""),
-    ("document_mask", lambda v: " doc-mask" if v is not None else ""),
 )
 """How an ours row's name says how it computes: the one table the plan names rows by
 (throughput_plan.ours) and the report reads them back by (throughput_report: which row a variant

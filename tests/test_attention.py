@@ -42,10 +42,10 @@ def test_auto_without_a_cuda_runtime_to_ask_is_torchs_choice(monkeypatch):
 
 def test_off_cuda_torch_chooses_and_an_explicit_kernel_is_refused():
     assert resolve_attention("auto", "cpu") == "default"
-    for name in ("cudnn", "flash"):
+    for name in ("cudnn", "flash", "flex"):
         with pytest.raises(ValueError, match=f"^--attention {name} picks a CUDA attention kernel.*--device cuda"):
             resolve_attention(name, "cpu")
-    with pytest.raises(ValueError, match="not one of auto, cudnn, flash"):
+    with pytest.raises(ValueError, match="not one of auto, cudnn, flash, flex"):
         resolve_attention("fa3", "cuda")
 
 

@@ -45,7 +45,8 @@ ROWS = {
     "profile": [f"ours sync adamw graphs {R135}"],
     "autotune": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs max-autotune {R360}"],
     "clip": [f"ours sync adamw graphs {R360}", f"ours sync adamw graphs clip {R360}"],
-    "docmask": [f"ours sync adamw {R360}", f"ours sync adamw doc-mask {R360}"],
+    "docmask": [f"ours sync adamw {R360}", f"ours sync adamw doc-mask {R360}",
+                f"ours sync adamw doc-mask flex-attention {R360}"],
     "mps-off": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
     "mps": [f"ours sync adamw {R135}", f"ours 2bw 2st 1gpu adamw ipc {R135}"],
 }

@@ -545,11 +545,39 @@ def test_a_document_mask_row_at_the_last_cuda_point():
     args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
     cmd = gt.ours_command(rows[0], args, flags, Path("o"), Path("p"))
     assert cmd[cmd.index("--document-mask") + 1] == "10" and "--no-cuda-graphs" in cmd and "--compile" in cmd
+    assert "--attention" not in cmd
     assert not any(r.get("document_mask") is not None for r in gt.build_plan(_plan_args(mode="quick"), flags, gpus=1)[0])
-    assert gt.detect_cli_flags()["document_mask"]
+    assert gt.detect_cli_flags()["document_mask"] and gt.detect_cli_flags()["attention_flex"]
     plain = dict(gt.row("ours sync adamw", "ours", "m", 1024, 8, 8, optimizer="adamw", compile=True),
                  status="ok", losses=[10.6, 9.8, 7.6], check="ok")
     masked = dict(gt.row("ours sync adamw doc-mask", "ours", "m", 1024, 8, 8, optimizer="adamw", compile=True,
                          document_mask=10), status="ok", losses=[10.6, 9.0, 7.0], check="ok")
     variant_checks([plain, masked])
     assert masked["check"] == "ok" and masked["loss_vs"]["row"] == "ours sync adamw"
+
+
+def test_a_flex_attention_row_beside_the_document_mask_row():
+    """--attention flex at the same point: the same masked attention by FlexAttention's kernel,
+    named after the doc-mask row it varies, whose losses it is checked against (the same math,
+    unlike the mask against none)."""
+    from throughput_report import variant_checks
+
+    flags = dict(compile=True, head_loss=True, cuda_graphs=True, document_mask=True, attention_flex=True)
+    rows = [r for r in gt.build_plan(_plan_args(), flags, gpus=1)[0] if r.get("document_mask") is not None]
+    assert [r["name"] for r in rows] == ["ours sync adamw doc-mask", "ours sync adamw doc-mask flex-attention"]
+    args = SimpleNamespace(device="cuda", warmup=3, steps=5, threads=None, profile=False)
+    cmd = gt.ours_command(rows[1], args, flags, Path("o"), Path("p"))
+    assert cmd[cmd.index("--attention") + 1] == "flex" and cmd[cmd.index("--document-mask") + 1] == "10"
+    assert "--no-cuda-graphs" in cmd and "--compile" in cmd
+
+    def made(name, losses, **kw):
+        return dict(gt.row(name, "ours", "m", 1024, 8, 8, optimizer="adamw", compile=True, document_mask=10, **kw),
+                    status="ok", losses=losses, check="ok")
+
+    masked = made("ours sync adamw doc-mask", [10.6, 9.0, 7.0])
+    close = made("ours sync adamw doc-mask flex-attention", [10.6, 9.0001, 7.0001], attention="flex")
+    far = made("ours sync adamw doc-mask flex-attention", [10.6, 9.5, 7.5], attention="flex")
+    variant_checks([masked, close])
+    assert close["loss_vs"]["row"] == "ours sync adamw doc-mask" and close["check"] == "ok"
+    variant_checks([masked, far])
+    assert far["check"].startswith("FAIL: losses differ from ours sync adamw doc-mask's")

@@ -1,4 +1,4 @@
-"""Which kernel ``F.scaled_dot_product_attention`` runs on CUDA: ``--attention auto|cudnn|flash``.
+"""Which kernel attention runs on CUDA: ``--attention auto|cudnn|flash|flex``.
 
 On Hopper (compute capability 9.x) cuDNN's fused attention kernels are the faster ones for
 training shapes: bench/attention_kernels.py measured 1.41x FlashAttention-2's forward + backward
@@ -10,7 +10,13 @@ differ between versions; ``--attention`` pins the choice instead:
   deterministic algorithms, fall through to the next);
 - ``flash``: cuDNN's kernels off, flash first, then the others in torch's order;
 - ``auto``: cudnn on Hopper GPUs; elsewhere torch's own choice (unmeasured there; off CUDA its
-  CPU kernels are neither).
+  CPU kernels are neither);
+- ``flex``: with ``--document-mask``, FlexAttention's block-sparse kernel by a BlockMask of the
+  documents instead of SDPA with a boolean mask (which no flash or cuDNN kernel takes: SDPA runs
+  its memory-efficient kernel over every key, masked ones included). Compiled blocks only (eager
+  flex_attention is an unfused reference), the package's own models (a Hugging Face model's
+  layers take a tensor mask): models/document_mask.py. Attention without a mask keeps torch's
+  own SDPA choice.
 
 The choice is process-wide torch state, read when a call picks its kernel: for compiled blocks
 when they are traced, for CUDA graphs when they are captured. A run therefore holds it for its
@@ -24,14 +30,16 @@ from typing import Iterator
 
 import torch
 
-ATTENTION_BACKENDS = ("auto", "cudnn", "flash")
+from .document_mask import flex_masks
+
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "flex")
 """The ``--attention`` values (the module's docstring says what each does)."""
 
 
 def resolve_attention(name: str, device) -> str:
-    """``name`` for ``device``: "cudnn", "flash", or "default" (torch's own choice): "auto" is
-    cudnn on a Hopper GPU and default elsewhere. ValueError (one line) for an explicit cudnn or
-    flash off CUDA."""
+    """``name`` for ``device``: "cudnn", "flash", "flex", or "default" (torch's own choice): "auto"
+    is cudnn on a Hopper GPU and default elsewhere. ValueError (one line) for an explicit kernel
+    off CUDA (flex too: flex_attention has no backward on the CPU)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention {name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     device = torch.device(device)
@@ -62,7 +70,7 @@ def priority_order(first: str) -> list:
 @contextlib.contextmanager
 def attention_preference(resolved: str) -> Iterator[None]:
     """Hold the SDPA choice of ``resolved`` (from resolve_attention) while a run builds and trains;
-    nothing changes for "default".
+    nothing changes for "default"; "flex" holds document masks as BlockMasks (document_mask.flex_masks).
 
     A compiled graph keeps the kernel it was traced with, so the choice is part of what compiled
     code is looked up by: in this process through ``sdpa_state`` in each compiled group's key
@@ -70,6 +78,10 @@ def attention_preference(resolved: str) -> Iterator[None]:
     flash would load the cuDNN graphs an earlier run on the machine left in the inductor cache."""
     if resolved == "default":
         yield
+        return
+    if resolved == "flex":
+        with flex_masks(), _cache_tag("asyncpp-attention=flex"):
+            yield
         return
     from torch.nn.attention import sdpa_kernel
 

@@ -20,6 +20,13 @@ the mask a layer used for its backward, and a compiled block takes it as an inpu
 from a module-level attribute is a graph input with shape guards, not a constant: no recompile per
 microbatch). A CUDA graph would replay the mask it captured, so the two are not combined.
 Generation (``forward_cached``) never reads it: it runs one document.
+
+Under ``--attention flex`` (``flex_masks``, held by models/attention.attention_preference) the mask
+held is a FlexAttention ``BlockMask`` of the same rule instead, and the attention layers run
+``flex_attention`` by it (``attend_within``): a block of keys wholly in earlier documents is skipped,
+not computed and zeroed, which is the kernel's point when a window packs many short documents.
+flex_attention is fused only where it is compiled (the blocks are, on CUDA) and has no backward on
+the CPU, so a run asks for it on CUDA only (models/attention.py).
 """
 from __future__ import annotations
 
@@ -27,11 +34,14 @@ import contextlib
 from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 
 
 class _Active:
-    """The mask the blocks running now attend by (one compute thread per process runs blocks)."""
-    mask: Optional[torch.Tensor] = None
+    """The mask the blocks running now attend by (one compute thread per process runs blocks), and
+    which kind ``within_documents`` makes: a boolean tensor for SDPA, or a BlockMask for flex."""
+    mask = None
+    flex: bool = False
 
 
 _ACTIVE = _Active()
@@ -51,14 +61,52 @@ def document_mask(inputs: torch.Tensor, boundary: int) -> torch.Tensor:
     return ((ids[:, :, None] == ids[:, None, :]) & causal)[:, None]
 
 
-def active_mask() -> Optional[torch.Tensor]:
-    """The mask of the microbatch whose blocks run now, or None (plain causal attention)."""
+def flex_block_mask(inputs: torch.Tensor, boundary: int):
+    """(B, T) input ids -> FlexAttention's BlockMask of ``document_mask``'s rule (causal, within a
+    segment): the allowed (query, key) pairs are the same, held as which key blocks each query
+    block reads, fully or in part."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    segments = document_ids(inputs, boundary)
+
+    def allowed(b, h, q, k):
+        return (q >= k) & (segments[b, q] == segments[b, k])
+
+    b, t = inputs.shape
+    return create_block_mask(allowed, b, None, t, t, device=inputs.device)
+
+
+def attend_within(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, enable_gqa: bool = False) -> torch.Tensor:
+    """Attention of q (B, H, T, D) over k, v (B, H_kv, T, D) by a held ``mask``: SDPA with the
+    boolean tensor, or flex_attention with the BlockMask; ``enable_gqa``: H a multiple of H_kv."""
+    if isinstance(mask, torch.Tensor):
+        gqa = {"enable_gqa": True} if enable_gqa else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+
+
+@contextlib.contextmanager
+def flex_masks(on: bool = True) -> Iterator[None]:
+    """While held, ``within_documents`` makes BlockMasks (``--attention flex``) instead of tensors."""
+    before, _ACTIVE.flex = _ACTIVE.flex, on
+    try:
+        yield
+    finally:
+        _ACTIVE.flex = before
+
+
+def active_mask():
+    """The mask of the microbatch whose blocks run now (a boolean tensor, or a BlockMask under
+    ``flex_masks``), or None (plain causal attention)."""
     return _ACTIVE.mask
 
 
 @contextlib.contextmanager
-def attending_within(mask: Optional[torch.Tensor]) -> Iterator[None]:
-    """Hold ``mask`` (``document_mask``'s, or None) while a microbatch's blocks run."""
+def attending_within(mask) -> Iterator[None]:
+    """Hold ``mask`` (``document_mask``'s or ``flex_block_mask``'s, or None) while a microbatch's
+    blocks run."""
     before, _ACTIVE.mask = _ACTIVE.mask, mask
     try:
         yield
@@ -68,10 +116,12 @@ def attending_within(mask: Optional[torch.Tensor]) -> Iterator[None]:
 
 def within_documents(inputs: torch.Tensor, boundary: Optional[int]):
     """The context a microbatch of ``inputs`` runs its blocks in: its document mask for a
-    ``boundary`` token, nothing for None (no mask held, not even None over an outer one)."""
+    ``boundary`` token (a BlockMask under ``flex_masks``), nothing for None (no mask held, not
+    even None over an outer one)."""
     if boundary is None:
         return contextlib.nullcontext()
-    return attending_within(document_mask(inputs, boundary))
+    make = flex_block_mask if _ACTIVE.flex else document_mask
+    return attending_within(make(inputs, boundary))
 
 
 def check_document_mask(boundary, cuda_graphs: bool = False) -> None:
@@ -86,4 +136,5 @@ def check_document_mask(boundary, cuda_graphs: bool = False) -> None:
                          "it captured); drop one of them")
 
 
-__all__ = ["check_document_mask", "document_ids", "document_mask", "active_mask", "attending_within", "within_documents"]
+__all__ = ["check_document_mask", "document_ids", "document_mask", "flex_block_mask", "attend_within", "flex_masks",
+           "active_mask", "attending_within", "within_documents"]

@@ -21,7 +21,7 @@ from torch import nn
 
 from .base import (BlockModel, ProjectionHead, check_init_std, check_token_ids, extend_cache, init_normal_,
                    skip_default_init)
-from .document_mask import active_mask
+from .document_mask import active_mask, attend_within
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class CausalSelfAttention(nn.Module):
         mask = active_mask()  # None but under --document-mask (models/document_mask.py)
         if mask is None:
             return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        return self.merge(attend_within(q, k, v, mask))
 
     def forward_cached(self, x: torch.Tensor, cache: dict) -> torch.Tensor:
         """``forward`` of new positions after those whose keys and values ``cache`` holds (base.extend_cache)."""

@@ -225,11 +225,20 @@ class LlamaFamilyLayer(nn.Module):
         positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         cos_sin = self.rotary_emb(x, positions)
         mask = _sliding_window_mask(x.shape[1], self.sliding_window, x.device)
-        documents = active_mask()  # --document-mask's (B, 1, T, T), or None (models/document_mask.py)
+        documents = _documents()  # --document-mask's (B, 1, T, T), or None (models/document_mask.py)
         if documents is not None:
             mask = documents if mask is None else documents & mask
         out = self.decoder(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
         return out[0] if isinstance(out, tuple) else out  # tolerate releases returning a tuple
+
+
+def _documents():
+    """The held document mask as transformers' layers take it (a boolean tensor), or None."""
+    mask = active_mask()
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise ValueError("a Hugging Face model's layers take the document mask as a tensor, not FlexAttention's "
+                         "BlockMask: run it with --attention auto (flex is for the package's own models)")
+    return mask
 
 
 class GPT2Layer(nn.Module):
@@ -240,7 +249,7 @@ class GPT2Layer(nn.Module):
         self.decoder = decoder
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.decoder(x, attention_mask=active_mask())  # --document-mask's, or None: causal
+        out = self.decoder(x, attention_mask=_documents())  # --document-mask's, or None: causal
         return out[0] if isinstance(out, tuple) else out  # transformers 4.x returns (hidden, ...)
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from .base import (BlockModel, ProjectionHead, check_init_std, check_token_ids, extend_cache, init_normal_,
                    skip_default_init)
-from .document_mask import active_mask
+from .document_mask import active_mask, attend_within
 
 NATIVE_GQA_DEVICES = ("cuda",) if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5) else ()
 """Devices where attention hands grouped-query key/value heads to SDPA as they are
@@ -297,18 +297,20 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the rotated q, k and v (B, heads, T, D) -- causal unless a cache's new
-        position reads every key, or by ``mask`` (a boolean (B, 1, T, T), True where allowed:
-        models/document_mask.py) -- then the output projection."""
+        position reads every key, or by ``mask`` (a boolean (B, 1, T, T), True where allowed, or
+        the same as a FlexAttention BlockMask: models/document_mask.py) -- then the output projection."""
         b, _, t, _ = q.shape
         group = self.n_head // self.n_kv_head  # query head h reads key/value head h // group
-        how = {"is_causal": causal} if mask is None else {"attn_mask": mask}
-        if group > 1 and q.device.type in NATIVE_GQA_DEVICES:
-            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **how)
+        native = group > 1 and q.device.type in NATIVE_GQA_DEVICES
+        if group > 1 and not native:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        if mask is not None:
+            y = attend_within(q, k, v, mask, enable_gqa=native)
+        elif native:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         else:
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, **how)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
 
 

@@ -366,8 +366,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "vocabularies >= 8192) (default auto)")
     run.add_argument("--attention", choices=ATTENTION_BACKENDS,
                      help="which attention kernel runs first on cuda: cudnn (a shape it cannot serve runs on "
-                          "the next), flash (cuDNN's kernels off), or auto (cudnn on Hopper GPUs, torch's own "
-                          "choice elsewhere) (default auto)")
+                          "the next), flash (cuDNN's kernels off), flex (with --document-mask: FlexAttention, "
+                          "skipping other documents' key blocks; compiled blocks, the package's models), or auto "
+                          "(cudnn on Hopper GPUs, torch's own choice elsewhere) (default auto)")
     run.add_argument("--document-mask", nargs="?", const="data", type=document_mask_value, metavar="ID",
                      help="attend within documents: each position reads only the earlier positions of its "
                           "own document, documents starting at a boundary token: the one the data's "

@@ -83,7 +83,8 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     print(f"optimizer: {cfg.optim.name}, lr {cfg.optim.effective_lr():g}, {cfg.optim.lr_schedule} schedule"
           + (f", z-loss {cfg.optim.z_loss:g}" if cfg.optim.z_loss else ""))
     if cfg.train.document_mask is not None:
-        print(f"attention: within documents, each starting at token {document_boundary(cfg)}")
+        print(f"attention: within documents, each starting at token {document_boundary(cfg)}"
+              + (", by FlexAttention's block-sparse kernel" if cfg.train.attention == "flex" else ""))
     print(f"data: {data}")
     print(f"evaluation: {evaluation}")
     print("config.json:")

@@ -103,6 +103,8 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
         raise ValueError(f"{flag} {value} says how blocks are compiled, but {why}; add --compile or {drop}")
     with _refusals_name("--attention"):
         attention = resolve_attention(cfg.train.attention, device)
+    if attention == "flex":
+        check_flex_attention(cfg, compile_)
     fusion = cfg.train.gradient_accumulation_fusion
     if fusion:
         check_gradient_accumulation_fusion(cfg, device)
@@ -112,6 +114,23 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
                         compile_scope=scope, compile_mode=compile_mode, inductor_options=options,
                         attention=attention, gradient_accumulation_fusion=fusion, z_loss=z_loss,
                         document_boundary=boundary)
+
+
+def check_flex_attention(cfg: RunConfig, compiled: bool) -> None:
+    """ValueError (one line) where ``--attention flex`` (models/attention.py) cannot do its job:
+    without --document-mask (nothing to skip: cudnn or flash is the faster causal kernel), in eager
+    blocks (flex_attention uncompiled is an unfused reference, a silent slowdown), or for a Hugging
+    Face model (its layers take a tensor mask)."""
+    if cfg.train.document_mask is None:
+        raise ValueError("--attention flex runs the document mask's attention block-sparse; add --document-mask, "
+                         "or use --attention auto for plain causal attention")
+    if not compiled:
+        why = "--no-compile" if cfg.train.compile is False else "compiling is off"
+        raise ValueError(f"--attention flex runs fused only in compiled blocks, but {why}; add --compile "
+                         "or use --attention auto")
+    if cfg.model.arch == "hf":
+        raise ValueError("--attention flex runs the package's own models' attention, not a Hugging Face "
+                         "model's layers; use --attention auto")
 
 
 def document_boundary(cfg: RunConfig) -> Optional[int]:
@@ -193,5 +212,5 @@ def model_loss(compute: StageCompute):
     return within
 
 
-__all__ = ["StageCompute", "stage_compute", "document_boundary", "check_gradient_accumulation_fusion",
+__all__ = ["StageCompute", "stage_compute", "document_boundary", "check_flex_attention", "check_gradient_accumulation_fusion",
            "resolve_cuda_graphs", "model_loss"]
