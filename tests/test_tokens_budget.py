@@ -48,6 +48,20 @@ def test_a_resume_extends_to_a_larger_budget(tmp_path):
     assert [r["step"] for r in _rows(run)] == list(range(1, 9))
 
 
+def test_a_decaying_schedules_resume_names_the_budget_that_matches(tmp_path, capsys):
+    """wsd places its decay by the run's length: a resume under another budget is one line naming
+    the --steps and the --tokens that resume it (a --tokens run's user cannot add --steps), and the
+    --tokens named resumes."""
+    run = tmp_path / "run"
+    flags = [f for f in FLAGS if f != "--no-checkpoints"] + ["--lr-schedule", "wsd", "--ckpt-every", "2"]
+    assert train([*flags, "--tokens", "1K", "--out", str(run)]) == 0  # 8 steps of 128
+    capsys.readouterr()
+    assert train([*flags, "--tokens", "2K", "--resume", str(run), "--rewind", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("resume with --steps 8 (or --tokens 1024, the same steps)"), err
+    assert train([*flags, "--tokens", "1024", "--resume", str(run), "--rewind", "4"]) == 0
+
+
 def test_steps_and_tokens_together_are_one_line(tmp_path, capsys):
     out = tmp_path / "run"
     assert train([*FLAGS, "--steps", "3", "--tokens", "1K", "--out", str(out)]) == 2

@@ -76,8 +76,7 @@ def token_count(text: str) -> int:
 
 def steps_for_tokens(tokens: int, cfg: RunConfig) -> int:
     """The optimizer steps that train at least ``tokens`` tokens at ``cfg``'s tokens per step."""
-    p = cfg.pipeline
-    return -(-tokens // (p.microbatches * p.global_micro_batch_size * cfg.model.seq_len))
+    return -(-tokens // cfg.tokens_per_step())
 
 
 def data_mix_entry(text: str) -> list:

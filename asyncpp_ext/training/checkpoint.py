@@ -391,7 +391,8 @@ def check_resume_config(ckpt_dir: str | os.PathLike, saved: dict, run: RunConfig
         # the decaying schedules place their decay by the run's length: another --steps changes every lr
         raise CheckpointError(f"checkpoint {ckpt_dir} was written by a run of --steps {saved_cfg.train.steps} "
                               f"with --lr-schedule {saved_cfg.optim.lr_schedule}, whose learning rates depend "
-                              f"on the run's length; resume with --steps {saved_cfg.train.steps}")
+                              f"on the run's length; resume with --steps {saved_cfg.train.steps} (or --tokens "
+                              f"{saved_cfg.train.steps * saved_cfg.tokens_per_step()}, the same steps)")
 
 
 def checkpoint_named(path: str, flag: str) -> Path:

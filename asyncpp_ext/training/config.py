@@ -494,6 +494,11 @@ class RunConfig:
         return dict(mitigation=mitigation, dc_lambda=o.dc_lambda,
                     rescale_steps=o.effective_rescale_steps(self.train.steps) if mitigation == "lr-rescale" else None)
 
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step trains: microbatches x global micro-batch (all replicas) x seq_len."""
+        p = self.pipeline
+        return p.microbatches * p.global_micro_batch_size * self.model.seq_len
+
     def writes_checkpoints_async(self) -> bool:
         """``train.async_checkpoints`` resolved: None = on for cuda."""
         t = self.train

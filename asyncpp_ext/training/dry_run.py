@@ -59,7 +59,7 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     if resume_dir is None and out.is_dir() and holds_run(out) and not cfg.train.auto_resume:
         raise RunDirError(taken_message(out))
     p, t = cfg.pipeline, cfg.train
-    tokens_per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
+    tokens_per_step = cfg.tokens_per_step()
     model = meta_model(cfg)
     params = None if model is None else sum(p.numel() for p in model.parameters())
     where = f"resuming {out} at step {start} ({resume_dir.name})" if resume_dir is not None else f"{out}, a new run"

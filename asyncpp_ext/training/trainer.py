@@ -108,8 +108,7 @@ class Trainer:
             self.checkpoint_writer = BackgroundWriter()
         self.writes_metrics = writes_metrics
         self.num_stages = num_stages
-        p = cfg.pipeline
-        self.tokens_per_step = p.microbatches * p.global_micro_batch_size * cfg.model.seq_len
+        self.tokens_per_step = cfg.tokens_per_step()
         # model TFLOP/s and MFU per step (utilisation.py), where the engine knows its model's FLOPs
         self.flops_per_token = getattr(engine, "flops_per_token", None)
         self.peak_tflops = run_peak_tflops(cfg, self.compute_device) if self.flops_per_token else None
