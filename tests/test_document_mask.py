@@ -14,15 +14,7 @@ from asyncpp_ext.models.document_mask import check_document_mask, document_ids, 
 from asyncpp_ext.models.registry import build_model, model_config
 from asyncpp_ext.training.cli import main as train
 from bpe_tokenizer import train_bpe
-
-SEP = 1
-
-
-def _tokens(batch, time, seed, boundaries=()):
-    x = torch.randint(3, 200, (batch, time), generator=torch.Generator().manual_seed(seed))
-    for row, col in boundaries:
-        x[row, col] = SEP
-    return x
+from packed_documents import SEP, packed_tokens as _tokens
 
 
 def test_the_boundary_token_starts_a_segment():

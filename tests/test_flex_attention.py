@@ -16,16 +16,9 @@ from asyncpp_ext.models.document_mask import (active_mask, document_mask, flex_b
                                               within_documents)
 from asyncpp_ext.models.registry import build_model, model_config
 from asyncpp_ext.training.cli import main as train
+from packed_documents import SEP, packed_tokens as _tokens
 
 BlockMask = pytest.importorskip("torch.nn.attention.flex_attention", reason="a torch without FlexAttention").BlockMask
-SEP = 1
-
-
-def _tokens(batch, time, seed, boundaries=()):
-    x = torch.randint(3, 200, (batch, time), generator=torch.Generator().manual_seed(seed))
-    for row, col in boundaries:
-        x[row, col] = SEP
-    return x
 
 
 def test_the_block_mask_allows_what_the_boolean_mask_does():
