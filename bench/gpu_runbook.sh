@@ -39,9 +39,10 @@
 #           row: --inductor-option triton.enable_pdl=True, the gaps between the graphs' kernels),
 #           pdl with combo-kernels, and the host reading the step's NaN/Inf scan before the
 #           optimizer is queued (host-check: what the device-side skip is worth), profiled
-#   attention (60) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
+#   attention (150) bench/attention_kernels.py: the attention kernel alone at the SmolLM shapes,
 #           torch's own choice, --attention flash and cudnn: which runs, its time, its error against
-#           a float32 reference
+#           a float32 reference; and within documents of 256 tokens, SDPA with the boolean mask
+#           against flex_attention compiled with the BlockMask (--attention flex)
 #   blocks  (200) bench/block_step.py: one smollm-360m block, forward + backward, compiled in each of
 #           the bench's forms (rotary layouts, q/k/v and gate/up products, stacked or concatenated
 #           weights, cat lowering, tuning, pdl, the norms' partial sums, the fused weight gradients), kernel time by
@@ -176,7 +177,7 @@ run_step() {
                   --steps 12 --repeats 1 --json ;;
         360m) bench 360m 420 -- "${ROWS_360M[@]}" ;;
         360m-more) bench 360m-more 330 -- "${ROWS_360M_MORE[@]}" ;;
-        attention) step attention 60 "$PY" bench/attention_kernels.py --json "$OUT/attention.json" ;;
+        attention) step attention 150 "$PY" bench/attention_kernels.py --documents 256 --json "$OUT/attention.json" ;;
         blocks) step blocks 200 "$PY" bench/block_step.py --json "$OUT/blocks.json" ;;
         code) step code 120 env TORCH_LOGS=output_code "$PY" bench/block_step.py --variants compiled --no-profile \
                   --iters 3 --json "$OUT/code.json" ;;

@@ -133,6 +133,26 @@ def test_the_kernel_bench_on_cpu(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "attention_kernels.py: --iters must be >= 1, got 0"
 
 
+def test_the_kernel_bench_within_documents_on_cpu(capsys):
+    """--documents L: a row per shape under the document mask (SDPA's alone on the CPU, whose
+    flex_attention has no backward), checked against the math kernel under the same mask, its
+    FLOPs the allowed pairs'; bad L is one line."""
+    bench = load_bench_script("attention_kernels")
+    assert bench.main(["--device", "cpu", "--iters", "1", "--documents", "16", "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    (causal,), (masked,) = ([r for r in rows if ("documents" in r) is within] for within in (False, True))
+    assert masked["first"] == "sdpa+mask" and masked["documents"] == 16 and masked["check"] == "ok"
+    assert masked["max_rel_err"] < 1e-5
+    b, h, t, d = masked["batch"], masked["heads"], masked["seq_len"], masked["head_dim"]
+    ids = bench.document_boundaries(b, t, 16, "cpu")
+    assert (ids.sum(dim=1) == t // 16).all() and not torch.equal(ids[0], ids[1])  # other offsets per row
+    pairs = int(bench.document_mask(ids, 1).sum())
+    assert pairs < b * t * (t + 1) // 2  # fewer than causal attention's
+    assert masked["tflops"] == pytest.approx(3.5 * 4 * h * d * pairs / masked["ms"] / 1e9)
+    assert bench.main(["--device", "cpu", "--documents", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "attention_kernels.py: --documents must be a document length >= 1, got 0"
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name, marker", [("cudnn", "sdpa"), ("flash", "flash_")])
 def test_on_a_gpu_a_run_runs_the_kernel_it_asks_for(tmp_path, name, marker):

@@ -107,12 +107,15 @@ def sdpa_state() -> tuple:
             b.mem_efficient_sdp_enabled(), b.math_sdp_enabled())
 
 
-def chosen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False) -> str:
-    """The backend torch picks now for a causal call on these tensors ("cudnn", "flash",
-    "efficient", "math", ...): what a profile would show, without running the kernel."""
+def chosen_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False,
+                  attn_mask: torch.Tensor | None = None) -> str:
+    """The backend torch picks now for a causal call on these tensors, or one by ``attn_mask``
+    ("cudnn", "flash", "efficient", "math", ...): what a profile would show, without running the
+    kernel."""
     from torch.nn.attention import SDPBackend
 
-    index = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    index = torch._fused_sdp_choice(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                                    enable_gqa=enable_gqa)
     return {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash",
             SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}.get(SDPBackend(index), "other")
 
