@@ -122,6 +122,25 @@ def test_flex_on_the_cpu_is_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_the_pipeline_api_refuses_flex_training_off_cuda():
+    """A script holding attention_preference("flex") around a CPU Pipeline with a document mask:
+    one line at construction (before anything is built), not flex_attention's error from the
+    stage's worker at the first backward; without the mask, without the preference or on CUDA,
+    nothing to refuse."""
+    from asyncpp_ext.models.document_mask import check_flex_device
+    from asyncpp_ext.pipeline import Pipeline
+
+    model = build_model(model_config("tiny"), seed=0)
+    with attention_preference("flex"):
+        with pytest.raises(ValueError, match=r"^document_mask under attention_preference\('flex'\) trains by "
+                                             "flex_attention, which has no backward on cpu"):
+            Pipeline(model, loss_fn=type(model).loss, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                     stages=1, document_mask=SEP)
+        check_flex_device(None, "cpu")
+        check_flex_device(SEP, "cuda:0")
+    check_flex_device(SEP, "cpu")
+
+
 def test_a_hugging_face_layer_refuses_a_block_mask():
     pytest.importorskip("transformers")
     from asyncpp_ext.training.model_source import hf_model_config

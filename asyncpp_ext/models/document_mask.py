@@ -136,5 +136,13 @@ def check_document_mask(boundary, cuda_graphs: bool = False) -> None:
                          "it captured); drop one of them")
 
 
-__all__ = ["check_document_mask", "document_ids", "document_mask", "flex_block_mask", "attend_within", "flex_masks",
+def check_flex_device(boundary, device) -> None:
+    """ValueError (one line) for a document mask trained by flex_attention (``flex_masks`` held, as
+    ``attention_preference("flex")`` does) off CUDA: the CPU's flex_attention has no backward."""
+    if boundary is not None and _ACTIVE.flex and torch.device(device).type != "cuda":
+        raise ValueError(f"document_mask under attention_preference('flex') trains by flex_attention, which has "
+                         f"no backward on {torch.device(device).type}; use a CUDA device or drop the preference")
+
+
+__all__ = ["check_document_mask", "check_flex_device", "document_ids", "document_mask", "flex_block_mask", "attend_within", "flex_masks",
            "active_mask", "attending_within", "within_documents"]
