@@ -80,19 +80,35 @@ def test_under_data_parallelism_the_stalled_rank_is_named_and_its_replicas_wait_
     assert "Traceback" not in err
 
 
+ALL_REDUCE_FAILED = (r"asyncpp: rank 1: stage 1: the data-parallel all-reduce of its gradients \(step \d+\) "
+                     r"failed -- a replica has probably exited: .*by peer")
+STAGE_0_GONE = (r"asyncpp: rank 1: stage 1: socket transport: recv activation \(step \d+, microbatch \d+\) from "
+                r"stage 0 \(rank 0, \d+ bytes\) failed -- stage 0 \(rank 0\) closed the connection; it has "
+                r"probably exited")
+
+
 def test_under_data_parallelism_a_killed_rank_is_named_and_its_replica_says_what_failed(capfd):
-    # S = 2 x R = 2; rank 3 (replica 1's last stage) dies. Rank 1, replica 0's last stage, talks to
-    # rank 3 only through the gradient all-reduce: its one line names that, without gloo's own text.
-    with pytest.raises(LaunchError, match=r"^rank 3 was killed by signal 9 \(SIGKILL: the kernel's out-of-memory killer sends it, as does kill -9\); all ranks have stopped"):
-        spawn(rw.dp_killed_worker, 4, (3, 5), grace_s=20)
-    lines = capfd.readouterr().err.splitlines()
-    for rank in (0, 1, 2):
-        mine = [l for l in lines if l.startswith(f"asyncpp: rank {rank}: ")]
-        assert len(mine) == 1 and "has probably exited" in mine[0], lines
-    (rank1,) = [l for l in lines if l.startswith("asyncpp: rank 1: ")]
-    assert re.match(r"asyncpp: rank 1: stage 1: the data-parallel all-reduce of its gradients \(step \d+\) "
-                    r"failed -- a replica has probably exited: .*by peer", rank1), rank1
-    assert "This is typically caused" not in rank1 and "Traceback" not in "\n".join(lines)
+    """S = 2 x R = 2; rank 3 (replica 1's last stage) dies. Rank 1, replica 0's last stage, talks to
+    rank 3 only through the gradient all-reduce: its one line names that, without gloo's own text.
+    Unless the failure reached rank 0 first (rank 2 lost its next stage, and the run's stop spread
+    from there) while rank 1 still waited for one of rank 0's activations: then rank 1's line names
+    that, as truly. Which comes first is the machine's timing (about one run in fifteen here), so
+    the scenario runs again until rank 1 has met the all-reduce's failure, at most three times."""
+    seen = []
+    for _ in range(3):
+        with pytest.raises(LaunchError, match=r"^rank 3 was killed by signal 9 \(SIGKILL: the kernel's out-of-memory killer sends it, as does kill -9\); all ranks have stopped"):
+            spawn(rw.dp_killed_worker, 4, (3, 5), grace_s=20)
+        lines = capfd.readouterr().err.splitlines()
+        for rank in (0, 1, 2):
+            mine = [l for l in lines if l.startswith(f"asyncpp: rank {rank}: ")]
+            assert len(mine) == 1 and "has probably exited" in mine[0], lines
+        (rank1,) = [l for l in lines if l.startswith("asyncpp: rank 1: ")]
+        assert re.match(ALL_REDUCE_FAILED, rank1) or re.match(STAGE_0_GONE, rank1), rank1
+        assert "This is typically caused" not in rank1 and "Traceback" not in "\n".join(lines)
+        seen.append(rank1)
+        if re.match(ALL_REDUCE_FAILED, rank1):
+            return
+    pytest.fail(f"rank 1 never met the all-reduce's failure in {len(seen)} runs: {seen}")
 
 
 def _children(pid: int) -> list[int]:
