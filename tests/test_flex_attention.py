@@ -190,7 +190,7 @@ def test_on_cuda_compiled_flex_gradients_match_sdpa_with_the_mask():
     """fp32, one compiled llama block's forward and backward under each kernel: outputs and every
     weight gradient within float32 rounding of each other."""
     torch.manual_seed(0)
-    model = build_model(model_config("llama-tiny", n_layer=2), seed=0).cuda()
+    model = build_model(model_config("llama-tiny", n_layer=2, seq_len=256), seed=0).cuda()
     flex_model = copy.deepcopy(model)
     compile_blocks(flex_model, device="cuda")
     x = _tokens(2, 256, 0, boundaries=[(0, 60), (1, 130), (1, 200)]).cuda()
