@@ -127,7 +127,7 @@ def test_the_pipeline_api_refuses_flex_training_off_cuda():
     one line at construction (before anything is built), not flex_attention's error from the
     stage's worker at the first backward; without the mask, without the preference or on CUDA,
     nothing to refuse."""
-    from asyncpp_ext.models.document_mask import check_flex_device
+    from asyncpp_ext.models.document_mask import check_document_mask
     from asyncpp_ext.pipeline import Pipeline
 
     model = build_model(model_config("tiny"), seed=0)
@@ -136,9 +136,9 @@ def test_the_pipeline_api_refuses_flex_training_off_cuda():
                                              "flex_attention, which has no backward on cpu"):
             Pipeline(model, loss_fn=type(model).loss, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                      stages=1, document_mask=SEP)
-        check_flex_device(None, "cpu")
-        check_flex_device(SEP, "cuda:0")
-    check_flex_device(SEP, "cpu")
+        check_document_mask(None, device="cpu")
+        check_document_mask(SEP, device="cuda:0")
+    check_document_mask(SEP, device="cpu")
 
 
 def test_a_hugging_face_layer_refuses_a_block_mask():

@@ -88,9 +88,9 @@ def attend_within(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, enabl
 
 
 @contextlib.contextmanager
-def flex_masks(on: bool = True) -> Iterator[None]:
+def flex_masks() -> Iterator[None]:
     """While held, ``within_documents`` makes BlockMasks (``--attention flex``) instead of tensors."""
-    before, _ACTIVE.flex = _ACTIVE.flex, on
+    before, _ACTIVE.flex = _ACTIVE.flex, True
     try:
         yield
     finally:
@@ -124,9 +124,11 @@ def within_documents(inputs: torch.Tensor, boundary: Optional[int]):
     return attending_within(make(inputs, boundary))
 
 
-def check_document_mask(boundary, cuda_graphs: bool = False) -> None:
+def check_document_mask(boundary, cuda_graphs: bool = False, device="cpu") -> None:
     """TypeError / ValueError (one line) unless ``boundary`` is None or a token id >= 0, and not
-    with ``cuda_graphs`` (a graph replays the mask it captured)."""
+    with ``cuda_graphs`` (a graph replays the mask it captured), nor trained by flex_attention
+    (``flex_masks`` held, as ``attention_preference("flex")`` does) off CUDA, where flex_attention
+    has no backward."""
     if boundary is None:
         return
     if isinstance(boundary, bool) or not isinstance(boundary, int) or boundary < 0:
@@ -134,15 +136,10 @@ def check_document_mask(boundary, cuda_graphs: bool = False) -> None:
     if cuda_graphs:
         raise ValueError("document_mask cannot run with cuda_graphs (a graph replays the mask of the microbatch "
                          "it captured); drop one of them")
-
-
-def check_flex_device(boundary, device) -> None:
-    """ValueError (one line) for a document mask trained by flex_attention (``flex_masks`` held, as
-    ``attention_preference("flex")`` does) off CUDA: the CPU's flex_attention has no backward."""
-    if boundary is not None and _ACTIVE.flex and torch.device(device).type != "cuda":
+    if _ACTIVE.flex and torch.device(device).type != "cuda":
         raise ValueError(f"document_mask under attention_preference('flex') trains by flex_attention, which has "
                          f"no backward on {torch.device(device).type}; use a CUDA device or drop the preference")
 
 
-__all__ = ["check_document_mask", "check_flex_device", "document_ids", "document_mask", "flex_block_mask", "attend_within", "flex_masks",
+__all__ = ["check_document_mask", "document_ids", "document_mask", "flex_block_mask", "attend_within", "flex_masks",
            "active_mask", "attending_within", "within_documents"]

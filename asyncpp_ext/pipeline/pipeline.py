@@ -19,7 +19,7 @@ from .._ext import C
 from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, MitigationError,
                                  resolve_mitigation)
 from ..models.base import BlockSequence, row_losses
-from ..models.document_mask import check_document_mask, check_flex_device, within_documents
+from ..models.document_mask import check_document_mask, within_documents
 from ..models.z_loss import check_kernel_z_loss, check_z_loss
 from ..models.compile_support import check_inductor_options, inductor_mode
 from ..models.regions import compile_regions, scope_regions
@@ -159,8 +159,7 @@ class Pipeline(StreamControl):
                              compile=compile, cuda_graphs=cuda_graphs, compute_copies=compute_copies,
                              gradient_accumulation_fusion=gradient_accumulation_fusion))
         z_loss = check_z_loss(z_loss)
-        check_document_mask(document_mask, cuda_graphs)
-        check_flex_device(document_mask, device if device is not None else "cpu")
+        check_document_mask(document_mask, cuda_graphs, device if device is not None else "cpu")
         if not isinstance(block_grad_norms, bool):
             raise TypeError(f"block_grad_norms must be True or False, got {block_grad_norms!r}")
         if block_grad_norms and clip_grad_norm is None:
