@@ -88,9 +88,13 @@ BASE_SITES := import sys; print("\n".join(p for p in sys.path if p.rstrip("/").e
 demo: $(BUILT)
 	$(PY) -m asyncpp_ext.training.demo
 
+# The sources byte-compiled first: the suite starts a few hundred interpreters and ranks (CLI runs,
+# forkservers, scripts), each of which would otherwise compile every module it imports where
+# Python writes no bytecode itself (PYTHONDONTWRITEBYTECODE set, as on some CI machines).
 test: $(BUILT)
 	@$(PY) -c "import pytest" 2>/dev/null || { \
 	  echo "make test: pytest is not installed in $(VENV) and could not be installed: $(PIP) install pytest"; exit 1; }
+	@$(PY) -m compileall -q -j 0 asyncpp_ext tests bench examples > /dev/null || true  # pytest names a bad file
 	$(PY) -m pytest $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadgroup") $(PYTEST_ARGS)
 
 build: $(BUILT)

@@ -155,12 +155,20 @@ def test_a_per_test_variable_keeps_the_forkserver_and_still_reaches_the_ranks(tm
     assert [r["cwd"] for r in second] == [str(tmp_path / "first")] * 2
 
 
-def test_forkserver_ranks_find_torch_dynamo_imported(tmp_path, monkeypatch):
-    """Creating any torch optimizer imports torch._dynamo (seconds); the server has done it."""
+def test_forkserver_ranks_find_torch_dynamo_and_their_entry_module_imported(tmp_path, monkeypatch):
+    """Creating any torch optimizer imports torch._dynamo (seconds); the server has done it, and
+    imported the module of every rank's entry point (launch._child), which a rank would otherwise
+    import first thing, whatever its function."""
     if "forkserver" not in mp.get_all_start_methods():
         pytest.skip("no forkserver on this platform")
     monkeypatch.setenv(starts.START_METHOD_ENV, "forkserver")
-    assert [r["dynamo_loaded"] for r in _launch_and_read(tmp_path, "ranks")] == [True, True]
+    ranks = _launch_and_read(tmp_path, "ranks")
+    assert [r["dynamo_loaded"] for r in ranks] == [True, True]
+    # the entry module imports the package's extension: the server (the ranks' parent) holds it
+    maps = f"/proc/{ranks[0]['parent']}/maps"
+    if os.path.exists(maps):
+        with open(maps) as f:
+            assert "asyncpp_ext/_C" in f.read()
 
 
 def test_a_forkserver_started_early_is_the_one_the_launch_forks_from(tmp_path, monkeypatch):
@@ -244,8 +252,8 @@ def test_a_forkserver_whose_preload_keeps_its_children_from_cuda_is_started_agai
     assert readiness == []  # the passing probe showed the server ready: no second child for that
     why = "cannot use CUDA" if probe == "bad-fork" else "fail to start (a probe exited with code 1)"
     assert _asyncpp_lines(capfd.readouterr().err) == [
-        f"asyncpp: children of the forkserver {why} with cuda_in_forkserver preloaded: started again with "
-        "torch, torch.distributed, torch._dynamo only"]
+        f"asyncpp: children of the forkserver {why} with asyncpp_ext.pipeline.launch, cuda_in_forkserver "
+        "preloaded: started again with torch, torch.distributed, torch._dynamo only"]
     server = mp.forkserver._forkserver._forkserver_pid
     ranks = _bad_fork_reports(tmp_path, "ranks")
     assert [r["bad_fork"] for r in ranks] == [False, False] and {r["parent"] for r in ranks} == {server}
@@ -255,23 +263,26 @@ def test_a_forkserver_whose_preload_keeps_its_children_from_cuda_is_started_agai
 
 def test_a_forkserver_whose_own_preload_keeps_its_children_from_cuda_gives_way_to_fresh_interpreters(
         tmp_path, capfd, monkeypatch, gpu_seen_and_fresh_servers):
-    """Where even the server with only torch's imports has children that cannot use CUDA, ranks
-    start from fresh interpreters instead (one line says so; no restart of a server like it), not
-    from a server whose children cannot use CUDA."""
+    """Where even the server with only the base preload (here with an import that touches CUDA)
+    has children that cannot use CUDA, ranks start from fresh interpreters instead (one line says
+    so, after the one of the restart without the rank's entry module; no restart of a server like
+    it), not from a server whose children cannot use CUDA."""
     monkeypatch.setattr(starts, "_FORKSERVER_PRELOAD", starts._FORKSERVER_PRELOAD + ["cuda_in_forkserver"])
     probes = _counting_probes(monkeypatch)
     ranks = _bad_fork_reports(tmp_path, "ranks")
     assert _asyncpp_lines(capfd.readouterr().err) == [
+        "asyncpp: children of the forkserver cannot use CUDA with asyncpp_ext.pipeline.launch preloaded: started "
+        "again with torch, torch.distributed, torch._dynamo, cuda_in_forkserver only",
         "asyncpp: children of the forkserver cannot use CUDA with torch, torch.distributed, torch._dynamo, "
         f"cuda_in_forkserver preloaded: ranks start from fresh interpreters (set {starts.START_METHOD_ENV}=spawn "
         "to skip the forkserver)"]
-    assert len(probes) == 1
+    assert len(probes) == 2
     assert [r["bad_fork"] for r in ranks] == [False, False]
     assert {r["parent"] for r in ranks} == {os.getpid()}  # started by the launcher itself
     # the next launch in the same environment goes straight to fresh interpreters, saying nothing
     ranks = _bad_fork_reports(tmp_path, "again")
     assert [r["bad_fork"] for r in ranks] == [False, False] and {r["parent"] for r in ranks} == {os.getpid()}
-    assert capfd.readouterr().err.count("asyncpp: ") == 0 and len(probes) == 1
+    assert capfd.readouterr().err.count("asyncpp: ") == 0 and len(probes) == 2
 
 
 def test_no_probe_where_torch_sees_no_gpu(tmp_path, monkeypatch):

@@ -41,6 +41,7 @@ def test_real_run_writes_the_simulated_losses(tmp_path, schedule, stages, optimi
     assert real == sim
     assert real_eval == sim_eval and sum(e is not None for e in real_eval) == 2
     assert sorted(p.name for p in (tmp_path / "real").glob("ckpt-*")) == ["ckpt-000003", "ckpt-000006"]
+    assert (tmp_path / "real" / "loss.png").stat().st_size > 0  # drawn by the launcher once the ranks end
     shards = sorted(p.name for p in (tmp_path / "real" / "ckpt-000006").glob("stage-*.pt"))
     assert len(shards) == stages
     real_state, sim_state = (merge_engine_states([s["engine"] for s in load_checkpoint(
@@ -49,6 +50,17 @@ def test_real_run_writes_the_simulated_losses(tmp_path, schedule, stages, optimi
         assert real_state[part].keys() == sim_state[part].keys()
         for name, want in sim_state[part].items():
             assert torch.equal(real_state[part][name], want), (part, name)
+
+
+def test_a_failed_pipeline_run_still_has_the_plot_of_the_losses_that_led_there(tmp_path, capsys):
+    # the ranks leave loss.png to the launcher (distributed.launch), which draws it from the rows
+    # written before a rank failed too: an SGD step of lr 1e5 makes the loss NaN by step 5
+    flags = TINY + ["--stages", "2", "--optimizer", "sgd", "--lr", "1e5", "--steps", "10", "--threads", "1",
+                    "--eval-every", "50", "--out", str(tmp_path)]
+    assert main(flags) == 1
+    assert "non-finite loss" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert 1 < len(rows) < 10 and (tmp_path / "loss.png").stat().st_size > 0
 
 
 def test_a_pipeline_without_evaluation_or_checkpoints_is_one_segment_with_the_same_losses(tmp_path, capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import select
@@ -318,7 +319,10 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0,
                     deadline = time.monotonic() + grace_s
                 if deadline is not None and time.monotonic() > deadline:
                     break
-                time.sleep(0.05)
+                # woken at once by a rank's end (a short run's launch is a tenth of a second:
+                # a fixed sleep would add up to its own length to each); the timeout paces the
+                # reading of failure reasons and the grace deadline
+                mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.05)
         except Stopped:
             # A stop request to this process alone (SIGTERM, SIGHUP; Ctrl-C reaches the whole process
             # group): passed on as SIGTERM, which each rank answers with its line (not SIGINT: a run

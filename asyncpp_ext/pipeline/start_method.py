@@ -20,6 +20,11 @@ START_METHODS = ("auto", "forkserver", "spawn")
 # torch._dynamo: torch.optim.Optimizer.add_param_group is wrapped by torch._disable_dynamo, which
 # imports torch._dynamo on its first call -- 1.9-2.2 s in every rank that builds an optimizer.
 _FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# Preloaded too where a server starts: every rank's entry point (launch._child) is in it, so each
+# rank would import it, and the ~70 modules of asyncpp_ext.pipeline with it, before anything else
+# (0.05-0.1 s a rank; more where no bytecode is cached). Not part of the base preload above: a
+# server whose children cannot use CUDA with it is started again with torch's imports alone.
+_RANK_ENTRY = "asyncpp_ext.pipeline.launch"
 # Imported by every forkserver before its preload: the server and its ranks' start-up ignore
 # Ctrl-C, which is the launcher's to handle (otherwise each prints an import's traceback).
 _SERVER_SETUP = "asyncpp_ext.forkserver_start"
@@ -61,12 +66,14 @@ def _set_preload(modules: list) -> None:
 
 def _forkserver_ready(preload: tuple = ()) -> bool:
     """Whether a forkserver for this environment runs, or can be started, with children free to use
-    CUDA; one started now imports ``preload``'s modules too (a running one keeps its imports)."""
+    CUDA; one started now imports ``_RANK_ENTRY`` and ``preload``'s modules too (a running one keeps
+    its imports)."""
     if not _forkserver_for_this_environment():
         return False
     global _forkserver_checked_pid
-    if preload and mp.forkserver._forkserver._forkserver_pid is None:
-        _set_preload(_FORKSERVER_PRELOAD + [m for m in preload if m not in _FORKSERVER_PRELOAD])
+    if mp.forkserver._forkserver._forkserver_pid is None:
+        extra = dict.fromkeys(m for m in (_RANK_ENTRY, *preload) if m not in _FORKSERVER_PRELOAD)
+        _set_preload(_FORKSERVER_PRELOAD + list(extra))
     if not _forkserver_children_can_use_cuda():
         return False
     pid = mp.forkserver._forkserver._forkserver_pid
@@ -127,7 +134,7 @@ def _forkserver_for_this_environment() -> bool:
         if stop is None:
             return False
         stop()
-    _set_preload(_FORKSERVER_PRELOAD)
+    _set_preload(_FORKSERVER_PRELOAD + [_RANK_ENTRY])  # as multiprocessing restarts a dead server
     _forkserver_started_under = now
     return True
 

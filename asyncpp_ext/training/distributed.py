@@ -4,7 +4,9 @@ The parent (the CLI) has already validated the configuration, the data and the r
 each rank builds the same model from the seed, keeps its stage, and runs the Trainer with a
 ``PipelineEngine``. Rank = replica * stages + stage (see pipeline/data_parallel.py). Every rank
 draws the same global minibatches (microbatches of dp * B sequences) and its replica takes its
-rows. Replica 0's last stage writes metrics.jsonl and loss.png (its losses are the global means);
+rows. Replica 0's last stage writes metrics.jsonl (its losses are the global means) and, under
+torchrun, loss.png; a local launch draws loss.png in the parent once the ranks end (matplotlib's
+import, half a second, is then not paid by a rank at every run's end);
 checkpoints are collective: replica 0's ranks write one shard per stage (the replicas hold
 identical state), its last stage seals the checkpoint (meta.json) once all shards are on disk.
 """
@@ -27,13 +29,15 @@ from .checkpoint import (begin_checkpoint, capture_rng_state, checkpoint_path, f
 from .config import ConfigError, RunConfig
 from ..pipeline import Pipeline, init_distributed, spawn, under_launcher
 from ..pipeline.devices import choose_transport, local_world_size, process_group_backend, rank_device
-from ..pipeline.launch import check_local_address, launcher, lost_a_peer, report_rank_failure, spawned_locally
+from ..pipeline.launch import (LaunchError, check_local_address, launcher, lost_a_peer, report_rank_failure,
+                               spawned_locally)
 from ..pipeline.watchdog import EXIT_PEER_LOST
 from ..pipeline.start_method import start_method
 from ..pipeline.ipc import slots_from_env
 from ..pipeline.sockets import SocketSetupError, explicit_host, inline_recv_bytes, recv_spin_us
 from ..pipeline.transport import TransportError, peer_failure_reason
 from . import stop_request
+from .run_files import draw_losses_after_failure, plot_losses
 from .trainer import Trainer
 
 
@@ -168,12 +172,14 @@ def _rank_run(cfg: RunConfig, resume_dir: Optional[str], started_at: Optional[fl
             restore_rng_state(resumed.rng)
         run_dir = Path(cfg.train.out)
         writer = BackgroundWriter() if cfg.writes_checkpoints_async() else None  # --async-checkpoints
+        writes_metrics = pipe.host.is_last and pipe.replica == 0
         trainer = Trainer(cfg, engine, stream, eval_set, run_dir, start_step=resumed.start_step,
                           elapsed_s=resumed.elapsed_s, device="cpu",
                           checkpoint_fn=_collective_checkpoint(pipe, run_dir, cfg.train.keep_checkpoints,
                                                                writer, cfg.train.timeout_s),
                           checkpoint_writer=writer,
-                          writes_metrics=pipe.host.is_last and pipe.replica == 0, num_stages=p.stages,
+                          writes_metrics=writes_metrics, draws_plot=writes_metrics and not spawned_locally(),
+                          num_stages=p.stages,
                           agree_on_end=_agree_on_end(pipe), started_at=started_at, eval_sets=eval_sets,
                           choice_sets=choice_sets)
         with pipe:
@@ -216,7 +222,12 @@ def launch(cfg: RunConfig, resume_dir: Optional[Path], prepare, started_at: Opti
         prepare()
         # --stop-on-signal: the signal, sent to this process, is passed on to every rank
         forward = (cfg.train.stop_signal,) if cfg.train.stop_signal else ()
-        spawn(rank_main, cfg.pipeline.stages * cfg.pipeline.dp, args, forward=forward)
+        try:
+            spawn(rank_main, cfg.pipeline.stages * cfg.pipeline.dp, args, forward=forward)
+        except LaunchError:
+            draw_losses_after_failure(cfg.train.out)
+            raise
+        plot_losses(cfg.train.out)
         return
     try:  # torchrun's world: its rendezvous waits --timeout for the other ranks, no longer
         rank, world = init_distributed(cfg.train.timeout_s, backend=rank_placement(cfg)[2])

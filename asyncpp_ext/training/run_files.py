@@ -134,6 +134,15 @@ def plot_losses(run_dir: str | os.PathLike) -> Path:
     return path
 
 
+def draw_losses_after_failure(run_dir: str | os.PathLike) -> None:
+    """loss.png for a run that failed, from the rows it wrote (the losses that led there); not
+    drawing it (no metrics.jsonl yet, say) is not reported: the run's own failure is the one to."""
+    try:
+        plot_losses(run_dir)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def prepare_run_dir(out: str | os.PathLike, resuming: bool) -> Path:
     """Create (or check) the run directory; callers do this only after every other check passed,
     so a bad input leaves nothing behind."""
@@ -219,5 +228,5 @@ def remove_unfinished_checkpoints(out: Path) -> None:
 
 
 __all__ = ["set_aside_later", "holds_run", "taken_message", "METRICS_NAME", "CONFIG_NAME", "PLOT_NAME", "LOCK_NAME", "RunDirError", "write_text_atomic",
-           "read_metrics", "truncate_metrics", "plot_losses", "prepare_run_dir", "release_run_dir",
+           "read_metrics", "truncate_metrics", "plot_losses", "draw_losses_after_failure", "prepare_run_dir", "release_run_dir",
            "remove_unfinished_checkpoints"]

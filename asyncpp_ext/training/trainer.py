@@ -21,7 +21,7 @@ from .checkpoint import checkpoint_path, save_checkpoint
 from .profiling import StepProfiler, parse_profile_steps
 from .config import RunConfig
 from ..data import BatchStream
-from .run_files import METRICS_NAME, plot_losses
+from .run_files import METRICS_NAME, draw_losses_after_failure, plot_losses
 from .step_lines import StepLines
 from . import stop_request
 from .time_limit import SegmentClock, describe_duration
@@ -68,8 +68,9 @@ class Trainer:
     k-th minibatch, and checkpoint ``ckpt-k`` holds the state after k steps. Steps run in
     segments that end at evaluation and checkpoint steps (and at the end), so a pipeline never
     has to stop mid-stream. In a multi-process run every rank runs a Trainer; only the one that
-    sees the losses (``writes_metrics``) writes metrics.jsonl and loss.png, and checkpointing is
-    the collective ``checkpoint_fn``.
+    sees the losses (``writes_metrics``) writes metrics.jsonl, and loss.png unless ``draws_plot``
+    is False (a spawned pipeline's launcher draws it once its ranks end), and checkpointing is the
+    collective ``checkpoint_fn``.
     """
 
     def __init__(self, cfg: RunConfig, engine: StepEngine, stream: BatchStream,
@@ -79,7 +80,8 @@ class Trainer:
                  writes_metrics: bool = True, num_stages: int = 1,
                  agree_on_end: Optional[Callable[[int, bool], tuple[int, bool]]] = None,
                  started_at: Optional[float] = None, checkpoint_writer: Optional[BackgroundWriter] = None,
-                 eval_sets: Optional[dict] = None, choice_sets: Optional[dict] = None):
+                 eval_sets: Optional[dict] = None, choice_sets: Optional[dict] = None,
+                 draws_plot: Optional[bool] = None):
         self.cfg = cfg
         self.started_at = started_at  # when the command started (Unix time): --time-limit's origin
         # --time-limit, --stop-on-signal: the ranks of a pipeline end each segment where the
@@ -107,6 +109,7 @@ class Trainer:
         if checkpoint_fn is None and cfg.writes_checkpoints_async():
             self.checkpoint_writer = BackgroundWriter()
         self.writes_metrics = writes_metrics
+        self.draws_plot = writes_metrics if draws_plot is None else draws_plot  # loss.png
         self.num_stages = num_stages
         self.tokens_per_step = cfg.tokens_per_step()
         # model TFLOP/s and MFU per step (utilisation.py), where the engine knows its model's FLOPs
@@ -323,12 +326,9 @@ class Trainer:
                     logger.close()
             if bar is not None:
                 bar.close()
-            if failed and self.writes_metrics:
-                try:
-                    plot_losses(self.run_dir)
-                except Exception:  # noqa: BLE001 -- the run's own failure is the one to report
-                    pass
-        if self.writes_metrics:
+            if failed and self.draws_plot:
+                draw_losses_after_failure(self.run_dir)
+        if self.draws_plot:
             plot_losses(self.run_dir)
         return rows
 
