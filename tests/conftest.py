@@ -64,13 +64,14 @@ def _gpu_available() -> bool:
 # Under pytest-xdist (`make test`: -n auto --dist loadgroup) the tests of these files (or single
 # tests, "file::name") run on one worker, one after another: they share what one process keeps warm
 # (test_compile*.py: dynamo's and inductor's in-process caches and the inductor cache directory they
-# point TORCHINDUCTOR_CACHE_DIR at; test_bad_inputs.py: its module fixture's two training runs),
+# point TORCHINDUCTOR_CACHE_DIR at; test_bad_inputs.py: its module fixture's two training runs;
+# test_examples.py: its module fixture's run of the example script),
 # and side by side they would only compete for the cores.
 XDIST_GROUPS = {"test_compile.py": "inductor", "test_compile_regions.py": "inductor", "test_compile_cuda.py": "inductor",
                 "test_stage_compute.py::test_compiled_real_pipeline_equals_the_compiled_simulation": "inductor",
                 "test_stage_compute.py::test_stage_scope_real_pipeline_equals_its_simulation": "inductor",
                 "test_z_loss.py::test_the_compiled_gradient_pass_forms_the_term_as_the_eager_one": "inductor",
-                "test_bad_inputs.py": "bad_inputs"}
+                "test_bad_inputs.py": "bad_inputs", "test_examples.py": "examples"}
 
 
 def xdist_group(nodeid: str):

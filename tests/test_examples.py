@@ -1,5 +1,6 @@
 """The example training script keeps running, launched plainly and under torchrun, with the same
 numbers both ways."""
+import importlib.util
 import re
 import subprocess
 import sys
@@ -21,14 +22,22 @@ def _run(cmd):
     return losses, evals
 
 
-def test_example_trains_and_torchrun_gives_the_same_numbers(free_port):
-    plain = _run([sys.executable, str(SCRIPT), *ARGS])
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The script run plainly once for this file's tests: its losses, its evaluation loss, and the
+    directory it exported the trained model to (None without safetensors, which --export needs)."""
+    export = tmp_path_factory.mktemp("example") / "gpt-hf" if importlib.util.find_spec("safetensors") else None
+    losses, evals = _run([sys.executable, str(SCRIPT), *ARGS, *(["--export", str(export)] if export else [])])
+    return losses, evals, export
+
+
+def test_example_trains_and_torchrun_gives_the_same_numbers(plain_run, free_port):
     under_torchrun = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-addr", "127.0.0.1", "--master-port", str(free_port), str(SCRIPT), *ARGS])
-    losses, evals = plain
+    losses, evals, _ = plain_run
     assert len(losses) == 2 and len(evals) == 1
     assert losses[1] < losses[0] < 5.6  # it learns (random init: ln 256 = 5.55)
-    assert under_torchrun == plain
+    assert under_torchrun == (losses, evals)
 
 
 def test_bad_arguments_are_one_line_before_any_rank_starts():
@@ -64,7 +73,7 @@ def test_ctrl_c_mid_run_is_one_line_per_process_and_exit_130():
     assert lines[-1] == "train_gpt_pipeline.py: interrupted", err
 
 
-def test_the_exported_model_has_the_scripts_eval_loss_in_transformers(tmp_path):
+def test_the_exported_model_has_the_scripts_eval_loss_in_transformers(plain_run):
     """--export gathers every stage's weights on rank 0 (Pipeline.gather_weights) and writes them as
     a GPT2LMHeadModel: transformers' loss on the script's held-out batches is the one it printed."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install 'asyncpp_ext[hf]'")
@@ -75,11 +84,8 @@ def test_the_exported_model_has_the_scripts_eval_loss_in_transformers(tmp_path):
     from asyncpp_ext.data import eval_batches, load_tokens, split_tokens
     from asyncpp_ext.models import preset_config
 
-    out = tmp_path / "gpt-hf"
-    r = subprocess.run([sys.executable, str(SCRIPT), *ARGS, "--export", str(out)], capture_output=True, text=True,
-                       timeout=180)
-    assert r.returncode == 0, r.stderr
-    printed = float(re.search(r"^eval loss ([0-9.]+) after 20 steps$", r.stdout, re.M).group(1))
+    _, evals, out = plain_run
+    printed = float(evals[0])
     config = preset_config("tiny")
     _, eval_tokens = split_tokens(load_tokens("builtin", config.vocab_size), 0.1, 4, config.seq_len)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()

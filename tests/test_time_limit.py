@@ -43,10 +43,10 @@ def test_segment_ends():
 def test_a_run_stops_with_a_checkpoint_and_resumes_as_if_never_stopped(tmp_path, capfd, flags):
     run = tmp_path / "run"
     # the limit counts from the command's start: a 2-stage pipeline's ranks take seconds to start
-    assert train([*COMMON, *flags, "--steps", "1000000", "--time-limit", "6s", "--out", str(run)]) == 0
+    assert train([*COMMON, *flags, "--steps", "1000000", "--time-limit", "3s", "--out", str(run)]) == 0
     out = capfd.readouterr().out  # a pipeline's line comes from its last stage's process
     # (the first segment is one step; a machine slow enough may stop right after it)
-    stopped = check_stopped(run, "time limit", 2 if "--stages" in flags else 1, out, "--time-limit 6s")
+    stopped = check_stopped(run, "time limit", 2 if "--stages" in flags else 1, out, "--time-limit 3s")
     # resumed to 5 steps past the stop without the limit: the losses of a run that never stopped
     check_resumes_as_never_stopped(run, stopped, ["--time-limit", "1h"], [*COMMON, *flags], tmp_path / "straight")
 
