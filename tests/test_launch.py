@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from asyncpp_ext.pipeline import launch, spawn, start_method as starts
+from asyncpp_ext.pipeline.ipc import slots_from_env
 
 
 def report_environment(out_dir: str) -> None:
@@ -16,7 +17,8 @@ def report_environment(out_dir: str) -> None:
         json.dump({"value": os.environ.get("ASYNCPP_TEST_VALUE"), "parent": os.getppid(),
                    "per_launch": os.environ.get("PYTEST_ASYNCPP_PROBE"), "cwd": os.getcwd(),
                    "dynamo_loaded": "torch._dynamo" in sys.modules,
-                   "training_loaded": "asyncpp_ext.training.distributed" in sys.modules}, f)
+                   "training_loaded": "asyncpp_ext.training.distributed" in sys.modules,
+                   "ipc_slots": slots_from_env()}, f)
 
 
 def fail_beside_a_collective() -> None:
@@ -153,6 +155,25 @@ def test_a_per_test_variable_keeps_the_forkserver_and_still_reaches_the_ranks(tm
     assert {r["parent"] for r in first + second} == {server_pid}
     assert [r["per_launch"] for r in first + second] == ["one"] * 2 + ["two"] * 2
     assert [r["cwd"] for r in second] == [str(tmp_path / "first")] * 2
+
+
+def test_a_transport_knob_keeps_the_forkserver_and_still_reaches_the_ranks(tmp_path, monkeypatch):
+    """The transports' variables are read by a rank as it builds its transport, after its imports:
+    a change of one between launches keeps the server (and its imports), and each rank reads the
+    launcher's value of the moment. The names the launcher treats so are those the transports read."""
+    from asyncpp_ext.pipeline import ipc, sockets
+
+    if "forkserver" not in mp.get_all_start_methods():
+        pytest.skip("no forkserver on this platform")
+    assert set(starts._PER_LAUNCH_ENV_NAMES) == {sockets.RECV_SPIN_ENV, sockets.INLINE_RECV_ENV, sockets.HOST_ENV,
+                                                 ipc.IPC_SLOTS_ENV, starts.START_METHOD_ENV}
+    monkeypatch.setenv(starts.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv(ipc.IPC_SLOTS_ENV, "2")
+    first = _launch_and_read(tmp_path, "first")
+    monkeypatch.setenv(ipc.IPC_SLOTS_ENV, "5")
+    second = _launch_and_read(tmp_path, "second")
+    assert len({r["parent"] for r in first + second}) == 1
+    assert [r["ipc_slots"] for r in first + second] == [2, 2, 5, 5]
 
 
 def test_forkserver_ranks_find_torch_dynamo_and_their_entry_module_imported(tmp_path, monkeypatch):

@@ -32,6 +32,11 @@ _SERVER_SETUP = "asyncpp_ext.forkserver_start"
 # pytest's per-test bookkeeping (PYTEST_CURRENT_TEST is rewritten for every test; xdist's worker
 # ids). A change of one does not restart the forkserver; the rank still sees the launcher's value.
 _PER_LAUNCH_ENV_PREFIXES = ("PYTEST_",)
+# The same for the package's own knobs that a rank reads only when it uses them, after its imports:
+# the transports' (pipeline/sockets.py and pipeline/ipc.py read them as a rank builds its transport;
+# tests/test_launch.py holds these names to theirs) and the start method (the launcher's to read).
+_PER_LAUNCH_ENV_NAMES = ("ASYNCPP_RECV_SPIN_US", "ASYNCPP_INLINE_RECV_BYTES", "ASYNCPP_SOCKET_HOST",
+                         "ASYNCPP_IPC_SLOTS", START_METHOD_ENV)
 _forkserver_started_under: tuple | None = None  # what the forkserver we use started under (_server_key)
 _forkserver_checked_pid: int | None = None  # the server whose children were seen to start (and use CUDA)
 _forkserver_refused_under: tuple | None = None  # the environment whose server's children could not use CUDA
@@ -99,13 +104,14 @@ def _server_key() -> tuple:
     """What a forkserver's ranks get from the server rather than from the launcher at launch
     time: the environment the server imported torch under (read at import by torch, OpenMP, MKL,
     CUDA, the dynamic loader, and by any module a rank's function lives in, which the rank imports
-    before ``_child`` runs). Per-launch bookkeeping variables (_PER_LAUNCH_ENV_PREFIXES) are left
-    out: no import reads them, and ``_child`` gives the rank the launcher's environment of the
+    before ``_child`` runs). Per-launch variables (_PER_LAUNCH_ENV_PREFIXES, _PER_LAUNCH_ENV_NAMES)
+    are left out: no import reads them, and ``_child`` gives the rank the launcher's environment of the
     moment. multiprocessing hands each rank the launcher's sys.path and working directory, and
     ``spawn`` the launcher's stdout and stderr where both are open (pytest's capfd, for one,
     points them at a new file per test); where one is closed, the server is restarted whenever
     that changes and its ranks inherit the server's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_PER_LAUNCH_ENV_PREFIXES)}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_PER_LAUNCH_ENV_PREFIXES) and k not in _PER_LAUNCH_ENV_NAMES}
     if _stdout_and_stderr_open():
         return env, None
     return env, tuple(_stdio_identity(fd) for fd in range(3))
