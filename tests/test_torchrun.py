@@ -35,6 +35,7 @@ def test_torchrun_gives_the_local_launchers_losses(tmp_path, free_port):
     for key in ("loss", "eval_loss"):
         assert [row.get(key) for row in got] == [row.get(key) for row in want]  # bitwise
     assert (tmp_path / "torchrun" / "ckpt-000004" / "meta.json").exists()
+    assert (tmp_path / "torchrun" / "loss.png").stat().st_size > 0  # drawn by the rank that writes the metrics
 
 
 def _as_torchrun_rank(monkeypatch, rank: int, world: int) -> None:
