@@ -69,6 +69,12 @@ def _set_preload(modules: list) -> None:
     mp.set_forkserver_preload([_SERVER_SETUP] + modules)
 
 
+def _server_preload(extra: tuple = ()) -> list:
+    """What a server started now imports: the base preload, then ``_RANK_ENTRY`` and ``extra``."""
+    added = dict.fromkeys(m for m in (_RANK_ENTRY, *extra) if m not in _FORKSERVER_PRELOAD)
+    return _FORKSERVER_PRELOAD + list(added)
+
+
 def _forkserver_ready(preload: tuple = ()) -> bool:
     """Whether a forkserver for this environment runs, or can be started, with children free to use
     CUDA; one started now imports ``_RANK_ENTRY`` and ``preload``'s modules too (a running one keeps
@@ -76,9 +82,8 @@ def _forkserver_ready(preload: tuple = ()) -> bool:
     if not _forkserver_for_this_environment():
         return False
     global _forkserver_checked_pid
-    if mp.forkserver._forkserver._forkserver_pid is None:
-        extra = dict.fromkeys(m for m in (_RANK_ENTRY, *preload) if m not in _FORKSERVER_PRELOAD)
-        _set_preload(_FORKSERVER_PRELOAD + list(extra))
+    if preload and mp.forkserver._forkserver._forkserver_pid is None:
+        _set_preload(_server_preload(preload))
     if not _forkserver_children_can_use_cuda():
         return False
     pid = mp.forkserver._forkserver._forkserver_pid
@@ -140,7 +145,7 @@ def _forkserver_for_this_environment() -> bool:
         if stop is None:
             return False
         stop()
-    _set_preload(_FORKSERVER_PRELOAD + [_RANK_ENTRY])  # as multiprocessing restarts a dead server
+    _set_preload(_server_preload())  # also what multiprocessing restarts a dead server with
     _forkserver_started_under = now
     return True
 
