@@ -56,6 +56,25 @@ def test_the_gpt_leaves_out_its_token_and_position_tables():
     assert flops.flops_per_token(model, 64) == 6 * flops.matmul_params(model) + 12 * layers * c * 64
 
 
+_HF_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("config, width", [
+    (dict(model_type="qwen3", head_dim=32, **_HF_SHAPE), 4 * 32),  # heads wider than hidden / heads
+    (dict(model_type="llama", **_HF_SHAPE), 64),                      # no head_dim: hidden / heads each
+    (dict(model_type="gpt2", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64), 64)])
+def test_the_attention_term_is_as_wide_as_the_query_heads(config, width):
+    # The score and value products of T queries are (query heads x head width) wide: a Hugging Face
+    # config's head_dim, not its hidden size, where it sets one.
+    pytest.importorskip("transformers", reason="needs transformers (pip install 'asyncpp_ext[hf]')")
+    from asyncpp_ext.models import hf
+
+    model = hf.from_config(config, seed=0)
+    assert model.attention_width == width
+    assert flops.flops_per_token(model, 64) == 6 * flops.matmul_params(model) + 12 * 2 * width * 64
+
+
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
                                         ("NVIDIA H100 NVL", 835.0), ("NVIDIA GH200 480GB", 989.0),
                                         ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),

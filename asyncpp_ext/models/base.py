@@ -75,6 +75,13 @@ class BlockModel(nn.Module):
         """Distinct parameter elements (a tied tensor counts once)."""
         return sum(p.numel() for p in self.parameters())
 
+    @property
+    def attention_width(self) -> int:
+        """Query heads x head width of the attention layers: the width of the products each query
+        makes with the keys and values (models/flops.py counts them). The embedding width here, as
+        in the package's GPT and Llama; a family whose heads are sized otherwise says so."""
+        return next(m for m in self.embed.modules() if isinstance(m, nn.Embedding)).embedding_dim
+
 
 class ProjectionHead(nn.Module):
     """A head that is a final norm then ``self.proj`` (an nn.Linear to the vocabulary): subclasses

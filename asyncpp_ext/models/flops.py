@@ -7,9 +7,10 @@ The PaLM convention (Chowdhery et al. 2022, appendix B; nanoGPT and torchtitan c
 
 N: the parameters that take part in a matrix product -- every parameter of the model except the
 input embedding tables (a lookup is no matmul); a table tied to the output head counts once, as
-the head; norms and biases are kept (a fraction of a percent). L layers of width C (taken as the
-attention's heads x head width), T the sequence length: the attention term counts the full T x T
-score and value products, without halving for the causal mask. Forward and backward together
+the head; norms and biases are kept (a fraction of a percent). L layers whose attention has query
+heads x head width C (the model's ``attention_width``: the embedding width in the package's GPT and
+Llama, wider in a Hugging Face config whose ``head_dim`` says so), T the sequence length: the
+attention term counts the full T x T score and value products, without halving for the causal mask. Forward and backward together
 (the 6: 2 for the forward's multiply-adds, 4 for the backward's two products per weight).
 Recomputation (``--recompute``) and the optimizer's own work are not model FLOPs.
 """
@@ -45,13 +46,14 @@ def matmul_params(model: nn.Module) -> int:
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs per token of one of the package's models (``layers``: its transformer blocks;
-    the width: its embedding's) at ``seq_len``."""
+    the width: its ``attention_width``, models/base.py) at ``seq_len``."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     layers = getattr(model, "layers", None)
     if not embeddings or layers is None:
         raise ValueError(f"{type(model).__name__} has no embedding table or no layers: not one of the package's "
                          "models (blocks(): embed, layers, head)")
-    return palm_flops_per_token(matmul_params(model), len(layers), embeddings[0].embedding_dim, seq_len)
+    width = getattr(model, "attention_width", None) or embeddings[0].embedding_dim
+    return palm_flops_per_token(matmul_params(model), len(layers), width, seq_len)
 
 
 def peak_tflops(device_name: Optional[str]) -> Optional[float]:

@@ -371,6 +371,13 @@ class HFCausalLM(BlockModel):
         self._hf_module_names = {name: hf_names[id(m)] for name, m in self.named_modules()
                                  if id(m) in hf_names}
 
+    @property
+    def attention_width(self) -> int:
+        """Query heads x head width: a config's ``head_dim`` where it sets one (Qwen3's and Gemma's
+        heads are wider than hidden_size / heads), else hidden_size / heads."""
+        config, heads = self.hf_config, int(self.hf_config.num_attention_heads)
+        return heads * int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and persistent buffers under transformers' names (``model.layers.0...``,
         ``lm_head.weight``), as ``hf_model.state_dict()`` would name them; a tied lm_head appears
