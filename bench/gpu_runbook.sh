@@ -61,8 +61,8 @@
 #           row's start-up, 83 s in an earlier run without it)
 #   head    (120) the fused head alone against plain, at the default chunk (2048 rows), the eager
 #           path's 682 and 4096, profiled
-#   profile (240) ours with graphs (the default) at 135m / 1024 and 360m / 2048, profiled: kernels
-#           per step, device busy share, the costliest kernels by name
+#   profile (150) ours with graphs (the default) at 135m / 1024, profiled: kernels per step, device
+#           busy share, the costliest kernels by name (360m / 2048 is profiled in the 360m step)
 #   autotune  (420) ours at 360m with the CLI's defaults and with --compile-mode max-autotune on top,
 #           profiled (on the H100: 0.92x, Triton GEMM templates slower in the step than cuBLAS)
 #   mps     (2 x 180) ours and 2bw with two stages on the GPU over ipc at 135m, first as they are
@@ -169,7 +169,7 @@ run_step() {
                    tests/test_attention.py tests/test_optim_api.py tests/test_step_boundary.py \
                    tests/test_main_grad.py tests/test_flops.py tests/test_sample.py tests/test_eval.py \
                    tests/test_clipping.py tests/test_z_loss.py tests/test_document_mask.py tests/test_flex_attention.py \
-                   tests/test_choice_eval.py tests/test_cuda_graphs.py ;;
+                   tests/test_choice_eval.py tests/test_stream_stop.py tests/test_cuda_graphs.py ;;
         p2p) step p2p 60 "$PY" bench/p2p.py --backend ipc-cuda ;;
         clip) bench clip 420 -- "${ROWS_CLIP[@]}" ;;
         docmask) bench docmask 420 -- "${ROWS_DOCMASK[@]}" ;;

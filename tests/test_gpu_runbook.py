@@ -21,7 +21,7 @@ KILL_AFTER_S = 5  # a step outliving its limit gets SIGKILL this much later (tim
 CALLS = [[], ["build", "blocks", "head"], ["build", "quick", "code"], ["build", "quick-serial"], ["build", "mps"],
          ["build", "360m"], ["build", "360m-more"], ["build", "profile"],
          ["build", "attention", "pipeline-graphs"], ["build", "tests", "p2p"], ["build", "autotune"],
-         ["build", "clip"], ["build", "docmask"]]  # [] = build 135m
+         ["build", "clip"], ["build", "ckpt"], ["build", "docmask"]]  # [] = build 135m
 
 ROWS_MPS_ARGS = ["--json", "--models", "smollm-135m", "--seq-lens", "1024", "--row-timeout", "80", "--only",
                  "ours sync adamw,ours 2bw 2st 1gpu adamw ipc", "--skip",
@@ -78,7 +78,10 @@ def test_each_call_fits_a_device_call_and_selects_its_rows(tmp_path, cli_flags, 
     assert [name for name, _, _ in plan[:2]] == ["build", "info"]  # a later call may get a fresh machine
     assert sum(limit + KILL_AFTER_S for _, limit, _ in plan) <= CALL_LIMIT_S, plan
     benches = [(n, lim, cmd) for n, lim, cmd in plan if "bench/gpu_throughput.py" in cmd]
-    assert benches or steps == ["build", "tests", "p2p"]
+    assert benches or steps in (["build", "tests", "p2p"], ["build", "ckpt"])
+    if "ckpt" in steps:  # the checkpoint overlap bench on the GPU
+        (command,) = [cmd for name, _, cmd in plan if name == "ckpt"]
+        assert "bench/checkpoint_overlap.py" in command and command[command.index("--device") + 1] == "cuda"
     if "attention" in steps:
         assert any("bench/attention_kernels.py" in cmd for _, _, cmd in plan)
     if "blocks" in steps:
