@@ -96,16 +96,20 @@ def test_a_run_without_evaluations_has_no_time_to_a_loss(tmp_path, capsys):
     ("last", "--last 0: give a number of steps >= 1"),
     ("plot", "matplotlib cannot write .xyz files"),
     ("json", "its directory does not exist"),
+    ("damaged", "line 2 is not a metrics row"),
 ])
 def test_bad_inputs_are_one_line_and_write_nothing(runs, tmp_path, capsys, case, message):
     empty = tmp_path / "empty"
     empty.mkdir()
-    if case == "no-rows":
+    if case in ("no-rows", "damaged"):
         (empty / "config.json").write_text((runs / "sync" / "config.json").read_text())
+    if case == "damaged":  # a complete line that is no row: the file was edited or written over
+        first = (runs / "sync" / "metrics.jsonl").read_text().splitlines()[0]
+        (empty / "metrics.jsonl").write_text(first + '\n{"step": 2, "loss": \n')
     sync = str(runs / "sync")
     argv = {"not-a-run": [str(tmp_path)], "no-rows": [str(empty)], "twice": [sync, sync],
             "last": [sync, "--last", "0"], "plot": [sync, "--plot", str(tmp_path / "x.xyz")],
-            "json": [sync, "--json", str(tmp_path / "missing" / "rows.json")]}[case]
+            "json": [sync, "--json", str(tmp_path / "missing" / "rows.json")], "damaged": [sync, str(empty)]}[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert compare([*argv, "--plot" if case != "plot" else "--json", str(tmp_path / "out.png" if case != "plot"
                                                                          else tmp_path / "out.json")]) == 2

@@ -80,6 +80,11 @@ def test_values_become_tokens(tmp_path):
     ('[1, 2]', "c.json", "must hold a table of flags, not a list"),
     ('steps = 3\n', "c.yaml", "name a .toml or .json file"),
     ('config = "other.toml"\n', "c.toml", "'config' is not a flag of asyncpp-train"),
+    # a value the flag's own parsing refuses names the file and its key, as the flags above do
+    ('steps = "three"\n', "c.toml", "c.toml: steps = 'three' is not an int value"),
+    ('schedule = "2bv"\n', "c.toml", "c.toml: schedule = '2bv' is not one of "),
+    ('[run]\ndocument-mask = "x"\n', "c.toml", "c.toml: document-mask = 'x': "),
+    ('{"data-mix": ["a.bin=x"]}', "c.json", "c.json: data-mix = 'a.bin=x': "),
 ])
 def test_a_file_that_cannot_give_flags_is_one_line(tmp_path, capsys, text, name, words):
     if name.endswith(".toml") and not _reads_toml():

@@ -282,10 +282,10 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
         meta = json.loads(meta_path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {ckpt_dir} has no {META_NAME} (incomplete write); "
-                              "delete that directory to resume from the previous one") from None
+                              "delete that directory to fall back on the previous one") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {meta_path} is unreadable or corrupted ({exc}); delete "
-                              f"{ckpt_dir} to resume from the previous checkpoint") from None
+                              f"{ckpt_dir} to fall back on the previous checkpoint") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION or "shards" not in meta:
         raise CheckpointError(f"checkpoint {meta_path} is not format {FORMAT_VERSION}; it was "
                               "written by another version, resume it with that version")
@@ -300,7 +300,7 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
                               f"{wrong[0][1]}; the checkpoint is damaged")
     if meta["step"] < 0:
         raise CheckpointError(f"checkpoint {meta_path} has step={meta['step']}, below 0; the checkpoint is "
-                              f"damaged: delete {ckpt_dir} to resume from the previous one")
+                              f"damaged: delete {ckpt_dir} to fall back on the previous one")
     shards = meta["shards"]
     fit = isinstance(shards, dict) and shards and all(
         isinstance(info, dict) and isinstance(info.get("bytes"), int) and not isinstance(info["bytes"], bool)
@@ -325,20 +325,20 @@ def load_checkpoint(ckpt_dir: str | os.PathLike, mmap: bool = False) -> tuple[di
                                   f"{shard_name(stage)}; the checkpoint is damaged")
         if not path.is_file():
             raise CheckpointError(f"checkpoint shard {path} is missing; delete {ckpt_dir} to "
-                                  "resume from the previous checkpoint")
+                                  "fall back on the previous checkpoint")
         size = path.stat().st_size
         if size != info["bytes"] or _sha256(path) != info["sha256"]:
             what = ("truncated" if size < info["bytes"] else "corrupted",
                     f"{size} bytes, {info['bytes']} expected" if size != info["bytes"] else
                     "its checksum differs from meta.json's")
             raise CheckpointError(f"checkpoint shard {path} is {what[0]} ({what[1]}); delete "
-                                  f"{ckpt_dir} to resume from the previous checkpoint")
+                                  f"{ckpt_dir} to fall back on the previous checkpoint")
         try:
             shards.append(torch.load(path, map_location="cpu", weights_only=True, **({"mmap": True} if mmap else {})))
         except Exception as exc:  # any unpickling failure means the same thing to the user
             raise CheckpointError(f"checkpoint shard {path} cannot be loaded ({type(exc).__name__}:"
                                   f" {str(exc).splitlines()[0] if str(exc) else ''}); delete "
-                                  f"{ckpt_dir} to resume from the previous checkpoint") from None
+                                  f"{ckpt_dir} to fall back on the previous checkpoint") from None
     return meta, shards
 
 

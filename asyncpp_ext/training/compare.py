@@ -23,7 +23,7 @@ from typing import Optional
 
 from ..command_line import OneLineParser, UsageError, run_command
 from .config import ConfigError, RunConfig
-from .run_files import METRICS_NAME, read_metrics, write_text_atomic
+from .run_files import METRICS_NAME, RunDirError, read_metrics, write_text_atomic
 
 PROG = "asyncpp-compare"
 
@@ -208,7 +208,7 @@ def run(args) -> list:
 
 
 def main(argv: Optional[list] = None) -> int:
-    return run_command(PROG, lambda: run(build_parser().parse_args(argv)), (UsageError,))
+    return run_command(PROG, lambda: run(build_parser().parse_args(argv)), (UsageError, RunDirError))
 
 
 __all__ = ["main", "compare", "run_figures", "reached", "how_trained"]

@@ -116,8 +116,27 @@ def _tokens(parser: argparse.ArgumentParser, path: Path, key: str, value: Any) -
     if isinstance(value, list):
         if not isinstance(action, argparse._AppendAction):
             raise ConfigFileError(f"{FLAG} {path}: {key} takes one value, not a list")
-        return [token for item in value for token in (flag, str(item))]
-    return [flag, str(value)]
+        return [token for item in value for token in (flag, _checked(action, path, key, item))]
+    return [flag, _checked(action, path, key, value)]
+
+
+def _checked(action: argparse.Action, path: Path, key: str, value: Any) -> str:
+    """``value``'s token, after the flag's own conversion and choices: a value they refuse is
+    refused here, naming the file and its key (argparse would name only the flag, which the
+    command line may not even hold)."""
+    text = str(value)
+    try:
+        converted = action.type(text) if callable(action.type) else text
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigFileError(f"{FLAG} {path}: {key} = {value!r}: {exc}") from None
+    except (TypeError, ValueError):
+        kind = getattr(action.type, "__name__", "valid")
+        raise ConfigFileError(f"{FLAG} {path}: {key} = {value!r} is not {'an' if kind[0] in 'aeiou' else 'a'} "
+                              f"{kind} value") from None
+    if action.choices is not None and converted not in action.choices:
+        raise ConfigFileError(f"{FLAG} {path}: {key} = {value!r} is not one of "
+                              f"{', '.join(map(str, action.choices))}")
+    return text
 
 
 def expand_config(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
