@@ -62,4 +62,18 @@ def run_command(prog: str, work: Callable[[], None], bad_input: tuple, *, stoppe
         return 1
 
 
-__all__ = ["OneLineParser", "UsageError", "run_command"]
+def check_json_path(path: Optional[str], example: str = "rows.json") -> None:
+    """UsageError (one line) unless ``path`` (a command's ``--json FILE``; None: not given) names a
+    file in a directory that exists."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"--json {path} is a directory; name a file such as {os.path.join(path, example)}")
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise UsageError(f"--json {path}: {parent} is a file, not a directory")
+    if not os.path.isdir(parent):
+        raise UsageError(f"--json {path}: its directory does not exist")
+
+
+__all__ = ["OneLineParser", "UsageError", "check_json_path", "run_command"]

@@ -96,6 +96,8 @@ def test_a_run_without_evaluations_has_no_time_to_a_loss(tmp_path, capsys):
     ("last", "--last 0: give a number of steps >= 1"),
     ("plot", "matplotlib cannot write .xyz files"),
     ("json", "its directory does not exist"),
+    ("json-under-a-file", "is a file, not a directory"),
+    ("json-a-directory", "is a directory; name a file such as"),
     ("damaged", "line 2 is not a metrics row"),
 ])
 def test_bad_inputs_are_one_line_and_write_nothing(runs, tmp_path, capsys, case, message):
@@ -109,7 +111,9 @@ def test_bad_inputs_are_one_line_and_write_nothing(runs, tmp_path, capsys, case,
     sync = str(runs / "sync")
     argv = {"not-a-run": [str(tmp_path)], "no-rows": [str(empty)], "twice": [sync, sync],
             "last": [sync, "--last", "0"], "plot": [sync, "--plot", str(tmp_path / "x.xyz")],
-            "json": [sync, "--json", str(tmp_path / "missing" / "rows.json")], "damaged": [sync, str(empty)]}[case]
+            "json": [sync, "--json", str(tmp_path / "missing" / "rows.json")], "damaged": [sync, str(empty)],
+            "json-under-a-file": [sync, "--json", str(runs / "sync" / "config.json" / "rows.json")],
+            "json-a-directory": [sync, "--json", str(empty)]}[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert compare([*argv, "--plot" if case != "plot" else "--json", str(tmp_path / "out.png" if case != "plot"
                                                                          else tmp_path / "out.json")]) == 2

@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from ..command_line import OneLineParser, UsageError, run_command
+from ..command_line import OneLineParser, UsageError, check_json_path, run_command
 from .config import ConfigError, RunConfig
 from .run_files import METRICS_NAME, RunDirError, read_metrics, write_text_atomic
 
@@ -188,8 +188,7 @@ def run(args) -> list:
         raise UsageError(f"--target {args.target}: give a finite eval loss")
     if len(set(args.runs)) != len(args.runs):
         raise UsageError("a run is named twice; name each once")
-    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
-        raise UsageError(f"--json {args.json}: its directory does not exist")
+    check_json_path(args.json)
     if args.plot is not None:
         from ..figures import check_figure_path
         try:

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..command_line import OneLineParser, UsageError, run_command
+from ..command_line import OneLineParser, UsageError, check_json_path, run_command
 from ..data import DataError, eval_batches, load_tokens, split_tokens
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
@@ -89,8 +89,7 @@ def check_arguments(args) -> None:
             raise UsageError(f"--limit must be at least 1, got {args.limit}")
     elif args.limit is not None or args.tokenizer != "auto":
         raise UsageError(f"{'--limit' if args.limit is not None else '--tokenizer'} applies to --choices only")
-    if args.json is not None and not Path(args.json).resolve().parent.is_dir():
-        raise UsageError(f"--json {args.json}: its directory does not exist")
+    check_json_path(args.json)
 
 
 def checkpoints_of(run: str, every: bool) -> list[Path]:
