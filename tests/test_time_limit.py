@@ -1,10 +1,13 @@
 """``--time-limit``: a run stops with a checkpoint before its time is up, every stage of a pipeline
 at the same step, and a resume continues it loss for loss as a run without the limit."""
+import threading
+import time
 
 import pytest
 
 from asyncpp_ext.training.cli import main as train
-from asyncpp_ext.training.time_limit import SLACK, describe_duration, limited_end, parse_duration
+from asyncpp_ext.training.async_checkpoint import BackgroundWriter
+from asyncpp_ext.training.time_limit import SLACK, SegmentClock, describe_duration, limited_end, parse_duration
 from stopped_runs import check_resumes_as_never_stopped, check_stopped, rows_of
 
 COMMON = ["--model", "tiny", "--no-progress", "--eval-every", "50", "--ckpt-every", "1000", "--threads", "1"]
@@ -36,6 +39,32 @@ def test_segment_ends():
     assert limited_end(10, 1000, 59.5, 60.0, 1.0, 0.0) == 10  # not one more step fits: stop here
     assert limited_end(10, 1000, 70.0, 60.0, 1.0, 0.0) == 10
     assert limited_end(10, 1000, 20.0, 60.0, 1.0, 50.0) == 10  # the checkpoint alone would not fit
+
+
+def test_a_background_write_is_kept_in_reserve_once_it_has_run_not_only_at_the_next_checkpoint():
+    # A segment is sized before the checkpoint due at its start is saved: a write in the background
+    # that finished during the segment before (or runs still) must already count then, or with a
+    # run's first two checkpoints before its limit the stop's checkpoint overran by the write.
+    release = threading.Event()
+    writer = BackgroundWriter()
+    began = time.perf_counter()
+    clock, plain = SegmentClock(100.0, began), SegmentClock(100.0, began)  # plain: no writer
+    clock.write_s = writer.write_s
+    for c in (clock, plain):
+        c.trained(10, 1.0)  # 0.1 s per step; the loop's part of a checkpoint: nothing
+
+    def kept_s() -> float:  # the time the writer's reserve takes from the segment (twice: one is due)
+        return (plain.next_end(10, 10**6, checkpoint_due=True) - clock.next_end(10, 10**6, checkpoint_due=True)) \
+            * SLACK * 0.1
+
+    assert kept_s() == 0.0  # no write yet
+    writer.start(lambda: release.wait(10))
+    time.sleep(0.5)
+    assert 2 * 0.5 - 0.2 <= kept_s() < 2 * 10  # a write still running: its time so far
+    release.set()
+    writer.wait()
+    assert writer.write_s() == writer.last_write_s >= 0.5
+    assert abs(kept_s() - 2 * writer.last_write_s) < 0.2  # a finished one: its whole time
 
 
 @pytest.mark.parametrize("flags", [["--simulate"], ["--stages", "2", "--timeout", "30"]],

@@ -72,20 +72,30 @@ class BackgroundWriter:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self.last_write_s = 0.0
-        """How long the latest finished write took (0 before the first): what a stop's checkpoint,
-        which waits for its write, needs kept in reserve (--time-limit)."""
+        """How long the latest finished write took (0 before the first)."""
+        self._began = 0.0  # when the write in flight started
+
+    def write_s(self) -> float:
+        """How long a write takes, as known now: the latest finished write's time, or the time so far
+        of the one in flight where that is longer. What a stop's checkpoint, which waits for its
+        write, needs kept in reserve (--time-limit), read when the next segment is sized: a write
+        that finished during the segment before already counts."""
+        thread = self._thread
+        running = time.perf_counter() - self._began if thread is not None and thread.is_alive() else 0.0
+        return max(self.last_write_s, running)
 
     def start(self, write: Callable[[], None]) -> None:
         """Wait for the write before (raising its error), then run ``write`` in the background."""
         self.wait()
 
         def run() -> None:
-            began = time.perf_counter()
             try:
                 write()
             except BaseException as exc:  # noqa: BLE001 -- handed to the training thread by wait()
                 self._error = exc
-            self.last_write_s = time.perf_counter() - began
+            self.last_write_s = time.perf_counter() - self._began
+
+        self._began = time.perf_counter()
 
         # a daemon: a run that fails or is stopped does not wait for a checkpoint it will not use
         self._thread = threading.Thread(target=run, name="asyncpp-checkpoint", daemon=True)

@@ -7,7 +7,7 @@ checkpoint is written, before D has passed since the command started (``asyncpp-
 ``main``; a library call of ``train``: that call; a spawned rank: its launcher's): after each segment
 every rank proposes the next one's end at the last step that fits (steps counted ``SLACK`` times
 slower than the latest segment's, the latest evaluation's and checkpoint's times kept in
-reserve), the ranks of a pipeline take the smallest proposal (one all-reduce per segment), and a
+reserve, a checkpoint's background write's as soon as it is known), the ranks of a pipeline take the smallest proposal (one all-reduce per segment), and a
 proposal of no step at all ends the run there, with a checkpoint. The first segment of a process
 is one step (its time holds the compile and start-up, so the next proposal errs short). The
 interpreter's own start and imports (seconds) come before the command's clock: leave them room.
@@ -18,7 +18,7 @@ import contextlib
 import math
 import re
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 SLACK = 1.1
 """Segments are sized as if each step took this much longer than the latest segment's did: step
@@ -79,7 +79,10 @@ class SegmentClock:
         self.limit_s, self.start = limit_s, start  # start: the limit's origin on time.perf_counter()
         self.cap_s = cap_s
         self.step_s: Optional[float] = None
-        self.spent = {"eval": 0.0, "checkpoint": 0.0}
+        self.spent = {"eval": 0.0, "checkpoint": 0.0}  # the latest evaluation's, checkpoint's (in the loop)
+        self.write_s: Callable[[], float] = lambda: 0.0
+        """A checkpoint's write in the background as known now (async_checkpoint.BackgroundWriter.write_s):
+        a stop's checkpoint waits for it, so it is kept in reserve on top of the loop's part."""
 
     @property
     def sizes_segments(self) -> bool:
@@ -110,7 +113,8 @@ class SegmentClock:
             end = capped_end(step, end, self.cap_s, self.step_s)
         if self.limit_s is None:
             return end
-        reserve = self.spent["checkpoint"] * (2 if checkpoint_due else 1) + self.spent["eval"]
+        checkpoint = self.spent["checkpoint"] + self.write_s()
+        reserve = checkpoint * (2 if checkpoint_due else 1) + self.spent["eval"]
         return limited_end(step, end, time.perf_counter() - self.start, self.limit_s, self.step_s, reserve)
 
 

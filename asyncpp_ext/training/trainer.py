@@ -215,6 +215,8 @@ class Trainer:
         # --time-limit counts from the command's start where it is known, else from here
         origin = start - max(0.0, time.time() - self.started_at) if self.started_at is not None else start
         clock = SegmentClock(t.time_limit_s, origin, t.signal_response_s if t.stop_signal else None)
+        if self.checkpoint_writer is not None:  # a stop's checkpoint waits for its write
+            clock.write_s = self.checkpoint_writer.write_s
         end = clock.first_end(self.step, self._segment_end())
         lines = StepLines(self.run_dir, t.log_every if self.writes_metrics else 0, total, self.tokens_per_step,
                           self.flops_per_token, self.peak_tflops, self.step, self.elapsed_before)
@@ -300,8 +302,6 @@ class Trainer:
                         saved = self.save(self.elapsed_before + time.perf_counter() - start)
                         if stop:
                             self._checkpoint_written()  # sealed before the line that names it
-                    if self.checkpoint_writer is not None:  # a stop's checkpoint waits for its write
-                        clock.spent["checkpoint"] += self.checkpoint_writer.last_write_s
                 if stop:
                     if self.writes_metrics:
                         why = (f"{t.stop_signal} (--stop-on-signal)" if signalled else
