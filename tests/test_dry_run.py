@@ -97,3 +97,10 @@ def test_the_dry_run_names_the_z_loss_the_document_mask_and_the_tasks(tmp_path, 
     assert "optimizer: adamw, lr 0.001, constant schedule, z-loss 0.0001\n" in out
     assert "attention: within documents, each starting at token 10\n" in out
     assert "evaluation: every 2 steps, 4 batches, 1 multiple-choice task(s)\n" in out
+
+
+@pytest.mark.parametrize("every, line", [("0", "evaluation: at the end, 4 batches\n"), ("3", "evaluation: every 3 steps, 4 batches\n")])
+def test_the_dry_run_says_when_a_run_evaluates(tmp_path, capsys, every, line):
+    # --eval-every 0 evaluates once, at the end (the last step is always due), as the run does
+    assert train([*COMMON, "--simulate", "--eval-every", every, "--out", str(tmp_path / "run"), "--dry-run"]) == 0
+    assert line in capsys.readouterr().out

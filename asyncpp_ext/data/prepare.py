@@ -266,9 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", required=True, nargs="+", metavar="PATH",
                         help="files, directories or globs, read in the order given (a directory or "
                              "glob in sorted order, leaving out .bin token files, sidecars and "
-                             "manifests): text (*.txt, or any other name), JSON lines (*.jsonl, "
-                             "*.json, *.ndjson, optionally .gz/.zst), Parquet (*.parquet), Arrow / a "
-                             "save_to_disk directory")
+                             "manifests; a directory only its files of the suffixes below, not hidden "
+                             "ones): text (*.txt; a file named directly or by a glob whatever its "
+                             "name), JSON lines (*.jsonl, *.json, *.ndjson, optionally .gz/.zst), "
+                             "Parquet (*.parquet), Arrow / a save_to_disk directory")
     parser.add_argument("--out", required=True, metavar="PATH",
                         help="token file to write (.bin); missing directories are created")
     parser.add_argument("--text-field", metavar="NAME",

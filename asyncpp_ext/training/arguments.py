@@ -141,7 +141,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                        help="train on a weighted mixture instead of --data: once per source (any --data "
                             "format), e.g. --data-mix 'web/*.bin=0.7' --data-mix code.bin=0.3; weights are "
                             "normalised, each minibatch takes each source's share of its windows (to within "
-                            "a window); each source holds out its own end for evaluation")
+                            "a window); each source holds out its own end for evaluation (without --val-data)")
     model.add_argument("--val-data", metavar="FILE",
                        help="evaluate on this file, glob, directory or manifest (same formats as "
                             "--data) instead of the end of --data")
@@ -155,7 +155,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     model.add_argument("--eval-data", action="append", metavar="PATH",
                        help="another held-out set (same formats as --data) evaluated at every evaluation beside "
                             "eval_loss; once per set: each row's eval_losses holds each set's loss by its file's name "
-                            "(a --data-mix run also gets each source's held-out part there)")
+                            "(a --data-mix run without --val-data also gets each source's held-out part there)")
     model.add_argument("--eval-choices", action="append", metavar="FILE",
                        help="a multiple-choice task (JSON lines of context, endings, label: HellaSwag's val file "
                             "as it is) scored at every evaluation; once per task: each row's choices holds its "
@@ -206,7 +206,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--config", metavar="FILE",
                      help="flags from a TOML or JSON file: keys are these long flags without the dashes "
                           "(steps = 2000, micro-batch-size = 8, simulate = true); the command line's flags "
-                          "win over the file's")
+                          "win over the file's (a repeatable flag adds to the file's values; --steps and "
+                          "--tokens may not both be given, across the two)")
     run.add_argument("--resume", metavar="DIR",
                      help="continue DIR's run from its latest checkpoint up to --steps; flags "
                           "left out are taken from the checkpoint")
@@ -306,9 +307,9 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
                           "window)")
     run.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="replay each microbatch's forward and backward from CUDA graphs (one launch per "
-                          "graph: for small, host-bound models; cuda only, not with --recompute) (default: on only "
-                          "for --schedule sync on cuda without --recompute or --head-loss liger/cce; off "
-                          "otherwise)")
+                          "graph: for small, host-bound models; cuda only, not with --recompute, --document-mask "
+                          "or a one-process run of a delayed schedule) (default: on only for --schedule sync on "
+                          "cuda without --recompute, --document-mask or --head-loss liger/cce; off otherwise)")
     run.add_argument("--compute-copies", action=argparse.BooleanOptionalAction, default=None,
                      help="under bf16, run linear layers on bf16 copies of their weights made once per weight "
                           "change instead of casting every microbatch (same numbers, fewer kernels) (default on)")

@@ -67,8 +67,8 @@ def dry_run(cfg: RunConfig, resume_dir: Optional[Path]) -> int:
     sets = f" and {len(cfg.data.eval_data)} more set(s)" if cfg.data.eval_data else ""
     if cfg.data.eval_choices:
         sets += f", {len(cfg.data.eval_choices)} multiple-choice task(s)"
-    evaluation = (f"every {t.eval_every} steps, {cfg.data.eval_batches} batches{sets}"
-                  if t.eval_every and cfg.data.eval_batches else "none")
+    when = f"every {t.eval_every} steps" if t.eval_every else "at the end"  # the last step is always due
+    evaluation = f"{when}, {cfg.data.eval_batches} batches{sets}" if cfg.data.eval_batches else "none"
     replicas = f" x {p.dp} replicas" if p.dp > 1 else ""
     print("asyncpp-train --dry-run: every check passed; nothing was written")
     print(f"run: {where}")

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory (its latest checkpoint) or one checkpoint directory, ckpt-NNNNNN")
     p.add_argument("--prompt", default="",
                    help="the text to continue (default: none -- a new document: after the tokenizer's "
-                        "end-of-text token, or a newline where it has none, as bytes have none)")
+                        "end-of-text token, else its beginning-of-text token, or a newline where it has "
+                        "neither, as bytes have none)")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
                    help="tokens to draw after the prompt (default 256)")
     p.add_argument("--temperature", type=float, default=0.8,
