@@ -3,6 +3,7 @@ the plain path ``BlockModel.loss(head(x), t)``: values and gradients in fp32 and
 autocast, every chunking, the three head classes (tied weights included), the auto rule, the
 kernel choice, and the memory it saves."""
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -156,6 +157,18 @@ def test_shapes_batched_input_and_bad_inputs():
         linear_cross_entropy(h, w, t, chunk_rows=0)
     with pytest.raises(ValueError, match="one dtype"):
         linear_cross_entropy(h.bfloat16(), w, t)
+    # a weight elsewhere gave ln V from nothing; ids as hidden states and float targets, torch's errors
+    with pytest.raises(ValueError, match=r"different devices \(hidden cpu, weight meta, targets cpu\)"):
+        linear_cross_entropy(h, w.to("meta"), t)
+    with pytest.raises(ValueError, match="hidden is torch.int64; it must be a floating-point tensor"):
+        linear_cross_entropy(h.long(), w, t)
+    with pytest.raises(ValueError, match="targets are torch.float32; they must be class ids"):
+        linear_cross_entropy(h, w, t.float())
+    with pytest.raises(TypeError, match="weight must be a tensor, got list"):
+        linear_cross_entropy(h, w.tolist(), t)
+    for rows in (2.7, "2", True, float("nan")):
+        with pytest.raises(ValueError, match=f"chunk_rows must be a positive integer, got {re.escape(repr(rows))}"):
+            linear_cross_entropy(h, w, t, chunk_rows=rows)
 
 
 def test_measure_head_loss_refuses_no_timed_calls():

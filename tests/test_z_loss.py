@@ -99,6 +99,13 @@ def test_the_term_is_zero_valued_and_absent_without_gradients():
     assert every_ignored.item() == 0.0 and torch.count_nonzero(logits.grad) == 0  # no 0/0
     with torch.no_grad():  # evaluation: the loss function's value alone
         assert plain_loss(F.cross_entropy, logits.reshape(-1, 11), t.reshape(-1), Z).grad_fn is None
+    # a coefficient the runs refuse is refused by the functions too (a negative one pushed the
+    # normaliser away from 0 instead)
+    for bad in (-5.0, float("nan")):
+        with pytest.raises(ValueError, match="z_loss must be a finite number >= 0"):
+            z_loss_term(logits, t, bad)
+        with pytest.raises(ValueError, match="z_loss must be a finite number >= 0"):
+            plain_loss(F.cross_entropy, logits.reshape(-1, 11), t.reshape(-1), bad)
 
 
 def _rows(run):

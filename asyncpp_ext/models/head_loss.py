@@ -276,7 +276,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def _flatten(hidden, weight, targets, bias):
-    """(N, C) hidden, (N,) targets; raises ValueError on mismatched shapes or dtypes."""
+    """(N, C) hidden, (N,) targets; raises ValueError on mismatched shapes, dtypes or devices."""
+    named = {"hidden": hidden, "weight": weight, "targets": targets, "bias": bias}
+    for name, tensor in named.items():
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    for name in ("hidden", "weight", "bias"):
+        if named[name] is not None and not named[name].is_floating_point():
+            raise ValueError(f"{name} is {named[name].dtype}; it must be a floating-point tensor")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets are {targets.dtype}; they must be class ids (int64)")
+    devices = {name: t.device for name, t in named.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"the tensors are on different devices ({', '.join(f'{n} {d}' for n, d in devices.items())}); "
+                         "move them to one")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden (..., {hidden.shape[-1]}) does not fit weight {tuple(weight.shape)} (V, C)")
     h2, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
@@ -305,10 +318,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         dtype = weight.dtype
     if chunk_rows is None:
         rows = default_chunk_rows(weight.shape[0], _chunk_passes(h2.device).logit_bytes(dtype))
-    else:
-        rows = int(chunk_rows)
-    if rows < 1:
+    elif isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive integer, got {chunk_rows!r}")
+    else:
+        rows = chunk_rows
     with _no_autocast(h2.device):
         return _ChunkedLinearCrossEntropy.apply(h2, weight, bias, t, rows, ignore_index, dtype,
                                                 torch.is_grad_enabled(), z_loss)

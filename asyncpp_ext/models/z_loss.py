@@ -25,7 +25,8 @@ def check_z_loss(z_loss) -> float:
 def z_loss_term(logits: torch.Tensor, targets: torch.Tensor, z_loss: float, ignore_index: int = -100) -> torch.Tensor:
     """A tensor of value 0 whose gradient is that of the z-loss, ``z_loss * mean_i lse_i^2`` over the
     rows i whose target is not ``ignore_index`` (the module docstring): added to a cross entropy it
-    leaves the value and adds the term to the gradient."""
+    leaves the value and adds the term to the gradient. ValueError for a ``z_loss`` check_z_loss refuses."""
+    z_loss = check_z_loss(z_loss)
     x = logits.reshape(-1, logits.shape[-1]).float()
     valid = targets.reshape(-1) != ignore_index
     lse = torch.logsumexp(x, dim=1)

@@ -20,6 +20,9 @@ def split_minibatch(batch, microbatches: int) -> tuple[list, list]:
                          f"pairs, got {type(batch).__name__}"
                          + (f" of {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
     x, y = batch
+    if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"a minibatch's inputs {tuple(x.shape)} and targets {tuple(y.shape)} must have one "
+                         "leading size (the sequences)")
     if x.shape[0] % microbatches:
         raise ValueError(f"a minibatch of {x.shape[0]} sequences cannot be split into {microbatches} "
                          "equal microbatches")
