@@ -328,10 +328,12 @@ def test_validate_raises_schedule_error_with_every_problem_by_default():
     (("pipedream", 4, 2), r"pipedream runs one microbatch per optimizer step \(got m=2\): use "
                           r"--microbatches 1"),
     (("1f1b", 100, 10000, 10000), r"schedule too large"),
+    (("gpipe", 2**31, 2), r"^stages=2147483648 is more than the core takes \(2147483647\); give a smaller count$"),
 ])
 def test_build_rejects_bad_sizes_with_the_fix(args, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         sc.build(*args)
+    assert ".cpp:" not in str(info.value)  # the core's source location is for debugging, not for the user
 
 
 def test_simulate_rejects_bad_costs():

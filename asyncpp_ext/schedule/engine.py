@@ -38,7 +38,7 @@ import json
 import numbers
 from typing import List, NamedTuple, Optional, Sequence, Union
 
-from .._ext import C
+from .._ext import MAX_COUNT, C, without_source_location
 from .table import schedule_names, schedule_spec
 
 Schedule = C.Schedule
@@ -61,6 +61,8 @@ class ScheduleError(ValueError):
 def _check_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer (got {value!r} of type {type(value).__name__})")
+    if value > MAX_COUNT:
+        raise ValueError(f"{name}={value} is more than the core takes ({MAX_COUNT}); give a smaller count")
     return int(value)
 
 
@@ -78,8 +80,12 @@ def build(schedule: str, stages: int, microbatches: int, steps: int = 1) -> Sche
     Raises ValueError (naming the fix) for stages, microbatches or steps < 1, for 2bw with
     fewer microbatches than stages, and for pipedream with microbatches other than 1.
     """
-    return C.build_schedule(_check_kind(schedule), _check_int(stages, "stages"),
-                            _check_int(microbatches, "microbatches"), _check_int(steps, "steps"))
+    args = (_check_kind(schedule), _check_int(stages, "stages"), _check_int(microbatches, "microbatches"),
+            _check_int(steps, "steps"))
+    try:
+        return C.build_schedule(*args)
+    except ValueError as exc:  # the core's size checks: their message, without its source location
+        raise ValueError(without_source_location(exc)) from None
 
 
 def validate(sched: Schedule, *, raise_on_error: bool = True) -> List[str]:
