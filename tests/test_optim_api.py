@@ -1,5 +1,6 @@
 """Routing, the factory, state dicts, bad inputs and NaN/Inf handling of asyncpp_ext.optim."""
 import copy
+import re
 
 import pytest
 import torch
@@ -174,9 +175,12 @@ def test_bad_arguments_are_named():
         ErrorFeedback(torch.optim.SGD(model.parameters(), lr=0.1), -1.0)
     with pytest.raises(ValueError, match="float32"):
         AdamW([nn.Parameter(torch.zeros(3, dtype=torch.float64))])
-    for bad in ((float("nan"), 1.0, 1.0), (1e30, 1.0, float("inf")), "abc"):
+    for bad in ((float("nan"), 1.0, 1.0), (1e30, 1.0, float("inf")), "abc", None, (1.0, 2.0)):
         with pytest.raises(ValueError, match="ns_coefficients must be three finite floats"):
             Muon([nn.Parameter(torch.zeros(3, 3))], ns_coefficients=bad)
+    for bad in (0.9, None, (0.9,)):  # not a pair: the group's line, not tuple()'s TypeError
+        with pytest.raises(ValueError, match=re.escape(f"betas must be two floats in [0, 1), got {bad!r}")):
+            AdamW([nn.Parameter(torch.zeros(3))], betas=bad)
     with pytest.raises(ValueError, match="eps must be a finite number >= 0, got inf"):
         Muon([nn.Parameter(torch.zeros(3, 3))], eps=float("inf"))
     with pytest.raises(ValueError, match="eps must be a finite number >= 0, got inf"):

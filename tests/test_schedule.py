@@ -207,7 +207,7 @@ def test_dropped_send_is_reported_with_stage_instruction_and_microbatch(kind, se
             peer = dropped.peer
             recv = "recv_act" if send_op == Op.send_act else "recv_grad"
             assert _names(problems, peer, recv, dropped.step, dropped.microbatch), problems
-            assert any(f"no matching send_" in p for p in problems), problems
+            assert any("no matching send_" in p for p in problems), problems
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -16,6 +16,12 @@ def _named(params):
     return list(params) if not isinstance(params, torch.Tensor) else [params]
 
 
+
+def _as_tuple(values):
+    """A list or tuple of hyperparameters as a tuple; anything else as given, for the group's
+    check to refuse with its one line (tuple() of a float would fail first, naming no argument)."""
+    return tuple(values) if isinstance(values, (list, tuple)) else values
+
 class Muon(FusedOptimizer):
     """Muon for 2-D hidden weight matrices, with fused float32 kernels.
 
@@ -46,7 +52,7 @@ class Muon(FusedOptimizer):
                  ef_beta: float = 0.0, shard_group=None, normuon: bool = False,
                  normuon_beta2: float = NORMUON_BETA2, ef_source: str = "buffer"):
         defaults = dict(algorithm=MUON, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                        nesterov=nesterov, ns_coefficients=tuple(ns_coefficients), eps=eps,
+                        nesterov=nesterov, ns_coefficients=_as_tuple(ns_coefficients), eps=eps,
                         ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, ef_beta=ef_beta,
                         normuon=normuon, normuon_beta2=normuon_beta2)
         super().__init__(_named(params), defaults, shard_group=shard_group, ef_source=ef_source)
@@ -59,7 +65,7 @@ class AdamW(FusedOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, ef_beta: float = 0.0, ef_source: str = "buffer"):
-        defaults = dict(algorithm=ADAMW, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        defaults = dict(algorithm=ADAMW, lr=lr, betas=_as_tuple(betas), eps=eps, weight_decay=weight_decay,
                         ef_beta=ef_beta)
         super().__init__(_named(params), defaults, ef_source=ef_source)
 
@@ -96,11 +102,11 @@ class MuonHybrid(FusedOptimizer):
         groups = []
         if muon_params:
             groups.append(dict(params=muon_params, algorithm=MUON, lr=lr, weight_decay=weight_decay,
-                               momentum=momentum, nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
+                               momentum=momentum, nesterov=nesterov, ns_coefficients=_as_tuple(ns_coefficients),
                                eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype,
                                ef_beta=ef_beta, normuon=normuon, normuon_beta2=normuon_beta2))
         if adamw_params:
-            groups.append(dict(params=adamw_params, algorithm=ADAMW, lr=adamw_lr, betas=tuple(adamw_betas),
+            groups.append(dict(params=adamw_params, algorithm=ADAMW, lr=adamw_lr, betas=_as_tuple(adamw_betas),
                                eps=adamw_eps,
                                weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
                                ef_beta=ef_beta))
