@@ -3,6 +3,7 @@ import json
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
+import re
 import sys
 
 import pytest
@@ -312,6 +313,7 @@ def test_no_probe_where_torch_sees_no_gpu(tmp_path, monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv(starts.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv("ASYNCPP_TEST_VALUE", "no probe")  # no earlier test's server is reused
     readiness = []
     probes = _counting_probes(monkeypatch, readiness)
     _launch_and_read(tmp_path, "ranks")
@@ -363,3 +365,12 @@ def test_spawn_refuses_more_ranks_than_the_cores_hold_before_starting_one(tmp_pa
     with pytest.raises(devices.DeviceError, match=f"spawn's nprocs is {too_many} ranks to start on this machine"):
         spawn(os.mkdir, too_many, (str(tmp_path / "started"),))
     assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.parametrize("timeout_s", [-5, 0, "soon", float("nan"), True])
+def test_init_distributed_names_a_timeout_it_cannot_use(timeout_s):
+    # before any rendezvous: a negative one failed inside torch's store after a C++ stack trace
+    from asyncpp_ext.pipeline import init_distributed
+
+    with pytest.raises(ValueError, match=re.escape(f"timeout_s={timeout_s!r} is not a positive number of seconds")):
+        init_distributed(timeout_s)

@@ -168,7 +168,8 @@ def test_bad_arguments_are_named():
                          (dict(name="muon", lr=0.1, momentum=-0.1), "momentum"),
                          (dict(name="adamw", lr=0.1, weight_decay=-0.1), "weight_decay"),
                          (dict(name="muon", lr=0.1, ef_beta=-0.5), "ef_beta"),
-                         (dict(name="muon", lr=0.1, adamw_lr=-3e-4), "adamw_lr")):
+                         (dict(name="muon", lr=0.1, adamw_lr=-3e-4), "adamw_lr"),
+                         (dict(name="sgd", lr=0.1, ef_source="nope"), "ef_source")):  # no EF there: a typo still
         with pytest.raises(ValueError, match=word):
             build_optimizer(model, **kwargs)
     with pytest.raises(ValueError, match="beta"):
@@ -178,6 +179,9 @@ def test_bad_arguments_are_named():
     for bad in ((float("nan"), 1.0, 1.0), (1e30, 1.0, float("inf")), "abc", None, (1.0, 2.0)):
         with pytest.raises(ValueError, match="ns_coefficients must be three finite floats"):
             Muon([nn.Parameter(torch.zeros(3, 3))], ns_coefficients=bad)
+    with pytest.raises(ValueError, match=r"no_decay_names must be a collection of parameter names, got the string "
+                                         r"'0.bias'; pass \['0.bias'\]"):  # was read as its characters
+        MuonHybrid(nn.Sequential(nn.Linear(3, 3)), no_decay_names="0.bias")
     for bad in (0.9, None, (0.9,)):  # not a pair: the group's line, not tuple()'s TypeError
         with pytest.raises(ValueError, match=re.escape(f"betas must be two floats in [0, 1), got {bad!r}")):
             AdamW([nn.Parameter(torch.zeros(3))], betas=bad)

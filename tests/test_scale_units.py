@@ -21,6 +21,11 @@ def test_rank_layout_puts_a_replica_on_consecutive_ranks():
     assert layout.pipeline_ranks(1) == [3, 4, 5]
     assert layout.dp_ranks(2) == [2, 5]
     assert [layout.coords(r) for r in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    with pytest.raises(ValueError, match="rank 7 is not in this layout's world of 6 ranks"):
+        layout.coords(7)  # was (2, 1): a replica the layout does not have
+    for stages, replicas, word in ((2, -1, "replicas"), (0, 1, "stages"), ("2", 1, "stages"), (2, True, "replicas")):
+        with pytest.raises(ValueError, match=f"Layout's {word} must be an integer >= 1"):
+            Layout(stages, replicas)
 
 
 def test_replicas_take_disjoint_rows_that_cover_the_microbatch():

@@ -6,6 +6,7 @@ import torch
 from .checks import non_negative, positive, real_number, unit_interval
 from .decay import split_by_decay, undecayed_names
 from .error_feedback import ErrorFeedback
+from .fused import check_ef_source
 from .library import build_library_optimizer
 from .optimizers import AdamW, MuonHybrid
 from .param_groups import named_param_groups
@@ -74,7 +75,7 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float | None = None,
     undecayed = undecayed_names(model, decay_norms_and_biases, decay_embeddings) & {n for n, _ in named}
     groups = split_by_decay(dict(params=named, weight_decay=weight_decay), undecayed)
 
-    ef = dict(ef_source=ef_source)
+    ef = dict(ef_source=check_ef_source(ef_source))  # checked even where no EF runs: a typo is a typo
     if spec.family == "muon":
         fixed = {k for n in muon_family() for k in optimizer_spec(n).build_kwargs} & set(kwargs)
         if fixed:  # the name chooses them (normuon=)

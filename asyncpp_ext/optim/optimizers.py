@@ -112,6 +112,9 @@ class MuonHybrid(FusedOptimizer):
                                ef_beta=ef_beta))
         if not groups:
             raise ValueError("MuonHybrid got no trainable parameters (all have requires_grad=False?)")
+        if isinstance(no_decay_names, str):  # set() of it would be its characters
+            raise ValueError(f"no_decay_names must be a collection of parameter names, got the string "
+                             f"{no_decay_names!r}; pass [{no_decay_names!r}]")
         unknown = set(no_decay_names) - {n for n, _ in muon_params + adamw_params}
         if unknown:
             raise ValueError(f"no_decay_names mentions {sorted(unknown)}, which are not trainable parameters here")

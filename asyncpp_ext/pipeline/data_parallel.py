@@ -41,6 +41,12 @@ class Layout:
     stages: int
     replicas: int
 
+    def __post_init__(self):
+        for name in ("stages", "replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Layout's {name} must be an integer >= 1, got {value!r}")
+
     @property
     def world(self) -> int:
         return self.stages * self.replicas
@@ -50,6 +56,8 @@ class Layout:
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(replica, stage) of a global rank."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank!r} is not in this layout's world of {self.world} ranks")
         return divmod(rank, self.stages)
 
     def pipeline_ranks(self, replica: int) -> list[int]:

@@ -33,7 +33,7 @@ from .devices import check_spawned_ranks, usable_cores
 from .peer_errors import TransportError, peer_gone
 from .start_method import START_METHOD_ENV, _context, _stdout_and_stderr_open
 from .stream_worker import join_left_streams, quiet_running_streams
-from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, default_timeout_s
+from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, check_timeout, default_timeout_s
 
 
 EXIT_FAILED = 1        # the rank itself failed
@@ -98,7 +98,7 @@ def init_distributed(timeout_s: float | None = None, backend: str = "gloo") -> t
     so "gloo", or "cpu:gloo,cuda:nccl" where CUDA tensors need NCCL too (devices.py). Ranks
     started by ``spawn`` rendezvous through a store that listens on MASTER_ADDR only (127.0.0.1
     unless the user set it)."""
-    timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+    timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, f"timeout_s={timeout_s!r}")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         timeout = datetime.timedelta(seconds=timeout_s)
