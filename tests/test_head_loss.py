@@ -166,6 +166,9 @@ def test_shapes_batched_input_and_bad_inputs():
         linear_cross_entropy(h, w, t.float())
     with pytest.raises(TypeError, match="weight must be a tensor, got list"):
         linear_cross_entropy(h, w.tolist(), t)
+    for bad in (1.5, "x"):
+        with pytest.raises(ValueError, match=f"ignore_index must be an integer .*got {re.escape(repr(bad))}"):
+            linear_cross_entropy(h, w, t, ignore_index=bad)
     for rows in (2.7, "2", True, float("nan")):
         with pytest.raises(ValueError, match=f"chunk_rows must be a positive integer, got {re.escape(repr(rows))}"):
             linear_cross_entropy(h, w, t, chunk_rows=rows)

@@ -51,6 +51,8 @@ def _pipeline(**overrides):
     ({"device": "meta"}, ValueError, "device 'meta': the pipeline runs on 'cpu' or 'cuda'"),
     # not a missing NCCL (the transport auto picks on CUDA): the GPU is what is missing
     ({"device": "cuda:99"}, ValueError, "device 'cuda:99' but torch sees (no|\\d+) CUDA device"),
+    # a kernel name is checked whatever the head (it trained as plain before)
+    ({"head_loss_kernel": "magic"}, ValueError, "unknown head_loss_kernel 'magic'; choose auto, liger, cce, chunked"),
 ])
 def test_bad_arguments_are_named_at_construction(one_rank, overrides, error, match):
     with pytest.raises(error, match=match):
@@ -76,8 +78,10 @@ def test_minibatches_that_do_not_fit_the_pipeline_are_named(one_rank):
         with pytest.raises(ValueError, match=r"a minibatch of 3 \(inputs, targets\) microbatches, but the "
                                              r"pipeline runs microbatches=2 per step"):
             list(pipe.train(BatchStream(tokens, 3, 2, 32), steps=1))
-        with pytest.raises(ValueError, match="steps must be an integer >= 1 \\(got 1.5\\)"):
-            list(pipe.train(BatchStream(tokens, 2, 2, 32), steps=1.5))
+        for bad in (1.5, 0, 2**40):  # 2**40 passed, past the core's counts
+            with pytest.raises(ValueError, match=f"steps must be an integer >= 1 that keeps the run's steps within "
+                                                 f"2147483647 \\(the core's counts\\), got {bad} at step 0"):
+                list(pipe.train(BatchStream(tokens, 2, 2, 32), steps=bad))
         stats = list(pipe.train(BatchStream(tokens, 2, 2, 32), steps=1))  # the right count trains
         assert len(stats) == 1 and stats[0].loss is not None
 

@@ -341,6 +341,12 @@ def test_simulate_rejects_bad_costs():
         sc.simulate("1f1b", stages=2, microbatches=2, fwd=[1.0, -1.0])
     with pytest.raises(ValueError, match=r"bwd has 3 values but the schedule has 2 stages"):
         sc.simulate("1f1b", stages=2, microbatches=2, bwd=[1.0, 1.0, 1.0])
+    for name, bad in (("fwd", "12"), ("bwd", [1.0, True]), ("opt", ["1", "2"])):  # "12" ran as the costs 1 and 2
+        with pytest.raises(TypeError, match=f"{name} must be a number or a sequence of 2 numbers"):
+            sc.simulate("2bw", 2, 2, **{name: bad})
+    for bad in (True, "x", None):
+        with pytest.raises(TypeError, match=f"p2p must be a number .*got {re.escape(repr(bad))}"):
+            sc.simulate("2bw", 2, 2, p2p=bad)
     with pytest.raises(ValueError, match=r"p2p latency is -0.5"):
         sc.simulate("1f1b", stages=2, microbatches=2, p2p=-0.5)
     with pytest.raises(ValueError, match=r"needs stages= and microbatches="):

@@ -310,6 +310,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     nn.Linear + F.cross_entropy do; gradients come back in the inputs' dtypes. ``z_loss`` (>= 0)
     adds the z-loss to the gradients, not to the value (models/z_loss.py)."""
     z_loss = check_z_loss(z_loss)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an integer (a target id no row is scored on), got {ignore_index!r}")
     h2, t = _flatten(hidden, weight, targets, bias)
     dtype = _autocast_dtype(h2.device)
     if dtype is None:

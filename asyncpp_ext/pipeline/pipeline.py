@@ -21,6 +21,7 @@ from ..optim.mitigations import (DEFAULT_DC_LAMBDA, SIMULATOR_ONLY_MITIGATIONS, 
 from ..models.base import BlockSequence, row_losses
 from ..models.document_mask import check_document_mask, within_documents
 from ..models.z_loss import check_kernel_z_loss, check_z_loss
+from ..models.head_loss import KERNELS as HEAD_LOSS_KERNELS
 from ..models.compile_support import check_inductor_options, inductor_mode
 from ..models.regions import compile_regions, scope_regions
 from ..schedule.table import schedule_names, schedule_spec
@@ -165,6 +166,8 @@ class Pipeline(StreamControl):
         if block_grad_norms and clip_grad_norm is None:
             raise ValueError("block_grad_norms sums the clipping measurement's norms per block: pass "
                              "clip_grad_norm (math.inf to measure without clipping)")
+        if head_loss_kernel != "auto" and head_loss_kernel not in HEAD_LOSS_KERNELS:  # a typo, whatever the head
+            raise ValueError(f"unknown head_loss_kernel {head_loss_kernel!r}; choose auto, {', '.join(HEAD_LOSS_KERNELS)}")
         if z_loss and head_loss == "fused":
             check_kernel_z_loss(head_loss_kernel, z_loss)
         if clip_grad_norm is not None:

@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .._ext import C
+from .._ext import MAX_COUNT, C
 from .arguments import is_int, split_minibatch
 from .data_parallel import replica_share
 from .devices import to_device
@@ -145,8 +145,9 @@ class StreamControl:
         KeyboardInterrupt while the stream runs, leaves this pipeline mid-step: later calls raise
         ``StageError`` (build a new Pipeline and load a checkpoint's state into it).
         """
-        if not is_int(steps) or steps < 1:
-            raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
+        if not is_int(steps) or not 1 <= steps <= MAX_COUNT or self.next_step + steps > MAX_COUNT:
+            raise ValueError(f"steps must be an integer >= 1 that keeps the run's steps within {MAX_COUNT} "
+                             f"(the core's counts), got {steps!r} at step {self.next_step}")
         self._settle("train", check_whole=True)
         with self.watchdog.armed(f"training steps {self.next_step}..{self.next_step + steps - 1}"):
             yield from self._train(batches, steps)

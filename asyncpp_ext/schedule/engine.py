@@ -155,6 +155,8 @@ def _per_stage(value, stages: int, name: str) -> List[float]:
         values = [float(value)] * stages
     else:
         try:
+            if isinstance(value, (str, bytes)) or any(isinstance(v, (bool, str, bytes)) for v in value):
+                raise TypeError  # "12" would be the costs 1 and 2
             values = [float(v) for v in value]
         except (TypeError, ValueError):
             raise TypeError(f"{name} must be a number or a sequence of {stages} numbers "
@@ -197,6 +199,8 @@ def simulate(sched_or_name: Union[Schedule, str], stages: Optional[int] = None,
     S = sched.stages
     fwd_l, bwd_l, opt_l = (_per_stage(fwd, S, "fwd"), _per_stage(bwd, S, "bwd"),
                            _per_stage(opt, S, "opt"))
+    if isinstance(p2p, bool) or not isinstance(p2p, numbers.Real):
+        raise TypeError(f"p2p must be a number (the latency added to every message), got {p2p!r}")
     p2p = float(p2p)
     if not p2p >= 0 or p2p == float("inf"):
         raise ValueError(f"p2p latency is {p2p}: it must be finite and >= 0")
