@@ -7,10 +7,11 @@ checkpoint is written, before D has passed since the command started (``asyncpp-
 ``main``; a library call of ``train``: that call; a spawned rank: its launcher's): after each segment
 every rank proposes the next one's end at the last step that fits (steps counted ``SLACK`` times
 slower than the latest segment's, the latest evaluation's and checkpoint's times kept in
-reserve, a checkpoint's background write's as soon as it is known), the ranks of a pipeline take the smallest proposal (one all-reduce per segment), and a
-proposal of no step at all ends the run there, with a checkpoint. The first segment of a process
-is one step (its time holds the compile and start-up, so the next proposal errs short). The
-interpreter's own start and imports (seconds) come before the command's clock: leave them room.
+reserve, a checkpoint's background write's as soon as it is known), the ranks of a pipeline take
+the smallest proposal (one all-reduce per segment), and a proposal of no step at all ends the run
+there, with a checkpoint. The first segment of a process is one step (its time holds the compile
+and start-up, so the next proposal errs short). The interpreter's own start and imports (seconds)
+come before the command's clock: leave them room.
 """
 from __future__ import annotations
 
