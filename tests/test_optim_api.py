@@ -182,6 +182,13 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"no_decay_names must be a collection of parameter names, got the string "
                                          r"'0.bias'; pass \['0.bias'\]"):  # was read as its characters
         MuonHybrid(nn.Sequential(nn.Linear(3, 3)), no_decay_names="0.bias")
+    for make in (AdamW, Muon):  # a group's lr changed after construction (a scheduler's bug): the kernel's check
+        weight = nn.Parameter(torch.zeros(3, 3))
+        weight.grad = torch.ones(3, 3)
+        opt = make([weight])
+        opt.param_groups[0]["lr"] = -1.0
+        with pytest.raises(ValueError, match=r"^lr must be >= 0, got -1$"):  # without the C++ source location
+            opt.step()
     for bad in (0.9, None, (0.9,)):  # not a pair: the group's line, not tuple()'s TypeError
         with pytest.raises(ValueError, match=re.escape(f"betas must be two floats in [0, 1), got {bad!r}")):
             AdamW([nn.Parameter(torch.zeros(3))], betas=bad)

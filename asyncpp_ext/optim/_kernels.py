@@ -10,7 +10,7 @@ import re
 import torch
 from torch.utils.dlpack import to_dlpack
 
-from .._ext import C
+from .._ext import C, without_source_location
 
 _K = C.optim
 _cuda_usable = None
@@ -127,12 +127,19 @@ def cpu_kernel_isa() -> str:
     return C.cpu_kernel_isa_check()
 
 
+@contextlib.contextmanager
 def on_device_of(t: torch.Tensor):
-    """Make t's CUDA device current for a kernel call (nothing for CPU tensors)."""
-    if t.device.type != "cuda":
-        return contextlib.nullcontext()
-    _check_cuda_kernels(t.device)
-    return torch.cuda.device(t.device)
+    """Make t's CUDA device current for a kernel call (nothing for CPU tensors). An argument the
+    kernel refuses raises its ValueError without the ' [file.cpp:12: cond]' of the C++ check."""
+    device = contextlib.nullcontext()
+    if t.device.type == "cuda":
+        _check_cuda_kernels(t.device)
+        device = torch.cuda.device(t.device)
+    try:
+        with device:
+            yield
+    except ValueError as exc:
+        raise ValueError(without_source_location(exc)) from None
 
 
 def _optional(t):
@@ -194,7 +201,10 @@ def first_nonfinite(tensors) -> int:
     if not tensors:
         return -1
     if not tensors[0].is_cuda:  # no device or stream to set: the pipeline checks small tensors per microbatch
-        return _K.first_nonfinite(capsules(tensors), 0)
+        try:
+            return _K.first_nonfinite(capsules(tensors), 0)
+        except ValueError as exc:
+            raise ValueError(without_source_location(exc)) from None
     with on_device_of(tensors[0]):
         return _K.first_nonfinite(capsules(tensors), stream_of(tensors[0]))
 
