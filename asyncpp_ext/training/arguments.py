@@ -261,7 +261,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     run.add_argument("--signal-response", metavar="DURATION",
                      help="with --stop-on-signal: the longest training segment, so the stop comes "
                           "within about this long after the signal, plus an evaluation and the "
-                          f"checkpoint; units h, m, s (default {_D.train.signal_response_s:g}s)")
+                          f"checkpoint: minutes (2) or units h, m, s (30s, 1m30s) (default "
+                          f"{_D.train.signal_response_s:g}s)")
     run.add_argument("--peak-tflops", type=float, metavar="X",
                      help="peak TFLOP/s of one device, for the MFU in the metrics (default: on cuda the "
                           "dense bf16 peak of the GPU's name, H100/H200/A100; none on cpu)")
