@@ -373,8 +373,8 @@ class HFCausalLM(BlockModel):
 
     @property
     def attention_width(self) -> int:
-        """Query heads x head width: a config's ``head_dim`` where it sets one (Qwen3's and Gemma's
-        heads are wider than hidden_size / heads), else hidden_size / heads."""
+        """Query heads x head width: a config's ``head_dim`` where it sets one (Qwen3's heads are
+        wider than hidden_size / heads), else hidden_size / heads."""
         config, heads = self.hf_config, int(self.hf_config.num_attention_heads)
         return heads * int(getattr(config, "head_dim", None) or config.hidden_size // heads)
 
