@@ -10,8 +10,9 @@ input embedding tables (a lookup is no matmul); a table tied to the output head 
 the head; norms and biases are kept (a fraction of a percent). L layers whose attention has query
 heads x head width C (the model's ``attention_width``: the embedding width in the package's GPT and
 Llama, wider in a Hugging Face config whose ``head_dim`` says so), T the sequence length: the
-attention term counts the full T x T score and value products, without halving for the causal mask. Forward and backward together
-(the 6: 2 for the forward's multiply-adds, 4 for the backward's two products per weight).
+attention term counts the full T x T score and value products, without halving for the causal
+mask. Forward and backward together (the 6: 2 for the forward's multiply-adds, 4 for the
+backward's two products per weight).
 Recomputation (``--recompute``) and the optimizer's own work are not model FLOPs.
 """
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Thin calls into the fused kernels (asyncpp_ext._C.optim): tensors go in as DLPack capsules.
 
 On CUDA every call runs with the tensors' device current (the kernels launch on the current
-device) on that device's current torch stream."""
+device) on that device's current torch stream. An argument a kernel refuses raises its ValueError
+without the ' [file.cpp:12: cond]' the C++ check appends for debugging (``_Kernels``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 
 import torch
@@ -12,7 +14,29 @@ from torch.utils.dlpack import to_dlpack
 
 from .._ext import C, without_source_location
 
-_K = C.optim
+
+class _Kernels:
+    """``C.optim``'s functions, each raising its ValueError as one line for the user: every kernel
+    call goes through here, so no call site needs a handler of its own."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        kernel = getattr(self._module, name)
+
+        @functools.wraps(kernel)
+        def call(*args):
+            try:
+                return kernel(*args)
+            except ValueError as exc:
+                raise ValueError(without_source_location(exc)) from None
+
+        setattr(self, name, call)  # looked up once: later calls find the attribute
+        return call
+
+
+_K = _Kernels(C.optim)
 _cuda_usable = None
 _arch_checked: set = set()  # device indices whose architecture this build covers
 
@@ -127,19 +151,12 @@ def cpu_kernel_isa() -> str:
     return C.cpu_kernel_isa_check()
 
 
-@contextlib.contextmanager
 def on_device_of(t: torch.Tensor):
-    """Make t's CUDA device current for a kernel call (nothing for CPU tensors). An argument the
-    kernel refuses raises its ValueError without the ' [file.cpp:12: cond]' of the C++ check."""
-    device = contextlib.nullcontext()
-    if t.device.type == "cuda":
-        _check_cuda_kernels(t.device)
-        device = torch.cuda.device(t.device)
-    try:
-        with device:
-            yield
-    except ValueError as exc:
-        raise ValueError(without_source_location(exc)) from None
+    """Make t's CUDA device current for a kernel call (nothing for CPU tensors)."""
+    if t.device.type != "cuda":
+        return contextlib.nullcontext()
+    _check_cuda_kernels(t.device)
+    return torch.cuda.device(t.device)
 
 
 def _optional(t):
@@ -201,10 +218,7 @@ def first_nonfinite(tensors) -> int:
     if not tensors:
         return -1
     if not tensors[0].is_cuda:  # no device or stream to set: the pipeline checks small tensors per microbatch
-        try:
-            return _K.first_nonfinite(capsules(tensors), 0)
-        except ValueError as exc:
-            raise ValueError(without_source_location(exc)) from None
+        return _K.first_nonfinite(capsules(tensors), 0)
     with on_device_of(tensors[0]):
         return _K.first_nonfinite(capsules(tensors), stream_of(tensors[0]))
 

@@ -145,7 +145,7 @@ class StreamControl:
         KeyboardInterrupt while the stream runs, leaves this pipeline mid-step: later calls raise
         ``StageError`` (build a new Pipeline and load a checkpoint's state into it).
         """
-        if not is_int(steps) or not 1 <= steps <= MAX_COUNT or self.next_step + steps > MAX_COUNT:
+        if not is_int(steps) or steps < 1 or self.next_step + steps > MAX_COUNT:
             raise ValueError(f"steps must be an integer >= 1 that keeps the run's steps within {MAX_COUNT} "
                              f"(the core's counts), got {steps!r} at step {self.next_step}")
         self._settle("train", check_whole=True)
