@@ -94,7 +94,7 @@ from bench_command import check_report_path, write_json  # noqa: E402
 from row_process import RowProcess, beside_measured  # noqa: E402
 from throughput_workers import build_hf_model, head_mode, worker_main  # noqa: E402,F401
 from throughput_plan import (DEFAULTS, HEAD_SHAPE, SMOKE_HEAD_SHAPE, build_plan, detect_cli_flags,  # noqa: E402,F401
-                             head_loss_available, row)
+                             row)
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

@@ -208,18 +208,13 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
         rows.append(row(f"torchtitan {'compile' if compile_ok else 'eager'} adamw", "torchtitan", mdl, seq,
                         mb_at[seq], m, optimizer="adamw", compile=compile_ok))
     head = SMOKE_HEAD_SHAPE if args.mode == "smoke" else HEAD_SHAPE
-    if args.mode == "smoke" and not args.smoke_head:
-        pass  # the test suite measures the head-loss rows in-process (one process start less)
-    elif head_loss_available():
+    if args.mode != "smoke" or args.smoke_head:  # the suite measures the smoke's head rows in-process
         # "fused@N": the fused head with N rows per chunk (--head-chunk-rows), named "fused N rows"
         modes = ["plain", "fused", *(f"fused@{n}" for n in getattr(args, "head_chunk_rows", []))]
         for mode in modes:
             name = f"head-loss {mode.replace('@', ' ')}" + (" rows" if "@" in mode else "")
             rows.append(row(name, "head", "head C={n_embd} V={vocab}".format(**head), head["seq"],
                             head["batch"], 1, head_mode=mode, head_modes=modes, head_shape=head))
-    else:
-        skipped.append(("head-loss plain/fused", "not available: asyncpp_ext.models.head_loss.measure_head_loss "
-                                                 "not found"))
     def named(r):
         return f"{r['name']} {r['model']} T={r['seq_len']}"
     if args.only:
@@ -233,10 +228,3 @@ def build_plan(args, flags: dict, gpus: int) -> tuple[list, list]:
         rows = [r for r in rows if not any(k in named(r) for k in drop)]
     return rows, skipped
 
-
-def head_loss_available() -> bool:
-    try:
-        from asyncpp_ext.models import head_loss
-    except ImportError:
-        return False
-    return hasattr(head_loss, "measure_head_loss")

@@ -76,8 +76,6 @@ def test_cpu_smoke_runs_every_row_and_reports_finite_positive_numbers(tmp_path):
 
 
 def test_head_loss_rows_from_measure_head_loss(capsys):
-    if not gt.head_loss_available():
-        pytest.skip("asyncpp_ext.models.head_loss.measure_head_loss not there yet")
     modes = ["plain", "fused", "fused@5"]  # and the fused head at 5 rows per chunk (--head-chunk-rows 5)
     spec = dict(kind="head", modes=modes, device="cpu", dtype="fp32", threads=None, **gt.SMOKE_HEAD_SHAPE)
     assert gt.worker_main(spec) == 0
