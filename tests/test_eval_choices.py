@@ -56,10 +56,14 @@ def _choices(run):
     return [r.get("choices") for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
 
 
-def test_the_rows_scores_are_asyncpp_evals_on_those_weights(tmp_path):
-    task = _task(tmp_path / "quiz.jsonl")
+@pytest.mark.parametrize("mask", [[], ["--document-mask", "10"]], ids=["whole-window", "document-mask"])
+def test_the_rows_scores_are_asyncpp_evals_on_those_weights(tmp_path, mask):
+    # Under --document-mask 10 (a newline starts a document) the second example's ending
+    # "\nthe question", made the right one here so that right_loglik holds it, attends within its
+    # own document, in the rows and in asyncpp-eval alike.
+    task = _task(tmp_path / "quiz.jsonl", labels=[0, 1, 1] * 2)
     run = tmp_path / "run"
-    assert train([*FLAGS, "--simulate", "--eval-choices", str(task), "--out", str(run)]) == 0
+    assert train([*FLAGS, *mask, "--simulate", "--eval-choices", str(task), "--out", str(run)]) == 0
     rows = _choices(run)
     assert rows[0] is None and rows[2] is None and set(rows[1]) == set(rows[3]) == {"quiz"}
     assert evaluate([str(run), "--choices", str(task), "--json", str(tmp_path / "eval.json")]) == 0

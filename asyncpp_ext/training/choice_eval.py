@@ -13,7 +13,8 @@ example counts as right when the label's ending is the most likely (``accuracy``
 ``accuracy_norm``, the most likely per UTF-8 byte of the ending (lm-evaluation-harness's
 ``acc_norm``: longer endings are not penalised for their length, whatever the tokenizer).
 The endings of one example run as one padded batch; padding sits after each ending, where a
-causal model's scores of the tokens before it cannot see it.
+causal model's scores of the tokens before it cannot see it. A run trained with --document-mask is
+scored attending within documents as it trained.
 """
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..command_line import UsageError
+from ..models.document_mask import within_documents
 
 
 @dataclass(frozen=True)
@@ -102,16 +105,19 @@ def ending_rows(encode, example: Example, seq_len: int, prefix=()) -> list[tuple
 
 
 @torch.no_grad()
-def ending_log_likelihoods(model, encode, example: Example, seq_len: int, device, prefix=()) -> list[float]:
+def ending_log_likelihoods(model, encode, example: Example, seq_len: int, device, prefix=(),
+                           boundary: Optional[int] = None) -> list[float]:
     """``sum_i log p(e_i | context, e_<i)`` of each ending (the module docstring); ``prefix``: ids
-    before the context (the token that starts a document)."""
+    before the context (the token that starts a document); ``boundary``: the run's --document-mask
+    token, attended within as it trained (and as training's --eval-choices rows are scored)."""
     rows, scored = zip(*ending_rows(encode, example, seq_len, prefix))
     width = max(len(r) for r in rows)
     batch = torch.zeros(len(rows), width, dtype=torch.long)
     for i, ids in enumerate(rows):
         batch[i, :len(ids)] = torch.tensor(ids)
     batch = batch.to(device)
-    out = model(batch[:, :-1])
+    with within_documents(batch[:, :-1], boundary):  # right padding: after every real token
+        out = model(batch[:, :-1])
     logits = (out[0] if isinstance(out, tuple) else out).float()
     losses = F.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")  # (B, T)
     totals = []
@@ -178,13 +184,15 @@ def choice_set(examples: list, encode, seq_len: int, batch_size: int, prefix=())
     return ChoiceSet(examples, [(x[s:s + batch_size], y[s:s + batch_size]) for s in range(0, count, batch_size)])
 
 
-def score_choices(model, encode, examples: list, seq_len: int, device, precision, prefix=()) -> dict:
-    """accuracy and accuracy_norm of ``model`` over ``examples`` (module docstring)."""
+def score_choices(model, encode, examples: list, seq_len: int, device, precision, prefix=(),
+                  boundary: Optional[int] = None) -> dict:
+    """accuracy and accuracy_norm of ``model`` over ``examples`` (module docstring), attending
+    within documents for a ``boundary`` token (ending_log_likelihoods)."""
     start = time.perf_counter()
     totals = []
     for example in examples:
         with precision:
-            totals.append(ending_log_likelihoods(model, encode, example, seq_len, device, prefix))
+            totals.append(ending_log_likelihoods(model, encode, example, seq_len, device, prefix, boundary))
     return {**choice_scores(examples, totals), "seconds": time.perf_counter() - start}
 
 

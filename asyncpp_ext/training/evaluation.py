@@ -193,11 +193,7 @@ def evaluate(args) -> list[dict]:
     sets = {}  # the checkpoints of one run share their data and window shape: read them once
     for run, ckpt in ckpts:
         cfg, step, model, _ = load_average(ckpt, args.average)
-        model = model.to(device)
-        try:
-            boundary = document_boundary(cfg)
-        except ValueError as exc:
-            raise UsageError(f"{ckpt}: its run's --document-mask: {exc}") from None
+        model, boundary = model.to(device), _boundary(cfg, ckpt)
         for data in datas:
             key = (data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
             if key not in sets:
@@ -210,6 +206,14 @@ def evaluate(args) -> list[dict]:
            "data: each run's own evaluation set (pass --data to compare runs on the same windows)")
           + f"; on {device.type} in {dtype}" + _averaged(args))
     return _write_json(args, rows)
+
+
+def _boundary(cfg, ckpt) -> Optional[int]:
+    """The --document-mask token ``ckpt``'s run trained with (None: off), scored within as it trained."""
+    try:
+        return document_boundary(cfg)
+    except ValueError as exc:
+        raise UsageError(f"{ckpt}: its run's --document-mask: {exc}") from None
 
 
 def _averaged(args) -> str:
@@ -232,13 +236,13 @@ def evaluate_choices(args, ckpts: list, device, precision, dtype: str) -> list[d
     print(f"{'checkpoint':<44} {'step':>7} {'accuracy':>9} {'acc_norm':>9} {'examples':>9} {'s':>6}  task")
     for run, ckpt in ckpts:
         cfg, step, model, _ = load_average(ckpt, args.average)
-        model = model.to(device)
+        model, boundary = model.to(device), _boundary(cfg, ckpt)
         tokenizer = run_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
         encode = lambda text: [int(i) for i in tokenizer.encode([text])[0]]  # noqa: E731
         prefix = document_start(tokenizer)
         for path, examples in tasks.items():
             row = {"run": str(run), "checkpoint": str(ckpt), "step": step, "task": path,
-                   **score_choices(model, encode, examples, cfg.model.seq_len, device, precision, prefix),
+                   **score_choices(model, encode, examples, cfg.model.seq_len, device, precision, prefix, boundary),
                    "device": device.type, "dtype": dtype, "averaged": args.average}
             rows.append(row)
             print(f"{str(ckpt)[-44:]:<44} {step:>7} {row['accuracy']:>9.4f} {row['accuracy_norm']:>9.4f} "
