@@ -8,6 +8,7 @@ Like test_compile.py (same xdist group, same inductor cache under pytest's cache
 intra-op thread, tiny shapes, and the aot_eager backend where only dynamo's decisions are tested."""
 import contextlib
 import copy
+import json
 import logging
 import pickle
 
@@ -327,12 +328,16 @@ def test_the_cli_hands_its_inductor_options_to_the_simulators_blocks(monkeypatch
     # the first step's wait is explained, once
     assert capsys.readouterr().err.count("asyncpp-train: compiling the blocks (torch.compile) before the "
                                          "first step") == 1
-    # resumed eagerly: the saved option says how blocks compile, so the run is refused until
-    # --inductor-option none drops it
+    # resumed eagerly: --no-compile turns compiling off whole, the saved option with it; an option
+    # given with --no-compile on the command line says how blocks compile and is refused
     run = str(tmp_path / "run")
-    assert main(["--resume", run, "--steps", "2", "--no-compile", "--no-progress"]) == 2
-    assert main(["--resume", run, "--steps", "2", "--no-compile", "--inductor-option", "none", "--no-progress"]) == 0
+    assert main(["--resume", run, "--steps", "2", "--no-compile", "--inductor-option", "coordinate_descent_tuning=True",
+                 "--no-progress"]) == 2
+    assert "--no-compile; add --compile or pass --inductor-option none" in capsys.readouterr().err
+    assert main(["--resume", run, "--steps", "2", "--no-compile", "--no-progress"]) == 0
     assert "compiling" not in capsys.readouterr().err  # eager: nothing to explain
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
+    assert (saved["compile"], saved["inductor_options"]) == (False, {})
 
 
 def test_the_conftest_guard_finds_groups_made_on_a_stand_in_compiler(monkeypatch, groups_restored):

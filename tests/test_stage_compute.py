@@ -168,3 +168,31 @@ def test_llama_attention_runs_on_the_flash_kernel_under_bf16_autocast():
         logits, loss = model(idx, idx)
         loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_no_compile_on_a_resume_turns_the_runs_compile_settings_off_with_it():
+    # a resumed run's compile scope, mode and options say how its blocks compiled; --no-compile
+    # drops them with compiling (given again now, they stay, and stage_compute refuses them)
+    from asyncpp_ext.training.arguments import build_parser, config_from_args
+    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.stage_compute import stage_compute
+
+    saved = RunConfig()
+    saved.train.compile, saved.train.compile_scope, saved.train.compile_mode = True, "stage", "max-autotune"
+    saved.train.inductor_options = {"max_pointwise_cat_inputs": 0}
+    parse = build_parser().parse_args
+    off = config_from_args(parse(["--resume", "r", "--no-compile"]), saved).train
+    assert (off.compile, off.compile_scope, off.compile_mode, off.inductor_options) == (False, "block", "default", {})
+    kept = config_from_args(parse(["--resume", "r", "--steps", "9"]), saved).train
+    assert (kept.compile, kept.compile_scope, kept.compile_mode) == (True, "stage", "max-autotune")
+    given = config_from_args(parse(["--resume", "r", "--no-compile", "--compile-scope", "stage"]), saved)
+    with pytest.raises(ValueError, match="--compile-scope stage says how blocks are compiled, but --no-compile; "
+                                         "add --compile or drop --compile-scope$"):
+        stage_compute(given, "cpu")
+    # a run that compiled by default (on CUDA) resumed on the CPU: its scope came with it, so the
+    # way out is the default value, not dropping a flag the command line does not hold
+    by_default = RunConfig()
+    by_default.train.compile_scope, by_default.train.resume = "stage", "r"
+    with pytest.raises(ValueError, match=r"compiling is off by default on cpu; add --compile or pass "
+                                         r"--compile-scope block \(the resumed run's setting"):
+        stage_compute(by_default, "cpu")

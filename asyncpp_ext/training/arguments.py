@@ -21,6 +21,8 @@ from ..optim.versioned import EF_SOURCES
 
 PROG = "asyncpp-train"
 _D = RunConfig()  # the documented defaults
+COMPILE_SETTINGS = ("compile_scope", "compile_mode", "inductor_options")
+"""The train fields that say how blocks are compiled: meaningless, and refused, without compiling."""
 
 
 class _Parser(OneLineParser):
@@ -386,6 +388,10 @@ def config_from_args(args: argparse.Namespace, base: Optional[RunConfig] = None)
     for (section, name), value in sets.items():
         if value is not None:
             setattr(getattr(cfg, section), name, value)
+    if base is not None and args.compile is False:  # --no-compile turns a resumed run's compiling off whole:
+        for name in COMPILE_SETTINGS:  # how it compiled goes too, unless given again now
+            if sets[("train", name)] is None:
+                setattr(cfg.train, name, getattr(_D.train, name))
     _stop_signal(cfg, args.stop_on_signal)
     if base is None and args.microbatches is None and cfg.pipeline.schedule == "pipedream":
         cfg.pipeline.microbatches = 1  # the only count pipedream runs: one microbatch per step

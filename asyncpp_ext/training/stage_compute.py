@@ -60,6 +60,10 @@ class StageCompute:
     None = the whole window."""
 
 
+_UNSET = {"--compile-scope": "block", "--compile-mode": "default", "--inductor-option": "none"}
+"""The value of each compile-only flag that leaves its setting at the default."""
+
+
 @contextlib.contextmanager
 def _refusals_name(flag: str):
     """A ValueError raised inside, its message prefixed with ``flag`` unless it names its flag already
@@ -99,7 +103,10 @@ def stage_compute(cfg: RunConfig, device=None) -> StageCompute:
         flag, value = (("--compile-scope", scope) if scope != "block" else
                        ("--compile-mode", compile_mode) if compile_mode != "default" else
                        ("--inductor-option", " ".join(f"{k}={v!r}" for k, v in options)))
-        drop = f"drop {flag}" if flag != "--inductor-option" else "pass --inductor-option none"
+        if cfg.train.resume and cfg.train.compile is None:  # the checkpoint's, its run compiled by default
+            drop = f"pass {flag} {_UNSET[flag]} (the resumed run's setting; its device compiled by default)"
+        else:
+            drop = f"drop {flag}" if flag != "--inductor-option" else "pass --inductor-option none"
         raise ValueError(f"{flag} {value} says how blocks are compiled, but {why}; add --compile or {drop}")
     with _refusals_name("--attention"):
         attention = resolve_attention(cfg.train.attention, device)
