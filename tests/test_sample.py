@@ -1,7 +1,7 @@
 """``asyncpp-sample`` and models/generate.py: the text a checkpoint writes after a prompt. Greedy
 output equals an independent loop over the model's full forward (bytes and a BPE run, the window
-slid past seq_len); seeded draws repeat and stay inside top-k / top-p; the end-of-text token ends a
-sample; bad inputs give one line and exit 2."""
+slid past seq_len); a --document-mask run samples within documents; seeded draws repeat and stay
+inside top-k / top-p; the end-of-text token ends a sample; bad inputs give one line and exit 2."""
 import math
 
 import pytest
@@ -90,6 +90,43 @@ def test_the_key_value_cache_gives_the_windows_logits_before_and_after_the_windo
     assert torch.equal(steps[True], steps[False])
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
+def test_within_documents_the_cache_gives_the_masked_windows_logits(name):
+    """A --document-mask run samples as it trained: every logit is the full forward's under the
+    document mask of its window (token 7 the boundary, one in four ids), cached or not, before and
+    after the window fills."""
+    from asyncpp_ext.models.document_mask import within_documents
+    model = build_model(model_config(name, seq_len=16, init_std=0.3), seed=0).eval()
+    ids = torch.randint(0, 8, (3, 30), generator=torch.Generator().manual_seed(1))
+    assert 7 in ids[:, 1:12]  # boundaries inside the cached part
+    cached = gen.CachedLogits(model, window=16, boundary=7)
+    with torch.no_grad():
+        for n in range(5, 31):
+            window = ids[:, :n][:, -16:]
+            with within_documents(window, 7):
+                want = model(window)[0][:, -1]
+            torch.testing.assert_close(cached(ids[:, :n]), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gen.window_logits(model, ids[:, :n], 16, 7), want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(gen.window_logits(model, ids, 16), want)  # the mask changes them
+    steps = {use_cache: torch.stack(list(gen.generate(model, ids[:, :5], 25, window=16, temperature=0,
+                                                      use_cache=use_cache, boundary=7)))
+             for use_cache in (True, False)}
+    assert torch.equal(steps[True], steps[False])
+
+
+def test_a_document_reads_nothing_before_its_boundary():
+    # llama-tiny (rotary: distances only): what follows the last boundary gives the same logits
+    # whatever came before it
+    model = build_model(model_config("llama-tiny", seq_len=32, init_std=0.3), seed=0).eval()
+    tail = [10, 3, 4, 5]  # a boundary (10), then its document
+    with torch.no_grad():
+        alone = gen.CachedLogits(model, 32, boundary=10)(torch.tensor([tail]))
+        for before in ([1, 2], [9, 8, 7, 6, 5, 4, 3]):
+            logits = gen.CachedLogits(model, 32, boundary=10)(torch.tensor([before + tail]))
+            torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
+            assert not torch.allclose(gen.CachedLogits(model, 32)(torch.tensor([before + tail])), alone)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["tiny", "llama-tiny"])
 def test_on_a_gpu_the_cache_gives_the_windows_logits(name):
@@ -124,6 +161,30 @@ def test_greedy_text_is_the_full_forwards_argmax_with_the_window_slid_past_seq_l
     expected = _greedy(model, list(b"def main(x"), 48, window=32)
     assert out == (b"def main(x" + bytes(expected)).decode("utf-8", "replace") + "\n"
     assert "48 drawn" in err and "greedy" in err and err.count("\n") == 1
+
+
+def test_a_document_mask_run_samples_within_documents(tmp_path, capsys):
+    """--document-mask 10 (each line a document): asyncpp-sample draws what generate draws within
+    documents (whose logits the tests above hold to the masked full forward's), not what the model
+    writes reading across lines. Seeded draws at temperature 1: an untrained model's greedy text is
+    the same few bytes either way."""
+    run = tmp_path / "run"
+    assert train(["--model", "llama-tiny", "--seq-len", "32", "--simulate", "--steps", "3", "--no-progress",
+                  "--eval-batches", "0", "--document-mask", "10", "--out", str(run)]) == 0
+    capsys.readouterr()
+    prompt = list(b"import os\nimport sys\ndef f(x")
+    rc, out, err = _sample([run, "--prompt", bytes(prompt).decode(), "--temperature", "1", "--top-k", "0",
+                            "--seed", "5", "--max-new-tokens", "40"], capsys)
+    assert rc == 0, err
+    _, _, model = load_model(checkpoint_named(str(run), "RUN"))
+
+    def drawn(boundary):
+        steps = gen.generate(model, torch.tensor([prompt]), 40, window=32, temperature=1.0, top_p=1.0,
+                             allowed=256, generator=torch.Generator().manual_seed(5), boundary=boundary)
+        with torch.no_grad():
+            return [int(new) for new in steps]
+    assert out == bytes(prompt + drawn(10)).decode("utf-8", "replace") + "\n"
+    assert drawn(10) != drawn(None)
 
 
 @pytest.mark.parametrize("flags, autocast", [([], False), (["--dtype", "fp32"], False), (["--dtype", "bf16"], True)])

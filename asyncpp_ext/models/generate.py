@@ -9,6 +9,11 @@ window -- from then on every token reruns the window from position 0 (its positi
 each token, so no cache survives), as a model without a cache (a Hugging Face model's) does
 throughout. Either way the logits are the window's: ``use_cache=False`` computes them without.
 
+With a document ``boundary`` token (a run trained with --document-mask) each position attends
+within its document, as in training (models/document_mask.py): a boundary drawn starts a new
+document, which reads nothing before it. The cache's one new position then attends to the cached
+keys of its own document only.
+
 The choice of each token, from the last position's float32 logits:
 
 * ``temperature == 0``: the most likely id (greedy; ties to the lowest id, as ``argmax``);
@@ -21,12 +26,14 @@ never chosen.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
 from .base import forward_through
+from .document_mask import attending_within, document_ids, within_documents
 
 
 def last_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -73,12 +80,20 @@ def supports_cache(model: nn.Module) -> bool:
     return layers is not None and len(layers) > 0 and all(hasattr(layer, "forward_cached") for layer in layers)
 
 
+def window_logits(model: nn.Module, ids: torch.Tensor, window: int, boundary: Optional[int] = None) -> torch.Tensor:
+    """``last_logits`` of the newest ``window`` ids, within documents for a ``boundary`` token."""
+    ids = ids[:, -window:]
+    with within_documents(ids, boundary):
+        return last_logits(model, ids)
+
+
 class CachedLogits:
     """The last position's logits of the newest ``window`` ids, with one key/value cache per layer
-    kept while each call adds one id to the ones the cache holds (the module docstring)."""
+    kept while each call adds one id to the ones the cache holds (the module docstring); within
+    documents for a ``boundary`` token."""
 
-    def __init__(self, model: nn.Module, window: int):
-        self.model, self.window = model, window
+    def __init__(self, model: nn.Module, window: int, boundary: Optional[int] = None):
+        self.model, self.window, self.boundary = model, window, boundary
         self.caches: list[dict] = []
         self.held = 0  # ids whose keys and values the caches hold: ids[:, :held], positions 0..held-1
 
@@ -86,26 +101,36 @@ class CachedLogits:
         n = ids.shape[1]
         if self.held and self.held == n - 1 and n <= self.window:
             x, start = ids[:, -1:], self.held  # one new position
+            context = attending_within(self._newest_row(ids)) if self.boundary is not None else contextlib.nullcontext()
         else:  # the first call, or past the window: fill anew from the newest window at position 0
             self.caches = [{} for _ in self.model.layers]
             x, start = ids[:, -self.window:], 0
-        x = self.model.embed(x, start=start)
-        for layer, cache in zip(self.model.layers, self.caches):
-            x = layer.forward_cached(x, cache, start)
+            context = within_documents(x, self.boundary)
+        with context:
+            x = self.model.embed(x, start=start)
+            for layer, cache in zip(self.model.layers, self.caches):
+                x = layer.forward_cached(x, cache, start)
         self.held = start + x.shape[1] if n <= self.window else 0  # past the window nothing is kept
         return self.model.head(x[:, -1:])[:, -1].float()
+
+    def _newest_row(self, ids: torch.Tensor) -> torch.Tensor:
+        """The newest position's row of the document mask over all ``ids`` (the cached ones and
+        it): (B, 1, 1, n), True at the keys of its own document."""
+        segments = document_ids(ids, self.boundary)
+        return (segments == segments[:, -1:])[:, None, None, :]
 
 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, window: int,
              temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
              allowed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             use_cache: bool = True) -> Iterator[torch.Tensor]:
+             use_cache: bool = True, boundary: Optional[int] = None) -> Iterator[torch.Tensor]:
     """Yield ``max_new_tokens`` steps of (B,) new ids after ``prompt`` (B, T >= 1, int64), each
     chosen from the logits of the newest ``window`` ids (the prompt's and those drawn so far),
-    through a key/value cache where the model keeps one and ``use_cache``."""
-    logits_of = CachedLogits(model, window) if use_cache and supports_cache(model) else \
-        (lambda ids: last_logits(model, ids[:, -window:]))
+    through a key/value cache where the model keeps one and ``use_cache``; attending within
+    documents for a ``boundary`` token (--document-mask's)."""
+    logits_of = CachedLogits(model, window, boundary) if use_cache and supports_cache(model) else \
+        (lambda ids: window_logits(model, ids, window, boundary))
     ids = prompt
     for _ in range(max_new_tokens):
         logits = logits_of(ids)
@@ -116,4 +141,5 @@ def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, *, win
         yield new
 
 
-__all__ = ["last_logits", "filter_logits", "choose_next", "supports_cache", "CachedLogits", "generate"]
+__all__ = ["last_logits", "window_logits", "filter_logits", "choose_next", "supports_cache", "CachedLogits",
+           "generate"]

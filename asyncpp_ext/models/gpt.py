@@ -124,7 +124,10 @@ class CausalSelfAttention(nn.Module):
         """``forward`` of new positions after those whose keys and values ``cache`` holds (base.extend_cache)."""
         q, k, v = self.heads(x)
         k, v, causal = extend_cache(cache, k, v)
-        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        mask = active_mask()  # sampling within documents: the new positions' rows (models/generate.py)
+        if mask is None:
+            return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        return self.merge(attend_within(q, k, v, mask))
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, T, C) -> q, k, v, each (B, heads, T, C/heads)."""

@@ -292,7 +292,8 @@ class Attention(nn.Module):
         after those whose rotated keys and values ``cache`` holds (base.extend_cache)."""
         q, k, v = self.project(x)
         k, v, causal = extend_cache(cache, apply_rotary(k, cos, sin_signed), v)
-        return self.attend(apply_rotary(q, cos, sin_signed), k, v, causal)
+        # sampling within documents: the held mask has the new positions' rows (models/generate.py)
+        return self.attend(apply_rotary(q, cos, sin_signed), k, v, causal, mask=active_mask())
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                mask: torch.Tensor | None = None) -> torch.Tensor:

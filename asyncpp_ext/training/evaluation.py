@@ -30,12 +30,11 @@ from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
 from ..models.document_mask import within_documents
 from .build import build_eval_sets, has_eval_sets, mixture_held_out_batches, mixture_sources
-from .stage_compute import document_boundary
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints, read_meta, saved_config
 from .config import ConfigError
 from .choice_eval import document_start, read_choices, score_choices
 from .export import (add_compute_flags, averaged_checkpoints, command_autocast, command_device, data_tokenizer,
-                     load_average, run_tokenizer, trained_on_bytes)
+                     load_average, run_document_boundary, run_tokenizer, trained_on_bytes)
 from .run_files import write_text_atomic
 
 PROG = "asyncpp-eval"
@@ -193,7 +192,7 @@ def evaluate(args) -> list[dict]:
     sets = {}  # the checkpoints of one run share their data and window shape: read them once
     for run, ckpt in ckpts:
         cfg, step, model, _ = load_average(ckpt, args.average)
-        model, boundary = model.to(device), _boundary(cfg, ckpt)
+        model, boundary = model.to(device), run_document_boundary(cfg, ckpt)
         for data in datas:
             key = (data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
             if key not in sets:
@@ -206,14 +205,6 @@ def evaluate(args) -> list[dict]:
            "data: each run's own evaluation set (pass --data to compare runs on the same windows)")
           + f"; on {device.type} in {dtype}" + _averaged(args))
     return _write_json(args, rows)
-
-
-def _boundary(cfg, ckpt) -> Optional[int]:
-    """The --document-mask token ``ckpt``'s run trained with (None: off), scored within as it trained."""
-    try:
-        return document_boundary(cfg)
-    except ValueError as exc:
-        raise UsageError(f"{ckpt}: its run's --document-mask: {exc}") from None
 
 
 def _averaged(args) -> str:
@@ -236,7 +227,7 @@ def evaluate_choices(args, ckpts: list, device, precision, dtype: str) -> list[d
     print(f"{'checkpoint':<44} {'step':>7} {'accuracy':>9} {'acc_norm':>9} {'examples':>9} {'s':>6}  task")
     for run, ckpt in ckpts:
         cfg, step, model, _ = load_average(ckpt, args.average)
-        model, boundary = model.to(device), _boundary(cfg, ckpt)
+        model, boundary = model.to(device), run_document_boundary(cfg, ckpt)
         tokenizer = run_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
         encode = lambda text: [int(i) for i in tokenizer.encode([text])[0]]  # noqa: E731
         prefix = document_start(tokenizer)

@@ -35,6 +35,7 @@ from ..models.hf_export import DTYPE_NAMES, ExportError, to_transformers
 from ..models.registry import build_model, describe
 from .checkpoint import CheckpointError, checkpoint_named, list_checkpoints, load_weights, read_meta, saved_config
 from .config import ConfigError, RunConfig
+from .stage_compute import document_boundary
 
 PROG = "asyncpp-export"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -148,6 +149,16 @@ def trained_on_bytes(cfg: RunConfig) -> bool:
     """Whether the run's ids are UTF-8 bytes (its --data is text or the built-in corpus)."""
     mark = data_tokenizer(cfg)
     return mark is not None and mark["tokenizer"] == BYTES_TOKENIZER
+
+
+def run_document_boundary(cfg: RunConfig, ckpt: Path) -> Optional[int]:
+    """The --document-mask token ``ckpt``'s run trained with (None: off): asyncpp-eval and
+    asyncpp-sample attend within documents as it trained. UsageError (one line) where the run's
+    data no longer says which token that is."""
+    try:
+        return document_boundary(cfg)
+    except ValueError as exc:
+        raise UsageError(f"{ckpt}: its run's --document-mask: {exc}") from None
 
 
 def command_device(choice: str) -> torch.device:
@@ -404,5 +415,5 @@ def main(argv: Optional[list] = None) -> int:
                        stopped_note="; nothing was written", oom_hint="; nothing was written", other=_written_nothing)
 
 
-__all__ = ["main", "export", "load_model", "load_average", "averaged_checkpoints", "check_logits", "data_tokenizer", "training_data", "trained_on_bytes",
+__all__ = ["main", "export", "load_model", "load_average", "averaged_checkpoints", "check_logits", "data_tokenizer", "training_data", "trained_on_bytes", "run_document_boundary",
            "run_tokenizer", "command_device"]

@@ -24,7 +24,8 @@ from ..models.hf_checks import HFModelError
 from ..models.registry import describe
 from .checkpoint import CheckpointError, checkpoint_named
 from .config import ConfigError
-from .export import add_compute_flags, command_autocast, command_device, load_model, run_tokenizer
+from .export import (add_compute_flags, command_autocast, command_device, load_model, run_document_boundary,
+                     run_tokenizer)
 
 PROG = "asyncpp-sample"
 SEPARATOR = "-" * 40
@@ -125,6 +126,7 @@ def sample(args, out=None) -> str:
     ckpt = checkpoint_named(args.run, "RUN")
     cfg, step, model = load_model(ckpt)
     tokenizer = run_tokenizer(args.tokenizer, cfg, cfg.model.vocab_size)
+    boundary = run_document_boundary(cfg, ckpt)  # a --document-mask run samples within documents
     prompt, hidden = first_ids(tokenizer, args.prompt)
     model = model.to(device)
     decode = tokenizer.decode
@@ -139,7 +141,7 @@ def sample(args, out=None) -> str:
         out.flush()
     steps = generate(model, torch.tensor([prompt] * args.samples, device=device), args.max_new_tokens,
                      window=cfg.model.seq_len, temperature=args.temperature, top_k=args.top_k or None,
-                     top_p=args.top_p, allowed=tokenizer.vocab_size, generator=generator)
+                     top_p=args.top_p, allowed=tokenizer.vocab_size, generator=generator, boundary=boundary)
     with precision:  # each token's forward runs as the loop asks for it
         for new in steps:
             for row, token in enumerate(new.tolist()):
