@@ -101,7 +101,7 @@ class CachedLogits:
         n = ids.shape[1]
         if self.held and self.held == n - 1 and n <= self.window:
             x, start = ids[:, -1:], self.held  # one new position
-            context = attending_within(self._newest_row(ids)) if self.boundary is not None else contextlib.nullcontext()
+            context = contextlib.nullcontext() if self.boundary is None else attending_within(self._newest_row(ids))
         else:  # the first call, or past the window: fill anew from the newest window at position 0
             self.caches = [{} for _ in self.model.layers]
             x, start = ids[:, -self.window:], 0
