@@ -129,6 +129,11 @@ def test_the_held_out_set_mixes_each_sources_end_by_the_weights():
     labels = [s for inputs, _ in batches for s in (_source_of(r) for r in inputs)]
     assert [labels.count(n) for n in "abc"] == [10, 4, 2]
     assert batches[0][0].shape == (8, SEQ)
+    windows = 3 * (400 - SEQ)  # one pass: 3 parts of 400 - SEQ distinct windows each
+    assert len(mixture_eval_batches(held, [5, 2, 1], 8, SEQ, windows // 8)) == windows // 8
+    with pytest.raises(DataError, match=f"--batches {windows // 8 + 1} needs .* {windows} distinct ones; pass "
+                                        f"--batches {windows // 8} or fewer$"):
+        mixture_eval_batches(held, [5, 2, 1], 8, SEQ, windows // 8 + 1, count_flag="--batches")
 
 
 # ---- the command -------------------------------------------------------------------------
@@ -198,6 +203,9 @@ def test_asyncpp_eval_scores_the_runs_own_mixed_held_out_set(tmp_path, texts, ca
     (["--data-mix", "{tmp}/letters.txt=1", "--data-mix", "{tmp}/none.txt=1"], "none.txt"),
     (["--data-mix", "{tmp}/letters.txt=1", "--data-mix", "{tmp}/digits.txt=1", "--data-mix", "{tmp}/signs.txt=1",
       "--microbatches", "1", "--micro-batch-size", "1"], "may need 2 windows in one minibatch of 1"),
+    # past one pass over the held-out parts' windows, as one --data source's eval split refuses
+    (["--data-mix", "{tmp}/letters.txt=3", "--data-mix", "{tmp}/digits.txt=1", "--eval-batches", "1000"],
+     "--eval-batches 1000 needs 2000 windows but the --data-mix sources' held-out parts have"),
 ])
 def test_bad_mixtures_are_one_line_and_write_nothing(tmp_path, texts, capsys, flags, words):
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]

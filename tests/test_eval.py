@@ -34,7 +34,8 @@ def runs(tmp_path_factory, texts):
     root = tmp_path_factory.mktemp("eval_runs")
     val = ["--data", str(texts / "train.txt"), "--val-data", str(texts / "val.txt")]
     plans = {"sim": ["--simulate", "--optimizer", "muon"], "pipe": ["--stages", "2", "--optimizer", "muon"],
-             "val-sync": ["--simulate", "--schedule", "sync", *val], "val-2bw": ["--simulate", *val]}
+             "val-sync": ["--simulate", "--schedule", "sync", *val], "val-2bw": ["--simulate", *val],
+             "val-mb4": ["--simulate", "--micro-batch-size", "4", *val]}
     for name, flags in plans.items():
         assert train([*FLAGS, *flags, "--out", str(root / name)]) == 0
     return root
@@ -83,6 +84,19 @@ def test_runs_compared_on_one_file_see_the_same_windows(runs, texts, tmp_path, c
     assert rows[0]["loss"] != rows[1]["loss"] and lines[-1] == f"data: {texts / 'val.txt'}; on cpu in fp32"
     rc, lines, _ = _eval([runs / "sim", runs / "val-2bw"], capsys)
     assert rc == 0 and lines[-1].startswith("data: each run's own evaluation set")
+
+
+def test_runs_of_other_evaluation_sizes_are_scored_on_the_first_runs_windows(runs, texts, tmp_path, capsys):
+    """val-mb4 evaluated 3 batches of 4 windows, val-2bw 3 of 8: on one --data file both are scored on
+    the first run's 3 x 8 (its logged eval_loss), then on val-mb4's 3 x 4 when it comes first."""
+    for order, size in ((["val-2bw", "val-mb4"], 8), (["val-mb4", "val-2bw"], 4)):
+        rc, _, err = _eval([*(runs / name for name in order), "--data", texts / "val.txt", "--json",
+                            tmp_path / "rows.json"], capsys)
+        assert rc == 0, err
+        rows = json.loads((tmp_path / "rows.json").read_text())
+        assert [r["tokens"] for r in rows] == [3 * size * 32] * 2
+        assert rows[0]["loss"] == pytest.approx(_logged(runs / order[0])[4], rel=1e-6, abs=0)
+        assert rows[1]["loss"] != pytest.approx(_logged(runs / order[1])[4], rel=1e-6, abs=0)
 
 
 def test_each_data_file_gives_each_checkpoint_a_row(runs, texts, tmp_path, capsys):

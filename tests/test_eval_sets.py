@@ -111,3 +111,24 @@ def test_asyncpp_eval_scores_a_runs_sets_as_its_rows_hold_them(tmp_path, texts, 
     for row in rows[1:]:
         assert math.isclose(row["loss"], last["eval_losses"][row["data"]], rel_tol=1e-5), row["data"]
     assert "data: each row's column" in capsys.readouterr().out
+
+
+def test_asyncpp_eval_scores_a_small_eval_data_file_as_the_run_did(tmp_path, texts, capsys):
+    # 60 tokens hold 44 windows of 16 + 1: 22 batches of 2, fewer than the run's --eval-batches 30.
+    # The run scores one pass over them; asyncpp-eval --data, counting the run's 30, does the same,
+    # and a --batches of its own past one pass is refused naming --batches.
+    small = tmp_path / "small.txt"
+    small.write_text(open(texts["code"]).read()[:60])
+    run = tmp_path / "run"
+    flags = [*COMMON, "--eval-batches", "30", "--data", texts["train"], "--eval-data", str(small), "--simulate"]
+    assert train([*flags, "--out", str(run)]) == 0
+    logged = _named(_rows(run))[-1][1]["small"]
+    capsys.readouterr()
+    assert evaluate([str(run), "--data", str(small), "--json", str(tmp_path / "eval.json")]) == 0
+    (row,) = json.loads((tmp_path / "eval.json").read_text())
+    assert math.isclose(row["loss"], logged, rel_tol=1e-5) and row["tokens"] == 22 * 2 * 16
+    capsys.readouterr()
+    assert evaluate([str(run), "--data", str(small), "--batches", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "--batches 30 needs 60 windows but the eval split has 44 distinct ones; pass --batches 22 or fewer" in err
+    assert "--eval-batches" not in err and "--val-data" not in err and err.count("\n") == 1, err

@@ -11,7 +11,7 @@ from .sources import (BUILTIN, BUILTIN_MAX_BYTES, TOKEN_DTYPES, TOKEN_FORMAT, TO
                       sidecar_path, token_dtype_for_vocab, token_file_info)
 
 _BATCH_NAMES = ("BatchStream", "DEFAULT_EVAL_BATCHES", "Microbatch", "eval_batches", "min_tokens_needed",
-                "split_tokens", "token_fingerprint")
+                "one_pass_batches", "split_tokens", "token_fingerprint")
 _MIXTURE_NAMES = ("MixtureStream", "mixture_eval_batches")
 
 

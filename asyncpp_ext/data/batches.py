@@ -261,26 +261,33 @@ def token_fingerprint(tokens) -> str:
 DEFAULT_EVAL_BATCHES = 4  # evaluation batches per evaluation unless the run says otherwise
 
 
+def one_pass_batches(windows: int, batch_size: int) -> int:
+    """The most evaluation batches of ``batch_size`` windows that ``windows`` distinct ones fill
+    without one twice; at least ``DEFAULT_EVAL_BATCHES`` (a small set gets those, with repeats)."""
+    return max(windows // batch_size, DEFAULT_EVAL_BATCHES)
+
+
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int,
-                 vocab_size: Optional[int] = None, source: Optional[str] = None) -> list[Microbatch]:
+                 vocab_size: Optional[int] = None, source: Optional[str] = None,
+                 count_flag: str = "--eval-batches") -> list[Microbatch]:
     """A fixed evaluation set: ``count`` batches of windows spread evenly over the eval split.
-    DataError when ``count`` is more than one pass over the split's windows needs (a split too
-    small for ``DEFAULT_EVAL_BATCHES`` distinct batches still gets that many, with repeats)."""
+    DataError, naming ``count_flag``, when ``count`` is more than ``one_pass_batches``."""
     if count == 0:  # a run that never evaluates reads none of the split
         return []
     window = seq_len + 1
     max_start = len(tokens) - window
     if max_start < 0:
         raise DataError(f"eval split has {len(tokens)} tokens, fewer than one window of {window}")
-    limit = max((max_start + 1) // batch_size, DEFAULT_EVAL_BATCHES)
+    limit = one_pass_batches(max_start + 1, batch_size)
     if count > limit:  # past one pass over the split's windows, more batches only repeat them
-        raise DataError(f"--eval-batches {count} needs {count * batch_size} windows but the eval split has "
-                        f"{max_start + 1} distinct ones; pass --eval-batches {limit} or fewer (or a larger "
-                        "--val-data)")
+        raise DataError(f"{count_flag} {count} needs {count * batch_size} windows but the eval split has "
+                        f"{max_start + 1} distinct ones; pass {count_flag} {limit} or fewer"
+                        + (" (or a larger --val-data)" if count_flag == "--eval-batches" else ""))
     starts = np.linspace(0, max_start, num=count * batch_size).astype(np.int64)
     return [_windows(tokens, starts[i * batch_size:(i + 1) * batch_size], seq_len, vocab_size, source)
             for i in range(count)]
 
 
-__all__ = ["Microbatch", "SAMPLINGS", "DEFAULT_EVAL_BATCHES", "min_tokens_needed", "split_tokens", "BatchStream", "eval_batches",
+__all__ = ["Microbatch", "SAMPLINGS", "DEFAULT_EVAL_BATCHES", "min_tokens_needed", "split_tokens", "BatchStream",
+           "one_pass_batches", "eval_batches",
            "token_fingerprint"]

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..data import (DEFAULT_EVAL_BATCHES, BatchStream, DataError, eval_batches, load_tokens, resolve_token_paths,
+from ..data import (BatchStream, DataError, eval_batches, load_tokens, one_pass_batches, resolve_token_paths,
                     split_tokens)
 from ..data.mixture import MixtureStream, mixture_eval_batches
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
@@ -127,10 +127,13 @@ def mixture_sources(cfg: RunConfig) -> tuple[list, list]:
     return train_parts, held_out
 
 
-def mixture_held_out_batches(cfg: RunConfig, held_out: list, batch_size: int, count: int) -> list:
-    """``count`` evaluation batches of the sources' held-out windows, mixed by the weights."""
+def mixture_held_out_batches(cfg: RunConfig, held_out: list, batch_size: int, count: int,
+                             count_flag: str = "--eval-batches") -> list:
+    """``count`` evaluation batches of the sources' held-out windows, mixed by the weights
+    (``count_flag``: the flag a count past one pass over them is refused naming)."""
     return mixture_eval_batches(held_out, [weight for _, weight in cfg.data.mix], batch_size, cfg.model.seq_len,
-                                count, cfg.model.vocab_size, [f"--data-mix {path}" for path, _ in cfg.data.mix])
+                                count, cfg.model.vocab_size, [f"--data-mix {path}" for path, _ in cfg.data.mix],
+                                count_flag)
 
 
 def build_mixture(cfg: RunConfig, sources: Optional[tuple] = None) -> tuple[MixtureStream, list]:
@@ -210,8 +213,7 @@ def build_eval_sets(cfg: RunConfig, count: Optional[int] = None, batch_size: Opt
         named.append((path, tokens, f"--eval-data {path}"))
     sets = {}
     for name, (_, tokens, what) in zip(set_names([path for path, _, _ in named]), named):
-        windows = len(tokens) - seq_len  # distinct window starts
-        sets[name] = eval_batches(tokens, batch, seq_len, min(count, max(windows // batch, DEFAULT_EVAL_BATCHES)),
+        sets[name] = eval_batches(tokens, batch, seq_len, min(count, one_pass_batches(len(tokens) - seq_len, batch)),
                                   vocab, what)
     return sets
 

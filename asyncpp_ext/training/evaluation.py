@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..command_line import OneLineParser, UsageError, check_json_path, run_command
-from ..data import DataError, eval_batches, load_tokens, split_tokens
+from ..data import DataError, eval_batches, load_tokens, one_pass_batches, split_tokens
 from ..data.sources import describe_tokenizer, tokenizer_of, tokenizers_differ
 from ..models.hf_checks import HFModelError
 from ..models.document_mask import within_documents
@@ -50,9 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "repeat it for a row per checkpoint and file (held-out sets of several domains)")
     p.add_argument("--batches", type=int, metavar="N",
                    help="batches of windows to evaluate, spread evenly over the data (default: the run's "
-                        "--eval-batches)")
+                        "--eval-batches; with --data the first run's for every run, at most one pass over the "
+                        "file's windows)")
     p.add_argument("--batch-size", type=int, metavar="B",
-                   help="windows per batch (default: the run's micro-batch size times --dp, as it evaluated)")
+                   help="windows per batch (default: the run's micro-batch size times --dp, as it evaluated; "
+                        "with --data the first run's for every run)")
     p.add_argument("--average", type=int, default=1, metavar="N",
                    help="evaluate the mean of the weights of each checkpoint and the N-1 before it in its run "
                         "(checkpoint averaging; default 1: the checkpoint alone)")
@@ -101,24 +103,32 @@ def checkpoints_of(run: str, every: bool) -> list[Path]:
     return [checkpoint_named(run, "RUN")]
 
 
-def evaluation_set(cfg, data: Optional[str], batches: Optional[int], batch_size: Optional[int]) -> tuple[list, str]:
-    """(the (inputs, targets) batches to evaluate ``cfg``'s model on, what they are)."""
-    count = cfg.data.eval_batches if batches is None else batches
-    size = cfg.pipeline.global_micro_batch_size if batch_size is None else batch_size
+def evaluation_set(cfg, data: Optional[str], batches: Optional[int], batch_size: Optional[int],
+                   data_windows: Optional[tuple] = None) -> tuple[list, str]:
+    """(the (inputs, targets) batches to evaluate ``cfg``'s model on, what they are). For a
+    ``data`` file, ``data_windows`` (count, size, whether the count was given) replaces the run's
+    own: ``evaluate`` scores every run on the same windows of a file."""
+    if data is not None and data_windows is not None:
+        count, size, given = data_windows
+    else:
+        count = cfg.data.eval_batches if batches is None else batches
+        size = cfg.pipeline.global_micro_batch_size if batch_size is None else batch_size
+        given = batches is not None
     if count == 0:
         raise UsageError("the run never evaluated (--eval-batches 0): pass --batches N")
+    flag = "--batches"  # a count the data cannot hold came from it (the run's own held at training)
     vocab, seq_len = cfg.model.vocab_size, cfg.model.seq_len
     if data is None and cfg.data.val_source is not None:
         tokens = load_tokens(cfg.data.val_source, vocab, flag="--val-data")
-        return eval_batches(tokens, size, seq_len, count, vocab, f"--val-data {cfg.data.val_source}"), \
+        return eval_batches(tokens, size, seq_len, count, vocab, f"--val-data {cfg.data.val_source}", flag), \
             cfg.data.val_source
     if data is None and cfg.data.mix:  # each source's held-out end, mixed as training mixed them
-        return mixture_held_out_batches(cfg, mixture_sources(cfg)[1], size, count), \
+        return mixture_held_out_batches(cfg, mixture_sources(cfg)[1], size, count, flag), \
             f"the held-out {cfg.data.eval_fraction:g} of each --data-mix source"
     if data is None:  # the split training made (where it falls does not depend on the batch size)
         tokens = split_tokens(load_tokens(cfg.data.source, vocab), cfg.data.eval_fraction, 1, seq_len,
                               source=cfg.data.source)[1]
-        return eval_batches(tokens, size, seq_len, count, vocab, f"--data {cfg.data.source}"), \
+        return eval_batches(tokens, size, seq_len, count, vocab, f"--data {cfg.data.source}", flag), \
             f"the held-out {cfg.data.eval_fraction:g} of {cfg.data.source}"
     theirs, ours = tokenizer_of(data), data_tokenizer(cfg)
     if tokenizers_differ(ours, theirs):
@@ -126,7 +136,9 @@ def evaluation_set(cfg, data: Optional[str], batches: Optional[int], batch_size:
                         f"{describe_tokenizer(ours)}: its loss would mean nothing; evaluate on data made with the "
                         "run's tokenizer")
     tokens = load_tokens(data, vocab)
-    return eval_batches(tokens, size, seq_len, count, vocab, f"--data {data}"), data
+    if not given:  # a count of a run's: at most one pass over the file's windows, as --eval-data sets get
+        count = min(count, one_pass_batches(len(tokens) - seq_len, size))
+    return eval_batches(tokens, size, seq_len, count, vocab, f"--data {data}", flag), data
 
 
 @torch.no_grad()
@@ -142,12 +154,12 @@ def mean_loss(model: torch.nn.Module, batches: list, device: torch.device, bound
     return total / len(batches)
 
 
-def _sets_of(cfg, data, args) -> list[tuple]:
+def _sets_of(cfg, data, args, data_windows: Optional[tuple]) -> list[tuple]:
     """(batches, what they are, whether the run is on bytes) of each set a run is scored on for
     ``data``: the file, or (None) the run's own evaluation set and then each of its named sets
     (build.build_eval_sets: the ones its rows' eval_losses hold, under the same names)."""
     on_bytes = trained_on_bytes(cfg)
-    found = [(*evaluation_set(cfg, data, args.batches, args.batch_size), on_bytes)]
+    found = [(*evaluation_set(cfg, data, args.batches, args.batch_size, data_windows), on_bytes)]
     if data is None:
         named = build_eval_sets(cfg, count=args.batches, batch_size=args.batch_size)
         found += [(batches, name, on_bytes) for name, batches in named.items()]
@@ -189,6 +201,7 @@ def evaluate(args) -> list[dict]:
     rows = []
     print(f"{'checkpoint':<44} {'step':>7} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'tokens':>10} {'s':>6}"
           + ("  data" if several else ""))
+    data_windows = _data_windows(args, ckpts[0][1]) if args.data else None
     sets = {}  # the checkpoints of one run share their data and window shape: read them once
     for run, ckpt in ckpts:
         cfg, step, model, _ = load_average(ckpt, args.average)
@@ -196,7 +209,7 @@ def evaluate(args) -> list[dict]:
         for data in datas:
             key = (data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
             if key not in sets:
-                sets[key] = _sets_of(cfg, data, args)
+                sets[key] = _sets_of(cfg, data, args, data_windows)
             for batches, what, on_bytes in sets[key]:
                 rows.append(_row(run, ckpt, step, model, batches, what, on_bytes, device, precision, dtype, args,
                                  several, boundary))
@@ -205,6 +218,18 @@ def evaluate(args) -> list[dict]:
            "data: each run's own evaluation set (pass --data to compare runs on the same windows)")
           + f"; on {device.type} in {dtype}" + _averaged(args))
     return _write_json(args, rows)
+
+
+def _data_windows(args, first_ckpt: Path) -> tuple:
+    """(batches, windows per batch, whether --batches was given) of every run's rows on a --data
+    file: --batches and --batch-size, else the first checkpoint's run's evaluation size, so that
+    runs of one seq_len are scored on the same windows whatever their own sizes."""
+    cfg = saved_config(first_ckpt, read_meta(first_ckpt))
+    count = cfg.data.eval_batches if args.batches is None else args.batches
+    size = cfg.pipeline.global_micro_batch_size if args.batch_size is None else args.batch_size
+    if count == 0:
+        raise UsageError(f"{first_ckpt}'s run never evaluated (--eval-batches 0): pass --batches N")
+    return count, size, args.batches is not None
 
 
 def _averaged(args) -> str:
