@@ -360,6 +360,7 @@ def _error_case(tmp_path, case, bpe_path, monkeypatch):
     ("separator a\\sb", r"--doc-separator 'a\\\\sb': unknown escape '\\s'"),
     ("separator end\\", r"--doc-separator 'end\\\\': a lone '\\' at the end"),
     ("separator \\u0000", r"--doc-separator '\\\\u0000' holds a NUL, which text files never do"),
+    ("separator \\uD800", r"--doc-separator '\\\\uD800' holds a lone surrogate, which UTF-8 text never does"),
     ("separator for JSON lines only", "--doc-separator splits text files, and no input is one"),
     ("text field for text files only", "--text-field body names a JSON field or column, and every input is a "
                                        "text file; drop it"),

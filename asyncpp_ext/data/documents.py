@@ -40,7 +40,7 @@ _ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.?)", re.DOTALL)
 
 def parse_separator(separator: str) -> str:
     """``--doc-separator`` with its escapes turned into characters: \\n \\t \\r \\\\, \\xHH and
-    \\uHHHH. Any other backslash, and a NUL (text files hold none), is refused rather than kept:
+    \\uHHHH. Any other backslash, a NUL and a lone surrogate (text files hold none) are refused:
     a separator that never matches would make each file one document without a word."""
     def replace(match):
         code = match.group(1)
@@ -55,6 +55,9 @@ def parse_separator(separator: str) -> str:
     if "\0" in parsed:
         raise PrepareError(f"--doc-separator {separator!r} holds a NUL, which text files never do "
                            "(they are refused); choose text that separates the documents")
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in parsed):  # \uD800-\uDFFF: halves of a UTF-16 pair
+        raise PrepareError(f"--doc-separator {separator!r} holds a lone surrogate, which UTF-8 text never "
+                           "does; give a character past U+FFFF as itself, not as two \\uHHHH halves")
     return parsed
 
 
