@@ -140,6 +140,9 @@ def test_stream_state_over_shards_refuses_another_set(tmp_path):
     ("glob of text", "not a .bin token file"),
     ("bad shard in glob", "t_000001.bin has an odd byte length"),
     ("manifest count", "holds 100 tokens but the manifest says 99"),
+    # a shard whose sidecar is gone beside shards that have theirs: its ids' width is unknown (a
+    # uint32 shard read as uint16 gives twice the ids, every other one 0, all below the vocabulary)
+    ("shard without its sidecar", "t_000001.bin has no header \\(its .json sidecar\\) but t_000000.bin has one"),
 ])
 def test_bad_shard_sets(tmp_path, case, match):
     _ours(tmp_path / "t_000000.bin", np.arange(100))
@@ -153,6 +156,8 @@ def test_bad_shard_sets(tmp_path, case, match):
         (tmp_path / "t_notes.txt").write_text("x")
     elif case == "bad shard in glob":
         (tmp_path / "t_000001.bin").write_bytes(b"\x01\x00\x02")
+    elif case == "shard without its sidecar":
+        np.arange(100, dtype="<u4").tofile(tmp_path / "t_000001.bin")
     else:
         spec = str(tmp_path / "t.manifest.json")
         (tmp_path / "t.manifest.json").write_text(json.dumps({

@@ -362,6 +362,7 @@ def load_shards(spec: str, vocab_size: int = 256, flag: str = "--data"):
 
     paths, counts = resolve_token_paths(spec, flag)
     parts, worst, header_vocab, first_mark = [], (-1, None), 0, None
+    described, bare = None, None  # a shard with a header (sidecar or llm.c's), one without
     for i, path in enumerate(paths):
         if not path.is_file():
             raise DataError(f"{flag} {spec}: shard {path} does not exist (or is not a file); "
@@ -369,6 +370,14 @@ def load_shards(spec: str, vocab_size: int = 256, flag: str = "--data"):
         if path.suffix != ".bin":
             raise DataError(f"{flag} {spec}: {path} is not a .bin token file")
         tokens, header = _open_token_file(path)
+        if header is None:
+            bare = bare or path
+        else:
+            described = described or path
+        if described is not None and bare is not None:  # the bare one's id width would be a guess
+            raise DataError(f"{flag} {spec}: shard {bare} has no header (its .json sidecar) but {described.name} "
+                            "has one, so its ids' width (uint16 or uint32) is unknown; restore its sidecar or "
+                            "regenerate the shards")
         if counts is not None and len(tokens) != counts[i]:
             raise DataError(f"{flag} {spec}: shard {path} holds {len(tokens)} tokens but the "
                             f"manifest says {counts[i]}; regenerate the shards")
