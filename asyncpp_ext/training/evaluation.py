@@ -198,10 +198,10 @@ def evaluate(args) -> list[dict]:
     # then each row names its data
     several = len(datas) > 1 or (args.data is None and any(has_eval_sets(saved_config(c, read_meta(c)))
                                                            for _, c in ckpts))
+    data_windows = _data_windows(args, ckpts[0][1]) if args.data else None
     rows = []
     print(f"{'checkpoint':<44} {'step':>7} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'tokens':>10} {'s':>6}"
           + ("  data" if several else ""))
-    data_windows = _data_windows(args, ckpts[0][1]) if args.data else None
     sets = {}  # the checkpoints of one run share their data and window shape: read them once
     for run, ckpt in ckpts:
         cfg, step, model, _ = load_average(ckpt, args.average)
