@@ -129,6 +129,7 @@ def test_asyncpp_eval_scores_a_small_eval_data_file_as_the_run_did(tmp_path, tex
     assert math.isclose(row["loss"], logged, rel_tol=1e-5) and row["tokens"] == 22 * 2 * 16
     capsys.readouterr()
     assert evaluate([str(run), "--data", str(small), "--batches", "30"]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before the table starts
     assert "--batches 30 needs 60 windows but the eval split has 44 distinct ones; pass --batches 22 or fewer" in err
     assert "--eval-batches" not in err and "--val-data" not in err and err.count("\n") == 1, err

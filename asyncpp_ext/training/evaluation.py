@@ -199,18 +199,21 @@ def evaluate(args) -> list[dict]:
     several = len(datas) > 1 or (args.data is None and any(has_eval_sets(saved_config(c, read_meta(c)))
                                                            for _, c in ckpts))
     data_windows = _data_windows(args, ckpts[0][1]) if args.data else None
+    sets = {}  # every set built (and checked) before the table starts; checkpoints of a run share theirs
+    for _, ckpt in ckpts:
+        cfg = saved_config(ckpt, read_meta(ckpt))
+        run_document_boundary(cfg, ckpt)
+        for data in datas:
+            if _set_key(data, cfg) not in sets:
+                sets[_set_key(data, cfg)] = _sets_of(cfg, data, args, data_windows)
     rows = []
     print(f"{'checkpoint':<44} {'step':>7} {'loss':>8} {'ppl':>9} {'bits/byte':>9} {'tokens':>10} {'s':>6}"
           + ("  data" if several else ""))
-    sets = {}  # the checkpoints of one run share their data and window shape: read them once
     for run, ckpt in ckpts:
         cfg, step, model, _ = load_average(ckpt, args.average)
         model, boundary = model.to(device), run_document_boundary(cfg, ckpt)
         for data in datas:
-            key = (data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size)
-            if key not in sets:
-                sets[key] = _sets_of(cfg, data, args, data_windows)
-            for batches, what, on_bytes in sets[key]:
+            for batches, what, on_bytes in sets[_set_key(data, cfg)]:
                 rows.append(_row(run, ckpt, step, model, batches, what, on_bytes, device, precision, dtype, args,
                                  several, boundary))
     shown = sorted({r["data"] for r in rows})
@@ -218,6 +221,11 @@ def evaluate(args) -> list[dict]:
            "data: each run's own evaluation set (pass --data to compare runs on the same windows)")
           + f"; on {device.type} in {dtype}" + _averaged(args))
     return _write_json(args, rows)
+
+
+def _set_key(data: Optional[str], cfg) -> tuple:
+    """What a run's sets of ``data`` depend on: runs and checkpoints alike here share them."""
+    return data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size
 
 
 def _data_windows(args, first_ckpt: Path) -> tuple:
