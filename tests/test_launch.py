@@ -374,3 +374,22 @@ def test_init_distributed_names_a_timeout_it_cannot_use(timeout_s):
 
     with pytest.raises(ValueError, match=re.escape(f"timeout_s={timeout_s!r} is not a positive number of seconds")):
         init_distributed(timeout_s)
+
+
+@pytest.mark.multiproc
+def test_a_script_that_spawns_when_imported_is_named_with_the_fix(tmp_path):
+    # Without `if __name__ == "__main__":` each rank, importing the script as it starts, reaches the
+    # spawn() call again: multiprocessing's "bootstrapping phase" traceback per rank and a launcher
+    # line without a cause, until the rank names the fix itself.
+    import subprocess
+
+    script = tmp_path / "script.py"
+    script.write_text("from asyncpp_ext.pipeline import spawn\n\n\ndef fn():\n    pass\n\n\nspawn(fn, 2)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    fix = "put the call under `if __name__ == \"__main__\":`"
+    assert done.returncode == 1 and "bootstrapping phase" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("asyncpp_ext.pipeline.launch.LaunchError: rank 0 could not start: the script calls "
+                           "spawn() when it is imported") and fix in last, done.stderr
+    ranks = [line for line in done.stderr.splitlines() if line.startswith("asyncpp: a starting rank: ")]
+    assert ranks and all(fix in line for line in ranks), done.stderr

@@ -118,8 +118,29 @@ def test_a_state_of_another_model_shape_is_named_before_anything_is_written(one_
                                          r"it was written for another model shape"):
         p.load_state_dict(wide.state_dict())
     assert all(torch.equal(before[k], v) for k, v in p.state_dict()["params"].items())
-    with pytest.raises(TypeError, match="state must be a dict from state_dict\\(\\) or a checkpoint, got NoneType"):
+    with pytest.raises(TypeError, match=r"state must be a dict from Pipeline.state_dict\(\) \(or a checkpoint's shard\), got NoneType$"):
         p.load_state_dict(None)
+
+
+def test_a_checkpoints_shard_loads_as_load_checkpoint_reads_it(one_rank, tmp_path):
+    # load_checkpoint gives shards of {"engine", "rng", "stage", "format"}: the Pipeline and
+    # merge_engine_states take them as they come (the engine part), as they take engine states
+    from asyncpp_ext.training import load_checkpoint, merge_engine_states
+    from asyncpp_ext.training.cli import main as train
+
+    assert train(["--model", "tiny", "--optimizer", "adamw", "--steps", "2", "--eval-batches", "0", "--simulate",
+                  "--no-progress", "--threads", "1", "--out", str(tmp_path / "run")]) == 0
+    _, shards = load_checkpoint(tmp_path / "run" / "ckpt-000002")
+    want = shards[0]["engine"]["params"]
+    for state in (shards[0], merge_engine_states(shards), merge_engine_states([s["engine"] for s in shards])):
+        p = _pipeline()
+        p.load_state_dict(state)
+        assert p.next_step == 2
+        assert all(torch.equal(want[k], v) for k, v in p.state_dict()["params"].items())
+    part = dict(shards[0]["engine"], params={k: v for k, v in want.items() if k != "head.proj.weight"})
+    with pytest.raises(ValueError, match=r"the state has no weights for 'head.proj.weight': it holds another model's, or another "
+                                         r"stage's share \(merge a checkpoint's shards first"):
+        _pipeline().load_state_dict(part)
 
 
 def test_a_model_without_blocks_is_named_as_such(one_rank):

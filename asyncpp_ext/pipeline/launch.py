@@ -39,6 +39,9 @@ from .watchdog import EXIT_PEER_LOST, EXIT_STALLED, check_timeout, default_timeo
 EXIT_FAILED = 1        # the rank itself failed
 # EXIT_PEER_LOST (3): the rank stopped because a peer failed or stalled (a consequence, not a cause)
 # EXIT_STALLED (4): the rank's own instruction never completed (its watchdog fired)
+EXIT_SPAWN_AT_IMPORT = 5  # the rank, importing the script, reached its spawn() call (no __main__ guard)
+_SPAWN_AT_IMPORT = ("the script calls spawn() when it is imported, which each rank does as it starts; put the "
+                    "call under `if __name__ == \"__main__\":`")
 _SPAWNED_ENV = "ASYNCPP_LOCAL_SPAWN"
 STOP_GRACE_S = 5.0  # seconds the ranks have to stop after the launcher passes its SIGTERM on
 INTERRUPT_GRACE_S = 2.0  # seconds the ranks have to end on a Ctrl-C by themselves
@@ -282,6 +285,10 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0,
     other modules, which could resolve differently from another working directory, are imported
     by each rank. More ranks than ``devices.MAX_RANKS_PER_CORE`` per core are refused (DeviceError,
     a ValueError) before any starts."""
+    if getattr(mp.process.current_process(), "_inheriting", False):  # a rank importing the main script
+        sys.stderr.write(f"asyncpp: a starting rank: {_SPAWN_AT_IMPORT}\n")  # it would start ranks of its own
+        sys.stderr.flush()
+        os._exit(EXIT_SPAWN_AT_IMPORT)  # not an exception: multiprocessing would print its own traceback
     check_spawned_ranks(nprocs, usable_cores(), what="spawn's nprocs", fewer="start fewer")
     ctx = _context((fn.__module__,) if fn.__module__.startswith(__package__.split(".")[0] + ".") else ())
     listener = _listening_socket(os.environ.get("MASTER_ADDR", "127.0.0.1"), 0, max(64, nprocs))
@@ -368,7 +375,8 @@ def spawn(fn: Callable, nprocs: int, args: tuple = (), *, grace_s: float = 10.0,
                                  "failed, without a line of its own\n")
         sys.stderr.flush()
         how = (f"was killed by {killed_by(-code)}" if code < 0 else
-               f"stalled (exit code {code})" if code == EXIT_STALLED else f"exited with code {code}")
+               f"stalled (exit code {code})" if code == EXIT_STALLED else
+               f"could not start: {_SPAWN_AT_IMPORT}" if code == EXIT_SPAWN_AT_IMPORT else f"exited with code {code}")
         why = f" ({reasons[rank]})" if rank in reasons else ""
         hint = ""
         if "forked subprocess" in why and ctx.get_start_method() == "forkserver":  # torch's bad-fork refusal

@@ -32,7 +32,7 @@ from .partition import GlobalView, as_blocks, split
 from .recompute import PARAMS_IN_COMPUTE_DTYPE, resolve_autocast
 from .handshake import p2p
 from .stage import Signature, StageHost
-from .stage_state import newest_params
+from .stage_state import engine_state, newest_params
 from .stream_worker import join_left_streams
 from .streams import StreamControl
 from .step_exchange import StepExchange, norm_term_blocks
@@ -301,11 +301,10 @@ class Pipeline(StreamControl):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Load a state written at any pipeline depth (or by the single-process simulator)."""
-        if not isinstance(state, dict):
-            raise TypeError(f"state must be a dict from state_dict() or a checkpoint, got {type(state).__name__}")
+        """Load a state written at any pipeline depth (or by the single-process simulator), or a
+        checkpoint's shards merged (``asyncpp_ext.training.merge_engine_states``)."""
+        state = dict(engine_state(state))  # checked before anything is touched
         self._settle("load_state_dict")
-        state = dict(state)
         for section in ("params", "stash", "older"):
             values = dict(state.get(section, {}))
             for mirror, owner in self.mirror_of.items():

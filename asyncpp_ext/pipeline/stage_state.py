@@ -54,15 +54,26 @@ def stage_state_dict(host, names: Sequence[str]) -> dict:
     return state
 
 
-def load_stage_state(host, state: dict, names: Sequence[str]) -> None:
-    """Load a state written at any pipeline depth into ``host`` (only its names are taken)."""
+def engine_state(state) -> dict:
+    """``state`` as ``load_stage_state`` takes it: a ``Pipeline.state_dict()`` (or the simulator's,
+    or several merged), or a checkpoint's shard as ``load_checkpoint`` reads it (its ``engine``
+    part); TypeError (one line) for anything else."""
+    if isinstance(state, dict) and isinstance(state.get("engine"), dict):
+        state = state["engine"]
     if not isinstance(state, dict) or not isinstance(state.get("params"), dict) or "steps_done" not in state:
         raise TypeError("state must be a dict from Pipeline.state_dict() (or a checkpoint's shard), got "
                         f"{type(state).__name__}" + (f" with keys {sorted(state)[:6]}" if isinstance(state, dict) else ""))
+    return state
+
+
+def load_stage_state(host, state: dict, names: Sequence[str]) -> None:
+    """Load a state written at any pipeline depth into ``host`` (only its names are taken)."""
+    state = engine_state(state)
     missing = [n for n in names if n not in state["params"]]
     if missing:
-        raise ValueError(f"the checkpoint has no weights for {missing[0]!r}; it was written for "
-                         "another model")
+        raise ValueError(f"the state has no weights for {missing[0]!r}: it holds another model's, or another "
+                         "stage's share (merge a checkpoint's shards first: "
+                         "asyncpp_ext.training.merge_engine_states(shards))")
     for name, p in zip(names, host.opt_params):  # before anything is written
         for section in ("params", "stash"):
             saved = state.get(section, {}).get(name)

@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 
+from ..pipeline.stage_state import engine_state
 from ..schedule.table import schedule_spec
 from .config import ConfigError, RunConfig
 from .resume_rules import RESUME_MUST_MATCH, get_field, resolved_field
@@ -434,8 +435,12 @@ def load_weights(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -> dict:
 
 
 def merge_engine_states(states: Sequence[dict]) -> dict:
-    """One engine state from per-stage shards (any pipeline depth): weights, older versions and
-    optimizer state are keyed by global parameter names, so the union is the whole model's state."""
+    """One engine state from per-stage shards (any pipeline depth; each a stage's engine state, or
+    its checkpoint shard as ``load_checkpoint`` reads it): weights, older versions and optimizer
+    state are keyed by global parameter names, so the union is the whole model's state."""
+    states = [engine_state(s) for s in states]
+    if not states:
+        raise CheckpointError("no shards to merge; pass a checkpoint's shards (load_checkpoint(DIR)[1])")
     if len(states) == 1:
         return states[0]
     merged = {"schedule": states[0]["schedule"], "steps_done": states[0]["steps_done"],
