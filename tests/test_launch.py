@@ -358,6 +358,26 @@ def test_what_counts_as_losing_a_peer():
     assert not launch.lost_a_peer(ValueError("Connection closed by peer"))
 
 
+def test_a_blocking_call_that_times_out_is_not_said_to_have_lost_its_peer():
+    # gloo's timeout while the peer lives on (slow, or waiting elsewhere) is no answer in time; a
+    # closed connection is a peer that has probably exited
+    import torch
+    from asyncpp_ext.pipeline.handshake import p2p
+    from asyncpp_ext.pipeline.transport import TransportError
+
+    timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                           "30000ms for recv operation to complete")
+    closed = RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    for error, words in ((timeout, "the peer did not answer in time (stalled, slow, waiting elsewhere, or "
+                                   "failed): Timed out waiting 30000ms for recv operation to complete"),
+                         (closed, "the peer has probably exited: Connection closed by peer [127.0.0.1]:1")):
+        def send(tensor, dst, tag, error=error):  # stands in for dist.send
+            raise error
+        with pytest.raises(TransportError) as info:
+            p2p(send, torch.zeros(1), stage=1, stage_ranks=[0, 1], peer=0, what="evaluation")
+        assert str(info.value) == f"stage 1: evaluation with stage 0 (rank 0) failed -- {words}"
+
+
 def test_spawn_refuses_more_ranks_than_the_cores_hold_before_starting_one(tmp_path):
     from asyncpp_ext.pipeline import devices
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from .._ext import C
 from .stage import Signature, StageError, StageHost
-from .transport import TransportError, peer_failure_reason
+from .peer_errors import peer_failure
+from .transport import TransportError
 
 # The boundary dtypes a signature can carry, by index in the message.
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -34,7 +35,7 @@ def p2p(op, tensor: torch.Tensor, *, stage: int, stage_ranks: list, peer: int, w
             op(tensor, dst=stage_ranks[peer], tag=tag)
     except RuntimeError as e:
         raise TransportError(f"stage {stage}: {what} with stage {peer} (rank {stage_ranks[peer]}) failed -- "
-                             f"the peer has probably exited: {peer_failure_reason(e)}") from None
+                             f"{peer_failure(e)}") from None
 
 
 def partition_text(partition) -> str:

@@ -20,6 +20,16 @@ def peer_gone(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(m in str(error) for m in _PEER_GONE_MARKERS)
 
 
+def peer_failure(error: BaseException, who: str = "the peer") -> str:
+    """Why a blocking call with ``who`` failed, for a message: a timeout is no answer in time (the
+    peer may be alive but slow or stalled, or waiting elsewhere), anything else a peer that has
+    probably exited; then the error's useful part."""
+    reason = peer_failure_reason(error)
+    if "imed out" in reason or "imeout" in reason:
+        return f"{who} did not answer in time (stalled, slow, waiting elsewhere, or failed): {reason}"
+    return f"{who} has probably exited: {reason}"
+
+
 def peer_failure_reason(error: BaseException) -> str:
     """The useful part of a gloo error, on one line (gloo prefixes a source location and appends
     advice meant for gloo's own users)."""

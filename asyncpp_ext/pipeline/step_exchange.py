@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .clipping import block_norms, block_of, clip_coefficient, keep_norm, norm_terms, total_norm
 from .partition import GlobalView
 from .ties import Tie, block_prefixes, mirror_names
-from .transport import TransportError, peer_failure_reason
+from .transport import TransportError, peer_failure
 
 
 def norm_term_blocks(model, blocks: Sequence, partition: Sequence[Sequence[int]], ties: Sequence[Tie]) -> list:
@@ -123,8 +123,7 @@ class StepExchange:
             with self.peer_wait(f"waiting for {what}" + (f" with stage {peer}" if peer >= 0 else "")):
                 work.wait(self.timeout)
         except RuntimeError as e:
-            raise TransportError(f"stage {self.stage}: {what} with stage {peer} failed -- the peer has "
-                                 f"probably exited: {peer_failure_reason(e)}") from None
+            raise TransportError(f"stage {self.stage}: {what} with stage {peer} failed -- {peer_failure(e)}") from None
 
     def _send(self, tensor: torch.Tensor, peer: int) -> None:
         buf = tensor.detach().to("cpu", copy=True)

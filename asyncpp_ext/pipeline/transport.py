@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .._ext import C
 from .stage import ACTIVATION, GRADIENT, StageHost
-from .peer_errors import TransportError, peer_failure_reason  # noqa: F401 (re-exported)
+from .peer_errors import TransportError, peer_failure, peer_failure_reason  # noqa: F401 (re-exported)
 from .watchdog import WatchedTransport
 
 KIND_NAMES = {0: "activation", 1: "gradient"}
@@ -225,8 +225,7 @@ def create_link_groups(pipelines: list, stage: int, replica: int, device: torch.
         except RuntimeError as e:
             peer = link + 1 if stage == link else link
             raise TransportError(f"stage {stage}: connecting the {KIND_NAMES[kind]} group with stage {peer} "
-                                 f"(rank {pipelines[replica][peer]}) failed -- the peer has probably exited: "
-                                 f"{peer_failure_reason(e)}") from None
+                                 f"(rank {pipelines[replica][peer]}) failed -- {peer_failure(e)}") from None
     return mine
 
 

@@ -35,7 +35,8 @@ from ..pipeline.watchdog import EXIT_PEER_LOST
 from ..pipeline.start_method import start_method
 from ..pipeline.ipc import slots_from_env
 from ..pipeline.sockets import SocketSetupError, explicit_host, inline_recv_bytes, recv_spin_us
-from ..pipeline.transport import TransportError, peer_failure_reason
+from ..pipeline.peer_errors import peer_failure
+from ..pipeline.transport import TransportError
 from . import stop_request
 from .run_files import draw_losses_after_failure, plot_losses
 from .trainer import Trainer
@@ -51,7 +52,7 @@ def _collective_checkpoint(pipe: Pipeline, run_dir: Path, keep: Optional[int] = 
             dist.barrier()
         except RuntimeError as e:  # a peer died or stalled: this rank only reacts (launch.py)
             raise TransportError(f"stage {pipe.stage}: checkpoint of step {step_now[0]}: {what} "
-                                 f"failed -- a peer has probably exited: {peer_failure_reason(e)}") from None
+                                 f"failed -- {peer_failure(e, 'a peer')}") from None
 
     step_now = [0]
 
@@ -107,8 +108,7 @@ def _agree_on_end(pipe: Pipeline):
             dist.all_reduce(proposal, op=dist.ReduceOp.MIN)
         except RuntimeError as e:  # a peer died or stalled: this rank only reacts (launch.py)
             raise TransportError(f"stage {pipe.stage}: agreeing on the next segment's end (--time-limit, "
-                                 f"--stop-on-signal) failed -- a peer has probably exited: "
-                                 f"{peer_failure_reason(e)}") from None
+                                 f"--stop-on-signal) failed -- {peer_failure(e, 'a peer')}") from None
         return int(proposal[0]), bool(proposal[1] < 0)
     return agree
 
