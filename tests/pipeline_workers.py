@@ -99,11 +99,13 @@ def failing_worker(fail_stage: int, m: int) -> None:
         pass
 
 
-def split_points_worker(points_by_rank: list) -> None:
-    """Each rank splits the four blocks at its own points (they should all be the same)."""
+def per_rank_worker(settings_by_rank: list) -> None:
+    """Each rank builds its Pipeline with its own settings on top of 2bw, m = 2 (they should all
+    be the same): ``split_points`` to split the four blocks elsewhere, ``schedule``, ..."""
     rank, _ = init_distributed(60)
+    settings = {"schedule": "2bw", "microbatches": 2, **settings_by_rank[rank]}
     pipe = Pipeline(make_blocks(), loss_fn=nn.functional.mse_loss, optimizer=optimizer_factory("sgd"),
-                    schedule="2bw", microbatches=2, split_points=points_by_rank[rank], timeout_s=60)
+                    timeout_s=60, **settings)
     for _ in pipe.train(batches(2, 2), 2):
         pass
 

@@ -99,5 +99,11 @@ def test_ranks_that_split_the_blocks_differently_are_stopped_at_the_handshake():
     # shapes fit, so nothing else would notice
     with pytest.raises(LaunchError, match=r"rank 1 exited with code 1 \(stage 1 and stage 0 split the model's "
                                           r"blocks differently \(this stage's split: 0,1 \| 2,3\)"):
-        spawn(w.split_points_worker, 2, ([[1], [2]],), grace_s=10)
-    spawn(w.split_points_worker, 2, ([[2], [2]],))  # the same split: trains
+        spawn(w.per_rank_worker, 2, ([{"split_points": [1]}, {"split_points": [2]}],), grace_s=10)
+    spawn(w.per_rank_worker, 2, ([{"split_points": [2]}, {"split_points": [2]}],))  # the same split: trains
+
+
+def test_ranks_given_other_schedules_are_stopped_at_the_handshake_naming_them():
+    with pytest.raises(LaunchError, match=r"rank 1 exited with code 1 \(stage 1 and stage 0 disagree on schedule "
+                                          r"2bw vs 1f1b: launch every rank with the same settings\)"):
+        spawn(w.per_rank_worker, 2, ([{}, {"schedule": "1f1b"}],), grace_s=10)

@@ -74,8 +74,10 @@ def agree(host: StageHost, *, stage: int, stages: int, stage_ranks: list, core_s
         message(dist.recv, msg)
         got = msg[:3].tolist()
         if got != settings:
+            kinds = {int(kind): name for kind, name, _ in C.schedule_table()}  # the wire's numbers by name
+            shown = [[kinds.get(ours[0], ours[0]), *ours[1:]] for ours in (got, settings)]
             names = ("schedule", "microbatches", "stages")
-            diffs = [f"{n} {a} vs {b}" for n, a, b in zip(names, got, settings) if a != b]
+            diffs = [f"{n} {a} vs {b}" for n, a, b, x, y in zip(names, *shown, got, settings) if x != y]
             raise StageError(f"stage {stage} and stage {stage - 1} disagree on {', '.join(diffs)}: "
                              "launch every rank with the same settings")
         if int(msg[-2]) != checksum:

@@ -62,7 +62,7 @@ def check_stage_count(n_blocks: int, stages: int) -> None:
                              "or list of blocks")
     if stages > n_blocks:
         raise PartitionError(f"cannot split {n_blocks} blocks into {stages} stages: every stage needs at "
-                             f"least one block; use --stages <= {n_blocks} or a deeper model")
+                             f"least one block; use at most {n_blocks} stages (--stages) or a deeper model")
 
 
 def split(blocks: Sequence[nn.Module], stages: int, split_points: Sequence[int] | None = None
