@@ -97,6 +97,19 @@ def test_transformers_computes_the_checkpoints_logits_from_the_export(name, runs
         or name == "gpt"
 
 
+def test_a_document_mask_run_says_transformers_attends_across_documents(runs, tmp_path, capsys):
+    run = tmp_path / "masked"
+    assert train(["--model", "tiny", "--simulate", "--document-mask", "10", "--steps", "2", "--no-progress",
+                  "--eval-batches", "0", "--out", str(run)]) == 0
+    capsys.readouterr()
+    for source, said in ((run, True), (runs["gpt"], False)):
+        rc, lines, err = _export([source, "--out", tmp_path / f"model-{said}", "--no-check"], capsys)
+        assert rc == 0 and err == [], err
+        note = "  attention: the run trained within documents (--document-mask, token 10); transformers' model " \
+               "attends across them: give it one document at a time"
+        assert (note in lines) == said, lines
+
+
 def test_an_exported_hf_run_is_what_hf_model_continues_from(runs, tmp_path, capsys):
     from asyncpp_ext.models import hf
 

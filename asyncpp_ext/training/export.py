@@ -373,6 +373,11 @@ def export(args) -> list[str]:
                  f"{DTYPE_NAMES[dtype]}, {sum(t.numel() for t in tensors.values()):,} parameters, "
                  f"{where}, {size / 2**20:.1f} MiB",
                  f"  tokenizer: {tokenizer_line}"]
+        mask = cfg.train.document_mask
+        if mask is not None:  # transformers' model has no such mask: say so where the export is made
+            token = "the data's boundary token" if mask == "data" else f"token {mask}"
+            lines.append(f"  attention: the run trained within documents (--document-mask, {token}); "
+                         "transformers' model attends across them: give it one document at a time")
         if args.check:
             del tensors
             diff, scale = check_logits(model, tmp, cfg.model.vocab_size, cfg.model.seq_len, dtype)
