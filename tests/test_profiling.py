@@ -170,3 +170,47 @@ def test_bad_window_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().count("\n") == 0 and "--profile-steps" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_2bw_pipelines_window_holds_exactly_its_steps(tmp_path):
+    # A 2bw stream runs ahead of its losses reaching the loop: the window's edges end segments, so
+    # the trace holds steps 3 and 4 whole -- 2 steps x 2 microbatches, each two embedding lookups
+    # (tokens, positions) on stage 0 and one loss on stage 1 -- rather than whatever ran while
+    # their losses were on the way
+    out = tmp_path / "run"
+    assert main(["--model", "tiny", "--stages", "2", "--schedule", "2bw", "--microbatches", "2", "--steps", "12",
+                 "--eval-every", "0", "--ckpt-every", "0", "--no-progress", "--profile-steps", "3:4",
+                 "--out", str(out)]) == 0
+    for stage, op, calls in ((0, "aten::embedding", 2 * 2 * 2), (1, "aten::nll_loss_forward", 2 * 2)):
+        events = json.load(gzip.open(out / "profile" / f"trace_stage{stage}.json.gz"))["traceEvents"]
+        assert sum(e.get("name") == op and e.get("ph") == "X" for e in events) == calls, stage
+    # the rows time each step where it ended on the last stage (the stats' done_at), not where its
+    # loss reached the loop with others (steps of ~2 ms, stats passed on every 10 ms): no two steps
+    # end within the rows' 0.1 ms
+    elapsed = [json.loads(line)["elapsed_s"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(b > a for a, b in zip(elapsed, elapsed[1:])), elapsed
+
+
+def test_rows_time_each_step_where_it_ended_not_where_its_loss_arrived(tmp_path):
+    # A pipeline's step stats reach the loop in bursts; the rows take each step's own end (the
+    # engine's done_at), so tokens/s reads the steps' pace, not the burst's (millions on 2 cores)
+    import time
+
+    from asyncpp_ext.training.config import RunConfig
+    from asyncpp_ext.training.trainer import StepOutcome, Trainer
+
+    class Bursty:  # four steps ended 50 ms apart, their losses arriving together
+        def train_steps(self, stream, steps):
+            t0 = time.perf_counter()
+            for i in range(steps):
+                yield StepOutcome(5.0 - i, done_at=t0 + 0.05 * (i + 1))
+
+        def state_dict(self):
+            return {}
+
+    cfg = RunConfig()
+    cfg.train.steps, cfg.train.eval_every, cfg.train.checkpoints, cfg.train.progress = 4, 0, False, False
+    rows = Trainer(cfg, Bursty(), None, [], tmp_path, draws_plot=False).run()
+    gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])]
+    assert gaps == pytest.approx([0.05] * 3, abs=2e-4), rows
+    assert [r["tokens_per_s"] for r in rows[1:]] == pytest.approx([cfg.tokens_per_step() / 0.05] * 3, rel=1e-2)

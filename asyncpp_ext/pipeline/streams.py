@@ -34,6 +34,8 @@ class StepStats:
     elapsed_s: float          # since the start of this train() call
     stage: int
     skipped: bool = False     # the update was skipped (non-finite values, --on-nonfinite skip)
+    done_at: float | None = None  # time.perf_counter() as the step completed on this rank (stats
+    #                               reach the caller in bursts: the stream runs ahead of them)
 
 
 class StreamControl:
@@ -168,7 +170,8 @@ class StreamControl:
         tokens_per_step = self.m * self.tokens_per_microbatch * self.dp
 
         def on_step(step: int, loss: float | None, skipped: bool = False) -> None:
-            feed.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage, skipped))
+            feed.put(StepStats(step, loss, tokens_per_step, time.monotonic() - start, self.stage, skipped,
+                               time.perf_counter()))
 
         self.host.on_step = on_step
         done = object()

@@ -35,7 +35,7 @@ class PipelineEngine:
     def train_steps(self, stream: BatchStream, steps: int):
         minibatches = (stream.next() for _ in range(steps))
         for stats in self.pipe.train(minibatches, steps):
-            yield StepOutcome(stats.loss, True) if stats.skipped else stats.loss
+            yield StepOutcome(stats.loss, stats.skipped, stats.done_at)
 
     def take_grad_norms(self) -> dict:
         """The global gradient norms of the steps since the last call, by step index (--clip-grad-norm

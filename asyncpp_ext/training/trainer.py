@@ -28,10 +28,12 @@ from .time_limit import SegmentClock, describe_duration
 from .utilisation import run_peak_tflops, step_figures
 
 class StepOutcome(NamedTuple):
-    """What an engine yields for a step whose update was skipped (non-finite values); plain
-    steps yield just the loss."""
+    """What an engine yields for a step whose update was skipped (non-finite values), or whose
+    end it timed where the step ran (a pipeline's stream runs ahead of its losses reaching the
+    loop); plain steps yield just the loss."""
     loss: Optional[float]
-    skipped: bool
+    skipped: bool = False
+    done_at: Optional[float] = None  # time.perf_counter() when the step completed; None: as it arrives
 
 
 def finite(figures: dict) -> dict:
@@ -170,12 +172,17 @@ class Trainer:
         return step == self.cfg.train.steps or (every > 0 and step % every == 0)
 
     def _segment_end(self) -> int:
-        """The next step at which every stage must be quiet: an eval, a checkpoint, or the end."""
+        """The next step at which every stage must be quiet: an eval, a checkpoint, the end, or a
+        --profile-steps window's edge (a pipeline's stream runs ahead of the steps' losses reaching
+        this loop: quiet before FIRST and after LAST, the trace holds those steps and only those)."""
         t = self.cfg.train
         ends = [t.steps]
         for every in (t.eval_every if self.eval_set else 0, t.ckpt_every if t.checkpoints else 0):
             if every > 0:
                 ends.append((self.step // every + 1) * every)
+        if t.profile_steps:
+            first, last = parse_profile_steps(t.profile_steps)
+            ends += [edge for edge in (first - 1, last) if edge > self.step]
         return min(ends)
 
     def save(self, elapsed_s: float) -> Path:
@@ -226,14 +233,16 @@ class Trainer:
                 segment_from, segment_start = self.step, time.perf_counter()
                 profiler.before_steps(self.step + 1)
                 for loss in self.engine.train_steps(self.stream, end - self.step):
-                    skipped = isinstance(loss, StepOutcome) and loss.skipped
-                    loss = loss.loss if isinstance(loss, StepOutcome) else loss
+                    outcome = loss if isinstance(loss, StepOutcome) else StepOutcome(loss)
+                    skipped, loss = outcome.skipped, outcome.loss
                     if loss is not None and not math.isfinite(loss):
                         loss = None  # JSON has no NaN; the row says why
                     lr = self.base_lr * self.lr_schedule.multiplier(self.step)  # the lr step t used
                     self.step += 1
                     profiler.after_step(self.step)
-                    elapsed = self.elapsed_before + time.perf_counter() - start
+                    # the step's own end where the engine timed it: a stream's losses come in bursts
+                    done_at = outcome.done_at if outcome.done_at is not None else time.perf_counter()
+                    elapsed = self.elapsed_before + done_at - start
                     step_s = elapsed - last_elapsed
                     last_elapsed = elapsed
                     pending.append({"step": self.step, "loss": loss, "lr": lr,
