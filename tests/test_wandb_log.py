@@ -70,6 +70,17 @@ def test_rows_go_to_a_wandb_run_that_a_resume_continues(tmp_path, fake_wandb):
     assert [s for s, _ in fake_wandb.runs[1].logged] == [5, 6]
 
 
+def test_an_offline_resume_logs_no_step_twice(tmp_path, fake_wandb):
+    # offline, a restarted W&B run says step 0: the directory's record (OUT/wandb_step) says how
+    # far the run logged, for a resume and for a rewind alike
+    run = tmp_path / "exp1"
+    assert train([*FLAGS, "--simulate", "--steps", "4", "--wandb", "--out", str(run)]) == 0
+    assert (run / "wandb_step").read_text() == "5\n"
+    assert fake_wandb.resumed_at == 0 and train(["--resume", str(run), "--rewind", "2", "--steps", "6"]) == 0
+    assert [s for s, _ in fake_wandb.runs[1].logged] == [5, 6]
+    assert (run / "wandb_step").read_text() == "7\n"
+
+
 def test_an_offline_pipeline_run_logs_under_its_directory(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="needs the wandb package (pip install 'asyncpp_ext[wandb]')")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -193,8 +193,7 @@ class Trainer:
     def _log_rows(self, rows: list[dict]) -> None:
         """The rows written to metrics.jsonl, to TensorBoard and W&B where the run logs there."""
         if self.wandb is not None:
-            for row in rows:
-                self.wandb.log_metrics(row)
+            self.wandb.log_rows(rows)
         if self.tensorboard is not None:
             for row in rows:
                 self.tensorboard.log_metrics(row)

@@ -6,7 +6,9 @@ each row's figures under the TensorBoard tags (train/loss, eval/loss, train/lr, 
 with the run's config. The W&B run's id is kept in ``OUT/wandb_id``, so a resumed run continues
 the same W&B run; steps a resumed run computes again (after its checkpoint, before the step the
 W&B run reached) are not logged twice -- a resumed run repeats them exactly, so the figures there
-are the same. W&B's own settings apply as usual: ``WANDB_MODE=offline`` logs under ``OUT/wandb``
+are the same. The step reached is the W&B run's own where it says (online), and ``OUT/wandb_step``
+(the next step not yet logged, written after each batch of rows) where it does not: an offline
+run starts again at step 0. W&B's own settings apply as usual: ``WANDB_MODE=offline`` logs under ``OUT/wandb``
 for a later ``wandb sync``, ``WANDB_ENTITY`` names the team, ``WANDB_MODE=disabled`` turns it off.
 """
 from __future__ import annotations
@@ -18,10 +20,12 @@ from pathlib import Path
 from typing import Mapping
 from urllib.parse import urlparse
 
+from .run_files import write_text_atomic
 from .tensorboard_log import row_scalars
 
 INSTALL_HINT = "pip install 'asyncpp_ext[wandb]'"
 ID_NAME = "wandb_id"
+STEP_NAME = "wandb_step"
 OFFLINE_MODES = ("offline", "dryrun", "disabled")
 
 
@@ -63,6 +67,14 @@ def run_id(run_dir: Path) -> str:
     return made
 
 
+def _recorded_step(path: Path) -> int:
+    """OUT/wandb_step's step (0 where there is none, or it is not a number: nothing skipped)."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
 class WandbLogger:
     """The run's metrics rows into a W&B run (see the module's docstring)."""
 
@@ -76,7 +88,9 @@ class WandbLogger:
         except Exception as exc:  # noqa: BLE001 -- wandb's own errors (network, settings): one line
             raise WandbSetupError(f"--wandb: W&B could not start the run ({' '.join(str(exc).split())[:200]}); "
                                   "log locally with WANDB_MODE=offline, or run without --wandb") from None
-        self.first_step = int(getattr(self.run, "step", 0) or 0)  # where a resumed W&B run is
+        self.step_file = Path(run_dir) / STEP_NAME
+        # where a resumed W&B run is: its own step (0 offline), or the step this directory recorded
+        self.first_step = max(int(getattr(self.run, "step", 0) or 0), _recorded_step(self.step_file))
 
     def log_metrics(self, row: Mapping) -> None:
         if row["step"] < self.first_step:  # logged by the attempt this run resumed
@@ -85,6 +99,14 @@ class WandbLogger:
         if row.get("tokens") is not None:
             values["train/tokens"] = float(row["tokens"])
         self.run.log(values, step=row["step"])
+
+    def log_rows(self, rows) -> None:
+        """``log_metrics`` of each row, then the next step not yet logged recorded (OUT/wandb_step)."""
+        for row in rows:
+            self.log_metrics(row)
+        if rows and rows[-1]["step"] + 1 > self.first_step:
+            self.first_step = rows[-1]["step"] + 1
+            write_text_atomic(self.step_file, f"{self.first_step}\n")
 
     def close(self) -> None:
         self.run.finish()
