@@ -34,8 +34,9 @@ class StepStats:
     elapsed_s: float          # since the start of this train() call
     stage: int
     skipped: bool = False     # the update was skipped (non-finite values, --on-nonfinite skip)
-    done_at: float | None = None  # time.perf_counter() as the step completed on this rank (stats
-    #                               reach the caller in bursts: the stream runs ahead of them)
+    # time.perf_counter() as the step completed on this rank: the stats reach the caller in bursts
+    # (the stream runs ahead of them), so their arrival does not time the steps
+    done_at: float | None = None
 
 
 class StreamControl:

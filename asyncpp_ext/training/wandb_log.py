@@ -8,8 +8,9 @@ the same W&B run; steps a resumed run computes again (after its checkpoint, befo
 W&B run reached) are not logged twice -- a resumed run repeats them exactly, so the figures there
 are the same. The step reached is the W&B run's own where it says (online), and ``OUT/wandb_step``
 (the next step not yet logged, written after each batch of rows) where it does not: an offline
-run starts again at step 0. W&B's own settings apply as usual: ``WANDB_MODE=offline`` logs under ``OUT/wandb``
-for a later ``wandb sync``, ``WANDB_ENTITY`` names the team, ``WANDB_MODE=disabled`` turns it off.
+run starts again at step 0. W&B's own settings apply as usual: ``WANDB_MODE=offline`` logs under
+``OUT/wandb`` for a later ``wandb sync``, ``WANDB_ENTITY`` names the team, ``WANDB_MODE=disabled``
+turns it off.
 """
 from __future__ import annotations
 
