@@ -267,6 +267,17 @@ def one_pass_batches(windows: int, batch_size: int) -> int:
     return max(windows // batch_size, DEFAULT_EVAL_BATCHES)
 
 
+def check_one_pass(count: int, batch_size: int, windows: int, holder: str, count_flag: str) -> None:
+    """DataError, naming ``count_flag``, where ``count`` batches are more than ``one_pass_batches``
+    of the ``windows`` distinct ones ``holder`` ("the eval split has") holds: more batches would
+    only repeat them."""
+    limit = one_pass_batches(windows, batch_size)
+    if count > limit:
+        raise DataError(f"{count_flag} {count} needs {count * batch_size} windows but {holder} {windows} "
+                        f"distinct ones; pass {count_flag} {limit} or fewer"
+                        + (" (or a larger --val-data)" if count_flag == "--eval-batches" else ""))
+
+
 def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int,
                  vocab_size: Optional[int] = None, source: Optional[str] = None,
                  count_flag: str = "--eval-batches") -> list[Microbatch]:
@@ -278,16 +289,12 @@ def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, count: int,
     max_start = len(tokens) - window
     if max_start < 0:
         raise DataError(f"eval split has {len(tokens)} tokens, fewer than one window of {window}")
-    limit = one_pass_batches(max_start + 1, batch_size)
-    if count > limit:  # past one pass over the split's windows, more batches only repeat them
-        raise DataError(f"{count_flag} {count} needs {count * batch_size} windows but the eval split has "
-                        f"{max_start + 1} distinct ones; pass {count_flag} {limit} or fewer"
-                        + (" (or a larger --val-data)" if count_flag == "--eval-batches" else ""))
+    check_one_pass(count, batch_size, max_start + 1, "the eval split has", count_flag)
     starts = np.linspace(0, max_start, num=count * batch_size).astype(np.int64)
     return [_windows(tokens, starts[i * batch_size:(i + 1) * batch_size], seq_len, vocab_size, source)
             for i in range(count)]
 
 
 __all__ = ["Microbatch", "SAMPLINGS", "DEFAULT_EVAL_BATCHES", "min_tokens_needed", "split_tokens", "BatchStream",
-           "one_pass_batches", "eval_batches",
+           "one_pass_batches", "check_one_pass", "eval_batches",
            "token_fingerprint"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .batches import Microbatch, PositionedStream, as_microbatch, one_pass_batches, window_rows
+from .batches import Microbatch, PositionedStream, as_microbatch, check_one_pass, window_rows
 from .errors import DataError
 
 MIX_STREAM = 3
@@ -248,12 +248,8 @@ def mixture_eval_batches(held_out: list, weights, batch_size: int, seq_len: int,
     past one pass over all the parts' windows (as ``eval_batches`` refuses one for one source)."""
     if count == 0:
         return []
-    distinct = sum(max(len(tokens) - seq_len, 0) for tokens in held_out)
-    limit = one_pass_batches(distinct, batch_size)
-    if count > limit:  # past one pass over the windows, more batches only repeat them
-        raise DataError(f"{count_flag} {count} needs {count * batch_size} windows but the --data-mix sources' "
-                        f"held-out parts have {distinct} distinct ones; pass {count_flag} {limit} or fewer"
-                        + (" (or a larger --val-data)" if count_flag == "--eval-batches" else ""))
+    check_one_pass(count, batch_size, sum(max(len(tokens) - seq_len, 0) for tokens in held_out),
+                   "the --data-mix sources' held-out parts have", count_flag)
     sources = sources or [None] * len(held_out)
     rows = []
     for tokens, share, source in zip(held_out, proportional(normalised_weights(weights), count * batch_size),
