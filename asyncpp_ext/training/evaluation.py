@@ -108,14 +108,8 @@ def evaluation_set(cfg, data: Optional[str], batches: Optional[int], batch_size:
     """(the (inputs, targets) batches to evaluate ``cfg``'s model on, what they are). For a
     ``data`` file, ``data_windows`` (count, size, whether the count was given) replaces the run's
     own: ``evaluate`` scores every run on the same windows of a file."""
-    if data is not None and data_windows is not None:
-        count, size, given = data_windows
-    else:
-        count = cfg.data.eval_batches if batches is None else batches
-        size = cfg.pipeline.global_micro_batch_size if batch_size is None else batch_size
-        given = batches is not None
-    if count == 0:
-        raise UsageError("the run never evaluated (--eval-batches 0): pass --batches N")
+    use_shared = data is not None and data_windows is not None
+    count, size, given = data_windows if use_shared else window_sizes(cfg, batches, batch_size, "the run")
     flag = "--batches"  # a count the data cannot hold came from it (the run's own held at training)
     vocab, seq_len = cfg.model.vocab_size, cfg.model.seq_len
     if data is None and cfg.data.val_source is not None:
@@ -199,10 +193,10 @@ def evaluate(args) -> list[dict]:
     several = len(datas) > 1 or (args.data is None and any(has_eval_sets(saved_config(c, read_meta(c)))
                                                            for _, c in ckpts))
     data_windows = _data_windows(args, ckpts[0][1]) if args.data else None
-    sets = {}  # every set built (and checked) before the table starts; checkpoints of a run share theirs
+    sets, boundaries = {}, {}  # every set built (and checked) before the table starts; a run's checkpoints share
     for _, ckpt in ckpts:
         cfg = saved_config(ckpt, read_meta(ckpt))
-        run_document_boundary(cfg, ckpt)
+        boundaries[ckpt] = run_document_boundary(cfg, ckpt)
         for data in datas:
             if _set_key(data, cfg) not in sets:
                 sets[_set_key(data, cfg)] = _sets_of(cfg, data, args, data_windows)
@@ -211,11 +205,11 @@ def evaluate(args) -> list[dict]:
           + ("  data" if several else ""))
     for run, ckpt in ckpts:
         cfg, step, model, _ = load_average(ckpt, args.average)
-        model, boundary = model.to(device), run_document_boundary(cfg, ckpt)
+        model = model.to(device)
         for data in datas:
             for batches, what, on_bytes in sets[_set_key(data, cfg)]:
                 rows.append(_row(run, ckpt, step, model, batches, what, on_bytes, device, precision, dtype, args,
-                                 several, boundary))
+                                 several, boundaries[ckpt]))
     shown = sorted({r["data"] for r in rows})
     print((f"data: {shown[0]}" if len(shown) == 1 else "data: each row's column" if several else
            "data: each run's own evaluation set (pass --data to compare runs on the same windows)")
@@ -228,16 +222,21 @@ def _set_key(data: Optional[str], cfg) -> tuple:
     return data, repr(cfg.data), cfg.model.seq_len, cfg.model.vocab_size, cfg.pipeline.global_micro_batch_size
 
 
-def _data_windows(args, first_ckpt: Path) -> tuple:
-    """(batches, windows per batch, whether --batches was given) of every run's rows on a --data
-    file: --batches and --batch-size, else the first checkpoint's run's evaluation size, so that
-    runs of one seq_len are scored on the same windows whatever their own sizes."""
-    cfg = saved_config(first_ckpt, read_meta(first_ckpt))
-    count = cfg.data.eval_batches if args.batches is None else args.batches
-    size = cfg.pipeline.global_micro_batch_size if args.batch_size is None else args.batch_size
+def window_sizes(cfg, batches: Optional[int], batch_size: Optional[int], who: str) -> tuple:
+    """(batches, windows per batch, whether --batches was given): --batches and --batch-size, else
+    ``cfg``'s run's evaluation size; UsageError for a run that never evaluated (``who``: it)."""
+    count = cfg.data.eval_batches if batches is None else batches
+    size = cfg.pipeline.global_micro_batch_size if batch_size is None else batch_size
     if count == 0:
-        raise UsageError(f"{first_ckpt}'s run never evaluated (--eval-batches 0): pass --batches N")
-    return count, size, args.batches is not None
+        raise UsageError(f"{who} never evaluated (--eval-batches 0): pass --batches N")
+    return count, size, batches is not None
+
+
+def _data_windows(args, first_ckpt: Path) -> tuple:
+    """``window_sizes`` for every run's rows on a --data file: the first checkpoint's run's, so that
+    runs of one seq_len are scored on the same windows whatever their own sizes."""
+    return window_sizes(saved_config(first_ckpt, read_meta(first_ckpt)), args.batches, args.batch_size,
+                        f"{first_ckpt}'s run")
 
 
 def _averaged(args) -> str:
