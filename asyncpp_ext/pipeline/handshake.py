@@ -75,9 +75,11 @@ def agree(host: StageHost, *, stage: int, stages: int, stage_ranks: list, core_s
         got = msg[:3].tolist()
         if got != settings:
             kinds = {int(kind): name for kind, name, _ in C.schedule_table()}  # the wire's numbers by name
-            shown = [[kinds.get(ours[0], ours[0]), *ours[1:]] for ours in (got, settings)]
+
+            def shown(values):
+                return [kinds.get(values[0], values[0]), *values[1:]]
             names = ("schedule", "microbatches", "stages")
-            diffs = [f"{n} {a} vs {b}" for n, a, b, x, y in zip(names, *shown, got, settings) if x != y]
+            diffs = [f"{n} {a} vs {b}" for n, a, b in zip(names, shown(got), shown(settings)) if a != b]
             raise StageError(f"stage {stage} and stage {stage - 1} disagree on {', '.join(diffs)}: "
                              "launch every rank with the same settings")
         if int(msg[-2]) != checksum:
